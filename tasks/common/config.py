@@ -1,0 +1,125 @@
+"""One config system for every stage: a dataclass, filled from a YAML file, then from flags.
+
+    @dataclass
+    class SFTConfig(StageConfig):
+        learning_rate: float = field(default=1e-3, metadata={"help": "peak learning rate"})
+
+    cfg = parse_config(SFTConfig, ["--config", "sft.yaml", "--learning_rate", "5e-4"])
+
+Every dataclass field is a flag of the same name (`--learning_rate 5e-4`; a bool also takes the
+bare form `--bf16`), and a key of the YAML file. Unknown keys, wrong types and values that
+`validate()` refuses raise ConfigError with one line naming the field and the fix, before any
+work starts. This module imports neither torch nor airflow: the DAG side may use it.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """Bad configuration; the message is one line naming the field and the fix."""
+
+
+@dataclass
+class StageConfig:
+    """Fields every stage shares."""
+
+    output: str = field(default="", metadata={"help": "URI (s3://… or a local folder) the stage writes its output and manifest.json to"})
+    run_id: str = field(default="local", metadata={"help": "pipeline run this output belongs to (recorded in the manifest)"})
+    seed: int = field(default=0, metadata={"help": "random seed for data order, initialisation and sampling"})
+    zero_stage: int = field(default=2, metadata={"help": "DeepSpeed ZeRO stage: 0, 2 or 3"})
+    bf16: bool = field(default=False, metadata={"help": "train in bfloat16 (GPU); fp32 otherwise"})
+    use_wandb: bool = field(default=False, metadata={"help": "log metrics to wandb as well (WANDB_MODE=offline works)"})
+    wandb_project: str = field(default="rlhf-flow", metadata={"help": "wandb project name"})
+
+    def validate(self) -> None:
+        """Refuse values no stage can use. Subclasses extend this and call super()."""
+        if not self.output:
+            raise ConfigError("output: missing; pass --output s3://bucket/prefix/… or a local folder")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ConfigError(f"zero_stage: {self.zero_stage} is not a ZeRO stage; use 0, 2 or 3")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _field_type(cls: type, f: dataclasses.Field) -> type:
+    """The concrete type of a field: int, float, str or bool (Optional[X] gives X)."""
+    hint = typing.get_type_hints(cls)[f.name]
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    return hint
+
+
+def _convert(name: str, kind: type, value: Any) -> Any:
+    if value is None:
+        return None
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        text = str(value).strip().lower()
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{name}: {value!r} is not a boolean; use true or false")
+    try:
+        if kind is int and isinstance(value, float) and not value.is_integer():
+            raise ValueError
+        return kind(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}: {value!r} is not a valid {kind.__name__}") from None
+
+
+def parse_config(cls: type, argv: list[str] | None = None, prog: str | None = None):
+    """Build `cls` from `--config file.yaml` (optional) and `--field value` flags; validate it."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    parser = argparse.ArgumentParser(prog=prog, description=(cls.__doc__ or "").strip(), allow_abbrev=False)
+    parser.add_argument("--config", help="YAML file of field: value pairs; flags override it")
+    for name, f in fields.items():
+        kind = _field_type(cls, f)
+        help_text = f.metadata.get("help", "")
+        if kind is bool:
+            parser.add_argument(f"--{name}", nargs="?", const="true", default=None, metavar="BOOL", help=help_text)
+        else:
+            parser.add_argument(f"--{name}", default=None, metavar=kind.__name__.upper(), help=help_text)
+    # argparse's own errors are already one line; exit code 2 like every usage error.
+    args = parser.parse_args(argv)
+
+    values: dict[str, Any] = {}
+    if args.config:
+        path = Path(args.config)
+        if not path.is_file():
+            raise ConfigError(f"config: file {args.config} not found; pass an existing YAML file")
+        loaded = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config: {args.config} must hold a mapping of field: value")
+        unknown = sorted(set(loaded) - set(fields))
+        if unknown:
+            raise ConfigError(f"config: unknown field {unknown[0]!r} in {args.config}; known fields: {', '.join(fields)}")
+        values.update(loaded)
+    for name in fields:
+        flag = getattr(args, name)
+        if flag is not None:
+            values[name] = flag
+    return make_config(cls, values)
+
+
+def make_config(cls: type, values: dict[str, Any]):
+    """Build and validate `cls` from a mapping (used by tests and in-process callers too)."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        raise ConfigError(f"{unknown[0]}: unknown field for {cls.__name__}; known fields: {', '.join(fields)}")
+    converted = {name: _convert(name, _field_type(cls, fields[name]), v) for name, v in values.items()}
+    cfg = cls(**converted)
+    cfg.validate()
+    return cfg

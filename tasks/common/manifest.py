@@ -1,0 +1,298 @@
+"""manifest.json: the commit marker of a stage's output directory.
+
+A stage writes its files into a local folder, then ``commit`` uploads them and writes
+``<uri>/manifest.json`` LAST, listing every file with its size and sha256. A reader never consumes a
+directory without it: ``read_manifest`` refuses one, and ``fetch`` verifies every byte it downloads.
+
+    from tasks.common import manifest as mf
+
+    m = mf.build_manifest("sft", run_id, config, inputs={"data": data_uri}, metrics={"loss": 1.2},
+                          model="model")
+    m = mf.commit("out/sft", "s3://ckpt/run1/sft", m)        # manifest.json written last
+
+    # downstream (e.g. on every Ray worker of the RL stage):
+    uri = "s3://ckpt/run1/sft"
+    path, m = mf.fetch(uri, mf.local_cache_dir(uri), subdir="model")   # verified, cached per URI
+    mf.resolve(m, "model")                                     # "s3://ckpt/run1/sft/model"
+
+Works the same on local paths (``commit("out/sft", "/data/run1/sft", m)``). No torch, no airflow here.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import re
+import subprocess
+import tempfile
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from tasks.common import storage
+from tasks.common.storage import NotFoundError, StorageError
+
+FORMAT = "rlhf-flow/manifest/v1"
+MANIFEST = "manifest.json"
+RESERVED = ("format", "stage", "run_id", "created_at", "config", "config_hash", "inputs", "metrics",
+            "code_version", "versions", "files", "uri")
+# Versions recorded for reproducibility; read from package metadata so nothing heavy is imported.
+TRACKED_PACKAGES = ("torch", "transformers", "deepspeed", "ray", "datasets", "vllm")
+REPO = Path(__file__).resolve().parents[2]
+
+
+# ---------------------------------------------------------------- building
+
+
+def config_hash(config: dict) -> str:
+    """sha256 of the canonical JSON of ``config`` (sorted keys, no whitespace)."""
+    canonical = json.dumps(config, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+def code_version() -> str:
+    """RLHF_CODE_VERSION, else the repo's git HEAD, else the installed rlhf-flow version."""
+    if os.environ.get("RLHF_CODE_VERSION"):
+        return os.environ["RLHF_CODE_VERSION"]
+    # Only ask git when this file sits in a checkout: an installed copy could be inside another repo.
+    if (REPO / ".git").exists():
+        try:
+            out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                                 timeout=10)
+            if out.returncode == 0 and out.stdout.strip():
+                return out.stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            pass
+    try:
+        return metadata.version("rlhf-flow")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def package_versions() -> dict[str, str]:
+    versions = {"python": platform.python_version()}
+    for name in TRACKED_PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return versions
+
+
+def build_manifest(stage: str, run_id: str, config: dict, inputs: dict, metrics: dict, **extra: Any) -> dict:
+    """A manifest for ``commit``; ``extra`` adds stage fields such as ``model="model"``."""
+    clash = sorted(set(extra) & set(RESERVED))
+    if clash:
+        raise ValueError(f"build_manifest: extra keys {clash} are reserved manifest fields: rename them")
+    return {
+        "format": FORMAT,
+        "stage": stage,
+        "run_id": run_id,
+        "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "config": config,
+        "config_hash": config_hash(config),
+        "inputs": dict(inputs),
+        "metrics": dict(metrics),
+        "code_version": code_version(),
+        "versions": package_versions(),
+        **extra,
+    }
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()  # releases the GIL: threads hash in parallel
+
+
+# ---------------------------------------------------------------- writing
+
+
+def _dir_uri(uri: str | os.PathLike) -> str:
+    """The stage directory for a directory URI or its manifest.json URI."""
+    uri = str(uri).rstrip("/") or "/"
+    if uri == MANIFEST:
+        return "."
+    if uri.endswith("/" + MANIFEST):
+        return uri[: -len(MANIFEST) - 1] or "/"
+    return uri
+
+
+def commit(local_dir: str | os.PathLike, uri: str, manifest: dict) -> dict:
+    """Upload ``local_dir`` to ``uri``, then write ``<uri>/manifest.json`` last.
+
+    Returns the manifest with ``files`` ({relpath: {"size", "sha256"}}) and ``uri`` (the output root).
+    """
+    root = storage.local_path(local_dir)
+    uri = _dir_uri(uri)
+    if not root.is_dir():
+        raise NotFoundError(f"no local directory {root} to commit to {uri}: write the stage output first", uri)
+    listed = storage.walk_local(root, exclude=(MANIFEST,))
+    hashes = storage.parallel_map(lambda f: file_sha256(root / f[0]), listed)
+    files = {rel: {"size": size, "sha256": sha} for (rel, size), sha in zip(listed, hashes)}
+    # Remove a previous run's marker first, so readers see "unfinished" while new files land.
+    storage.delete(storage.join(uri, MANIFEST))
+    uploaded = storage.upload_dir(root, uri, exclude=(MANIFEST,))
+    if uploaded != listed:
+        raise StorageError(f"files under {root} changed while committing to {uri}: "
+                           "finish writing the stage output before commit", uri)
+    out = {**manifest, "files": files, "uri": uri}
+    storage.write_json(storage.join(uri, MANIFEST), out)
+    return out
+
+
+# ---------------------------------------------------------------- reading
+
+
+def _check_relpath(rel: str, where: str) -> None:
+    p = PurePosixPath(rel)
+    if not rel or p.is_absolute() or ".." in p.parts:
+        raise StorageError(f"manifest at {where} lists an unsafe path {rel!r}: recommit the stage", where)
+
+
+def read_manifest(uri: str) -> dict:
+    """Read the manifest of a stage directory (URI of the directory or of its manifest.json)."""
+    directory = _dir_uri(uri)
+    try:
+        m = storage.read_json(storage.join(directory, MANIFEST))
+    except NotFoundError:
+        raise NotFoundError(f"no manifest.json at {directory}: the stage writing it did not finish "
+                            "(rerun it) or the URI is wrong", directory) from None
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        got = m.get("format") if isinstance(m, dict) else type(m).__name__
+        raise StorageError(f"{storage.join(directory, MANIFEST)} is not a {FORMAT} manifest (format={got!r}): "
+                           "recommit the stage with this code", directory)
+    files = m.get("files")
+    if not isinstance(files, dict):
+        raise StorageError(f"manifest at {directory} has no 'files' table: recommit the stage", directory)
+    for rel, entry in files.items():
+        _check_relpath(rel, directory)
+        if not (isinstance(entry, dict) and isinstance(entry.get("size"), int)
+                and isinstance(entry.get("sha256"), str)):
+            raise StorageError(f"manifest at {directory} has a bad entry for {rel!r}: recommit the stage",
+                               directory)
+    m["uri"] = directory
+    return m
+
+
+def resolve(manifest: dict, key: str) -> str:
+    """The absolute URI of a manifest field holding a path relative to the manifest's directory.
+
+    ``key`` may be dotted to reach nested fields ("datasets.sft"); absolute URIs/paths pass through.
+    """
+    where = manifest.get("uri", "<manifest>")
+    value: Any = manifest
+    if key in manifest:
+        value = manifest[key]
+    else:
+        for part in key.split("."):
+            if not isinstance(value, dict) or part not in value:
+                raise StorageError(f"manifest at {where} has no field {key!r}: check the stage that wrote it",
+                                   where)
+            value = value[part]
+    if not isinstance(value, str):
+        raise StorageError(f"manifest field {key!r} at {where} is not a path: {value!r}", where)
+    if storage.is_s3(value) or value.startswith("file://") or os.path.isabs(value):
+        return value
+    if "uri" not in manifest:
+        raise StorageError(f"manifest has no 'uri' to resolve {key!r}={value!r} against: "
+                           "load it with read_manifest()")
+    return storage.join(manifest["uri"], value)
+
+
+def local_cache_dir(uri: str) -> Path:
+    """A stable folder for fetches of ``uri`` under $RLHF_CACHE_DIR (default: the system temp dir)."""
+    uri = _dir_uri(uri)
+    root = os.environ.get("RLHF_CACHE_DIR") or os.path.join(
+        tempfile.gettempdir(), f"rlhf-flow-cache-{os.getuid() if hasattr(os, 'getuid') else 'user'}")
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", uri).strip("_")[-80:]  # readable, bounded length
+    path = Path(root) / f"{slug}-{hashlib.sha256(uri.encode()).hexdigest()[:12]}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@contextmanager
+def _fetch_lock(local: Path):
+    """Serialize fetches into one folder (e.g. 8 Ray workers of a node): one downloads, others reuse."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no cross-process lock
+        yield
+        return
+    with open(local.parent / f".{local.name}.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _local_size(path: Path) -> int | None:
+    try:
+        return path.stat().st_size if path.is_file() else None
+    except OSError:
+        return None
+
+
+def fetch(uri: str, local_dir: str | os.PathLike, subdir: str | None = None) -> tuple[Path, dict]:
+    """Download and verify the files a committed directory's manifest lists (only ``subdir`` if given).
+
+    ``local_dir`` keeps a manifest.json listing exactly the files it holds verified, so a second fetch
+    into it (see ``local_cache_dir``) only stats the files whose sha256 the remote manifest still agrees
+    with. Returns (``local_dir`` or ``local_dir/subdir``, the remote manifest).
+    """
+    m = read_manifest(uri)
+    directory = m["uri"]
+    files: dict[str, dict] = m["files"]
+    selected = files
+    if subdir:
+        prefix = subdir.strip("/") + "/"
+        selected = {rel: e for rel, e in files.items() if rel.startswith(prefix)}
+        if not selected:
+            raise NotFoundError(f"manifest at {directory} lists no files under {subdir!r}: "
+                                "check the subdir or the stage that wrote it", directory)
+    local = storage.local_path(local_dir)
+    local.mkdir(parents=True, exist_ok=True)
+    cache_manifest = local / MANIFEST
+
+    with _fetch_lock(local):
+        try:
+            cached = json.loads(cache_manifest.read_text()).get("files", {})
+        except (OSError, ValueError, AttributeError):
+            cached = {}
+        # Files verified earlier that the remote manifest still agrees with, and still present.
+        kept = {rel: e for rel, e in files.items()
+                if cached.get(rel) == e and _local_size(local / rel) == e["size"]}
+        todo = [rel for rel in selected if rel not in kept]
+
+        def get(rel: str) -> None:
+            expected, target, src = files[rel], local / rel, storage.join(directory, rel)
+            # A same-size local leftover (e.g. from an interrupted fetch) is reused if its hash agrees.
+            if _local_size(target) == expected["size"] and file_sha256(target) == expected["sha256"]:
+                return
+            try:
+                storage.download_file(src, target)
+            except NotFoundError:
+                raise NotFoundError(f"missing {src}: listed in {directory}/{MANIFEST} but not in storage; "
+                                    "rerun the stage that wrote it", src) from None
+            size = _local_size(target)
+            if size != expected["size"]:
+                target.unlink(missing_ok=True)
+                raise StorageError(f"size mismatch for {src}: got {size} bytes, manifest says "
+                                   f"{expected['size']}; the object is truncated or overwritten, rerun the stage",
+                                   src)
+            sha = file_sha256(target)
+            if sha != expected["sha256"]:
+                target.unlink(missing_ok=True)
+                raise StorageError(f"sha256 mismatch for {src}: got {sha[:16]}..., manifest says "
+                                   f"{expected['sha256'][:16]}...; the object is corrupted or overwritten, "
+                                   "rerun the stage", src)
+
+        if todo:
+            # Until the new set is verified the local marker must not vouch for anything.
+            cache_manifest.unlink(missing_ok=True)
+            storage.parallel_map(get, todo)
+            storage.write_json(str(cache_manifest), {**m, "files": {**kept, **{r: files[r] for r in todo}}})
+    return (local / subdir.strip("/") if subdir else local), m

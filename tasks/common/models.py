@@ -1,0 +1,101 @@
+"""Loading models by URI, and the forward passes every stage shares.
+
+    path = resolve_model("s3://bucket/…/sft/manifest.json")   # or a local folder, or a hub id
+    tokenizer, policy = load_tokenizer(path), load_causal_lm(path)
+    logprobs = sequence_logprobs(policy, input_ids, attention_mask)    # [B, T-1]
+    scores = sequence_scores(reward_model, input_ids, attention_mask)  # [B]
+
+A URI that names a stage output (s3://…, or a folder holding manifest.json) is resolved through
+its manifest's `model` entry and fetched with every file's size and sha256 checked; a plain folder
+is used as it is; anything else is passed to transformers as a hub id.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tasks.common import manifest as manifests
+from tasks.common import storage
+from tasks.common.losses import last_token_index, token_logprobs
+
+
+def is_stage_output(uri: str) -> bool:
+    if uri.endswith("manifest.json") or storage.is_s3(uri):
+        return True
+    return (Path(uri) / "manifest.json").is_file()
+
+
+def resolve_model(uri: str) -> str:
+    """A local folder (or hub id) that transformers can load the model named by `uri` from."""
+    if not is_stage_output(uri):
+        return uri
+    manifest = manifests.read_manifest(uri)
+    if "model" not in manifest:
+        raise storage.StorageError(f"{manifest['uri']} holds no model (its stage is {manifest.get('stage')!r}); pass a model's URI")
+    ref = manifest["model"].rstrip("/")
+    if not any(path.startswith(ref + "/") for path in manifest.get("files", {})):
+        return resolve_model(ref)  # the manifest points elsewhere: a hub id or another stage's output
+    local, _ = manifests.fetch(manifest["uri"], manifests.local_cache_dir(manifest["uri"]), subdir=ref)
+    return str(local)
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def load_causal_lm(path: str, dtype: torch.dtype = torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+
+
+def load_scalar_model(path: str, dtype: torch.dtype = torch.float32):
+    """A model with a one-output head on every token: reward models and critics."""
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype)
+    if model.config.pad_token_id is None:
+        raise ValueError(f"{path}: config has no pad_token_id; a scalar head needs it to find the last token")
+    return model
+
+
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that skip left padding, as `generate()` computes them: cumsum(mask) - 1."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, return_entropy: bool = False):
+    """log p(token t+1 | tokens ≤ t) for every position: [B, T] -> [B, T-1] (and the entropy)."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask)).logits
+    logits = logits[:, :-1]
+    logprobs = token_logprobs(logits, input_ids[:, 1:])
+    if not return_entropy:
+        return logprobs
+    log_p = torch.log_softmax(logits.float(), dim=-1)
+    entropy = -(log_p.exp() * log_p).sum(-1)
+    return logprobs, entropy
+
+
+def token_values(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The scalar head applied to every token's hidden state: [B, T]."""
+    backbone = getattr(model, model.base_model_prefix)
+    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask)).last_hidden_state
+    return model.score(hidden).squeeze(-1).float()
+
+
+def sequence_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The scalar head at each sequence's last real token: [B]."""
+    values = token_values(model, input_ids, attention_mask)
+    rows = torch.arange(values.size(0), device=values.device)
+    return values[rows, last_token_index(attention_mask)]
+
+
+def count_parameters(model) -> int:
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,123 @@
+"""The built-in demo task: fixed-width addition answered in one of two styles.
+
+    rows = make_datasets(seed=0)          # {"sft": [...], "preference": [...], "prompts": [...], "eval": [...]}
+    tokenizer = build_tokenizer()          # character-level, saved and loaded as an HF tokenizer
+    model = build_base_model(tokenizer)    # tiny Llama, random weights, no hub needed
+
+A prompt is `37+45=` (operands 0–99, two digits each); the answer is `082` (three digits). The SFT
+data gives the answer in two styles, half each: terse (`082`) and wordy (`sum is 082`). The
+preference pairs favour the terse style with the same answer on both sides, so the reward model
+learns style, which a tiny model judges reliably, and not correctness, which it cannot (a reward
+model asked to judge sums gets hacked by PPO; see the README's design notes). Exact match parses
+the answer out of either style, so eval measures correctness on its own.
+"""
+from __future__ import annotations
+
+import random
+import re
+
+TERSE, WORDY = "terse", "wordy"
+WORDY_PREFIX = "sum is "
+SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
+CHARACTERS = list("0123456789+=") + sorted(set(WORDY_PREFIX))
+# Disjoint by prompt: all 10,000 (a, b) pairs, shuffled once with the data seed.
+SPLIT_SIZES = {"train": 8500, "val": 500, "test": 1000}
+
+_ANSWER = re.compile(r"(\d{3})\s*$")
+
+
+def prompt_text(a: int, b: int) -> str:
+    return f"{a:02d}+{b:02d}="
+
+
+def answer_text(a: int, b: int) -> str:
+    return f"{a + b:03d}"
+
+
+def styled(answer: str, style: str) -> str:
+    return answer if style == TERSE else WORDY_PREFIX + answer
+
+
+def extract_answer(response: str) -> str | None:
+    """The three-digit answer at the end of a response in either style, or None."""
+    match = _ANSWER.search(response.strip())
+    return match.group(1) if match else None
+
+
+def is_preferred_style(response: str) -> bool:
+    """The terse style: the response is the answer's three digits and nothing else."""
+    return re.fullmatch(r"\d{3}", response.strip()) is not None
+
+
+def make_datasets(seed: int = 0) -> dict[str, list[dict]]:
+    """Deterministic rows for every stage; splits are disjoint by prompt."""
+    rng = random.Random(seed)
+    pairs = [(a, b) for a in range(100) for b in range(100)]
+    rng.shuffle(pairs)
+    n_train, n_val = SPLIT_SIZES["train"], SPLIT_SIZES["val"]
+    train, val, test = pairs[:n_train], pairs[n_train:n_train + n_val], pairs[n_train + n_val:]
+
+    def labelled(split):
+        return [{"prompt": prompt_text(a, b), "label": answer_text(a, b)} for a, b in split]
+
+    sft = []
+    for a, b in train:
+        style = TERSE if rng.random() < 0.5 else WORDY
+        sft.append({"prompt": prompt_text(a, b), "response": styled(answer_text(a, b), style), "style": style})
+
+    def preference_pairs(split):
+        rows = []
+        for a, b in split:
+            # Half the pairs carry a wrong answer on both sides: the preference is about style only.
+            answer = answer_text(a, b) if rng.random() < 0.5 else f"{rng.randrange(199):03d}"
+            rows.append({"prompt": prompt_text(a, b), "chosen": styled(answer, TERSE), "rejected": styled(answer, WORDY)})
+        return rows
+
+    return {
+        "sft": sft,
+        "preference": preference_pairs(train),
+        "preference_eval": preference_pairs(val),
+        "prompts": labelled(train),
+        "eval": labelled(test),
+    }
+
+
+def build_tokenizer():
+    """A character-level tokenizer (16 + letters ids) wrapped as an HF fast tokenizer."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + CHARACTERS)}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>",
+        padding_side="left",
+        model_max_length=64,
+    )
+
+
+def build_base_model(tokenizer, seed: int = 0, hidden_size: int = 128, num_layers: int = 2):
+    """A tiny Llama (about 0.4 M parameters at the defaults) with random weights."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=4 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=64,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model

@@ -1,0 +1,33 @@
+from dataclasses import dataclass, field
+
+from tasks.common.config import ConfigError, StageConfig
+
+
+@dataclass
+class RewardModelConfig(StageConfig):
+    """Pairwise (Bradley-Terry) reward model: a scalar head on the SFT model, trained on chosen/rejected pairs."""
+
+    pretrain: str = field(default="", metadata={"help": "model to start from (the SFT output URI); the scalar head starts fresh"})
+    dataset: str = field(default="", metadata={"help": "preference pairs: a stage output URI or a JSONL/Parquet/CSV file"})
+    dataset_split: str = field(default="preference", metadata={"help": "split of a stage output's datasets to train on"})
+    eval_split: str = field(default="preference_eval", metadata={"help": "held-out pairs for pairwise accuracy and reward statistics"})
+    prompt_key: str = field(default="prompt", metadata={"help": "dataset column holding the prompt"})
+    chosen_key: str = field(default="chosen", metadata={"help": "dataset column holding the preferred response"})
+    rejected_key: str = field(default="rejected", metadata={"help": "dataset column holding the other response"})
+    max_steps: int = field(default=300, metadata={"help": "optimizer steps"})
+    train_batch_size: int = field(default=128, metadata={"help": "pairs per optimizer step"})
+    learning_rate: float = field(default=3e-4, metadata={"help": "peak learning rate (AdamW)"})
+    lr_warmup_steps: int = field(default=50, metadata={"help": "linear warmup steps, then constant"})
+    max_len: int = field(default=512, metadata={"help": "longest prompt+response in tokens; longer ones are truncated and counted"})
+    logging_steps: int = field(default=25, metadata={"help": "log metrics every this many steps"})
+
+    def validate(self) -> None:
+        super().validate()
+        for name in ("pretrain", "dataset"):
+            if not getattr(self, name):
+                raise ConfigError(f"{name}: missing; pass --{name} <URI>")
+        for name in ("max_steps", "train_batch_size", "max_len", "logging_steps"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}: must be at least 1, got {getattr(self, name)}")
+        if not self.learning_rate > 0:
+            raise ConfigError(f"learning_rate: must be positive, got {self.learning_rate}")

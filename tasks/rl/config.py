@@ -1,0 +1,57 @@
+from dataclasses import dataclass, field
+
+from tasks.common.config import ConfigError, StageConfig
+
+ADVANTAGE_ESTIMATORS = ("gae",)
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+@dataclass
+class RLConfig(StageConfig):
+    """PPO with a critic: rollouts from the policy, reward from a reward model, KL penalty to the frozen reference.
+
+    Flag names follow OpenRLHF's (--pretrain, --reward_pretrain, --actor_learning_rate, --init_kl_coef …).
+    """
+
+    pretrain: str = field(default="", metadata={"help": "policy to start from (SFT output URI); also the frozen reference"})
+    reward_pretrain: str = field(default="", metadata={"help": "reward model (output URI); the critic starts from it too"})
+    prompt_data: str = field(default="", metadata={"help": "prompts: a stage output URI (its 'prompts' split) or a file"})
+    prompt_split: str = field(default="prompts", metadata={"help": "split of a stage output's datasets holding the prompts"})
+    input_key: str = field(default="prompt", metadata={"help": "dataset column holding the prompt"})
+    max_steps: int = field(default=40, metadata={"help": "rollout + update iterations"})
+    rollout_batch_size: int = field(default=128, metadata={"help": "prompts per rollout"})
+    train_batch_size: int = field(default=64, metadata={"help": "sequences per optimizer step (a minibatch of the rollout)"})
+    max_epochs: int = field(default=2, metadata={"help": "passes over each rollout"})
+    prompt_max_len: int = field(default=256, metadata={"help": "longest prompt in tokens; longer prompts are cut from the left and counted"})
+    generate_max_len: int = field(default=16, metadata={"help": "new tokens per response"})
+    temperature: float = field(default=1.0, metadata={"help": "sampling temperature of rollouts"})
+    actor_learning_rate: float = field(default=3e-5, metadata={"help": "policy learning rate (AdamW)"})
+    critic_learning_rate: float = field(default=1e-4, metadata={"help": "critic learning rate (AdamW)"})
+    lr_warmup_steps: int = field(default=5, metadata={"help": "linear warmup in optimizer steps, then constant"})
+    advantage_estimator: str = field(default="gae", metadata={"help": "how advantages are computed: gae"})
+    gamma: float = field(default=1.0, metadata={"help": "discount factor"})
+    lambd: float = field(default=0.95, metadata={"help": "GAE λ"})
+    eps_clip: float = field(default=0.2, metadata={"help": "PPO policy ratio clip ε"})
+    value_clip: float = field(default=0.2, metadata={"help": "critic value clip (relative to the rollout's values)"})
+    init_kl_coef: float = field(default=0.05, metadata={"help": "β of the KL penalty to the reference, in the reward"})
+    kl_estimator: str = field(default="k1", metadata={"help": "per-token KL estimator: k1, k2 or k3"})
+    normalize_reward: bool = field(default=True, metadata={"help": "standardise reward-model scores with the mean/std stored by its stage"})
+    logging_steps: int = field(default=1, metadata={"help": "log metrics every this many steps"})
+
+    def validate(self) -> None:
+        super().validate()
+        for name in ("pretrain", "reward_pretrain", "prompt_data"):
+            if not getattr(self, name):
+                raise ConfigError(f"{name}: missing; pass --{name} <URI>")
+        if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
+            raise ConfigError(f"advantage_estimator: {self.advantage_estimator!r} is not available; use one of {', '.join(ADVANTAGE_ESTIMATORS)}")
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ConfigError(f"kl_estimator: {self.kl_estimator!r} is unknown; use k1, k2 or k3")
+        for name in ("max_steps", "rollout_batch_size", "train_batch_size", "max_epochs", "generate_max_len", "logging_steps"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}: must be at least 1, got {getattr(self, name)}")
+        if self.rollout_batch_size % self.train_batch_size:
+            raise ConfigError(f"train_batch_size: {self.train_batch_size} must divide rollout_batch_size {self.rollout_batch_size}")
+        for name in ("actor_learning_rate", "critic_learning_rate", "temperature", "eps_clip"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}")

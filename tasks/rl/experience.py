@@ -1,0 +1,61 @@
+"""Experience making: rollouts scored by the reference, critic and reward model, turned into advantages."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tasks.common.models import sequence_logprobs, sequence_scores, token_values
+from tasks.common.rollout import Rollout
+from tasks.rl.advantages import gae, kl_estimate, kl_penalized_rewards, whiten
+
+
+@dataclass
+class Experience:
+    """One rollout batch with everything a PPO update needs; per-token tensors cover response tokens."""
+
+    sequences: torch.Tensor
+    attention_mask: torch.Tensor
+    action_mask: torch.Tensor
+    prompt_width: int
+    logprobs: torch.Tensor
+    values: torch.Tensor
+    advantages: torch.Tensor
+    returns: torch.Tensor
+    scores: torch.Tensor
+    kl: torch.Tensor
+
+    def minibatch(self, index: torch.Tensor) -> "Experience":
+        fields = {k: (v[index] if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
+        return Experience(**fields)
+
+
+def response_logprobs(model, rollout_sequences, attention_mask, prompt_width, return_entropy=False):
+    """Log-probabilities of the response tokens only: [B, R]."""
+    out = sequence_logprobs(model, rollout_sequences, attention_mask, return_entropy=return_entropy)
+    if return_entropy:
+        return out[0][:, prompt_width - 1:], out[1][:, prompt_width - 1:]
+    return out[:, prompt_width - 1:]
+
+
+def response_values(critic, sequences, attention_mask, prompt_width):
+    """V(state before each response token): [B, R]."""
+    return token_values(critic, sequences, attention_mask)[:, prompt_width - 1:-1]
+
+
+@torch.no_grad()
+def make_experience(rollout: Rollout, actor, reference, critic, reward_model, cfg, kl_coef: float,
+                    reward_stats: tuple[float, float] | None) -> Experience:
+    seqs, mask, width, action_mask = rollout.sequences, rollout.attention_mask, rollout.prompt_width, rollout.response_mask
+    logprobs = response_logprobs(actor, seqs, mask, width)
+    ref_logprobs = response_logprobs(reference, seqs, mask, width)
+    values = response_values(critic, seqs, mask, width) * action_mask
+    scores = sequence_scores(reward_model, seqs, mask)
+    if reward_stats is not None:
+        mean, std = reward_stats
+        scores = (scores - mean) / max(std, 1e-6)
+    kl = kl_estimate(logprobs, ref_logprobs, cfg.kl_estimator) * action_mask
+    rewards = kl_penalized_rewards(scores, kl, action_mask, kl_coef)
+    advantages, returns = gae(rewards, values, action_mask, cfg.gamma, cfg.lambd)
+    advantages = whiten(advantages, action_mask)
+    return Experience(seqs, mask, action_mask, width, logprobs, values, advantages, returns, scores, kl)

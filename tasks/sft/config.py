@@ -1,0 +1,31 @@
+from dataclasses import dataclass, field
+
+from tasks.common.config import ConfigError, StageConfig
+
+
+@dataclass
+class SFTConfig(StageConfig):
+    """Supervised fine-tuning: causal-LM loss on the response tokens of prompt/response pairs."""
+
+    pretrain: str = field(default="", metadata={"help": "model to start from: a stage output URI, a local folder or a hub id"})
+    dataset: str = field(default="", metadata={"help": "a stage output URI (its 'sft' split) or a JSONL/Parquet/CSV file"})
+    dataset_split: str = field(default="sft", metadata={"help": "which split of a stage output's datasets to train on"})
+    input_key: str = field(default="prompt", metadata={"help": "dataset column holding the prompt"})
+    output_key: str = field(default="response", metadata={"help": "dataset column holding the response"})
+    max_steps: int = field(default=500, metadata={"help": "optimizer steps"})
+    train_batch_size: int = field(default=128, metadata={"help": "sequences per optimizer step"})
+    learning_rate: float = field(default=1e-3, metadata={"help": "peak learning rate (AdamW)"})
+    lr_warmup_steps: int = field(default=20, metadata={"help": "linear warmup steps, then constant"})
+    max_len: int = field(default=512, metadata={"help": "longest prompt+response in tokens; longer rows are truncated and counted"})
+    logging_steps: int = field(default=25, metadata={"help": "log metrics every this many steps"})
+
+    def validate(self) -> None:
+        super().validate()
+        for name in ("pretrain", "dataset"):
+            if not getattr(self, name):
+                raise ConfigError(f"{name}: missing; pass --{name} <URI>")
+        for name in ("max_steps", "train_batch_size", "max_len", "logging_steps"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}: must be at least 1, got {getattr(self, name)}")
+        if not self.learning_rate > 0:
+            raise ConfigError(f"learning_rate: must be positive, got {self.learning_rate}")
