@@ -45,14 +45,15 @@ def evaluate_pairs(model, chosen, rejected, pad_id, device, batch_size=256) -> t
 
 
 def train(cfg: RewardModelConfig, run: StageRun) -> None:
-    strategy = DeepSpeedStrategy(zero_stage=cfg.zero_stage, bf16=cfg.bf16, seed=cfg.seed, micro_batch_size=2 * cfg.train_batch_size)
-    model_path = resolve_model(run.input("pretrain", cfg.pretrain))
     keys = [cfg.prompt_key, cfg.chosen_key, cfg.rejected_key]
     dataset_uri = run.input("dataset", cfg.dataset)
+    train_rows, eval_rows = data.load_rows(dataset_uri, cfg.dataset_split, keys), data.load_rows(dataset_uri, cfg.eval_split, keys)
+    model_path = resolve_model(run.input("pretrain", cfg.pretrain))
     tokenizer = load_tokenizer(model_path)
-    chosen, rejected, truncated = tokenize_pairs(data.load_rows(dataset_uri, cfg.dataset_split, keys), tokenizer, cfg)
-    eval_chosen, eval_rejected, _ = tokenize_pairs(data.load_rows(dataset_uri, cfg.eval_split, keys), tokenizer, cfg)
+    chosen, rejected, truncated = tokenize_pairs(train_rows, tokenizer, cfg)
+    eval_chosen, eval_rejected, _ = tokenize_pairs(eval_rows, tokenizer, cfg)
     print(f"reward_model: {len(chosen)} pairs, {len(eval_chosen)} held out, {truncated} sequences truncated", flush=True)
+    strategy = DeepSpeedStrategy(zero_stage=cfg.zero_stage, bf16=cfg.bf16, seed=cfg.seed, micro_batch_size=2 * cfg.train_batch_size)
 
     engine = strategy.prepare(load_scalar_model(model_path), cfg.learning_rate, cfg.max_steps, cfg.lr_warmup_steps)
     model = engine.module

@@ -44,12 +44,12 @@ def ppo_update(exp: Experience, actor, critic, cfg: RLConfig, generator: torch.G
 
 
 def train(cfg: RLConfig, run: StageRun) -> None:
-    strategy = DeepSpeedStrategy(zero_stage=cfg.zero_stage, bf16=cfg.bf16, seed=cfg.seed, micro_batch_size=cfg.train_batch_size)
     policy_path = resolve_model(run.input("pretrain", cfg.pretrain))
     reward_path = resolve_model(run.input("reward_pretrain", cfg.reward_pretrain))
     tokenizer = load_tokenizer(policy_path)
     prompts, truncated = load_prompts(cfg, run, tokenizer)
     print(f"rl: {len(prompts)} prompts, {truncated} cut to {cfg.prompt_max_len} tokens", flush=True)
+    strategy = DeepSpeedStrategy(zero_stage=cfg.zero_stage, bf16=cfg.bf16, seed=cfg.seed, micro_batch_size=cfg.train_batch_size)
 
     updates = cfg.max_steps * cfg.max_epochs * (cfg.rollout_batch_size // cfg.train_batch_size)
     actor = strategy.prepare(load_causal_lm(policy_path), cfg.actor_learning_rate, updates, cfg.lr_warmup_steps)

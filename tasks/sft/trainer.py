@@ -25,12 +25,13 @@ def tokenize(rows, tokenizer, cfg: SFTConfig) -> tuple[list[list[int]], list[lis
 
 
 def train(cfg: SFTConfig, run: StageRun) -> None:
-    strategy = DeepSpeedStrategy(zero_stage=cfg.zero_stage, bf16=cfg.bf16, seed=cfg.seed, micro_batch_size=cfg.train_batch_size)
-    model_path = resolve_model(run.input("pretrain", cfg.pretrain))
+    # Inputs first: a wrong URI or column fails here, before any training work.
     rows = data.load_rows(run.input("dataset", cfg.dataset), cfg.dataset_split, [cfg.input_key, cfg.output_key])
+    model_path = resolve_model(run.input("pretrain", cfg.pretrain))
     tokenizer = load_tokenizer(model_path)
     ids, masks, truncated = tokenize(rows, tokenizer, cfg)
     print(f"sft: {len(ids)} rows, {truncated} truncated to {cfg.max_len} tokens", flush=True)
+    strategy = DeepSpeedStrategy(zero_stage=cfg.zero_stage, bf16=cfg.bf16, seed=cfg.seed, micro_batch_size=cfg.train_batch_size)
 
     engine = strategy.prepare(load_causal_lm(model_path), cfg.learning_rate, cfg.max_steps, cfg.lr_warmup_steps)
     sampler = data.BatchSampler(len(ids), cfg.train_batch_size, cfg.seed)

@@ -1,0 +1,39 @@
+import pytest
+
+from tasks.common.config import ConfigError, make_config, parse_config
+from tasks.rl.config import RLConfig
+from tasks.sft.config import SFTConfig
+
+
+def test_yaml_then_flags(tmp_path):
+    (tmp_path / "sft.yaml").write_text("pretrain: base\ndataset: d.jsonl\nmax_steps: 7\nlearning_rate: 0.01\nbf16: true\n")
+    cfg = parse_config(SFTConfig, ["--config", str(tmp_path / "sft.yaml"), "--output", "out", "--max_steps", "9"])
+    assert (cfg.pretrain, cfg.max_steps, cfg.learning_rate, cfg.bf16, cfg.output) == ("base", 9, 0.01, True, "out")
+
+
+def test_bare_bool_flag_means_true():
+    cfg = parse_config(RLConfig, ["--output", "o", "--pretrain", "p", "--reward_pretrain", "r", "--prompt_data", "d", "--use_wandb"])
+    assert cfg.use_wandb is True
+    cfg = parse_config(RLConfig, ["--output", "o", "--pretrain", "p", "--reward_pretrain", "r", "--prompt_data", "d", "--normalize_reward", "false"])
+    assert cfg.normalize_reward is False
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"output": "o", "dataset": "d"}, "pretrain: missing; pass --pretrain <URI>"),
+    ({"output": "o", "pretrain": "p", "dataset": "d", "max_steps": "ten"}, "max_steps: 'ten' is not a valid int"),
+    ({"output": "o", "pretrain": "p", "dataset": "d", "zero_stage": 5}, "zero_stage: 5 is not a ZeRO stage; use 0, 2 or 3"),
+    ({"output": "o", "pretrain": "p", "dataset": "d", "bf16": "maybe"}, "bf16: 'maybe' is not a boolean; use true or false"),
+    ({"pretrain": "p", "dataset": "d"}, "output: missing; pass --output s3://bucket/prefix/… or a local folder"),
+])
+def test_bad_values_give_one_line_naming_the_field(values, message):
+    with pytest.raises(ConfigError) as error:
+        make_config(SFTConfig, values)
+    assert str(error.value) == message
+
+
+def test_rl_refuses_what_it_cannot_do():
+    base = {"output": "o", "pretrain": "p", "reward_pretrain": "r", "prompt_data": "d"}
+    with pytest.raises(ConfigError, match="advantage_estimator: 'vtrace' is not available"):
+        make_config(RLConfig, {**base, "advantage_estimator": "vtrace"})
+    with pytest.raises(ConfigError, match="train_batch_size: 48 must divide rollout_batch_size 128"):
+        make_config(RLConfig, {**base, "train_batch_size": 48})

@@ -1,0 +1,57 @@
+import torch
+
+from tasks.common.data import encode_prompt
+from tasks.common.models import sequence_logprobs
+from tasks.common.rollout import HFRolloutEngine, response_mask
+from tasks.data import demo
+
+
+def test_demo_datasets_are_deterministic_disjoint_and_half_terse():
+    a, b = demo.make_datasets(0), demo.make_datasets(0)
+    assert a == b
+    train = {r["prompt"] for r in a["sft"]}
+    assert not train & {r["prompt"] for r in a["eval"]}
+    assert (len(a["sft"]), len(a["eval"]), len(a["preference_eval"])) == (8500, 1000, 500)
+    terse = sum(r["style"] == demo.TERSE for r in a["sft"]) / len(a["sft"])
+    assert 0.45 < terse < 0.55
+    pair = a["preference"][0]
+    assert demo.is_preferred_style(pair["chosen"]) and not demo.is_preferred_style(pair["rejected"])
+    assert demo.extract_answer(pair["chosen"]) == demo.extract_answer(pair["rejected"])
+
+
+def test_answer_parsing_and_style():
+    assert demo.extract_answer("082") == demo.extract_answer("sum is 082") == "082"
+    assert demo.extract_answer("sum is 08") is None
+    assert demo.is_preferred_style("082") and not demo.is_preferred_style("sum is 082")
+
+
+def test_tokenizer_round_trip():
+    tok = demo.build_tokenizer()
+    ids = encode_prompt(tok, "37+45=")
+    assert ids[0] == tok.bos_token_id and len(ids) == 7
+    assert tok.decode(tok.encode("sum is 082", add_special_tokens=False)) == "sum is 082"
+
+
+def test_response_mask_stops_after_first_eos():
+    eos = 2
+    assert response_mask(torch.tensor([[5, 6, 2, 0, 0], [5, 5, 5, 5, 5], [2, 0, 0, 0, 0]]), eos).tolist() == [
+        [1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
+
+
+def test_training_logprobs_match_generation_with_left_padded_prompts():
+    """Positions in the training forward pass equal those generate() used for left-padded prompts."""
+    tok = demo.build_tokenizer()
+    model = demo.build_base_model(tok, seed=1).eval()
+    prompts = [encode_prompt(tok, "3+4="), encode_prompt(tok, "37+45="), encode_prompt(tok, "1+99=")]
+    engine = HFRolloutEngine(model, tok)
+    rollout = engine.generate(prompts, max_new_tokens=6, greedy=True)
+    assert rollout.sequences[0, 0] == tok.pad_token_id and rollout.attention_mask[0, 0] == 0
+    with torch.no_grad():
+        out = model.generate(input_ids=rollout.sequences[:, :rollout.prompt_width], attention_mask=rollout.attention_mask[:, :rollout.prompt_width],
+                             max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True,
+                             pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+        gen_logprobs = torch.stack([torch.log_softmax(l.float(), -1) for l in out.logits], 1)
+        gen_logprobs = gen_logprobs.gather(-1, out.sequences[:, rollout.prompt_width:].unsqueeze(-1)).squeeze(-1)
+        train_logprobs = sequence_logprobs(model, rollout.sequences, rollout.attention_mask)[:, rollout.prompt_width - 1:]
+    mask = rollout.response_mask.bool()
+    assert torch.allclose(gen_logprobs[mask], train_logprobs[mask], atol=1e-4)
