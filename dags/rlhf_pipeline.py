@@ -1,0 +1,171 @@
+"""rlhf_pipeline: prepare_data -> sft -> reward_model -> rl -> eval, each stage a Ray job.
+
+Every stage is a RayJobOperator running ``python -m tasks.<stage>`` on the Ray cluster; it returns the
+URI of the stage's ``manifest.json``, and the downstream stages take those URIs as inputs (XCom holds
+URIs, never data). Artifacts land in ``s3://<bucket>/<prefix>/runs/rlhf_pipeline/<run_id>/<stage>/``.
+"""
+from __future__ import annotations
+
+from datetime import timedelta
+
+from airflow.sdk import DAG, Param, chain
+
+from plugins.operators import RayJobOperator
+
+# The run form's defaults, in one place.
+DEFAULTS = {
+    "bucket": "rlhf-flow",
+    "prefix": "rlhf-flow",
+    "dataset": "demo",
+    "base_model": "demo",
+    "seed": 0,
+    "sft_steps": 500,
+    "sft_learning_rate": 1e-3,
+    "rm_steps": 300,
+    "rm_learning_rate": 3e-4,
+    "rl_steps": 40,
+    "actor_learning_rate": 3e-5,
+    "critic_learning_rate": 1e-4,
+    "init_kl_coef": 0.05,
+    "zero_stage": 2,
+    "eval_max_samples": 500,
+}
+
+PARAMS = {
+    "bucket": Param(
+        DEFAULTS["bucket"], type="string", title="Bucket",
+        description="S3 bucket that receives every artifact of the run.",
+        pattern=r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$",
+    ),
+    "prefix": Param(
+        DEFAULTS["prefix"], type="string", title="Key prefix",
+        description="Key prefix inside the bucket; runs go under <prefix>/runs/<dag_id>/<run_id>/.",
+        pattern=r"^[A-Za-z0-9._\-/]*$", maxLength=200,
+    ),
+    "dataset": Param(
+        DEFAULTS["dataset"], type="string", title="Dataset", minLength=1,
+        description="'demo' for the built-in synthetic preference dataset, or a dataset URI (s3://..., local path).",
+    ),
+    "base_model": Param(
+        DEFAULTS["base_model"], type="string", title="Base model", minLength=1,
+        description="'demo' for a tiny model built offline, or a model URI / hub id.",
+    ),
+    "seed": Param(
+        DEFAULTS["seed"], type="integer", title="Seed", minimum=0, maximum=2**31 - 1,
+        description="Random seed of every stage.",
+    ),
+    "sft_steps": Param(
+        DEFAULTS["sft_steps"], type="integer", title="SFT steps", minimum=1, maximum=1_000_000,
+        description="Optimizer steps of supervised fine-tuning.",
+    ),
+    "sft_learning_rate": Param(
+        DEFAULTS["sft_learning_rate"], type="number", title="SFT learning rate", exclusiveMinimum=0, maximum=1,
+        description="Peak learning rate of supervised fine-tuning.",
+    ),
+    "rm_steps": Param(
+        DEFAULTS["rm_steps"], type="integer", title="Reward model steps", minimum=1, maximum=1_000_000,
+        description="Optimizer steps of reward model training.",
+    ),
+    "rm_learning_rate": Param(
+        DEFAULTS["rm_learning_rate"], type="number", title="Reward model learning rate", exclusiveMinimum=0, maximum=1,
+        description="Peak learning rate of reward model training.",
+    ),
+    "rl_steps": Param(
+        DEFAULTS["rl_steps"], type="integer", title="RL steps", minimum=1, maximum=1_000_000,
+        description="PPO iterations (rollout + update) of the RL stage.",
+    ),
+    "actor_learning_rate": Param(
+        DEFAULTS["actor_learning_rate"], type="number", title="Actor learning rate", exclusiveMinimum=0, maximum=1,
+        description="Learning rate of the policy (actor) in RL.",
+    ),
+    "critic_learning_rate": Param(
+        DEFAULTS["critic_learning_rate"], type="number", title="Critic learning rate", exclusiveMinimum=0, maximum=1,
+        description="Learning rate of the value model (critic) in RL.",
+    ),
+    "init_kl_coef": Param(
+        DEFAULTS["init_kl_coef"], type="number", title="Initial KL coefficient", minimum=0, maximum=10,
+        description="Weight of the KL penalty against the SFT reference policy at the start of RL.",
+    ),
+    "zero_stage": Param(
+        DEFAULTS["zero_stage"], type="integer", title="DeepSpeed ZeRO stage", enum=[0, 2, 3],
+        description="DeepSpeed ZeRO stage of every training stage (0: off, 2: shard optimizer + gradients, 3: also parameters).",
+    ),
+    "eval_max_samples": Param(
+        DEFAULTS["eval_max_samples"], type="integer", title="Eval samples", minimum=1, maximum=1_000_000,
+        description="Prompts scored by the evaluation (baseline SFT vs RL policy).",
+    ),
+}
+
+with DAG(
+    dag_id="rlhf_pipeline",
+    description="RLHF: data -> SFT -> reward model -> RL -> eval, each stage a Ray job, artifacts in S3",
+    doc_md=__doc__,
+    schedule=None,
+    catchup=False,
+    max_active_runs=1,
+    tags=["rlhf", "ray", "s3"],
+    params=PARAMS,
+    default_args={"retries": 1, "retry_delay": timedelta(seconds=30)},
+):
+    prepare_data = RayJobOperator(
+        task_id="prepare_data",
+        module="tasks.data",
+        args={
+            "source": "{{ params.dataset }}",
+            "base_model": "{{ params.base_model }}",
+            "seed": "{{ params.seed }}",
+        },
+    )
+    sft = RayJobOperator(
+        task_id="sft",
+        module="tasks.sft",
+        args={
+            "pretrain": prepare_data.output,
+            "dataset": prepare_data.output,
+            "max_steps": "{{ params.sft_steps }}",
+            "learning_rate": "{{ params.sft_learning_rate }}",
+            "seed": "{{ params.seed }}",
+            "zero_stage": "{{ params.zero_stage }}",
+        },
+    )
+    reward_model = RayJobOperator(
+        task_id="reward_model",
+        module="tasks.reward_model",
+        args={
+            "pretrain": sft.output,
+            "dataset": prepare_data.output,
+            "max_steps": "{{ params.rm_steps }}",
+            "learning_rate": "{{ params.rm_learning_rate }}",
+            "seed": "{{ params.seed }}",
+            "zero_stage": "{{ params.zero_stage }}",
+        },
+    )
+    rl = RayJobOperator(
+        task_id="rl",
+        module="tasks.rl",
+        args={
+            "pretrain": sft.output,
+            "reward_pretrain": reward_model.output,
+            "prompt_data": prepare_data.output,
+            "max_steps": "{{ params.rl_steps }}",
+            "actor_learning_rate": "{{ params.actor_learning_rate }}",
+            "critic_learning_rate": "{{ params.critic_learning_rate }}",
+            "init_kl_coef": "{{ params.init_kl_coef }}",
+            "seed": "{{ params.seed }}",
+            "zero_stage": "{{ params.zero_stage }}",
+        },
+    )
+    eval_ = RayJobOperator(
+        task_id="eval",
+        module="tasks.eval",
+        args={
+            "baseline": sft.output,
+            "policy": rl.output,
+            "reward_pretrain": reward_model.output,
+            "dataset": prepare_data.output,
+            "max_samples": "{{ params.eval_max_samples }}",
+            "seed": "{{ params.seed }}",
+        },
+    )
+
+    chain(prepare_data, sft, reward_model, rl, eval_)

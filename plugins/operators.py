@@ -1,0 +1,338 @@
+"""RayJobOperator: run one pipeline stage (``python -m tasks.<stage>``) as a Ray job, deferrably.
+
+The operator never imports ``tasks`` (nor torch): it ships the project's code to Ray as the job's
+``working_dir`` and passes every input as a flag. What it returns (and pushes to XCom) is the stage's
+manifest URI, never data.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import shlex
+from collections.abc import Mapping
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from airflow.sdk import BaseOperator
+from airflow.sdk.exceptions import AirflowException
+
+from plugins.hooks import LIVE_STATUSES, RayJobHook
+from plugins.triggers import RayJobTrigger
+
+if TYPE_CHECKING:
+    from airflow.sdk import Context
+
+#: The folder holding plugins/ and tasks/ (a source checkout; see :func:`default_working_dir`).
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+
+#: What never travels to Ray with the working_dir (gitignore syntax, relative to the working_dir).
+WORKING_DIR_EXCLUDES = [".venv", ".scratch", ".git", "__pycache__", "tests", "bench", "docker", "*.whl"]
+
+#: Settings every job gets. Never credentials: Ray nodes get S3 access from their own environment.
+DEFAULT_ENV_VARS = {"PYTHONUNBUFFERED": "1"}
+_SECRET_ENV = re.compile(r"SECRET|PASSWORD|PASSWD|TOKEN|CREDENTIAL|ACCESS_KEY|PRIVATE_KEY|SESSION_KEY|API_KEY", re.I)
+
+_FLAG_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
+_MAX_SUBMISSION_ID = 120
+
+
+def key_safe(value: str) -> str:
+    """An object-key-safe form: characters outside [A-Za-z0-9._-] become '_'."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", value)
+
+
+def ray_safe(value: str) -> str:
+    """A submission-id-safe form: characters outside [A-Za-z0-9_-] become '_'."""
+    return re.sub(r"[^A-Za-z0-9_-]", "_", value)
+
+
+def submission_id_for(dag_id: str, run_id: str, task_id: str, map_index: int = -1) -> str:
+    """The deterministic Ray submission id of a task instance (before any attempt suffix).
+
+    ``airflow-<dag_id>--<run_id>--<task_id>[--m<map_index>]``, sanitized for Ray and URLs. Too long
+    an id keeps its head and gains a short hash of the full one, so it stays unique and deterministic.
+    """
+    parts = [dag_id, run_id, task_id] + ([f"m{map_index}"] if map_index is not None and map_index >= 0 else [])
+    raw = "airflow-" + "--".join(parts)
+    sid = ray_safe(raw)
+    if len(sid) > _MAX_SUBMISSION_ID:
+        digest = hashlib.sha1(raw.encode()).hexdigest()[:10]
+        sid = f"{sid[: _MAX_SUBMISSION_ID - 11]}-{digest}"
+    return sid
+
+
+def output_uri_for(output_root: str, dag_id: str, run_id: str, task_id: str, map_index: int = -1) -> str:
+    """``{output_root}/runs/{dag_id}/{run_id}/{task_id}`` with the run id made key-safe."""
+    uri = f"{output_root.rstrip('/')}/runs/{dag_id}/{key_safe(run_id)}/{task_id}"
+    if map_index is not None and map_index >= 0:
+        uri += f"/{map_index}"
+    return uri
+
+
+def render_flag_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (dict, list, tuple)):
+        return json.dumps(value, sort_keys=True)
+    return str(value)
+
+
+def render_flags(args: Mapping[str, Any] | None) -> list[str]:
+    """``{key: value}`` -> ``["--key", "value", ...]``: None dropped, bools as true/false, lists/dicts as JSON."""
+    out: list[str] = []
+    for key, value in (args or {}).items():
+        if not isinstance(key, str) or not _FLAG_NAME.match(key):
+            raise ValueError(f"Bad flag name {key!r}: use letters, digits, '_' and '-'")
+        if value is None:
+            continue
+        out += [f"--{key}", render_flag_value(value)]
+    return out
+
+
+def build_entrypoint(module: str, output: str, run_id: str, args: Mapping[str, Any] | None, python: str = "python") -> str:
+    """``python -m <module> --output <output> --run_id <run_id> --flag value ...``, shell-quoted."""
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*", module or ""):
+        raise ValueError(f"Bad module name {module!r}")
+    argv = [python, "-m", module, "--output", output, "--run_id", run_id, *render_flags(args)]
+    return shlex.join(argv)
+
+
+def failure_message(event: Mapping[str, Any], submission_id: str | None = None) -> str:
+    """One line of cause (job, status, Ray's message), then the last lines of the driver log."""
+    sid = event.get("submission_id") or submission_id
+    message = " ".join(str(event.get("message") or "").split())
+    if len(message) > 300:
+        message = message[:297] + "..."
+    cause = f"Ray job {sid} {event.get('status')}" + (f": {message}" if message else "")
+    tail = event.get("log_tail") or "(empty driver log)"
+    return f"{cause}\n--- last lines of the driver log ---\n{tail}"
+
+
+def default_working_dir() -> str | None:
+    """The project root when this is a source checkout (it holds plugins/, tasks/ and pyproject.toml).
+
+    Installed as a package (site-packages), there is nothing sensible to ship: the Ray workers are then
+    expected to have ``rlhf-flow[train]`` installed, and the job runs with no working_dir.
+    """
+    root = PROJECT_ROOT
+    if (root / "tasks").is_dir() and (root / "plugins").is_dir() and (root / "pyproject.toml").is_file():
+        return str(root)
+    return None
+
+
+class RayJobOperator(BaseOperator):
+    """Run ``python -m <module>`` as a Ray job; return the URI of the ``manifest.json`` it writes.
+
+    :param module: the stage module, e.g. ``tasks.sft`` (templated).
+    :param args: ``{flag: value}``; each becomes ``--flag value`` (templated; None dropped; bools as
+        true/false). XComArgs (``other_task.output``) are resolved and make the dependency.
+    :param output_root: where runs are stored, e.g. ``s3://bucket/prefix`` (templated). The job writes to
+        ``{output_root}/runs/{dag_id}/{run_id}/{task_id}``, ``manifest.json`` last.
+    :param ray_conn_id: connection of the Ray dashboard (Jobs API).
+    :param aws_conn_id: connection used to check the manifest exists.
+    :param entrypoint_num_cpus: CPUs reserved for the driver.
+    :param entrypoint_num_gpus: GPUs reserved for the driver (0 when it only launches GPU actors).
+    :param working_dir: local folder shipped as the job's working_dir; default: the project root.
+    :param env_vars: extra non-secret environment for the job (names that look like secrets are refused).
+    :param poll_interval: seconds between the trigger's polls.
+    :param python: the interpreter the entrypoint runs on the Ray node.
+
+    Idempotency: the job's submission id is derived from (dag_id, run_id, task_id[, map_index]) — see
+    :func:`submission_id_for` — so any attempt can find what earlier attempts started. ``execute``
+    looks up that base id: unknown -> submit under it; PENDING/RUNNING -> reattach (defer to it, submit
+    nothing); SUCCEEDED with its manifest in S3 -> return the manifest URI at once; ended otherwise ->
+    look at the ``{base}-try<n>`` jobs of earlier attempts the same way, and submit a new job under
+    ``{base}-try{ti.try_number}`` only if none is live or succeeded.
+    """
+
+    template_fields = ("module", "args", "output_root")
+    template_fields_renderers = {"args": "json"}
+    ui_color = "#d8e9ff"
+
+    def __init__(
+        self,
+        *,
+        module: str,
+        args: dict[str, Any] | None = None,
+        output_root: str = "s3://{{ params.bucket }}/{{ params.prefix }}",
+        ray_conn_id: str = "rlhf_ray",
+        aws_conn_id: str | None = "rlhf_s3",
+        entrypoint_num_cpus: float = 1,
+        entrypoint_num_gpus: float = 0,
+        working_dir: str | None = None,
+        env_vars: dict[str, str] | None = None,
+        poll_interval: float = 2.0,
+        python: str = "python",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.module = module
+        self.args = dict(args or {})
+        self.output_root = output_root
+        self.ray_conn_id = ray_conn_id
+        self.aws_conn_id = aws_conn_id
+        self.entrypoint_num_cpus = entrypoint_num_cpus
+        self.entrypoint_num_gpus = entrypoint_num_gpus
+        self.working_dir = working_dir
+        self.env_vars = dict(env_vars or {})
+        bad = sorted(k for k in self.env_vars if _SECRET_ENV.search(k))
+        if bad:
+            raise ValueError(
+                f"env_vars {bad} look like credentials: never ship secrets in a Ray runtime_env; "
+                "give the Ray nodes their own access instead"
+            )
+        self.poll_interval = poll_interval
+        self.python = python
+        self.submission_id: str | None = None
+
+    # ------------------------------------------------------------------ pieces
+
+    def _ids(self, context: Context) -> tuple[str, str, str, int]:
+        ti = context["ti"]
+        map_index = getattr(ti, "map_index", -1)
+        return ti.dag_id, context["run_id"], ti.task_id, -1 if map_index is None else map_index
+
+    def output_uri(self, context: Context) -> str:
+        dag_id, run_id, task_id, map_index = self._ids(context)
+        return output_uri_for(self.output_root, dag_id, run_id, task_id, map_index)
+
+    def manifest_uri(self, context: Context) -> str:
+        return f"{self.output_uri(context)}/manifest.json"
+
+    def base_submission_id(self, context: Context) -> str:
+        return submission_id_for(*self._ids(context))
+
+    def entrypoint(self, context: Context) -> str:
+        return build_entrypoint(self.module, self.output_uri(context), context["run_id"], self.args, self.python)
+
+    def runtime_env(self) -> dict[str, Any]:
+        env: dict[str, Any] = {"env_vars": {**DEFAULT_ENV_VARS, **{k: str(v) for k, v in self.env_vars.items()}}}
+        working_dir = self.working_dir or default_working_dir()
+        if working_dir:
+            env["working_dir"] = str(working_dir)
+            env["excludes"] = list(WORKING_DIR_EXCLUDES)
+        return env
+
+    def manifest_exists(self, manifest_uri: str) -> bool:
+        from airflow.providers.amazon.aws.hooks.s3 import S3Hook
+
+        return S3Hook(aws_conn_id=self.aws_conn_id).check_for_key(manifest_uri)
+
+    @staticmethod
+    def _status(info: Any) -> str:
+        status = getattr(info, "status", None)
+        return str(getattr(status, "value", status))
+
+    # ------------------------------------------------------------------ execution
+
+    def _find_job(self, hook: RayJobHook, base: str, try_number: int, manifest: str) -> tuple[str, str]:
+        """Decide what this attempt does. Returns (action, submission_id); action in submit/reattach/done."""
+        info = hook.get_job_info(base)
+        if info is None:
+            return "submit", base
+        status = self._status(info)
+        if status in LIVE_STATUSES:
+            return "reattach", base
+        if status == "SUCCEEDED" and self.manifest_exists(manifest):
+            return "done", base
+        self.log.info("Earlier job %s ended %s%s", base, status, "" if status != "SUCCEEDED" else " without a manifest")
+
+        # The base job ended without a result: later attempts run under "{base}-try{n}". Look at those too,
+        # so a retry after a worker crash finds the job an earlier retry left running.
+        attempt_id = re.compile(re.escape(base) + r"-try\d+(-\d+)?")
+        attempts = sorted(
+            (j for j in hook.list_jobs() if attempt_id.fullmatch(j.submission_id or "")),
+            key=lambda j: (j.start_time or 0, j.submission_id),
+        )
+        for job in reversed(attempts):
+            if self._status(job) in LIVE_STATUSES:
+                return "reattach", job.submission_id
+        succeeded = [j for j in attempts if self._status(j) == "SUCCEEDED"]
+        if succeeded and self.manifest_exists(manifest):
+            return "done", succeeded[-1].submission_id
+        taken = {j.submission_id for j in attempts}
+        sid = f"{base}-try{try_number}"
+        n = 2
+        while sid in taken:  # this very attempt number already ran a job that ended (rare): go on counting
+            sid = f"{base}-try{try_number}-{n}"
+            n += 1
+        return "submit", sid
+
+    def execute(self, context: Context) -> str:
+        dag_id, run_id, task_id, _ = self._ids(context)
+        try_number = int(getattr(context["ti"], "try_number", 1) or 1)
+        output = self.output_uri(context)
+        manifest = f"{output}/manifest.json"
+        base = self.base_submission_id(context)
+        hook = RayJobHook(self.ray_conn_id)
+
+        action, sid = self._find_job(hook, base, try_number, manifest)
+        self.submission_id = sid
+        if action == "done":
+            self.log.info(
+                "Ray job %s already SUCCEEDED and its manifest exists: not rerunning. Manifest: %s; dashboard: %s",
+                sid, manifest, hook.dashboard_url(sid),
+            )
+            return manifest
+        if action == "reattach":
+            self.log.info("Ray job %s is still running: reattaching, not submitting. Dashboard: %s", sid, hook.dashboard_url(sid))
+        else:
+            entrypoint = self.entrypoint(context)
+            runtime_env = self.runtime_env()
+            metadata = {
+                "airflow_dag_id": dag_id,
+                "airflow_run_id": run_id,
+                "airflow_task_id": task_id,
+                "airflow_try_number": str(try_number),
+                "output": output,
+            }
+            self.log.info("Submitting Ray job %s: %s", sid, entrypoint)
+            self.log.info("working_dir: %s", runtime_env.get("working_dir", "(none: code installed on the Ray nodes)"))
+            try:
+                hook.submit(
+                    entrypoint=entrypoint,
+                    submission_id=sid,
+                    runtime_env=runtime_env,
+                    entrypoint_num_cpus=self.entrypoint_num_cpus,
+                    entrypoint_num_gpus=self.entrypoint_num_gpus,
+                    metadata=metadata,
+                )
+            except RuntimeError as exc:
+                if "already exists" not in str(exc):
+                    raise
+                # Someone (a concurrent attempt) submitted it between our lookup and now: follow that one.
+                self.log.warning("Ray job %s was submitted concurrently: reattaching to it", sid)
+                action = "reattach"
+            else:
+                self.log.info("Submitted Ray job %s. Dashboard: %s", sid, hook.dashboard_url(sid))
+
+        self.defer(
+            trigger=RayJobTrigger(address=hook.address, submission_id=sid, poll_interval=self.poll_interval),
+            method_name="execute_complete",
+            timeout=self.execution_timeout if isinstance(self.execution_timeout, timedelta) else None,
+        )
+
+    def execute_complete(self, context: Context, event: dict[str, Any] | None = None) -> str:
+        if not event:
+            raise AirflowException("The Ray job trigger ended without an event")
+        sid = event.get("submission_id") or self.submission_id
+        self.submission_id = sid
+        status = event.get("status")
+        manifest = self.manifest_uri(context)
+        if status == "SUCCEEDED":
+            if not self.manifest_exists(manifest):
+                raise AirflowException(f"Ray job {sid} succeeded but wrote no manifest at {manifest}")
+            self.log.info("Ray job %s SUCCEEDED; manifest: %s", sid, manifest)
+            return manifest
+        raise AirflowException(failure_message(event, sid))
+
+    def on_kill(self) -> None:
+        if not self.submission_id:
+            return
+        try:
+            stopped = RayJobHook(self.ray_conn_id).stop_job(self.submission_id)
+            self.log.info("Stop requested for Ray job %s (was live: %s)", self.submission_id, stopped)
+        except Exception as exc:
+            self.log.warning("Could not stop Ray job %s: %s", self.submission_id, exc)

@@ -1,0 +1,145 @@
+"""RayJobTrigger: waits for a Ray job in the triggerer and streams its driver log into the task log."""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+from airflow.triggers.base import BaseTrigger, TriggerEvent
+
+from plugins.hooks import TERMINAL_STATUSES, RayJobHook
+
+LOG_TAIL_LINES = 40
+# How long Ray may stay unreachable (consecutive failed polls) before the trigger gives up on the job.
+DEFAULT_UNREACHABLE_GRACE_S = 120.0
+
+
+def split_new_lines(logs: str, offset: int, final: bool = False) -> tuple[list[str], int]:
+    """Complete lines of ``logs`` past ``offset`` and the offset after them.
+
+    A partial last line is kept back (its offset is not passed) until it ends or ``final`` is set.
+    """
+    if offset > len(logs):  # the log was truncated or replaced: start over rather than go silent
+        offset = 0
+    chunk = logs[offset:]
+    if not final:
+        cut = chunk.rfind("\n")
+        if cut < 0:
+            return [], offset
+        chunk = chunk[: cut + 1]
+    return chunk.splitlines(), offset + len(chunk)
+
+
+def log_tail(logs: str, n: int = LOG_TAIL_LINES) -> str:
+    return "\n".join(logs.rstrip("\n").splitlines()[-n:])
+
+
+class RayJobTrigger(BaseTrigger):
+    """Poll a Ray job until it ends; log the driver's new log lines on every poll.
+
+    Fires one event: ``{"status", "submission_id", "message", "log_tail"}``; ``status`` is Ray's terminal
+    status (SUCCEEDED, FAILED, STOPPED), or MISSING when Ray does not know the job, or UNREACHABLE when
+    Ray could not be reached for ``unreachable_grace_s`` seconds.
+
+    :param address: the Ray dashboard address, ``http://host:port``.
+    :param submission_id: the job to follow.
+    :param poll_interval: seconds between polls.
+    :param log_offset: characters of the driver log already shown (a resumed trigger skips them).
+    """
+
+    def __init__(
+        self,
+        address: str,
+        submission_id: str,
+        poll_interval: float = 2.0,
+        log_offset: int = 0,
+        unreachable_grace_s: float = DEFAULT_UNREACHABLE_GRACE_S,
+    ) -> None:
+        super().__init__()
+        self.address = address
+        self.submission_id = submission_id
+        self.poll_interval = float(poll_interval)
+        self.log_offset = int(log_offset)
+        self.unreachable_grace_s = float(unreachable_grace_s)
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return (
+            "plugins.triggers.RayJobTrigger",
+            {
+                "address": self.address,
+                "submission_id": self.submission_id,
+                "poll_interval": self.poll_interval,
+                "log_offset": self.log_offset,
+                "unreachable_grace_s": self.unreachable_grace_s,
+            },
+        )
+
+    def _hook(self) -> RayJobHook:
+        return RayJobHook(address=self.address)
+
+    def _emit(self, lines: list[str]) -> None:
+        for line in lines:
+            self.log.info("[ray %s] %s", self.submission_id, line)
+
+    def _event(self, status: str, message: str, logs: str) -> TriggerEvent:
+        return TriggerEvent(
+            {
+                "status": status,
+                "submission_id": self.submission_id,
+                "message": message,
+                "log_tail": log_tail(logs),
+            }
+        )
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        hook = self._hook()
+        loop = asyncio.get_running_loop()
+        logs = ""
+        failing_since: float | None = None
+        last_status = None
+        self.log.info(
+            "Following Ray job %s at %s (dashboard: %s)",
+            self.submission_id, self.address, hook.dashboard_url(self.submission_id),
+        )
+        while True:
+            try:
+                info = await hook.get_status(self.submission_id)
+                if info is None:
+                    yield self._event(
+                        "MISSING", f"Ray at {self.address} does not know job {self.submission_id}", logs
+                    )
+                    return
+                status = str(info.get("status") or "UNKNOWN")
+                terminal = status in TERMINAL_STATUSES
+                fetched = await hook.get_logs(self.submission_id)
+                failing_since = None
+            except Exception as exc:  # Ray restarting / network blip: keep waiting for a while
+                now = loop.time()
+                failing_since = failing_since if failing_since is not None else now
+                if now - failing_since >= self.unreachable_grace_s:
+                    yield self._event("UNREACHABLE", f"{exc} (for {now - failing_since:.0f}s)", logs)
+                    return
+                self.log.warning("Polling Ray job %s failed, retrying: %s", self.submission_id, exc)
+                await asyncio.sleep(self.poll_interval)
+                continue
+
+            if fetched is not None:
+                logs = fetched
+            lines, self.log_offset = split_new_lines(logs, self.log_offset, final=terminal)
+            self._emit(lines)
+            if status != last_status:
+                self.log.info("Ray job %s is %s", self.submission_id, status)
+                last_status = status
+            if terminal:
+                message = str(info.get("message") or "")
+                yield self._event(status, message, logs)
+                return
+            await asyncio.sleep(self.poll_interval)
+
+    async def on_kill(self) -> None:
+        """The user killed the deferred task (mark failed / success, clear): stop the Ray job too."""
+        try:
+            stopped = await self._hook().astop_job(self.submission_id)
+            self.log.info("Stop requested for Ray job %s (was live: %s)", self.submission_id, stopped)
+        except Exception as exc:
+            self.log.warning("Could not stop Ray job %s: %s", self.submission_id, exc)
