@@ -1,4 +1,4 @@
-"""Every stage on the tiny demo model, chained through the S3 emulator, in this process.
+"""Every stage's CLI on the tiny demo model, chained through the S3 emulator.
 
 Step counts are tiny: these tests check the contract (inputs through manifests, outputs committed
 with manifest.json, HF-format checkpoints, metrics, reports), not learning; the end-to-end test
@@ -17,37 +17,40 @@ from tasks.common.config import make_config
 from tasks.common.models import resolve_model
 from tasks.data.__main__ import prepare
 from tasks.data.config import PrepareDataConfig
-from tasks.eval.config import EvalConfig
-from tasks.eval.evaluate import evaluate
-from tasks.reward_model.config import RewardModelConfig
-from tasks.reward_model.trainer import train as train_rm
-from tasks.rl.config import RLConfig
-from tasks.rl.trainer import train as train_rl
 from tasks.sft.config import SFTConfig
-from tasks.sft.trainer import train as train_sft
 
 from conftest import REPO, SCRATCH
 
 
+def run_cli(*args):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
+
+
+def flags(values: dict) -> list[str]:
+    return [item for key, value in values.items() for item in (f"--{key}", str(value))]
+
+
 @pytest.fixture(scope="module")
 def chain(s3_server):
-    """prepare_data -> sft -> reward_model -> rl -> eval, each output on S3."""
+    """prepare_data (in this process) -> sft -> reward_model -> rl -> eval (each its CLI), outputs on S3."""
     os.environ["RLHF_CACHE_DIR"] = str(SCRATCH / "cache-stages")
     root = s3_server.uri("stages/run1")
     out = {name: f"{root}/{name}" for name in ("prepare_data", "sft", "reward_model", "rl", "eval")}
     stage.run("prepare_data", make_config(PrepareDataConfig, {"output": out["prepare_data"]}), prepare)
-    stage.run("sft", make_config(SFTConfig, {
-        "output": out["sft"], "pretrain": out["prepare_data"], "dataset": out["prepare_data"],
-        "max_steps": 6, "train_batch_size": 32, "logging_steps": 2, "use_wandb": True}), train_sft)
-    stage.run("reward_model", make_config(RewardModelConfig, {
-        "output": out["reward_model"], "pretrain": out["sft"], "dataset": out["prepare_data"],
-        "max_steps": 4, "train_batch_size": 32, "logging_steps": 2}), train_rm)
-    stage.run("rl", make_config(RLConfig, {
-        "output": out["rl"], "pretrain": out["sft"], "reward_pretrain": out["reward_model"], "prompt_data": out["prepare_data"],
-        "max_steps": 2, "rollout_batch_size": 16, "train_batch_size": 8}), train_rl)
-    stage.run("eval", make_config(EvalConfig, {
-        "output": out["eval"], "baseline": out["sft"], "policy": out["rl"], "reward_pretrain": out["reward_model"],
-        "dataset": out["prepare_data"], "max_samples": 24}), evaluate)
+    commands = {
+        "tasks.sft": {"output": out["sft"], "pretrain": out["prepare_data"], "dataset": out["prepare_data"],
+                      "max_steps": 6, "train_batch_size": 32, "logging_steps": 2, "use_wandb": True},
+        "tasks.reward_model": {"output": out["reward_model"], "pretrain": out["sft"], "dataset": out["prepare_data"],
+                               "max_steps": 4, "train_batch_size": 32, "logging_steps": 2},
+        "tasks.rl": {"output": out["rl"], "pretrain": out["sft"], "reward_pretrain": out["reward_model"],
+                     "prompt_data": out["prepare_data"], "max_steps": 2, "rollout_batch_size": 16, "train_batch_size": 8},
+        "tasks.eval": {"output": out["eval"], "baseline": out["sft"], "policy": out["rl"], "reward_pretrain": out["reward_model"],
+                       "dataset": out["prepare_data"], "max_samples": 24},
+    }
+    for module, values in commands.items():
+        done = run_cli(module, *flags(values))
+        assert done.returncode == 0, f"{module} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     return out
 
 
@@ -91,11 +94,6 @@ def test_eval_writes_report_and_table(chain, tmp_path):
     assert report["num_prompts"] == 24 and len(report["samples"]) == 8
     assert "| preferred_style_rate |" in (path / "report.md").read_text()
     assert m["metrics"]["policy_accuracy"] == report["metrics"]["policy"]["accuracy"]
-
-
-def run_cli(*args):
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
 
 
 def test_cli_refuses_a_missing_dataset_key_before_training(chain, tmp_path):
