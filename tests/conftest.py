@@ -68,3 +68,166 @@ def s3_server():
     s3.client().create_bucket(Bucket=s3.bucket)
     yield s3
     server.stop()
+
+
+# ---------------------------------------------------------------------------------------------------
+# The local stack, started by the same code as `make up` (tools/stack.py): a bare Ray head for tests that
+# run Airflow in-process, and the whole stack for end-to-end tests.
+
+import subprocess  # noqa: E402
+import time  # noqa: E402
+
+from tools import stack as _stack  # noqa: E402
+
+STACK_PY = REPO / "tools" / "stack.py"
+
+
+def _stack_port() -> int:
+    """A free port that Ray will accept (outside its worker port range)."""
+    while True:
+        port = free_port()
+        if port not in _stack.RAY_WORKER_PORTS:
+            return port
+
+
+def _clear_stale(parent: Path, keep: Path) -> None:
+    """Remove per-session folders under parent left by earlier sessions whose processes are gone."""
+    if not parent.is_dir():
+        return
+    for d in parent.iterdir():
+        if d.is_dir() and d != keep and not _stack.live_pids(d):
+            _stack.remove_scratch(d)
+
+
+@pytest.fixture(scope="session")
+def ray_head(s3_server):
+    """A real `ray start --head --block` on free loopback ports, with s3_server's endpoint and credentials in
+    its environment (job drivers inherit it). Yields the dashboard address ``http://127.0.0.1:<port>``.
+
+    Also sets AIRFLOW_CONN_RLHF_RAY and AIRFLOW_CONN_RLHF_S3 in os.environ for in-process Airflow.
+    """
+    parent = SCRATCH / "ray-head"
+    scratch = parent / str(os.getpid())  # one per session: concurrent sessions never share a head
+    _clear_stale(parent, scratch)
+    cfg = _stack.Config(
+        scratch=scratch,
+        airflow_port=_stack_port(),
+        s3_port=int(s3_server.endpoint.rsplit(":", 1)[1]),
+        ray_port=_stack_port(),
+        dashboard_port=_stack_port(),
+        ray_client_port=_stack_port(),
+        ray_agent_port=_stack_port(),
+        bucket=s3_server.bucket,
+    )
+    env = _stack.process_env(cfg)
+    # Same caches as the in-process tests (set at the top of this file).
+    for key in ("HF_HOME", "WANDB_DIR", "WANDB_CACHE_DIR", "TORCH_EXTENSIONS_DIR"):
+        env[key] = os.environ[key]
+    proc = _stack.start_ray(cfg, env)
+    try:
+        _stack.wait_healthy(cfg, "ray", {"ray": proc}, timeout=120)
+    except _stack.StackError as e:
+        _stack.stop_process(proc.pid)
+        pytest.fail(f"ray_head: {e}", pytrace=False)
+    saved = {k: os.environ.get(k) for k in ("AIRFLOW_CONN_RLHF_RAY", "AIRFLOW_CONN_RLHF_S3")}
+    os.environ["AIRFLOW_CONN_RLHF_RAY"] = _stack.conn_ray(cfg.dashboard_port)
+    os.environ["AIRFLOW_CONN_RLHF_S3"] = _stack.conn_s3(s3_server.endpoint)
+    yield cfg.dashboard_url
+    _stack.stop_process(proc.pid)
+    _stack.pid_file(cfg, "ray").unlink(missing_ok=True)
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+class LiveStack:
+    """A running stack started by `tools/stack.py up` (what `make up` runs), on its own scratch and ports."""
+
+    def __init__(self, cfg: "_stack.Config", env: dict):
+        self.cfg = cfg
+        self.env = env  # the environment tools/stack.py runs with (RLHF_* chosen here)
+        self.scratch = cfg.scratch
+        self.airflow_url = cfg.airflow_url
+        self.username, self.password = _stack.airflow_login(cfg.scratch)
+        self.s3_endpoint = cfg.s3_endpoint
+        self.bucket = cfg.bucket
+        self.ray_dashboard = cfg.dashboard_url
+        self.api = _stack.AirflowAPI(cfg.airflow_url, self.username, self.password)
+
+    def token(self) -> str:
+        """A JWT for ``Authorization: Bearer …`` (POST /auth/token)."""
+        return self.api.token()
+
+    def rest(self, method: str, path: str, body=None, **params):
+        """An authenticated REST call, e.g. ``rest("GET", "/api/v2/dags")``; returns the decoded JSON."""
+        return self.api.request(method, path, body, params or None)
+
+    def s3(self):
+        """A boto3 S3 client for the stack's emulator."""
+        return _stack.s3_client(self.cfg)
+
+    def stack(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+        """Run ``tools/stack.py <args>`` against this stack."""
+        return subprocess.run(
+            [sys.executable, str(STACK_PY), *args], env=self.env, capture_output=True, text=True, timeout=timeout
+        )
+
+    def pids(self) -> dict:
+        """{process name: pid} of the stack's running processes."""
+        return {n: p.pid for n in _stack._all_procs() if (p := _stack.running(self.cfg, n)) is not None}
+
+
+def stack_subprocess_env(scratch: Path, **ports: int) -> dict:
+    """os.environ without anything that configures Airflow, AWS, Ray or the stack, plus RLHF_* for scratch/ports.
+
+    Other fixtures set AIRFLOW_CONN_*, AWS_ENDPOINT_URL_S3, … in os.environ for in-process tests; a stack
+    started from the tests must not inherit them.
+    """
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "AWS_", "RAY_", "RLHF_"))}
+    env["RLHF_SCRATCH"] = str(scratch)
+    names = {
+        "airflow_port": "RLHF_AIRFLOW_PORT", "s3_port": "RLHF_S3_PORT", "ray_port": "RLHF_RAY_PORT",
+        "dashboard_port": "RLHF_RAY_DASHBOARD_PORT", "ray_client_port": "RLHF_RAY_CLIENT_PORT",
+        "ray_agent_port": "RLHF_RAY_AGENT_PORT",
+    }  # fmt: skip
+    for key, value in ports.items():
+        env[names[key]] = str(value)
+    return env
+
+
+@pytest.fixture(scope="session")
+def live_stack():
+    """The whole stack, started exactly as `make up` does (`tools/stack.py up` in a subprocess), but in
+    <repo>/.scratch/test-stack/<pid> on free ports, so it never meets a developer's stack or another test
+    session's. Yields a LiveStack (airflow_url, username, password, s3_endpoint, bucket, ray_dashboard,
+    token(), rest(), s3(), stack(), pids()); teardown runs `down`.
+    """
+    parent = REPO / ".scratch" / "test-stack"
+    scratch = parent / str(os.getpid())
+    _clear_stale(parent, scratch)
+    ports = {
+        k: _stack_port()
+        for k in ("airflow_port", "s3_port", "ray_port", "dashboard_port", "ray_client_port", "ray_agent_port")
+    }
+    env = stack_subprocess_env(scratch, **ports)
+    t0 = time.monotonic()
+    up = subprocess.run(
+        [sys.executable, str(STACK_PY), "up"], env=env, capture_output=True, text=True, timeout=600
+    )
+    cfg = _stack.Config.load(scratch) or _stack.Config.from_env(env)
+    if up.returncode != 0:
+        subprocess.run([sys.executable, str(STACK_PY), "down", "--no-snapshot", "--force"], env=env,
+                       capture_output=True, timeout=300)  # fmt: skip
+        pytest.fail(f"live_stack: `stack.py up` failed:\n{up.stdout}\n{up.stderr}", pytrace=False)
+    live = LiveStack(cfg, env)
+    live.up_seconds = time.monotonic() - t0
+    live.up_output = up.stdout
+    yield live
+    down = subprocess.run(
+        [sys.executable, str(STACK_PY), "down", "--no-snapshot", "--force"], env=env, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    if down.returncode != 0:
+        print(f"live_stack teardown: `stack.py down` failed:\n{down.stdout}\n{down.stderr}", file=sys.stderr)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import random
-import socket
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -26,12 +26,6 @@ def set_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_distributed() -> None:
     """Join (or, alone, create) the torch.distributed world this process belongs to."""
     import deepspeed
@@ -39,13 +33,19 @@ def init_distributed() -> None:
 
     if dist.is_initialized():
         return
-    # A process started without a launcher is a world of one.
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("LOCAL_RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a launcher (or a worker group) set up the rendezvous
+        deepspeed.init_distributed(dist_backend=backend)
+        return
+    # A process started alone is a world of one, joined through a file: torch's TCP store would
+    # listen on every interface whatever MASTER_ADDR says. DeepSpeed then adopts the group.
+    rendezvous = tempfile.NamedTemporaryFile(prefix="rlhf-rendezvous-", delete=False).name
+    os.unlink(rendezvous)
+    dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=0, world_size=1)
+    # Some DeepSpeed paths read these even for a world of one; nothing listens on them.
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+    deepspeed.init_distributed(dist_backend=backend)
 
 
 class DeepSpeedStrategy:

@@ -1,0 +1,183 @@
+"""The local stack (tools/stack.py, what `make up` / `make down` run): healthy, idempotent, loopback-only,
+and S3 kept across down/up. The unit tests at the top start nothing."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tools import stack
+
+from conftest import REPO, STACK_PY, _stack_port, stack_subprocess_env
+
+LOOPBACK_IPS = {"127.0.0.1", "::ffff:127.0.0.1", "::1"}
+
+
+# ----------------------------------------------------------------------------------------- unit
+
+
+def test_stack_env_is_loopback_complete_and_stable(tmp_path):
+    env = stack.stack_env(tmp_path, airflow_port=38080, s3_port=39000, ray_port=36379, dashboard_port=38265)
+    for key in (
+        "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL_S3", "HF_HUB_OFFLINE",
+        "TRANSFORMERS_OFFLINE", "HF_HOME", "WANDB_MODE", "WANDB_DIR", "WANDB_CACHE_DIR", "TORCH_EXTENSIONS_DIR",
+        "TOKENIZERS_PARALLELISM", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "AIRFLOW_HOME",
+        "AIRFLOW__CORE__EXECUTION_API_SERVER_URL", "AIRFLOW__API_AUTH__JWT_SECRET", "AIRFLOW__API__SECRET_KEY",
+    ):  # fmt: skip
+        assert env[key], key
+    assert env["AWS_ENDPOINT_URL_S3"] == "http://127.0.0.1:39000"
+    assert env["AIRFLOW__API__HOST"] == "127.0.0.1"
+    assert env["AIRFLOW__CORE__EXECUTION_API_SERVER_URL"] == "http://127.0.0.1:38080/execution/"
+    assert env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0"
+    assert env["TORCH_EXTENSIONS_DIR"] == str(REPO / ".scratch" / "torch_extensions")
+    s3 = json.loads(env["AIRFLOW_CONN_RLHF_S3"])
+    assert s3["conn_type"] == "aws" and s3["extra"]["endpoint_url"] == "http://127.0.0.1:39000"
+    assert json.loads(env["AIRFLOW_CONN_RLHF_RAY"]) == {
+        "conn_type": "http", "host": "127.0.0.1", "port": 38265, "schema": "http",
+    }  # fmt: skip
+    # Secrets and the login are generated once and reused.
+    again = stack.stack_env(tmp_path, airflow_port=38080, s3_port=39000, ray_port=36379, dashboard_port=38265)
+    assert again == env
+    user, password = stack.airflow_login(tmp_path)
+    assert user == "admin" and len(password) >= 12
+    assert json.loads(Path(env["AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE"]).read_text()) == {user: password}
+
+
+def test_ports_inside_rays_worker_range_are_refused(tmp_path):
+    with pytest.raises(stack.StackError, match="worker port range"):
+        stack.Config(scratch=tmp_path, dashboard_port=18265).check_ports()
+    with pytest.raises(stack.StackError, match="both"):
+        stack.Config(scratch=tmp_path, s3_port=8080).check_ports()
+
+
+def test_status_and_down_of_a_stack_never_started(tmp_path):
+    env = stack_subprocess_env(tmp_path / "never")
+    for cmd in (["status"], ["down"]):
+        out = subprocess.run([sys.executable, str(STACK_PY), *cmd], env=env, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+    assert "stopped" in subprocess.run(
+        [sys.executable, str(STACK_PY), "status"], env=env, capture_output=True, text=True, timeout=60
+    ).stdout
+
+
+# ----------------------------------------------------------------------------------------- e2e
+
+
+@pytest.mark.e2e
+def test_up_is_healthy(live_stack):
+    health = stack.airflow_health(live_stack.cfg)
+    for component in ("metadatabase", "scheduler", "triggerer", "dag_processor"):
+        assert health[component] == "healthy", health
+    with urllib.request.urlopen(f"{live_stack.ray_dashboard}/api/version", timeout=10) as r:
+        assert json.load(r)["ray_version"]
+    live_stack.s3().head_bucket(Bucket=live_stack.bucket)
+    # The login works and the REST API answers with it.
+    assert live_stack.token().count(".") == 2
+    assert "dags" in live_stack.rest("GET", "/api/v2/dags", limit=1)
+    status = live_stack.stack("status")
+    assert status.returncode == 0
+    assert status.stdout.count(" running ") == 6, status.stdout
+
+
+@pytest.mark.e2e
+def test_second_up_is_a_no_op(live_stack):
+    before = live_stack.pids()
+    assert len(before) == 6
+    t0 = time.monotonic()
+    again = live_stack.stack("up", timeout=120)
+    elapsed = time.monotonic() - t0
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.count("already running") == 3, again.stdout
+    assert live_stack.pids() == before
+    assert elapsed < 30, f"a no-op up took {elapsed:.1f}s"
+
+
+def _listening(pid: int) -> list[tuple[str, int, str]]:
+    """(ip, port, process name) of every listening inet socket of pid and its descendants."""
+    out = []
+    root = psutil.Process(pid)
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            for c in proc.net_connections(kind="inet"):
+                if c.status == psutil.CONN_LISTEN:
+                    out.append((c.laddr.ip, c.laddr.port, proc.name()))
+        except psutil.Error:
+            pass
+    return out
+
+
+@pytest.mark.e2e
+def test_nothing_listens_beyond_loopback(live_stack):
+    sockets = [s for pid in live_stack.pids().values() for s in _listening(pid)]
+    ports = {port for _, port, _ in sockets}
+    cfg = live_stack.cfg
+    assert {cfg.airflow_port, cfg.s3_port, cfg.ray_port, cfg.dashboard_port} <= ports, sockets
+    exposed = [s for s in sockets if s[0] not in LOOPBACK_IPS]
+    assert not exposed, f"listening beyond 127.0.0.1: {exposed}"
+
+
+@pytest.mark.e2e
+def test_s3_objects_survive_down_and_up():
+    """`down` saves S3 to the scratch folder and `up` restores it (S3 alone, on its own scratch and port)."""
+    parent = REPO / ".scratch" / "test-stack"
+    scratch = parent / f"{os.getpid()}-s3"
+    stack.remove_scratch(scratch)
+    env = stack_subprocess_env(scratch, s3_port=_stack_port())
+
+    def run(*args):
+        out = subprocess.run([sys.executable, str(STACK_PY), *args], env=env, capture_output=True, text=True,
+                             timeout=120)  # fmt: skip
+        assert out.returncode == 0, out.stdout + out.stderr
+        return out.stdout
+
+    try:
+        run("up", "s3")
+        cfg = stack.Config.load(scratch)
+        s3 = stack.s3_client(cfg)
+        key = "runs/rlhf_pipeline/manual__x/sft/manifest.json"
+        s3.put_object(Bucket=cfg.bucket, Key=key, Body=b'{"stage": "sft"}', ContentType="application/json")
+        s3.create_bucket(Bucket="another")
+        s3.put_object(Bucket="another", Key="dir/", Body=b"")  # not a file name: kept under .keys/
+        pid = stack.running(cfg, "s3").pid
+
+        assert "saved 2 objects" in run("down", "s3")
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        assert (scratch / "s3-snapshot" / "manifest.json").exists()
+
+        assert "restored 2 objects" in run("up", "s3")
+        s3 = stack.s3_client(cfg)
+        obj = s3.get_object(Bucket=cfg.bucket, Key=key)
+        assert obj["Body"].read() == b'{"stage": "sft"}'
+        assert obj["ContentType"] == "application/json"
+        assert s3.get_object(Bucket="another", Key="dir/")["Body"].read() == b""
+    finally:
+        subprocess.run([sys.executable, str(STACK_PY), "down", "--no-snapshot", "--force"], env=env,
+                       capture_output=True, timeout=120)  # fmt: skip
+        stack.remove_scratch(scratch)
+
+
+@pytest.mark.e2e
+def test_ray_head_jobs_reach_s3_with_the_nodes_environment(ray_head, s3_server):
+    """A job driver started by the ray_head fixture finds the venv's python and S3 with no runtime_env."""
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    client = JobSubmissionClient(ray_head)
+    code = (
+        "import boto3, sys; "
+        f"boto3.client('s3').put_object(Bucket='{s3_server.bucket}', Key='ray-head/probe', Body=sys.executable.encode())"
+    )
+    job = client.submit_job(entrypoint=f'python -c "{code}"')
+    deadline = time.monotonic() + 120
+    while (status := client.get_job_status(job)) not in {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}:
+        assert time.monotonic() < deadline, "job did not finish in 120 s"
+        time.sleep(0.5)
+    assert status == JobStatus.SUCCEEDED, client.get_job_logs(job)
+    body = s3_server.client().get_object(Bucket=s3_server.bucket, Key="ray-head/probe")["Body"].read().decode()
+    assert Path(body).parent == Path(sys.executable).parent

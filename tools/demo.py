@@ -1,0 +1,246 @@
+#!/usr/bin/env python3
+"""The demo `make demo` runs after `make up`: one run of the rlhf_pipeline DAG, followed to the end.
+
+Triggers the DAG through Airflow's REST API with an empty conf (the DAG's Param defaults are the demo's
+parameters), prints each task's state as it changes, then either the failed task's log tail (exit 1) or
+the evaluation report fetched from S3, where the artifacts are, and how to open the UI.
+
+    python tools/demo.py [--dag-id rlhf_pipeline] [--conf '{"key": "value"}'] [--timeout 3600]
+
+It talks to the stack in $RLHF_SCRATCH (default <repo>/.scratch), the one `make up` started.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tools import stack  # noqa: E402
+from tools.stack import AirflowAPI, APIError, q  # noqa: E402
+
+FINAL_RUN_STATES = {"success", "failed"}
+
+
+def log(t0: float, msg: str) -> None:
+    print(f"[{time.monotonic() - t0:7.1f}s] {msg}", flush=True)
+
+
+def wait_for_dag(api: AirflowAPI, cfg: stack.Config, dag_id: str, t0: float, timeout: float = 180) -> dict:
+    """The DAG's record; if the API does not know it yet, reserialize the DAG folder and wait for it."""
+    deadline = time.monotonic() + timeout
+    reserialized = False
+    while True:
+        try:
+            return api.get(f"/api/v2/dags/{q(dag_id)}")
+        except APIError as e:
+            if e.status != 404:
+                raise
+        if not reserialized:
+            log(t0, f"DAG {dag_id} not visible yet: reserializing {cfg.dags_folder}")
+            try:
+                stack.reserialize(cfg)
+            except stack.StackError as e:
+                log(t0, f"reserialize failed: {e}")
+            reserialized = True
+            continue
+        if time.monotonic() > deadline:
+            errors = api.get("/api/v2/importErrors", limit=20).get("import_errors", [])
+            msg = f"DAG {dag_id} did not appear within {timeout:.0f}s (DAG folder {cfg.dags_folder})"
+            for err in errors:
+                msg += f"\n  import error in {err.get('filename')}:\n    " + str(err.get("stack_trace", "")).strip()[
+                    -2000:
+                ].replace("\n", "\n    ")
+            raise SystemExit(msg)
+        time.sleep(2)
+
+
+def task_label(ti: dict) -> str:
+    index = ti.get("map_index", -1)
+    return ti["task_id"] if index is None or index < 0 else f"{ti['task_id']}[{index}]"
+
+
+def task_instances(api: AirflowAPI, dag_id: str, run_id: str) -> list[dict]:
+    out: list[dict] = []
+    while True:
+        page = api.get(f"/api/v2/dags/{q(dag_id)}/dagRuns/{q(run_id)}/taskInstances", limit=100, offset=len(out))
+        out += page.get("task_instances", [])
+        if not page.get("task_instances") or len(out) >= page.get("total_entries", 0):
+            return out
+
+
+# Context Airflow attaches to every structured log entry: the same on every line of one task's log.
+LOG_CONTEXT = {
+    "ti_id", "map_index", "run_id", "task_id", "dag_id", "try_number", "logger", "filename", "lineno",
+    "bundle_name", "bundle_version", "event", "timestamp", "level", "error_detail",
+}
+
+
+def format_log(content: Any) -> list[str]:
+    """Lines of a task log as the REST API returns it (structured entries or plain strings)."""
+    lines: list[str] = []
+    items = content if isinstance(content, list) else [content]
+    for item in items:
+        if isinstance(item, str):
+            lines += item.splitlines()
+            continue
+        if not isinstance(item, dict):
+            continue
+        event = str(item.get("event", ""))
+        if event.startswith(("::group::", "::endgroup::")):
+            continue
+        if "timestamp" not in item and "level" not in item:  # the header naming the log file
+            lines.append(f"(log file: {event})" if event.startswith("/") else event)
+            continue
+        stamp = str(item.get("timestamp", ""))[11:19]
+        extra = {k: v for k, v in item.items() if k not in LOG_CONTEXT}
+        text = f"{stamp} {item.get('level', ''):<7} {event}".rstrip()
+        if extra:
+            text += "  " + " ".join(f"{k}={v}" for k, v in extra.items())
+        lines += text.splitlines()
+        for detail in item.get("error_detail") or []:
+            if isinstance(detail, dict):
+                lines.append(f"    {detail.get('exc_type')}: {detail.get('exc_value')}")
+                for frame in (detail.get("frames") or [])[-6:]:
+                    lines.append(f"      {frame.get('filename')}:{frame.get('lineno')} in {frame.get('name')}")
+    return lines
+
+
+def log_tail(api: AirflowAPI, dag_id: str, run_id: str, ti: dict, lines: int = 60) -> str:
+    path = f"/api/v2/dags/{q(dag_id)}/dagRuns/{q(run_id)}/taskInstances/{q(ti['task_id'])}/logs/{ti['try_number']}"
+    try:
+        body = api.get(path, full_content="true", map_index=ti.get("map_index", -1))
+    except APIError as e:
+        return f"(log not available: {e})"
+    rows = format_log(body.get("content", body) if isinstance(body, dict) else body)
+    return "\n".join(rows[-lines:])
+
+
+def xcom_value(api: AirflowAPI, dag_id: str, run_id: str, task_id: str, map_index: int = -1) -> Any:
+    path = f"/api/v2/dags/{q(dag_id)}/dagRuns/{q(run_id)}/taskInstances/{q(task_id)}/xcomEntries/return_value"
+    try:
+        value = api.get(path, map_index=map_index)["value"]
+    except APIError as e:
+        if e.status == 404:
+            return None
+        raise
+    if isinstance(value, str):  # stored JSON-encoded
+        try:
+            value = json.loads(value)
+        except ValueError:
+            pass
+    return value
+
+
+def split_s3(uri: str) -> tuple[str, str]:
+    if not uri.startswith("s3://"):
+        raise ValueError(f"not an s3:// URI: {uri!r}")
+    bucket, _, key = uri[5:].partition("/")
+    return bucket, key
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dag-id", default="rlhf_pipeline")
+    parser.add_argument("--conf", default="{}", help="JSON conf for the run; {} keeps the DAG's Param defaults")
+    parser.add_argument("--eval-task", default="eval", help="the task whose XCom is the eval manifest URI")
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds to wait for the run")
+    parser.add_argument("--poll", type=float, default=2.0)
+    args = parser.parse_args(argv)
+    conf = json.loads(args.conf)
+
+    cfg = stack.current_config()
+    ok, detail = stack.healthy_airflow(cfg)
+    if not ok:
+        print(f"demo: Airflow at {cfg.airflow_url} is not healthy ({detail}): run `make up` first", file=sys.stderr)
+        return 2
+    api = AirflowAPI.for_stack(cfg)
+    t0 = time.monotonic()
+    dag_id = args.dag_id
+
+    dag = wait_for_dag(api, cfg, dag_id, t0)
+    if dag.get("is_paused"):
+        api.patch(f"/api/v2/dags/{q(dag_id)}", {"is_paused": False})
+        log(t0, f"unpaused {dag_id}")
+    run = api.post(f"/api/v2/dags/{q(dag_id)}/dagRuns", {"logical_date": None, "conf": conf})
+    run_id = run["dag_run_id"]
+    ui = f"{cfg.airflow_url}/dags/{q(dag_id)}/runs/{q(run_id)}"
+    log(t0, f"triggered {dag_id} run {run_id}")
+    log(t0, f"follow it in the UI: {ui}")
+
+    seen: dict[str, str] = {}
+    deadline = time.monotonic() + args.timeout
+    state = run.get("state")
+    while True:
+        tis = task_instances(api, dag_id, run_id)
+        for ti in sorted(tis, key=lambda t: (t.get("start_date") or "~", t["task_id"])):
+            label, now = task_label(ti), ti.get("state") or "none"
+            if seen.get(label, "none") != now:
+                log(t0, f"{label:<24} {seen.get(label, '-'):>10} -> {now}")
+                seen[label] = now
+        if state in FINAL_RUN_STATES:
+            break
+        if time.monotonic() > deadline:
+            print(f"demo: run {run_id} still {state} after {args.timeout:.0f}s; see {ui}", file=sys.stderr)
+            return 1
+        time.sleep(args.poll)
+        state = api.get(f"/api/v2/dags/{q(dag_id)}/dagRuns/{q(run_id)}")["state"]
+    wall = time.monotonic() - t0
+    user, password = stack.airflow_login(cfg.scratch)
+
+    if state != "success":
+        failed = [ti for ti in tis if ti.get("state") == "failed"]
+        print(f"\nrun {run_id} FAILED after {wall:.0f}s", flush=True)
+        for ti in failed:
+            print(f"\n--- failed task: {task_label(ti)} (try {ti['try_number']}); last lines of its log:")
+            print(log_tail(api, dag_id, run_id, ti))
+        if not failed:
+            print("no task failed; task states: " + ", ".join(f"{k}={v}" for k, v in seen.items()))
+        print(f"\nUI: {ui}  (login {user} / {password})")
+        return 1
+
+    manifest_uri = xcom_value(api, dag_id, run_id, args.eval_task)
+    print(f"\nrun {run_id} succeeded in {wall:.0f}s\n", flush=True)
+    if not isinstance(manifest_uri, str) or not manifest_uri.startswith("s3://"):
+        print(f"demo: task {args.eval_task!r} returned {manifest_uri!r}, not an s3:// manifest URI", file=sys.stderr)
+        return 1
+    bucket, key = split_s3(manifest_uri)
+    stage_dir = key.rsplit("/", 1)[0]
+    s3 = stack.s3_client(cfg)
+    code = 0
+    try:
+        report = s3.get_object(Bucket=bucket, Key=f"{stage_dir}/report.md")["Body"].read().decode()
+    except Exception as e:  # noqa: BLE001 - say what is missing, print the locations, exit 1
+        report = f"(no report at s3://{bucket}/{stage_dir}/report.md: {e})"
+        code = 1
+    print("=" * 100)
+    print(report.rstrip())
+    print("=" * 100)
+
+    run_prefix = stage_dir.rsplit("/", 1)[0]
+    print(f"\nArtifacts of this run: s3://{bucket}/{run_prefix}/   (S3 endpoint {cfg.s3_endpoint})")
+    task_ids = sorted({ti["task_id"] for ti in tis}, key=lambda t: min(
+        (ti.get("start_date") or "~") for ti in tis if ti["task_id"] == t))  # fmt: skip
+    for task_id in task_ids:
+        value = xcom_value(api, dag_id, run_id, task_id)
+        if value is not None:
+            print(f"  {task_id:<20} {value if isinstance(value, str) else json.dumps(value)}")
+    print(f"\nTotal wall time: {wall:.0f}s")
+    print(f"Airflow UI: {cfg.airflow_url}  (login {user} / {password})  this run: {ui}")
+    print(f"Ray dashboard: {cfg.dashboard_url}")
+    return code
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        print("demo: interrupted (the run goes on in Airflow)", file=sys.stderr)
+        sys.exit(130)
+    except (APIError, OSError) as e:  # the API refused something, or the stack went away
+        print(f"demo: {e}", file=sys.stderr)
+        sys.exit(1)
