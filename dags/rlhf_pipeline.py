@@ -27,6 +27,7 @@ DEFAULTS = {
     "actor_learning_rate": 3e-5,
     "critic_learning_rate": 1e-4,
     "init_kl_coef": 0.05,
+    "gae_lambda": 0.8,
     "zero_stage": 2,
     "eval_max_samples": 500,
 }
@@ -85,6 +86,10 @@ PARAMS = {
     "init_kl_coef": Param(
         DEFAULTS["init_kl_coef"], type="number", title="Initial KL coefficient", minimum=0, maximum=10,
         description="Weight of the KL penalty against the SFT reference policy at the start of RL.",
+    ),
+    "gae_lambda": Param(
+        DEFAULTS["gae_lambda"], type="number", title="GAE lambda", minimum=0, maximum=1,
+        description="λ of generalised advantage estimation in RL (lower: credit stays nearer the token that earned it).",
     ),
     "zero_stage": Param(
         DEFAULTS["zero_stage"], type="integer", title="DeepSpeed ZeRO stage", enum=[0, 2, 3],
@@ -151,6 +156,7 @@ with DAG(
             "actor_learning_rate": "{{ params.actor_learning_rate }}",
             "critic_learning_rate": "{{ params.critic_learning_rate }}",
             "init_kl_coef": "{{ params.init_kl_coef }}",
+            "lambd": "{{ params.gae_lambda }}",
             "seed": "{{ params.seed }}",
             "zero_stage": "{{ params.zero_stage }}",
         },

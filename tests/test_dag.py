@@ -29,6 +29,7 @@ WIRING = {
         "pretrain": "sft", "reward_pretrain": "reward_model", "prompt_data": "prepare_data",
         "max_steps": "params.rl_steps", "actor_learning_rate": "params.actor_learning_rate",
         "critic_learning_rate": "params.critic_learning_rate", "init_kl_coef": "params.init_kl_coef",
+        "lambd": "params.gae_lambda",
         "seed": "params.seed", "zero_stage": "params.zero_stage",
     }),
     "eval": ("tasks.eval", {
@@ -108,7 +109,7 @@ def test_params_form(dag):
     expected = {
         "bucket", "prefix", "dataset", "base_model", "seed", "sft_steps", "sft_learning_rate", "rm_steps",
         "rm_learning_rate", "rl_steps", "actor_learning_rate", "critic_learning_rate", "init_kl_coef",
-        "zero_stage", "eval_max_samples",
+        "gae_lambda", "zero_stage", "eval_max_samples",
     }
     assert set(params) == expected
     for name in expected:

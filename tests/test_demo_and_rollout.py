@@ -20,16 +20,16 @@ def test_demo_datasets_are_deterministic_disjoint_and_half_terse():
 
 
 def test_answer_parsing_and_style():
-    assert demo.extract_answer("082") == demo.extract_answer("sum is 082") == "082"
-    assert demo.extract_answer("sum is 08") is None
-    assert demo.is_preferred_style("082") and not demo.is_preferred_style("sum is 082")
+    assert demo.extract_answer("082") == demo.extract_answer("082 is the sum") == "082"
+    assert demo.extract_answer("08 is the sum") is None and demo.extract_answer("0821") is None
+    assert demo.is_preferred_style("082") and not demo.is_preferred_style("082 is the sum")
 
 
 def test_tokenizer_round_trip():
     tok = demo.build_tokenizer()
     ids = encode_prompt(tok, "37+45=")
     assert ids[0] == tok.bos_token_id and len(ids) == 7
-    assert tok.decode(tok.encode("sum is 082", add_special_tokens=False)) == "sum is 082"
+    assert tok.decode(tok.encode("082 is the sum", add_special_tokens=False)) == "082 is the sum"
 
 
 def test_response_mask_stops_after_first_eos():

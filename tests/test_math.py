@@ -4,8 +4,11 @@ import math
 import pytest
 import torch
 
-from tasks.common.losses import bradley_terry_loss, masked_mean, policy_loss, sft_loss, value_loss
-from tasks.rl.advantages import gae, kl_estimate, kl_penalized_rewards, whiten
+from tasks.common.losses import (aggregate, bradley_terry_loss, kl_loss, masked_mean, policy_loss, sft_loss,
+                                 value_loss)
+from tasks.rl.advantages import (compute_advantages, discounted_returns, gae, group_keep_mask, kl_estimate,
+                                 kl_penalized_rewards, shape_scores, uses_critic, whiten)
+from tasks.rl.kl_controller import AdaptiveKLController, FixedKLController, make_kl_controller
 
 T = torch.tensor
 
@@ -94,3 +97,230 @@ def test_gae_stops_at_the_end_of_the_response():
 def test_whiten():
     # over (1, 2, 3): mean 2, std sqrt(2/3) = 0.816497
     close(whiten(T([[1.0, 2.0, 3.0, 100.0]]), T([[1, 1, 1, 0]])), [[-1.224745, 0.0, 1.224745, 0.0]], tol=1e-4)
+
+
+# ---- policy loss options ---------------------------------------------------------------------------
+
+def test_policy_loss_clip_higher_is_asymmetric():
+    # ratios 1.5, 0.5, 1.25 with advantages 1, -1, 1; ε_low = 0.2, ε_high = 0.28: bounds [0.8, 1.28]
+    #   min(1.5, 1.28) = 1.28 -> -1.28 (clipped); min(-0.5, -0.8) = -0.8 -> 0.8 (clipped);
+    #   min(1.25, 1.25) = 1.25 -> -1.25 (inside 1.28; with symmetric ε = 0.2 it would clip to 1.2)
+    logp = T([[math.log(1.5), math.log(0.5), math.log(1.25)]])
+    args = (logp, torch.zeros(1, 3), T([[1.0, -1.0, 1.0]]), torch.ones(1, 3))
+    loss, clip_fraction = policy_loss(*args, clip_eps=0.2, clip_eps_low=0.2, clip_eps_high=0.28)
+    close(loss, (-1.28 + 0.8 - 1.25) / 3)
+    close(clip_fraction, 2 / 3)
+    symmetric, _ = policy_loss(*args, clip_eps=0.2)
+    close(symmetric, (-1.2 + 0.8 - 1.2) / 3)
+
+
+def test_policy_loss_dual_clip_bounds_negative_advantages():
+    # ratios 4, 0.5, 4 with advantages -1, -1, 1; ε = 0.2, c = 3
+    #   token 1: min(-4, -1.2) = -4, max(-4, 3·-1 = -3) = -3 -> loss 3 = c·|A| (plain PPO: 4)
+    #   token 2: min(-0.5, -0.8) = -0.8 > -3 -> loss 0.8 unchanged
+    #   token 3: A > 0: min(4, 1.2) = 1.2 -> loss -1.2 unchanged
+    logp = T([[math.log(4.0), math.log(0.5), math.log(4.0)]])
+    args = (logp, torch.zeros(1, 3), T([[-1.0, -1.0, 1.0]]), torch.ones(1, 3))
+    loss, _ = policy_loss(*args, dual_clip=3.0)
+    close(loss, (3.0 + 0.8 - 1.2) / 3)
+    plain, _ = policy_loss(*args)
+    close(plain, (4.0 + 0.8 - 1.2) / 3)
+    with pytest.raises(ValueError, match="dual_clip"):
+        policy_loss(*args, dual_clip=1.0)
+
+
+def test_loss_aggregations():
+    # ρ = 1 so the per-token loss is -A; A = (1, 2, 3 | 4), the second row has one token
+    #   token_mean:              -(1 + 2 + 3 + 4) / 4 = -2.5
+    #   seq_mean_token_mean:     row means -2, -4 -> -3
+    #   seq_mean_token_sum_norm: max_len 4: row sums -6/4 = -1.5, -4/4 = -1 -> -1.25
+    adv, mask = T([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]]), T([[1, 1, 1], [1, 0, 0]])
+    zeros = torch.zeros(2, 3)
+    close(policy_loss(zeros, zeros, adv, mask)[0], -2.5)
+    close(policy_loss(zeros, zeros, adv, mask, loss_agg="seq_mean_token_mean")[0], -3.0)
+    close(policy_loss(zeros, zeros, adv, mask, loss_agg="seq_mean_token_sum_norm", max_len=4)[0], -1.25)
+    with pytest.raises(ValueError, match="max_len"):
+        policy_loss(zeros, zeros, adv, mask, loss_agg="seq_mean_token_sum_norm")
+    with pytest.raises(ValueError, match="loss_agg"):
+        aggregate(adv, mask, "sum")
+
+
+def test_aggregate_skips_empty_rows_and_masked_nonfinite_values():
+    # the empty third row counts in no sequence mean; inf under the mask is ignored
+    #   seq_mean_token_mean: (1 + 3) / 2 = 2;  token_mean: (1 + 3) / 2 = 2
+    loss = T([[1.0, float("inf")], [3.0, float("nan")], [5.0, 7.0]])
+    mask = T([[1, 0], [1, 0], [0, 0]])
+    close(aggregate(loss, mask, "seq_mean_token_mean"), 2.0)
+    close(aggregate(loss, mask, "token_mean"), 2.0)
+
+
+def test_kl_loss_value_and_gradient():
+    # token 1: π = 0.5, π_ref = 0.25 -> k3 = 0.193147, k1 = 0.693147; token 2: π = π_ref -> 0; token 3 masked
+    #   token mean k3 = 0.193147 / 2 = 0.0965735;  k1: 0.693147 / 2 = 0.3465736
+    #   ∂k3/∂log π = 1 - e^r = 1 - 0.5 = 0.5 on token 1, / 2 tokens = 0.25; 0 on token 2 (1 - e^0)
+    logp = T([[math.log(0.5), math.log(0.3), 5.0]]).requires_grad_(True)
+    ref = T([[math.log(0.25), math.log(0.3), 0.0]])
+    mask = T([[1, 1, 0]])
+    loss = kl_loss(logp, ref, mask, "k3")
+    close(loss, 0.0965735)
+    loss.backward()
+    close(logp.grad, [[0.25, 0.0, 0.0]])
+    close(kl_loss(logp.detach(), ref, mask, "k1"), 0.3465736)
+
+
+# ---- advantage estimators ---------------------------------------------------------------------------
+
+def test_uses_critic():
+    assert uses_critic("gae")
+    assert not any(uses_critic(e) for e in ("reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo"))
+    with pytest.raises(ValueError, match="advantage_estimator"):
+        uses_critic("ppo")
+
+
+def test_shape_scores_one_group_of_three():
+    # r = (1, 2, 6), mean 3
+    #   rloo: 1 - (2+6)/2 = -3;  2 - (1+6)/2 = -1.5;  6 - (1+2)/2 = 4.5
+    #   reinforce_baseline, dr_grpo: (-2, -1, 3)
+    #   group_norm: unbiased std = sqrt((4 + 1 + 9) / 2) = sqrt(7) = 2.645751 -> (-0.755929, -0.377964, 1.133893)
+    r = T([1.0, 2.0, 6.0])
+    close(shape_scores(r, 3, "rloo"), [-3.0, -1.5, 4.5])
+    close(shape_scores(r, 3, "reinforce_baseline"), [-2.0, -1.0, 3.0])
+    close(shape_scores(r, 3, "dr_grpo"), [-2.0, -1.0, 3.0])
+    close(shape_scores(r, 3, "group_norm"), [-0.755929, -0.377964, 1.133893])
+    close(shape_scores(r, 3, "gae"), [1.0, 2.0, 6.0])
+    close(shape_scores(r, 1, "reinforce"), [1.0, 2.0, 6.0])
+
+
+def test_shape_scores_refuses_bad_groups():
+    with pytest.raises(ValueError, match="n_samples_per_prompt >= 2"):
+        shape_scores(T([1.0, 2.0]), 1, "rloo")
+    with pytest.raises(ValueError, match="whole groups"):
+        shape_scores(T([1.0, 2.0, 3.0]), 2, "group_norm")
+    with pytest.raises(ValueError, match="advantage_estimator"):
+        shape_scores(T([1.0, 2.0]), 2, "grpo")
+
+
+def test_discounted_returns():
+    # γ = 0.5, r = (1, 2, 3 | pad 9): G2 = 3; G1 = 2 + 0.5·3 = 3.5; G0 = 1 + 0.5·3.5 = 2.75; pad -> 0
+    close(discounted_returns(T([[1.0, 2.0, 3.0, 9.0]]), T([[1, 1, 1, 0]]), gamma=0.5), [[2.75, 3.5, 3.0, 0.0]])
+
+
+# 2 prompts × 2 samples: scores (1, 0 | 2, 2); sample 2 has one response token, the others two
+SCORES = T([1.0, 0.0, 2.0, 2.0])
+MASK = T([[1, 1], [1, 0], [1, 1], [1, 1]])
+KL = torch.full((4, 2), 0.2)  # β = 0.5 -> -0.1 per response token
+
+
+def test_dr_grpo_advantages():
+    # shaped: group means 0.5, 2 -> (0.5, -0.5 | 0, 0); token rewards -0.1 each, shaped score on the last token
+    #   row 0: (-0.1, 0.4) -> returns (0.3, 0.4);  row 1: (-0.6 | pad) -> (-0.6, 0)
+    #   rows 2, 3: (-0.1, -0.1) -> (-0.2, -0.1);   advantages = returns (no whitening)
+    adv, ret = compute_advantages("dr_grpo", SCORES, KL, MASK, None, n=2, kl_coef=0.5)
+    expected = [[0.3, 0.4], [-0.6, 0.0], [-0.2, -0.1], [-0.2, -0.1]]
+    close(adv, expected)
+    close(ret, expected)
+
+
+def test_group_norm_advantages():
+    # shaped: group 0 std (unbiased) = sqrt(0.25 + 0.25) = 0.707107 -> ±0.5 / 0.707107 = ±0.707107;
+    #   group 1 std 0 -> 0 / 1e-9 = 0.  row 0: (-0.1, 0.607107) -> (0.507107, 0.607107)
+    #   row 1: (-0.1 - 0.707107 = -0.807107 | pad);  rows 2, 3: (-0.2, -0.1); not whitened
+    adv, ret = compute_advantages("group_norm", SCORES, KL, MASK, None, n=2, kl_coef=0.5)
+    close(adv, [[0.507107, 0.607107], [-0.807107, 0.0], [-0.2, -0.1], [-0.2, -0.1]])
+    close(ret, adv)
+
+
+def test_rloo_advantages():
+    # shaped: 1 - 0 = 1, 0 - 1 = -1 | 2 - 2 = 0, 0
+    #   row 0: (-0.1, 0.9) -> (0.8, 0.9);  row 1: (-1.1 | pad);  rows 2, 3: (-0.2, -0.1); not whitened
+    adv, ret = compute_advantages("rloo", SCORES, KL, MASK, None, n=2, kl_coef=0.5)
+    close(adv, [[0.8, 0.9], [-1.1, 0.0], [-0.2, -0.1], [-0.2, -0.1]])
+    close(ret, adv)
+
+
+def test_reinforce_baseline_advantages_are_whitened():
+    # full mask, β = 0: shaped (0.5, -0.5 | 0, 0) on the last token -> returns (0.5, 0.5), (-0.5, -0.5), 0, 0
+    #   over 8 tokens: mean 0, var = 4·0.25 / 8 = 0.125, std 0.353553 -> ±0.5 / 0.353553 = ±1.414214
+    adv, ret = compute_advantages("reinforce_baseline", SCORES, None, torch.ones(4, 2), None, n=2)
+    close(ret, [[0.5, 0.5], [-0.5, -0.5], [0.0, 0.0], [0.0, 0.0]])
+    close(adv, [[1.414214, 1.414214], [-1.414214, -1.414214], [0.0, 0.0], [0.0, 0.0]], tol=1e-4)
+
+
+def test_reinforce_advantages_discount_then_whiten():
+    # raw scores, β = 0, γ = 0.5, full mask: returns (0.5, 1), (0, 0), (1, 2), (1, 2)
+    #   mean 7.5 / 8 = 0.9375; deviations -0.4375, 0.0625, -0.9375 ×2, 0.0625, 1.0625, 0.0625, 1.0625
+    #   var = (0.19140625 + 3·0.00390625 + 2·0.87890625 + 2·1.12890625) / 8 = 4.21875 / 8 = 0.52734375
+    #   std 0.726184 -> -0.602464, 0.086066, -1.290994, 1.463127
+    adv, ret = compute_advantages("reinforce", SCORES, None, torch.ones(4, 2), None, n=2, gamma=0.5)
+    close(ret, [[0.5, 1.0], [0.0, 0.0], [1.0, 2.0], [1.0, 2.0]])
+    close(adv, [[-0.602464, 0.086066], [-1.290994, -1.290994], [0.086066, 1.463127], [0.086066, 1.463127]], tol=1e-4)
+
+
+def test_gae_advantages_via_dispatcher():
+    # raw scores, β = 0, γ = λ = 1, V = 0.5 everywhere: δ1 = r - 0.5, δ0 = 0.5 - 0.5 = 0 -> A = (r - 0.5, r - 0.5)
+    #   A: (0.5, 0.5), (-0.5, -0.5), (1.5, 1.5) ×2; returns A + V = (1, 1), (0, 0), (2, 2), (2, 2)
+    #   whitened: mean of A = 6 / 8 = 0.75; deviations -0.25 ×2, -1.25 ×2, 0.75 ×4
+    #   var = (0.125 + 3.125 + 2.25) / 8 = 0.6875, std 0.829156 -> -0.301511, -1.507557, 0.904534
+    values = torch.full((4, 2), 0.5)
+    adv, ret = compute_advantages("gae", SCORES, None, torch.ones(4, 2), values, n=2, gamma=1.0, lambd=1.0)
+    close(ret, [[1.0, 1.0], [0.0, 0.0], [2.0, 2.0], [2.0, 2.0]])
+    close(adv, [[-0.301511] * 2, [-1.507557] * 2, [0.904534] * 2, [0.904534] * 2], tol=1e-4)
+    with pytest.raises(ValueError, match="values"):
+        compute_advantages("gae", SCORES, None, torch.ones(4, 2), None)
+
+
+def test_group_estimators_force_gamma_one_and_clip_after_shaping():
+    # dr_grpo with γ = 0.5 still sums undiscounted; reward_clip (-0.4, 0.4) clips the shaped ±0.5
+    #   row 0: (0, 0.4) -> returns (0.4, 0.4);  row 1: (0, -0.4) -> (-0.4, -0.4);  rows 2, 3: 0
+    with pytest.warns(UserWarning, match="gamma"):
+        adv, _ = compute_advantages("dr_grpo", SCORES, None, torch.ones(4, 2), None, n=2, gamma=0.5,
+                                    reward_clip=(-0.4, 0.4))
+    close(adv, [[0.4, 0.4], [-0.4, -0.4], [0.0, 0.0], [0.0, 0.0]])
+
+
+def test_group_keep_mask():
+    # n = 2, range (0, 1): (0, 1) mean 0.5 varied -> keep; (1, 1) mean 1 not < 1 -> drop;
+    #   (0, 0) -> drop; (0.5, 0.5) inside but all equal -> drop; (0.2, 0.9) -> keep; (-1, 1) mean 0 not > 0 -> drop
+    scores = T([0.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.5, 0.5, 0.2, 0.9, -1.0, 1.0])
+    keep = group_keep_mask(scores, 2, 0.0, 1.0)
+    assert keep.tolist() == [True, True, False, False, False, False, False, False, True, True, False, False]
+    with pytest.raises(ValueError, match="n_samples_per_prompt"):
+        group_keep_mask(scores, 1, 0.0, 1.0)
+
+
+# ---- KL controllers ---------------------------------------------------------------------------------
+
+def test_adaptive_kl_controller():
+    # β = 0.1, target 6, horizon 10000, 1000 samples per update:
+    #   KL 9:   e = clip(9/6 - 1 = 0.5) = 0.2;   β = 0.1 · (1 + 0.2·0.1) = 0.102
+    #   KL 5.4: e = 5.4/6 - 1 = -0.1;            β = 0.102 · (1 - 0.1·0.1) = 0.10098
+    ctl = make_kl_controller(0.1, kl_target=6.0, kl_horizon=10000)
+    assert isinstance(ctl, AdaptiveKLController)
+    ctl.update(9.0, 1000)
+    close(ctl.value, 0.102)
+    ctl.update(5.4, 1000)
+    close(ctl.value, 0.10098)
+    resumed = make_kl_controller(0.1, kl_target=6.0)
+    resumed.load_state_dict(ctl.state_dict())
+    close(resumed.value, 0.10098)
+    with pytest.raises(ValueError, match="kl_target"):
+        AdaptiveKLController(0.1, 0.0, 10000)
+
+
+def test_fixed_kl_controller():
+    ctl = make_kl_controller(0.05)
+    assert isinstance(ctl, FixedKLController) and isinstance(make_kl_controller(0.05, kl_target=0), FixedKLController)
+    ctl.update(100.0, 1000)
+    close(ctl.value, 0.05)
+    assert ctl.state_dict() == {"kind": "fixed", "value": 0.05}
+
+
+def test_lr_multiplier_warmup_then_constant_or_cosine():
+    from tasks.common.strategy import lr_multiplier
+
+    # warmup 4: (step + 1) / 4
+    assert [lr_multiplier(s, 100, 4) for s in range(5)] == [0.25, 0.5, 0.75, 1.0, 1.0]
+    # cosine over steps 4..104: 1 at the start, 0.1 + 0.9·½ = 0.55 halfway, 0.1 at the end
+    close(lr_multiplier(4, 104, 4, "cosine"), 1.0)
+    close(lr_multiplier(54, 104, 4, "cosine"), 0.55)
+    close(lr_multiplier(104, 104, 4, "cosine"), 0.1)

@@ -24,6 +24,9 @@ from typing import Any
 import yaml
 
 
+LR_SCHEDULERS = ("constant", "cosine")  # what tasks.common.strategy.lr_multiplier implements
+
+
 class ConfigError(ValueError):
     """Bad configuration; the message is one line naming the field and the fix."""
 

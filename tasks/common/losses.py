@@ -3,7 +3,12 @@
     loss = sft_loss(token_logprobs, loss_mask)
     loss = bradley_terry_loss(chosen_scores, rejected_scores)
     loss, clip_frac = policy_loss(logprobs, old_logprobs, advantages, mask, clip_eps=0.2)
+    loss, clip_frac = policy_loss(..., clip_eps_low=0.2, clip_eps_high=0.28, dual_clip=3.0,
+                                  loss_agg="seq_mean_token_sum_norm", max_len=1024)
     loss, clip_frac = value_loss(values, old_values, returns, mask, clip_eps=0.2)
+    kl = kl_estimate(logprobs, ref_logprobs, "k3")           # per token, [B, T]
+    loss = kl_loss(logprobs, ref_logprobs, mask, "k3")        # --use_kl_loss; the caller multiplies by β
+    loss = aggregate(per_token_loss, mask, "token_mean")      # how [B, T] losses become one number
 
 Shapes: per-token tensors are [batch, tokens] with a 0/1 mask of the same shape.
 """
@@ -45,23 +50,79 @@ def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Te
     return -F.logsigmoid(chosen.float() - rejected.float()).mean()
 
 
+LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+
+
+def aggregate(
+    loss: torch.Tensor, mask: torch.Tensor, loss_agg: str = "token_mean", max_len: int | None = None
+) -> torch.Tensor:
+    """Reduce a per-token loss [B, T] to a scalar over the response tokens (mask = 1).
+
+    token_mean:              Σ_{i,t} l_it / Σ_{i,t} m_it — every token of the batch weighs the same
+                             (OpenRLHF's default, token_level_loss=True; DAPO §3.3 "token-level loss").
+    seq_mean_token_mean:     mean_i (Σ_t l_it / |o_i|) — each sequence weighs the same, so tokens of
+                             short answers weigh more (GRPO's original, Shao et al. 2024, eq. 3).
+    seq_mean_token_sum_norm: mean_i (Σ_t l_it / max_len) with a constant max_len, which removes the
+                             length bias of 1/|o_i| (Dr. GRPO, Liu et al. 2025, §3.2); max_len is
+                             the generation budget (generate_max_len), not the batch's padded width.
+
+    The sequence-level forms average over the rows that hold at least one response token.
+    Positions with mask 0 never contribute, even when the loss there is inf or nan.
+    """
+    mask = mask.to(loss.dtype)
+    loss = torch.where(mask > 0, loss, torch.zeros_like(loss))
+    if loss_agg == "token_mean":
+        return masked_mean(loss, mask)
+    if loss_agg == "seq_mean_token_mean":
+        per_sequence = masked_mean(loss, mask, dim=1)
+    elif loss_agg == "seq_mean_token_sum_norm":
+        if max_len is None or max_len <= 0:
+            raise ValueError("loss_agg: seq_mean_token_sum_norm needs max_len > 0 (the generation budget)")
+        per_sequence = (loss * mask).sum(1) / float(max_len)
+    else:
+        raise ValueError(f"loss_agg: unknown {loss_agg!r}; use {', '.join(LOSS_AGGREGATIONS)}")
+    has_tokens = (mask.sum(1) > 0).to(loss.dtype)
+    return (per_sequence * has_tokens).sum() / has_tokens.sum().clamp(min=1.0)
+
+
 def policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
     clip_eps: float = 0.2,
+    clip_eps_low: float | None = None,
+    clip_eps_high: float | None = None,
+    dual_clip: float | None = None,
+    loss_agg: str = "token_mean",
+    max_len: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """PPO's clipped surrogate, -min(ρA, clip(ρ, 1-ε, 1+ε)A) with ρ = π/π_old, per token.
+    """PPO's clipped surrogate, -min(ρA, clip(ρ, 1-ε_low, 1+ε_high)A) with ρ = π/π_old, per token.
 
-    Schulman et al. 2017, eq. 7. Returns the masked mean loss and the fraction of tokens clipped.
+    Schulman et al. 2017, eq. 7, where ε_low = ε_high = clip_eps. Setting clip_eps_low/clip_eps_high
+    gives the asymmetric bounds of DAPO's clip-higher (Yu et al. 2025, §3.1; e.g. 0.2 / 0.28); each
+    one left None falls back to clip_eps.
+
+    dual_clip = c > 1 (Ye et al. 2020, eq. 5): for tokens with A < 0 the surrogate is further
+    bounded by max(min(ρA, clip(ρ)A), cA), i.e. the per-token loss is min(clipped loss, c·|A|), so a
+    huge ratio on a bad token cannot dominate the batch. Tokens with A ≥ 0 are unchanged.
+
+    loss_agg / max_len: how per-token losses become one number (see `aggregate`).
+    Returns (loss, clip_fraction); clip_fraction is the token-mean fraction of response tokens where
+    the ε-clipped term was the smaller one (the dual clip is not counted).
     """
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip: c must be > 1, got {dual_clip}")
+    eps_low = clip_eps if clip_eps_low is None else clip_eps_low
+    eps_high = clip_eps if clip_eps_high is None else clip_eps_high
     ratio = torch.exp(logprobs - old_logprobs)
     unclipped = ratio * advantages
-    clipped = ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps) * advantages
-    loss = -torch.minimum(unclipped, clipped)
+    clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * advantages
+    surrogate = torch.minimum(unclipped, clipped)
+    if dual_clip is not None:
+        surrogate = torch.where(advantages < 0, torch.maximum(surrogate, dual_clip * advantages), surrogate)
     clip_fraction = masked_mean((clipped < unclipped).float(), mask)
-    return masked_mean(loss, mask), clip_fraction
+    return aggregate(-surrogate, mask, loss_agg, max_len), clip_fraction
 
 
 def value_loss(
@@ -84,3 +145,39 @@ def value_loss(
     clipped = (clipped_values - returns) ** 2
     loss = 0.5 * torch.maximum(unclipped, clipped)
     return masked_mean(loss, mask), masked_mean((clipped > unclipped).float(), mask)
+
+
+def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k1") -> torch.Tensor:
+    """Per-token estimate of KL(π || π_ref) from samples of π, with r = log π_ref - log π.
+
+    k1 = -r, k2 = r²/2, k3 = (e^r - 1) - r (Schulman, "Approximating KL divergence", 2020).
+    k1 is unbiased, k3 unbiased and never negative, k2 biased but low-variance.
+    (Also importable from tasks.rl.advantages, where it used to live.)
+    """
+    log_ratio = ref_logprobs.float() - logprobs.float()
+    if kind == "k1":
+        return -log_ratio
+    if kind == "k2":
+        return 0.5 * log_ratio**2
+    if kind == "k3":
+        return torch.expm1(log_ratio) - log_ratio
+    raise ValueError(f"kl_estimator: unknown {kind!r}; use k1, k2 or k3")
+
+
+def kl_loss(
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    estimator: str = "k3",
+    loss_agg: str = "token_mean",
+    max_len: int | None = None,
+) -> torch.Tensor:
+    """KL(π || π_ref) as a loss term on the current policy's log-probs (OpenRLHF --use_kl_loss).
+
+    The KL is taken out of the reward and added to the actor loss, loss = policy_loss + β·kl_loss;
+    the caller multiplies by β. GRPO does this with k3 (Shao et al. 2024, eqs. 3-4). Note that on
+    samples of π the gradient of k1 is ∇log π, which is 0 in expectation: k1 gives no KL pull as a
+    loss, so use k3 (GRPO) or k2 (whose gradient is the true ∇KL on-policy). OpenRLHF aggregates
+    this term as a token mean whatever the policy loss uses; loss_agg lets it follow the policy loss.
+    """
+    return aggregate(kl_estimate(logprobs, ref_logprobs, estimator), mask, loss_agg, max_len)

@@ -11,6 +11,7 @@ AdamW (no op build) unless adam_offload asks for DeepSpeedCPUAdam.
 """
 from __future__ import annotations
 
+import math
 import os
 import random
 import tempfile
@@ -24,6 +25,18 @@ def set_seed(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+
+
+def lr_multiplier(step: int, total_steps: int, warmup_steps: int, schedule: str = "constant", min_ratio: float = 0.1) -> float:
+    """Learning-rate factor at optimizer step `step` (0-based): linear warmup over `warmup_steps`,
+    then 1 ("constant") or a cosine from 1 down to `min_ratio` at `total_steps` ("cosine", as
+    OpenRLHF's cosine_with_min_lr)."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def init_distributed() -> None:
@@ -82,8 +95,9 @@ class DeepSpeedStrategy:
             "wall_clock_breakdown": False,
         }
 
-    def prepare(self, model, learning_rate: float, total_steps: int, warmup_steps: int = 0, weight_decay: float = 0.0):
-        """Wrap a model for training: AdamW, linear warmup then constant learning rate."""
+    def prepare(self, model, learning_rate: float, total_steps: int, warmup_steps: int = 0, weight_decay: float = 0.0,
+                lr_scheduler: str = "constant"):
+        """Wrap a model for training: AdamW with linear warmup, then a constant or cosine learning rate."""
         import deepspeed
 
         params = [p for p in model.parameters() if p.requires_grad]
@@ -93,8 +107,8 @@ class DeepSpeedStrategy:
             optimizer = DeepSpeedCPUAdam(params, lr=learning_rate, weight_decay=weight_decay)
         else:
             optimizer = torch.optim.AdamW(params, lr=learning_rate, weight_decay=weight_decay)
-        warmup = max(1, warmup_steps)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: lr_multiplier(step, total_steps, warmup_steps, lr_scheduler))
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config())
         return engine
 

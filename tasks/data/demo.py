@@ -5,11 +5,13 @@
     model = build_base_model(tokenizer)    # tiny Llama, random weights, no hub needed
 
 A prompt is `37+45=` (operands 0–99, two digits each); the answer is `082` (three digits). The SFT
-data gives the answer in two styles, half each: terse (`082`) and wordy (`sum is 082`). The
+data gives the answer in two styles, half each: terse (`082`) and wordy (`082 is the sum`). The
 preference pairs favour the terse style with the same answer on both sides, so the reward model
 learns style, which a tiny model judges reliably, and not correctness, which it cannot (a reward
 model asked to judge sums gets hacked by PPO; see the README's design notes). Exact match parses
-the answer out of either style, so eval measures correctness on its own.
+the answer out of either style, so eval measures correctness on its own. The wordy words come
+after the digits: were they before, they would give the model extra positions to compute the sum
+in, and preferring the terse style would cost accuracy for a reason that has nothing to do with RL.
 """
 from __future__ import annotations
 
@@ -17,13 +19,13 @@ import random
 import re
 
 TERSE, WORDY = "terse", "wordy"
-WORDY_PREFIX = "sum is "
+WORDY_SUFFIX = " is the sum"
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
-CHARACTERS = list("0123456789+=") + sorted(set(WORDY_PREFIX))
+CHARACTERS = list("0123456789+=") + sorted(set(WORDY_SUFFIX))
 # Disjoint by prompt: all 10,000 (a, b) pairs, shuffled once with the data seed.
 SPLIT_SIZES = {"train": 8500, "val": 500, "test": 1000}
 
-_ANSWER = re.compile(r"(\d{3})\s*$")
+_ANSWER = re.compile(r"^\s*(\d{3})(?!\d)")
 
 
 def prompt_text(a: int, b: int) -> str:
@@ -35,11 +37,11 @@ def answer_text(a: int, b: int) -> str:
 
 
 def styled(answer: str, style: str) -> str:
-    return answer if style == TERSE else WORDY_PREFIX + answer
+    return answer if style == TERSE else answer + WORDY_SUFFIX
 
 
 def extract_answer(response: str) -> str | None:
-    """The three-digit answer at the end of a response in either style, or None."""
+    """The three-digit answer a response starts with, in either style, or None."""
     match = _ANSWER.search(response.strip())
     return match.group(1) if match else None
 

@@ -55,7 +55,7 @@ def train(cfg: RewardModelConfig, run: StageRun) -> None:
     print(f"reward_model: {len(chosen)} pairs, {len(eval_chosen)} held out, {truncated} sequences truncated", flush=True)
     strategy = DeepSpeedStrategy(zero_stage=cfg.zero_stage, bf16=cfg.bf16, seed=cfg.seed, micro_batch_size=2 * cfg.train_batch_size)
 
-    engine = strategy.prepare(load_scalar_model(model_path), cfg.learning_rate, cfg.max_steps, cfg.lr_warmup_steps)
+    engine = strategy.prepare(load_scalar_model(model_path), cfg.learning_rate, cfg.max_steps, cfg.lr_warmup_steps, lr_scheduler=cfg.lr_scheduler)
     model = engine.module
     sampler = data.BatchSampler(len(chosen), cfg.train_batch_size, cfg.seed)
     engine.train()

@@ -1,6 +1,6 @@
 from dataclasses import dataclass, field
 
-from tasks.common.config import ConfigError, StageConfig
+from tasks.common.config import LR_SCHEDULERS, ConfigError, StageConfig
 
 
 @dataclass
@@ -15,7 +15,8 @@ class SFTConfig(StageConfig):
     max_steps: int = field(default=500, metadata={"help": "optimizer steps"})
     train_batch_size: int = field(default=128, metadata={"help": "sequences per optimizer step"})
     learning_rate: float = field(default=1e-3, metadata={"help": "peak learning rate (AdamW)"})
-    lr_warmup_steps: int = field(default=20, metadata={"help": "linear warmup steps, then constant"})
+    lr_warmup_steps: int = field(default=20, metadata={"help": "linear warmup steps"})
+    lr_scheduler: str = field(default="constant", metadata={"help": "after warmup: constant, or cosine down to 0.1 of the peak"})
     max_len: int = field(default=512, metadata={"help": "longest prompt+response in tokens; longer rows are truncated and counted"})
     logging_steps: int = field(default=25, metadata={"help": "log metrics every this many steps"})
 
@@ -27,5 +28,7 @@ class SFTConfig(StageConfig):
         for name in ("max_steps", "train_batch_size", "max_len", "logging_steps"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be at least 1, got {getattr(self, name)}")
+        if self.lr_scheduler not in LR_SCHEDULERS:
+            raise ConfigError(f"lr_scheduler: {self.lr_scheduler!r} is unknown; use {' or '.join(LR_SCHEDULERS)}")
         if not self.learning_rate > 0:
             raise ConfigError(f"learning_rate: must be positive, got {self.learning_rate}")

@@ -33,7 +33,7 @@ def train(cfg: SFTConfig, run: StageRun) -> None:
     print(f"sft: {len(ids)} rows, {truncated} truncated to {cfg.max_len} tokens", flush=True)
     strategy = DeepSpeedStrategy(zero_stage=cfg.zero_stage, bf16=cfg.bf16, seed=cfg.seed, micro_batch_size=cfg.train_batch_size)
 
-    engine = strategy.prepare(load_causal_lm(model_path), cfg.learning_rate, cfg.max_steps, cfg.lr_warmup_steps)
+    engine = strategy.prepare(load_causal_lm(model_path), cfg.learning_rate, cfg.max_steps, cfg.lr_warmup_steps, lr_scheduler=cfg.lr_scheduler)
     sampler = data.BatchSampler(len(ids), cfg.train_batch_size, cfg.seed)
     engine.train()
     for step in range(1, cfg.max_steps + 1):

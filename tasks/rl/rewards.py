@@ -1,0 +1,322 @@
+"""Where rewards come from, behind one interface (OpenRLHF's `--reward_pretrain` / `--remote_rm_url`).
+
+    source = make_reward_source(cfg.reward_pretrain, cfg.remote_rm_url, device, dtype, normalize=True)
+    batch = build_reward_batch(rollout, tokenizer, prompt_texts, labels)
+    scores = source.score(batch)            # [B] float32, on batch.sequences' device
+
+Sources:
+
+* `RewardModels("s3://…/rm/manifest.json,other/rm")`: one or several reward models (each loaded
+  through `resolve_model` + `load_scalar_model`, frozen). The reward is the SUM over models of
+  each model's score at the last real token, each first standardised with that model's
+  `config.reward_mean` / `config.reward_std` (written by our reward-model stage) when `normalize`.
+  The models read `batch.sequences` as they are, so they must share the policy's tokenizer.
+* `RewardFunction("path/or/s3/reward.py")`: a Python file defining
+  `reward_func(queries, prompts, labels)` that returns B rewards (a tensor, a list of floats, or a
+  dict holding them under "rewards", as newer OpenRLHF functions do).
+* `RewardEndpoint("http://host:port/path")`: POSTs `{"query": queries, "prompts": prompts,
+  "labels": labels}` and reads `{"rewards": [...]}` (or `{"scores": [...]}`, or a bare list).
+
+`remote_rm_url` may also be a comma-separated list (as in OpenRLHF); the rewards then sum.
+Every failure a user can fix raises RewardError (a ConfigError, so a stage's `main` prints it as
+one line) naming the reward source.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from http.client import HTTPException
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from tasks.common import storage
+from tasks.common.config import ConfigError
+
+
+class RewardError(ConfigError):
+    """A reward source that cannot be used; the message is one line naming it and the fix."""
+
+    def __init__(self, message: str):
+        super().__init__(" ".join(str(message).split()))
+
+
+@dataclass
+class RewardBatch:
+    """What a reward source may look at, for B prompt+response sequences."""
+
+    sequences: torch.Tensor        # [B, T] token ids: prompts left-padded, responses right-padded
+    attention_mask: torch.Tensor   # [B, T]
+    queries: list[str]             # prompt + response, decoded with special tokens skipped
+    prompts: list[str]             # the prompts as the dataset gave them
+    responses: list[str]           # the responses, decoded up to the first EOS
+    labels: list[str | None]       # the dataset's label per prompt (None without one)
+
+    def __len__(self) -> int:
+        return self.sequences.size(0)
+
+
+class RewardSource:
+    """Scores a RewardBatch: `score(batch) -> torch.Tensor [B]` (float32, on batch.sequences' device)."""
+
+    def score(self, batch: RewardBatch) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __call__(self, batch: RewardBatch) -> torch.Tensor:
+        return self.score(batch)
+
+
+def _as_rewards(values: Any, n: int, who: str, device: torch.device) -> torch.Tensor:
+    """B finite rewards from a tensor / list / array, or a RewardError naming `who` and what was wrong."""
+    if isinstance(values, dict):
+        key = next((k for k in ("rewards", "scores") if k in values), None)
+        if key is None:
+            raise RewardError(f"{who} returned a dict with keys {sorted(map(str, values))}; return the rewards under 'rewards'")
+        values = values[key]
+    if isinstance(values, (str, bytes, dict)) or not (isinstance(values, (torch.Tensor, list, tuple)) or hasattr(values, "__array__")):
+        raise RewardError(f"{who} returned {type(values).__name__}; return a torch tensor or a list of {n} floats")
+    try:
+        rewards = torch.as_tensor(values).detach().to(torch.float32)
+    except (TypeError, ValueError, RuntimeError):
+        kinds = sorted({type(v).__name__ for v in values}) if isinstance(values, (list, tuple)) else [type(values).__name__]
+        raise RewardError(f"{who} returned a {type(values).__name__} of {', '.join(kinds)}, not numbers; "
+                          f"return a torch tensor or a list of {n} floats") from None
+    if rewards.dim() == 2 and rewards.size(-1) == 1:
+        rewards = rewards.squeeze(-1)
+    if rewards.dim() != 1 or rewards.numel() != n:
+        raise RewardError(f"{who} returned rewards of shape {list(rewards.shape)} for a batch of {n}; return one float per query")
+    if not torch.isfinite(rewards).all():
+        raise RewardError(f"{who} returned non-finite rewards ({rewards.tolist()[:8]}…)")
+    return rewards.to(device)
+
+
+# ---------------------------------------------------------------------------------------------- models
+
+
+class RewardModels(RewardSource):
+    """One or several frozen reward models; the reward is the sum of their (optionally standardised) scores."""
+
+    def __init__(self, paths: Sequence[str] | str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                 normalize: bool = True, batch_size: int = 256):
+        from tasks.common.models import load_scalar_model, resolve_model
+
+        if isinstance(paths, str):
+            paths = split_list(paths)
+        if not paths:
+            raise RewardError("reward_pretrain: no reward model given; pass --reward_pretrain <URI>[,<URI>…]")
+        self.paths, self.normalize, self.batch_size = list(paths), normalize, batch_size
+        self.device = torch.device(device)
+        self.models, self.stats = [], []
+        for path in self.paths:
+            model = load_scalar_model(resolve_model(path), dtype=dtype)
+            model.requires_grad_(False)
+            model.eval()
+            self.models.append(model.to(self.device))
+            mean, std = getattr(model.config, "reward_mean", None), getattr(model.config, "reward_std", None)
+            self.stats.append((0.0 if mean is None else float(mean), 1.0 if std is None else float(std)))
+
+    @torch.no_grad()
+    def score(self, batch: RewardBatch) -> torch.Tensor:
+        from tasks.common.models import sequence_scores
+
+        seqs, mask = batch.sequences.to(self.device), batch.attention_mask.to(self.device)
+        total = torch.zeros(seqs.size(0), dtype=torch.float32, device=self.device)
+        for path, model, (mean, std) in zip(self.paths, self.models, self.stats):
+            vocab = model.get_input_embeddings().num_embeddings
+            if seqs.numel() and int(seqs.max()) >= vocab:
+                raise RewardError(f"reward_pretrain: {path} has {vocab} token embeddings but the sequences hold id {int(seqs.max())}; "
+                                  "reward models must share the policy's tokenizer")
+            scores = torch.cat([sequence_scores(model, seqs[i:i + self.batch_size], mask[i:i + self.batch_size]).float()
+                                for i in range(0, seqs.size(0), self.batch_size)])
+            if self.normalize:
+                scores = (scores - mean) / max(std, 1e-6)
+            total += scores
+        return total.to(batch.sequences.device)
+
+    def __repr__(self) -> str:
+        return f"RewardModels({self.paths}, normalize={self.normalize})"
+
+
+# ---------------------------------------------------------------------------------------------- function file
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("RLHF_CACHE_DIR") or os.path.join(
+        tempfile.gettempdir(), f"rlhf-flow-cache-{os.getuid() if hasattr(os, 'getuid') else 'user'}")
+    return Path(root) / "reward_funcs"
+
+
+class RewardFunction(RewardSource):
+    """`reward_func(queries, prompts, labels)` from a Python file (a local path, file://, or s3://)."""
+
+    def __init__(self, path: str):
+        self.path = str(path)
+        self._func = self._load()
+
+    def _load(self):
+        who = f"remote_rm_url: {self.path}"
+        digest = hashlib.sha256(self.path.encode()).hexdigest()[:12]
+        try:
+            if storage.is_s3(self.path):
+                local = storage.download_file(self.path, _cache_dir() / digest / Path(storage.split_s3(self.path)[1]).name)
+            else:
+                local = storage.local_path(self.path)
+                if not local.is_file():
+                    raise storage.NotFoundError(self.path)
+        except storage.NotFoundError:
+            raise RewardError(f"{who} not found") from None
+        except storage.StorageError as e:
+            raise RewardError(f"{who} cannot be fetched: {e}") from None
+        name = f"_rlhf_reward_func_{digest}"
+        spec = importlib.util.spec_from_file_location(name, local)
+        if spec is None or spec.loader is None:
+            raise RewardError(f"{who} cannot be imported; name a .py file")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses and pickling inside the file look themselves up here
+        try:
+            spec.loader.exec_module(module)
+        except Exception as e:
+            sys.modules.pop(name, None)
+            raise RewardError(f"{who} failed to import: {type(e).__name__}: {e}") from e
+        func = getattr(module, "reward_func", None)
+        if not callable(func):
+            raise RewardError(f"{who} defines no reward_func(queries, prompts, labels)")
+        return func
+
+    def __getstate__(self):  # a module does not pickle (Ray actors): reload from the path instead
+        return {"path": self.path}
+
+    def __setstate__(self, state):
+        self.path = state["path"]
+        self._func = self._load()
+
+    def score(self, batch: RewardBatch) -> torch.Tensor:
+        try:
+            out = self._func(list(batch.queries), list(batch.prompts), list(batch.labels))
+        except Exception as e:
+            e.add_note(f"in reward_func of remote_rm_url {self.path}")
+            raise
+        return _as_rewards(out, len(batch.queries), f"remote_rm_url: {self.path}: reward_func", batch.sequences.device)
+
+    def __repr__(self) -> str:
+        return f"RewardFunction({self.path!r})"
+
+
+# ---------------------------------------------------------------------------------------------- HTTP endpoint
+
+
+class RewardEndpoint(RewardSource):
+    """A reward server: POST {"query", "prompts", "labels"} -> {"rewards": [...]}; retries connection errors and 5xx."""
+
+    def __init__(self, url: str, timeout: float = 30, retries: int = 3, backoff: float = 1.0):
+        self.url, self.timeout, self.retries, self.backoff = url, timeout, retries, backoff
+
+    def _post(self, payload: bytes) -> Any:
+        """The decoded JSON reply; raises _Retry for what is worth retrying, RewardError for the rest."""
+        request = urllib.request.Request(self.url, data=payload, method="POST",
+                                         headers={"Content-Type": "application/json", "Accept": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                body = response.read()
+        except urllib.error.HTTPError as e:
+            detail = " ".join(e.read(200).decode("utf-8", "replace").split())
+            message = f"HTTP {e.code} {e.reason}" + (f": {detail}" if detail else "")
+            if e.code >= 500 or e.code == 429:
+                raise _Retry(message) from None
+            raise RewardError(f"remote_rm_url: {self.url} answered {message}") from None
+        except (urllib.error.URLError, OSError, HTTPException) as e:  # refused, reset, timed out, …
+            reason = getattr(e, "reason", None) or e
+            raise _Retry(f"{type(reason).__name__}: {reason}" if str(reason) else type(reason).__name__) from None
+        try:
+            return json.loads(body)
+        except ValueError:
+            snippet = " ".join(body[:120].decode("utf-8", "replace").split())
+            raise RewardError(f"remote_rm_url: {self.url} answered with no JSON: {snippet!r}") from None
+
+    def score(self, batch: RewardBatch) -> torch.Tensor:
+        payload = json.dumps({"query": list(batch.queries), "prompts": list(batch.prompts), "labels": list(batch.labels)}).encode()
+        attempts = self.retries + 1
+        for attempt in range(attempts):
+            try:
+                reply = self._post(payload)
+                break
+            except _Retry as e:
+                last = str(e)
+                if attempt + 1 < attempts:
+                    time.sleep(self.backoff * 2 ** attempt)
+        else:
+            raise RewardError(f"remote_rm_url: {self.url} failed after {attempts} attempts: {last}")
+        if isinstance(reply, dict) and not any(k in reply for k in ("rewards", "scores")):
+            raise RewardError(f"remote_rm_url: {self.url} answered JSON with keys {sorted(reply)}; expected {{\"rewards\": [...]}}")
+        return _as_rewards(reply, len(batch.queries), f"remote_rm_url: {self.url}", batch.sequences.device)
+
+    def __repr__(self) -> str:
+        return f"RewardEndpoint({self.url!r})"
+
+
+class _Retry(Exception):
+    pass
+
+
+# ---------------------------------------------------------------------------------------------- several, and the factory
+
+
+class SummedRewards(RewardSource):
+    """The sum of several sources' rewards (a comma-separated --remote_rm_url)."""
+
+    def __init__(self, sources: Sequence[RewardSource]):
+        self.sources = list(sources)
+
+    def score(self, batch: RewardBatch) -> torch.Tensor:
+        return torch.stack([s.score(batch) for s in self.sources]).sum(0)
+
+    def __repr__(self) -> str:
+        return f"SummedRewards({self.sources})"
+
+
+def split_list(value: str) -> list[str]:
+    return [part.strip() for part in (value or "").split(",") if part.strip()]
+
+
+def _remote_source(url: str, timeout: float, retries: int) -> RewardSource:
+    if url.startswith(("http://", "https://")):
+        return RewardEndpoint(url, timeout=timeout, retries=retries)
+    if url.endswith(".py"):
+        return RewardFunction(url)
+    raise RewardError(f"remote_rm_url: {url} is neither a .py file nor an http(s):// URL")
+
+
+def make_reward_source(reward_pretrain: str, remote_rm_url: str, device: torch.device | str = "cpu",
+                       dtype: torch.dtype = torch.float32, normalize: bool = True,
+                       timeout: float = 30, retries: int = 3) -> RewardSource:
+    """remote_rm_url when set (a .py file or an http(s):// URL; a comma list sums), else the reward models."""
+    if remote_rm_url and remote_rm_url.strip():
+        sources = [_remote_source(url, timeout, retries) for url in split_list(remote_rm_url)]
+        return sources[0] if len(sources) == 1 else SummedRewards(sources)
+    if reward_pretrain and split_list(reward_pretrain):
+        return RewardModels(split_list(reward_pretrain), device, dtype, normalize)
+    raise RewardError("reward: set --reward_pretrain or --remote_rm_url")
+
+
+def build_reward_batch(rollout, tokenizer, prompts_text: Sequence[str], labels: Sequence[str | None] | None = None) -> RewardBatch:
+    """A RewardBatch for a tasks.common.rollout.Rollout whose row i answers prompts_text[i]."""
+    n = rollout.sequences.size(0)
+    labels = [None] * n if labels is None else list(labels)
+    if len(prompts_text) != n or len(labels) != n:
+        raise ValueError(f"build_reward_batch: {n} sequences but {len(prompts_text)} prompts and {len(labels)} labels")
+    queries = [tokenizer.decode([t for t, m in zip(ids, mask) if m], skip_special_tokens=True)
+               for ids, mask in zip(rollout.sequences.tolist(), rollout.attention_mask.tolist())]
+    return RewardBatch(rollout.sequences, rollout.attention_mask, queries, list(prompts_text), rollout.texts(tokenizer), labels)
+
+
+__all__ = ["RewardBatch", "RewardSource", "RewardModels", "RewardFunction", "RewardEndpoint", "SummedRewards",
+           "RewardError", "make_reward_source", "build_reward_batch"]
