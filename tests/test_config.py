@@ -35,5 +35,16 @@ def test_rl_refuses_what_it_cannot_do():
     base = {"output": "o", "pretrain": "p", "reward_pretrain": "r", "prompt_data": "d"}
     with pytest.raises(ConfigError, match="advantage_estimator: 'vtrace' is not available"):
         make_config(RLConfig, {**base, "advantage_estimator": "vtrace"})
-    with pytest.raises(ConfigError, match="train_batch_size: 48 must divide rollout_batch_size 128"):
+    with pytest.raises(ConfigError, match="train_batch_size: 48 must divide rollout_batch_size × n_samples_per_prompt = 128"):
         make_config(RLConfig, {**base, "train_batch_size": 48})
+
+
+def test_rl_group_estimators_need_groups_and_a_reward():
+    base = {"output": "o", "pretrain": "p", "prompt_data": "d"}
+    with pytest.raises(ConfigError, match="reward_pretrain: missing; pass --reward_pretrain <URI> or --remote_rm_url"):
+        make_config(RLConfig, base)
+    with pytest.raises(ConfigError, match="n_samples_per_prompt: rloo compares samples of one prompt; use 2 or more"):
+        make_config(RLConfig, {**base, "remote_rm_url": "r.py", "advantage_estimator": "rloo"})
+    cfg = make_config(RLConfig, {**base, "remote_rm_url": "r.py", "advantage_estimator": "rloo", "n_samples_per_prompt": 4,
+                                 "rollout_batch_size": 16, "train_batch_size": 32})
+    assert cfg.n_samples_per_prompt == 4

@@ -62,7 +62,8 @@ def test_stages_pass_checkpoints_through_their_manifests(demo_run):
         assert uri.startswith(f"s3://{live.bucket}/") and f"/runs/rlhf_pipeline/" in uri and uri.endswith(f"/{stage}/manifest.json")
     manifests = {stage: read_json(live, uri) for stage, uri in uris.items()}
     assert manifests["sft"]["inputs"]["pretrain"] == uris["prepare_data"]
-    assert manifests["rl"]["inputs"] == {"pretrain": uris["sft"], "reward_pretrain": uris["reward_model"], "prompt_data": uris["prepare_data"]}
+    assert manifests["rl"]["inputs"] == {"pretrain": uris["sft"], "reward_pretrain": uris["reward_model"],
+                                         "critic_pretrain": uris["reward_model"], "prompt_data": uris["prepare_data"]}
     assert manifests["eval"]["inputs"]["policy"] == uris["rl"]
 
 

@@ -122,3 +122,20 @@ def test_missing_upstream_checkpoint_is_refused_naming_the_uri(s3_server, tmp_pa
     assert done.returncode == 2
     line = done.stderr.strip().splitlines()[-1]
     assert line.startswith("error: ") and missing in line
+
+
+def test_rl_critic_free_estimator_with_a_reward_function(chain, s3_server):
+    """group_norm over 4 samples per prompt, exact-match reward from a function file, adaptive KL."""
+    out = s3_server.uri("stages/run1/rl_group_norm")
+    done = run_cli("tasks.rl", *flags({
+        "output": out, "pretrain": chain["sft"], "prompt_data": chain["prepare_data"],
+        "remote_rm_url": str(REPO / "tasks" / "data" / "demo_reward.py"), "label_key": "label",
+        "advantage_estimator": "group_norm", "n_samples_per_prompt": 4, "max_steps": 2,
+        "rollout_batch_size": 4, "train_batch_size": 8, "kl_target": 0.5, "kl_horizon": 100}))
+    assert done.returncode == 0, done.stderr[-3000:]
+    m = manifests.read_manifest(out)
+    assert set(m["inputs"]) == {"pretrain", "prompt_data", "remote_rm_url"}  # no critic, no reward model
+    path, _ = manifests.fetch(out, SCRATCH / "cache-stages" / "rl_group_norm")
+    logged = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["kl_coef"] for r in logged][0] == 0.05 and logged[-1]["value_loss"] == 0.0
+    assert all(0.0 <= r["reward"] <= 1.0 for r in logged)  # exact match: 0 or 1 per sample

@@ -2,7 +2,8 @@ from dataclasses import dataclass, field
 
 from tasks.common.config import ConfigError, StageConfig
 
-ADVANTAGE_ESTIMATORS = ("gae",)
+ADVANTAGE_ESTIMATORS = ("gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo")  # tasks.rl.advantages
+GROUP_ESTIMATORS = ("reinforce_baseline", "rloo", "group_norm", "dr_grpo")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
@@ -14,12 +15,16 @@ class RLConfig(StageConfig):
     """
 
     pretrain: str = field(default="", metadata={"help": "policy to start from (SFT output URI); also the frozen reference"})
-    reward_pretrain: str = field(default="", metadata={"help": "reward model (output URI); the critic starts from it too"})
+    reward_pretrain: str = field(default="", metadata={"help": "reward model URI, or several comma-separated (scores summed); the critic starts from the first"})
+    remote_rm_url: str = field(default="", metadata={"help": "reward function file (.py defining reward_func(queries, prompts, labels)) or an http(s):// reward endpoint; wins over --reward_pretrain"})
+    critic_pretrain: str = field(default="", metadata={"help": "critic to start from; default: the first reward model, else the policy"})
     prompt_data: str = field(default="", metadata={"help": "prompts: a stage output URI (its 'prompts' split) or a file"})
     prompt_split: str = field(default="prompts", metadata={"help": "split of a stage output's datasets holding the prompts"})
     input_key: str = field(default="prompt", metadata={"help": "dataset column holding the prompt"})
+    label_key: str = field(default="", metadata={"help": "dataset column passed to a reward function or endpoint as labels"})
     max_steps: int = field(default=40, metadata={"help": "rollout + update iterations"})
     rollout_batch_size: int = field(default=128, metadata={"help": "prompts per rollout"})
+    n_samples_per_prompt: int = field(default=1, metadata={"help": "responses sampled per prompt (a group, for the group estimators)"})
     train_batch_size: int = field(default=64, metadata={"help": "sequences per optimizer step (a minibatch of the rollout)"})
     max_epochs: int = field(default=2, metadata={"help": "passes over each rollout"})
     prompt_max_len: int = field(default=256, metadata={"help": "longest prompt in tokens; longer prompts are cut from the left and counted"})
@@ -28,30 +33,37 @@ class RLConfig(StageConfig):
     actor_learning_rate: float = field(default=3e-5, metadata={"help": "policy learning rate (AdamW)"})
     critic_learning_rate: float = field(default=1e-4, metadata={"help": "critic learning rate (AdamW)"})
     lr_warmup_steps: int = field(default=5, metadata={"help": "linear warmup in optimizer steps, then constant"})
-    advantage_estimator: str = field(default="gae", metadata={"help": "how advantages are computed: gae"})
+    advantage_estimator: str = field(default="gae", metadata={"help": "gae (with a critic), reinforce, reinforce_baseline, rloo, group_norm or dr_grpo"})
     gamma: float = field(default=1.0, metadata={"help": "discount factor"})
     lambd: float = field(default=0.95, metadata={"help": "GAE λ"})
     eps_clip: float = field(default=0.2, metadata={"help": "PPO policy ratio clip ε"})
     value_clip: float = field(default=0.2, metadata={"help": "critic value clip (relative to the rollout's values)"})
     init_kl_coef: float = field(default=0.05, metadata={"help": "β of the KL penalty to the reference, in the reward"})
+    kl_target: float = field(default=0.0, metadata={"help": "adaptive KL controller's target (summed KL per response); 0 keeps init_kl_coef fixed"})
+    kl_horizon: int = field(default=10000, metadata={"help": "adaptive KL controller's horizon, in samples"})
     kl_estimator: str = field(default="k1", metadata={"help": "per-token KL estimator: k1, k2 or k3"})
     normalize_reward: bool = field(default=True, metadata={"help": "standardise reward-model scores with the mean/std stored by its stage"})
     logging_steps: int = field(default=1, metadata={"help": "log metrics every this many steps"})
 
     def validate(self) -> None:
         super().validate()
-        for name in ("pretrain", "reward_pretrain", "prompt_data"):
+        for name in ("pretrain", "prompt_data"):
             if not getattr(self, name):
                 raise ConfigError(f"{name}: missing; pass --{name} <URI>")
+        if not (self.reward_pretrain or self.remote_rm_url):
+            raise ConfigError("reward_pretrain: missing; pass --reward_pretrain <URI> or --remote_rm_url <file.py or URL>")
         if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
             raise ConfigError(f"advantage_estimator: {self.advantage_estimator!r} is not available; use one of {', '.join(ADVANTAGE_ESTIMATORS)}")
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ConfigError(f"kl_estimator: {self.kl_estimator!r} is unknown; use k1, k2 or k3")
-        for name in ("max_steps", "rollout_batch_size", "train_batch_size", "max_epochs", "generate_max_len", "logging_steps"):
+        if self.advantage_estimator in GROUP_ESTIMATORS and self.n_samples_per_prompt < 2:
+            raise ConfigError(f"n_samples_per_prompt: {self.advantage_estimator} compares samples of one prompt; use 2 or more")
+        for name in ("max_steps", "rollout_batch_size", "n_samples_per_prompt", "train_batch_size", "max_epochs", "generate_max_len", "logging_steps", "kl_horizon"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be at least 1, got {getattr(self, name)}")
-        if self.rollout_batch_size % self.train_batch_size:
-            raise ConfigError(f"train_batch_size: {self.train_batch_size} must divide rollout_batch_size {self.rollout_batch_size}")
+        if (self.rollout_batch_size * self.n_samples_per_prompt) % self.train_batch_size:
+            raise ConfigError(f"train_batch_size: {self.train_batch_size} must divide rollout_batch_size × n_samples_per_prompt "
+                              f"= {self.rollout_batch_size * self.n_samples_per_prompt}")
         for name in ("actor_learning_rate", "critic_learning_rate", "temperature", "eps_clip"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}")

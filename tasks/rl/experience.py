@@ -5,9 +5,9 @@ from dataclasses import dataclass
 
 import torch
 
-from tasks.common.models import sequence_logprobs, sequence_scores, token_values
+from tasks.common.models import sequence_logprobs, token_values
 from tasks.common.rollout import Rollout
-from tasks.rl.advantages import gae, kl_estimate, kl_penalized_rewards, whiten
+from tasks.rl.advantages import compute_advantages, kl_estimate
 
 
 @dataclass
@@ -44,18 +44,15 @@ def response_values(critic, sequences, attention_mask, prompt_width):
 
 
 @torch.no_grad()
-def make_experience(rollout: Rollout, actor, reference, critic, reward_model, cfg, kl_coef: float,
-                    reward_stats: tuple[float, float] | None) -> Experience:
+def make_experience(rollout: Rollout, actor, reference, critic, reward_source, reward_batch, cfg, kl_coef: float) -> Experience:
+    """Score one rollout batch and compute its advantages; `critic` is None for critic-free estimators."""
     seqs, mask, width, action_mask = rollout.sequences, rollout.attention_mask, rollout.prompt_width, rollout.response_mask
     logprobs = response_logprobs(actor, seqs, mask, width)
     ref_logprobs = response_logprobs(reference, seqs, mask, width)
-    values = response_values(critic, seqs, mask, width) * action_mask
-    scores = sequence_scores(reward_model, seqs, mask)
-    if reward_stats is not None:
-        mean, std = reward_stats
-        scores = (scores - mean) / max(std, 1e-6)
+    values = response_values(critic, seqs, mask, width) * action_mask if critic is not None else None
+    scores = reward_source.score(reward_batch).to(seqs.device)
     kl = kl_estimate(logprobs, ref_logprobs, cfg.kl_estimator) * action_mask
-    rewards = kl_penalized_rewards(scores, kl, action_mask, kl_coef)
-    advantages, returns = gae(rewards, values, action_mask, cfg.gamma, cfg.lambd)
-    advantages = whiten(advantages, action_mask)
+    advantages, returns = compute_advantages(cfg.advantage_estimator, scores, kl, action_mask, values,
+                                             cfg.n_samples_per_prompt, kl_coef, cfg.gamma, cfg.lambd)
+    values = values if values is not None else torch.zeros_like(advantages)
     return Experience(seqs, mask, action_mask, width, logprobs, values, advantages, returns, scores, kl)
