@@ -1,4 +1,4 @@
-"""RL stage (PPO with a critic, GAE, KL penalty to the reference).
+"""RL stage (PPO with a critic and GAE, or REINFORCE++ / RLOO / GRPO / Dr. GRPO without one).
 
     python -m tasks.rl --pretrain <sft URI> --reward_pretrain <rm URI> --prompt_data <data URI> --output <URI>
 """

@@ -9,7 +9,8 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 
 @dataclass
 class RLConfig(StageConfig):
-    """PPO with a critic: rollouts from the policy, reward from a reward model, KL penalty to the frozen reference.
+    """PPO-family RL: rollouts from the policy, rewards from reward models, a function or an endpoint,
+    KL to the frozen reference; advantages by GAE with a critic or by a critic-free estimator.
 
     Flag names follow OpenRLHF's (--pretrain, --reward_pretrain, --actor_learning_rate, --init_kl_coef …).
     """
