@@ -48,3 +48,11 @@ def test_rl_group_estimators_need_groups_and_a_reward():
     cfg = make_config(RLConfig, {**base, "remote_rm_url": "r.py", "advantage_estimator": "rloo", "n_samples_per_prompt": 4,
                                  "rollout_batch_size": 16, "train_batch_size": 32})
     assert cfg.n_samples_per_prompt == 4
+
+
+def test_rl_clip_options_are_checked():
+    base = {"output": "o", "pretrain": "p", "prompt_data": "d", "reward_pretrain": "r"}
+    with pytest.raises(ConfigError, match="dual_clip: 0.5 must be greater than 1"):
+        make_config(RLConfig, {**base, "dual_clip": 0.5})
+    with pytest.raises(ConfigError, match="entropy_coef: must not be negative"):
+        make_config(RLConfig, {**base, "entropy_coef": -0.1})

@@ -125,13 +125,16 @@ def test_missing_upstream_checkpoint_is_refused_naming_the_uri(s3_server, tmp_pa
 
 
 def test_rl_critic_free_estimator_with_a_reward_function(chain, s3_server):
-    """group_norm over 4 samples per prompt, exact-match reward from a function file, adaptive KL."""
+    """group_norm over 4 samples per prompt, exact-match reward from a function file, adaptive KL,
+    KL in the loss, entropy bonus, asymmetric and dual clipping."""
     out = s3_server.uri("stages/run1/rl_group_norm")
     done = run_cli("tasks.rl", *flags({
         "output": out, "pretrain": chain["sft"], "prompt_data": chain["prepare_data"],
         "remote_rm_url": str(REPO / "tasks" / "data" / "demo_reward.py"), "label_key": "label",
         "advantage_estimator": "group_norm", "n_samples_per_prompt": 4, "max_steps": 2,
-        "rollout_batch_size": 4, "train_batch_size": 8, "kl_target": 0.5, "kl_horizon": 100}))
+        "rollout_batch_size": 4, "train_batch_size": 8, "kl_target": 0.5, "kl_horizon": 100,
+        "use_kl_loss": True, "kl_estimator": "k3", "entropy_coef": 0.01, "eps_clip_low": 0.2, "eps_clip_high": 0.28,
+        "dual_clip": 3.0}))
     assert done.returncode == 0, done.stderr[-3000:]
     m = manifests.read_manifest(out)
     assert set(m["inputs"]) == {"pretrain", "prompt_data", "remote_rm_url"}  # no critic, no reward model

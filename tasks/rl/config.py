@@ -38,6 +38,11 @@ class RLConfig(StageConfig):
     gamma: float = field(default=1.0, metadata={"help": "discount factor"})
     lambd: float = field(default=0.95, metadata={"help": "GAE λ"})
     eps_clip: float = field(default=0.2, metadata={"help": "PPO policy ratio clip ε"})
+    eps_clip_low: float = field(default=0.0, metadata={"help": "lower ratio clip ε (DAPO's clip-higher uses a larger upper one); 0 = eps_clip"})
+    eps_clip_high: float = field(default=0.0, metadata={"help": "upper ratio clip ε; 0 = eps_clip"})
+    dual_clip: float = field(default=0.0, metadata={"help": "dual-clip bound c > 1 on the loss of negative advantages; 0 = off"})
+    entropy_coef: float = field(default=0.0, metadata={"help": "weight of the entropy bonus in the policy loss"})
+    use_kl_loss: bool = field(default=False, metadata={"help": "put the KL to the reference in the loss (init_kl_coef × KL, estimator kl_estimator) instead of the reward"})
     value_clip: float = field(default=0.2, metadata={"help": "critic value clip (relative to the rollout's values)"})
     init_kl_coef: float = field(default=0.05, metadata={"help": "β of the KL penalty to the reference, in the reward"})
     kl_target: float = field(default=0.0, metadata={"help": "adaptive KL controller's target (summed KL per response); 0 keeps init_kl_coef fixed"})
@@ -65,6 +70,11 @@ class RLConfig(StageConfig):
         if (self.rollout_batch_size * self.n_samples_per_prompt) % self.train_batch_size:
             raise ConfigError(f"train_batch_size: {self.train_batch_size} must divide rollout_batch_size × n_samples_per_prompt "
                               f"= {self.rollout_batch_size * self.n_samples_per_prompt}")
+        if self.dual_clip and self.dual_clip <= 1:
+            raise ConfigError(f"dual_clip: {self.dual_clip} must be greater than 1 (or 0 for off)")
+        for name in ("eps_clip_low", "eps_clip_high", "entropy_coef"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}: must not be negative, got {getattr(self, name)}")
         for name in ("actor_learning_rate", "critic_learning_rate", "temperature", "eps_clip"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}")

@@ -19,6 +19,7 @@ class Experience:
     action_mask: torch.Tensor
     prompt_width: int
     logprobs: torch.Tensor
+    ref_logprobs: torch.Tensor
     values: torch.Tensor
     advantages: torch.Tensor
     returns: torch.Tensor
@@ -52,7 +53,8 @@ def make_experience(rollout: Rollout, actor, reference, critic, reward_source, r
     values = response_values(critic, seqs, mask, width) * action_mask if critic is not None else None
     scores = reward_source.score(reward_batch).to(seqs.device)
     kl = kl_estimate(logprobs, ref_logprobs, cfg.kl_estimator) * action_mask
+    reward_kl_coef = 0.0 if cfg.use_kl_loss else kl_coef  # with --use_kl_loss the KL is in the loss instead
     advantages, returns = compute_advantages(cfg.advantage_estimator, scores, kl, action_mask, values,
-                                             cfg.n_samples_per_prompt, kl_coef, cfg.gamma, cfg.lambd)
+                                             cfg.n_samples_per_prompt, reward_kl_coef, cfg.gamma, cfg.lambd)
     values = values if values is not None else torch.zeros_like(advantages)
-    return Experience(seqs, mask, action_mask, width, logprobs, values, advantages, returns, scores, kl)
+    return Experience(seqs, mask, action_mask, width, logprobs, ref_logprobs, values, advantages, returns, scores, kl)

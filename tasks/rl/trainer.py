@@ -6,7 +6,7 @@ import time
 import torch
 
 from tasks.common import data
-from tasks.common.losses import masked_mean, policy_loss, value_loss
+from tasks.common.losses import kl_loss, masked_mean, policy_loss, value_loss
 from tasks.common.models import load_causal_lm, load_scalar_model, load_tokenizer, resolve_model
 from tasks.common.rollout import HFRolloutEngine
 from tasks.common.stage import StageRun
@@ -29,7 +29,7 @@ def load_prompts(cfg: RLConfig, run: StageRun, tokenizer):
     return [p[-cfg.prompt_max_len:] for p in prompts], texts, labels, truncated
 
 
-def ppo_update(exp: Experience, actor, critic, cfg: RLConfig, generator: torch.Generator) -> dict:
+def ppo_update(exp: Experience, actor, critic, cfg: RLConfig, kl_coef: float, generator: torch.Generator) -> dict:
     """max_epochs passes of minibatch updates over one experience batch; returns mean statistics."""
     stats: dict[str, list[float]] = {"policy_loss": [], "value_loss": [], "clip_fraction": [], "value_clip_fraction": [], "entropy": []}
     n = exp.sequences.size(0)
@@ -37,8 +37,15 @@ def ppo_update(exp: Experience, actor, critic, cfg: RLConfig, generator: torch.G
         for index in torch.randperm(n, generator=generator).split(cfg.train_batch_size):
             mb = exp.minibatch(index)
             logprobs, entropy = response_logprobs(actor, mb.sequences, mb.attention_mask, mb.prompt_width, return_entropy=True)
-            p_loss, clip_fraction = policy_loss(logprobs, mb.logprobs, mb.advantages, mb.action_mask, cfg.eps_clip)
-            actor.backward(p_loss)
+            p_loss, clip_fraction = policy_loss(
+                logprobs, mb.logprobs, mb.advantages, mb.action_mask, cfg.eps_clip, clip_eps_low=cfg.eps_clip_low or None,
+                clip_eps_high=cfg.eps_clip_high or None, dual_clip=cfg.dual_clip or None)
+            loss = p_loss
+            if cfg.use_kl_loss:
+                loss = loss + kl_coef * kl_loss(logprobs, mb.ref_logprobs, mb.action_mask, cfg.kl_estimator)
+            if cfg.entropy_coef:
+                loss = loss - cfg.entropy_coef * masked_mean(entropy, mb.action_mask)
+            actor.backward(loss)
             actor.step()
             v_loss = v_clip = torch.zeros(())
             if critic is not None:
@@ -92,7 +99,7 @@ def train(cfg: RLConfig, run: StageRun) -> None:
         t2 = time.time()
         for m in models:
             m.train()
-        stats = ppo_update(exp, actor, critic, cfg, generator)
+        stats = ppo_update(exp, actor, critic, cfg, kl_ctl.value, generator)
         t3 = time.time()
         sequence_kl = exp.kl.sum(-1).mean().item()
         kl_coef = kl_ctl.value
