@@ -95,7 +95,3 @@ def sequence_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     values = token_values(model, input_ids, attention_mask)
     rows = torch.arange(values.size(0), device=values.device)
     return values[rows, last_token_index(attention_mask)]
-
-
-def count_parameters(model) -> int:
-    return sum(p.numel() for p in model.parameters())

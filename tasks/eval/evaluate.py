@@ -13,12 +13,13 @@ import json
 import torch
 
 from tasks.common import data
-from tasks.common.models import load_causal_lm, load_scalar_model, load_tokenizer, resolve_model, sequence_logprobs, sequence_scores
+from tasks.common.models import load_causal_lm, load_tokenizer, resolve_model, sequence_logprobs
 from tasks.common.rollout import HFRolloutEngine, Rollout
 from tasks.common.stage import StageRun
 from tasks.common.strategy import set_seed
 from tasks.data.demo import extract_answer, is_preferred_style
 from tasks.eval.config import EvalConfig
+from tasks.rl.rewards import RewardModels, build_reward_batch
 
 METRICS = ("accuracy", "preferred_style_rate", "sampled_accuracy", "reward_mean", "kl_to_ref", "response_length")
 
@@ -34,13 +35,7 @@ def summed_logprobs(model, rollout: Rollout, batch_size: int = 256) -> torch.Ten
     return torch.cat(out)
 
 
-@torch.no_grad()
-def score(reward_model, rollout: Rollout, batch_size: int = 256) -> torch.Tensor:
-    return torch.cat([sequence_scores(reward_model, rollout.sequences[i:i + batch_size], rollout.attention_mask[i:i + batch_size])
-                      for i in range(0, rollout.sequences.size(0), batch_size)])
-
-
-def policy_metrics(policy, reference, reward_model, tokenizer, prompts, labels, cfg: EvalConfig) -> tuple[dict, list[str]]:
+def policy_metrics(policy, reference, reward_model, tokenizer, prompts, prompt_texts, labels, cfg: EvalConfig) -> tuple[dict, list[str]]:
     engine = HFRolloutEngine(policy, tokenizer)
     greedy = engine.generate(prompts, cfg.generate_max_len, greedy=True).texts(tokenizer)
     set_seed(cfg.seed)  # both policies sample with the same seed
@@ -52,7 +47,7 @@ def policy_metrics(policy, reference, reward_model, tokenizer, prompts, labels, 
         "accuracy": correct(greedy),
         "preferred_style_rate": sum(map(is_preferred_style, texts)) / len(texts),
         "sampled_accuracy": correct(texts),
-        "reward_mean": score(reward_model, sampled).mean().item(),
+        "reward_mean": reward_model.score(build_reward_batch(sampled, tokenizer, prompt_texts, labels)).mean().item(),
         "kl_to_ref": kl.mean().item(),
         "response_length": sampled.response_lengths().float().mean().item(),
     }
@@ -77,12 +72,14 @@ def evaluate(cfg: EvalConfig, run: StageRun) -> None:
     policy_path = resolve_model(run.input("policy", cfg.policy))
     tokenizer = load_tokenizer(policy_path)
     baseline, policy = load_causal_lm(baseline_path).eval(), load_causal_lm(policy_path).eval()
-    reward_model = load_scalar_model(resolve_model(run.input("reward_pretrain", cfg.reward_pretrain))).eval()
+    # Raw scores (not standardised), summed over the models of a comma-separated list, as in RL.
+    reward_model = RewardModels(run.input("reward_pretrain", cfg.reward_pretrain), normalize=False)
     prompts = [data.encode_prompt(tokenizer, p) for p in rows[cfg.input_key]]
     labels = [str(label) for label in rows[cfg.label_key]]
 
-    base_metrics, base_greedy = policy_metrics(baseline, baseline, reward_model, tokenizer, prompts, labels, cfg)
-    pol_metrics, pol_greedy = policy_metrics(policy, baseline, reward_model, tokenizer, prompts, labels, cfg)
+    texts = list(rows[cfg.input_key])
+    base_metrics, base_greedy = policy_metrics(baseline, baseline, reward_model, tokenizer, prompts, texts, labels, cfg)
+    pol_metrics, pol_greedy = policy_metrics(policy, baseline, reward_model, tokenizer, prompts, texts, labels, cfg)
     report = {
         "metrics": {"baseline": base_metrics, "policy": pol_metrics},
         "delta": {k: round(pol_metrics[k] - base_metrics[k], 4) for k in METRICS},
