@@ -54,6 +54,44 @@ class StageConfig:
         return dataclasses.asdict(self)
 
 
+@dataclass
+class TrainingConfig(StageConfig):
+    """Fields every training stage shares (SFT, reward model, RL), named as in OpenRLHF."""
+
+    micro_train_batch_size: int = field(default=0, metadata={"help": "sequences per forward/backward on one worker; the rest of train_batch_size is gradient accumulation (0: the worker's whole share at once)"})
+    gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations in backward: less memory, more compute"})
+    adam_offload: bool = field(default=False, metadata={"help": "keep Adam's state on the CPU (DeepSpeedCPUAdam; JIT-builds its op once)"})
+    flash_attn: bool = field(default=False, metadata={"help": "FlashAttention-2 kernels; PyTorch's SDPA kernels (logged) when the flash-attn package or a GPU is missing"})
+    max_samples: int = field(default=0, metadata={"help": "use only the first this many rows of the training data (0: all)"})
+    apply_chat_template: bool = field(default=False, metadata={"help": "wrap each prompt in the tokenizer's chat template as a user turn"})
+    save_steps: int = field(default=0, metadata={"help": "write a resumable checkpoint every this many steps (0: never)"})
+    ckpt_path: str = field(default="", metadata={"help": "where checkpoints go (default <output>/checkpoints); each step_<n>/ has its own manifest"})
+    load_checkpoint: bool = field(default=True, metadata={"help": "resume from the newest complete checkpoint under ckpt_path when one exists"})
+    max_ckpt_num: int = field(default=3, metadata={"help": "keep this many newest checkpoints (0: all)"})
+    save_path: str = field(default="", metadata={"help": "also write the final HF model here (a folder or s3:// URI); the stage output stays --output"})
+
+    def validate(self) -> None:
+        super().validate()
+        for name in ("micro_train_batch_size", "max_samples", "save_steps", "max_ckpt_num"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}: must not be negative, got {getattr(self, name)}")
+
+
+def check_batch(name: str, batch: int, micro: int, world: int, world_flag: str) -> None:
+    """Refuse a global batch that `world` workers cannot split evenly into micro-batches of `micro`."""
+    if batch % world:
+        raise ConfigError(f"{name}: {batch} does not split over {world} workers ({world_flag}); use a multiple of {world}")
+    if micro and (batch // world) % micro:
+        raise ConfigError(f"micro_train_batch_size: {micro} must divide each worker's share of {name}, {batch // world}")
+
+
+def micro_batches(batch: int, micro: int, world: int) -> tuple[int, int]:
+    """(sequences per forward/backward, accumulation steps) for one worker's share of `batch`."""
+    share = batch // world
+    micro = micro or share
+    return micro, share // micro
+
+
 def _field_type(cls: type, f: dataclasses.Field) -> type:
     """The concrete type of a field: int, float, str or bool (Optional[X] gives X)."""
     hint = typing.get_type_hints(cls)[f.name]

@@ -35,8 +35,8 @@ def resolve_dataset(uri: str, split: str) -> Path:
     return path
 
 
-def load_rows(uri: str, split: str, keys: list[str]):
-    """A 🤗 Dataset of the rows at `uri`, checked to carry every key in `keys`."""
+def load_rows(uri: str, split: str, keys: list[str], max_samples: int = 0):
+    """A 🤗 Dataset of the rows at `uri` (the first `max_samples` if not 0), checked to carry every key in `keys`."""
     import datasets
 
     path = resolve_dataset(uri, split)
@@ -47,11 +47,20 @@ def load_rows(uri: str, split: str, keys: list[str]):
     for key in keys:
         if key not in rows.column_names:
             raise ConfigError(f"dataset: key {key!r} missing in {uri} ({split}); keys present: {', '.join(rows.column_names)}")
+    if max_samples and max_samples < len(rows):
+        rows = rows.select(range(max_samples))
     return rows
 
 
-def encode_prompt(tokenizer, text: str) -> list[int]:
-    """Token ids of a prompt, starting with the tokenizer's BOS when it has one."""
+def encode_prompt(tokenizer, text: str, chat_template: bool = False) -> list[int]:
+    """Token ids of a prompt, starting with the tokenizer's BOS when it has one; with `chat_template`,
+    the prompt is a user turn of the tokenizer's chat template followed by the assistant's opening."""
+    if chat_template:
+        if not tokenizer.chat_template:
+            raise ConfigError(f"apply_chat_template: the tokenizer of {tokenizer.name_or_path} has no chat template; "
+                              "drop --apply_chat_template or use a model that ships one")
+        return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False))
     ids = tokenizer.encode(text, add_special_tokens=False)
     if tokenizer.bos_token_id is not None and (not ids or ids[0] != tokenizer.bos_token_id):
         ids = [tokenizer.bos_token_id] + ids
@@ -98,3 +107,12 @@ class BatchSampler:
         batch = self.order[self.position:self.position + self.batch_size]
         self.position += self.batch_size
         return batch.tolist()
+
+    def state_dict(self) -> dict:
+        return {"rng": self.rng.bit_generator.state, "epoch": self.epoch, "position": self.position, "order": self.order.tolist()}
+
+    def load_state_dict(self, state: dict) -> None:
+        import numpy as np
+
+        self.rng.bit_generator.state = state["rng"]
+        self.epoch, self.position, self.order = state["epoch"], state["position"], np.array(state["order"])

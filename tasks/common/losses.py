@@ -37,9 +37,17 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return torch.gather(F.log_softmax(logits.float(), dim=-1), -1, labels.unsqueeze(-1)).squeeze(-1)
 
 
-def sft_loss(logprobs: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-    """Negative log-likelihood averaged over the response tokens only (prompt tokens masked out)."""
-    return -masked_mean(logprobs, loss_mask)
+def sft_loss(logprobs: torch.Tensor, loss_mask: torch.Tensor, num_tokens: torch.Tensor | float | None = None) -> torch.Tensor:
+    """Negative log-likelihood of the response tokens (prompt tokens masked out), summed and divided
+    by `num_tokens`, or averaged over this batch's response tokens without it.
+
+    Data parallelism passes `num_tokens` = (response tokens of the whole global batch) / (number of
+    micro-batches, over all workers): the workers' averaged gradients are then those of the global
+    batch's token mean, whatever the split.
+    """
+    if num_tokens is None:
+        return -masked_mean(logprobs, loss_mask)
+    return -(logprobs * loss_mask).sum() / num_tokens
 
 
 def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:

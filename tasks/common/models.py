@@ -11,6 +11,7 @@ is used as it is; anything else is passed to transformers as a hub id.
 """
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -18,6 +19,8 @@ import torch
 from tasks.common import manifest as manifests
 from tasks.common import storage
 from tasks.common.losses import last_token_index, token_logprobs
+
+logger = logging.getLogger(__name__)
 
 
 def is_stage_output(uri: str) -> bool:
@@ -50,17 +53,32 @@ def load_tokenizer(path: str):
     return tokenizer
 
 
-def load_causal_lm(path: str, dtype: torch.dtype = torch.float32):
+def attn_implementation(flash_attn: bool) -> str:
+    """The attention kernels to load models with: FlashAttention-2 when asked for and possible, else
+    PyTorch's scaled_dot_product_attention (transformers' own default)."""
+    if not flash_attn:
+        return "sdpa"
+    import importlib.util
+
+    if torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    missing = "a CUDA GPU" if not torch.cuda.is_available() else "the flash-attn package (pip install 'rlhf-flow[flash]')"
+    logger.warning("flash_attn: %s is missing; using PyTorch's SDPA attention kernels instead", missing)
+    return "sdpa"
+
+
+def load_causal_lm(path: str, dtype: torch.dtype = torch.float32, flash_attn: bool = False):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation(flash_attn))
 
 
-def load_scalar_model(path: str, dtype: torch.dtype = torch.float32):
+def load_scalar_model(path: str, dtype: torch.dtype = torch.float32, flash_attn: bool = False):
     """A model with a one-output head on every token: reward models and critics."""
     from transformers import AutoModelForSequenceClassification
 
-    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype)
+    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype,
+                                                               attn_implementation=attn_implementation(flash_attn))
     if model.config.pad_token_id is None:
         raise ValueError(f"{path}: config has no pad_token_id; a scalar head needs it to find the last token")
     return model

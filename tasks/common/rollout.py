@@ -39,6 +39,13 @@ class Rollout:
     def response_lengths(self) -> torch.Tensor:
         return self.response_mask.sum(-1)
 
+    def select(self, rows) -> "Rollout":
+        """The rollout of some rows (an index tensor, list or slice), at the same widths."""
+        return Rollout(self.sequences[rows], self.attention_mask[rows], self.response_mask[rows], self.prompt_width)
+
+    def to(self, device) -> "Rollout":
+        return Rollout(self.sequences.to(device), self.attention_mask.to(device), self.response_mask.to(device), self.prompt_width)
+
 
 def response_mask(responses: torch.Tensor, eos_token_id: int) -> torch.Tensor:
     """1 for each response token up to and including the first EOS (all of them without one)."""
@@ -59,7 +66,7 @@ class HFRolloutEngine:
                  greedy: bool = False, batch_size: int = 256) -> Rollout:
         chunks = [self._generate(prompt_ids[i:i + batch_size], max_new_tokens, temperature, greedy)
                   for i in range(0, len(prompt_ids), batch_size)]
-        return _concat(chunks, self.tokenizer.pad_token_id)
+        return concat_rollouts(chunks, self.tokenizer.pad_token_id)
 
     def _generate(self, prompt_ids, max_new_tokens, temperature, greedy) -> Rollout:
         ids, mask = pad(prompt_ids, self.tokenizer.pad_token_id, side="left")
@@ -77,7 +84,7 @@ class HFRolloutEngine:
         return Rollout(out, torch.cat([mask, r_mask], dim=1), r_mask, ids.size(1))
 
 
-def _concat(chunks: list[Rollout], pad_id: int) -> Rollout:
+def concat_rollouts(chunks: list[Rollout], pad_id: int) -> Rollout:
     """Join rollouts of different prompt and response widths into one, re-padding both sides."""
     if len(chunks) == 1:
         return chunks[0]

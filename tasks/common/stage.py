@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Callable
 
 from tasks.common import manifest as manifests
+from tasks.common import storage
+from tasks.common.checkpoint import CheckpointStore
 from tasks.common.config import ConfigError, StageConfig, parse_config
 from tasks.common.storage import StorageError
 from tasks.common.tracking import MetricsTracker
@@ -51,6 +53,39 @@ class StageRun:
         self.inputs[name] = uri
         return uri
 
+    # ------------------------------------------------------------ in-stage checkpoints (TrainingConfig)
+
+    @property
+    def checkpoints(self) -> CheckpointStore:
+        return CheckpointStore(self.cfg.ckpt_path or storage.join(self.cfg.output, "checkpoints"), keep=self.cfg.max_ckpt_num)
+
+    def resume(self, restore: Callable[[Path], None]) -> int:
+        """Restore the newest complete checkpoint (when --load_checkpoint); returns its step, 0 if none."""
+        if not self.cfg.load_checkpoint:
+            return 0
+        step = self.checkpoints.latest()
+        if step is None:
+            return 0
+        local = Path(tempfile.mkdtemp(prefix=f"rlhf-{self.stage}-resume-"))
+        try:
+            restore(self.checkpoints.fetch(step, local))
+        finally:
+            shutil.rmtree(local, ignore_errors=True)
+        print(f"{self.stage}: resumed from {self.checkpoints.uri(step)}", flush=True)
+        return step
+
+    def checkpoint(self, step: int, save: Callable[[Path], None]) -> None:
+        """Every --save_steps steps: `save(folder)` writes the state, then it is committed as step_<step>."""
+        if not self.cfg.save_steps or step % self.cfg.save_steps:
+            return
+        local = Path(tempfile.mkdtemp(prefix=f"rlhf-{self.stage}-ckpt-"))
+        try:
+            save(local)
+            uri = self.checkpoints.commit(local, step, self.cfg.run_id, self.cfg.to_dict())
+        finally:
+            shutil.rmtree(local, ignore_errors=True)
+        print(f"{self.stage}: checkpoint {uri}", flush=True)
+
     def commit(self, metrics: dict, **extra) -> dict:
         """Upload the output folder and write manifest.json last."""
         self.tracker.close()
@@ -58,6 +93,9 @@ class StageRun:
         manifest = manifests.build_manifest(self.stage, self.cfg.run_id, self.cfg.to_dict(), self.inputs, metrics, **extra)
         committed = manifests.commit(self.workdir, self.cfg.output, manifest)
         print(f"committed {self.stage} output to {committed['uri']}", flush=True)
+        if getattr(self.cfg, "save_path", "") and "model" in extra:
+            storage.upload_dir(self.workdir / extra["model"], self.cfg.save_path)
+            print(f"{self.stage}: final model also written to {self.cfg.save_path}", flush=True)
         return committed
 
     def cleanup(self) -> None:
@@ -81,5 +119,7 @@ def main(stage: str, config_cls: type, work: Callable, argv: list[str] | None = 
         print(f"{stage}: config {cfg.to_dict()}", flush=True)
         run(stage, cfg, work)
     except USER_ERRORS as error:
-        print(f"error: {error}", file=sys.stderr, flush=True)
+        # A worker's error reaches the driver wrapped by Ray (a RayTaskError that is also an
+        # instance of the cause's class); the user needs the cause's one line, not the traceback.
+        print(f"error: {getattr(error, 'cause', None) or error}", file=sys.stderr, flush=True)
         sys.exit(2)

@@ -39,29 +39,39 @@ def lr_multiplier(step: int, total_steps: int, warmup_steps: int, schedule: str 
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def init_distributed() -> None:
-    """Join (or, alone, create) the torch.distributed world this process belongs to."""
+def init_distributed(rank: int = 0, world_size: int = 1, init_method: str | None = None) -> None:
+    """Join (or, alone, create) the torch.distributed world this process belongs to.
+
+    A worker group passes its rank, size and rendezvous (tasks.common.workers); a process on its
+    own is a world of one, joined through a fresh file: torch's TCP store would listen on every
+    interface whatever MASTER_ADDR says. DeepSpeed then adopts the group.
+    """
     import deepspeed
     import torch.distributed as dist
 
     if dist.is_initialized():
         return
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a launcher (or a worker group) set up the rendezvous
-        deepspeed.init_distributed(dist_backend=backend)
-        return
-    # A process started alone is a world of one, joined through a file: torch's TCP store would
-    # listen on every interface whatever MASTER_ADDR says. DeepSpeed then adopts the group.
-    rendezvous = tempfile.NamedTemporaryFile(prefix="rlhf-rendezvous-", delete=False).name
-    os.unlink(rendezvous)
-    dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=0, world_size=1)
-    # Some DeepSpeed paths read these even for a world of one; nothing listens on them.
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+    if init_method is None:
+        rendezvous = tempfile.NamedTemporaryFile(prefix="rlhf-rendezvous-", delete=False).name
+        os.unlink(rendezvous)
+        init_method = f"file://{rendezvous}"
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+    # DeepSpeed reads these; Ray gives each worker its own GPU, so the local rank is 0. Nothing
+    # listens on MASTER_PORT: the group above is already formed.
+    os.environ.update(RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(world_size), LOCAL_SIZE="1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29500")
     deepspeed.init_distributed(dist_backend=backend)
 
 
 class DeepSpeedStrategy:
+    """DeepSpeed for one model in this process's data-parallel world (a worker group's, or a world of one).
+
+    `micro_batch_size` sequences go through each forward/backward; `accumulation_steps` of them make
+    one optimizer step per rank, so a step sees micro × accumulation × world sequences in all.
+    """
+
     def __init__(
         self,
         zero_stage: int = 2,
@@ -69,15 +79,22 @@ class DeepSpeedStrategy:
         seed: int = 0,
         max_norm: float = 1.0,
         micro_batch_size: int = 1,
+        accumulation_steps: int = 1,
         adam_offload: bool = False,
+        gradient_checkpointing: bool = False,
     ):
+        import torch.distributed as dist
+
         self.zero_stage = zero_stage
         self.bf16 = bf16
         self.seed = seed
         self.max_norm = max_norm
         self.micro_batch_size = micro_batch_size
+        self.accumulation_steps = accumulation_steps
         self.adam_offload = adam_offload
+        self.gradient_checkpointing = gradient_checkpointing
         init_distributed()
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         set_seed(seed)
         self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
 
@@ -87,7 +104,7 @@ class DeepSpeedStrategy:
             zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
         return {
             "train_micro_batch_size_per_gpu": self.micro_batch_size,
-            "gradient_accumulation_steps": 1,
+            "gradient_accumulation_steps": self.accumulation_steps,
             "gradient_clipping": self.max_norm,
             "zero_optimization": zero,
             "bf16": {"enabled": self.bf16},
@@ -100,6 +117,11 @@ class DeepSpeedStrategy:
         """Wrap a model for training: AdamW with linear warmup, then a constant or cosine learning rate."""
         import deepspeed
 
+        if self.gradient_checkpointing:
+            # Recompute activations in backward: less memory for more compute. use_reentrant=False is
+            # the variant that works with frozen inputs (embeddings) and ZeRO-3.
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.config.use_cache = False
         params = [p for p in model.parameters() if p.requires_grad]
         if self.adam_offload:
             from deepspeed.ops.adam import DeepSpeedCPUAdam
@@ -118,8 +140,16 @@ class DeepSpeedStrategy:
         model.eval()
         return model.to(self.device, dtype=torch.bfloat16 if self.bf16 else torch.float32)
 
+    def all_reduce(self, value: torch.Tensor | float, op: str = "sum") -> torch.Tensor:
+        """Sum (or mean) of a tensor over the data-parallel world; a copy, on this rank's device."""
+        import torch.distributed as dist
+
+        tensor = torch.as_tensor(value, dtype=torch.float32).clone().to(self.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor / self.world_size if op == "mean" else tensor
+
     def save_hf(self, engine, tokenizer, out_dir: str | Path) -> Path:
-        """Save an HF-format checkpoint from rank 0, gathering ZeRO-3 shards first."""
+        """Save an HF-format checkpoint from rank 0, gathering ZeRO-3 shards first (every rank must call)."""
         import torch.distributed as dist
 
         out_dir = Path(out_dir)
@@ -134,3 +164,32 @@ class DeepSpeedStrategy:
                 tokenizer.save_pretrained(out_dir)
         dist.barrier()
         return out_dir
+
+    def save_state(self, engine, out_dir: str | Path, client_state: dict) -> None:
+        """DeepSpeed's own checkpoint (weights, optimizer, scheduler, every rank's ZeRO shard) plus
+        `client_state` (rank 0's), and each rank's RNG states, under `out_dir` (every rank must call)."""
+        engine.save_checkpoint(str(out_dir), tag="state", client_state=client_state)
+        torch.save(rng_state(), Path(out_dir) / f"rng_rank{self.rank}.pt")
+
+    def load_state(self, engine, in_dir: str | Path) -> dict:
+        """Restore what `save_state` wrote, this rank's RNG included; returns the `client_state`."""
+        _, client_state = engine.load_checkpoint(str(in_dir), tag="state", load_optimizer_states=True, load_lr_scheduler_states=True)
+        if client_state is None:
+            raise FileNotFoundError(f"{in_dir}: no DeepSpeed checkpoint")
+        set_rng_state(torch.load(Path(in_dir) / f"rng_rank{self.rank}.pt", weights_only=False))
+        return client_state
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])

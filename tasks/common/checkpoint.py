@@ -1,0 +1,57 @@
+"""In-stage checkpoints: `<output>/checkpoints/step_<n>/`, each committed by its own manifest.json.
+
+    store = CheckpointStore(cfg.ckpt_path or storage.join(cfg.output, "checkpoints"), keep=cfg.max_ckpt_num)
+    step = store.latest()                       # newest complete step, or None
+    local = store.fetch(step, "/tmp/resume")    # download it, every file's sha256 checked
+    store.commit("/tmp/ckpt", step, run_id, config)   # upload, manifest last, prune beyond `keep`
+
+A checkpoint folder without its manifest.json is an interrupted upload: `latest` never returns it.
+What goes inside is the stage's business (DeepSpeed states per model, the controller's state).
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from tasks.common import manifest as manifests
+from tasks.common import storage
+
+_STEP = re.compile(r"^step_(\d+)/" + re.escape(manifests.MANIFEST) + "$")
+
+
+class CheckpointStore:
+    def __init__(self, root: str, keep: int = 0):
+        self.root = root.rstrip("/")
+        self.keep = keep  # 0 keeps every checkpoint
+
+    def uri(self, step: int) -> str:
+        return storage.join(self.root, f"step_{step}")
+
+    def steps(self) -> list[int]:
+        """Steps with a complete (committed) checkpoint, oldest first."""
+        found = [_STEP.match(rel) for rel, _ in storage.list_files(self.root)]
+        return sorted(int(m.group(1)) for m in found if m)
+
+    def latest(self) -> int | None:
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def fetch(self, step: int, local_dir: str | Path) -> Path:
+        local, _ = manifests.fetch(self.uri(step), local_dir)
+        return local
+
+    def commit(self, local_dir: str | Path, step: int, run_id: str, config: dict, metrics: dict | None = None) -> str:
+        """Upload one checkpoint (manifest last), then delete the oldest beyond `keep`."""
+        manifest = manifests.build_manifest("checkpoint", run_id, config, {}, metrics or {}, step=step)
+        committed = manifests.commit(local_dir, self.uri(step), manifest)
+        if self.keep:
+            for old in self.steps()[:-self.keep]:
+                self.delete(old)
+        return committed["uri"]
+
+    def delete(self, step: int) -> None:
+        """Remove one checkpoint, its manifest first so no reader sees it half-deleted."""
+        uri = self.uri(step)
+        storage.delete(storage.join(uri, manifests.MANIFEST))
+        for rel, _ in storage.list_files(uri):
+            storage.delete(storage.join(uri, rel))
