@@ -1,10 +1,10 @@
 from dataclasses import dataclass, field
 
-from tasks.common.config import LR_SCHEDULERS, ConfigError, StageConfig
+from tasks.common.config import LR_SCHEDULERS, ConfigError, TrainingConfig, check_batch
 
 
 @dataclass
-class RewardModelConfig(StageConfig):
+class RewardModelConfig(TrainingConfig):
     """Pairwise (Bradley-Terry) reward model: a scalar head on the SFT model, trained on chosen/rejected pairs."""
 
     pretrain: str = field(default="", metadata={"help": "model to start from (the SFT output URI); the scalar head starts fresh"})
@@ -21,16 +21,20 @@ class RewardModelConfig(StageConfig):
     lr_scheduler: str = field(default="constant", metadata={"help": "after warmup: constant, or cosine down to 0.1 of the peak"})
     max_len: int = field(default=512, metadata={"help": "longest prompt+response in tokens; longer ones are truncated and counted"})
     logging_steps: int = field(default=25, metadata={"help": "log metrics every this many steps"})
+    num_nodes: int = field(default=1, metadata={"help": "nodes of the data-parallel worker group"})
+    num_gpus_per_node: int = field(default=1, metadata={"help": "workers per node, one GPU each (one CPU on a CPU-only cluster)"})
 
     def validate(self) -> None:
         super().validate()
         for name in ("pretrain", "dataset"):
             if not getattr(self, name):
                 raise ConfigError(f"{name}: missing; pass --{name} <URI>")
-        for name in ("max_steps", "train_batch_size", "max_len", "logging_steps"):
+        for name in ("max_steps", "train_batch_size", "max_len", "logging_steps", "num_nodes", "num_gpus_per_node"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be at least 1, got {getattr(self, name)}")
         if self.lr_scheduler not in LR_SCHEDULERS:
             raise ConfigError(f"lr_scheduler: {self.lr_scheduler!r} is unknown; use {' or '.join(LR_SCHEDULERS)}")
         if not self.learning_rate > 0:
             raise ConfigError(f"learning_rate: must be positive, got {self.learning_rate}")
+        check_batch("train_batch_size", self.train_batch_size, self.micro_train_batch_size, self.num_nodes * self.num_gpus_per_node,
+                    "num_nodes × num_gpus_per_node")

@@ -8,10 +8,12 @@ from __future__ import annotations
 import torch
 
 from tasks.common import data
+from tasks.common.config import micro_batches
 from tasks.common.losses import bradley_terry_loss
 from tasks.common.models import load_scalar_model, load_tokenizer, resolve_model, sequence_scores
 from tasks.common.stage import StageRun
 from tasks.common.strategy import DeepSpeedStrategy
+from tasks.common.workers import Placement, TrainingWorker, WorkerGroup, shard
 from tasks.reward_model.config import RewardModelConfig
 
 
@@ -34,47 +36,93 @@ def pair_scores(model, chosen, rejected, pad_id, device) -> tuple[torch.Tensor, 
 
 
 @torch.no_grad()
-def evaluate_pairs(model, chosen, rejected, pad_id, device, batch_size=256) -> tuple[float, torch.Tensor]:
-    """Pairwise accuracy and every score (chosen and rejected) on held-out pairs."""
-    wins, scores = 0, []
+def evaluate_pairs(model, chosen, rejected, pad_id, device, batch_size=256) -> tuple[list[float], list[float]]:
+    """Scores of held-out pairs: (chosen sequences', rejected sequences')."""
+    chosen_scores, rejected_scores = [], []
     for i in range(0, len(chosen), batch_size):
         c, r = pair_scores(model, chosen[i:i + batch_size], rejected[i:i + batch_size], pad_id, device)
-        wins += (c > r).sum().item()
-        scores += [c, r]
-    return wins / len(chosen), torch.cat(scores)
+        chosen_scores += c.float().tolist()
+        rejected_scores += r.float().tolist()
+    return chosen_scores, rejected_scores
+
+
+class RewardModelWorker(TrainingWorker):
+    def setup(self, cfg: RewardModelConfig) -> dict:
+        keys = [cfg.prompt_key, cfg.chosen_key, cfg.rejected_key]
+        train_rows = data.load_rows(cfg.dataset, cfg.dataset_split, keys, cfg.max_samples)
+        eval_rows = data.load_rows(cfg.dataset, cfg.eval_split, keys)
+        path = resolve_model(cfg.pretrain)
+        self.tokenizer = load_tokenizer(path)
+        self.chosen, self.rejected, truncated = tokenize_pairs(train_rows, self.tokenizer, cfg)
+        eval_chosen, eval_rejected, _ = tokenize_pairs(eval_rows, self.tokenizer, cfg)
+        # This worker scores its share of the held-out pairs at the end.
+        self.eval_chosen, self.eval_rejected = (shard(side, self.world_size)[self.rank] for side in (eval_chosen, eval_rejected))
+        # A micro-batch of n pairs is 2n sequences in one forward pass.
+        self.micro, accumulation = micro_batches(cfg.train_batch_size, cfg.micro_train_batch_size, self.world_size)
+        self.strategy = DeepSpeedStrategy(zero_stage=cfg.zero_stage, bf16=cfg.bf16, seed=cfg.seed, micro_batch_size=2 * self.micro,
+                                          accumulation_steps=accumulation, adam_offload=cfg.adam_offload,
+                                          gradient_checkpointing=cfg.gradient_checkpointing)
+        self.engine = self.strategy.prepare(load_scalar_model(path, flash_attn=cfg.flash_attn), cfg.learning_rate, cfg.max_steps,
+                                            cfg.lr_warmup_steps, lr_scheduler=cfg.lr_scheduler)
+        self.sampler = data.BatchSampler(len(self.chosen), cfg.train_batch_size, cfg.seed)
+        self.engine.train()
+        return {"pairs": len(self.chosen), "eval_pairs": len(eval_chosen), "truncated": truncated}
+
+    def train_step(self) -> dict:
+        """One optimizer step on this worker's share of the next global batch; global means of the statistics.
+        Every micro-batch holds the same number of pairs, so the mean of their losses is the batch's."""
+        batch = shard(self.sampler.next(), self.world_size)[self.rank]
+        sums = torch.zeros(3, device=self.strategy.device)  # loss, wins, margin, summed over micro-batches
+        chunks = [batch[i:i + self.micro] for i in range(0, len(batch), self.micro)]
+        for chunk in chunks:
+            c, r = pair_scores(self.engine, [self.chosen[i] for i in chunk], [self.rejected[i] for i in chunk],
+                               self.tokenizer.pad_token_id, self.strategy.device)
+            loss = bradley_terry_loss(c, r)
+            self.engine.backward(loss)
+            self.engine.step()
+            sums += torch.stack([loss.detach(), (c > r).float().mean(), (c - r).mean().detach()])
+        loss, accuracy, margin = (self.strategy.all_reduce(sums) / (len(chunks) * self.world_size)).tolist()
+        return {"loss": loss, "accuracy": accuracy, "margin": margin, "lr": self.engine.get_lr()[0]}
+
+    def score_held_out(self) -> tuple[list[float], list[float]]:
+        """Scores of this worker's share of the held-out pairs (chosen, rejected)."""
+        self.engine.eval()
+        return evaluate_pairs(self.engine.module, self.eval_chosen, self.eval_rejected, self.tokenizer.pad_token_id, self.strategy.device)
+
+    def save_model(self, out_dir: str, reward_mean: float, reward_std: float) -> None:
+        config = self.engine.module.config
+        config.reward_mean, config.reward_std = reward_mean, reward_std
+        self.strategy.save_hf(self.engine, self.tokenizer, out_dir)
 
 
 def train(cfg: RewardModelConfig, run: StageRun) -> None:
-    keys = [cfg.prompt_key, cfg.chosen_key, cfg.rejected_key]
-    dataset_uri = run.input("dataset", cfg.dataset)
-    train_rows, eval_rows = data.load_rows(dataset_uri, cfg.dataset_split, keys), data.load_rows(dataset_uri, cfg.eval_split, keys)
-    model_path = resolve_model(run.input("pretrain", cfg.pretrain))
-    tokenizer = load_tokenizer(model_path)
-    chosen, rejected, truncated = tokenize_pairs(train_rows, tokenizer, cfg)
-    eval_chosen, eval_rejected, _ = tokenize_pairs(eval_rows, tokenizer, cfg)
-    print(f"reward_model: {len(chosen)} pairs, {len(eval_chosen)} held out, {truncated} sequences truncated", flush=True)
-    strategy = DeepSpeedStrategy(zero_stage=cfg.zero_stage, bf16=cfg.bf16, seed=cfg.seed, micro_batch_size=2 * cfg.train_batch_size)
-
-    engine = strategy.prepare(load_scalar_model(model_path), cfg.learning_rate, cfg.max_steps, cfg.lr_warmup_steps, lr_scheduler=cfg.lr_scheduler)
-    model = engine.module
-    sampler = data.BatchSampler(len(chosen), cfg.train_batch_size, cfg.seed)
-    engine.train()
-    for step in range(1, cfg.max_steps + 1):
-        batch = sampler.next()
-        c, r = pair_scores(model, [chosen[i] for i in batch], [rejected[i] for i in batch], tokenizer.pad_token_id, strategy.device)
-        loss = bradley_terry_loss(c, r)
-        engine.backward(loss)
-        engine.step()
+    run.input("dataset", cfg.dataset)
+    run.input("pretrain", cfg.pretrain)
+    placement = Placement.create(cfg.num_nodes, cfg.num_gpus_per_node, "reward_model")
+    group = WorkerGroup(RewardModelWorker, placement, "reward_model")
+    info = group.run("setup", cfg)[0]
+    print(f"reward_model: {info['pairs']} pairs, {info['eval_pairs']} held out, {info['truncated']} sequences truncated, "
+          f"{group.world_size} worker(s)", flush=True)
+    start = run.resume(lambda local: group.run("load_state", str(local)))
+    stats: dict = {}
+    for step in range(start + 1, cfg.max_steps + 1):
+        stats = group.run("train_step")[0]
         if step % cfg.logging_steps == 0 or step == cfg.max_steps:
-            run.tracker.log(step, {"loss": loss.item(), "accuracy": (c > r).float().mean().item(), "margin": (c - r).mean().item(), "lr": engine.get_lr()[0]})
+            run.tracker.log(step, stats)
+        run.checkpoint(step, lambda local: group.run("save_state", str(local)))
 
-    engine.eval()
-    accuracy, scores = evaluate_pairs(model, eval_chosen, eval_rejected, tokenizer.pad_token_id, strategy.device)
-    model.config.reward_mean, model.config.reward_std = scores.mean().item(), scores.std().item()
-    run.tracker.log(cfg.max_steps, {"eval_pairwise_accuracy": accuracy, "reward_mean": model.config.reward_mean, "reward_std": model.config.reward_std})
-    strategy.save_hf(engine, tokenizer, run.workdir / "model")
+    shares = group.run("score_held_out")
+    chosen = torch.tensor([s for c, _ in shares for s in c])
+    rejected = torch.tensor([s for _, r in shares for s in r])
+    accuracy = (chosen > rejected).float().mean().item()
+    scores = torch.cat([chosen, rejected])
+    reward_mean, reward_std = scores.mean().item(), scores.std().item()
+    run.tracker.log(cfg.max_steps, {"eval_pairwise_accuracy": accuracy, "reward_mean": reward_mean, "reward_std": reward_std})
+    group.run("save_model", str(run.workdir / "model"), reward_mean, reward_std)
+    group.shutdown()
+    placement.remove()
     run.commit(
-        metrics={"train_loss": round(loss.item(), 5), "eval_pairwise_accuracy": round(accuracy, 4),
-                 "reward_mean": model.config.reward_mean, "reward_std": model.config.reward_std, "truncated": truncated},
+        metrics={"train_loss": round(stats["loss"], 5) if stats else None, "eval_pairwise_accuracy": round(accuracy, 4),
+                 "reward_mean": reward_mean, "reward_std": reward_std, "truncated": info["truncated"], "workers": group.world_size},
         model="model",
     )

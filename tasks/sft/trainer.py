@@ -1,13 +1,19 @@
-"""Supervised fine-tuning with the loss masked to the response tokens (and the closing EOS)."""
+"""Supervised fine-tuning with the loss masked to the response tokens (and the closing EOS).
+
+The driver places `num_nodes × num_gpus_per_node` SFTWorkers (one data-parallel world) and steps
+them; each draws the same global batch from an identically seeded sampler and trains on its share.
+"""
 from __future__ import annotations
 
 import torch
 
 from tasks.common import data
+from tasks.common.config import micro_batches
 from tasks.common.losses import sft_loss
 from tasks.common.models import load_causal_lm, load_tokenizer, resolve_model, sequence_logprobs
 from tasks.common.stage import StageRun
 from tasks.common.strategy import DeepSpeedStrategy
+from tasks.common.workers import Placement, TrainingWorker, WorkerGroup, shard
 from tasks.sft.config import SFTConfig
 
 
@@ -15,7 +21,7 @@ def tokenize(rows, tokenizer, cfg: SFTConfig) -> tuple[list[list[int]], list[lis
     """(ids, loss mask) per row; rows longer than max_len are cut and counted."""
     ids, masks, truncated = [], [], 0
     for prompt, response in zip(rows[cfg.input_key], rows[cfg.output_key]):
-        p, r = data.encode_prompt(tokenizer, prompt), data.encode_response(tokenizer, response)
+        p, r = data.encode_prompt(tokenizer, prompt, cfg.apply_chat_template), data.encode_response(tokenizer, response)
         seq, mask = p + r, [0] * len(p) + [1] * len(r)
         if len(seq) > cfg.max_len:
             seq, mask, truncated = seq[:cfg.max_len], mask[:cfg.max_len], truncated + 1
@@ -24,29 +30,63 @@ def tokenize(rows, tokenizer, cfg: SFTConfig) -> tuple[list[list[int]], list[lis
     return ids, masks, truncated
 
 
+class SFTWorker(TrainingWorker):
+    def setup(self, cfg: SFTConfig) -> dict:
+        rows = data.load_rows(cfg.dataset, cfg.dataset_split, [cfg.input_key, cfg.output_key], cfg.max_samples)
+        path = resolve_model(cfg.pretrain)
+        self.tokenizer = load_tokenizer(path)
+        self.ids, self.masks, truncated = tokenize(rows, self.tokenizer, cfg)
+        self.micro, accumulation = micro_batches(cfg.train_batch_size, cfg.micro_train_batch_size, self.world_size)
+        self.strategy = DeepSpeedStrategy(zero_stage=cfg.zero_stage, bf16=cfg.bf16, seed=cfg.seed, micro_batch_size=self.micro,
+                                          accumulation_steps=accumulation, adam_offload=cfg.adam_offload,
+                                          gradient_checkpointing=cfg.gradient_checkpointing)
+        self.engine = self.strategy.prepare(load_causal_lm(path, flash_attn=cfg.flash_attn), cfg.learning_rate, cfg.max_steps,
+                                            cfg.lr_warmup_steps, lr_scheduler=cfg.lr_scheduler)
+        self.sampler = data.BatchSampler(len(self.ids), cfg.train_batch_size, cfg.seed)
+        self.engine.train()
+        return {"rows": len(self.ids), "truncated": truncated}
+
+    def train_step(self) -> dict:
+        """One optimizer step on this worker's share of the next global batch; the global mean loss."""
+        batch = shard(self.sampler.next(), self.world_size)[self.rank]
+        masks = [self.masks[i][1:] for i in batch]  # a token's loss sits at the position before it
+        chunks = [batch[i:i + self.micro] for i in range(0, len(batch), self.micro)]
+        # Every micro-batch is normalised by the global batch's token count: see sft_loss.
+        tokens = self.strategy.all_reduce(sum(map(sum, masks)))
+        micro_batches_in_step = len(chunks) * self.world_size
+        total = torch.zeros((), device=self.strategy.device)
+        for chunk in chunks:
+            ids, attention_mask = data.pad([self.ids[i] for i in chunk], self.tokenizer.pad_token_id)
+            loss_mask, _ = data.pad([self.masks[i] for i in chunk], 0)
+            ids, attention_mask, loss_mask = (t.to(self.strategy.device) for t in (ids, attention_mask, loss_mask))
+            loss = sft_loss(sequence_logprobs(self.engine, ids, attention_mask), loss_mask[:, 1:], tokens / micro_batches_in_step)
+            self.engine.backward(loss)
+            self.engine.step()
+            total += loss.detach()
+        mean_loss = self.strategy.all_reduce(total) / micro_batches_in_step
+        return {"loss": mean_loss.item(), "lr": self.engine.get_lr()[0], "epoch": self.sampler.epoch}
+
+    def save_model(self, out_dir: str) -> None:
+        self.strategy.save_hf(self.engine, self.tokenizer, out_dir)
+
+
 def train(cfg: SFTConfig, run: StageRun) -> None:
-    # Inputs first: a wrong URI or column fails here, before any training work.
-    rows = data.load_rows(run.input("dataset", cfg.dataset), cfg.dataset_split, [cfg.input_key, cfg.output_key])
-    model_path = resolve_model(run.input("pretrain", cfg.pretrain))
-    tokenizer = load_tokenizer(model_path)
-    ids, masks, truncated = tokenize(rows, tokenizer, cfg)
-    print(f"sft: {len(ids)} rows, {truncated} truncated to {cfg.max_len} tokens", flush=True)
-    strategy = DeepSpeedStrategy(zero_stage=cfg.zero_stage, bf16=cfg.bf16, seed=cfg.seed, micro_batch_size=cfg.train_batch_size)
-
-    engine = strategy.prepare(load_causal_lm(model_path), cfg.learning_rate, cfg.max_steps, cfg.lr_warmup_steps, lr_scheduler=cfg.lr_scheduler)
-    sampler = data.BatchSampler(len(ids), cfg.train_batch_size, cfg.seed)
-    engine.train()
-    for step in range(1, cfg.max_steps + 1):
-        batch = sampler.next()
-        input_ids, attention_mask = data.pad([ids[i] for i in batch], tokenizer.pad_token_id)
-        loss_mask, _ = data.pad([masks[i] for i in batch], 0)
-        input_ids, attention_mask, loss_mask = (t.to(strategy.device) for t in (input_ids, attention_mask, loss_mask))
-        logprobs = sequence_logprobs(engine, input_ids, attention_mask)
-        loss = sft_loss(logprobs, loss_mask[:, 1:])
-        engine.backward(loss)
-        engine.step()
+    run.input("dataset", cfg.dataset)
+    run.input("pretrain", cfg.pretrain)
+    placement = Placement.create(cfg.num_nodes, cfg.num_gpus_per_node, "sft")
+    group = WorkerGroup(SFTWorker, placement, "sft")
+    info = group.run("setup", cfg)[0]
+    print(f"sft: {info['rows']} rows, {info['truncated']} truncated to {cfg.max_len} tokens, {group.world_size} worker(s)", flush=True)
+    start = run.resume(lambda local: group.run("load_state", str(local)))
+    stats: dict = {}
+    for step in range(start + 1, cfg.max_steps + 1):
+        stats = group.run("train_step")[0]
         if step % cfg.logging_steps == 0 or step == cfg.max_steps:
-            run.tracker.log(step, {"loss": loss.item(), "lr": engine.get_lr()[0], "epoch": sampler.epoch})
+            run.tracker.log(step, stats)
+        run.checkpoint(step, lambda local: group.run("save_state", str(local)))
 
-    strategy.save_hf(engine, tokenizer, run.workdir / "model")
-    run.commit(metrics={"train_loss": round(loss.item(), 5), "steps": cfg.max_steps, "rows": len(ids), "truncated": truncated}, model="model")
+    group.run("save_model", str(run.workdir / "model"))
+    group.shutdown()
+    placement.remove()
+    run.commit(metrics={"train_loss": round(stats["loss"], 5) if stats else None, "steps": cfg.max_steps, "rows": info["rows"],
+                        "truncated": info["truncated"], "workers": group.world_size}, model="model")
