@@ -1,6 +1,6 @@
 from dataclasses import dataclass, field
 
-from tasks.common.config import ConfigError, StageConfig
+from tasks.common.config import ConfigError, TrainingConfig, check_batch
 
 ADVANTAGE_ESTIMATORS = ("gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo")  # tasks.rl.advantages
 GROUP_ESTIMATORS = ("reinforce_baseline", "rloo", "group_norm", "dr_grpo")
@@ -8,7 +8,7 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
 @dataclass
-class RLConfig(StageConfig):
+class RLConfig(TrainingConfig):
     """PPO-family RL: rollouts from the policy, rewards from reward models, a function or an endpoint,
     KL to the frozen reference; advantages by GAE with a critic or by a critic-free estimator.
 
@@ -50,9 +50,75 @@ class RLConfig(StageConfig):
     kl_estimator: str = field(default="k1", metadata={"help": "per-token KL estimator: k1, k2 or k3"})
     normalize_reward: bool = field(default=True, metadata={"help": "standardise reward-model scores with the mean/std stored by its stage"})
     logging_steps: int = field(default=1, metadata={"help": "log metrics every this many steps"})
+    num_episodes: int = field(default=0, metadata={"help": "passes over the prompts; when set, the stage runs num_episodes × ⌊prompts / rollout_batch_size⌋ steps instead of max_steps"})
+    micro_rollout_batch_size: int = field(default=0, metadata={"help": "sequences per generate / inference call on one worker (0: its whole share at once)"})
+    dynamic_filtering: bool = field(default=False, metadata={"help": "drop prompt groups whose rewards are all equal or whose mean is outside dynamic_filtering_reward_range, and refill from the prompts (DAPO)"})
+    dynamic_filtering_reward_range: str = field(default="0 1", metadata={"help": "open interval (low high) a kept group's mean reward must lie in"})
+    reward_clip_range: str = field(default="", metadata={"help": "clip shaped rewards to this range, 'low high' (empty: no clipping)"})
+    # Where the models run: one worker group each, or colocated groups sharing one placement group.
+    actor_num_nodes: int = field(default=1, metadata={"help": "nodes of the actor (policy) group"})
+    actor_num_gpus_per_node: int = field(default=1, metadata={"help": "actor workers per node, one GPU each (one CPU on a CPU-only cluster)"})
+    critic_num_nodes: int = field(default=1, metadata={"help": "nodes of the critic group (gae only)"})
+    critic_num_gpus_per_node: int = field(default=1, metadata={"help": "critic workers per node"})
+    ref_num_nodes: int = field(default=1, metadata={"help": "nodes of the reference-model group"})
+    ref_num_gpus_per_node: int = field(default=1, metadata={"help": "reference workers per node"})
+    reward_num_nodes: int = field(default=1, metadata={"help": "nodes of the reward-model group (with --reward_pretrain)"})
+    reward_num_gpus_per_node: int = field(default=1, metadata={"help": "reward-model workers per node"})
+    colocate_actor_ref: bool = field(default=False, metadata={"help": "actor and reference share GPUs (one placement group, half a GPU each)"})
+    colocate_critic_reward: bool = field(default=False, metadata={"help": "critic and reward models share GPUs"})
+    colocate_all_models: bool = field(default=False, metadata={"help": "every model shares the actor's GPUs (fractions of one placement group)"})
+    vllm_num_engines: int = field(default=0, metadata={"help": "vLLM rollout engines (GPU only); 0 generates with transformers in the actor workers"})
+    vllm_tensor_parallel_size: int = field(default=1, metadata={"help": "GPUs per vLLM engine"})
+    vllm_gpu_memory_utilization: float = field(default=0.9, metadata={"help": "fraction of a GPU's memory a vLLM engine may take"})
+    enable_prefix_caching: bool = field(default=False, metadata={"help": "vLLM's prefix cache (shared prompt prefixes computed once)"})
+
+    def roles(self) -> list[str]:
+        """The worker groups this run places: a critic only for gae, reward models unless a function or endpoint scores."""
+        return ["actor", "ref"] + (["critic"] if self.advantage_estimator == "gae" else []) + ([] if self.remote_rm_url else ["reward"])
+
+    def group_size(self, role: str) -> int:
+        return getattr(self, f"{role}_num_nodes") * getattr(self, f"{role}_num_gpus_per_node")
+
+    def interval(self, name: str) -> tuple[float, float] | None:
+        """A 'low high' field as two floats (None when empty)."""
+        text = getattr(self, name).replace(",", " ").split()
+        if not text:
+            return None
+        try:
+            low, high = (float(x) for x in text)
+        except ValueError:
+            raise ConfigError(f"{name}: {getattr(self, name)!r} is not two numbers; pass 'low high', e.g. '0 1'") from None
+        if not low < high:
+            raise ConfigError(f"{name}: low {low} must be below high {high}")
+        return low, high
 
     def validate(self) -> None:
         super().validate()
+        for role in ("actor", "critic", "ref", "reward"):
+            for part in ("num_nodes", "num_gpus_per_node"):
+                if getattr(self, f"{role}_{part}") < 1:
+                    raise ConfigError(f"{role}_{part}: must be at least 1, got {getattr(self, f'{role}_{part}')}")
+        if self.colocate_all_models:
+            for role in self.roles()[1:]:
+                if self.group_size(role) != self.group_size("actor"):
+                    raise ConfigError(f"{role}_num_gpus_per_node: colocate_all_models needs every group the actor's size "
+                                      f"({self.group_size('actor')}), got {self.group_size(role)}")
+        for flag, a, b in (("colocate_actor_ref", "actor", "ref"), ("colocate_critic_reward", "critic", "reward")):
+            if getattr(self, flag) and {a, b} <= set(self.roles()) and self.group_size(a) != self.group_size(b):
+                raise ConfigError(f"{b}_num_gpus_per_node: {flag} needs the {b} group the {a}'s size ({self.group_size(a)}), got {self.group_size(b)}")
+        for role in [r for r in ("actor", "critic") if r in self.roles()]:
+            check_batch("train_batch_size", self.train_batch_size, self.micro_train_batch_size, self.group_size(role),
+                        f"{role}_num_nodes × {role}_num_gpus_per_node")
+        if self.vllm_num_engines < 0 or self.micro_rollout_batch_size < 0 or self.num_episodes < 0:
+            raise ConfigError("vllm_num_engines, micro_rollout_batch_size and num_episodes must not be negative")
+        if not self.vllm_num_engines:
+            for name, default in (("vllm_tensor_parallel_size", 1), ("vllm_gpu_memory_utilization", 0.9), ("enable_prefix_caching", False)):
+                if getattr(self, name) != default:
+                    raise ConfigError(f"{name}: only applies to vLLM engines; set --vllm_num_engines too, or drop it")
+        dynamic_range = self.interval("dynamic_filtering_reward_range")
+        if self.dynamic_filtering and (dynamic_range is None or self.n_samples_per_prompt < 2):
+            raise ConfigError("dynamic_filtering: needs n_samples_per_prompt of 2 or more and a dynamic_filtering_reward_range 'low high'")
+        self.interval("reward_clip_range")
         for name in ("pretrain", "prompt_data"):
             if not getattr(self, name):
                 raise ConfigError(f"{name}: missing; pass --{name} <URI>")

@@ -1,4 +1,5 @@
-"""Experience making: rollouts scored by the reference, critic and reward model, turned into advantages."""
+"""Experience making: a rollout batch, scored by the actor, reference, critic and reward (in their
+worker groups), turned into advantages here, in the controller."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,6 +31,9 @@ class Experience:
         fields = {k: (v[index] if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
         return Experience(**fields)
 
+    def to(self, device) -> "Experience":
+        return Experience(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()})
+
 
 def response_logprobs(model, rollout_sequences, attention_mask, prompt_width, return_entropy=False):
     """Log-probabilities of the response tokens only: [B, R]."""
@@ -44,17 +48,16 @@ def response_values(critic, sequences, attention_mask, prompt_width):
     return token_values(critic, sequences, attention_mask)[:, prompt_width - 1:-1]
 
 
-@torch.no_grad()
-def make_experience(rollout: Rollout, actor, reference, critic, reward_source, reward_batch, cfg, kl_coef: float) -> Experience:
-    """Score one rollout batch and compute its advantages; `critic` is None for critic-free estimators."""
-    seqs, mask, width, action_mask = rollout.sequences, rollout.attention_mask, rollout.prompt_width, rollout.response_mask
-    logprobs = response_logprobs(actor, seqs, mask, width)
-    ref_logprobs = response_logprobs(reference, seqs, mask, width)
-    values = response_values(critic, seqs, mask, width) * action_mask if critic is not None else None
-    scores = reward_source.score(reward_batch).to(seqs.device)
+def make_experience(rollout: Rollout, logprobs: torch.Tensor, ref_logprobs: torch.Tensor, values: torch.Tensor | None,
+                    scores: torch.Tensor, cfg, kl_coef: float) -> Experience:
+    """One scored rollout batch with its advantages; `values` is None for critic-free estimators.
+    Advantages are computed on the whole batch (whitening is batch-wide), never per worker."""
+    action_mask = rollout.response_mask
     kl = kl_estimate(logprobs, ref_logprobs, cfg.kl_estimator) * action_mask
     reward_kl_coef = 0.0 if cfg.use_kl_loss else kl_coef  # with --use_kl_loss the KL is in the loss instead
     advantages, returns = compute_advantages(cfg.advantage_estimator, scores, kl, action_mask, values,
-                                             cfg.n_samples_per_prompt, reward_kl_coef, cfg.gamma, cfg.lambd)
+                                             cfg.n_samples_per_prompt, reward_kl_coef, cfg.gamma, cfg.lambd,
+                                             reward_clip=cfg.interval("reward_clip_range"))
     values = values if values is not None else torch.zeros_like(advantages)
-    return Experience(seqs, mask, action_mask, width, logprobs, ref_logprobs, values, advantages, returns, scores, kl)
+    return Experience(rollout.sequences, rollout.attention_mask, action_mask, rollout.prompt_width, logprobs, ref_logprobs,
+                      values, advantages, returns, scores, kl)

@@ -1,117 +1,292 @@
-"""The PPO loop: generate, make experience, update actor and critic, log; then save the policy."""
+"""The RL controller: places the worker groups, then loops generate → score → advantages → update.
+
+    actor (policy + rollout engine)   reference          critic (gae only)     reward models
+    ActorWorker × N                   ReferenceWorker × N  CriticWorker × N     RewardWorker × N
+
+Each group is one data-parallel world on its own placement group, or shares one with others
+(--colocate_actor_ref, --colocate_critic_reward, --colocate_all_models). This driver holds no
+model: it samples prompts, shards work over the groups' ranks, computes advantages on the whole
+batch (tasks.rl.advantages), plans the minibatches, logs, and checkpoints.
+"""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from tasks.common import data
-from tasks.common.losses import kl_loss, masked_mean, policy_loss, value_loss
-from tasks.common.models import load_causal_lm, load_scalar_model, load_tokenizer, resolve_model
-from tasks.common.rollout import HFRolloutEngine
+from tasks.common.config import ConfigError
+from tasks.common.models import load_tokenizer, resolve_model
+from tasks.common.rollout import Rollout, concat_rollouts
 from tasks.common.stage import StageRun
-from tasks.common.strategy import DeepSpeedStrategy
+from tasks.common.workers import Placement, WorkerGroup, cluster_has_gpus, connect_ray, shard
+from tasks.rl.advantages import group_keep_mask
 from tasks.rl.config import RLConfig
-from tasks.rl.advantages import uses_critic
-from tasks.rl.experience import Experience, make_experience, response_logprobs, response_values
+from tasks.rl.experience import Experience, make_experience
 from tasks.rl.kl_controller import make_kl_controller
-from tasks.rl.rewards import build_reward_batch, make_reward_source, split_list
+from tasks.rl.rewards import RewardBatch, RewardSource, build_reward_batch, make_reward_source, split_list
+from tasks.rl.workers import ActorWorker, CriticWorker, ReferenceWorker, RewardWorker
+
+MAX_FILTER_ROUNDS = 8  # rollouts drawn per step before dynamic filtering gives up
 
 
-def load_prompts(cfg: RLConfig, run: StageRun, tokenizer):
-    """(token ids, texts, labels, number cut) of the prompt dataset; labels are None without --label_key."""
+@dataclass
+class Prompts:
+    ids: list[list[int]]
+    texts: list[str]
+    labels: list[str | None]
+    truncated: int
+
+
+def load_prompts(cfg: RLConfig, run: StageRun, tokenizer) -> Prompts:
     keys = [cfg.input_key] + ([cfg.label_key] if cfg.label_key else [])
-    rows = data.load_rows(run.input("prompt_data", cfg.prompt_data), cfg.prompt_split, keys)
+    rows = data.load_rows(run.input("prompt_data", cfg.prompt_data), cfg.prompt_split, keys, cfg.max_samples)
     texts = list(rows[cfg.input_key])
     labels = [None if v is None else str(v) for v in rows[cfg.label_key]] if cfg.label_key else [None] * len(texts)
-    prompts = [data.encode_prompt(tokenizer, text) for text in texts]
-    truncated = sum(len(p) > cfg.prompt_max_len for p in prompts)
-    return [p[-cfg.prompt_max_len:] for p in prompts], texts, labels, truncated
+    ids = [data.encode_prompt(tokenizer, text, cfg.apply_chat_template) for text in texts]
+    truncated = sum(len(p) > cfg.prompt_max_len for p in ids)
+    return Prompts([p[-cfg.prompt_max_len:] for p in ids], texts, labels, truncated)
 
 
-def ppo_update(exp: Experience, actor, critic, cfg: RLConfig, kl_coef: float, generator: torch.Generator) -> dict:
-    """max_epochs passes of minibatch updates over one experience batch; returns mean statistics."""
-    stats: dict[str, list[float]] = {"policy_loss": [], "value_loss": [], "clip_fraction": [], "value_clip_fraction": [], "entropy": []}
-    n = exp.sequences.size(0)
-    for _ in range(cfg.max_epochs):
-        for index in torch.randperm(n, generator=generator).split(cfg.train_batch_size):
-            mb = exp.minibatch(index)
-            logprobs, entropy = response_logprobs(actor, mb.sequences, mb.attention_mask, mb.prompt_width, return_entropy=True)
-            p_loss, clip_fraction = policy_loss(
-                logprobs, mb.logprobs, mb.advantages, mb.action_mask, cfg.eps_clip, clip_eps_low=cfg.eps_clip_low or None,
-                clip_eps_high=cfg.eps_clip_high or None, dual_clip=cfg.dual_clip or None)
-            loss = p_loss
-            if cfg.use_kl_loss:
-                loss = loss + kl_coef * kl_loss(logprobs, mb.ref_logprobs, mb.action_mask, cfg.kl_estimator)
-            if cfg.entropy_coef:
-                loss = loss - cfg.entropy_coef * masked_mean(entropy, mb.action_mask)
-            actor.backward(loss)
-            actor.step()
-            v_loss = v_clip = torch.zeros(())
-            if critic is not None:
-                values = response_values(critic.module, mb.sequences, mb.attention_mask, mb.prompt_width)
-                v_loss, v_clip = value_loss(values, mb.values, mb.returns, mb.action_mask, cfg.value_clip)
-                critic.backward(v_loss)
-                critic.step()
-            for key, value in (("policy_loss", p_loss), ("value_loss", v_loss), ("clip_fraction", clip_fraction),
-                               ("value_clip_fraction", v_clip), ("entropy", masked_mean(entropy.detach(), mb.action_mask))):
-                stats[key].append(value.item())
-    return {k: sum(v) / len(v) for k, v in stats.items()}
+def plan_placements(cfg: RLConfig, roles: list[str]) -> list[list[str]]:
+    """Which roles share a placement group: [[actor, ref], [critic, reward]] etc., each list one group."""
+    if cfg.colocate_all_models:
+        return [roles]
+    together = []
+    if cfg.colocate_actor_ref:
+        together.append({"actor", "ref"})
+    if cfg.colocate_critic_reward:
+        together.append({"critic", "reward"})
+    plan, placed = [], set()
+    for role in roles:
+        if role in placed:
+            continue
+        mates = next((s for s in together if role in s), {role})
+        plan.append([r for r in roles if r in mates])
+        placed.update(mates)
+    return plan
+
+
+def check_fits(cfg: RLConfig, layout: list[list[str]]) -> None:
+    """Refuse at once a layout that needs more devices than the whole cluster has (Ray would wait)."""
+    import ray
+
+    kind = "GPU" if cluster_has_gpus() else "CPU"
+    need = sum(cfg.group_size(members[0]) for members in layout)
+    have = ray.cluster_resources().get(kind, 0)
+    if need > have:
+        groups = ", ".join(f"[{' + '.join(m)}] × {cfg.group_size(m[0])}" for m in layout)
+        raise ConfigError(f"colocate_all_models: the worker groups {groups} need {need} {kind}s but the cluster has {have:g}; "
+                          "colocate them (--colocate_all_models, --colocate_actor_ref, --colocate_critic_reward) or use fewer workers")
+
+
+class RemoteRewardModels(RewardSource):
+    """Reward models served by a RewardWorker group, behind the RewardSource interface."""
+
+    def __init__(self, group: WorkerGroup):
+        self.group = group
+
+    def score(self, batch: RewardBatch) -> torch.Tensor:
+        parts = [select_batch(batch, rows) for rows in shard(list(range(len(batch))), self.group.world_size)]
+        return torch.cat(self.group.scatter("score", parts))
+
+
+class Controller:
+    """The RL loop's state on the driver, and the groups it drives."""
+
+    def __init__(self, cfg: RLConfig, run: StageRun):
+        self.cfg, self.run = cfg, run
+        connect_ray()
+        if cfg.vllm_num_engines:
+            where = "this build has no vLLM engine yet" if cluster_has_gpus() else "this Ray cluster has no GPUs"
+            raise ConfigError(f"vllm_num_engines: vLLM engines need GPUs and the vllm package, and {where}; "
+                              "use --vllm_num_engines 0 (transformers generate in the actor workers)")
+        self.tokenizer = load_tokenizer(resolve_model(run.input("pretrain", cfg.pretrain)))
+        self.prompts = load_prompts(cfg, run, self.tokenizer)
+        self.steps = cfg.num_episodes * (len(self.prompts.ids) // cfg.rollout_batch_size) if cfg.num_episodes else cfg.max_steps
+        if self.steps < 1:
+            raise ConfigError(f"num_episodes: {len(self.prompts.ids)} prompts make no rollout batch of {cfg.rollout_batch_size}; lower rollout_batch_size")
+        group = cfg.rollout_batch_size * cfg.n_samples_per_prompt
+        self.updates = self.steps * cfg.max_epochs * (group // cfg.train_batch_size)
+        self.sampler = data.BatchSampler(len(self.prompts.ids), cfg.rollout_batch_size, cfg.seed)
+        self.generator = torch.Generator().manual_seed(cfg.seed)
+        self.kl_ctl = make_kl_controller(cfg.init_kl_coef, cfg.kl_target or None, cfg.kl_horizon)
+        self._place()
+
+    def _place(self) -> None:
+        cfg, run = self.cfg, self.run
+        roles = cfg.roles()
+        critic_uri = ""
+        if "critic" in roles:
+            critic_uri = run.input("critic_pretrain", cfg.critic_pretrain or (split_list(cfg.reward_pretrain) or [cfg.pretrain])[0])
+        if "reward" in roles:
+            run.input("reward_pretrain", cfg.reward_pretrain)
+        else:
+            run.input("remote_rm_url", cfg.remote_rm_url)
+        self.layout = plan_placements(cfg, roles)
+        check_fits(cfg, self.layout)
+        classes = {"actor": ActorWorker, "ref": ReferenceWorker, "critic": CriticWorker, "reward": RewardWorker}
+        self.placements, self.groups = [], {}
+        for members in self.layout:
+            placement = Placement.create(getattr(cfg, f"{members[0]}_num_nodes"), getattr(cfg, f"{members[0]}_num_gpus_per_node"), members[0])
+            self.placements.append(placement)
+            for role in members:
+                self.groups[role] = WorkerGroup(classes[role], placement, role, fraction=1.0 / len(members))
+        setup_args = {"actor": (cfg, self.updates), "ref": (cfg,), "critic": (cfg, critic_uri, self.updates), "reward": (cfg,)}
+        gather([self.groups[role].run_async("setup", *setup_args[role]) for role in roles])
+        self.reward: RewardSource = (RemoteRewardModels(self.groups["reward"]) if "reward" in self.groups
+                                     else make_reward_source("", cfg.remote_rm_url))
+        layout = ", ".join(f"[{' + '.join(m)}] × {self.groups[m[0]].world_size}" for m in self.layout)
+        print(f"rl: {len(self.prompts.ids)} prompts ({self.prompts.truncated} cut to {cfg.prompt_max_len} tokens), "
+              f"{self.steps} steps; placement groups {layout}", flush=True)
+
+    # ------------------------------------------------------------------ one step
+
+    def rollout(self) -> tuple[Rollout, torch.Tensor, dict]:
+        """Sample prompts, generate, score; with --dynamic_filtering, keep only informative groups."""
+        cfg, n = self.cfg, self.cfg.n_samples_per_prompt
+        kept: list[tuple[Rollout, torch.Tensor]] = []
+        have, rounds, generated = 0, 0, 0
+        timing = {"time_generate_s": 0.0, "time_reward_s": 0.0}
+        while have < cfg.rollout_batch_size:
+            rounds += 1
+            if rounds > MAX_FILTER_ROUNDS:
+                raise ConfigError(f"dynamic_filtering: only {have} of {cfg.rollout_batch_size} prompt groups kept after "
+                                  f"{MAX_FILTER_ROUNDS} rollouts; widen --dynamic_filtering_reward_range or drop --dynamic_filtering")
+            # The samples of one prompt are consecutive rows: the group estimators rely on it.
+            index = [i for i in self.sampler.next() for _ in range(n)]
+            t0 = time.time()
+            actor = self.groups["actor"]
+            parts = actor.scatter("generate", shard([self.prompts.ids[i] for i in index], actor.world_size))
+            rollout = concat_rollouts([p for p in parts if p.sequences.size(0)], self.tokenizer.pad_token_id)
+            t1 = time.time()
+            batch = build_reward_batch(rollout, self.tokenizer, [self.prompts.texts[i] for i in index], [self.prompts.labels[i] for i in index])
+            scores = self.reward.score(batch).float()
+            timing["time_generate_s"] += t1 - t0
+            timing["time_reward_s"] += time.time() - t1
+            generated += len(index) // n
+            if not cfg.dynamic_filtering:
+                return rollout, scores, timing
+            rows = group_keep_mask(scores, n, *cfg.interval("dynamic_filtering_reward_range")).nonzero().squeeze(-1)
+            rows = rows[: (cfg.rollout_batch_size - have) * n]
+            kept.append((rollout.select(rows), scores[rows]))
+            have += rows.numel() // n
+        timing["filter_kept_fraction"] = cfg.rollout_batch_size / generated
+        return concat_rollouts([r for r, _ in kept], self.tokenizer.pad_token_id), torch.cat([s for _, s in kept]), timing
+
+    def in_waves(self, calls: dict[str, tuple[str, list, tuple]]) -> dict[str, list]:
+        """Run {role: (method, per-rank shards, extra args)}: groups on separate placement groups at
+        once, groups sharing one (colocated) one after another, as they share its devices."""
+        waves: list[dict] = []
+        for members in self.layout:
+            for k, role in enumerate(r for r in members if r in calls):
+                if len(waves) <= k:
+                    waves.append({})
+                method, shards, args = calls[role]
+                waves[k][role] = (method, shards, args)
+        results = {}
+        for wave in waves:
+            futures = {role: self.groups[role].scatter_async(method, shards, *args) for role, (method, shards, args) in wave.items()}
+            results.update({role: gather(f) for role, f in futures.items()})
+        return results
+
+    def score(self, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Old log-probabilities (actor), reference log-probabilities and values of a rollout."""
+        rows = list(range(rollout.sequences.size(0)))
+        calls = {role: (method, [rollout.select(r) for r in shard(rows, self.groups[role].world_size)], ())
+                 for role, method in (("actor", "logprobs"), ("ref", "logprobs"), ("critic", "values")) if role in self.groups}
+        results = {role: torch.cat(parts) for role, parts in self.in_waves(calls).items()}
+        return results["actor"], results["ref"], results.get("critic")
+
+    def minibatch_plan(self, n: int) -> list[torch.Tensor]:
+        """Row indices of each minibatch: max_epochs shuffled passes in train_batch_size pieces."""
+        return [index for _ in range(self.cfg.max_epochs)
+                for index in torch.randperm(n, generator=self.generator).split(self.cfg.train_batch_size)]
+
+    def step(self, step: int) -> Experience:
+        cfg = self.cfg
+        t0 = time.time()
+        rollout, scores, timing = self.rollout()
+        t1 = time.time()
+        logprobs, ref_logprobs, values = self.score(rollout)
+        kl_coef = self.kl_ctl.value
+        exp = make_experience(rollout, logprobs, ref_logprobs, values, scores, cfg, kl_coef)
+        t2 = time.time()
+        plan = self.minibatch_plan(exp.sequences.size(0))
+        # Each rank gets its share of every minibatch; actor and critic train at once unless colocated.
+        calls = {role: ("train", per_rank(exp, plan, self.groups[role].world_size), args)
+                 for role, args in (("actor", (kl_coef,)), ("critic", ())) if role in self.groups}
+        stats = {k: v for ranks in self.in_waves(calls).values() for k, v in ranks[0].items()}
+        t3 = time.time()
+        sequence_kl = exp.kl.sum(-1).mean().item()
+        self.kl_ctl.update(sequence_kl, n_steps=exp.sequences.size(0))
+        if step % cfg.logging_steps == 0 or step == self.steps:
+            self.run.tracker.log(step, {
+                "reward": scores.mean().item(), "reward_std": scores.std().item(), "kl": sequence_kl, "kl_coef": kl_coef, **stats,
+                "response_length": exp.action_mask.sum(-1).float().mean().item(),
+                **timing, "time_inference_s": t2 - t1, "time_train_s": t3 - t2, "time_step_s": t3 - t0,
+                # The hf engine generates with the actor's own weights: there is nothing to sync.
+                "time_weight_sync_s": 0.0,
+            })
+        return exp
+
+    # ------------------------------------------------------------------ state
+
+    def trained_groups(self) -> list[str]:
+        return [role for role in ("actor", "critic") if role in self.groups]
+
+    def save_state(self, local: Path) -> None:
+        gather([self.groups[role].run_async("save_state", str(local / role)) for role in self.trained_groups()])
+        torch.save({"sampler": self.sampler.state_dict(), "generator": self.generator.get_state(), "kl": self.kl_ctl.state_dict()},
+                   local / "controller.pt")
+
+    def load_state(self, local: Path) -> None:
+        gather([self.groups[role].run_async("load_state", str(local / role)) for role in self.trained_groups()])
+        state = torch.load(local / "controller.pt", weights_only=False)
+        self.sampler.load_state_dict(state["sampler"])
+        self.generator.set_state(state["generator"])
+        self.kl_ctl.load_state_dict(state["kl"])
+
+    def shutdown(self) -> None:
+        for group in self.groups.values():
+            group.shutdown()
+        for placement in self.placements:
+            placement.remove()
+
+
+def gather(futures: list) -> list:
+    """ray.get over futures and lists of futures, flattened, in order."""
+    import ray
+
+    return ray.get([f for item in futures for f in (item if isinstance(item, list) else [item])])
+
+
+def per_rank(exp: Experience, plan: list[torch.Tensor], world_size: int) -> list[list[Experience]]:
+    """For each rank of a group, its share of every minibatch of the plan."""
+    out: list[list[Experience]] = [[] for _ in range(world_size)]
+    for index in plan:
+        for rank, rows in enumerate(shard(index, world_size)):
+            out[rank].append(exp.minibatch(rows))
+    return out
+
+
+def select_batch(batch: RewardBatch, rows: list[int]) -> RewardBatch:
+    return RewardBatch(batch.sequences[rows], batch.attention_mask[rows],
+                       *([field[i] for i in rows] for field in (batch.queries, batch.prompts, batch.responses, batch.labels)))
 
 
 def train(cfg: RLConfig, run: StageRun) -> None:
-    policy_path = resolve_model(run.input("pretrain", cfg.pretrain))
-    tokenizer = load_tokenizer(policy_path)
-    prompts, texts, labels, truncated = load_prompts(cfg, run, tokenizer)
-    print(f"rl: {len(prompts)} prompts, {truncated} cut to {cfg.prompt_max_len} tokens", flush=True)
-    strategy = DeepSpeedStrategy(zero_stage=cfg.zero_stage, bf16=cfg.bf16, seed=cfg.seed, micro_batch_size=cfg.train_batch_size)
-    dtype = torch.bfloat16 if cfg.bf16 else torch.float32
-    for name in ("reward_pretrain", "remote_rm_url"):
-        if getattr(cfg, name):
-            run.input(name, getattr(cfg, name))
-    reward = make_reward_source(cfg.reward_pretrain, cfg.remote_rm_url, strategy.device, dtype, cfg.normalize_reward)
-
-    group = cfg.rollout_batch_size * cfg.n_samples_per_prompt
-    updates = cfg.max_steps * cfg.max_epochs * (group // cfg.train_batch_size)
-    actor = strategy.prepare(load_causal_lm(policy_path), cfg.actor_learning_rate, updates, cfg.lr_warmup_steps)
-    critic = None
-    if uses_critic(cfg.advantage_estimator):
-        critic_uri = cfg.critic_pretrain or (split_list(cfg.reward_pretrain) or [cfg.pretrain])[0]
-        critic_path = resolve_model(run.input("critic_pretrain", critic_uri))
-        critic = strategy.prepare(load_scalar_model(critic_path), cfg.critic_learning_rate, updates, cfg.lr_warmup_steps)
-    reference = strategy.frozen(load_causal_lm(policy_path))
-    kl_ctl = make_kl_controller(cfg.init_kl_coef, cfg.kl_target or None, cfg.kl_horizon)
-
-    engine = HFRolloutEngine(actor.module, tokenizer, strategy.device)
-    sampler = data.BatchSampler(len(prompts), cfg.rollout_batch_size, cfg.seed)
-    generator = torch.Generator().manual_seed(cfg.seed)
-    models = [m for m in (actor, critic) if m is not None]
-    for step in range(1, cfg.max_steps + 1):
-        t0 = time.time()
-        # The samples of one prompt are consecutive rows: the group estimators rely on it.
-        index = [i for i in sampler.next() for _ in range(cfg.n_samples_per_prompt)]
-        rollout = engine.generate([prompts[i] for i in index], cfg.generate_max_len, cfg.temperature)
-        t1 = time.time()
-        for m in models:
-            m.eval()
-        batch = build_reward_batch(rollout, tokenizer, [texts[i] for i in index], [labels[i] for i in index])
-        exp = make_experience(rollout, actor.module, reference, critic.module if critic else None, reward, batch, cfg, kl_ctl.value)
-        t2 = time.time()
-        for m in models:
-            m.train()
-        stats = ppo_update(exp, actor, critic, cfg, kl_ctl.value, generator)
-        t3 = time.time()
-        sequence_kl = exp.kl.sum(-1).mean().item()
-        kl_coef = kl_ctl.value
-        kl_ctl.update(sequence_kl, n_steps=exp.sequences.size(0))
-        if step % cfg.logging_steps == 0 or step == cfg.max_steps:
-            run.tracker.log(step, {
-                "reward": exp.scores.mean().item(), "reward_std": exp.scores.std().item(),
-                "kl": sequence_kl, "kl_coef": kl_coef, **stats,
-                "response_length": exp.action_mask.sum(-1).float().mean().item(),
-                "time_generate_s": t1 - t0, "time_inference_s": t2 - t1, "time_train_s": t3 - t2,
-            })
-
-    strategy.save_hf(actor, tokenizer, run.workdir / "model")
-    run.commit(metrics={"final_reward": exp.scores.mean().item(), "final_kl": exp.kl.sum(-1).mean().item(), "steps": cfg.max_steps},
-               model="model")
+    controller = Controller(cfg, run)
+    try:
+        start = run.resume(controller.load_state)
+        exp = None
+        for step in range(start + 1, controller.steps + 1):
+            exp = controller.step(step)
+            run.checkpoint(step, controller.save_state)
+        controller.groups["actor"].run("save_model", str(run.workdir / "model"))
+    finally:
+        controller.shutdown()
+    final = {"final_reward": exp.scores.mean().item(), "final_kl": exp.kl.sum(-1).mean().item()} if exp is not None else {}
+    run.commit(metrics={**final, "steps": controller.steps, "actor_workers": controller.groups["actor"].world_size}, model="model")

@@ -1,0 +1,177 @@
+"""The RL stage's Ray worker roles: actor (policy + its rollout engine), critic, reference, reward.
+
+Each role is a tasks.common.workers.Worker, placed as a WorkerGroup by the controller
+(tasks.rl.trainer). Tensors travel between the controller and the workers on the CPU; a worker
+moves them to its device. Every method that takes part in a collective (training steps, ZeRO-3
+gathers) runs on every rank of its group.
+"""
+from __future__ import annotations
+
+import torch
+
+from tasks.common.config import micro_batches
+from tasks.common.losses import kl_loss, masked_mean, policy_loss, value_loss
+from tasks.common.models import load_causal_lm, load_scalar_model, load_tokenizer, resolve_model
+from tasks.common.rollout import HFRolloutEngine, Rollout
+from tasks.common.strategy import DeepSpeedStrategy
+from tasks.common.workers import TrainingWorker, Worker
+from tasks.rl.config import RLConfig
+from tasks.rl.experience import Experience, response_logprobs, response_values
+from tasks.rl.rewards import RewardBatch, RewardModels
+
+
+def _strategy(cfg: RLConfig, world_size: int) -> DeepSpeedStrategy:
+    micro, accumulation = micro_batches(cfg.train_batch_size, cfg.micro_train_batch_size, world_size)
+    return DeepSpeedStrategy(zero_stage=cfg.zero_stage, bf16=cfg.bf16, seed=cfg.seed, micro_batch_size=micro,
+                             accumulation_steps=accumulation, adam_offload=cfg.adam_offload,
+                             gradient_checkpointing=cfg.gradient_checkpointing)
+
+
+def _dtype(cfg: RLConfig) -> torch.dtype:
+    return torch.bfloat16 if cfg.bf16 else torch.float32
+
+
+def _chunks(rollout: Rollout, size: int):
+    """Row slices of a rollout for inference passes of at most `size` sequences (0: all at once)."""
+    n = rollout.sequences.size(0)
+    size = size or n
+    for start in range(0, n, size):
+        yield rollout.select(slice(start, start + size))
+
+
+def _micro_batches(exp: Experience, size: int):
+    n = exp.sequences.size(0)
+    for start in range(0, n, size):
+        yield exp.minibatch(torch.arange(start, min(n, start + size)))
+
+
+class _Trainer(TrainingWorker):
+    """What actor and critic share: the micro-batch size, and averaging statistics over the world."""
+
+    cfg: RLConfig
+
+    def _mean_stats(self, stats: dict[str, list[float]]) -> dict[str, float]:
+        means = torch.tensor([sum(v) / max(1, len(v)) for v in stats.values()])
+        return dict(zip(stats, (self.strategy.all_reduce(means) / self.world_size).tolist()))
+
+
+class ActorWorker(_Trainer):
+    """The policy: generates rollouts with its engine, scores log-probabilities, takes PPO steps."""
+
+    def setup(self, cfg: RLConfig, total_updates: int) -> None:
+        self.cfg = cfg
+        path = resolve_model(cfg.pretrain)
+        self.tokenizer = load_tokenizer(path)
+        self.strategy = _strategy(cfg, self.world_size)
+        # Sampling differs per rank; weights start identical (they are loaded, not drawn).
+        torch.manual_seed(cfg.seed + self.rank)
+        model = load_causal_lm(path, flash_attn=cfg.flash_attn)
+        self.engine = self.strategy.prepare(model, cfg.actor_learning_rate, total_updates, cfg.lr_warmup_steps)
+        self.micro = self.strategy.micro_batch_size
+        self.rollout_engine = HFRolloutEngine(self.engine.module, self.tokenizer, self.strategy.device)
+
+    def generate(self, prompts: list[list[int]]) -> Rollout:
+        rollout = self.rollout_engine.generate(prompts, self.cfg.generate_max_len, self.cfg.temperature,
+                                               batch_size=self.cfg.micro_rollout_batch_size or len(prompts))
+        return rollout.to("cpu")
+
+    @torch.no_grad()
+    def logprobs(self, rollout: Rollout) -> torch.Tensor:
+        self.engine.eval()
+        out = [response_logprobs(self.engine.module, r.sequences.to(self.strategy.device), r.attention_mask.to(self.strategy.device),
+                                 r.prompt_width).cpu() for r in _chunks(rollout, self.cfg.micro_rollout_batch_size)]
+        return torch.cat(out)
+
+    def train(self, minibatches: list[Experience], kl_coef: float) -> dict[str, float]:
+        """One optimizer step per minibatch (this rank's share of it), in micro-batches."""
+        cfg, device = self.cfg, self.strategy.device
+        self.engine.train()
+        stats: dict[str, list[float]] = {"policy_loss": [], "clip_fraction": [], "entropy": []}
+        loss_agg = "seq_mean_token_sum_norm" if cfg.advantage_estimator == "dr_grpo" else "token_mean"
+        for minibatch in minibatches:
+            for mb in _micro_batches(minibatch.to(device), self.micro):
+                logprobs, entropy = response_logprobs(self.engine, mb.sequences, mb.attention_mask, mb.prompt_width, return_entropy=True)
+                p_loss, clip_fraction = policy_loss(
+                    logprobs, mb.logprobs, mb.advantages, mb.action_mask, cfg.eps_clip, clip_eps_low=cfg.eps_clip_low or None,
+                    clip_eps_high=cfg.eps_clip_high or None, dual_clip=cfg.dual_clip or None, loss_agg=loss_agg,
+                    max_len=cfg.generate_max_len)
+                loss = p_loss
+                if cfg.use_kl_loss:
+                    loss = loss + kl_coef * kl_loss(logprobs, mb.ref_logprobs, mb.action_mask, cfg.kl_estimator)
+                mean_entropy = masked_mean(entropy.detach(), mb.action_mask)
+                if cfg.entropy_coef:
+                    loss = loss - cfg.entropy_coef * masked_mean(entropy, mb.action_mask)
+                self.engine.backward(loss)
+                self.engine.step()
+                for key, value in (("policy_loss", p_loss), ("clip_fraction", clip_fraction), ("entropy", mean_entropy)):
+                    stats[key].append(value.item())
+        return self._mean_stats(stats)
+
+    def save_model(self, out_dir: str) -> None:
+        self.strategy.save_hf(self.engine, self.tokenizer, out_dir)
+
+
+class CriticWorker(_Trainer):
+    """The value model: V(s) per response token, fitted to the returns."""
+
+    def setup(self, cfg: RLConfig, critic_uri: str, total_updates: int) -> None:
+        self.cfg = cfg
+        path = resolve_model(critic_uri)
+        self.tokenizer = load_tokenizer(path)
+        self.strategy = _strategy(cfg, self.world_size)
+        model = load_scalar_model(path, flash_attn=cfg.flash_attn)
+        self.engine = self.strategy.prepare(model, cfg.critic_learning_rate, total_updates, cfg.lr_warmup_steps)
+        self.micro = self.strategy.micro_batch_size
+
+    @torch.no_grad()
+    def values(self, rollout: Rollout) -> torch.Tensor:
+        self.engine.eval()
+        out = []
+        for r in _chunks(rollout, self.cfg.micro_rollout_batch_size):
+            mask = r.attention_mask.to(self.strategy.device)
+            v = response_values(self.engine.module, r.sequences.to(self.strategy.device), mask, r.prompt_width)
+            out.append((v * r.response_mask.to(v.device)).cpu())
+        return torch.cat(out)
+
+    def train(self, minibatches: list[Experience]) -> dict[str, float]:
+        self.engine.train()
+        stats: dict[str, list[float]] = {"value_loss": [], "value_clip_fraction": []}
+        for minibatch in minibatches:
+            for mb in _micro_batches(minibatch.to(self.strategy.device), self.micro):
+                values = response_values(self.engine.module, mb.sequences, mb.attention_mask, mb.prompt_width)
+                v_loss, v_clip = value_loss(values, mb.values, mb.returns, mb.action_mask, self.cfg.value_clip)
+                self.engine.backward(v_loss)
+                self.engine.step()
+                stats["value_loss"].append(v_loss.item())
+                stats["value_clip_fraction"].append(v_clip.item())
+        return self._mean_stats(stats)
+
+    def save_model(self, out_dir: str) -> None:
+        self.strategy.save_hf(self.engine, self.tokenizer, out_dir)
+
+
+class ReferenceWorker(Worker):
+    """The frozen initial policy, for the KL penalty."""
+
+    def setup(self, cfg: RLConfig) -> None:
+        self.cfg = cfg
+        self.strategy = DeepSpeedStrategy(zero_stage=0, bf16=cfg.bf16, seed=cfg.seed)
+        self.model = self.strategy.frozen(load_causal_lm(resolve_model(cfg.pretrain), flash_attn=cfg.flash_attn))
+
+    @torch.no_grad()
+    def logprobs(self, rollout: Rollout) -> torch.Tensor:
+        device = self.strategy.device
+        return torch.cat([response_logprobs(self.model, r.sequences.to(device), r.attention_mask.to(device), r.prompt_width).cpu()
+                          for r in _chunks(rollout, self.cfg.micro_rollout_batch_size)])
+
+
+class RewardWorker(Worker):
+    """One or several reward models (--reward_pretrain a,b), scores summed."""
+
+    def setup(self, cfg: RLConfig) -> None:
+        self.strategy = DeepSpeedStrategy(zero_stage=0, bf16=cfg.bf16, seed=cfg.seed)
+        self.models = RewardModels(cfg.reward_pretrain, self.strategy.device, _dtype(cfg), cfg.normalize_reward,
+                                   batch_size=cfg.micro_rollout_batch_size or 256)
+
+    def score(self, batch: RewardBatch) -> torch.Tensor:
+        return self.models.score(batch).cpu()
