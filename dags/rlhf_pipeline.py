@@ -28,6 +28,9 @@ DEFAULTS = {
     "critic_learning_rate": 1e-4,
     "init_kl_coef": 0.05,
     "gae_lambda": 0.8,
+    "advantage_estimator": "gae",
+    "n_samples_per_prompt": 1,
+    "colocate_all_models": True,
     "zero_stage": 2,
     "eval_max_samples": 500,
 }
@@ -90,6 +93,21 @@ PARAMS = {
     "gae_lambda": Param(
         DEFAULTS["gae_lambda"], type="number", title="GAE lambda", minimum=0, maximum=1,
         description="λ of generalised advantage estimation in RL (lower: credit stays nearer the token that earned it).",
+    ),
+    "advantage_estimator": Param(
+        DEFAULTS["advantage_estimator"], type="string", title="Advantage estimator",
+        enum=["gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo"],
+        description="gae: PPO with a critic; reinforce (REINFORCE++), reinforce_baseline, rloo, group_norm (GRPO), "
+                    "dr_grpo: critic-free. The group estimators need 2 or more samples per prompt.",
+    ),
+    "n_samples_per_prompt": Param(
+        DEFAULTS["n_samples_per_prompt"], type="integer", title="Samples per prompt", minimum=1, maximum=64,
+        description="Responses sampled per prompt in RL (a group, for the group estimators).",
+    ),
+    "colocate_all_models": Param(
+        DEFAULTS["colocate_all_models"], type="boolean", title="Colocate all RL models",
+        description="Actor, reference, critic and reward models share the actor's GPUs (one placement group). "
+                    "Off: each model group gets GPUs of its own (4 on the default sizes).",
     ),
     "zero_stage": Param(
         DEFAULTS["zero_stage"], type="integer", title="DeepSpeed ZeRO stage", enum=[0, 2, 3],
@@ -157,6 +175,9 @@ with DAG(
             "critic_learning_rate": "{{ params.critic_learning_rate }}",
             "init_kl_coef": "{{ params.init_kl_coef }}",
             "lambd": "{{ params.gae_lambda }}",
+            "advantage_estimator": "{{ params.advantage_estimator }}",
+            "n_samples_per_prompt": "{{ params.n_samples_per_prompt }}",
+            "colocate_all_models": "{{ params.colocate_all_models }}",
             "seed": "{{ params.seed }}",
             "zero_stage": "{{ params.zero_stage }}",
         },

@@ -99,6 +99,15 @@ def _clear_stale(parent: Path, keep: Path) -> None:
             _stack.remove_scratch(d)
 
 
+RAY_GCS_ADDRESS = ""
+
+
+@pytest.fixture(scope="session")
+def ray_address(ray_head) -> str:
+    """ray_head's GCS address, what a stage run as a plain process needs in RAY_ADDRESS to place its workers."""
+    return RAY_GCS_ADDRESS
+
+
 @pytest.fixture(scope="session")
 def ray_head(s3_server):
     """A real `ray start --head --block` on free loopback ports, with s3_server's endpoint and credentials in
@@ -129,6 +138,8 @@ def ray_head(s3_server):
     except _stack.StackError as e:
         _stack.stop_process(proc.pid)
         pytest.fail(f"ray_head: {e}", pytrace=False)
+    global RAY_GCS_ADDRESS
+    RAY_GCS_ADDRESS = f"127.0.0.1:{cfg.ray_port}"
     saved = {k: os.environ.get(k) for k in ("AIRFLOW_CONN_RLHF_RAY", "AIRFLOW_CONN_RLHF_S3")}
     os.environ["AIRFLOW_CONN_RLHF_RAY"] = _stack.conn_ray(cfg.dashboard_port)
     os.environ["AIRFLOW_CONN_RLHF_S3"] = _stack.conn_s3(s3_server.endpoint)

@@ -29,7 +29,8 @@ WIRING = {
         "pretrain": "sft", "reward_pretrain": "reward_model", "prompt_data": "prepare_data",
         "max_steps": "params.rl_steps", "actor_learning_rate": "params.actor_learning_rate",
         "critic_learning_rate": "params.critic_learning_rate", "init_kl_coef": "params.init_kl_coef",
-        "lambd": "params.gae_lambda",
+        "lambd": "params.gae_lambda", "advantage_estimator": "params.advantage_estimator",
+        "n_samples_per_prompt": "params.n_samples_per_prompt", "colocate_all_models": "params.colocate_all_models",
         "seed": "params.seed", "zero_stage": "params.zero_stage",
     }),
     "eval": ("tasks.eval", {
@@ -109,13 +110,13 @@ def test_params_form(dag):
     expected = {
         "bucket", "prefix", "dataset", "base_model", "seed", "sft_steps", "sft_learning_rate", "rm_steps",
         "rm_learning_rate", "rl_steps", "actor_learning_rate", "critic_learning_rate", "init_kl_coef",
-        "gae_lambda", "zero_stage", "eval_max_samples",
+        "gae_lambda", "advantage_estimator", "n_samples_per_prompt", "colocate_all_models", "zero_stage", "eval_max_samples",
     }
     assert set(params) == expected
     for name in expected:
         p = params.get_param(name)
         assert p.schema.get("title") and p.description, name  # the UI form shows a title and a help text
-        assert p.schema.get("type") in ("string", "integer", "number"), name  # flat fields only
+        assert p.schema.get("type") in ("string", "integer", "number", "boolean"), name  # flat fields only
     assert params.get_param("zero_stage").schema["enum"] == [0, 2, 3]
     assert pipeline.DEFAULTS["dataset"] == "demo" and pipeline.DEFAULTS["base_model"] == "demo"
 
@@ -133,6 +134,7 @@ def test_params_form(dag):
         ("bucket", "Not_A_Bucket"),
         ("prefix", "bad prefix with spaces"),
         ("dataset", ""),
+        ("advantage_estimator", "ppo"),
     ],
 )
 def test_params_refuse_bad_values(dag, name, value):
@@ -146,6 +148,7 @@ def test_params_refuse_bad_values(dag, name, value):
 def test_params_accept_good_overrides(dag):
     params = copy.deepcopy(dag.params)
     for name, value in {"sft_steps": 30, "rm_steps": 20, "rl_steps": 2, "eval_max_samples": 50, "zero_stage": 3,
+                        "advantage_estimator": "group_norm", "n_samples_per_prompt": 4, "colocate_all_models": False,
                         "dataset": "s3://bucket/data/v1", "bucket": "rlhf-test", "prefix": ""}.items():
         params[name] = value
     params.validate()

@@ -59,7 +59,7 @@ def test_stages_pass_checkpoints_through_their_manifests(demo_run):
     live, run, _ = demo_run
     uris = {stage: xcom(live, run["dag_run_id"], stage) for stage in STAGES}
     for stage, uri in uris.items():
-        assert uri.startswith(f"s3://{live.bucket}/") and f"/runs/rlhf_pipeline/" in uri and uri.endswith(f"/{stage}/manifest.json")
+        assert uri.startswith(f"s3://{live.bucket}/") and "/runs/rlhf_pipeline/" in uri and uri.endswith(f"/{stage}/manifest.json")
     manifests = {stage: read_json(live, uri) for stage, uri in uris.items()}
     assert manifests["sft"]["inputs"]["pretrain"] == uris["prepare_data"]
     assert manifests["rl"]["inputs"] == {"pretrain": uris["sft"], "reward_pretrain": uris["reward_model"],

@@ -27,6 +27,16 @@ def test_sft_loss_averages_response_tokens_only():
     close(sft_loss(T([[-1.0, -2.0, -3.0]]), T([[0, 1, 1]])), 2.5)
 
 
+def test_sft_loss_with_a_global_token_count_splits_exactly():
+    # Batch of 2 rows with 1 and 3 response tokens: token mean = (1 + 2 + 3 + 4) / 4 = 2.5. Split over two
+    # workers, each normalised by 4 tokens / 2 micro-batches, the mean of the two losses is the same 2.5
+    # (a plain per-worker mean would give (1 + 3) / 2 = 2).
+    logprobs, mask = T([[-1.0, 0.0, 0.0], [-2.0, -3.0, -4.0]]), T([[1, 0, 0], [1, 1, 1]])
+    close(sft_loss(logprobs, mask), 2.5)
+    parts = [sft_loss(logprobs[i:i + 1], mask[i:i + 1], num_tokens=4 / 2) for i in range(2)]
+    close((parts[0] + parts[1]) / 2, 2.5)
+
+
 def test_bradley_terry_loss():
     # -log σ(2) = log(1 + e^-2) = 0.126928; -log σ(0) = log 2 = 0.693147; mean 0.410038
     close(bradley_terry_loss(T([2.0, 0.0]), T([0.0, 0.0])), 0.4100375)

@@ -22,8 +22,9 @@ from tasks.sft.config import SFTConfig
 from conftest import REPO, SCRATCH
 
 
-def run_cli(*args):
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+def run_cli(*args, ray: str = ""):
+    """`python -m <args>` as a plain process; `ray` is the cluster's address for stages that place workers."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_ADDRESS": ray}
     return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
 
 
@@ -32,8 +33,9 @@ def flags(values: dict) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def chain(s3_server):
-    """prepare_data (in this process) -> sft -> reward_model -> rl -> eval (each its CLI), outputs on S3."""
+def chain(s3_server, ray_address):
+    """prepare_data (in this process) -> sft -> reward_model (2 workers) -> rl (actor+ref and critic+reward
+    colocated) -> eval (each its CLI), outputs on S3."""
     os.environ["RLHF_CACHE_DIR"] = str(SCRATCH / "cache-stages")
     root = s3_server.uri("stages/run1")
     out = {name: f"{root}/{name}" for name in ("prepare_data", "sft", "reward_model", "rl", "eval")}
@@ -42,14 +44,15 @@ def chain(s3_server):
         "tasks.sft": {"output": out["sft"], "pretrain": out["prepare_data"], "dataset": out["prepare_data"],
                       "max_steps": 6, "train_batch_size": 32, "logging_steps": 2, "use_wandb": True},
         "tasks.reward_model": {"output": out["reward_model"], "pretrain": out["sft"], "dataset": out["prepare_data"],
-                               "max_steps": 4, "train_batch_size": 32, "logging_steps": 2},
+                               "max_steps": 4, "train_batch_size": 32, "logging_steps": 2, "num_gpus_per_node": 2},
         "tasks.rl": {"output": out["rl"], "pretrain": out["sft"], "reward_pretrain": out["reward_model"],
-                     "prompt_data": out["prepare_data"], "max_steps": 2, "rollout_batch_size": 16, "train_batch_size": 8},
+                     "prompt_data": out["prepare_data"], "max_samples": 32, "num_episodes": 1, "rollout_batch_size": 16, "train_batch_size": 8,
+                     "colocate_actor_ref": True, "colocate_critic_reward": True},
         "tasks.eval": {"output": out["eval"], "baseline": out["sft"], "policy": out["rl"], "reward_pretrain": out["reward_model"],
                        "dataset": out["prepare_data"], "max_samples": 24},
     }
     for module, values in commands.items():
-        done = run_cli(module, *flags(values))
+        done = run_cli(module, *flags(values), ray=ray_address)
         assert done.returncode == 0, f"{module} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     return out
 
@@ -61,6 +64,8 @@ def test_every_stage_commits_a_manifest_with_its_lineage(chain):
         assert "metrics.jsonl" in m["files"]
     assert manifests.read_manifest(chain["sft"])["inputs"] == {"pretrain": chain["prepare_data"], "dataset": chain["prepare_data"]}
     assert manifests.read_manifest(chain["rl"])["inputs"]["reward_pretrain"] == chain["reward_model"]
+    assert manifests.read_manifest(chain["rl"])["metrics"]["steps"] == 2  # --num_episodes 1 over --max_samples 32 prompts, 16 a step
+    assert manifests.read_manifest(chain["reward_model"])["metrics"]["workers"] == 2
 
 
 def test_checkpoints_load_through_the_auto_classes(chain):
@@ -96,9 +101,9 @@ def test_eval_writes_report_and_table(chain, tmp_path):
     assert m["metrics"]["policy_accuracy"] == report["metrics"]["policy"]["accuracy"]
 
 
-def test_cli_refuses_a_missing_dataset_key_before_training(chain, tmp_path):
+def test_cli_refuses_a_missing_dataset_key_before_training(chain, ray_address, tmp_path):
     done = run_cli("tasks.sft", "--output", str(tmp_path / "out"), "--pretrain", chain["sft"],
-                   "--dataset", chain["prepare_data"], "--output_key", "answer")
+                   "--dataset", chain["prepare_data"], "--output_key", "answer", ray=ray_address)
     assert done.returncode == 2
     error = done.stderr.strip().splitlines()[-1]
     assert error.startswith("error: dataset: key 'answer' missing") and "keys present: prompt, response, style" in error
@@ -116,29 +121,133 @@ def test_cli_refuses_bad_config_in_one_line(tmp_path):
     assert done.returncode == 2 and done.stderr.strip() == "error: kl_estimator: 'k9' is unknown; use k1, k2 or k3"
 
 
-def test_missing_upstream_checkpoint_is_refused_naming_the_uri(s3_server, tmp_path):
+def test_missing_upstream_checkpoint_is_refused_naming_the_uri(s3_server, ray_address, tmp_path):
     missing = s3_server.uri("stages/never-written/sft")
-    done = run_cli("tasks.reward_model", "--output", str(tmp_path / "rm"), "--pretrain", missing, "--dataset", missing)
+    done = run_cli("tasks.reward_model", "--output", str(tmp_path / "rm"), "--pretrain", missing, "--dataset", missing,
+                   ray=ray_address)
     assert done.returncode == 2
     line = done.stderr.strip().splitlines()[-1]
     assert line.startswith("error: ") and missing in line
 
 
-def test_rl_critic_free_estimator_with_a_reward_function(chain, s3_server):
-    """group_norm over 4 samples per prompt, exact-match reward from a function file, adaptive KL,
-    KL in the loss, entropy bonus, asymmetric and dual clipping."""
+def test_rl_critic_free_estimator_with_a_reward_function(chain, s3_server, ray_address):
+    """group_norm over 4 samples per prompt, a reward function file reading labels, adaptive KL,
+    KL in the loss, entropy bonus, asymmetric and dual clipping, dynamic filtering, micro-batches."""
     out = s3_server.uri("stages/run1/rl_group_norm")
     done = run_cli("tasks.rl", *flags({
         "output": out, "pretrain": chain["sft"], "prompt_data": chain["prepare_data"],
-        "remote_rm_url": str(REPO / "tasks" / "data" / "demo_reward.py"), "label_key": "label",
+        "remote_rm_url": str(REPO / "tests" / "rewards" / "parity_reward.py"), "label_key": "label",
         "advantage_estimator": "group_norm", "n_samples_per_prompt": 4, "max_steps": 2,
         "rollout_batch_size": 4, "train_batch_size": 8, "kl_target": 0.5, "kl_horizon": 100,
         "use_kl_loss": True, "kl_estimator": "k3", "entropy_coef": 0.01, "eps_clip_low": 0.2, "eps_clip_high": 0.28,
-        "dual_clip": 3.0}))
+        "dual_clip": 3.0, "dynamic_filtering": True, "dynamic_filtering_reward_range": "0 1",
+        "micro_train_batch_size": 4, "micro_rollout_batch_size": 8, "colocate_all_models": True}), ray=ray_address)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert "placement groups [actor + ref] × 1" in done.stdout  # no critic, no reward-model group
     m = manifests.read_manifest(out)
     assert set(m["inputs"]) == {"pretrain", "prompt_data", "remote_rm_url"}  # no critic, no reward model
     path, _ = manifests.fetch(out, SCRATCH / "cache-stages" / "rl_group_norm")
     logged = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["kl_coef"] for r in logged][0] == 0.05 and logged[-1]["value_loss"] == 0.0
-    assert all(0.0 <= r["reward"] <= 1.0 for r in logged)  # exact match: 0 or 1 per sample
+    assert [r["kl_coef"] for r in logged][0] == 0.05 and "value_loss" not in logged[-1]
+    # Dynamic filtering kept only groups with both right and wrong answers: mean reward strictly inside (0, 1).
+    assert all(0.0 < r["reward"] < 1.0 for r in logged)
+    assert all(0.0 < r["filter_kept_fraction"] <= 1.0 for r in logged)
+
+
+def metrics_of(uri: str, where) -> list[dict]:
+    path, _ = manifests.fetch(uri, where)
+    return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_two_sft_workers_follow_the_loss_curve_of_one(chain, s3_server, ray_address, tmp_path):
+    """Data parallelism: 2 workers (with 2 micro-batches of gradient accumulation each) on the same global
+    batch give the loss curve of 1 worker, within 1% over the first 10 steps."""
+    curves = {}
+    for workers, micro in ((1, 0), (2, 8)):
+        out = s3_server.uri(f"stages/run1/sft_dp{workers}")
+        done = run_cli("tasks.sft", *flags({"output": out, "pretrain": chain["prepare_data"], "dataset": chain["prepare_data"],
+                                            "max_steps": 10, "train_batch_size": 32, "logging_steps": 1,
+                                            "num_gpus_per_node": workers, "micro_train_batch_size": micro}), ray=ray_address)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert manifests.read_manifest(out)["metrics"]["workers"] == workers
+        curves[workers] = [r["loss"] for r in metrics_of(out, tmp_path / str(workers))]
+    assert len(curves[1]) == len(curves[2]) == 10
+    for one, two in zip(curves[1], curves[2]):
+        assert abs(one - two) <= 0.01 * abs(one), (curves[1], curves[2])
+    assert curves[1][-1] < curves[1][0]
+
+
+def test_sft_flags_take_effect(chain, s3_server, ray_address, tmp_path):
+    """--max_samples cuts the rows; --save_path gets a copy of the final model; --flash_attn falls back to SDPA
+    on CPU and says so; --gradient_checkpointing recomputes activations, which changes memory, not the loss."""
+    outs, logs = {}, {}
+    for name, extra in (("plain", {}), ("flags", {"save_path": str(tmp_path / "copy"), "flash_attn": True, "gradient_checkpointing": True})):
+        outs[name] = s3_server.uri(f"stages/run1/sft_{name}")
+        done = run_cli("tasks.sft", *flags({"output": outs[name], "pretrain": chain["prepare_data"], "dataset": chain["prepare_data"],
+                                            "max_steps": 3, "train_batch_size": 32, "logging_steps": 1, "max_samples": 64, **extra}),
+                       ray=ray_address)
+        assert done.returncode == 0, done.stderr[-3000:]
+        logs[name] = done.stderr
+    assert manifests.read_manifest(outs["flags"])["metrics"]["rows"] == 64 < manifests.read_manifest(chain["sft"])["metrics"]["rows"]
+    assert (tmp_path / "copy" / "model.safetensors").is_file() and (tmp_path / "copy" / "config.json").is_file()
+    assert "flash_attn: a CUDA GPU is missing; using PyTorch's SDPA attention kernels instead" in logs["flags"]
+    assert "flash_attn" not in logs["plain"]
+    plain, checkpointed = (metrics_of(outs[n], tmp_path / n) for n in ("plain", "flags"))
+    for a, b in zip(plain, checkpointed):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5
+
+
+def test_rl_run_killed_after_a_checkpoint_resumes_to_the_same_metrics(chain, s3_server, ray_address, tmp_path):
+    import signal
+    import time
+
+    from tasks.common import storage
+
+    args = {"pretrain": chain["sft"], "reward_pretrain": chain["reward_model"], "prompt_data": chain["prepare_data"],
+            "max_steps": 6, "rollout_batch_size": 8, "train_batch_size": 8, "colocate_all_models": True}
+    whole = s3_server.uri("stages/run1/rl_whole")
+    done = run_cli("tasks.rl", *flags({**args, "output": whole}), ray=ray_address)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    killed = s3_server.uri("stages/run1/rl_killed")
+    command = [sys.executable, "-m", "tasks.rl", *flags({**args, "output": killed, "save_steps": 2})]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_ADDRESS": ray_address}
+    proc = subprocess.Popen(command, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.time() + 300
+        while not storage.exists(f"{killed}/checkpoints/step_2/manifest.json"):
+            assert proc.poll() is None and time.time() < deadline, "the run ended or stalled before its first checkpoint"
+            time.sleep(0.5)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert not storage.exists(f"{killed}/manifest.json")
+
+    done = run_cli("tasks.rl", *flags({**args, "output": killed, "save_steps": 2}), ray=ray_address)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "rl: resumed from" in done.stdout
+    resumed = metrics_of(killed, tmp_path / "killed")
+    assert resumed[0]["step"] > 2  # it went on from a checkpoint instead of starting over
+    final, expected = resumed[-1], metrics_of(whole, tmp_path / "whole")[-1]
+    assert final["step"] == expected["step"] == 6
+    for key in ("reward", "kl", "policy_loss", "value_loss", "entropy", "response_length"):
+        assert abs(final[key] - expected[key]) <= 1e-4, (key, final[key], expected[key])
+
+
+def test_rl_refuses_what_cannot_run_here_in_one_line(chain, ray_address, tmp_path):
+    base = ["--output", str(tmp_path / "rl"), "--pretrain", chain["sft"], "--reward_pretrain", chain["reward_model"],
+            "--prompt_data", chain["prepare_data"]]
+    done = run_cli("tasks.rl", *base, "--vllm_num_engines", "2", ray=ray_address)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == ("error: vllm_num_engines: vLLM engines need GPUs and the vllm package, and this "
+                                                   "Ray cluster has no GPUs; use --vllm_num_engines 0 (transformers generate in the actor workers)")
+    done = run_cli("tasks.rl", *base, ray=ray_address)  # four separate groups of one CPU each on a 2-CPU cluster
+    assert done.returncode == 2
+    line = done.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: colocate_all_models: the worker groups [actor] × 1, [ref] × 1, [critic] × 1, [reward] × 1 need 4 CPUs")
+    done = run_cli("tasks.rl", *base, "--vllm_tensor_parallel_size", "2")
+    assert done.stderr.strip() == ("error: vllm_tensor_parallel_size: only applies to vLLM engines; set --vllm_num_engines too, "
+                                   "or drop it")
+    assert not (tmp_path / "rl").exists()

@@ -1,0 +1,117 @@
+"""Worker groups and the RL layout: batch splits, placement plans, checkpoints store, training knobs."""
+import numpy as np
+import pytest
+
+from tasks.common.checkpoint import CheckpointStore
+from tasks.common.config import ConfigError, check_batch, make_config, micro_batches
+from tasks.common.data import BatchSampler, encode_prompt
+from tasks.common.workers import shard
+from tasks.data import demo
+from tasks.rl.config import RLConfig
+from tasks.rl.trainer import plan_placements
+
+RL = {"output": "o", "pretrain": "p", "reward_pretrain": "r", "prompt_data": "d"}
+
+
+def test_shard_cuts_contiguous_nearly_equal_pieces():
+    assert shard(list(range(7)), 3) == [[0, 1, 2], [3, 4], [5, 6]]
+    assert shard(list(range(2)), 3) == [[0], [1], []]
+
+
+def test_batch_split_over_workers_and_micro_batches():
+    assert micro_batches(64, 0, 2) == (32, 1)
+    assert micro_batches(64, 8, 2) == (8, 4)
+    check_batch("train_batch_size", 64, 8, 2, "num_gpus_per_node")
+    with pytest.raises(ConfigError, match=r"^train_batch_size: 30 does not split over 4 workers \(num_gpus_per_node\)"):
+        check_batch("train_batch_size", 30, 0, 4, "num_gpus_per_node")
+    with pytest.raises(ConfigError, match=r"^micro_train_batch_size: 5 must divide each worker's share of train_batch_size, 32"):
+        check_batch("train_batch_size", 64, 5, 2, "num_gpus_per_node")
+
+
+@pytest.mark.parametrize("flags,expected", [
+    ({}, [["actor"], ["ref"], ["critic"], ["reward"]]),
+    ({"colocate_actor_ref": True}, [["actor", "ref"], ["critic"], ["reward"]]),
+    ({"colocate_actor_ref": True, "colocate_critic_reward": True}, [["actor", "ref"], ["critic", "reward"]]),
+    ({"colocate_all_models": True}, [["actor", "ref", "critic", "reward"]]),
+])
+def test_placement_plan_follows_the_colocation_flags(flags, expected):
+    assert plan_placements(make_config(RLConfig, {**RL, **flags}), ["actor", "ref", "critic", "reward"]) == expected
+
+
+def test_placement_plan_without_critic_or_reward_models():
+    cfg = make_config(RLConfig, {**RL, "colocate_critic_reward": True})
+    assert plan_placements(cfg, ["actor", "ref"]) == [["actor"], ["ref"]]
+
+
+def test_rl_config_refuses_layouts_and_flags_that_cannot_apply():
+    with pytest.raises(ConfigError, match=r"^ref_num_gpus_per_node: colocate_all_models needs every group the actor's size \(2\), got 1"):
+        make_config(RLConfig, {**RL, "colocate_all_models": True, "actor_num_gpus_per_node": 2})
+    with pytest.raises(ConfigError, match=r"^ref_num_gpus_per_node: colocate_actor_ref needs the ref group the actor's size"):
+        make_config(RLConfig, {**RL, "colocate_actor_ref": True, "actor_num_gpus_per_node": 2})
+    with pytest.raises(ConfigError, match=r"^train_batch_size: 64 does not split over 3 workers \(actor_num_nodes × actor_num_gpus_per_node\)"):
+        make_config(RLConfig, {**RL, "actor_num_gpus_per_node": 3})
+    with pytest.raises(ConfigError, match=r"^enable_prefix_caching: only applies to vLLM engines"):
+        make_config(RLConfig, {**RL, "enable_prefix_caching": True})
+    with pytest.raises(ConfigError, match=r"^dynamic_filtering: needs n_samples_per_prompt of 2 or more"):
+        make_config(RLConfig, {**RL, "dynamic_filtering": True})
+    with pytest.raises(ConfigError, match=r"^reward_clip_range: '5 1' .*|^reward_clip_range: low 5.0 must be below high 1.0"):
+        make_config(RLConfig, {**RL, "reward_clip_range": "5 1"})
+    assert make_config(RLConfig, {**RL, "reward_clip_range": "-10 10"}).interval("reward_clip_range") == (-10.0, 10.0)
+
+
+def test_batch_sampler_state_resumes_the_same_order():
+    a = BatchSampler(10, 4, seed=3)
+    for _ in range(3):  # into the second epoch
+        a.next()
+    b = BatchSampler(10, 4, seed=99)
+    b.load_state_dict(a.state_dict())
+    assert [a.next() for _ in range(5)] == [b.next() for _ in range(5)]
+    assert a.epoch == b.epoch
+
+
+def test_checkpoint_store_sees_only_committed_steps_and_keeps_the_newest(tmp_path):
+    store = CheckpointStore(str(tmp_path / "checkpoints"), keep=2)
+    assert store.latest() is None
+    for step in (2, 4, 6):
+        local = tmp_path / f"local{step}"
+        local.mkdir()
+        (local / "state.bin").write_bytes(bytes([step]) * 10)
+        store.commit(local, step, "run", {"a": 1})
+    (tmp_path / "checkpoints" / "step_8").mkdir()  # an upload that never got its manifest
+    (tmp_path / "checkpoints" / "step_8" / "state.bin").write_bytes(b"partial")
+    assert store.steps() == [4, 6] and store.latest() == 6
+    assert (store.fetch(6, tmp_path / "got") / "state.bin").read_bytes() == bytes([6]) * 10
+
+
+def test_chat_template_wraps_the_prompt_or_is_refused_in_one_line():
+    tokenizer = demo.build_tokenizer()
+    with pytest.raises(ConfigError, match=r"^apply_chat_template: the tokenizer of .* has no chat template; drop --apply_chat_template"):
+        encode_prompt(tokenizer, "1+2=", chat_template=True)
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}={% endfor %}"
+    assert encode_prompt(tokenizer, "1+2", chat_template=True) == tokenizer.encode("1+2=", add_special_tokens=False)
+
+
+def test_gradient_checkpointing_is_switched_on_for_training():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tasks.common.strategy import DeepSpeedStrategy
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2))
+    engine = DeepSpeedStrategy(zero_stage=0, gradient_checkpointing=True).prepare(model, 1e-3, 10)
+    assert engine.module.is_gradient_checkpointing and not engine.module.config.use_cache
+
+
+@pytest.mark.slow
+def test_adam_offload_keeps_the_optimizer_on_the_cpu():
+    """Builds DeepSpeed's CPU Adam op on first use (about 40 s): `make test-all`."""
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tasks.common.strategy import DeepSpeedStrategy
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2))
+    engine = DeepSpeedStrategy(zero_stage=2, adam_offload=True).prepare(model, 1e-3, 10)
+    assert isinstance(engine.optimizer.optimizer, DeepSpeedCPUAdam)
+    assert np.isfinite(sum(p.float().sum().item() for p in model.parameters()))
