@@ -4,7 +4,7 @@
     actor = WorkerGroup(PolicyWorker, placement, fraction=1.0, name="actor")   # 2 ranks, world of 2
     actor.run("init", policy_path, cfg)            # every rank, same arguments
     actor.scatter("generate", [shard0, shard1])     # rank r gets shards[r]
-    actor.run_rank0("save", out_dir)
+    actor.run("save_model", out_dir)              # every rank: a ZeRO-3 gather needs them all
 
 Every stage that trains builds its workers this way: SFT and reward-model training put one group
 on their placement; RL puts actor, critic, reference and reward groups on one placement each, or
@@ -24,6 +24,7 @@ import os
 import socket
 import tempfile
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -164,7 +165,7 @@ class WorkerGroup:
         self.name, self.placement, self.world_size = name, placement, placement.size
         resources = {"num_cpus": fraction, "num_gpus": fraction if placement.use_gpu else 0}
         env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIXES)}
-        options = [dict(resources, name=None, runtime_env={"env_vars": env},
+        options = [dict(resources, runtime_env={"env_vars": env},
                         scheduling_strategy=PlacementGroupSchedulingStrategy(placement.group, placement_group_bundle_index=r))
                    for r in range(self.world_size)]
 
@@ -207,15 +208,39 @@ class WorkerGroup:
 
         return ray.get(self.scatter_async(method, shards, *args, **kwargs))
 
-    def run_rank0(self, method: str, *args, **kwargs):
-        """`method` on every rank (collectives such as a ZeRO-3 gather need them all); rank 0's result."""
-        return self.run(method, *args, **kwargs)[0]
-
     def shutdown(self) -> None:
         import ray
 
         for w in self.workers:
             ray.kill(w)
+
+
+@contextmanager
+def placed_group(worker_cls: type, num_nodes: int, gpus_per_node: int, name: str):
+    """A WorkerGroup of `worker_cls` on a placement group of its own, removed (with the actors) on exit."""
+    placement = Placement.create(num_nodes, gpus_per_node, name)
+    try:
+        group = WorkerGroup(worker_cls, placement, name)
+        try:
+            yield group
+        finally:
+            group.shutdown()
+    finally:
+        placement.remove()
+
+
+def train_steps(run, group: WorkerGroup, max_steps: int, logging_steps: int) -> dict:
+    """The driver's loop of a one-group training stage (SFT, reward model, preference): resume from the
+    newest checkpoint, then `train_step` on every rank per step, logging rank 0's (global) statistics
+    and checkpointing every --save_steps. Returns the last step's statistics ({} when none ran)."""
+    start = run.resume(lambda local: group.run("load_state", str(local)))
+    stats: dict = {}
+    for step in range(start + 1, max_steps + 1):
+        stats = group.run("train_step")[0]
+        if step % logging_steps == 0 or step == max_steps:
+            run.tracker.log(step, stats)
+        run.checkpoint(step, lambda local: group.run("save_state", str(local)))
+    return stats
 
 
 def shard(items: Sequence, parts: int) -> list:

@@ -13,7 +13,7 @@ from tasks.common.losses import bradley_terry_loss
 from tasks.common.models import load_scalar_model, load_tokenizer, resolve_model, sequence_scores
 from tasks.common.stage import StageRun
 from tasks.common.strategy import DeepSpeedStrategy
-from tasks.common.workers import Placement, TrainingWorker, WorkerGroup, shard
+from tasks.common.workers import TrainingWorker, placed_group, shard, train_steps
 from tasks.reward_model.config import RewardModelConfig
 
 
@@ -98,29 +98,19 @@ class RewardModelWorker(TrainingWorker):
 def train(cfg: RewardModelConfig, run: StageRun) -> None:
     run.input("dataset", cfg.dataset)
     run.input("pretrain", cfg.pretrain)
-    placement = Placement.create(cfg.num_nodes, cfg.num_gpus_per_node, "reward_model")
-    group = WorkerGroup(RewardModelWorker, placement, "reward_model")
-    info = group.run("setup", cfg)[0]
-    print(f"reward_model: {info['pairs']} pairs, {info['eval_pairs']} held out, {info['truncated']} sequences truncated, "
-          f"{group.world_size} worker(s)", flush=True)
-    start = run.resume(lambda local: group.run("load_state", str(local)))
-    stats: dict = {}
-    for step in range(start + 1, cfg.max_steps + 1):
-        stats = group.run("train_step")[0]
-        if step % cfg.logging_steps == 0 or step == cfg.max_steps:
-            run.tracker.log(step, stats)
-        run.checkpoint(step, lambda local: group.run("save_state", str(local)))
-
-    shares = group.run("score_held_out")
-    chosen = torch.tensor([s for c, _ in shares for s in c])
-    rejected = torch.tensor([s for _, r in shares for s in r])
-    accuracy = (chosen > rejected).float().mean().item()
-    scores = torch.cat([chosen, rejected])
-    reward_mean, reward_std = scores.mean().item(), scores.std().item()
-    run.tracker.log(cfg.max_steps, {"eval_pairwise_accuracy": accuracy, "reward_mean": reward_mean, "reward_std": reward_std})
-    group.run("save_model", str(run.workdir / "model"), reward_mean, reward_std)
-    group.shutdown()
-    placement.remove()
+    with placed_group(RewardModelWorker, cfg.num_nodes, cfg.num_gpus_per_node, "reward_model") as group:
+        info = group.run("setup", cfg)[0]
+        print(f"reward_model: {info['pairs']} pairs, {info['eval_pairs']} held out, {info['truncated']} sequences truncated, "
+              f"{group.world_size} worker(s)", flush=True)
+        stats = train_steps(run, group, cfg.max_steps, cfg.logging_steps)
+        shares = group.run("score_held_out")
+        chosen = torch.tensor([s for c, _ in shares for s in c])
+        rejected = torch.tensor([s for _, r in shares for s in r])
+        accuracy = (chosen > rejected).float().mean().item()
+        scores = torch.cat([chosen, rejected])
+        reward_mean, reward_std = scores.mean().item(), scores.std().item()
+        run.tracker.log(cfg.max_steps, {"eval_pairwise_accuracy": accuracy, "reward_mean": reward_mean, "reward_std": reward_std})
+        group.run("save_model", str(run.workdir / "model"), reward_mean, reward_std)
     run.commit(
         metrics={"train_loss": round(stats["loss"], 5) if stats else None, "eval_pairwise_accuracy": round(accuracy, 4),
                  "reward_mean": reward_mean, "reward_std": reward_std, "truncated": info["truncated"], "workers": group.world_size},

@@ -48,6 +48,7 @@ class RLConfig(TrainingConfig):
     kl_target: float = field(default=0.0, metadata={"help": "adaptive KL controller's target (summed KL per response); 0 keeps init_kl_coef fixed"})
     kl_horizon: int = field(default=10000, metadata={"help": "adaptive KL controller's horizon, in samples"})
     kl_estimator: str = field(default="k1", metadata={"help": "per-token KL estimator: k1, k2 or k3"})
+    save_value_network: bool = field(default=False, metadata={"help": "also save the critic (HF format) under critic/ in the output"})
     normalize_reward: bool = field(default=True, metadata={"help": "standardise reward-model scores with the mean/std stored by its stage"})
     logging_steps: int = field(default=1, metadata={"help": "log metrics every this many steps"})
     num_episodes: int = field(default=0, metadata={"help": "passes over the prompts; when set, the stage runs num_episodes × ⌊prompts / rollout_batch_size⌋ steps instead of max_steps"})

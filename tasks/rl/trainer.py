@@ -93,6 +93,23 @@ class RemoteRewardModels(RewardSource):
         return torch.cat(self.group.scatter("score", parts))
 
 
+class ActorGroupEngine:
+    """The rollout engine slot as the controller sees it: `generate(prompts) -> Rollout`, and
+    `sync_weights()` after each update. This one is the actor group's own transformers `generate`
+    (prompts sharded over its ranks), so there are no weights to sync; a vLLM engine group (GPU)
+    takes the same two calls, loading the actor's new weights in `sync_weights`."""
+
+    def __init__(self, actor: WorkerGroup, pad_token_id: int):
+        self.actor, self.pad_token_id = actor, pad_token_id
+
+    def generate(self, prompts: list[list[int]]) -> Rollout:
+        parts = self.actor.scatter("generate", shard(prompts, self.actor.world_size))
+        return concat_rollouts([p for p in parts if p.sequences.size(0)], self.pad_token_id)
+
+    def sync_weights(self) -> None:
+        pass
+
+
 class Controller:
     """The RL loop's state on the driver, and the groups it drives."""
 
@@ -136,6 +153,7 @@ class Controller:
                 self.groups[role] = WorkerGroup(classes[role], placement, role, fraction=1.0 / len(members))
         setup_args = {"actor": (cfg, self.updates), "ref": (cfg,), "critic": (cfg, critic_uri, self.updates), "reward": (cfg,)}
         gather([self.groups[role].run_async("setup", *setup_args[role]) for role in roles])
+        self.engine = ActorGroupEngine(self.groups["actor"], self.tokenizer.pad_token_id)
         self.reward: RewardSource = (RemoteRewardModels(self.groups["reward"]) if "reward" in self.groups
                                      else make_reward_source("", cfg.remote_rm_url))
         layout = ", ".join(f"[{' + '.join(m)}] × {self.groups[m[0]].world_size}" for m in self.layout)
@@ -158,9 +176,7 @@ class Controller:
             # The samples of one prompt are consecutive rows: the group estimators rely on it.
             index = [i for i in self.sampler.next() for _ in range(n)]
             t0 = time.time()
-            actor = self.groups["actor"]
-            parts = actor.scatter("generate", shard([self.prompts.ids[i] for i in index], actor.world_size))
-            rollout = concat_rollouts([p for p in parts if p.sequences.size(0)], self.tokenizer.pad_token_id)
+            rollout = self.engine.generate([self.prompts.ids[i] for i in index])
             t1 = time.time()
             batch = build_reward_batch(rollout, self.tokenizer, [self.prompts.texts[i] for i in index], [self.prompts.labels[i] for i in index])
             scores = self.reward.score(batch).float()
@@ -220,15 +236,15 @@ class Controller:
                  for role, args in (("actor", (kl_coef,)), ("critic", ())) if role in self.groups}
         stats = {k: v for ranks in self.in_waves(calls).values() for k, v in ranks[0].items()}
         t3 = time.time()
+        self.engine.sync_weights()
+        t4 = time.time()
         sequence_kl = exp.kl.sum(-1).mean().item()
         self.kl_ctl.update(sequence_kl, n_steps=exp.sequences.size(0))
         if step % cfg.logging_steps == 0 or step == self.steps:
             self.run.tracker.log(step, {
                 "reward": scores.mean().item(), "reward_std": scores.std().item(), "kl": sequence_kl, "kl_coef": kl_coef, **stats,
                 "response_length": exp.action_mask.sum(-1).float().mean().item(),
-                **timing, "time_inference_s": t2 - t1, "time_train_s": t3 - t2, "time_step_s": t3 - t0,
-                # The hf engine generates with the actor's own weights: there is nothing to sync.
-                "time_weight_sync_s": 0.0,
+                **timing, "time_inference_s": t2 - t1, "time_train_s": t3 - t2, "time_weight_sync_s": t4 - t3, "time_step_s": t4 - t0,
             })
         return exp
 
@@ -286,6 +302,8 @@ def train(cfg: RLConfig, run: StageRun) -> None:
             exp = controller.step(step)
             run.checkpoint(step, controller.save_state)
         controller.groups["actor"].run("save_model", str(run.workdir / "model"))
+        if cfg.save_value_network and "critic" in controller.groups:
+            controller.groups["critic"].run("save_model", str(run.workdir / "critic"))
     finally:
         controller.shutdown()
     final = {"final_reward": exp.scores.mean().item(), "final_kl": exp.kl.sum(-1).mean().item()} if exp is not None else {}

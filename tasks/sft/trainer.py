@@ -13,7 +13,7 @@ from tasks.common.losses import sft_loss
 from tasks.common.models import load_causal_lm, load_tokenizer, resolve_model, sequence_logprobs
 from tasks.common.stage import StageRun
 from tasks.common.strategy import DeepSpeedStrategy
-from tasks.common.workers import Placement, TrainingWorker, WorkerGroup, shard
+from tasks.common.workers import TrainingWorker, placed_group, shard, train_steps
 from tasks.sft.config import SFTConfig
 
 
@@ -73,20 +73,10 @@ class SFTWorker(TrainingWorker):
 def train(cfg: SFTConfig, run: StageRun) -> None:
     run.input("dataset", cfg.dataset)
     run.input("pretrain", cfg.pretrain)
-    placement = Placement.create(cfg.num_nodes, cfg.num_gpus_per_node, "sft")
-    group = WorkerGroup(SFTWorker, placement, "sft")
-    info = group.run("setup", cfg)[0]
-    print(f"sft: {info['rows']} rows, {info['truncated']} truncated to {cfg.max_len} tokens, {group.world_size} worker(s)", flush=True)
-    start = run.resume(lambda local: group.run("load_state", str(local)))
-    stats: dict = {}
-    for step in range(start + 1, cfg.max_steps + 1):
-        stats = group.run("train_step")[0]
-        if step % cfg.logging_steps == 0 or step == cfg.max_steps:
-            run.tracker.log(step, stats)
-        run.checkpoint(step, lambda local: group.run("save_state", str(local)))
-
-    group.run("save_model", str(run.workdir / "model"))
-    group.shutdown()
-    placement.remove()
+    with placed_group(SFTWorker, cfg.num_nodes, cfg.num_gpus_per_node, "sft") as group:
+        info = group.run("setup", cfg)[0]
+        print(f"sft: {info['rows']} rows, {info['truncated']} truncated to {cfg.max_len} tokens, {group.world_size} worker(s)", flush=True)
+        stats = train_steps(run, group, cfg.max_steps, cfg.logging_steps)
+        group.run("save_model", str(run.workdir / "model"))
     run.commit(metrics={"train_loss": round(stats["loss"], 5) if stats else None, "steps": cfg.max_steps, "rows": info["rows"],
                         "truncated": info["truncated"], "workers": group.world_size}, model="model")
