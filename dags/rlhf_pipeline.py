@@ -1,4 +1,8 @@
-"""rlhf_pipeline: prepare_data -> sft -> reward_model -> rl -> eval, each stage a Ray job.
+"""rlhf_pipeline: prepare_data -> sft -> (reward_model -> rl | preference) -> eval, each stage a Ray job.
+
+The `method` Param picks the branch after SFT: `rl` trains a reward model and then the policy with
+the chosen advantage estimator; `dpo` and `kto` optimise the policy on the preference data directly
+(tasks.preference). The other branches' tasks show as skipped.
 
 Every stage is a RayJobOperator running ``python -m tasks.<stage>`` on the Ray cluster; it returns the
 URI of the stage's ``manifest.json``, and the downstream stages take those URIs as inputs (XCom holds
@@ -8,7 +12,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from airflow.sdk import DAG, Param, chain
+from airflow.sdk import DAG, Param, chain, task
 
 from plugins.operators import RayJobOperator
 
@@ -19,6 +23,7 @@ DEFAULTS = {
     "dataset": "demo",
     "base_model": "demo",
     "seed": 0,
+    "method": "rl",
     "sft_steps": 500,
     "sft_learning_rate": 1e-3,
     "rm_steps": 100,
@@ -31,6 +36,9 @@ DEFAULTS = {
     "advantage_estimator": "gae",
     "n_samples_per_prompt": 1,
     "colocate_all_models": True,
+    "preference_steps": 100,
+    "preference_learning_rate": 1e-5,
+    "beta": 0.1,
     "zero_stage": 2,
     "eval_max_samples": 500,
 }
@@ -57,6 +65,11 @@ PARAMS = {
     "seed": Param(
         DEFAULTS["seed"], type="integer", title="Seed", minimum=0, maximum=2**31 - 1,
         description="Random seed of every stage.",
+    ),
+    "method": Param(
+        DEFAULTS["method"], type="string", title="Method", enum=["rl", "dpo", "kto"],
+        description="After SFT: rl (reward model, then RL with the advantage estimator below), or dpo / kto "
+                    "(direct preference optimisation on the preference data, no reward model).",
     ),
     "sft_steps": Param(
         DEFAULTS["sft_steps"], type="integer", title="SFT steps", minimum=1, maximum=1_000_000,
@@ -109,6 +122,18 @@ PARAMS = {
         description="Actor, reference, critic and reward models share the actor's GPUs (one placement group). "
                     "Off: each model group gets GPUs of its own (4 on the default sizes).",
     ),
+    "preference_steps": Param(
+        DEFAULTS["preference_steps"], type="integer", title="DPO/KTO steps", minimum=1, maximum=1_000_000,
+        description="Optimizer steps of the dpo or kto stage.",
+    ),
+    "preference_learning_rate": Param(
+        DEFAULTS["preference_learning_rate"], type="number", title="DPO/KTO learning rate", exclusiveMinimum=0, maximum=1,
+        description="Learning rate of the dpo or kto stage.",
+    ),
+    "beta": Param(
+        DEFAULTS["beta"], type="number", title="DPO/KTO beta", exclusiveMinimum=0, maximum=100,
+        description="Strength of the implicit KL constraint to the SFT reference in dpo and kto.",
+    ),
     "zero_stage": Param(
         DEFAULTS["zero_stage"], type="integer", title="DeepSpeed ZeRO stage", enum=[0, 2, 3],
         description="DeepSpeed ZeRO stage of every training stage (0: off, 2: shard optimizer + gradients, 3: also parameters).",
@@ -151,6 +176,12 @@ with DAG(
             "zero_stage": "{{ params.zero_stage }}",
         },
     )
+    @task.branch(task_id="choose_method")
+    def choose_method(params=None) -> str:
+        """The first task of the branch the `method` Param picks."""
+        return {"rl": "reward_model", "dpo": "dpo", "kto": "kto"}[params["method"]]
+
+    method = choose_method()
     reward_model = RayJobOperator(
         task_id="reward_model",
         module="tasks.reward_model",
@@ -182,17 +213,35 @@ with DAG(
             "zero_stage": "{{ params.zero_stage }}",
         },
     )
+    # DPO on the demo's style pairs (right answers both sides) with an NLL term on the chosen side, which
+    # keeps the answers' likelihood from sliding; KTO on the unpaired thumbs-up/down split.
+    preference_args = {
+        "pretrain": sft.output,
+        "dataset": prepare_data.output,
+        "max_steps": "{{ params.preference_steps }}",
+        "learning_rate": "{{ params.preference_learning_rate }}",
+        "beta": "{{ params.beta }}",
+        "seed": "{{ params.seed }}",
+        "zero_stage": "{{ params.zero_stage }}",
+    }
+    dpo = RayJobOperator(task_id="dpo", module="tasks.preference",
+                         args={**preference_args, "method": "dpo", "dataset_split": "style_pairs", "nll_loss_coef": 1.0})
+    kto = RayJobOperator(task_id="kto", module="tasks.preference", args={**preference_args, "method": "kto", "dataset_split": "unpaired"})
     eval_ = RayJobOperator(
         task_id="eval",
         module="tasks.eval",
+        # Runs after whichever branch ran; the skipped branch's XComs are empty.
+        trigger_rule="none_failed_min_one_success",
         args={
             "baseline": sft.output,
-            "policy": rl.output,
-            "reward_pretrain": reward_model.output,
+            "policy": "{{ ti.xcom_pull(task_ids='rl') or ti.xcom_pull(task_ids='dpo') or ti.xcom_pull(task_ids='kto') }}",
+            "reward_pretrain": "{{ ti.xcom_pull(task_ids='reward_model') or '' }}",
             "dataset": prepare_data.output,
             "max_samples": "{{ params.eval_max_samples }}",
             "seed": "{{ params.seed }}",
         },
     )
 
-    chain(prepare_data, sft, reward_model, rl, eval_)
+    chain(prepare_data, sft, method, [reward_model, dpo, kto])
+    chain(reward_model, rl, eval_)
+    chain([dpo, kto], eval_)

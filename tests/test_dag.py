@@ -12,7 +12,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 DAGS = REPO / "dags"
-ORDER = ["prepare_data", "sft", "reward_model", "rl", "eval"]
+ORDER = ["prepare_data", "sft", "choose_method", "reward_model", "rl", "dpo", "kto", "eval"]
+BRANCHES = {"rl": ["reward_model", "rl"], "dpo": ["dpo"], "kto": ["kto"]}
 
 # What each stage gets: flag -> upstream task whose manifest URI it receives, or the param it comes from.
 WIRING = {
@@ -33,9 +34,16 @@ WIRING = {
         "n_samples_per_prompt": "params.n_samples_per_prompt", "colocate_all_models": "params.colocate_all_models",
         "seed": "params.seed", "zero_stage": "params.zero_stage",
     }),
+    **{method: ("tasks.preference", {
+        "method": method, "pretrain": "sft", "dataset": "prepare_data", "max_steps": "params.preference_steps",
+        "learning_rate": "params.preference_learning_rate", "beta": "params.beta", "seed": "params.seed",
+        "zero_stage": "params.zero_stage", **extra,
+    }) for method, extra in (("dpo", {"dataset_split": "style_pairs", "nll_loss_coef": 1.0}), ("kto", {"dataset_split": "unpaired"}))},
     "eval": ("tasks.eval", {
-        "baseline": "sft", "policy": "rl", "reward_pretrain": "reward_model", "dataset": "prepare_data",
-        "max_samples": "params.eval_max_samples", "seed": "params.seed",
+        "baseline": "sft", "dataset": "prepare_data", "max_samples": "params.eval_max_samples", "seed": "params.seed",
+        # whichever branch ran: a template over both branches' XComs
+        "policy": "{{ ti.xcom_pull(task_ids='rl') or ti.xcom_pull(task_ids='dpo') or ti.xcom_pull(task_ids='kto') }}",
+        "reward_pretrain": "{{ ti.xcom_pull(task_ids='reward_model') or '' }}",
     }),
 }
 
@@ -78,10 +86,12 @@ def test_dag_settings(dag):
 
 def test_task_order(dag):
     assert [t.task_id for t in dag.topological_sort()] == ORDER
-    for upstream, downstream in zip(ORDER, ORDER[1:]):
-        assert upstream in dag.get_task(downstream).upstream_task_ids
-    assert dag.get_task("eval").upstream_task_ids == {"prepare_data", "sft", "reward_model", "rl"}
-    assert dag.get_task("prepare_data").upstream_task_ids == set()
+    upstream = {t: dag.get_task(t).upstream_task_ids for t in ORDER}
+    assert upstream["prepare_data"] == set() and upstream["choose_method"] == {"sft"}
+    assert upstream["reward_model"] >= {"choose_method", "sft"} and upstream["rl"] >= {"reward_model", "sft"}
+    assert upstream["dpo"] >= {"choose_method", "sft"} and upstream["kto"] >= {"choose_method", "sft"}
+    assert upstream["eval"] >= {"rl", "dpo", "kto"}
+    assert dag.get_task("eval").trigger_rule == "none_failed_min_one_success"
 
 
 def test_stage_inputs_are_upstream_manifests_and_params(dag):
@@ -94,7 +104,9 @@ def test_stage_inputs_are_upstream_manifests_and_params(dag):
         assert set(task.args) == set(wiring), task_id
         for flag, source in wiring.items():
             value = task.args[flag]
-            if source.startswith("params."):
+            if not isinstance(source, str) or source.startswith("{{") or source in ("dpo", "kto", "style_pairs", "unpaired"):
+                assert value == source, (task_id, flag, value)
+            elif source.startswith("params."):
                 assert value == "{{ %s }}" % source, (task_id, flag, value)
             else:
                 assert isinstance(value, XComArg), (task_id, flag, value)
@@ -111,6 +123,7 @@ def test_params_form(dag):
         "bucket", "prefix", "dataset", "base_model", "seed", "sft_steps", "sft_learning_rate", "rm_steps",
         "rm_learning_rate", "rl_steps", "actor_learning_rate", "critic_learning_rate", "init_kl_coef",
         "gae_lambda", "advantage_estimator", "n_samples_per_prompt", "colocate_all_models", "zero_stage", "eval_max_samples",
+        "method", "preference_steps", "preference_learning_rate", "beta",
     }
     assert set(params) == expected
     for name in expected:
@@ -135,6 +148,8 @@ def test_params_form(dag):
         ("prefix", "bad prefix with spaces"),
         ("dataset", ""),
         ("advantage_estimator", "ppo"),
+        ("method", "ppo"),
+        ("beta", 0),
     ],
 )
 def test_params_refuse_bad_values(dag, name, value):
@@ -185,8 +200,10 @@ def airflow_db():
 
 
 @pytest.mark.e2e
-def test_pipeline_end_to_end(airflow_db, s3_server, ray_head, dagbag):
-    """The whole DAG with dag.test() against the local Ray head and the S3 emulator, with tiny step counts."""
+@pytest.mark.parametrize("method", ["rl", "dpo", "kto"])
+def test_pipeline_end_to_end(method, airflow_db, s3_server, ray_head, dagbag):
+    """The whole DAG with dag.test() against the local Ray head and the S3 emulator, with tiny step counts,
+    down each branch: the other branch's tasks are skipped, not failed."""
     from airflow.dag_processing.bundles.manager import DagBundlesManager
     from airflow.dag_processing.dagbag import sync_bag_to_db
 
@@ -197,18 +214,24 @@ def test_pipeline_end_to_end(airflow_db, s3_server, ray_head, dagbag):
     dag = dagbag.dags["rlhf_pipeline"]
     conf = {
         "bucket": s3_server.bucket,
-        "prefix": "e2e",
+        "prefix": f"e2e-{method}",
+        "method": method,
         "sft_steps": 30,
         "rm_steps": 20,
         "rl_steps": 2,
+        "preference_steps": 3,
         "eval_max_samples": 50,
     }
     dr = dag.test(run_conf=conf)
     states = {ti.task_id: str(getattr(ti.state, "value", ti.state)) for ti in dr.get_task_instances()}
-    assert states == {t: "success" for t in ORDER}, states
+    skipped = {t for branch, tasks in BRANCHES.items() if branch != method for t in tasks}
+    assert states == {t: "skipped" if t in skipped else "success" for t in ORDER}, states
 
-    base = f"e2e/runs/rlhf_pipeline/{key_safe(dr.run_id)}"
+    base = f"e2e-{method}/runs/rlhf_pipeline/{key_safe(dr.run_id)}"
     s3 = s3_server.client()
-    for task_id in ORDER:
+    for task_id in [t for t in ORDER if t not in skipped and t != "choose_method"]:
         body = s3.get_object(Bucket=s3_server.bucket, Key=f"{base}/{task_id}/manifest.json")["Body"].read()
         assert json.loads(body), task_id
+    evaluated = json.loads(s3.get_object(Bucket=s3_server.bucket, Key=f"{base}/eval/manifest.json")["Body"].read())
+    assert evaluated["inputs"]["policy"].endswith(f"/{method}/manifest.json")
+    assert ("reward_pretrain" in evaluated["inputs"]) == (method == "rl")

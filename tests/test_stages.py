@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from tasks.common import manifest as manifests
-from tasks.common import stage
+from tasks.common import stage, storage
 from tasks.common.config import make_config
 from tasks.common.models import resolve_model
 from tasks.data.__main__ import prepare
@@ -47,7 +47,7 @@ def chain(s3_server, ray_address):
                                "max_steps": 4, "train_batch_size": 32, "logging_steps": 2, "num_gpus_per_node": 2},
         "tasks.rl": {"output": out["rl"], "pretrain": out["sft"], "reward_pretrain": out["reward_model"],
                      "prompt_data": out["prepare_data"], "max_samples": 32, "num_episodes": 1, "rollout_batch_size": 16, "train_batch_size": 8,
-                     "colocate_actor_ref": True, "colocate_critic_reward": True},
+                     "colocate_actor_ref": True, "colocate_critic_reward": True, "save_value_network": True},
         "tasks.eval": {"output": out["eval"], "baseline": out["sft"], "policy": out["rl"], "reward_pretrain": out["reward_model"],
                        "dataset": out["prepare_data"], "max_samples": 24},
     }
@@ -66,6 +66,7 @@ def test_every_stage_commits_a_manifest_with_its_lineage(chain):
     assert manifests.read_manifest(chain["rl"])["inputs"]["reward_pretrain"] == chain["reward_model"]
     assert manifests.read_manifest(chain["rl"])["metrics"]["steps"] == 2  # --num_episodes 1 over --max_samples 32 prompts, 16 a step
     assert manifests.read_manifest(chain["reward_model"])["metrics"]["workers"] == 2
+    assert "critic/model.safetensors" in manifests.read_manifest(chain["rl"])["files"]  # --save_value_network
 
 
 def test_checkpoints_load_through_the_auto_classes(chain):
@@ -197,11 +198,29 @@ def test_sft_flags_take_effect(chain, s3_server, ray_address, tmp_path):
         assert abs(a["loss"] - b["loss"]) <= 1e-5
 
 
+def test_checkpoint_flags(chain, s3_server, ray_address, tmp_path):
+    """--ckpt_path puts checkpoints elsewhere, --max_ckpt_num keeps the newest, a rerun resumes from the
+    newest unless --load_checkpoint false, and --bf16 trains and saves in bfloat16."""
+    from transformers import AutoConfig
+
+    from tasks.common.checkpoint import CheckpointStore
+
+    ckpt = str(tmp_path / "ckpt")
+    out = s3_server.uri("stages/run1/sft_ckpt")
+    base = {"output": out, "pretrain": chain["prepare_data"], "dataset": chain["prepare_data"], "train_batch_size": 16,
+            "logging_steps": 1, "save_steps": 2, "ckpt_path": ckpt, "max_ckpt_num": 1, "bf16": True}
+    for max_steps, extra, first_step in ((4, {}, 1), (6, {}, 5), (2, {"load_checkpoint": False}, 1)):
+        done = run_cli("tasks.sft", *flags({**base, "max_steps": max_steps, **extra}), ray=ray_address)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert metrics_of(out, tmp_path / f"m{max_steps}")[0]["step"] == first_step
+    assert CheckpointStore(ckpt).steps() == [2]  # the last run started over and kept only its newest
+    assert not any(rel.startswith("checkpoints/") for rel, _ in storage.list_files(out))
+    assert str(AutoConfig.from_pretrained(resolve_model(out)).dtype).endswith("bfloat16")
+
+
 def test_rl_run_killed_after_a_checkpoint_resumes_to_the_same_metrics(chain, s3_server, ray_address, tmp_path):
     import signal
     import time
-
-    from tasks.common import storage
 
     args = {"pretrain": chain["sft"], "reward_pretrain": chain["reward_model"], "prompt_data": chain["prepare_data"],
             "max_steps": 6, "rollout_batch_size": 8, "train_batch_size": 8, "colocate_all_models": True}
@@ -251,3 +270,33 @@ def test_rl_refuses_what_cannot_run_here_in_one_line(chain, ray_address, tmp_pat
     assert done.stderr.strip() == ("error: vllm_tensor_parallel_size: only applies to vLLM engines; set --vllm_num_engines too, "
                                    "or drop it")
     assert not (tmp_path / "rl").exists()
+
+
+@pytest.mark.parametrize("method,extra", [
+    ("dpo", {"ref_offload": True, "num_gpus_per_node": 2}),
+    ("dpo", {"loss_type": "ipo"}),
+    ("kto", {"desirable_weight": 1.5}),
+])
+def test_preference_stage_trains_and_logs_its_metrics(method, extra, chain, s3_server, ray_address, tmp_path):
+    out = s3_server.uri(f"stages/run1/preference_{method}_{'_'.join(extra)}")
+    done = run_cli("tasks.preference", *flags({"output": out, "method": method, "pretrain": chain["sft"], "dataset": chain["prepare_data"],
+                                               "max_steps": 3, "train_batch_size": 16, "logging_steps": 1, **extra}), ray=ray_address)
+    assert done.returncode == 0, done.stderr[-3000:]
+    logged = metrics_of(out, tmp_path)
+    assert [r["step"] for r in logged] == [1, 2, 3]
+    expected = {"loss", "margin", "reward_accuracy", "chosen_reward", "rejected_reward"} if method == "dpo" else {"loss", "margin", "kl"}
+    assert expected <= set(logged[0])
+    m = manifests.read_manifest(out)
+    assert m["metrics"]["method"] == method and m["inputs"]["pretrain"] == chain["sft"]
+    assert m["metrics"]["examples"] == 8500 and m["metrics"]["workers"] == extra.get("num_gpus_per_node", 1)
+
+
+def test_preference_stage_refuses_bad_input_in_one_line(chain, ray_address, tmp_path):
+    base = ["--output", str(tmp_path / "p"), "--pretrain", chain["sft"], "--dataset", chain["prepare_data"]]
+    done = run_cli("tasks.preference", *base, "--method", "kto", "--label_key", "thumbs", ray=ray_address)
+    assert done.returncode == 2
+    line = done.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: dataset: key 'thumbs' missing") and "keys present: prompt, completion, label" in line
+    done = run_cli("tasks.preference", *base, "--loss_type", "ipo", "--label_smoothing", "0.1")
+    assert done.stderr.strip() == "error: label_smoothing: conservative DPO smooths the sigmoid loss; use 0 with --loss_type ipo"
+    assert not (tmp_path / "p").exists()

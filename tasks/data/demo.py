@@ -1,6 +1,6 @@
 """The built-in demo task: fixed-width addition answered in one of two styles.
 
-    rows = make_datasets(seed=0)          # {"sft": [...], "preference": [...], "prompts": [...], "eval": [...]}
+    rows = make_datasets(seed=0)          # {"sft": [...], "preference": [...], "style_pairs": [...], "unpaired": [...], ...}
     tokenizer = build_tokenizer()          # character-level, saved and loaded as an HF tokenizer
     model = build_base_model(tokenizer)    # tiny Llama, random weights, no hub needed
 
@@ -75,9 +75,23 @@ def make_datasets(seed: int = 0) -> dict[str, list[dict]]:
             rows.append({"prompt": prompt_text(a, b), "chosen": styled(answer, TERSE), "rejected": styled(answer, WORDY)})
         return rows
 
+    def style_pairs(split):
+        # DPO's pairs: the right answer in both styles. Unlike the reward model's pairs, these carry no
+        # wrong answers, because DPO with an NLL term (the pipeline's default) also imitates the chosen side.
+        return [{"prompt": prompt_text(a, b), "chosen": styled(answer_text(a, b), TERSE), "rejected": styled(answer_text(a, b), WORDY)}
+                for a, b in split]
+
+    def unpaired(split):
+        # KTO's data: one completion per prompt with a thumbs up (terse) or down (wordy), answers right,
+        # so what separates the two labels is the style alone.
+        return [{"prompt": prompt_text(a, b), "completion": styled(answer_text(a, b), TERSE if i % 2 == 0 else WORDY),
+                 "label": i % 2 == 0} for i, (a, b) in enumerate(split)]
+
     return {
         "sft": sft,
         "preference": preference_pairs(train),
+        "style_pairs": style_pairs(train),
+        "unpaired": unpaired(train),
         "preference_eval": preference_pairs(val),
         "prompts": labelled(train),
         "eval": labelled(test),

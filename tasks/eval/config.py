@@ -9,7 +9,7 @@ class EvalConfig(StageConfig):
 
     baseline: str = field(default="", metadata={"help": "the starting policy (SFT output URI); also the reference for KL"})
     policy: str = field(default="", metadata={"help": "the trained policy (RL output URI)"})
-    reward_pretrain: str = field(default="", metadata={"help": "reward model (output URI) whose mean score is reported"})
+    reward_pretrain: str = field(default="", metadata={"help": "reward model (output URI) whose mean score is reported; without one (DPO, KTO) reward_mean is left out"})
     dataset: str = field(default="", metadata={"help": "held-out prompts with labels: a stage output URI or a file"})
     dataset_split: str = field(default="eval", metadata={"help": "split of a stage output's datasets to evaluate on"})
     input_key: str = field(default="prompt", metadata={"help": "dataset column holding the prompt"})
@@ -21,7 +21,7 @@ class EvalConfig(StageConfig):
 
     def validate(self) -> None:
         super().validate()
-        for name in ("baseline", "policy", "reward_pretrain", "dataset"):
+        for name in ("baseline", "policy", "dataset"):
             if not getattr(self, name):
                 raise ConfigError(f"{name}: missing; pass --{name} <URI>")
         if self.max_samples < 1 or self.generate_max_len < 1:

@@ -47,17 +47,18 @@ def policy_metrics(policy, reference, reward_model, tokenizer, prompts, prompt_t
         "accuracy": correct(greedy),
         "preferred_style_rate": sum(map(is_preferred_style, texts)) / len(texts),
         "sampled_accuracy": correct(texts),
-        "reward_mean": reward_model.score(build_reward_batch(sampled, tokenizer, prompt_texts, labels)).mean().item(),
         "kl_to_ref": kl.mean().item(),
         "response_length": sampled.response_lengths().float().mean().item(),
     }
+    if reward_model is not None:
+        metrics["reward_mean"] = reward_model.score(build_reward_batch(sampled, tokenizer, prompt_texts, labels)).mean().item()
     return {k: round(v, 4) for k, v in metrics.items()}, greedy
 
 
 def markdown(report: dict) -> str:
     base, pol = report["metrics"]["baseline"], report["metrics"]["policy"]
     lines = ["| metric | baseline (SFT) | policy | change |", "|---|---:|---:|---:|"]
-    lines += [f"| {k} | {base[k]:.3f} | {pol[k]:.3f} | {pol[k] - base[k]:+.3f} |" for k in METRICS]
+    lines += [f"| {k} | {base[k]:.3f} | {pol[k]:.3f} | {pol[k] - base[k]:+.3f} |" for k in METRICS if k in base]
     lines += ["", f"{report['num_prompts']} held-out prompts. accuracy: greedy exact match; the rest: one sample per prompt "
               f"at temperature {report['temperature']}.", "", "| prompt | label | baseline | policy |", "|---|---|---|---|"]
     lines += [f"| `{s['prompt']}` | {s['label']} | `{s['baseline']}` | `{s['policy']}` |" for s in report["samples"]]
@@ -73,7 +74,7 @@ def evaluate(cfg: EvalConfig, run: StageRun) -> None:
     tokenizer = load_tokenizer(policy_path)
     baseline, policy = load_causal_lm(baseline_path).eval(), load_causal_lm(policy_path).eval()
     # Raw scores (not standardised), summed over the models of a comma-separated list, as in RL.
-    reward_model = RewardModels(run.input("reward_pretrain", cfg.reward_pretrain), normalize=False)
+    reward_model = RewardModels(run.input("reward_pretrain", cfg.reward_pretrain), normalize=False) if cfg.reward_pretrain else None
     prompts = [data.encode_prompt(tokenizer, p) for p in rows[cfg.input_key]]
     labels = [str(label) for label in rows[cfg.label_key]]
 
@@ -82,7 +83,7 @@ def evaluate(cfg: EvalConfig, run: StageRun) -> None:
     pol_metrics, pol_greedy = policy_metrics(policy, baseline, reward_model, tokenizer, prompts, texts, labels, cfg)
     report = {
         "metrics": {"baseline": base_metrics, "policy": pol_metrics},
-        "delta": {k: round(pol_metrics[k] - base_metrics[k], 4) for k in METRICS},
+        "delta": {k: round(pol_metrics[k] - base_metrics[k], 4) for k in METRICS if k in base_metrics},
         "num_prompts": len(prompts),
         "temperature": cfg.temperature,
         "inputs": dict(run.inputs),

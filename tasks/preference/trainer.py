@@ -1,0 +1,174 @@
+"""DPO / IPO / cDPO on preference pairs and KTO on unpaired examples, as one data-parallel worker group.
+
+Each worker holds the policy (DeepSpeed) and, unless --reference_free, the frozen reference; with
+--ref_offload the reference scores the whole dataset once at setup and is freed. A sequence's
+log-probability is the sum over its response tokens (prompt tokens masked out).
+
+KTO's KL baseline z0 pairs each prompt with the next example's completion ("mismatched", index
+i+1 mod N, so it can be precomputed too) and averages the policy/reference log-ratio over the
+global batch.
+"""
+from __future__ import annotations
+
+import torch
+
+from tasks.common import data
+from tasks.common.config import micro_batches
+from tasks.common.losses import dpo_loss, kto_kl_baseline, kto_loss, sft_loss
+from tasks.common.models import load_causal_lm, load_tokenizer, resolve_model, sequence_logprobs
+from tasks.common.stage import StageRun
+from tasks.common.strategy import DeepSpeedStrategy
+from tasks.common.workers import TrainingWorker, placed_group, shard, train_steps
+from tasks.preference.config import PreferenceConfig
+
+
+def keys(cfg: PreferenceConfig) -> list[str]:
+    if cfg.method == "dpo":
+        return [cfg.prompt_key, cfg.chosen_key, cfg.rejected_key]
+    return [cfg.prompt_key, cfg.completion_key, cfg.label_key]
+
+
+def tokenize(rows, tokenizer, cfg: PreferenceConfig) -> tuple[list[list[int]], list[list[list[int]]], int]:
+    """(prompt ids, responses ids per column, number of sequences cut to max_len). Responses are cut
+    so that prompt + response fits in max_len; a prompt longer than max_len keeps its last tokens."""
+    prompts, responses, truncated = [], [], 0
+    columns = keys(cfg)[1:2] if cfg.method == "kto" else keys(cfg)[1:]
+    for row in zip(*(rows[k] for k in [cfg.prompt_key, *columns])):
+        p = data.encode_prompt(tokenizer, row[0], cfg.apply_chat_template)[-(cfg.max_len - 1):]
+        outs = []
+        for text in row[1:]:
+            r = data.encode_response(tokenizer, text)
+            truncated += len(p) + len(r) > cfg.max_len
+            outs.append(r[:cfg.max_len - len(p)])
+        prompts.append(p)
+        responses.append(outs)
+    return prompts, responses, truncated
+
+
+@torch.no_grad()
+def _no_grad_logps(model, prompts, responses, pad_id, device, batch_size=256) -> torch.Tensor:
+    return torch.cat([summed_logps(model, prompts[i:i + batch_size], responses[i:i + batch_size], pad_id, device)
+                      for i in range(0, len(prompts), batch_size)])
+
+
+def summed_logps(model, prompts: list[list[int]], responses: list[list[int]], pad_id: int, device) -> torch.Tensor:
+    """Σ log π(response tokens | prompt) per sequence: [B]."""
+    ids, mask = data.pad([p + r for p, r in zip(prompts, responses)], pad_id)
+    loss_mask, _ = data.pad([[0] * len(p) + [1] * len(r) for p, r in zip(prompts, responses)], 0)
+    ids, mask, loss_mask = ids.to(device), mask.to(device), loss_mask.to(device)
+    return (sequence_logprobs(model, ids, mask) * loss_mask[:, 1:]).sum(-1)
+
+
+class PreferenceWorker(TrainingWorker):
+    def setup(self, cfg: PreferenceConfig) -> dict:
+        self.cfg = cfg
+        rows = data.load_rows(cfg.dataset, cfg.split, keys(cfg), cfg.max_samples)
+        path = resolve_model(cfg.pretrain)
+        self.tokenizer = load_tokenizer(path)
+        self.prompts, self.responses, truncated = tokenize(rows, self.tokenizer, cfg)
+        self.desirable = torch.tensor([bool(v) for v in rows[cfg.label_key]]) if cfg.method == "kto" else None
+        n = len(self.prompts)
+        # KTO's mismatched pairs: prompt i with the completion of example i+1.
+        self.mismatched = [self.responses[(i + 1) % n] for i in range(n)]
+        self.micro, accumulation = micro_batches(cfg.train_batch_size, cfg.micro_train_batch_size, self.world_size)
+        self.strategy = DeepSpeedStrategy(zero_stage=cfg.zero_stage, bf16=cfg.bf16, seed=cfg.seed, micro_batch_size=self.micro,
+                                          accumulation_steps=accumulation, adam_offload=cfg.adam_offload,
+                                          gradient_checkpointing=cfg.gradient_checkpointing)
+        self.engine = self.strategy.prepare(load_causal_lm(path, flash_attn=cfg.flash_attn), cfg.learning_rate, cfg.max_steps,
+                                            cfg.lr_warmup_steps, lr_scheduler=cfg.lr_scheduler)
+        self.sampler = data.BatchSampler(n, cfg.train_batch_size, cfg.seed)
+        self.reference, self.ref_logps = None, None
+        if not cfg.reference_free:
+            self.reference = self.strategy.frozen(load_causal_lm(resolve_model(cfg.ref_pretrain or cfg.pretrain), flash_attn=cfg.flash_attn))
+            if cfg.ref_offload:
+                self.ref_logps = {column: self._reference_logps(list(range(n)), column) for column in self._columns()}
+                self.reference = None  # freed: its log-probabilities are all it was needed for
+        self.engine.train()
+        return {"examples": n, "truncated": truncated}
+
+    def _columns(self) -> list[str]:
+        return ["chosen", "rejected"] if self.cfg.method == "dpo" else ["completion", "mismatched"]
+
+    def _sequences(self, rows: list[int], column: str) -> tuple[list[list[int]], list[list[int]]]:
+        if column == "mismatched":
+            return [self.prompts[i] for i in rows], [self.mismatched[i][0] for i in rows]
+        k = 1 if column == "rejected" else 0
+        return [self.prompts[i] for i in rows], [self.responses[i][k] for i in rows]
+
+    def _reference_logps(self, rows: list[int], column: str) -> torch.Tensor:
+        if self.ref_logps is not None:
+            return self.ref_logps[column][rows].to(self.strategy.device)
+        if self.reference is None:  # reference-free DPO
+            return torch.zeros(len(rows), device=self.strategy.device)
+        return _no_grad_logps(self.reference, *self._sequences(rows, column), self.tokenizer.pad_token_id, self.strategy.device)
+
+    def _policy_logps(self, rows: list[int], columns: list[str]) -> list[torch.Tensor]:
+        """The policy's log-probabilities of several columns in one forward pass."""
+        prompts, responses = [], []
+        for column in columns:
+            p, r = self._sequences(rows, column)
+            prompts += p
+            responses += r
+        out = summed_logps(self.engine, prompts, responses, self.tokenizer.pad_token_id, self.strategy.device)
+        return list(out.split(len(rows)))
+
+    def train_step(self) -> dict:
+        """One optimizer step on this worker's share of the next global batch; global means of the statistics."""
+        cfg = self.cfg
+        batch = shard(self.sampler.next(), self.world_size)[self.rank]
+        chunks = [batch[i:i + self.micro] for i in range(0, len(batch), self.micro)]
+        z0 = None
+        if cfg.method == "kto":
+            with torch.no_grad():
+                policy = _no_grad_logps(self.engine.module, *self._sequences(batch, "mismatched"), self.tokenizer.pad_token_id, self.strategy.device)
+                local = kto_kl_baseline(policy, self._reference_logps(batch, "mismatched"))
+            z0 = self.strategy.all_reduce(local, op="mean").clamp(min=0)
+        sums: dict[str, torch.Tensor] = {}
+        for chunk in chunks:
+            if cfg.method == "dpo":
+                chosen, rejected = self._policy_logps(chunk, ["chosen", "rejected"])
+                loss, chosen_rewards, rejected_rewards = dpo_loss(
+                    chosen, rejected, self._reference_logps(chunk, "chosen"), self._reference_logps(chunk, "rejected"),
+                    beta=cfg.beta, loss_type=cfg.loss_type, label_smoothing=cfg.label_smoothing, reference_free=cfg.reference_free)
+                if cfg.nll_loss_coef:
+                    tokens = sum(len(self.responses[i][0]) for i in chunk)
+                    loss = loss + cfg.nll_loss_coef * sft_loss(chosen, torch.ones_like(chosen), tokens)
+                stats = {"loss": loss.detach(), "reward_accuracy": (chosen_rewards > rejected_rewards).float().mean(),
+                         "margin": (chosen_rewards - rejected_rewards).mean(), "chosen_reward": chosen_rewards.mean(),
+                         "rejected_reward": rejected_rewards.mean()}
+            else:
+                (logps,) = self._policy_logps(chunk, ["completion"])
+                desirable = self.desirable[chunk].to(self.strategy.device)
+                loss, rewards = kto_loss(logps, self._reference_logps(chunk, "completion"), desirable, z0, beta=cfg.beta,
+                                         desirable_weight=cfg.desirable_weight, undesirable_weight=cfg.undesirable_weight)
+                stats = {"loss": loss.detach(), "kl": z0,
+                         # reward separation: mean over the desirable minus mean over the undesirable (0 if one is absent)
+                         "margin": _mean(rewards[desirable]) - _mean(rewards[~desirable])}
+            self.engine.backward(loss)
+            self.engine.step()
+            for key, value in stats.items():
+                sums[key] = sums.get(key, 0) + value.float()
+        means = self.strategy.all_reduce(torch.stack(list(sums.values())), op="mean") / len(chunks)
+        return {**dict(zip(sums, means.tolist())), "lr": self.engine.get_lr()[0]}
+
+    def save_model(self, out_dir: str) -> None:
+        self.strategy.save_hf(self.engine, self.tokenizer, out_dir)
+
+
+def _mean(x: torch.Tensor) -> torch.Tensor:
+    return x.mean() if x.numel() else torch.zeros((), device=x.device)
+
+
+def train(cfg: PreferenceConfig, run: StageRun) -> None:
+    run.input("dataset", cfg.dataset)
+    run.input("pretrain", cfg.pretrain)
+    if cfg.ref_pretrain:
+        run.input("ref_pretrain", cfg.ref_pretrain)
+    with placed_group(PreferenceWorker, cfg.num_nodes, cfg.num_gpus_per_node, "preference") as group:
+        info = group.run("setup", cfg)[0]
+        print(f"preference ({cfg.method}): {info['examples']} examples, {info['truncated']} sequences cut to {cfg.max_len} tokens, "
+              f"{group.world_size} worker(s)", flush=True)
+        stats = train_steps(run, group, cfg.max_steps, cfg.logging_steps)
+        group.run("save_model", str(run.workdir / "model"))
+    run.commit(metrics={**{k: round(v, 5) for k, v in stats.items()}, "method": cfg.method, "steps": cfg.max_steps,
+                        "examples": info["examples"], "truncated": info["truncated"], "workers": group.world_size}, model="model")
