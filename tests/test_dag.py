@@ -36,9 +36,10 @@ WIRING = {
     }),
     **{method: ("tasks.preference", {
         "method": method, "pretrain": "sft", "dataset": "prepare_data", "max_steps": "params.preference_steps",
-        "learning_rate": "params.preference_learning_rate", "beta": "params.beta", "seed": "params.seed",
+        "learning_rate": "params.preference_learning_rate", "beta": f"params.{method}_beta", "seed": "params.seed",
         "zero_stage": "params.zero_stage", **extra,
-    }) for method, extra in (("dpo", {"dataset_split": "style_pairs", "nll_loss_coef": 1.0}), ("kto", {"dataset_split": "unpaired"}))},
+    }) for method, extra in (("dpo", {"dataset_split": "style_pairs", "nll_loss_coef": 0.5}),
+                             ("kto", {"dataset_split": "unpaired", "undesirable_weight": 0.3}))},
     "eval": ("tasks.eval", {
         "baseline": "sft", "dataset": "prepare_data", "max_samples": "params.eval_max_samples", "seed": "params.seed",
         # whichever branch ran: a template over both branches' XComs
@@ -123,7 +124,7 @@ def test_params_form(dag):
         "bucket", "prefix", "dataset", "base_model", "seed", "sft_steps", "sft_learning_rate", "rm_steps",
         "rm_learning_rate", "rl_steps", "actor_learning_rate", "critic_learning_rate", "init_kl_coef",
         "gae_lambda", "advantage_estimator", "n_samples_per_prompt", "colocate_all_models", "zero_stage", "eval_max_samples",
-        "method", "preference_steps", "preference_learning_rate", "beta",
+        "method", "preference_steps", "preference_learning_rate", "dpo_beta", "kto_beta",
     }
     assert set(params) == expected
     for name in expected:
@@ -149,7 +150,7 @@ def test_params_form(dag):
         ("dataset", ""),
         ("advantage_estimator", "ppo"),
         ("method", "ppo"),
-        ("beta", 0),
+        ("dpo_beta", 0),
     ],
 )
 def test_params_refuse_bad_values(dag, name, value):

@@ -7,6 +7,8 @@ small PPO steps and the KL pull do by themselves). Held-out evaluation (500 prom
   - reward model: preferred-style rate at least 15 points above the control;
   - exact match:  sampled accuracy (the mean exact-match reward of sampled answers) above the control.
 gae and group_norm run in `make test`; rloo and reinforce_baseline are marked slow (`make test-all`).
+DPO and KTO (the DAG's other branches) are held to the PPO path's bounds against the SFT start: style
++25 points, accuracy within 5 points.
 """
 import json
 
@@ -78,3 +80,26 @@ def test_estimator_learns_from_a_reward_model_and_from_a_reward_function(estimat
           f"sampled accuracy {control['sampled_accuracy']:.3f} -> {exact['sampled_accuracy']:.3f} (exact match)")
     assert with_rm["preferred_style_rate"] >= control["preferred_style_rate"] + 0.15
     assert exact["sampled_accuracy"] > control["sampled_accuracy"]
+
+
+# The DAG's dpo and kto tasks, as flags (dags/rlhf_pipeline.py holds the same values).
+PREFERENCE = {
+    "dpo": {"method": "dpo", "dataset_split": "style_pairs", "nll_loss_coef": 0.5, "beta": 0.5},
+    "kto": {"method": "kto", "dataset_split": "unpaired", "undesirable_weight": 0.3, "beta": 0.1},
+}
+
+
+@pytest.mark.parametrize("method", ["dpo", "kto"])
+def test_preference_method_raises_the_style_rate_and_keeps_accuracy(method, trained, ray_address):
+    """DPO and KTO, like the PPO path: preferred style +25 points over the SFT start, accuracy within 5 points."""
+    out, ev = str(ROOT / method), str(ROOT / f"eval-{method}")
+    cli(ray_address, "tasks.preference", output=out, pretrain=trained["sft"], dataset=trained["data"], max_steps=100,
+        learning_rate=2e-5, **PREFERENCE[method])
+    cli(ray_address, "tasks.eval", output=ev, baseline=trained["sft"], policy=out, dataset=trained["data"])
+    path, _ = manifests.fetch(ev, ROOT / f"fetched-{method}")
+    metrics = json.loads((path / "report.json").read_text())["metrics"]
+    sft, policy = metrics["baseline"], metrics["policy"]
+    print(f"{method}: style {sft['preferred_style_rate']:.3f} -> {policy['preferred_style_rate']:.3f}; "
+          f"accuracy {sft['accuracy']:.3f} -> {policy['accuracy']:.3f}")
+    assert policy["preferred_style_rate"] >= sft["preferred_style_rate"] + 0.25
+    assert policy["accuracy"] >= sft["accuracy"] - 0.05
