@@ -200,7 +200,8 @@ def test_sft_flags_take_effect(chain, s3_server, ray_address, tmp_path):
 
 def test_checkpoint_flags(chain, s3_server, ray_address, tmp_path):
     """--ckpt_path puts checkpoints elsewhere, --max_ckpt_num keeps the newest, a rerun resumes from the
-    newest unless --load_checkpoint false, and --bf16 trains and saves in bfloat16."""
+    newest unless --load_checkpoint false (refused when it would write beside them), and --bf16 trains and
+    saves in bfloat16."""
     from transformers import AutoConfig
 
     from tasks.common.checkpoint import CheckpointStore
@@ -209,11 +210,16 @@ def test_checkpoint_flags(chain, s3_server, ray_address, tmp_path):
     out = s3_server.uri("stages/run1/sft_ckpt")
     base = {"output": out, "pretrain": chain["prepare_data"], "dataset": chain["prepare_data"], "train_batch_size": 16,
             "logging_steps": 1, "save_steps": 2, "ckpt_path": ckpt, "max_ckpt_num": 1, "bf16": True}
-    for max_steps, extra, first_step in ((4, {}, 1), (6, {}, 5), (2, {"load_checkpoint": False}, 1)):
+    for max_steps, extra, first_step in ((4, {}, 1), (6, {}, 5), (2, {"load_checkpoint": False, "save_steps": 0}, 1)):
         done = run_cli("tasks.sft", *flags({**base, "max_steps": max_steps, **extra}), ray=ray_address)
         assert done.returncode == 0, done.stderr[-3000:]
         assert metrics_of(out, tmp_path / f"m{max_steps}")[0]["step"] == first_step
-    assert CheckpointStore(ckpt).steps() == [2]  # the last run started over and kept only its newest
+    assert CheckpointStore(ckpt).steps() == [6]  # only the newest kept; the run that started over wrote none
+    # Starting over while writing checkpoints beside an earlier run's is refused: a later resume would pick theirs.
+    done = run_cli("tasks.sft", *flags({**base, "max_steps": 2, "load_checkpoint": False}), ray=ray_address)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == (f"error: load_checkpoint: {ckpt} holds checkpoints up to step 6 of an earlier run; "
+                                                   "resume them (--load_checkpoint true) or pass another --ckpt_path")
     assert not any(rel.startswith("checkpoints/") for rel, _ in storage.list_files(out))
     assert str(AutoConfig.from_pretrained(resolve_model(out)).dtype).endswith("bfloat16")
 

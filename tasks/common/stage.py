@@ -61,9 +61,13 @@ class StageRun:
 
     def resume(self, restore: Callable[[Path], None]) -> int:
         """Restore the newest complete checkpoint (when --load_checkpoint); returns its step, 0 if none."""
-        if not self.cfg.load_checkpoint:
-            return 0
         step = self.checkpoints.latest()
+        if not self.cfg.load_checkpoint:
+            if step is not None and self.cfg.save_steps:
+                # Writing beside another run's checkpoints would leave a later resume picking theirs.
+                raise ConfigError(f"load_checkpoint: {self.checkpoints.root} holds checkpoints up to step {step} of an earlier run; "
+                                  "resume them (--load_checkpoint true) or pass another --ckpt_path")
+            return 0
         if step is None:
             return 0
         local = Path(tempfile.mkdtemp(prefix=f"rlhf-{self.stage}-resume-"))

@@ -98,6 +98,17 @@ class DeepSpeedStrategy:
         set_seed(seed)
         self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
 
+    @classmethod
+    def for_training(cls, cfg, world_size: int, sequences_per_item: int = 1) -> "DeepSpeedStrategy":
+        """The strategy of a training stage's worker, from the fields every TrainingConfig has: each of
+        the `world_size` workers takes its share of train_batch_size in micro-batches of
+        micro_train_batch_size items (`sequences_per_item` sequences each: 2 for a preference pair)."""
+        from tasks.common.config import micro_batches
+
+        micro, accumulation = micro_batches(cfg.train_batch_size, cfg.micro_train_batch_size, world_size)
+        return cls(zero_stage=cfg.zero_stage, bf16=cfg.bf16, seed=cfg.seed, micro_batch_size=sequences_per_item * micro,
+                   accumulation_steps=accumulation, adam_offload=cfg.adam_offload, gradient_checkpointing=cfg.gradient_checkpointing)
+
     def ds_config(self) -> dict:
         zero: dict = {"stage": self.zero_stage}
         if self.adam_offload:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 
 from tasks.common import data
-from tasks.common.config import micro_batches
 from tasks.common.losses import dpo_loss, kto_kl_baseline, kto_loss, sft_loss
 from tasks.common.models import load_causal_lm, load_tokenizer, resolve_model, sequence_logprobs
 from tasks.common.stage import StageRun
@@ -70,10 +69,8 @@ class PreferenceWorker(TrainingWorker):
         n = len(self.prompts)
         # KTO's mismatched pairs: prompt i with the completion of example i+1.
         self.mismatched = [self.responses[(i + 1) % n] for i in range(n)]
-        self.micro, accumulation = micro_batches(cfg.train_batch_size, cfg.micro_train_batch_size, self.world_size)
-        self.strategy = DeepSpeedStrategy(zero_stage=cfg.zero_stage, bf16=cfg.bf16, seed=cfg.seed, micro_batch_size=self.micro,
-                                          accumulation_steps=accumulation, adam_offload=cfg.adam_offload,
-                                          gradient_checkpointing=cfg.gradient_checkpointing)
+        self.strategy = DeepSpeedStrategy.for_training(cfg, self.world_size)
+        self.micro = self.strategy.micro_batch_size
         self.engine = self.strategy.prepare(load_causal_lm(path, flash_attn=cfg.flash_attn), cfg.learning_rate, cfg.max_steps,
                                             cfg.lr_warmup_steps, lr_scheduler=cfg.lr_scheduler)
         self.sampler = data.BatchSampler(n, cfg.train_batch_size, cfg.seed)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import torch
 
 from tasks.common import data
-from tasks.common.config import micro_batches
 from tasks.common.losses import bradley_terry_loss
 from tasks.common.models import load_scalar_model, load_tokenizer, resolve_model, sequence_scores
 from tasks.common.stage import StageRun
@@ -58,10 +57,8 @@ class RewardModelWorker(TrainingWorker):
         # This worker scores its share of the held-out pairs at the end.
         self.eval_chosen, self.eval_rejected = (shard(side, self.world_size)[self.rank] for side in (eval_chosen, eval_rejected))
         # A micro-batch of n pairs is 2n sequences in one forward pass.
-        self.micro, accumulation = micro_batches(cfg.train_batch_size, cfg.micro_train_batch_size, self.world_size)
-        self.strategy = DeepSpeedStrategy(zero_stage=cfg.zero_stage, bf16=cfg.bf16, seed=cfg.seed, micro_batch_size=2 * self.micro,
-                                          accumulation_steps=accumulation, adam_offload=cfg.adam_offload,
-                                          gradient_checkpointing=cfg.gradient_checkpointing)
+        self.strategy = DeepSpeedStrategy.for_training(cfg, self.world_size, sequences_per_item=2)
+        self.micro = self.strategy.micro_batch_size // 2
         self.engine = self.strategy.prepare(load_scalar_model(path, flash_attn=cfg.flash_attn), cfg.learning_rate, cfg.max_steps,
                                             cfg.lr_warmup_steps, lr_scheduler=cfg.lr_scheduler)
         self.sampler = data.BatchSampler(len(self.chosen), cfg.train_batch_size, cfg.seed)

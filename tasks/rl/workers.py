@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 
-from tasks.common.config import micro_batches
 from tasks.common.losses import kl_loss, masked_mean, policy_loss, value_loss
 from tasks.common.models import load_causal_lm, load_scalar_model, load_tokenizer, resolve_model
 from tasks.common.rollout import HFRolloutEngine, Rollout
@@ -18,13 +17,6 @@ from tasks.common.workers import TrainingWorker, Worker
 from tasks.rl.config import RLConfig
 from tasks.rl.experience import Experience, response_logprobs, response_values
 from tasks.rl.rewards import RewardBatch, RewardModels
-
-
-def _strategy(cfg: RLConfig, world_size: int) -> DeepSpeedStrategy:
-    micro, accumulation = micro_batches(cfg.train_batch_size, cfg.micro_train_batch_size, world_size)
-    return DeepSpeedStrategy(zero_stage=cfg.zero_stage, bf16=cfg.bf16, seed=cfg.seed, micro_batch_size=micro,
-                             accumulation_steps=accumulation, adam_offload=cfg.adam_offload,
-                             gradient_checkpointing=cfg.gradient_checkpointing)
 
 
 def _dtype(cfg: RLConfig) -> torch.dtype:
@@ -62,7 +54,7 @@ class ActorWorker(_Trainer):
         self.cfg = cfg
         path = resolve_model(cfg.pretrain)
         self.tokenizer = load_tokenizer(path)
-        self.strategy = _strategy(cfg, self.world_size)
+        self.strategy = DeepSpeedStrategy.for_training(cfg, self.world_size)
         # Sampling differs per rank; weights start identical (they are loaded, not drawn).
         torch.manual_seed(cfg.seed + self.rank)
         model = load_causal_lm(path, flash_attn=cfg.flash_attn)
@@ -118,7 +110,7 @@ class CriticWorker(_Trainer):
         self.cfg = cfg
         path = resolve_model(critic_uri)
         self.tokenizer = load_tokenizer(path)
-        self.strategy = _strategy(cfg, self.world_size)
+        self.strategy = DeepSpeedStrategy.for_training(cfg, self.world_size)
         model = load_scalar_model(path, flash_attn=cfg.flash_attn)
         self.engine = self.strategy.prepare(model, cfg.critic_learning_rate, total_updates, cfg.lr_warmup_steps)
         self.micro = self.strategy.micro_batch_size
