@@ -74,13 +74,14 @@ def test_checkpoint_store_sees_only_committed_steps_and_keeps_the_newest(tmp_pat
     assert store.latest() is None
     for step in (2, 4, 6):
         local = tmp_path / f"local{step}"
-        local.mkdir()
-        (local / "state.bin").write_bytes(bytes([step]) * 10)
+        (local / "actor").mkdir(parents=True)
+        (local / "actor" / "state.bin").write_bytes(bytes([step]) * 10)
         store.commit(local, step, "run", {"a": 1})
     (tmp_path / "checkpoints" / "step_8").mkdir()  # an upload that never got its manifest
     (tmp_path / "checkpoints" / "step_8" / "state.bin").write_bytes(b"partial")
     assert store.steps() == [4, 6] and store.latest() == 6
-    assert (store.fetch(6, tmp_path / "got") / "state.bin").read_bytes() == bytes([6]) * 10
+    assert not (tmp_path / "checkpoints" / "step_2").exists()
+    assert (store.fetch(6, tmp_path / "got") / "actor" / "state.bin").read_bytes() == bytes([6]) * 10
 
 
 def test_chat_template_wraps_the_prompt_or_is_refused_in_one_line():

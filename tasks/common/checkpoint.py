@@ -11,6 +11,7 @@ What goes inside is the stage's business (DeepSpeed states per model, the contro
 from __future__ import annotations
 
 import re
+import shutil
 from pathlib import Path
 
 from tasks.common import manifest as manifests
@@ -55,3 +56,5 @@ class CheckpointStore:
         storage.delete(storage.join(uri, manifests.MANIFEST))
         for rel, _ in storage.list_files(uri):
             storage.delete(storage.join(uri, rel))
+        if not storage.is_s3(uri):  # a local folder keeps its emptied subfolders otherwise
+            shutil.rmtree(storage.local_path(uri), ignore_errors=True)
