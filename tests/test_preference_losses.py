@@ -1,5 +1,4 @@
 """DPO / cDPO / IPO / KTO losses against values computed by hand (the arithmetic is in each comment)."""
-import math
 
 import pytest
 import torch

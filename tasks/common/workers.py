@@ -1,8 +1,8 @@
 """Worker groups: N Ray actors that form one torch.distributed (DeepSpeed data-parallel) world.
 
     placement = Placement.create(num_nodes=1, gpus_per_node=2, name="actor")   # 2 bundles
-    actor = WorkerGroup(PolicyWorker, placement, fraction=1.0, name="actor")   # 2 ranks, world of 2
-    actor.run("init", policy_path, cfg)            # every rank, same arguments
+    actor = WorkerGroup(ActorWorker, placement, name="actor", fraction=1.0)    # 2 ranks, world of 2
+    actor.run("setup", cfg, total_updates)         # every rank, same arguments
     actor.scatter("generate", [shard0, shard1])     # rank r gets shards[r]
     actor.run("save_model", out_dir)              # every rank: a ZeRO-3 gather needs them all
 

@@ -116,9 +116,8 @@ class PreferenceWorker(TrainingWorker):
         chunks = [batch[i:i + self.micro] for i in range(0, len(batch), self.micro)]
         z0 = None
         if cfg.method == "kto":
-            with torch.no_grad():
-                policy = _no_grad_logps(self.engine.module, *self._sequences(batch, "mismatched"), self.tokenizer.pad_token_id, self.strategy.device)
-                local = kto_kl_baseline(policy, self._reference_logps(batch, "mismatched"))
+            policy = _no_grad_logps(self.engine.module, *self._sequences(batch, "mismatched"), self.tokenizer.pad_token_id, self.strategy.device)
+            local = kto_kl_baseline(policy, self._reference_logps(batch, "mismatched"))
             z0 = self.strategy.all_reduce(local, op="mean").clamp(min=0)
         sums: dict[str, torch.Tensor] = {}
         for chunk in chunks:

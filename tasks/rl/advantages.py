@@ -18,14 +18,15 @@ import warnings
 import torch
 
 from tasks.common.losses import kl_estimate, last_token_index, masked_mean
+from tasks.rl.config import ADVANTAGE_ESTIMATORS as ESTIMATORS
+from tasks.rl.config import GROUP_ESTIMATORS  # need n ≥ 2 samples per prompt
+from tasks.rl.config import uses_critic
 
 __all__ = [
     "ESTIMATORS", "compute_advantages", "discounted_returns", "gae", "group_keep_mask", "kl_estimate",
     "kl_penalized_rewards", "shape_scores", "uses_critic", "whiten",
 ]
 
-ESTIMATORS = ("gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo")
-GROUP_ESTIMATORS = ("reinforce_baseline", "rloo", "group_norm", "dr_grpo")  # need n ≥ 2 samples per prompt
 WHITENED_ESTIMATORS = ("gae", "reinforce", "reinforce_baseline")  # OpenRLHF normalises these advantages
 
 
@@ -73,12 +74,6 @@ def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tens
 def _check_estimator(estimator: str) -> None:
     if estimator not in ESTIMATORS:
         raise ValueError(f"advantage_estimator: unknown {estimator!r}; use {', '.join(ESTIMATORS)}")
-
-
-def uses_critic(estimator: str) -> bool:
-    """Whether the estimator needs a value model: only gae; the others are critic-free."""
-    _check_estimator(estimator)
-    return estimator == "gae"
 
 
 def _groups(scores: torch.Tensor, n: int, what: str) -> torch.Tensor:

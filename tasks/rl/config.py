@@ -7,6 +7,13 @@ GROUP_ESTIMATORS = ("reinforce_baseline", "rloo", "group_norm", "dr_grpo")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
+def uses_critic(estimator: str) -> bool:
+    """Whether the estimator needs a value model: only gae; the others are critic-free."""
+    if estimator not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"advantage_estimator: unknown {estimator!r}; use {', '.join(ADVANTAGE_ESTIMATORS)}")
+    return estimator == "gae"
+
+
 @dataclass
 class RLConfig(TrainingConfig):
     """PPO-family RL: rollouts from the policy, rewards from reward models, a function or an endpoint,
@@ -75,7 +82,7 @@ class RLConfig(TrainingConfig):
 
     def roles(self) -> list[str]:
         """The worker groups this run places: a critic only for gae, reward models unless a function or endpoint scores."""
-        return ["actor", "ref"] + (["critic"] if self.advantage_estimator == "gae" else []) + ([] if self.remote_rm_url else ["reward"])
+        return ["actor", "ref"] + (["critic"] if uses_critic(self.advantage_estimator) else []) + ([] if self.remote_rm_url else ["reward"])
 
     def group_size(self, role: str) -> int:
         return getattr(self, f"{role}_num_nodes") * getattr(self, f"{role}_num_gpus_per_node")
@@ -95,6 +102,9 @@ class RLConfig(TrainingConfig):
 
     def validate(self) -> None:
         super().validate()
+        # First: the placement checks below ask uses_critic about it.
+        if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
+            raise ConfigError(f"advantage_estimator: {self.advantage_estimator!r} is not available; use one of {', '.join(ADVANTAGE_ESTIMATORS)}")
         for role in ("actor", "critic", "ref", "reward"):
             for part in ("num_nodes", "num_gpus_per_node"):
                 if getattr(self, f"{role}_{part}") < 1:
@@ -125,8 +135,6 @@ class RLConfig(TrainingConfig):
                 raise ConfigError(f"{name}: missing; pass --{name} <URI>")
         if not (self.reward_pretrain or self.remote_rm_url):
             raise ConfigError("reward_pretrain: missing; pass --reward_pretrain <URI> or --remote_rm_url <file.py or URL>")
-        if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
-            raise ConfigError(f"advantage_estimator: {self.advantage_estimator!r} is not available; use one of {', '.join(ADVANTAGE_ESTIMATORS)}")
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ConfigError(f"kl_estimator: {self.kl_estimator!r} is unknown; use k1, k2 or k3")
         if self.advantage_estimator in GROUP_ESTIMATORS and self.n_samples_per_prompt < 2:
