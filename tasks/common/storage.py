@@ -18,7 +18,9 @@ one-line message naming the URI and the fix. No torch and no airflow here: both 
 """
 from __future__ import annotations
 
+import fcntl
 import fnmatch
+import hashlib
 import json
 import os
 import shutil
@@ -336,6 +338,68 @@ def write_bytes(uri: str, data: bytes) -> None:
     bucket, key = split_s3(uri)
     try:
         client().put_object(Bucket=bucket, Key=key, Body=data)
+    except _S3_ERRORS as e:
+        raise _wrap(e, uri, "write") from None
+
+
+class PreconditionFailed(StorageError):
+    """A conditional write lost: the object changed (or appeared) since it was read."""
+
+
+def _local_etag(path: Path) -> str | None:
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except FileNotFoundError:
+        return None
+
+
+def read_versioned(uri: str) -> tuple[bytes | None, str | None]:
+    """``(content, etag)`` of an object, ``(None, None)`` when it does not exist; the etag feeds write_if."""
+    if not is_s3(uri):
+        path = local_path(uri)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return None, None
+        return data, hashlib.sha256(data).hexdigest()
+    bucket, key = split_s3(uri)
+    try:
+        resp = client().get_object(Bucket=bucket, Key=key)
+        return resp["Body"].read(), resp["ETag"]
+    except botocore.exceptions.ClientError as e:
+        if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+            return None, None
+        raise _wrap(e, uri, "read") from None
+    except _S3_ERRORS as e:
+        raise _wrap(e, uri, "read") from None
+
+
+def write_if(uri: str, data: bytes, etag: str | None) -> None:
+    """Compare-and-swap: write only if the object still has ``etag`` (None: only if it does not exist).
+
+    S3 does this itself (If-Match / If-None-Match on PutObject); a local file does it under a lock.
+    Raises PreconditionFailed when another writer got there first.
+    """
+    lost = PreconditionFailed(f"{uri} changed since it was read: read it again and retry", uri)
+    if not is_s3(uri):
+        path = local_path(uri)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path.with_name(path.name + ".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if _local_etag(path) != etag:
+                raise lost
+            try:
+                return _atomic_write(path, data)
+            except OSError as e:
+                raise _wrap(e, uri, "write") from None
+    bucket, key = split_s3(uri)
+    condition = {"IfMatch": etag} if etag else {"IfNoneMatch": "*"}
+    try:
+        client().put_object(Bucket=bucket, Key=key, Body=data, **condition)
+    except botocore.exceptions.ClientError as e:
+        if e.response.get("Error", {}).get("Code") in ("PreconditionFailed", "ConditionalRequestConflict", "412", "409"):
+            raise lost from None
+        raise _wrap(e, uri, "write") from None
     except _S3_ERRORS as e:
         raise _wrap(e, uri, "write") from None
 

@@ -1,0 +1,42 @@
+import json
+
+from tasks.common import manifest as manifests
+from tasks.common import storage
+from tasks.common.registry import Registry
+from tasks.common.stage import StageRun, main
+from tasks.promote.config import PromoteConfig
+from tasks.promote.gate import judge
+
+
+def promote(cfg: PromoteConfig, run: StageRun) -> None:
+    evaluation = manifests.read_manifest(run.input("evaluation", cfg.evaluation))
+    report = storage.read_json(manifests.resolve(evaluation, "report"))
+    champion = report.get("champion")  # what the eval stage compared against: {"version", "policy"} or None
+    reference = report["metrics"]["champion"] if champion else report["metrics"]["baseline"]
+    passed, reasons = judge(report["metrics"]["policy"], reference, cfg.rules())
+    against = f"champion v{champion['version']}" if champion else "the SFT baseline (no champion yet)"
+    print(f"gate against {against}:\n  " + "\n  ".join(reasons), flush=True)
+
+    registry = Registry(cfg.registry)
+    entry = {"policy": evaluation["inputs"]["policy"], "evaluation": cfg.evaluation, "run_id": cfg.run_id,
+             "metrics": report["metrics"]["policy"], "gate": cfg.rules(), "reasons": reasons}
+    promoted = None
+    if not passed:
+        decision = "rejected: the gate failed"
+    elif not cfg.allow_promotion:
+        decision = "passed, not promoted: promotion is off for this run (allow_promotion false)"
+    else:
+        promoted = registry.promote(entry, expected_version=champion["version"] if champion else 0,
+                                    promoted_by=cfg.promoted_by or f"run {cfg.run_id}")
+        decision = f"promoted: champion v{promoted['version']}"
+    print(f"decision: {decision}", flush=True)
+    candidate = registry.record_candidate(cfg.run_id, {**entry, "decision": decision, "passed": passed,
+                                                       "against": champion, "promoted": promoted is not None})
+    (run.workdir / "decision.json").write_text(json.dumps({"decision": decision, "reasons": reasons}, indent=2))
+    run.commit(metrics={"passed": int(passed), "promoted": int(promoted is not None),
+                        "champion_version": promoted["version"] if promoted else (champion or {}).get("version", 0)},
+               decision=decision, candidate=candidate, champion=registry.champion_uri if promoted else None)
+
+
+if __name__ == "__main__":
+    main("promote", PromoteConfig, promote)
