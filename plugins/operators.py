@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseOperator
-from airflow.sdk.exceptions import AirflowException
+from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
+from plugins import stage_cache
 from plugins.hooks import LIVE_STATUSES, RayJobHook
 from plugins.triggers import RayJobTrigger
 
@@ -33,6 +34,9 @@ WORKING_DIR_EXCLUDES = [".venv", ".scratch", ".git", "__pycache__", "tests", "be
 #: Settings every job gets. Never credentials: Ray nodes get S3 access from their own environment.
 DEFAULT_ENV_VARS = {"PYTHONUNBUFFERED": "1"}
 _SECRET_ENV = re.compile(r"SECRET|PASSWORD|PASSWD|TOKEN|CREDENTIAL|ACCESS_KEY|PRIVATE_KEY|SESSION_KEY|API_KEY", re.I)
+
+#: The task state store key holding the Ray submission id of the task's latest job (kept across attempts).
+SUBMISSION_ID_KEY = "ray_submission_id"
 
 _FLAG_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
 _MAX_SUBMISSION_ID = 120
@@ -110,6 +114,11 @@ def failure_message(event: Mapping[str, Any], submission_id: str | None = None) 
     return f"{cause}\n--- last lines of the driver log ---\n{tail}"
 
 
+def as_bool(value: Any) -> bool:
+    """A templated flag's truth: rendered templates are strings ("True", "false", "1")."""
+    return value if isinstance(value, bool) else str(value).strip().lower() in ("true", "1", "yes", "on")
+
+
 def default_working_dir() -> str | None:
     """The project root when this is a source checkout (it holds plugins/, tasks/ and pyproject.toml).
 
@@ -138,6 +147,14 @@ class RayJobOperator(BaseOperator):
     :param env_vars: extra non-secret environment for the job (names that look like secrets are refused).
     :param poll_interval: seconds between the trigger's polls.
     :param python: the interpreter the entrypoint runs on the Ray node.
+    :param deadline_minutes: stop the job and fail the task once the job has run this long (templated;
+        enforced by the trigger, as ``execution_timeout`` does not run while the task is deferred).
+    :param cache: skip the stage when a completed run of the same work exists (templated bool); see
+        :mod:`plugins.stage_cache` for the key. Off for stages whose result depends on more than their
+        flags and inputs (evaluation against the registry's champion, promotion).
+
+    Every outlet Asset of the task gets an event whose extra holds the manifest URI, the stage's
+    numeric metrics and whether it was a cache hit.
 
     Idempotency: the job's submission id is derived from (dag_id, run_id, task_id[, map_index]) — see
     :func:`submission_id_for` — so any attempt can find what earlier attempts started. ``execute``
@@ -147,7 +164,7 @@ class RayJobOperator(BaseOperator):
     ``{base}-try{ti.try_number}`` only if none is live or succeeded.
     """
 
-    template_fields = ("module", "args", "output_root")
+    template_fields = ("module", "args", "output_root", "deadline_minutes", "cache")
     template_fields_renderers = {"args": "json"}
     ui_color = "#d8e9ff"
 
@@ -165,6 +182,8 @@ class RayJobOperator(BaseOperator):
         env_vars: dict[str, str] | None = None,
         poll_interval: float = 2.0,
         python: str = "python",
+        deadline_minutes: float | str | None = None,
+        cache: bool | str = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -185,6 +204,8 @@ class RayJobOperator(BaseOperator):
             )
         self.poll_interval = poll_interval
         self.python = python
+        self.deadline_minutes = deadline_minutes
+        self.cache = cache
         self.submission_id: str | None = None
 
     # ------------------------------------------------------------------ pieces
@@ -215,10 +236,84 @@ class RayJobOperator(BaseOperator):
             env["excludes"] = list(WORKING_DIR_EXCLUDES)
         return env
 
-    def manifest_exists(self, manifest_uri: str) -> bool:
+    # ------------------------------------------------------------------ S3 (manifests, cache index, logs)
+
+    def _s3(self, action: str, uri: str, fn, *args, **kwargs):
+        """Call an S3Hook method; a failure becomes one line naming the URI, not a botocore traceback."""
         from airflow.providers.amazon.aws.hooks.s3 import S3Hook
 
-        return S3Hook(aws_conn_id=self.aws_conn_id).check_for_key(manifest_uri)
+        try:
+            return getattr(S3Hook(aws_conn_id=self.aws_conn_id), fn)(*args, **kwargs)
+        except Exception as exc:  # botocore's errors have no common base worth naming here
+            cause = " ".join(str(exc).split())[:300] or type(exc).__name__
+            raise AirflowException(f"S3 ({self.aws_conn_id}): cannot {action} {uri}: {cause}") from exc
+
+    def manifest_exists(self, manifest_uri: str) -> bool:
+        return self._s3("check", manifest_uri, "check_for_key", manifest_uri)
+
+    def read_json(self, uri: str) -> dict:
+        return json.loads(self._s3("read", uri, "read_key", uri))
+
+    def write_text(self, uri: str, text: str) -> None:
+        self._s3("write", uri, "load_string", text, uri, replace=True)
+
+    # ------------------------------------------------------------------ cache
+
+    def cache_on(self) -> bool:
+        return as_bool(self.cache)
+
+    def cache_key(self) -> str:
+        args = {k: render_flag_value(v) for k, v in self.args.items() if v is not None}
+        inputs = {k: hashlib.sha256(self._s3("read", v, "read_key", v).encode()).hexdigest()
+                  for k, v in args.items() if stage_cache.is_manifest_uri(v)}
+        code = stage_cache.code_digest(self.working_dir or default_working_dir())
+        return stage_cache.cache_key(self.module, args, inputs, code)
+
+    def cache_lookup(self, key: str) -> str | None:
+        """The manifest a completed run with this key produced, if it is still there."""
+        index = stage_cache.index_uri(self.output_root, key)
+        if not self.manifest_exists(index):
+            return None
+        manifest = self.read_json(index).get("manifest", "")
+        return manifest if manifest and self.manifest_exists(manifest) else None
+
+    # ------------------------------------------------------------------ results
+
+    def finish(self, context: Context, manifest: str, submission_id: str | None, cache_hit: bool = False) -> str:
+        """What every successful end does: index the result, emit the outlet events, push the links."""
+        record = self.read_json(manifest)
+        if self.cache_on() and not cache_hit:
+            dag_id, run_id, task_id, _ = self._ids(context)
+            key = self.cache_key()
+            self.write_text(stage_cache.index_uri(self.output_root, key), json.dumps(
+                {"manifest": manifest, "dag_id": dag_id, "run_id": run_id, "task_id": task_id,
+                 "module": self.module, "submission_id": submission_id}, indent=2))
+            self.log.info("Cached as %s", key)
+        metrics = {k: v for k, v in (record.get("metrics") or {}).items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        for outlet in self.outlets or []:
+            context["outlet_events"][outlet].extra = {"manifest": manifest, "metrics": metrics,
+                                                      "cache_hit": cache_hit, "stage": record.get("stage")}
+        if "wandb.json" in (record.get("files") or {}):
+            url = self.read_json(manifest.removesuffix("manifest.json") + "wandb.json").get("url")
+            if url:
+                context["ti"].xcom_push(key="wandb_url", value=url)
+        return manifest
+
+    def store_driver_log(self, hook: RayJobHook, submission_id: str, output: str) -> None:
+        """Keep the job's driver log beside the stage's manifest (logs/<submission id>.log), best effort."""
+        uri = f"{output}/logs/{submission_id}.log"
+        try:
+            self.write_text(uri, hook.get_job_logs(submission_id))
+            self.log.info("Driver log stored at %s", uri)
+        except Exception as exc:
+            self.log.warning("Could not store the driver log of %s: %s", submission_id, exc)
+
+    def deadline_s(self) -> float | None:
+        if self.deadline_minutes in (None, "", "None"):
+            return None
+        minutes = float(self.deadline_minutes)
+        return minutes * 60 if minutes > 0 else None
 
     @staticmethod
     def _status(info: Any) -> str:
@@ -227,8 +322,17 @@ class RayJobOperator(BaseOperator):
 
     # ------------------------------------------------------------------ execution
 
-    def _find_job(self, hook: RayJobHook, base: str, try_number: int, manifest: str) -> tuple[str, str]:
-        """Decide what this attempt does. Returns (action, submission_id); action in submit/reattach/done."""
+    def _find_job(self, hook: RayJobHook, base: str, try_number: int, manifest: str, stored: str | None = None) -> tuple[str, str]:
+        """Decide what this attempt does. Returns (action, submission_id); action in submit/reattach/done.
+
+        ``stored`` is the id an earlier attempt kept in the task state store; it is looked at first.
+        """
+        if stored and stored != base:
+            info = hook.get_job_info(stored)
+            if info is not None and self._status(info) in LIVE_STATUSES:
+                return "reattach", stored
+            if info is not None and self._status(info) == "SUCCEEDED" and self.manifest_exists(manifest):
+                return "done", stored
         info = hook.get_job_info(base)
         if info is None:
             return "submit", base
@@ -268,14 +372,24 @@ class RayJobOperator(BaseOperator):
         base = self.base_submission_id(context)
         hook = RayJobHook(self.ray_conn_id)
 
-        action, sid = self._find_job(hook, base, try_number, manifest)
+        if self.cache_on():
+            key = self.cache_key()
+            hit = self.cache_lookup(key)
+            if hit:
+                self.log.info("Cache hit: key %s was computed by %s; not running the stage", key, hit)
+                return self.finish(context, hit, None, cache_hit=True)
+            self.log.info("Cache miss: key %s", key)
+
+        state = context.get("task_state_store")
+        action, sid = self._find_job(hook, base, try_number, manifest, state.get(SUBMISSION_ID_KEY) if state else None)
         self.submission_id = sid
+        context["ti"].xcom_push(key="ray_job_url", value=hook.dashboard_url(sid))
         if action == "done":
             self.log.info(
                 "Ray job %s already SUCCEEDED and its manifest exists: not rerunning. Manifest: %s; dashboard: %s",
                 sid, manifest, hook.dashboard_url(sid),
             )
-            return manifest
+            return self.finish(context, manifest, sid)
         if action == "reattach":
             self.log.info("Ray job %s is still running: reattaching, not submitting. Dashboard: %s", sid, hook.dashboard_url(sid))
         else:
@@ -307,9 +421,13 @@ class RayJobOperator(BaseOperator):
                 action = "reattach"
             else:
                 self.log.info("Submitted Ray job %s. Dashboard: %s", sid, hook.dashboard_url(sid))
+            if state is not None:
+                # Kept across attempts and restarts: the next attempt looks at this job first.
+                state.set(SUBMISSION_ID_KEY, sid)
 
         self.defer(
-            trigger=RayJobTrigger(address=hook.address, submission_id=sid, poll_interval=self.poll_interval),
+            trigger=RayJobTrigger(address=hook.address, submission_id=sid, poll_interval=self.poll_interval,
+                                  deadline_s=self.deadline_s()),
             method_name="execute_complete",
             timeout=self.execution_timeout if isinstance(self.execution_timeout, timedelta) else None,
         )
@@ -321,11 +439,18 @@ class RayJobOperator(BaseOperator):
         self.submission_id = sid
         status = event.get("status")
         manifest = self.manifest_uri(context)
+        if status not in ("MISSING", "UNREACHABLE"):
+            self.store_driver_log(RayJobHook(self.ray_conn_id), sid, self.output_uri(context))
         if status == "SUCCEEDED":
             if not self.manifest_exists(manifest):
                 raise AirflowException(f"Ray job {sid} succeeded but wrote no manifest at {manifest}")
             self.log.info("Ray job %s SUCCEEDED; manifest: %s", sid, manifest)
-            return manifest
+            return self.finish(context, manifest, sid)
+        if status == "DEADLINE":
+            # Not retried: a retry would only run into the same deadline again.
+            raise AirflowFailException(
+                f"Ray job {sid} ran past the stage deadline of {self.deadline_minutes} minutes and was stopped: "
+                f"{event.get('message')} (raise the deadline Param to allow longer stages)")
         raise AirflowException(failure_message(event, sid))
 
     def on_kill(self) -> None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -10,6 +11,9 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 from plugins.hooks import TERMINAL_STATUSES, RayJobHook
 
 LOG_TAIL_LINES = 40
+# How long a stop waits for Ray to report the job ended (Ray escalates SIGTERM to a kill after 3 s);
+# below the triggerer's on_kill timeout (30 s).
+STOP_WAIT_S = 20.0
 # How long Ray may stay unreachable (consecutive failed polls) before the trigger gives up on the job.
 DEFAULT_UNREACHABLE_GRACE_S = 120.0
 
@@ -39,12 +43,16 @@ class RayJobTrigger(BaseTrigger):
 
     Fires one event: ``{"status", "submission_id", "message", "log_tail"}``; ``status`` is Ray's terminal
     status (SUCCEEDED, FAILED, STOPPED), or MISSING when Ray does not know the job, or UNREACHABLE when
-    Ray could not be reached for ``unreachable_grace_s`` seconds.
+    Ray could not be reached for ``unreachable_grace_s`` seconds, or DEADLINE when the job ran longer
+    than ``deadline_s`` and was stopped. The deadline is enforced here, not by ``execution_timeout``,
+    because a deferred task's timeout does not run; it counts from the job's own start time, so a
+    restarted triggerer keeps the same deadline.
 
     :param address: the Ray dashboard address, ``http://host:port``.
     :param submission_id: the job to follow.
     :param poll_interval: seconds between polls.
     :param log_offset: characters of the driver log already shown (a resumed trigger skips them).
+    :param deadline_s: stop the job once it has run this many seconds (None: no deadline).
     """
 
     def __init__(
@@ -54,6 +62,7 @@ class RayJobTrigger(BaseTrigger):
         poll_interval: float = 2.0,
         log_offset: int = 0,
         unreachable_grace_s: float = DEFAULT_UNREACHABLE_GRACE_S,
+        deadline_s: float | None = None,
     ) -> None:
         super().__init__()
         self.address = address
@@ -61,6 +70,7 @@ class RayJobTrigger(BaseTrigger):
         self.poll_interval = float(poll_interval)
         self.log_offset = int(log_offset)
         self.unreachable_grace_s = float(unreachable_grace_s)
+        self.deadline_s = float(deadline_s) if deadline_s else None
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (
@@ -71,6 +81,7 @@ class RayJobTrigger(BaseTrigger):
                 "poll_interval": self.poll_interval,
                 "log_offset": self.log_offset,
                 "unreachable_grace_s": self.unreachable_grace_s,
+                "deadline_s": self.deadline_s,
             },
         )
 
@@ -134,12 +145,31 @@ class RayJobTrigger(BaseTrigger):
                 message = str(info.get("message") or "")
                 yield self._event(status, message, logs)
                 return
+            ran_s = time.time() - float(info.get("start_time") or time.time() * 1000) / 1000
+            if self.deadline_s is not None and ran_s > self.deadline_s:
+                await self._stop_and_wait(hook)
+                yield self._event("DEADLINE", f"ran {ran_s:.0f}s, past its deadline of {self.deadline_s:.0f}s: stopped", logs)
+                return
             await asyncio.sleep(self.poll_interval)
 
+    async def _stop_and_wait(self, hook: RayJobHook, wait_s: float = STOP_WAIT_S) -> bool:
+        """Stop the job (Ray's stop: SIGTERM, then kill; never delete) and wait until Ray reports it ended,
+        so that a new attempt starting right after never finds it still running."""
+        stopped = await hook.astop_job(self.submission_id)
+        self.log.info("Stop requested for Ray job %s (was live: %s)", self.submission_id, stopped)
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            info = await hook.get_status(self.submission_id)
+            if info is None or str(info.get("status")) in TERMINAL_STATUSES:
+                return stopped
+            await asyncio.sleep(0.5)
+        self.log.warning("Ray job %s still not ended %.0fs after the stop request", self.submission_id, wait_s)
+        return stopped
+
     async def on_kill(self) -> None:
-        """The user killed the deferred task (mark failed / success, clear): stop the Ray job too."""
+        """The user killed the deferred task (mark failed / success, clear; also a whole run marked failed):
+        stop the Ray job too."""
         try:
-            stopped = await self._hook().astop_job(self.submission_id)
-            self.log.info("Stop requested for Ray job %s (was live: %s)", self.submission_id, stopped)
+            await self._stop_and_wait(self._hook())
         except Exception as exc:
             self.log.warning("Could not stop Ray job %s: %s", self.submission_id, exc)

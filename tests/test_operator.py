@@ -81,7 +81,7 @@ with DAG({dag_id!r}, schedule=None, default_args={{"retries": 0}}, params={{"wor
         args={args!r},
         output_root={output_root!r},
         working_dir={working_dir!r},
-        poll_interval=0.5,
+        poll_interval=0.5,{extra}
     )
 '''
 
@@ -113,7 +113,7 @@ def env(airflow_db, s3_server, ray_head, stage_dir, tmp_path):
     return {"s3": s3_server, "ray": ray_head, "stage_dir": stage_dir, "dags": tmp_path / "dags"}
 
 
-def make_dag(env, dag_id: str, args: dict):
+def make_dag(env, dag_id: str, args: dict, **operator_kwargs):
     """Write a one-task DAG file, parse it, sync it to the DB (what the DAG processor does); return the DAG."""
     from airflow.dag_processing.bundles.manager import DagBundlesManager
     from airflow.dag_processing.dagbag import DagBag, sync_bag_to_db
@@ -126,6 +126,7 @@ def make_dag(env, dag_id: str, args: dict):
             args=args,
             output_root=f"s3://{env['s3'].bucket}/optest",
             working_dir=str(env["stage_dir"]),
+            extra="".join(f"\n        {k}={v!r}," for k, v in operator_kwargs.items()),
         )
     )
     bag = DagBag(dag_folder=str(path))
@@ -366,6 +367,9 @@ def test_job_succeeds_returns_manifest_and_streams_the_driver_log(env, capfd):
     for line in ("driver line 0 message=hello world", "driver line 2 message=hello world", "final line without newline"):
         assert f"[ray {sid}] {line}" in text, line
     assert "Submitting Ray job" in text and f"/#/jobs/{sid}" in text
+    # The driver log is also kept beside the manifest.
+    log = env["s3"].client().get_object(Bucket=env["s3"].bucket, Key=manifest.split("/", 3)[3].replace("manifest.json", f"logs/{sid}.log"))
+    assert "driver line 2 message=hello world" in log["Body"].read().decode()
 
 
 def test_failing_module_fails_the_task_with_the_log_tail(env, capfd):
@@ -470,3 +474,54 @@ def test_trigger_reports_an_unknown_job(ray_head):
     event = asyncio.run(first_event())
     assert event.payload["status"] == "MISSING"
     assert event.payload["submission_id"] == "airflow-never-submitted"
+
+
+def test_deadline_stops_the_job_and_fails_the_task_saying_so(env, capfd):
+    dag = make_dag(env, "optest_deadline", {"sleep": 120}, deadline_minutes="{{ 0.1 }}")
+    t0 = time.monotonic()
+    dr = run_dag(dag)
+    text = "".join(capfd.readouterr())
+    assert ti_states(dr) == {"job": "failed"}, text[-3000:]
+    assert time.monotonic() - t0 < 90
+    sid = submission_id_for("optest_deadline", dr.run_id, "job")
+    assert "ran past the stage deadline of 0.1 minutes and was stopped" in text
+    assert str(RayJobHook().get_job_info(sid).status.value) == "STOPPED"
+
+
+def test_cache_hit_reuses_the_earlier_output_without_a_job(env, capfd):
+    args = {"message": f"cached-{time.time()}"}
+    dag = make_dag(env, "optest_cache", args, cache=True)
+    first = run_dag(dag)
+    assert ti_states(first) == {"job": "success"}
+    capfd.readouterr()
+    second = run_dag(dag)
+    text = "".join(capfd.readouterr())
+    assert ti_states(second) == {"job": "success"}
+    assert "Cache hit: key" in text
+    assert xcom_return(second, "job") == xcom_return(first, "job")  # the earlier run's manifest
+    assert jobs_with_prefix(env["ray"], submission_id_for("optest_cache", second.run_id, "job")) == []
+
+    # Another flag value is other work: a miss, and a job.
+    dag = make_dag(env, "optest_cache", {**args, "message": "other"}, cache=True)
+    third = run_dag(dag)
+    assert ti_states(third) == {"job": "success"}
+    assert "Cache miss: key" in "".join(capfd.readouterr())
+    assert len(jobs_with_prefix(env["ray"], submission_id_for("optest_cache", third.run_id, "job"))) == 1
+
+
+def test_cache_key_covers_flags_inputs_and_code(tmp_path):
+    from plugins import stage_cache
+
+    base = stage_cache.cache_key("tasks.sft", {"max_steps": "10", "output": "s3://a/x"}, {"pretrain": "d1"}, "c1")
+    assert base == stage_cache.cache_key("tasks.sft", {"max_steps": "10", "output": "s3://b/y"}, {"pretrain": "d1"}, "c1")
+    for other in (stage_cache.cache_key("tasks.sft", {"max_steps": "11"}, {"pretrain": "d1"}, "c1"),
+                  stage_cache.cache_key("tasks.sft", {"max_steps": "10"}, {"pretrain": "d2"}, "c1"),
+                  stage_cache.cache_key("tasks.sft", {"max_steps": "10"}, {"pretrain": "d1"}, "c2"),
+                  stage_cache.cache_key("tasks.rl", {"max_steps": "10"}, {"pretrain": "d1"}, "c1")):
+        assert other != base
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "a.py").write_text("x = 1\n")
+    first = stage_cache.code_digest(str(tmp_path))
+    stage_cache.code_digest.cache_clear()
+    (tmp_path / "tasks" / "a.py").write_text("x = 2\n")
+    assert stage_cache.code_digest(str(tmp_path)) != first

@@ -1,0 +1,63 @@
+"""Stage caching: skip a stage whose exact work was already done, anywhere under the pipeline's prefix.
+
+A stage's cache key is the sha256 of the canonical JSON of:
+
+- ``module``: the stage module (``tasks.sft``);
+- ``args``: every flag the stage gets, as rendered for this run (Params included), except ``--output``
+  and ``--run_id``, which only say where and for whom;
+- ``inputs``: for each flag whose value is a stage manifest (``s3://…/manifest.json``), the sha256 of
+  that manifest's bytes; a manifest lists every file of its stage with its sha256, so this pins the
+  input's content, not its location;
+- ``code``: the sha256 of the stage code shipped to Ray (every ``tasks/**/*.py`` and pyproject.toml
+  of the working_dir), or the installed rlhf-flow version when no code is shipped.
+
+The index is one object per key, ``<output_root>/cache/<key>.json``, holding the URI of the manifest
+that key produced; it is written after a stage succeeds. A hit returns that manifest's URI as the
+stage's output, so downstream stages read the earlier run's artifacts and their own keys match too.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Mapping
+
+#: Flags that say where the output goes and which run it belongs to, not what is computed.
+NOT_IN_KEY = frozenset({"output", "run_id"})
+
+
+def is_manifest_uri(value: Any) -> bool:
+    return isinstance(value, str) and value.startswith("s3://") and value.endswith("/manifest.json")
+
+
+@functools.lru_cache(maxsize=8)
+def code_digest(working_dir: str | None) -> str:
+    """sha256 over the stage code a job runs: tasks/**/*.py and pyproject.toml under ``working_dir``."""
+    if not working_dir:
+        try:
+            return "rlhf-flow==" + metadata.version("rlhf-flow")
+        except metadata.PackageNotFoundError:
+            return "unknown"
+    root = Path(working_dir)
+    digest = hashlib.sha256()
+    for path in sorted([*root.glob("tasks/**/*.py"), root / "pyproject.toml"]):
+        if path.is_file() and "__pycache__" not in path.parts:
+            digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def cache_key(module: str, args: Mapping[str, str], input_digests: Mapping[str, str], code: str) -> str:
+    """The key of a stage run: see the module docstring for what goes in."""
+    payload = {
+        "module": module,
+        "args": {k: v for k, v in sorted(args.items()) if k not in NOT_IN_KEY},
+        "inputs": dict(sorted(input_digests.items())),
+        "code": code,
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def index_uri(output_root: str, key: str) -> str:
+    return f"{output_root.rstrip('/')}/cache/{key}.json"
