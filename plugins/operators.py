@@ -20,6 +20,7 @@ from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 from plugins import stage_cache
 from plugins.hooks import LIVE_STATUSES, RayJobHook
+from plugins.links import RAY_JOB_URL_KEY, WANDB_URL_KEY, RayJobLink, WandbRunLink
 from plugins.triggers import RayJobTrigger
 
 if TYPE_CHECKING:
@@ -37,6 +38,8 @@ _SECRET_ENV = re.compile(r"SECRET|PASSWORD|PASSWD|TOKEN|CREDENTIAL|ACCESS_KEY|PR
 
 #: The task state store key holding the Ray submission id of the task's latest job (kept across attempts).
 SUBMISSION_ID_KEY = "ray_submission_id"
+#: ... and the cache key of the work that job was submitted for (the code may change before it ends).
+CACHE_KEY_KEY = "cache_key"
 
 _FLAG_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
 _MAX_SUBMISSION_ID = 120
@@ -150,7 +153,7 @@ class RayJobOperator(BaseOperator):
     :param deadline_minutes: stop the job and fail the task once the job has run this long (templated;
         enforced by the trigger, as ``execution_timeout`` does not run while the task is deferred).
     :param cache: skip the stage when a completed run of the same work exists (templated bool); see
-        :mod:`plugins.stage_cache` for the key. Off for stages whose result depends on more than their
+        :mod:`plugins.stage_cache` for the key. Every success is indexed, whether or not it may reuse. Off for stages whose result depends on more than their
         flags and inputs (evaluation against the registry's champion, promotion).
 
     Every outlet Asset of the task gets an event whose extra holds the manifest URI, the stage's
@@ -167,6 +170,7 @@ class RayJobOperator(BaseOperator):
     template_fields = ("module", "args", "output_root", "deadline_minutes", "cache")
     template_fields_renderers = {"args": "json"}
     ui_color = "#d8e9ff"
+    operator_extra_links = (RayJobLink(), WandbRunLink())
 
     def __init__(
         self,
@@ -282,9 +286,10 @@ class RayJobOperator(BaseOperator):
     def finish(self, context: Context, manifest: str, submission_id: str | None, cache_hit: bool = False) -> str:
         """What every successful end does: index the result, emit the outlet events, push the links."""
         record = self.read_json(manifest)
-        if self.cache_on() and not cache_hit:
+        if not cache_hit:  # indexed even with the cache off: a later run that allows reuse finds it
             dag_id, run_id, task_id, _ = self._ids(context)
-            key = self.cache_key()
+            state = context.get("task_state_store")
+            key = (state.get(CACHE_KEY_KEY) if state else None) or self.cache_key()
             self.write_text(stage_cache.index_uri(self.output_root, key), json.dumps(
                 {"manifest": manifest, "dag_id": dag_id, "run_id": run_id, "task_id": task_id,
                  "module": self.module, "submission_id": submission_id}, indent=2))
@@ -297,7 +302,7 @@ class RayJobOperator(BaseOperator):
         if "wandb.json" in (record.get("files") or {}):
             url = self.read_json(manifest.removesuffix("manifest.json") + "wandb.json").get("url")
             if url:
-                context["ti"].xcom_push(key="wandb_url", value=url)
+                context["ti"].xcom_push(key=WANDB_URL_KEY, value=url)
         return manifest
 
     def store_driver_log(self, hook: RayJobHook, submission_id: str, output: str) -> None:
@@ -372,8 +377,8 @@ class RayJobOperator(BaseOperator):
         base = self.base_submission_id(context)
         hook = RayJobHook(self.ray_conn_id)
 
+        key = self.cache_key()
         if self.cache_on():
-            key = self.cache_key()
             hit = self.cache_lookup(key)
             if hit:
                 self.log.info("Cache hit: key %s was computed by %s; not running the stage", key, hit)
@@ -383,7 +388,7 @@ class RayJobOperator(BaseOperator):
         state = context.get("task_state_store")
         action, sid = self._find_job(hook, base, try_number, manifest, state.get(SUBMISSION_ID_KEY) if state else None)
         self.submission_id = sid
-        context["ti"].xcom_push(key="ray_job_url", value=hook.dashboard_url(sid))
+        context["ti"].xcom_push(key=RAY_JOB_URL_KEY, value=hook.dashboard_url(sid))
         if action == "done":
             self.log.info(
                 "Ray job %s already SUCCEEDED and its manifest exists: not rerunning. Manifest: %s; dashboard: %s",
@@ -424,6 +429,7 @@ class RayJobOperator(BaseOperator):
             if state is not None:
                 # Kept across attempts and restarts: the next attempt looks at this job first.
                 state.set(SUBMISSION_ID_KEY, sid)
+                state.set(CACHE_KEY_KEY, key)
 
         self.defer(
             trigger=RayJobTrigger(address=hook.address, submission_id=sid, poll_interval=self.poll_interval,

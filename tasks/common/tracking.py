@@ -4,12 +4,17 @@
                              run_name="sft-<run id>", config=cfg.to_dict())
     tracker.log(step, {"loss": 0.41, "lr": 1e-3})
     tracker.close()
+
+With wandb on, `wandb.json` lands beside metrics.jsonl (so in the stage's manifest): {"url", "run_id",
+"project", "mode"}, url null in offline mode. The Airflow operator reads it to link the task to the run.
 """
 from __future__ import annotations
 
 import json
 import time
 from pathlib import Path
+
+WANDB_FILE = "wandb.json"
 
 
 def _format(value) -> str:
@@ -29,6 +34,14 @@ class MetricsTracker:
             import wandb
 
             self.wandb_run = wandb.init(project=project, name=run_name or None, config=config or {}, reinit="finish_previous")
+            self._write_wandb_record()
+
+    def _write_wandb_record(self) -> None:
+        """wandb.json: where this stage's wandb run lives (an offline run has no URL until synced)."""
+        run = self.wandb_run
+        mode = "offline" if getattr(run, "offline", False) else str(getattr(run.settings, "mode", "online"))
+        record = {"url": None if mode == "offline" else (run.url or None), "run_id": run.id, "project": run.project, "mode": mode}
+        (self.path.parent / WANDB_FILE).write_text(json.dumps(record) + "\n")
 
     def log(self, step: int, metrics: dict) -> None:
         record = {"step": step, "time_s": round(time.time() - self._start, 3), **metrics}

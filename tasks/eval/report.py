@@ -1,0 +1,224 @@
+"""The eval stage's readable report: report.html (self-contained) and one SVG chart per training curve.
+
+    from tasks.eval.report import write_report
+    write_report(run.workdir, report, policy_uri=cfg.policy, run_id=cfg.run_id)
+
+The curves come from the policy's training stage: its metrics.jsonl, one of the files its manifest
+lists (verified against the manifest's size and sha256 like every other read). Charts are inline SVG
+drawn here in plain Python, so the report opens from S3, a laptop or the Airflow UI with nothing else
+loaded. No torch here: the unit tests build reports from hand-made metrics.
+"""
+from __future__ import annotations
+
+import hashlib
+import html
+import json
+import math
+from pathlib import Path
+
+from tasks.common import manifest as manifests
+from tasks.common import storage
+
+METRICS_FILE = "metrics.jsonl"
+# chart name -> (title, metric keys in plotting order). An RL stage logs reward / kl / policy_loss /
+# value_loss; DPO logs chosen/rejected rewards and their margin; KTO its z0 as kl and a margin. A chart
+# shows the keys the stage logged and is left out when it logged none.
+CHARTS = {
+    "reward": ("Reward", ("reward", "chosen_reward", "rejected_reward", "margin")),
+    "kl": ("KL to the reference", ("kl",)),
+    "loss": ("Loss", ("policy_loss", "value_loss", "loss")),
+}
+COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e")
+# The metrics table's rows in this order; any other metric follows.
+ORDER = ("accuracy", "preferred_style_rate", "sampled_accuracy", "reward_mean", "kl_to_ref", "response_length")
+
+
+# ---------------------------------------------------------------- reading the curves
+
+
+def parse_metrics(text: str) -> list[dict]:
+    """metrics.jsonl's records; a torn last line (a stage killed mid-write) is dropped, not fatal."""
+    records = []
+    for line in text.splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), (int, float)):
+            records.append(record)
+    return records
+
+
+def series(records: list[dict], key: str) -> list[tuple[float, float]]:
+    """(step, value) of every record with a finite number under `key`; a step logged twice (a resumed
+    run appends) keeps its last value."""
+    points: dict[float, float] = {}
+    for r in records:
+        value = r.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            points[float(r["step"])] = float(value)
+    return sorted(points.items())
+
+
+def training_metrics(policy_uri: str) -> tuple[list[dict], str | None]:
+    """The records of the policy stage's metrics.jsonl and its URI; ([], None) when the policy is not a
+    stage output (a hub id, a plain folder) or its stage wrote no metrics.jsonl."""
+    if not policy_uri:
+        return [], None
+    is_output = storage.is_s3(policy_uri) or policy_uri.endswith(manifests.MANIFEST) or (
+        (storage.local_path(policy_uri) / manifests.MANIFEST).is_file())
+    if not is_output:
+        return [], None
+    m = manifests.read_manifest(policy_uri)
+    entry = m["files"].get(METRICS_FILE)
+    if entry is None:
+        return [], None
+    uri = storage.join(m["uri"], METRICS_FILE)
+    data = storage.read_bytes(uri)
+    if len(data) != entry["size"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
+        raise storage.StorageError(f"{uri} does not match its manifest (size or sha256): rerun the stage that wrote it", uri)
+    return parse_metrics(data.decode("utf-8", errors="replace")), uri
+
+
+# ---------------------------------------------------------------- drawing
+
+
+def nice_ticks(lo: float, hi: float, count: int = 5) -> list[float]:
+    """About `count` round tick values (1, 2 or 5 times a power of ten) covering [lo, hi]."""
+    if not hi > lo:
+        pad = abs(lo) * 0.1 or 1.0
+        lo, hi = lo - pad, hi + pad
+    raw = (hi - lo) / max(count - 1, 1)
+    power = 10 ** math.floor(math.log10(raw))
+    step = next(m * power for m in (1, 2, 5, 10) if m * power >= raw)
+    first = math.floor(lo / step) * step
+    ticks, t = [], first
+    while t < hi + step * 0.5:
+        ticks.append(round(t, 12))
+        t += step
+    return ticks
+
+
+def _fmt(v: float) -> str:
+    return f"{v:.4g}"
+
+
+def svg_line_chart(title: str, lines: dict[str, list[tuple[float, float]]], width: int = 560, height: int = 280) -> str:
+    """A standalone SVG line chart: one polyline per named series against the step, ticks, a legend."""
+    left, right, top, bottom = 64, 16, 34, 44
+    pw, ph = width - left - right, height - top - bottom
+    points = [p for pts in lines.values() for p in pts]
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
+           f'role="img" aria-label="{html.escape(title)}" font-family="sans-serif" font-size="11">',
+           f"<title>{html.escape(title)}</title>",
+           f'<rect width="{width}" height="{height}" fill="#fff"/>',
+           f'<text x="{width / 2}" y="18" text-anchor="middle" font-size="14" font-weight="bold">{html.escape(title)}</text>']
+    if not points:
+        out += [f'<text x="{width / 2}" y="{height / 2}" text-anchor="middle" fill="#666">no data</text>', "</svg>"]
+        return "\n".join(out)
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    xt, yt = nice_ticks(min(xs), max(xs)), nice_ticks(min(ys), max(ys))
+    x0, x1, y0, y1 = xt[0], xt[-1], yt[0], yt[-1]
+    sx = lambda x: left + (x - x0) / (x1 - x0) * pw  # noqa: E731
+    sy = lambda y: top + ph - (y - y0) / (y1 - y0) * ph  # noqa: E731
+    for t in yt:
+        out.append(f'<line x1="{left}" x2="{left + pw}" y1="{sy(t):.1f}" y2="{sy(t):.1f}" stroke="#e5e5e5"/>'
+                   f'<text x="{left - 6}" y="{sy(t) + 4:.1f}" text-anchor="end">{_fmt(t)}</text>')
+    for t in xt:
+        out.append(f'<line x1="{sx(t):.1f}" x2="{sx(t):.1f}" y1="{top + ph}" y2="{top + ph + 4}" stroke="#333"/>'
+                   f'<text x="{sx(t):.1f}" y="{top + ph + 16}" text-anchor="middle">{_fmt(t)}</text>')
+    out.append(f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="none" stroke="#333"/>')
+    out.append(f'<text x="{left + pw / 2}" y="{height - 8}" text-anchor="middle">step</text>')
+    for i, (name, pts) in enumerate(lines.items()):
+        color = COLORS[i % len(COLORS)]
+        coords = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in pts)
+        if len(pts) == 1:  # one logged step: a dot, a one-point polyline draws nothing
+            out.append(f'<circle cx="{sx(pts[0][0]):.1f}" cy="{sy(pts[0][1]):.1f}" r="3" fill="{color}"/>')
+        else:
+            out.append(f'<polyline class="series" data-name="{html.escape(name)}" points="{coords}" fill="none" '
+                       f'stroke="{color}" stroke-width="1.8"/>')
+        lx = left + 8 + i * 130
+        out.append(f'<line x1="{lx}" x2="{lx + 16}" y1="{top + 10}" y2="{top + 10}" stroke="{color}" stroke-width="3"/>'
+                   f'<text x="{lx + 20}" y="{top + 14}">{html.escape(name)}</text>')
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+def charts(records: list[dict]) -> dict[str, str]:
+    """{chart name: SVG} for each chart of CHARTS with at least one logged metric."""
+    out = {}
+    for name, (title, keys) in CHARTS.items():
+        lines = {k: pts for k in keys if (pts := series(records, k))}
+        if lines:
+            out[name] = svg_line_chart(title, lines)
+    return out
+
+
+# ---------------------------------------------------------------- the page
+
+_CSS = """body{font-family:sans-serif;margin:24px;color:#222;max-width:1200px}
+table{border-collapse:collapse;margin:8px 0 16px}td,th{border:1px solid #ccc;padding:4px 10px}
+td.num{text-align:right;font-variant-numeric:tabular-nums}th{background:#f3f3f3}
+.up{color:#1a7f37}.down{color:#b42318}.charts{display:flex;flex-wrap:wrap;gap:12px}
+code{background:#f6f6f6;padding:1px 3px}.note{color:#555}"""
+
+
+def _num(v) -> str:
+    return f"{v:.3f}" if isinstance(v, (int, float)) and not isinstance(v, bool) else html.escape(str(v))
+
+
+def metrics_table(report: dict) -> str:
+    sides = list(report["metrics"])  # baseline, policy, and any other model the eval scored
+    base, pol = report["metrics"].get("baseline", {}), report["metrics"].get("policy", {})
+    names = [k for k in ORDER if any(k in report["metrics"][s] for s in sides)]
+    names += sorted({k for s in sides for k in report["metrics"][s]} - set(names))
+    head = "".join(f"<th>{html.escape(s)}</th>" for s in sides)
+    rows = [f'<table id="metrics"><tr><th>metric</th>{head}<th>change (policy − baseline)</th></tr>']
+    for k in names:
+        cells = "".join(f'<td class="num">{_num(report["metrics"][s].get(k, "–"))}</td>' for s in sides)
+        change = ""
+        if isinstance(base.get(k), (int, float)) and isinstance(pol.get(k), (int, float)):
+            d = pol[k] - base[k]
+            change = f'<span class="{"up" if d > 0 else "down" if d < 0 else ""}">{d:+.3f}</span>'
+        rows.append(f'<tr><td>{html.escape(k)}</td>{cells}<td class="num">{change}</td></tr>')
+    return "\n".join(rows) + "</table>"
+
+
+def render_html(report: dict, chart_svgs: dict[str, str], metrics_uri: str | None, run_id: str = "") -> str:
+    e = html.escape
+    parts = ["<!doctype html>", '<html lang="en"><head><meta charset="utf-8">',
+             f"<title>rlhf-flow evaluation {e(run_id)}</title><style>{_CSS}</style></head><body>",
+             f"<h1>Evaluation{' of ' + e(run_id) if run_id else ''}</h1>",
+             f'<p class="note">{report.get("num_prompts", "?")} held-out prompts. accuracy: greedy exact match; '
+             f'the rest: one sample per prompt at temperature {e(str(report.get("temperature", "?")))}.</p>',
+             "<h2>Metrics</h2>", metrics_table(report), "<h2>Training curves of the policy</h2>"]
+    if chart_svgs:
+        parts.append(f'<p class="note">From <code>{e(metrics_uri or "")}</code>, per logged step.</p>')
+        parts.append('<div class="charts">' + "".join(f'<figure id="chart-{e(n)}">{s}</figure>' for n, s in chart_svgs.items()) + "</div>")
+    else:
+        parts.append('<p class="note">None: the policy is not a stage output with a metrics.jsonl (a hub id or plain folder), '
+                     "or its stage logged no reward, KL or loss.</p>")
+    if report.get("samples"):
+        parts.append("<h2>Samples (greedy)</h2><table><tr><th>prompt</th><th>label</th><th>baseline</th><th>policy</th></tr>")
+        parts += [f"<tr><td><code>{e(str(s['prompt']))}</code></td><td>{e(str(s['label']))}</td>"
+                  f"<td><code>{e(str(s['baseline']))}</code></td><td><code>{e(str(s['policy']))}</code></td></tr>"
+                  for s in report["samples"]]
+        parts.append("</table>")
+    if report.get("inputs"):
+        parts.append("<h2>Inputs</h2><table>" + "".join(
+            f"<tr><td>{e(k)}</td><td><code>{e(str(v))}</code></td></tr>" for k, v in report["inputs"].items()) + "</table>")
+    parts.append("</body></html>")
+    return "\n".join(parts) + "\n"
+
+
+def write_report(workdir: Path, report: dict, policy_uri: str, run_id: str = "") -> list[str]:
+    """Write report.html and chart_<name>.svg into `workdir`; returns the file names written."""
+    records, metrics_uri = training_metrics(policy_uri)
+    chart_svgs = charts(records)
+    workdir = Path(workdir)
+    written = []
+    for name, svg in chart_svgs.items():
+        (workdir / f"chart_{name}.svg").write_text(svg + "\n")
+        written.append(f"chart_{name}.svg")
+    (workdir / "report.html").write_text(render_html(report, chart_svgs, metrics_uri, run_id))
+    return ["report.html", *written]
