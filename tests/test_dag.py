@@ -1,4 +1,5 @@
-"""The rlhf_pipeline DAG: parses cleanly, is wired as designed, validates its run form; and runs end to end."""
+"""The rlhf_pipeline and rlhf_nightly DAGs: parse cleanly, are wired as designed, validate their run
+form; and rlhf_pipeline runs end to end down each branch."""
 from __future__ import annotations
 
 import copy
@@ -12,19 +13,28 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 DAGS = REPO / "dags"
-ORDER = ["prepare_data", "sft", "choose_method", "reward_model", "rl", "dpo", "kto", "eval"]
+ORDER = ["prepare_data", "sft", "choose_method", "reward_model", "rl", "dpo", "kto", "eval", "promote", "champion"]
 BRANCHES = {"rl": ["reward_model", "rl"], "dpo": ["dpo"], "kto": ["kto"]}
 
+
+def training(stage: str, steps: str) -> dict:
+    """The flags every training stage gets beside its own."""
+    return {"seed": "params.seed", "zero_stage": "params.zero_stage",
+            "save_steps": "{{ save_steps(params.%s, params.checkpoints_per_stage) }}" % steps,
+            "fail_after_step": "{{ fail_after('%s', params.fault_injection) }}" % stage}
+
+
+REGISTRY = "s3://{{ params.bucket }}/{{ params.prefix }}/models/{{ params.model_name }}"
 # What each stage gets: flag -> upstream task whose manifest URI it receives, or the param it comes from.
 WIRING = {
     "prepare_data": ("tasks.data", {"source": "params.dataset", "base_model": "params.base_model", "seed": "params.seed"}),
     "sft": ("tasks.sft", {
         "pretrain": "prepare_data", "dataset": "prepare_data", "max_steps": "params.sft_steps",
-        "learning_rate": "params.sft_learning_rate", "seed": "params.seed", "zero_stage": "params.zero_stage",
+        "learning_rate": "params.sft_learning_rate", **training("sft", "sft_steps"),
     }),
     "reward_model": ("tasks.reward_model", {
         "pretrain": "sft", "dataset": "prepare_data", "max_steps": "params.rm_steps",
-        "learning_rate": "params.rm_learning_rate", "seed": "params.seed", "zero_stage": "params.zero_stage",
+        "learning_rate": "params.rm_learning_rate", **training("reward_model", "rm_steps"),
     }),
     "rl": ("tasks.rl", {
         "pretrain": "sft", "reward_pretrain": "reward_model", "prompt_data": "prepare_data",
@@ -32,19 +42,23 @@ WIRING = {
         "critic_learning_rate": "params.critic_learning_rate", "init_kl_coef": "params.init_kl_coef",
         "lambd": "params.gae_lambda", "advantage_estimator": "params.advantage_estimator",
         "n_samples_per_prompt": "params.n_samples_per_prompt", "colocate_all_models": "params.colocate_all_models",
-        "seed": "params.seed", "zero_stage": "params.zero_stage",
+        **training("rl", "rl_steps"),
     }),
     **{method: ("tasks.preference", {
         "method": method, "pretrain": "sft", "dataset": "prepare_data", "max_steps": "params.preference_steps",
-        "learning_rate": "params.preference_learning_rate", "beta": f"params.{method}_beta", "seed": "params.seed",
-        "zero_stage": "params.zero_stage", **extra,
+        "learning_rate": "params.preference_learning_rate", "beta": f"params.{method}_beta",
+        **training(method, "preference_steps"), **extra,
     }) for method, extra in (("dpo", {"dataset_split": "style_pairs", "nll_loss_coef": 0.5}),
                              ("kto", {"dataset_split": "unpaired", "undesirable_weight": 0.3}))},
     "eval": ("tasks.eval", {
         "baseline": "sft", "dataset": "prepare_data", "max_samples": "params.eval_max_samples", "seed": "params.seed",
         # whichever branch ran: a template over both branches' XComs
         "policy": "{{ ti.xcom_pull(task_ids='rl') or ti.xcom_pull(task_ids='dpo') or ti.xcom_pull(task_ids='kto') }}",
-        "reward_pretrain": "{{ ti.xcom_pull(task_ids='reward_model') or '' }}",
+        "reward_pretrain": "{{ ti.xcom_pull(task_ids='reward_model') or '' }}", "registry": REGISTRY,
+    }),
+    "promote": ("tasks.promote", {
+        "evaluation": "eval", "registry": REGISTRY, "gate": "{{ params.promotion_gate | tojson }}",
+        "allow_promotion": "params.allow_promotion", "promoted_by": "{{ dag.dag_id }} run {{ run_id }}",
     }),
 }
 
@@ -63,7 +77,7 @@ def dag(dagbag):
 
 def test_dag_imports_without_errors(dagbag):
     assert dagbag.import_errors == {}
-    assert "rlhf_pipeline" in dagbag.dags
+    assert {"rlhf_pipeline", "rlhf_nightly"} <= set(dagbag.dags)
 
 
 def test_dag_parses_without_torch_or_tasks():
@@ -78,11 +92,41 @@ def test_dag_parses_without_torch_or_tasks():
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
 
 
-def test_dag_settings(dag):
+def test_dag_settings(dag, dagbag):
     assert dag.schedule is None
     assert dag.catchup is False
     assert dag.max_active_runs == 1
     assert {"rlhf", "ray"} <= set(dag.tags)
+    nightly = dagbag.dags["rlhf_nightly"]
+    assert type(nightly.timetable).__name__ == "CronTriggerTimetable"
+    assert nightly.timetable.expression == "0 2 * * *" and str(nightly.timetable.timezone) == "UTC"
+    assert nightly.catchup is False and nightly.max_active_runs == 1
+    # The same pipeline; only who may promote differs.
+    assert nightly.task_ids == dag.task_ids
+    assert nightly.params["allow_promotion"] is True and dag.params["allow_promotion"] is False
+
+
+def test_stage_tasks_share_the_gpu_pool_cache_deadline_and_lineage(dag):
+    from plugins.pipeline import GPU_POOL, STAGE_GPUS
+    from tools.stack import GPU_POOL as STACK_POOL
+
+    assert GPU_POOL == STACK_POOL
+    for task_id, gpus in STAGE_GPUS.items():
+        task = dag.get_task(task_id)
+        assert task.pool == GPU_POOL and task.pool_slots == max(1, gpus), task_id
+        assert task.deadline_minutes == "{{ params.stage_deadline_minutes }}"
+        assert task.cache == ("{{ params.use_cache }}" if task_id not in ("eval", "promote") else False), task_id
+    lineage = {t: ([a.name for a in dag.get_task(t).inlets], [a.name for a in dag.get_task(t).outlets])
+               for t in ("prepare_data", "sft", "reward_model", "rl", "dpo", "eval", "champion")}
+    assert lineage == {
+        "prepare_data": ([], ["rlhf_flow.prepared_data"]),
+        "sft": (["rlhf_flow.prepared_data"], ["rlhf_flow.sft_model"]),
+        "reward_model": (["rlhf_flow.sft_model", "rlhf_flow.prepared_data"], ["rlhf_flow.reward_model"]),
+        "rl": (["rlhf_flow.sft_model", "rlhf_flow.reward_model"], ["rlhf_flow.policy"]),
+        "dpo": (["rlhf_flow.sft_model", "rlhf_flow.prepared_data"], ["rlhf_flow.policy"]),
+        "eval": (["rlhf_flow.policy"], ["rlhf_flow.eval_report"]),
+        "champion": ([], ["rlhf_flow.champion"]),
+    }
 
 
 def test_task_order(dag):
@@ -93,6 +137,7 @@ def test_task_order(dag):
     assert upstream["dpo"] >= {"choose_method", "sft"} and upstream["kto"] >= {"choose_method", "sft"}
     assert upstream["eval"] >= {"rl", "dpo", "kto"}
     assert dag.get_task("eval").trigger_rule == "none_failed_min_one_success"
+    assert upstream["promote"] == {"eval"} and upstream["champion"] == {"promote"}
 
 
 def test_stage_inputs_are_upstream_manifests_and_params(dag):
@@ -105,7 +150,7 @@ def test_stage_inputs_are_upstream_manifests_and_params(dag):
         assert set(task.args) == set(wiring), task_id
         for flag, source in wiring.items():
             value = task.args[flag]
-            if not isinstance(source, str) or source.startswith("{{") or source in ("dpo", "kto", "style_pairs", "unpaired"):
+            if not isinstance(source, str) or source.startswith(("{{", "s3://")) or source in ("dpo", "kto", "style_pairs", "unpaired"):
                 assert value == source, (task_id, flag, value)
             elif source.startswith("params."):
                 assert value == "{{ %s }}" % source, (task_id, flag, value)
@@ -124,13 +169,16 @@ def test_params_form(dag):
         "bucket", "prefix", "dataset", "base_model", "seed", "sft_steps", "sft_learning_rate", "rm_steps",
         "rm_learning_rate", "rl_steps", "actor_learning_rate", "critic_learning_rate", "init_kl_coef",
         "gae_lambda", "advantage_estimator", "n_samples_per_prompt", "colocate_all_models", "zero_stage", "eval_max_samples",
-        "method", "preference_steps", "preference_learning_rate", "dpo_beta", "kto_beta",
+        "method", "preference_steps", "preference_learning_rate", "dpo_beta", "kto_beta", "checkpoints_per_stage",
+        "use_cache", "stage_deadline_minutes", "model_name", "allow_promotion", "promotion_gate", "fault_injection",
     }
     assert set(params) == expected
     for name in expected:
         p = params.get_param(name)
         assert p.schema.get("title") and p.description, name  # the UI form shows a title and a help text
-        assert p.schema.get("type") in ("string", "integer", "number", "boolean"), name  # flat fields only
+        # Flat fields, but the gate and the test-only fault injection, which the form edits as JSON.
+        assert p.schema.get("type") == "object" if name in ("promotion_gate", "fault_injection") else \
+            p.schema.get("type") in ("string", "integer", "number", "boolean"), name
     assert params.get_param("zero_stage").schema["enum"] == [0, 2, 3]
     assert pipeline.DEFAULTS["dataset"] == "demo" and pipeline.DEFAULTS["base_model"] == "demo"
 
@@ -151,6 +199,12 @@ def test_params_form(dag):
         ("advantage_estimator", "ppo"),
         ("method", "ppo"),
         ("dpo_beta", 0),
+        ("stage_deadline_minutes", -1),
+        ("model_name", "../escape"),
+        ("promotion_gate", {"accuracy": {"at_least": 0.5}}),
+        ("promotion_gate", {}),
+        ("fault_injection", {"stage": "eval", "after_step": 2}),
+        ("use_cache", "yes"),
     ],
 )
 def test_params_refuse_bad_values(dag, name, value):
@@ -226,11 +280,12 @@ def test_pipeline_end_to_end(method, airflow_db, s3_server, ray_head, dagbag):
     dr = dag.test(run_conf=conf)
     states = {ti.task_id: str(getattr(ti.state, "value", ti.state)) for ti in dr.get_task_instances()}
     skipped = {t for branch, tasks in BRANCHES.items() if branch != method for t in tasks}
-    assert states == {t: "skipped" if t in skipped else "success" for t in ORDER}, states
+    # A manual run judges its policy but may not promote it: the champion task is skipped.
+    assert states == {t: "skipped" if t in skipped | {"champion"} else "success" for t in ORDER}, states
 
     base = f"e2e-{method}/runs/rlhf_pipeline/{key_safe(dr.run_id)}"
     s3 = s3_server.client()
-    for task_id in [t for t in ORDER if t not in skipped and t != "choose_method"]:
+    for task_id in [t for t in ORDER if t not in skipped and t not in ("choose_method", "champion")]:
         body = s3.get_object(Bucket=s3_server.bucket, Key=f"{base}/{task_id}/manifest.json")["Body"].read()
         assert json.loads(body), task_id
     evaluated = json.loads(s3.get_object(Bucket=s3_server.bucket, Key=f"{base}/eval/manifest.json")["Body"].read())

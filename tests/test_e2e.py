@@ -43,8 +43,9 @@ def test_the_demo_run_succeeds_through_the_rest_api(demo_run):
     assert run["state"] == "success"
     tasks = live.rest("GET", f"/api/v2/dags/rlhf_pipeline/dagRuns/{run['dag_run_id']}/taskInstances")["task_instances"]
     # The default method is rl: the branch task picks reward_model -> rl; the dpo and kto tasks are skipped.
-    assert {t["task_id"]: t["state"] for t in tasks} == {**{s: "success" for s in STAGES + ["choose_method"]},
-                                                         "dpo": "skipped", "kto": "skipped"}
+    # A manual run judges the policy (promote) but may not promote it: the champion task is skipped.
+    assert {t["task_id"]: t["state"] for t in tasks} == {**{s: "success" for s in STAGES + ["choose_method", "promote"]},
+                                                         "dpo": "skipped", "kto": "skipped", "champion": "skipped"}
     assert "| preferred_style_rate |" in stdout
 
 

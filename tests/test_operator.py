@@ -314,6 +314,26 @@ def test_unreachable_ray_is_one_line_naming_the_address():
         assert address in str(err) and "\n" not in str(err), str(err)
 
 
+def test_unreachable_s3_is_one_line_naming_the_uri(monkeypatch):
+    import socket
+
+    from airflow.sdk.exceptions import AirflowException
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("AIRFLOW_CONN_DEAD_S3", json.dumps({
+        "conn_type": "aws", "login": "AKIDEXAMPLE", "password": "s3cr3t-pw",
+        "extra": {"endpoint_url": f"http://127.0.0.1:{port}", "region_name": "us-east-1",
+                  "config_kwargs": {"retries": {"total_max_attempts": 1}}}}))
+    op = RayJobOperator(task_id="t", module="m", aws_conn_id="dead_s3")
+    with pytest.raises(AirflowException) as err:
+        op.manifest_exists("s3://b/runs/x/sft/manifest.json")
+    message = str(err.value)
+    assert "\n" not in message and "cannot check s3://b/runs/x/sft/manifest.json" in message, message
+    assert "s3cr3t-pw" not in message and "AKIDEXAMPLE" not in message
+
+
 # ----------------------------------------------------------------------------- real Ray + S3 + Airflow
 
 

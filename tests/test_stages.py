@@ -131,6 +131,18 @@ def test_missing_upstream_checkpoint_is_refused_naming_the_uri(s3_server, ray_ad
     assert line.startswith("error: ") and missing in line
 
 
+def test_prepare_data_refuses_a_missing_dataset_or_base_model_naming_the_uri(s3_server, tmp_path):
+    """The first stage that needs them fails, in one line naming the URI, before anything is trained."""
+    for flag, missing in (("--source", s3_server.uri("datasets/never-uploaded.jsonl")),
+                          ("--base_model", s3_server.uri("models/never-uploaded")),
+                          ("--base_model", str(tmp_path / "no-model"))):
+        done = run_cli("tasks.data", "--output", str(tmp_path / "out"), flag, missing)
+        assert done.returncode == 2, done.stderr
+        line = done.stderr.strip().splitlines()[-1]
+        assert line.startswith(f"error: {flag[2:]}: no ") and missing in line, line
+        assert not (tmp_path / "out").exists()
+
+
 def test_rl_critic_free_estimator_with_a_reward_function(chain, s3_server, ray_address):
     """group_norm over 4 samples per prompt, a reward function file reading labels, adaptive KL,
     KL in the loss, entropy bonus, asymmetric and dual clipping, dynamic filtering, micro-batches."""

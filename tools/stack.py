@@ -55,6 +55,8 @@ RAY_WORKER_PORTS = range(10002, 20000)
 AIRFLOW_PROCS = ("airflow-api-server", "airflow-scheduler", "airflow-dag-processor", "airflow-triggerer")
 COMPONENTS = {"s3": ("s3",), "ray": ("ray",), "airflow": AIRFLOW_PROCS}
 ORDER = ("s3", "ray", "airflow")
+# The Airflow pool every stage takes GPU slots from (plugins/pipeline.py GPU_POOL; a test keeps them equal).
+GPU_POOL = "rlhf_gpus"
 
 START_TIMEOUT = {"s3": 30.0, "ray": 120.0, "airflow": 180.0}
 
@@ -797,6 +799,18 @@ def airflow_commands() -> dict[str, list[str]]:
     }
 
 
+def gpu_slots() -> int:
+    """Slots of the GPU pool: RLHF_GPU_SLOTS, else the GPUs nvidia-smi lists, at least 1 (a CPU box runs
+    one stage at a time)."""
+    if os.environ.get("RLHF_GPU_SLOTS"):
+        return max(1, int(os.environ["RLHF_GPU_SLOTS"]))
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 1
+    return max(1, sum(1 for line in out.splitlines() if line.startswith("GPU ")))
+
+
 def run_logged(cfg: Config, name: str, cmd: list[str], env: dict[str, str], timeout: float) -> None:
     """Run a one-shot command to completion, output appended to logs/<name>.log."""
     cfg.logs.mkdir(parents=True, exist_ok=True)
@@ -966,6 +980,9 @@ def up(cfg: Config, components: Iterable[str] = ORDER) -> None:
                 check_free({"RLHF_AIRFLOW_PORT": cfg.airflow_port})
             cfg.airflow_home.mkdir(parents=True, exist_ok=True)
             run_logged(cfg, "airflow-db-migrate", [str(BIN / "airflow"), "db", "migrate"], env, timeout=300)
+            # include_deferred: a stage waiting on its Ray job in the triggerer still holds its GPUs.
+            run_logged(cfg, "airflow-pool", [str(BIN / "airflow"), "pools", "set", GPU_POOL, str(gpu_slots()),
+                                             "GPUs the Ray stages hold", "--include-deferred"], env, timeout=300)
             cmds = airflow_commands()
             started["airflow"] = {n: launch(cfg, n, cmds[n], env) for n in missing}
             for n in AIRFLOW_PROCS:

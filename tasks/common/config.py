@@ -68,13 +68,16 @@ class TrainingConfig(StageConfig):
     ckpt_path: str = field(default="", metadata={"help": "where checkpoints go (default <output>/checkpoints); each step_<n>/ has its own manifest"})
     load_checkpoint: bool = field(default=True, metadata={"help": "resume from the newest complete checkpoint under ckpt_path when one exists"})
     max_ckpt_num: int = field(default=3, metadata={"help": "keep this many newest checkpoints (0: all)"})
+    fail_after_step: int = field(default=0, metadata={"help": "testing only: fail right after committing this step's checkpoint, unless the run resumed at or past it (fault injection for rerun tests)"})
     save_path: str = field(default="", metadata={"help": "also write the final HF model here (a folder or s3:// URI); the stage output stays --output"})
 
     def validate(self) -> None:
         super().validate()
-        for name in ("micro_train_batch_size", "max_samples", "save_steps", "max_ckpt_num"):
+        for name in ("micro_train_batch_size", "max_samples", "save_steps", "max_ckpt_num", "fail_after_step"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}: must not be negative, got {getattr(self, name)}")
+        if self.fail_after_step and (not self.save_steps or self.fail_after_step % self.save_steps):
+            raise ConfigError(f"fail_after_step: {self.fail_after_step} is not a checkpoint step; use a multiple of --save_steps ({self.save_steps})")
 
 
 def check_batch(name: str, batch: int, micro: int, world: int, world_flag: str) -> None:

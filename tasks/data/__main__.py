@@ -6,13 +6,27 @@ Output: data/<split>.jsonl for every split, model/ (tokenizer + random-weight ti
 base_model is 'demo', and manifest.json listing `datasets` and `model`.
 """
 import json
+import os
 
+from tasks.common import storage
+from tasks.common.config import ConfigError
 from tasks.common.stage import StageRun, main
 from tasks.data import demo
 from tasks.data.config import PrepareDataConfig
 
 
+def check_base_model(uri: str) -> None:
+    """Fail here, before any training, when the base model named cannot be loaded by the next stages."""
+    if storage.is_s3(uri) or uri.startswith(("/", "./", "file://")):
+        if not storage.exists(storage.join(uri, "config.json")):
+            raise ConfigError(f"base_model: no model at {uri} (no config.json there): fix the URI or upload the model")
+    elif os.environ.get("HF_HUB_OFFLINE") == "1":
+        raise ConfigError(f"base_model: {uri!r} is a hub id, and HF_HUB_OFFLINE=1 forbids fetching it: pass a model URI")
+
+
 def prepare(cfg: PrepareDataConfig, run: StageRun) -> None:
+    if cfg.base_model != "demo":
+        check_base_model(cfg.base_model)
     splits = demo.make_datasets(cfg.seed)
     data_dir = run.workdir / "data"
     data_dir.mkdir()

@@ -1,5 +1,6 @@
 from dataclasses import dataclass, field
 
+from tasks.common import storage
 from tasks.common.config import ConfigError, StageConfig
 
 
@@ -13,6 +14,8 @@ class PrepareDataConfig(StageConfig):
     def validate(self) -> None:
         super().validate()
         if self.source != "demo":
-            raise ConfigError(f"source: {self.source!r} is not supported yet; use 'demo'")
+            if (storage.is_s3(self.source) or self.source.startswith(("/", "./", "file://"))) and not storage.exists(self.source):
+                raise ConfigError(f"source: no dataset at {self.source}: fix the URI or upload the dataset")
+            raise ConfigError(f"source: {self.source!r}: only the built-in 'demo' dataset is supported yet")
         if not self.base_model:
             raise ConfigError("base_model: empty; pass 'demo' or a model URI / hub id")

@@ -10,6 +10,7 @@ class EvalConfig(StageConfig):
     baseline: str = field(default="", metadata={"help": "the starting policy (SFT output URI); also the reference for KL"})
     policy: str = field(default="", metadata={"help": "the trained policy (RL output URI)"})
     reward_pretrain: str = field(default="", metadata={"help": "reward model (output URI) whose mean score is reported; without one (DPO, KTO) reward_mean is left out"})
+    registry: str = field(default="", metadata={"help": "a model registry folder (s3://…/models/<name>): its champion, when there is one, is evaluated on the same prompts for the promotion gate"})
     dataset: str = field(default="", metadata={"help": "held-out prompts with labels: a stage output URI or a file"})
     dataset_split: str = field(default="eval", metadata={"help": "split of a stage output's datasets to evaluate on"})
     input_key: str = field(default="prompt", metadata={"help": "dataset column holding the prompt"})

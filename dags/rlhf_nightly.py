@@ -1,0 +1,20 @@
+"""rlhf_nightly: retrain every night at 02:00 UTC, promote the new policy only if the gate passes.
+
+The same pipeline as rlhf_pipeline (plugins/pipeline.py) on a CronTriggerTimetable: no catch-up, one
+active run. Unchanged stages (same data, flags and code) are cache hits, so a night with new RL settings
+reruns only RL and eval. The candidate is evaluated beside the current champion on the same held-out
+prompts; `promote` makes it champion by compare-and-swap on models/<name>/champion.json only when the
+gate passes (`promotion_gate` Param); a rejected candidate is kept and recorded under candidates/.
+"""
+from airflow.sdk import CronTriggerTimetable
+
+from plugins.pipeline import build_pipeline
+
+dag = build_pipeline(
+    dag_id="rlhf_nightly",
+    schedule=CronTriggerTimetable("0 2 * * *", timezone="UTC"),
+    description="Nightly RLHF retraining behind an evaluation gate",
+    allow_promotion=True,
+    doc_md=__doc__,
+    tags=("nightly",),
+)

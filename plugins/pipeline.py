@@ -1,0 +1,379 @@
+"""The RLHF pipeline as Airflow tasks, built once for every DAG that runs it.
+
+    build_pipeline(dag_id="rlhf_pipeline", schedule=None, allow_promotion=False)
+
+prepare_data -> sft -> choose_method -> (reward_model -> rl | dpo | kto) -> eval -> promote -> champion
+
+Every stage is a RayJobOperator running ``python -m tasks.<stage>`` on the Ray cluster; it returns the URI
+of the stage's ``manifest.json`` and downstream stages take those URIs as inputs (XCom holds URIs, never
+data). Artifacts land in ``s3://<bucket>/<prefix>/runs/<dag_id>/<run_id>/<stage>/``; the registry at
+``s3://<bucket>/<prefix>/models/<model_name>/``. The `method` Param picks the branch after SFT (the others
+show as skipped). `eval` scores the policy beside the SFT model and the registry's champion on the same
+held-out prompts; `promote` judges it with the gate and, when allowed, makes it champion by
+compare-and-swap; `champion` emits the champion Asset's event, and is skipped when nothing was promoted.
+
+Each stage task: is cached (Param use_cache; see plugins.stage_cache), has a deadline (Param
+stage_deadline_minutes), takes pool_slots of the GPU pool equal to the GPUs it asks Ray for (at least
+one), writes resumable checkpoints (Param checkpoints_per_stage), and emits an Asset event carrying its
+manifest URI and metrics. Only the Airflow side is imported here: no torch, no tasks.
+"""
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+
+from airflow.sdk import DAG, Asset, Param, chain, task
+
+from plugins.notifiers import WebhookNotifier
+from plugins.operators import RayJobOperator
+
+#: The Airflow pool of GPUs (created by `make up` with --include-deferred: deferred stages hold their GPUs).
+GPU_POOL = "rlhf_gpus"
+#: GPUs each stage asks Ray for with the DAG's layout (the RL models colocated on the actor's GPU).
+STAGE_GPUS = {"prepare_data": 0, "sft": 1, "reward_model": 1, "rl": 1, "dpo": 1, "kto": 1, "eval": 0, "promote": 0}
+TRAINING_STAGES = ("sft", "reward_model", "rl", "dpo", "kto")
+#: Lineage in the Assets view: base model and data -> SFT -> reward model -> policy -> report -> champion.
+ASSETS = {name: Asset(name=f"rlhf_flow.{name}", uri=f"rlhf-flow://assets/{name}")
+          for name in ("prepared_data", "sft_model", "reward_model", "policy", "eval_report", "champion")}
+# Same values as tasks.promote.config.DEFAULT_GATE (kept apart: the Airflow side does not import tasks).
+DEFAULT_GATE = {"preferred_style_rate": {"min_gain": 0.0}, "accuracy": {"max_drop": 0.02}, "kl_to_ref": {"max": 2.0}}
+
+
+def promotion_param(default: bool) -> Param:
+    """The allow_promotion Param: its default differs between the manual and the nightly DAG."""
+    return Param(default, type="boolean", title="Allow promotion",
+                 description="Promote the policy to champion when it passes the gate. Off: the gate judges and records it only.")
+
+
+def save_steps(steps: int, checkpoints: int) -> int:
+    """Checkpoint interval giving `checkpoints` evenly spaced checkpoints over `steps` (0: none)."""
+    return -(-int(steps) // int(checkpoints)) if int(checkpoints) > 0 else 0
+
+
+def fail_after(stage: str, fault: dict) -> int:
+    """The step after which the fault_injection Param fails `stage` (0: it does not)."""
+    return int(fault.get("after_step", 0)) if fault and fault.get("stage") == stage else 0
+
+
+# The run form's defaults, in one place.
+DEFAULTS = {
+    "bucket": "rlhf-flow",
+    "prefix": "rlhf-flow",
+    "dataset": "demo",
+    "base_model": "demo",
+    "seed": 0,
+    "method": "rl",
+    "sft_steps": 500,
+    "sft_learning_rate": 1e-3,
+    "rm_steps": 100,
+    "rm_learning_rate": 3e-4,
+    "rl_steps": 30,
+    "actor_learning_rate": 3e-5,
+    "critic_learning_rate": 1e-4,
+    "init_kl_coef": 0.05,
+    "gae_lambda": 0.8,
+    "advantage_estimator": "gae",
+    "n_samples_per_prompt": 1,
+    "colocate_all_models": True,
+    "preference_steps": 100,
+    "preference_learning_rate": 2e-5,
+    "dpo_beta": 0.5,
+    "kto_beta": 0.1,
+    "zero_stage": 2,
+    "eval_max_samples": 500,
+    "checkpoints_per_stage": 5,
+    "use_cache": True,
+    "stage_deadline_minutes": 240,
+    "model_name": "demo-policy",
+    "allow_promotion": False,
+    "promotion_gate": DEFAULT_GATE,
+    "fault_injection": {},
+}
+
+PARAMS = {
+    "bucket": Param(
+        DEFAULTS["bucket"], type="string", title="Bucket",
+        description="S3 bucket that receives every artifact of the run.",
+        pattern=r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$",
+    ),
+    "prefix": Param(
+        DEFAULTS["prefix"], type="string", title="Key prefix",
+        description="Key prefix inside the bucket; runs go under <prefix>/runs/<dag_id>/<run_id>/.",
+        pattern=r"^[A-Za-z0-9._\-/]*$", maxLength=200,
+    ),
+    "dataset": Param(
+        DEFAULTS["dataset"], type="string", title="Dataset", minLength=1,
+        description="'demo' for the built-in synthetic preference dataset, or a dataset URI (s3://..., local path).",
+    ),
+    "base_model": Param(
+        DEFAULTS["base_model"], type="string", title="Base model", minLength=1,
+        description="'demo' for a tiny model built offline, or a model URI / hub id.",
+    ),
+    "seed": Param(
+        DEFAULTS["seed"], type="integer", title="Seed", minimum=0, maximum=2**31 - 1,
+        description="Random seed of every stage.",
+    ),
+    "method": Param(
+        DEFAULTS["method"], type="string", title="Method", enum=["rl", "dpo", "kto"],
+        description="After SFT: rl (reward model, then RL with the advantage estimator below), or dpo / kto "
+                    "(direct preference optimisation on the preference data, no reward model).",
+    ),
+    "sft_steps": Param(
+        DEFAULTS["sft_steps"], type="integer", title="SFT steps", minimum=1, maximum=1_000_000,
+        description="Optimizer steps of supervised fine-tuning.",
+    ),
+    "sft_learning_rate": Param(
+        DEFAULTS["sft_learning_rate"], type="number", title="SFT learning rate", exclusiveMinimum=0, maximum=1,
+        description="Peak learning rate of supervised fine-tuning.",
+    ),
+    "rm_steps": Param(
+        DEFAULTS["rm_steps"], type="integer", title="Reward model steps", minimum=1, maximum=1_000_000,
+        description="Optimizer steps of reward model training.",
+    ),
+    "rm_learning_rate": Param(
+        DEFAULTS["rm_learning_rate"], type="number", title="Reward model learning rate", exclusiveMinimum=0, maximum=1,
+        description="Peak learning rate of reward model training.",
+    ),
+    "rl_steps": Param(
+        DEFAULTS["rl_steps"], type="integer", title="RL steps", minimum=1, maximum=1_000_000,
+        description="PPO iterations (rollout + update) of the RL stage.",
+    ),
+    "actor_learning_rate": Param(
+        DEFAULTS["actor_learning_rate"], type="number", title="Actor learning rate", exclusiveMinimum=0, maximum=1,
+        description="Learning rate of the policy (actor) in RL.",
+    ),
+    "critic_learning_rate": Param(
+        DEFAULTS["critic_learning_rate"], type="number", title="Critic learning rate", exclusiveMinimum=0, maximum=1,
+        description="Learning rate of the value model (critic) in RL.",
+    ),
+    "init_kl_coef": Param(
+        DEFAULTS["init_kl_coef"], type="number", title="Initial KL coefficient", minimum=0, maximum=10,
+        description="Weight of the KL penalty against the SFT reference policy at the start of RL.",
+    ),
+    "gae_lambda": Param(
+        DEFAULTS["gae_lambda"], type="number", title="GAE lambda", minimum=0, maximum=1,
+        description="λ of generalised advantage estimation in RL (lower: credit stays nearer the token that earned it).",
+    ),
+    "advantage_estimator": Param(
+        DEFAULTS["advantage_estimator"], type="string", title="Advantage estimator",
+        enum=["gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo"],
+        description="gae: PPO with a critic; reinforce (REINFORCE++), reinforce_baseline, rloo, group_norm (GRPO), "
+                    "dr_grpo: critic-free. The group estimators need 2 or more samples per prompt.",
+    ),
+    "n_samples_per_prompt": Param(
+        DEFAULTS["n_samples_per_prompt"], type="integer", title="Samples per prompt", minimum=1, maximum=64,
+        description="Responses sampled per prompt in RL (a group, for the group estimators).",
+    ),
+    "colocate_all_models": Param(
+        DEFAULTS["colocate_all_models"], type="boolean", title="Colocate all RL models",
+        description="Actor, reference, critic and reward models share the actor's GPUs (one placement group). "
+                    "Off: each model group gets GPUs of its own (4 on the default sizes).",
+    ),
+    "preference_steps": Param(
+        DEFAULTS["preference_steps"], type="integer", title="DPO/KTO steps", minimum=1, maximum=1_000_000,
+        description="Optimizer steps of the dpo or kto stage.",
+    ),
+    "preference_learning_rate": Param(
+        DEFAULTS["preference_learning_rate"], type="number", title="DPO/KTO learning rate", exclusiveMinimum=0, maximum=1,
+        description="Learning rate of the dpo or kto stage.",
+    ),
+    "dpo_beta": Param(
+        DEFAULTS["dpo_beta"], type="number", title="DPO beta", exclusiveMinimum=0, maximum=100,
+        description="Strength of DPO's implicit KL constraint to the SFT reference.",
+    ),
+    "kto_beta": Param(
+        DEFAULTS["kto_beta"], type="number", title="KTO beta", exclusiveMinimum=0, maximum=100,
+        description="Strength of KTO's implicit KL constraint to the SFT reference.",
+    ),
+    "zero_stage": Param(
+        DEFAULTS["zero_stage"], type="integer", title="DeepSpeed ZeRO stage", enum=[0, 2, 3],
+        description="DeepSpeed ZeRO stage of every training stage (0: off, 2: shard optimizer + gradients, 3: also parameters).",
+    ),
+    "eval_max_samples": Param(
+        DEFAULTS["eval_max_samples"], type="integer", title="Eval samples", minimum=1, maximum=1_000_000,
+        description="Prompts scored by the evaluation (baseline SFT vs RL policy).",
+    ),
+    "checkpoints_per_stage": Param(
+        DEFAULTS["checkpoints_per_stage"], type="integer", title="Checkpoints per stage", minimum=0, maximum=1000,
+        description="Resumable checkpoints each training stage writes, evenly spaced (0: none). A rerun of a failed "
+                    "stage resumes from its newest one.",
+    ),
+    "use_cache": Param(
+        DEFAULTS["use_cache"], type="boolean", title="Reuse cached stages",
+        description="Skip a stage whose flags, input manifests and code match a completed stage under this prefix, "
+                    "and use that stage's output (off: every stage runs).",
+    ),
+    "stage_deadline_minutes": Param(
+        DEFAULTS["stage_deadline_minutes"], type="number", title="Stage deadline (minutes)", minimum=0, maximum=100_000,
+        description="A stage's Ray job still running after this long is stopped and the task fails (0: no deadline).",
+    ),
+    "model_name": Param(
+        DEFAULTS["model_name"], type="string", title="Model name", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$",
+        description="Registry name: the champion lives at <prefix>/models/<name>/champion.json.",
+    ),
+    "allow_promotion": promotion_param(DEFAULTS["allow_promotion"]),
+    "promotion_gate": Param(
+        DEFAULTS["promotion_gate"], type="object", title="Promotion gate",
+        description="Per metric: min / max (absolute), min_gain / max_drop (against the champion, or the SFT model "
+                    "before the first champion). Must include accuracy, sampled_accuracy or kl_to_ref: metrics the "
+                    "reward model does not produce.",
+        additionalProperties={"type": "object", "minProperties": 1, "additionalProperties": False,
+                              "properties": {k: {"type": "number"} for k in ("min", "max", "min_gain", "max_drop")}},
+        minProperties=1,
+    ),
+    "fault_injection": Param(
+        DEFAULTS["fault_injection"], type="object", title="Fault injection (testing)",
+        description='Testing only: {"stage": "rl", "after_step": 12} fails that stage once, right after its checkpoint '
+                    "of that step (a multiple of its checkpoint interval); its rerun resumes from there.",
+        properties={"stage": {"type": "string", "enum": list(TRAINING_STAGES)}, "after_step": {"type": "integer", "minimum": 1}},
+        additionalProperties=False,
+    ),
+}
+
+
+
+def training_args(stage: str, steps_param: str) -> dict:
+    """The flags every training stage gets from the run form, beside its own."""
+    return {
+        "seed": "{{ params.seed }}",
+        "zero_stage": "{{ params.zero_stage }}",
+        "save_steps": "{{ save_steps(params.%s, params.checkpoints_per_stage) }}" % steps_param,
+        "fail_after_step": "{{ fail_after('%s', params.fault_injection) }}" % stage,
+    }
+
+
+def stage(task_id: str, module: str, args: dict, inlets: list[str] = (), outlet: str | None = None, **kwargs) -> RayJobOperator:
+    return RayJobOperator(
+        task_id=task_id,
+        module=module,
+        args=args,
+        pool=GPU_POOL,
+        pool_slots=max(1, STAGE_GPUS[task_id]),
+        inlets=[ASSETS[name] for name in inlets],
+        outlets=[ASSETS[outlet]] if outlet else [],
+        **kwargs,
+    )
+
+
+def build_pipeline(dag_id: str, schedule, description: str, allow_promotion: bool, doc_md: str | None = None,
+                   tags: tuple[str, ...] = ()) -> DAG:
+    """The pipeline DAG; `allow_promotion` is the default of the Param of that name."""
+    params = {**PARAMS, "allow_promotion": promotion_param(allow_promotion)}
+    with DAG(
+        dag_id=dag_id,
+        description=description,
+        doc_md=doc_md or __doc__,
+        schedule=schedule,
+        catchup=False,
+        max_active_runs=1,
+        tags=["rlhf", "ray", "s3", *tags],
+        params=params,
+        # A scheduled run fails with nobody watching: post it to the webhook (plugins/notifiers.py).
+        on_failure_callback=WebhookNotifier("nightly_failure") if schedule is not None else None,
+        user_defined_macros={"save_steps": save_steps, "fail_after": fail_after},
+        default_args={
+            "retries": 1,
+            "retry_delay": timedelta(seconds=30),
+            "deadline_minutes": "{{ params.stage_deadline_minutes }}",
+            "cache": "{{ params.use_cache }}",
+        },
+    ) as dag:
+        prepare_data = stage("prepare_data", "tasks.data", {
+            "source": "{{ params.dataset }}",
+            "base_model": "{{ params.base_model }}",
+            "seed": "{{ params.seed }}",
+        }, outlet="prepared_data")
+        sft = stage("sft", "tasks.sft", {
+            "pretrain": prepare_data.output,
+            "dataset": prepare_data.output,
+            "max_steps": "{{ params.sft_steps }}",
+            "learning_rate": "{{ params.sft_learning_rate }}",
+            **training_args("sft", "sft_steps"),
+        }, inlets=["prepared_data"], outlet="sft_model")
+
+        @task.branch(task_id="choose_method")
+        def choose_method(params=None) -> str:
+            """The first task of the branch the `method` Param picks."""
+            return {"rl": "reward_model", "dpo": "dpo", "kto": "kto"}[params["method"]]
+
+        method = choose_method()
+        reward_model = stage("reward_model", "tasks.reward_model", {
+            "pretrain": sft.output,
+            "dataset": prepare_data.output,
+            "max_steps": "{{ params.rm_steps }}",
+            "learning_rate": "{{ params.rm_learning_rate }}",
+            **training_args("reward_model", "rm_steps"),
+        }, inlets=["sft_model", "prepared_data"], outlet="reward_model")
+        rl = stage("rl", "tasks.rl", {
+            "pretrain": sft.output,
+            "reward_pretrain": reward_model.output,
+            "prompt_data": prepare_data.output,
+            "max_steps": "{{ params.rl_steps }}",
+            "actor_learning_rate": "{{ params.actor_learning_rate }}",
+            "critic_learning_rate": "{{ params.critic_learning_rate }}",
+            "init_kl_coef": "{{ params.init_kl_coef }}",
+            "lambd": "{{ params.gae_lambda }}",
+            "advantage_estimator": "{{ params.advantage_estimator }}",
+            "n_samples_per_prompt": "{{ params.n_samples_per_prompt }}",
+            "colocate_all_models": "{{ params.colocate_all_models }}",
+            **training_args("rl", "rl_steps"),
+        }, inlets=["sft_model", "reward_model"], outlet="policy")
+        # DPO on the demo's style pairs (right answers both sides) with an NLL term on the chosen side, which
+        # keeps the answers' likelihood from sliding (without it, accuracy fell 25 points for 27 of style);
+        # KTO on the unpaired thumbs-up/down split.
+        preference_args = {
+            "pretrain": sft.output,
+            "dataset": prepare_data.output,
+            "max_steps": "{{ params.preference_steps }}",
+            "learning_rate": "{{ params.preference_learning_rate }}",
+        }
+        dpo = stage("dpo", "tasks.preference", {
+            **preference_args, **training_args("dpo", "preference_steps"),
+            "method": "dpo", "dataset_split": "style_pairs", "beta": "{{ params.dpo_beta }}", "nll_loss_coef": 0.5,
+        }, inlets=["sft_model", "prepared_data"], outlet="policy")
+        # Thumbs-down examples weigh less: pushing their (right) answers down costs accuracy (measured: weight 1
+        # lost 29 points of accuracy for 39 of style; 0.3 gained 14 and 38).
+        kto = stage("kto", "tasks.preference", {
+            **preference_args, **training_args("kto", "preference_steps"),
+            "method": "kto", "dataset_split": "unpaired", "beta": "{{ params.kto_beta }}", "undesirable_weight": 0.3,
+        }, inlets=["sft_model", "prepared_data"], outlet="policy")
+        registry = "s3://{{ params.bucket }}/{{ params.prefix }}/models/{{ params.model_name }}"
+        eval_ = stage("eval", "tasks.eval", {
+            "baseline": sft.output,
+            "policy": "{{ ti.xcom_pull(task_ids='rl') or ti.xcom_pull(task_ids='dpo') or ti.xcom_pull(task_ids='kto') }}",
+            "reward_pretrain": "{{ ti.xcom_pull(task_ids='reward_model') or '' }}",
+            "dataset": prepare_data.output,
+            "registry": registry,
+            "max_samples": "{{ params.eval_max_samples }}",
+            "seed": "{{ params.seed }}",
+        }, inlets=["policy"], outlet="eval_report",
+            # Runs after whichever branch ran (the skipped branch's XComs are empty). Never cached: it also
+            # scores the registry's current champion.
+            trigger_rule="none_failed_min_one_success", cache=False)
+        promote = stage("promote", "tasks.promote", {
+            "evaluation": eval_.output,
+            "registry": registry,
+            "gate": "{{ params.promotion_gate | tojson }}",
+            "allow_promotion": "{{ params.allow_promotion }}",
+            "promoted_by": "{{ dag.dag_id }} run {{ run_id }}",
+        }, inlets=["eval_report"], cache=False,
+            on_success_callback=WebhookNotifier("decision"))  # promotion or rejection, with the gate's metrics
+
+        @task(task_id="champion", outlets=[ASSETS["champion"]])
+        def champion(decision_manifest: str, outlet_events=None) -> str:
+            """Emit the champion Asset's event when `promote` promoted; skipped otherwise."""
+            from airflow.providers.amazon.aws.hooks.s3 import S3Hook
+            from airflow.sdk.exceptions import AirflowSkipException
+
+            record = json.loads(S3Hook(aws_conn_id="rlhf_s3").read_key(decision_manifest))
+            if not record["metrics"].get("promoted"):
+                raise AirflowSkipException(record.get("decision", "not promoted"))
+            outlet_events[ASSETS["champion"]].extra = {"champion": record["champion"], "decision": record["decision"],
+                                                       "promotion": decision_manifest}
+            return record["champion"]
+
+        chain(prepare_data, sft, method, [reward_model, dpo, kto])
+        chain(reward_model, rl, eval_)
+        chain([dpo, kto], eval_)
+        chain(eval_, promote, champion(promote.output))
+    return dag
