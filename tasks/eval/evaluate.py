@@ -13,12 +13,15 @@ import json
 import torch
 
 from tasks.common import data
+from tasks.common.cost import lineage_cost
 from tasks.common.models import load_causal_lm, load_tokenizer, resolve_model, sequence_logprobs
 from tasks.common.rollout import HFRolloutEngine, Rollout
+from tasks.common.registry import Registry
 from tasks.common.stage import StageRun
 from tasks.common.strategy import set_seed
 from tasks.data.demo import extract_answer, is_preferred_style
 from tasks.eval.config import EvalConfig
+from tasks.eval.report import write_report
 from tasks.rl.rewards import RewardModels, build_reward_batch
 
 METRICS = ("accuracy", "preferred_style_rate", "sampled_accuracy", "reward_mean", "kl_to_ref", "response_length")
@@ -59,6 +62,9 @@ def markdown(report: dict) -> str:
     base, pol = report["metrics"]["baseline"], report["metrics"]["policy"]
     lines = ["| metric | baseline (SFT) | policy | change |", "|---|---:|---:|---:|"]
     lines += [f"| {k} | {base[k]:.3f} | {pol[k]:.3f} | {pol[k] - base[k]:+.3f} |" for k in METRICS if k in base]
+    cost = report.get("cost") or {}
+    lines += ["", f"Cost of the candidate: {cost.get('wall_time_s', 0):.0f} s of stage wall time, "
+              f"{cost.get('gpu_hours', 0):.3f} GPU-hours over {cost.get('stages', 0)} stages."] if cost else []
     lines += ["", f"{report['num_prompts']} held-out prompts. accuracy: greedy exact match; the rest: one sample per prompt "
               f"at temperature {report['temperature']}.", "", "| prompt | label | baseline | policy |", "|---|---|---|---|"]
     lines += [f"| `{s['prompt']}` | {s['label']} | `{s['baseline']}` | `{s['policy']}` |" for s in report["samples"]]
@@ -81,18 +87,31 @@ def evaluate(cfg: EvalConfig, run: StageRun) -> None:
     texts = list(rows[cfg.input_key])
     base_metrics, base_greedy = policy_metrics(baseline, baseline, reward_model, tokenizer, prompts, texts, labels, cfg)
     pol_metrics, pol_greedy = policy_metrics(policy, baseline, reward_model, tokenizer, prompts, texts, labels, cfg)
+    metrics = {"baseline": base_metrics, "policy": pol_metrics}
+    # The champion of the registry, judged on the same prompts, so the promotion gate compares like with like.
+    champion, _ = Registry(cfg.registry).champion() if cfg.registry else (None, None)
+    if champion:
+        print(f"eval: champion v{champion['version']} is {champion['policy']}", flush=True)
+        champ_model = load_causal_lm(resolve_model(run.input("champion", champion["policy"]))).eval()
+        metrics["champion"], _ = policy_metrics(champ_model, baseline, reward_model, tokenizer, prompts, texts, labels, cfg)
+        del champ_model
     report = {
-        "metrics": {"baseline": base_metrics, "policy": pol_metrics},
+        "metrics": metrics,
+        "champion": {"version": champion["version"], "policy": champion["policy"]} if champion else None,
         "delta": {k: round(pol_metrics[k] - base_metrics[k], 4) for k in METRICS if k in base_metrics},
         "num_prompts": len(prompts),
         "temperature": cfg.temperature,
         "inputs": dict(run.inputs),
+        # What producing the candidate took: wall time and GPU-hours over its lineage (SFT, RM, RL, ...).
+        "cost": lineage_cost(cfg.policy),
         "samples": [{"prompt": p, "label": l, "baseline": b, "policy": q}
                     for p, l, b, q in list(zip(rows[cfg.input_key], labels, base_greedy, pol_greedy))[:cfg.num_shown_samples]],
     }
     (run.workdir / "report.json").write_text(json.dumps(report, indent=2))
     table = markdown(report)
     (run.workdir / "report.md").write_text("# Evaluation\n\n" + table)
+    # report.html and chart_*.svg: the same report with the policy's training curves, readable as files
+    write_report(run.workdir, report, policy_uri=cfg.policy, run_id=cfg.run_id)
     print(table, flush=True)
     run.commit(metrics={f"{side}_{k}": v for side in ("baseline", "policy") for k, v in report["metrics"][side].items()},
                report="report.json")

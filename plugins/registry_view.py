@@ -1,0 +1,122 @@
+"""The registry view, read-only: a FastAPI app the API server mounts (register ``app``, e.g. at /rlhf-registry).
+
+    GET /rlhf-registry/?bucket=rlhf-flow&prefix=rlhf-flow&model_name=demo-policy          an HTML page
+    GET /rlhf-registry/api?bucket=…&prefix=…&model_name=…                                 the same as JSON
+
+Shows the champion, every promotion and rollback (who, when, which run, gate metrics) and every judged
+candidate with its metrics and cost (GPU-hours and wall time summed over the manifests of its policy's
+lineage and its evaluation: the stages' ``gpu_hours`` / ``wall_time_s`` metrics where they recorded them).
+Nothing here writes: promote and roll back with the rlhf_registry DAG or ``python -m tasks.registry``.
+S3 through the connection ``rlhf_s3``; callers need read access to DAG runs (Airflow's own auth).
+The Airflow side never imports tasks, so the lineage walk is repeated here (tasks.common.cost.lineage).
+"""
+from __future__ import annotations
+
+import html
+import json
+import re
+
+from airflow.api_fastapi.core_api.security import DagAccessEntity, requires_access_dag
+from fastapi import Depends, FastAPI, Query
+from fastapi.responses import HTMLResponse
+
+from plugins.reports import BUCKET, PREFIX, _s3, bad, read_object
+
+MODEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")  # the model_name Param's pattern
+MAX_CANDIDATES = 100  # newest shown; each costs a few manifest reads
+
+app = FastAPI(title="rlhf-flow registry", docs_url=None, redoc_url=None, openapi_url=None)
+can_read_runs = Depends(requires_access_dag("GET", DagAccessEntity.RUN))
+
+
+def registry_root(bucket: str, prefix: str, model_name: str) -> str:
+    if not BUCKET.match(bucket):
+        raise bad("bucket", bucket, "is not an S3 bucket name: use 3-63 lowercase letters, digits, '.' and '-'")
+    if not PREFIX.match(prefix) or ".." in prefix.split("/"):
+        raise bad("prefix", prefix, "is not a key prefix: use letters, digits, '.', '_', '-' and '/', no '..' segment")
+    if not MODEL.match(model_name):
+        raise bad("model_name", model_name, "is not a model name: use letters, digits, '.', '_' and '-'")
+    return "/".join(p for p in (f"s3://{bucket}", prefix.strip("/"), "models", model_name) if p)
+
+
+def _json(uri: str) -> dict | None:
+    raw = read_object(uri)
+    try:
+        return json.loads(raw) if raw is not None else None
+    except ValueError:
+        return None
+
+
+def _list(uri: str) -> list[str]:
+    bucket, _, key = uri.removeprefix("s3://").partition("/")
+    pages = _s3().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=key.rstrip("/") + "/")
+    return sorted(f"s3://{bucket}/{o['Key']}" for page in pages for o in page.get("Contents", []) if o["Key"].endswith(".json"))
+
+
+def _folder(value) -> str | None:
+    return value.rstrip("/").removesuffix("/manifest.json") if isinstance(value, str) and value.startswith("s3://") else None
+
+
+def lineage_cost(*uris: str) -> dict:
+    """GPU-hours and wall time over the stage manifests reachable from uris through ``inputs`` (not the
+    eval stage's ``champion``: another model's training)."""
+    total, seen, todo = {"wall_time_s": 0.0, "gpu_hours": 0.0, "stages": 0, "unknown": 0}, set(), [_folder(u) for u in uris]
+    while todo:
+        folder = todo.pop()
+        if not folder or folder in seen:
+            continue
+        seen.add(folder)
+        manifest = _json(f"{folder}/manifest.json")
+        if not manifest:
+            continue
+        metrics = manifest.get("metrics") or {}
+        total["stages"] += 1
+        total["wall_time_s"] += float(metrics.get("wall_time_s") or 0)
+        total["gpu_hours"] += float(metrics.get("gpu_hours") or 0)
+        total["unknown"] += "gpu_hours" not in metrics
+        todo += [_folder(v.strip()) for name, value in (manifest.get("inputs") or {}).items()
+                 if name != "champion" and isinstance(value, str) for v in value.split(",")]
+    return {**total, "wall_time_s": round(total["wall_time_s"], 1), "gpu_hours": round(total["gpu_hours"], 4)}
+
+
+def listing(root: str) -> dict:
+    candidates = [c for c in (_json(u) for u in _list(f"{root}/candidates")) if c]
+    candidates = sorted(candidates, key=lambda c: c.get("judged_at", ""))[-MAX_CANDIDATES:]
+    for c in candidates:
+        c["cost"] = lineage_cost(c.get("policy") or "", c.get("evaluation") or "")
+    return {"registry": root, "champion": _json(f"{root}/champion.json"),
+            "history": [h for h in (_json(u) for u in _list(f"{root}/history")) if h], "candidates": candidates}
+
+
+@app.get("/api", dependencies=[can_read_runs])
+def registry_json(bucket: str = Query("rlhf-flow"), prefix: str = Query("rlhf-flow"), model_name: str = Query("demo-policy")) -> dict:
+    return listing(registry_root(bucket, prefix, model_name))
+
+
+def _metrics(m: dict) -> str:
+    return ", ".join(f"{k} {v:.3f}" for k, v in sorted((m or {}).items()) if isinstance(v, (int, float)))
+
+
+@app.get("/", response_class=HTMLResponse, dependencies=[can_read_runs])
+def registry_page(bucket: str = Query("rlhf-flow"), prefix: str = Query("rlhf-flow"), model_name: str = Query("demo-policy")):
+    data = listing(registry_root(bucket, prefix, model_name))
+    e = html.escape
+    champ = data["champion"]
+    rows = "".join(
+        f"<tr><td>v{h['version']}</td><td>{e(str(h.get('promoted_at')))}</td><td>{e(str(h.get('action', 'promote')))}"
+        f"{' to v' + str(h['rolled_back_to']) if 'rolled_back_to' in h else ''}</td><td>{e(str(h.get('promoted_by')))}</td>"
+        f"<td>{e(str(h.get('run_id', '')))}</td><td>{e(_metrics(h.get('metrics')))}</td><td>{e(str(h.get('reason', '')))}</td></tr>"
+        for h in reversed(data["history"]))
+    cands = "".join(
+        f"<tr><td>{e(str(c.get('run_id')))}</td><td>{'promoted' if c.get('promoted') else 'passed' if c.get('passed') else 'rejected'}"
+        f"</td><td>{e(_metrics(c.get('metrics')))}</td><td>{c['cost']['gpu_hours']:.3f}</td><td>{c['cost']['wall_time_s']:.0f}</td>"
+        f"<td>{e(str(c.get('decision', '')))}</td></tr>" for c in reversed(data["candidates"]))
+    head = f"v{champ['version']}: {e(champ['policy'])}" if champ else "none yet"
+    return HTMLResponse(
+        f"<!doctype html><meta charset=utf-8><title>Registry {e(model_name)}</title>"
+        "<style>body{font-family:sans-serif;margin:1em}td,th{padding:2px 8px;border-bottom:1px solid #ddd;text-align:left}</style>"
+        f"<h1>{e(data['registry'])}</h1><p>Champion: {head}</p>"
+        "<h2>History</h2><table><tr><th>version</th><th>when</th><th>action</th><th>by</th><th>run</th><th>metrics</th><th>reason</th></tr>"
+        f"{rows}</table><h2>Candidates</h2><table><tr><th>run</th><th>verdict</th><th>metrics</th><th>GPU-h</th><th>wall s</th>"
+        f"<th>decision</th></tr>{cands}</table>",
+        headers={"Content-Security-Policy": "default-src 'none'; style-src 'unsafe-inline'; frame-ancestors 'self'"})
