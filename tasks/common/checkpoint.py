@@ -3,10 +3,13 @@
     store = CheckpointStore(cfg.ckpt_path or storage.join(cfg.output, "checkpoints"), keep=cfg.max_ckpt_num)
     step = store.latest()                       # newest complete step, or None
     local = store.fetch(step, "/tmp/resume")    # download it, every file's sha256 checked
-    store.commit("/tmp/ckpt", step, run_id, config)   # upload, manifest last, prune beyond `keep`
+    uri = store.begin(step)                     # where workers upload the files they wrote themselves
+    store.commit("/tmp/ckpt", step, run_id, config, uploaded=files)   # manifest last, prune beyond `keep`
 
 A checkpoint folder without its manifest.json is an interrupted upload: `latest` never returns it.
-What goes inside is the stage's business (DeepSpeed states per model, the controller's state).
+What goes inside is the stage's business (DeepSpeed states per model, the controller's state). Each
+Ray worker saves its part on its own node and uploads it itself (nodes share no filesystem); the
+driver commits the manifest listing every rank's files once all of them are up.
 """
 from __future__ import annotations
 
@@ -41,10 +44,18 @@ class CheckpointStore:
         local, _ = manifests.fetch(self.uri(step), local_dir)
         return local
 
-    def commit(self, local_dir: str | Path, step: int, run_id: str, config: dict, metrics: dict | None = None) -> str:
-        """Upload one checkpoint (manifest last), then delete the oldest beyond `keep`."""
+    def begin(self, step: int) -> str:
+        """The URI of step's checkpoint, its stale manifest (if any) removed before new files land there."""
+        uri = self.uri(step)
+        storage.delete(storage.join(uri, manifests.MANIFEST))
+        return uri
+
+    def commit(self, local_dir: str | Path, step: int, run_id: str, config: dict, metrics: dict | None = None,
+               uploaded: dict | None = None) -> str:
+        """Upload one checkpoint (manifest last, also listing the `uploaded` files workers put there),
+        then delete the oldest beyond `keep`."""
         manifest = manifests.build_manifest("checkpoint", run_id, config, {}, metrics or {}, step=step)
-        committed = manifests.commit(local_dir, self.uri(step), manifest)
+        committed = manifests.commit(local_dir, self.uri(step), manifest, uploaded=uploaded)
         if self.keep:
             for old in self.steps()[:-self.keep]:
                 self.delete(old)

@@ -120,24 +120,42 @@ def _dir_uri(uri: str | os.PathLike) -> str:
     return uri
 
 
-def commit(local_dir: str | os.PathLike, uri: str, manifest: dict) -> dict:
+def upload_files(local_dir: str | os.PathLike, uri: str) -> dict[str, dict]:
+    """Upload every file under ``local_dir`` to ``uri``; returns {relpath: {"size", "sha256"}} for a manifest.
+
+    What a Ray worker calls for the files it wrote on its own node (checkpoint shards, a final model):
+    another node's process cannot read them, so the writer uploads them and hands the listing to the
+    process that commits the manifest (``commit(..., uploaded=...)``).
+    """
+    root = storage.local_path(local_dir)
+    listed = storage.walk_local(root, exclude=(MANIFEST,))
+    hashes = storage.parallel_map(lambda f: file_sha256(root / f[0]), listed)
+    uploaded = storage.upload_dir(root, uri, exclude=(MANIFEST,))
+    if uploaded != listed:
+        raise StorageError(f"files under {root} changed while uploading to {uri}: finish writing them first", uri)
+    return {rel: {"size": size, "sha256": sha} for (rel, size), sha in zip(listed, hashes)}
+
+
+def commit(local_dir: str | os.PathLike, uri: str, manifest: dict, uploaded: dict[str, dict] | None = None) -> dict:
     """Upload ``local_dir`` to ``uri``, then write ``<uri>/manifest.json`` last.
 
-    Returns the manifest with ``files`` ({relpath: {"size", "sha256"}}) and ``uri`` (the output root).
+    ``uploaded`` lists files other processes already put under ``uri`` (``upload_files``' result, paths
+    relative to ``uri``); the manifest vouches for them too. Returns the manifest with ``files``
+    ({relpath: {"size", "sha256"}}) and ``uri`` (the output root).
     """
     root = storage.local_path(local_dir)
     uri = _dir_uri(uri)
     if not root.is_dir():
         raise NotFoundError(f"no local directory {root} to commit to {uri}: write the stage output first", uri)
-    listed = storage.walk_local(root, exclude=(MANIFEST,))
-    hashes = storage.parallel_map(lambda f: file_sha256(root / f[0]), listed)
-    files = {rel: {"size": size, "sha256": sha} for (rel, size), sha in zip(listed, hashes)}
     # Remove a previous run's marker first, so readers see "unfinished" while new files land.
     storage.delete(storage.join(uri, MANIFEST))
-    uploaded = storage.upload_dir(root, uri, exclude=(MANIFEST,))
-    if uploaded != listed:
-        raise StorageError(f"files under {root} changed while committing to {uri}: "
-                           "finish writing the stage output before commit", uri)
+    files = upload_files(root, uri)
+    for rel, entry in (uploaded or {}).items():
+        _check_relpath(rel, uri)
+        if files.setdefault(rel, entry) != entry:
+            raise StorageError(f"{storage.join(uri, rel)} was written twice with different contents: "
+                               "give each writer its own file names", uri)
+    files = dict(sorted(files.items()))
     out = {**manifest, "files": files, "uri": uri}
     storage.write_json(storage.join(uri, MANIFEST), out)
     return out

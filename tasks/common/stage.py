@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from tasks.common import cost
 from tasks.common import manifest as manifests
 from tasks.common import storage
 from tasks.common.checkpoint import CheckpointStore
@@ -28,7 +29,13 @@ from tasks.common.config import ConfigError, StageConfig, parse_config
 from tasks.common.storage import StorageError
 from tasks.common.tracking import MetricsTracker
 
-USER_ERRORS = (ConfigError, StorageError)
+
+
+class InjectedFailure(RuntimeError):
+    """The failure --fail_after_step asks for."""
+
+
+USER_ERRORS = (ConfigError, StorageError, InjectedFailure)
 
 
 class StageRun:
@@ -39,6 +46,8 @@ class StageRun:
         self.cfg = cfg
         self.workdir = Path(tempfile.mkdtemp(prefix=f"rlhf-{stage}-"))
         self.inputs: dict[str, str] = {}
+        self.resumed_from = 0  # the checkpoint step this run started from (0: from scratch)
+        self.placements: list = []  # the placement groups its workers held (each once), for the cost
         self.started = time.time()
         self.tracker = MetricsTracker(
             self.workdir / "metrics.jsonl",
@@ -59,8 +68,11 @@ class StageRun:
     def checkpoints(self) -> CheckpointStore:
         return CheckpointStore(self.cfg.ckpt_path or storage.join(self.cfg.output, "checkpoints"), keep=self.cfg.max_ckpt_num)
 
-    def resume(self, restore: Callable[[Path], None]) -> int:
-        """Restore the newest complete checkpoint (when --load_checkpoint); returns its step, 0 if none."""
+    def resume(self, restore: Callable[[str], None]) -> int:
+        """Restore the newest complete checkpoint (when --load_checkpoint); returns its step, 0 if none.
+
+        `restore(uri)` gets the checkpoint's URI: every process (driver, each worker on its own node)
+        fetches the part it needs into its own local folder (CheckpointStore.fetch / manifest.fetch)."""
         step = self.checkpoints.latest()
         if not self.cfg.load_checkpoint:
             if step is not None and self.cfg.save_steps:
@@ -70,34 +82,49 @@ class StageRun:
             return 0
         if step is None:
             return 0
-        local = Path(tempfile.mkdtemp(prefix=f"rlhf-{self.stage}-resume-"))
-        try:
-            restore(self.checkpoints.fetch(step, local))
-        finally:
-            shutil.rmtree(local, ignore_errors=True)
+        restore(self.checkpoints.uri(step))
         print(f"{self.stage}: resumed from {self.checkpoints.uri(step)}", flush=True)
+        self.resumed_from = step
         return step
 
-    def checkpoint(self, step: int, save: Callable[[Path], None]) -> None:
-        """Every --save_steps steps: `save(folder)` writes the state, then it is committed as step_<step>."""
+    def checkpoint(self, step: int, save: Callable[[Path, str], dict | None]) -> None:
+        """Every --save_steps steps, committed as step_<step>: `save(folder, uri)` writes this process's part
+        of the state into `folder` and has each worker upload its own part under `uri` (workers on other
+        nodes cannot write into this process's folder); it returns the files they uploaded ({relpath
+        under uri: {size, sha256}}), which the manifest, written last, lists with the folder's."""
         if not self.cfg.save_steps or step % self.cfg.save_steps:
             return
+        store = self.checkpoints
         local = Path(tempfile.mkdtemp(prefix=f"rlhf-{self.stage}-ckpt-"))
         try:
-            save(local)
-            uri = self.checkpoints.commit(local, step, self.cfg.run_id, self.cfg.to_dict())
+            uploaded = save(local, store.begin(step))
+            uri = store.commit(local, step, self.cfg.run_id, self.cfg.to_dict(), uploaded=uploaded)
         finally:
             shutil.rmtree(local, ignore_errors=True)
         print(f"{self.stage}: checkpoint {uri}", flush=True)
+        if step == getattr(self.cfg, "fail_after_step", 0) and self.resumed_from < step:
+            raise InjectedFailure(f"{self.stage}: injected failure after the checkpoint of step {step} (--fail_after_step); "
+                                  "a rerun resumes from it")
 
-    def commit(self, metrics: dict, **extra) -> dict:
-        """Upload the output folder and write manifest.json last."""
+    def remote_output(self, rel: str) -> str:
+        """The URI under --output where workers upload `rel` themselves (a group spanning nodes cannot
+        write into this process's folder); list what they uploaded in commit(uploaded=…). The old
+        manifest goes first, so no reader sees it vouch for files being replaced."""
+        storage.delete(storage.join(self.cfg.output, manifests.MANIFEST))
+        return storage.join(self.cfg.output, rel)
+
+    def commit(self, metrics: dict, uploaded: dict | None = None, **extra) -> dict:
+        """Upload the output folder and write manifest.json last (also listing the files workers
+        `uploaded` under --output themselves, see remote_output)."""
         self.tracker.close()
-        metrics = {**metrics, "wall_time_s": round(time.time() - self.started, 1)}
+        # The driver holds the one CPU its Ray job reserves (RayJobOperator's entrypoint_num_cpus).
+        metrics = {**metrics, **cost.stage_cost(time.time() - self.started, **cost.held_resources(self.placements, driver_cpus=1))}
+        if self.resumed_from:
+            extra = {"resumed_from_step": self.resumed_from, **extra}
         manifest = manifests.build_manifest(self.stage, self.cfg.run_id, self.cfg.to_dict(), self.inputs, metrics, **extra)
-        committed = manifests.commit(self.workdir, self.cfg.output, manifest)
+        committed = manifests.commit(self.workdir, self.cfg.output, manifest, uploaded=uploaded)
         print(f"committed {self.stage} output to {committed['uri']}", flush=True)
-        if getattr(self.cfg, "save_path", "") and "model" in extra:
+        if getattr(self.cfg, "save_path", "") and "model" in extra and (self.workdir / extra["model"]).is_dir():
             storage.upload_dir(self.workdir / extra["model"], self.cfg.save_path)
             print(f"{self.stage}: final model also written to {self.cfg.save_path}", flush=True)
         return committed

@@ -4,16 +4,22 @@
     actor = WorkerGroup(ActorWorker, placement, name="actor", fraction=1.0)    # 2 ranks, world of 2
     actor.run("setup", cfg, total_updates)         # every rank, same arguments
     actor.scatter("generate", [shard0, shard1])     # rank r gets shards[r]
-    actor.run("save_model", out_dir)              # every rank: a ZeRO-3 gather needs them all
+    files = actor.run("upload_model", [uri])[0]   # every rank saves (a ZeRO-3 gather needs them all), rank 0 uploads
 
 Every stage that trains builds its workers this way: SFT and reward-model training put one group
 on their placement; RL puts actor, critic, reference and reward groups on one placement each, or
 several groups on one placement ("colocated") with a fraction of each bundle's GPU (CPU here).
 
-A bundle is one GPU and one CPU on a GPU cluster and one CPU on a CPU-only one, so the group's
-rank r always runs in bundle r. The world joins through a file in a folder every rank sees when
-the group sits on one node (torch's TCP store would listen on every interface), and through
-TCP on rank 0's node address otherwise.
+A bundle is one GPU and one CPU on a GPU cluster and one CPU on a CPU-only one, plus any custom
+resources the stage asks for (`Placement.create(..., resources={"node_a": 1})`: Ray then puts the
+bundles only on nodes that advertise them, which is how a group is pinned to a kind of node), so
+the group's rank r always runs in bundle r. The world joins through a file in a folder every rank
+sees when the group sits on the driver's own Ray node (torch's TCP store would listen on every
+interface), and through TCP on rank 0's node address otherwise.
+
+Nodes share no filesystem. A worker writes what it saves (checkpoint shards, a final model) under
+its node's scratch folder, `RLHF_NODE_SCRATCH` from that node's `ray start` environment (else the
+system temp folder), and uploads it itself; only URIs and file listings travel to the driver.
 
 Worker subclasses implement their role's methods; `Worker.__init__` joins the world, so by the
 time a method runs, `torch.distributed` and DeepSpeed are ready.
@@ -21,6 +27,7 @@ time a method runs, `torch.distributed` and DeepSpeed are ready.
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import tempfile
 import uuid
@@ -34,6 +41,9 @@ from tasks.common.config import ConfigError
 # lacks what a test or a job set for the driver (caches, S3 endpoint and keys, offline flags).
 FORWARDED_ENV_PREFIXES = ("RLHF_", "AWS_", "HF_", "WANDB_", "TRANSFORMERS_", "TORCH_EXTENSIONS_DIR", "PYTHONPATH",
                           "TOKENIZERS_PARALLELISM", "DS_")
+# Set per node on its `ray start`, never copied from the driver: where that node's workers write.
+NODE_SCRATCH_ENV = "RLHF_NODE_SCRATCH"
+NOT_FORWARDED = (NODE_SCRATCH_ENV,)
 PLACEMENT_TIMEOUT_S = float(os.environ.get("RLHF_PLACEMENT_TIMEOUT_S", "60"))
 
 
@@ -72,13 +82,21 @@ class Placement:
         return self.num_nodes * self.gpus_per_node
 
     @classmethod
-    def create(cls, num_nodes: int, gpus_per_node: int, name: str, use_gpu: bool | None = None) -> "Placement":
+    def create(cls, num_nodes: int, gpus_per_node: int, name: str, use_gpu: bool | None = None,
+               resources: dict[str, float] | None = None) -> "Placement":
+        """`resources`: custom resources each bundle also asks for (e.g. {"node_a": 1}), so the bundles
+        land only on nodes that advertise them."""
         import ray
         from ray.util.placement_group import placement_group
 
         connect_ray()
         use_gpu = cluster_has_gpus() if use_gpu is None else use_gpu
         bundle = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}
+        bundle.update(resources or {})
+        missing = sorted(set(resources or {}) - set(ray.cluster_resources()))
+        if missing:  # Ray would wait for such a node forever
+            raise ConfigError(f"{name}_resources: no node of this Ray cluster advertises {', '.join(missing)}; "
+                              "start nodes with `ray start --resources`, or drop the flag")
         # PACK keeps one node's ranks together (and on one node when they fit); STRICT_PACK would
         # refuse a group larger than a node.
         pg = placement_group([dict(bundle) for _ in range(num_nodes * gpus_per_node)], strategy="PACK", name=f"rlhf-{name}-{uuid.uuid4().hex[:6]}")
@@ -88,16 +106,52 @@ class Placement:
             free = ray.available_resources()
             need = num_nodes * gpus_per_node
             kind = "GPU" if use_gpu else "CPU"
+            if resources:
+                raise ConfigError(
+                    f"{name}_resources: the {name} workers need {need} bundle(s) of {bundle}, which no node(s) could hold "
+                    f"after {PLACEMENT_TIMEOUT_S:g} s (free: {free}); ask for custom resources the nodes advertise "
+                    "(`ray start --resources`), or drop the flag")
             raise ConfigError(
                 f"{name}_num_gpus_per_node: the {name} workers need {need} bundle(s) of {bundle} but the cluster has "
                 f"{free.get(kind, 0):g} {kind} free after {PLACEMENT_TIMEOUT_S:g} s; use fewer workers or colocate groups "
                 f"(--colocate_all_models)")
         return cls(name, num_nodes, gpus_per_node, use_gpu, pg)
 
+    def node_ids(self) -> list[str]:
+        """The Ray node id of each bundle, known as soon as the placement group is ready."""
+        import ray
+
+        nodes = ray.util.placement_group_table(self.group)["bundles_to_node_id"]
+        return [nodes[i] for i in range(self.size)]
+
     def remove(self) -> None:
         import ray
 
         ray.util.remove_placement_group(self.group)
+
+
+def use_node_scratch() -> str:
+    """Point this process's temporary files and fetch cache at its node's scratch folder
+    ($RLHF_NODE_SCRATCH, when that node's `ray start` set it); returns the folder it writes in."""
+    scratch = os.environ.get(NODE_SCRATCH_ENV)
+    if not scratch:
+        return tempfile.gettempdir()
+    os.makedirs(scratch, exist_ok=True)
+    tempfile.tempdir = scratch
+    # Models and checkpoints this worker fetches are cached on its own node, not where the driver caches.
+    os.environ["RLHF_CACHE_DIR"] = os.path.join(scratch, "cache")
+    return scratch
+
+
+def merge_uploads(results: Sequence[dict], prefix: str = "") -> dict:
+    """The ranks' `upload_files` listings as one, under `prefix/`; two ranks writing one path differently is a bug."""
+    merged: dict = {}
+    for files in results:
+        for rel, entry in (files or {}).items():
+            key = f"{prefix.strip('/')}/{rel}" if prefix else rel
+            if merged.setdefault(key, entry) != entry:
+                raise RuntimeError(f"{key}: two ranks wrote different files under one name; give each rank its own file names")
+    return merged
 
 
 class Worker:
@@ -109,6 +163,7 @@ class Worker:
         from tasks.common.strategy import init_distributed
 
         self.rank, self.world_size = rank, world_size
+        self.scratch = use_node_scratch()
         if not torch.cuda.is_available():
             torch.set_num_threads(num_threads)
         init_distributed(rank, world_size, init_method)
@@ -117,6 +172,11 @@ class Worker:
         import ray
 
         return ray.util.get_node_ip_address()
+
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
 
     def call(self, method: str, *args, **kwargs):
         """Run one of this worker's methods by name (the group's fan-out goes through here)."""
@@ -133,26 +193,65 @@ class TrainingWorker(Worker):
     engine = None
     sampler = None
 
-    def save_state(self, out_dir: str) -> None:
-        sampler = self.sampler.state_dict() if self.sampler is not None else None
-        self.strategy.save_state(self.engine, out_dir, {"sampler": sampler})
+    def save_state(self, uri: str) -> dict:
+        """Save this rank's part of the state (DeepSpeed writes rank 0's model states and each rank's ZeRO
+        shard and RNG) in this node's scratch, upload it under `uri`, and return what was uploaded."""
+        from tasks.common import manifest as manifests
 
-    def load_state(self, in_dir: str) -> None:
-        state = self.strategy.load_state(self.engine, in_dir)
+        sampler = self.sampler.state_dict() if self.sampler is not None else None
+        local = tempfile.mkdtemp(prefix="rlhf-state-", dir=self.scratch)
+        try:
+            self.strategy.save_state(self.engine, local, {"sampler": sampler})
+            files = manifests.upload_files(local, uri)
+        finally:
+            shutil.rmtree(local, ignore_errors=True)
+        print(f"{type(self).__name__} rank {self.rank} on node {self.node_id()[:8]}: wrote {len(files)} files in {self.scratch}, "
+              f"uploaded them to {uri}", flush=True)
+        return files
+
+    def load_state(self, uri: str, subdir: str | None = None) -> None:
+        """Fetch a committed checkpoint (only `subdir` of it, if given) into this node's scratch, every
+        rank's files (ZeRO-2 reads them all), and restore from it."""
+        from tasks.common import manifest as manifests
+
+        local = tempfile.mkdtemp(prefix="rlhf-resume-", dir=self.scratch)
+        try:
+            path, _ = manifests.fetch(uri, local, subdir=subdir)
+            state = self.strategy.load_state(self.engine, path)
+        finally:
+            shutil.rmtree(local, ignore_errors=True)
         if self.sampler is not None:
             self.sampler.load_state_dict(state["sampler"])
 
+    def upload_model(self, uris: Sequence[str], *args) -> dict:
+        """`save_model(folder, *args)` on every rank (a ZeRO-3 gather needs them all) into this node's
+        scratch; rank 0 uploads the HF model to each of `uris` and returns the first upload's files."""
+        from tasks.common import manifest as manifests
+        from tasks.common import storage
+
+        local = tempfile.mkdtemp(prefix="rlhf-model-", dir=self.scratch)
+        try:
+            self.save_model(local, *args)
+            if self.rank != 0:
+                return {}
+            files = manifests.upload_files(local, uris[0])
+            for uri in uris[1:]:
+                storage.upload_dir(local, uri)
+            return files
+        finally:
+            shutil.rmtree(local, ignore_errors=True)
+
 
 class _Probe:
-    """A bare actor placed like a group's rank 0, to learn its node before the world forms."""
+    """A bare actor placed like a group's rank, to learn its node before the world forms."""
 
-    def address(self) -> tuple[str, int]:
+    def address(self) -> tuple[str, str, int]:
         import ray
 
         with socket.socket() as s:
             s.bind(("", 0))
             port = s.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
+        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), port
 
 
 class WorkerGroup:
@@ -164,7 +263,7 @@ class WorkerGroup:
 
         self.name, self.placement, self.world_size = name, placement, placement.size
         resources = {"num_cpus": fraction, "num_gpus": fraction if placement.use_gpu else 0}
-        env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIXES)}
+        env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIXES) and k not in NOT_FORWARDED}
         options = [dict(resources, runtime_env={"env_vars": env},
                         scheduling_strategy=PlacementGroupSchedulingStrategy(placement.group, placement_group_bundle_index=r))
                    for r in range(self.world_size)]
@@ -173,13 +272,17 @@ class WorkerGroup:
         addresses = ray.get([p.address.remote() for p in probes])
         for p in probes:
             ray.kill(p)
-        nodes = [a for a, _ in addresses]
-        if len(set(nodes)) == 1 and nodes[0] == ray.util.get_node_ip_address():
+        # Ray node ids, not addresses: two nodes may share an address (and a file rendezvous would
+        # then assume a filesystem they do not share).
+        nodes = [node for node, _, _ in addresses]
+        self.nodes, self.driver_node = nodes, ray.get_runtime_context().get_node_id()
+        if set(nodes) == {self.driver_node}:
             # One node, the driver's: a file rendezvous in a folder every rank sees.
             folder = os.environ.get("RLHF_RENDEZVOUS_DIR") or tempfile.gettempdir()
             init_method = f"file://{folder}/rlhf-{name}-{uuid.uuid4().hex}"
         else:
-            init_method = f"tcp://{addresses[0][0]}:{addresses[0][1]}"
+            init_method = f"tcp://{addresses[0][1]}:{addresses[0][2]}"
+        self.rendezvous = init_method.split(":", 1)[0]
         per_node = max(nodes.count(n) for n in nodes)
         threads = max(1, (os.cpu_count() or 1) // per_node)
 
@@ -233,13 +336,14 @@ def train_steps(run, group: WorkerGroup, max_steps: int, logging_steps: int) -> 
     """The driver's loop of a one-group training stage (SFT, reward model, preference): resume from the
     newest checkpoint, then `train_step` on every rank per step, logging rank 0's (global) statistics
     and checkpointing every --save_steps. Returns the last step's statistics ({} when none ran)."""
-    start = run.resume(lambda local: group.run("load_state", str(local)))
+    run.placements.append(group.placement)  # what the stage held, for its cost
+    start = run.resume(lambda uri: group.run("load_state", uri))
     stats: dict = {}
     for step in range(start + 1, max_steps + 1):
         stats = group.run("train_step")[0]
         if step % logging_steps == 0 or step == max_steps:
             run.tracker.log(step, stats)
-        run.checkpoint(step, lambda local: group.run("save_state", str(local)))
+        run.checkpoint(step, lambda local, uri: merge_uploads(group.run("save_state", uri)))
     return stats
 
 

@@ -1,3 +1,4 @@
+import json
 from dataclasses import dataclass, field
 
 from tasks.common.config import ConfigError, TrainingConfig, check_batch
@@ -72,6 +73,10 @@ class RLConfig(TrainingConfig):
     ref_num_gpus_per_node: int = field(default=1, metadata={"help": "reference workers per node"})
     reward_num_nodes: int = field(default=1, metadata={"help": "nodes of the reward-model group (with --reward_pretrain)"})
     reward_num_gpus_per_node: int = field(default=1, metadata={"help": "reward-model workers per node"})
+    actor_resources: str = field(default="", metadata={"help": "custom Ray resources each actor bundle also asks for, a JSON object such as '{\"node_a\": 1}': the group goes only on nodes that advertise them (`ray start --resources`)"})
+    critic_resources: str = field(default="", metadata={"help": "custom Ray resources of each critic bundle (JSON object)"})
+    ref_resources: str = field(default="", metadata={"help": "custom Ray resources of each reference bundle (JSON object)"})
+    reward_resources: str = field(default="", metadata={"help": "custom Ray resources of each reward-model bundle (JSON object)"})
     colocate_actor_ref: bool = field(default=False, metadata={"help": "actor and reference share GPUs (one placement group, half a GPU each)"})
     colocate_critic_reward: bool = field(default=False, metadata={"help": "critic and reward models share GPUs"})
     colocate_all_models: bool = field(default=False, metadata={"help": "every model shares the actor's GPUs (fractions of one placement group)"})
@@ -86,6 +91,26 @@ class RLConfig(TrainingConfig):
 
     def group_size(self, role: str) -> int:
         return getattr(self, f"{role}_num_nodes") * getattr(self, f"{role}_num_gpus_per_node")
+
+    def resources(self, role: str) -> dict[str, float]:
+        """--<role>_resources as a dict of custom resource -> amount per bundle ({} when unset)."""
+        name = f"{role}_resources"
+        text = getattr(self, name).strip()
+        if not text:
+            return {}
+        hint = f"pass a JSON object of custom resources, e.g. --{name} '{{\"node_a\": 1}}'"
+        try:
+            value = json.loads(text)
+        except ValueError:
+            raise ConfigError(f"{name}: {text!r} is not JSON; {hint}") from None
+        if not isinstance(value, dict) or not value:
+            raise ConfigError(f"{name}: {text!r} is not a non-empty JSON object; {hint}")
+        for key, amount in value.items():
+            if key in ("CPU", "GPU", "memory", "object_store_memory"):
+                raise ConfigError(f"{name}: {key} comes from --{role}_num_gpus_per_node, not from custom resources; {hint}")
+            if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not amount > 0:
+                raise ConfigError(f"{name}: {key!r} needs a positive number, got {amount!r}; {hint}")
+        return {key: float(amount) for key, amount in value.items()}
 
     def interval(self, name: str) -> tuple[float, float] | None:
         """A 'low high' field as two floats (None when empty)."""
@@ -109,6 +134,16 @@ class RLConfig(TrainingConfig):
             for part in ("num_nodes", "num_gpus_per_node"):
                 if getattr(self, f"{role}_{part}") < 1:
                     raise ConfigError(f"{role}_{part}: must be at least 1, got {getattr(self, f'{role}_{part}')}")
+        for role in ("actor", "critic", "ref", "reward"):
+            self.resources(role)
+        # A colocated group sits on the first member's bundles: its own resources would be ignored.
+        shared = [("colocate_all_models", "actor", role) for role in ("critic", "ref", "reward")] if self.colocate_all_models else \
+            [(flag, a, b) for flag, a, b in (("colocate_actor_ref", "actor", "ref"), ("colocate_critic_reward", "critic", "reward"))
+             if getattr(self, flag)]
+        for flag, a, b in shared:
+            if b in self.roles() and a in self.roles() and self.resources(b) and self.resources(b) != self.resources(a):
+                raise ConfigError(f"{b}_resources: with --{flag} the {b} group sits on the {a}'s bundles; "
+                                  f"set --{a}_resources instead, or drop --{b}_resources")
         if self.colocate_all_models:
             for role in self.roles()[1:]:
                 if self.group_size(role) != self.group_size("actor"):

@@ -10,6 +10,8 @@ batch (tasks.rl.advantages), plans the minibatches, logs, and checkpoints.
 """
 from __future__ import annotations
 
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,11 +19,13 @@ from pathlib import Path
 import torch
 
 from tasks.common import data
+from tasks.common import manifest as manifests
+from tasks.common import storage
 from tasks.common.config import ConfigError
 from tasks.common.models import load_tokenizer, resolve_model
 from tasks.common.rollout import Rollout, concat_rollouts
 from tasks.common.stage import StageRun
-from tasks.common.workers import Placement, WorkerGroup, cluster_has_gpus, connect_ray, shard
+from tasks.common.workers import Placement, WorkerGroup, cluster_has_gpus, connect_ray, merge_uploads, shard
 from tasks.rl.advantages import group_keep_mask
 from tasks.rl.config import RLConfig
 from tasks.rl.experience import Experience, make_experience
@@ -147,8 +151,11 @@ class Controller:
         classes = {"actor": ActorWorker, "ref": ReferenceWorker, "critic": CriticWorker, "reward": RewardWorker}
         self.placements, self.groups = [], {}
         for members in self.layout:
-            placement = Placement.create(getattr(cfg, f"{members[0]}_num_nodes"), getattr(cfg, f"{members[0]}_num_gpus_per_node"), members[0])
-            self.placements.append(placement)
+            self.placements.append(Placement.create(getattr(cfg, f"{members[0]}_num_nodes"), getattr(cfg, f"{members[0]}_num_gpus_per_node"),
+                                                    members[0], resources=cfg.resources(members[0])))
+        run.placements.extend(self.placements)  # what the stage held, for its cost
+        self._check_outputs_reachable()
+        for members, placement in zip(self.layout, self.placements):
             for role in members:
                 self.groups[role] = WorkerGroup(classes[role], placement, role, fraction=1.0 / len(members))
         setup_args = {"actor": (cfg, self.updates), "ref": (cfg,), "critic": (cfg, critic_uri, self.updates), "reward": (cfg,)}
@@ -159,6 +166,23 @@ class Controller:
         layout = ", ".join(f"[{' + '.join(m)}] × {self.groups[m[0]].world_size}" for m in self.layout)
         print(f"rl: {len(self.prompts.ids)} prompts ({self.prompts.truncated} cut to {cfg.prompt_max_len} tokens), "
               f"{self.steps} steps; placement groups {layout}", flush=True)
+        where = ", ".join(f"{role} on node(s) {sorted({n[:8] for n in g.nodes})} via {g.rendezvous}" for role, g in self.groups.items())
+        print(f"rl: driver on node {self.groups['actor'].driver_node[:8]}; {where}", flush=True)
+
+    def _check_outputs_reachable(self) -> None:
+        """Workers upload checkpoints and the final model themselves: a folder on the driver's node is out
+        of reach of those on other nodes. Checked once the bundles have nodes, before any worker starts."""
+        import ray
+
+        here = ray.get_runtime_context().get_node_id()
+        if all(node == here for placement in self.placements for node in placement.node_ids()):
+            return
+        for name in ("output", "ckpt_path", "save_path"):
+            value = getattr(self.cfg, name)
+            if value and not storage.is_s3(value):
+                self.shutdown()
+                raise ConfigError(f"{name}: {value} is a folder on the driver's node, which workers on other nodes "
+                                  "cannot write to; pass an s3:// URI")
 
     # ------------------------------------------------------------------ one step
 
@@ -253,14 +277,29 @@ class Controller:
     def trained_groups(self) -> list[str]:
         return [role for role in ("actor", "critic") if role in self.groups]
 
-    def save_state(self, local: Path) -> None:
-        gather([self.groups[role].run_async("save_state", str(local / role)) for role in self.trained_groups()])
-        torch.save({"sampler": self.sampler.state_dict(), "generator": self.generator.get_state(), "kl": self.kl_ctl.state_dict()},
-                   local / "controller.pt")
+    def save_state(self, local: Path, uri: str) -> dict:
+        """Each trained group's ranks save and upload their own files under <uri>/<role>/ (on their own
+        nodes); the controller's state goes into `local`. Returns what the workers uploaded."""
+        import ray
 
-    def load_state(self, local: Path) -> None:
-        gather([self.groups[role].run_async("load_state", str(local / role)) for role in self.trained_groups()])
-        state = torch.load(local / "controller.pt", weights_only=False)
+        futures = {role: self.groups[role].run_async("save_state", storage.join(uri, role)) for role in self.trained_groups()}
+        uploaded = {}
+        for role, ranks in futures.items():
+            uploaded.update(merge_uploads(ray.get(ranks), prefix=role))
+        (local / "controller").mkdir()
+        torch.save({"sampler": self.sampler.state_dict(), "generator": self.generator.get_state(), "kl": self.kl_ctl.state_dict()},
+                   local / "controller" / "controller.pt")
+        return uploaded
+
+    def load_state(self, uri: str) -> None:
+        """Each trained group's ranks fetch <uri>/<role>/ into their own node's scratch; the controller its own part."""
+        gather([self.groups[role].run_async("load_state", uri, role) for role in self.trained_groups()])
+        local = tempfile.mkdtemp(prefix="rlhf-rl-resume-")
+        try:
+            path, _ = manifests.fetch(uri, local, subdir="controller")
+            state = torch.load(path / "controller.pt", weights_only=False)
+        finally:
+            shutil.rmtree(local, ignore_errors=True)
         self.sampler.load_state_dict(state["sampler"])
         self.generator.set_state(state["generator"])
         self.kl_ctl.load_state_dict(state["kl"])
@@ -301,10 +340,18 @@ def train(cfg: RLConfig, run: StageRun) -> None:
         for step in range(start + 1, controller.steps + 1):
             exp = controller.step(step)
             run.checkpoint(step, controller.save_state)
-        controller.groups["actor"].run("save_model", str(run.workdir / "model"))
+        # Rank 0 of each group uploads its model from its own node; the manifest below lists those files.
+        models = {"model": ("actor", [cfg.save_path] if cfg.save_path else [])}
         if cfg.save_value_network and "critic" in controller.groups:
-            controller.groups["critic"].run("save_model", str(run.workdir / "critic"))
+            models["critic"] = ("critic", [])
+        uploaded = {}
+        for folder, (role, also) in models.items():
+            files = controller.groups[role].run("upload_model", [run.remote_output(folder), *also])[0]
+            uploaded.update(merge_uploads([files], prefix=folder))
     finally:
         controller.shutdown()
     final = {"final_reward": exp.scores.mean().item(), "final_kl": exp.kl.sum(-1).mean().item()} if exp is not None else {}
-    run.commit(metrics={**final, "steps": controller.steps, "actor_workers": controller.groups["actor"].world_size}, model="model")
+    run.commit(metrics={**final, "steps": controller.steps, "actor_workers": controller.groups["actor"].world_size},
+               uploaded=uploaded, model="model")
+    if cfg.save_path:
+        print(f"rl: final model also written to {cfg.save_path}", flush=True)

