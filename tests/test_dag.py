@@ -255,7 +255,9 @@ def airflow_db():
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("method", ["rl", "dpo", "kto"])
+# The preference branches run under `make test-all`: their stages are covered by test_stages and
+# test_learning, and the branch wiring by the tests above; `make test` keeps its time for the live stack.
+@pytest.mark.parametrize("method", ["rl", pytest.param("dpo", marks=pytest.mark.slow), pytest.param("kto", marks=pytest.mark.slow)])
 def test_pipeline_end_to_end(method, airflow_db, s3_server, ray_head, dagbag):
     """The whole DAG with dag.test() against the local Ray head and the S3 emulator, with tiny step counts,
     down each branch: the other branch's tasks are skipped, not failed."""

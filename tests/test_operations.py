@@ -136,6 +136,15 @@ def test_nightly_promotes_the_better_policy_only(live_stack):
     worse = trigger(live, dag_id, {"model_name": name, "rl_steps": 2})
     assert wait_run(live, dag_id, worse) == "success", task_states(live, dag_id, worse)
 
+    # The second night reused the unchanged stages (same data, flags and code): no Ray job, the first
+    # night's manifests, cache hits in their Asset events.
+    events = {e["source_task_id"]: e for e in live.rest("GET", "/api/v2/assets/events", source_run_id=worse, limit=100)["asset_events"]}
+    for task_id in ("prepare_data", "sft", "reward_model"):
+        assert ray_jobs(live, submission_id_for(dag_id, worse, task_id)) == {}, task_id
+        assert xcom(live, dag_id, worse, task_id) == xcom(live, dag_id, good, task_id)
+        assert events[task_id]["extra"]["cache_hit"] is True
+    assert events["rl"]["extra"]["cache_hit"] is False
+
     registry = f"s3://{live.bucket}/rlhf-flow/models/{name}"
     champion = s3_json(live, f"{registry}/champion.json")
     assert champion["version"] == 1 and champion["policy"] == xcom(live, dag_id, good, "rl")
