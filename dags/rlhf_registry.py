@@ -8,9 +8,9 @@ moved since, the task fails with one line and nothing changes. Who acted is reco
 """
 from airflow.sdk import DAG, Param, task
 
-from plugins.operators import RayJobOperator
+from plugins.operators import OUTPUT_ROOT, RayJobOperator
 
-REGISTRY = "s3://{{ params.bucket }}/{{ params.prefix }}/models/{{ params.model_name }}"
+REGISTRY = OUTPUT_ROOT + "/models/{{ params.model_name }}"
 MOVE = {"registry": REGISTRY, "expected_version": "{{ params.expected_version }}",
         "by": "{{ params.requested_by or 'rlhf_registry' }} via {{ dag.dag_id }} run {{ run_id }}", "reason": "{{ params.reason }}"}
 
@@ -24,7 +24,8 @@ with DAG(
     tags=["rlhf", "registry"],
     params={
         "action": Param("list", type="string", enum=["list", "promote", "rollback"], title="Action"),
-        "bucket": Param("rlhf-flow", type="string", title="Bucket", pattern=r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$"),
+        "bucket": Param("", type="string", title="Bucket", pattern=r"^$|^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$",
+                        description="Empty: the bucket of the rlhf_s3 connection (extra.bucket)."),
         "prefix": Param("rlhf-flow", type="string", title="Key prefix", pattern=r"^[A-Za-z0-9._\-/]*$", maxLength=200),
         "model_name": Param("demo-policy", type="string", title="Model name", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"),
         "expected_version": Param(0, type="integer", minimum=0, title="Champion version you saw",

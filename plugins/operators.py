@@ -36,6 +36,12 @@ WORKING_DIR_EXCLUDES = [".venv", ".scratch", ".git", "__pycache__", "tests", "be
 DEFAULT_ENV_VARS = {"PYTHONUNBUFFERED": "1"}
 _SECRET_ENV = re.compile(r"SECRET|PASSWORD|PASSWD|TOKEN|CREDENTIAL|ACCESS_KEY|PRIVATE_KEY|SESSION_KEY|API_KEY", re.I)
 
+#: The bucket of a run: the `bucket` Param when set, else the `bucket` in the extra of the S3 connection
+#: rlhf_s3, else "rlhf-flow". Moving to another store changes the connection, not the DAG.
+BUCKET = "{{ params.bucket or conn.rlhf_s3.extra_dejson.get('bucket') or 'rlhf-flow' }}"
+#: Where a run's stages write: s3://<bucket>/<prefix>.
+OUTPUT_ROOT = "s3://" + BUCKET + "/{{ params.prefix }}"
+
 #: The task state store key holding the Ray submission id of the task's latest job (kept across attempts).
 SUBMISSION_ID_KEY = "ray_submission_id"
 #: ... and the cache key of the work that job was submitted for (the code may change before it ends).
@@ -140,7 +146,7 @@ class RayJobOperator(BaseOperator):
     :param module: the stage module, e.g. ``tasks.sft`` (templated).
     :param args: ``{flag: value}``; each becomes ``--flag value`` (templated; None dropped; bools as
         true/false). XComArgs (``other_task.output``) are resolved and make the dependency.
-    :param output_root: where runs are stored, e.g. ``s3://bucket/prefix`` (templated). The job writes to
+    :param output_root: where runs are stored, e.g. ``s3://bucket/prefix`` (templated; default: OUTPUT_ROOT). The job writes to
         ``{output_root}/runs/{dag_id}/{run_id}/{task_id}``, ``manifest.json`` last.
     :param ray_conn_id: connection of the Ray dashboard (Jobs API).
     :param aws_conn_id: connection used to check the manifest exists.
@@ -177,7 +183,7 @@ class RayJobOperator(BaseOperator):
         *,
         module: str,
         args: dict[str, Any] | None = None,
-        output_root: str = "s3://{{ params.bucket }}/{{ params.prefix }}",
+        output_root: str = OUTPUT_ROOT,
         ray_conn_id: str = "rlhf_ray",
         aws_conn_id: str | None = "rlhf_s3",
         entrypoint_num_cpus: float = 1,

@@ -25,7 +25,7 @@ from datetime import timedelta
 from airflow.sdk import DAG, Asset, Param, chain, task
 
 from plugins.notifiers import WebhookNotifier
-from plugins.operators import RayJobOperator
+from plugins.operators import OUTPUT_ROOT, RayJobOperator
 
 #: The Airflow pool of GPUs (created by `make up` with --include-deferred: deferred stages hold their GPUs).
 GPU_POOL = "rlhf_gpus"
@@ -57,7 +57,7 @@ def fail_after(stage: str, fault: dict) -> int:
 
 # The run form's defaults, in one place.
 DEFAULTS = {
-    "bucket": "rlhf-flow",
+    "bucket": "",
     "prefix": "rlhf-flow",
     "dataset": "demo",
     "base_model": "demo",
@@ -93,8 +93,9 @@ DEFAULTS = {
 PARAMS = {
     "bucket": Param(
         DEFAULTS["bucket"], type="string", title="Bucket",
-        description="S3 bucket that receives every artifact of the run.",
-        pattern=r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$",
+        description="S3 bucket that receives every artifact of the run. Empty: the bucket named in the rlhf_s3 "
+                    "connection's extra (`bucket`), else rlhf-flow.",
+        pattern=r"^$|^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$",
     ),
     "prefix": Param(
         DEFAULTS["prefix"], type="string", title="Key prefix",
@@ -337,7 +338,7 @@ def build_pipeline(dag_id: str, schedule, description: str, allow_promotion: boo
             **preference_args, **training_args("kto", "preference_steps"),
             "method": "kto", "dataset_split": "unpaired", "beta": "{{ params.kto_beta }}", "undesirable_weight": 0.3,
         }, inlets=["sft_model", "prepared_data"], outlet="policy")
-        registry = "s3://{{ params.bucket }}/{{ params.prefix }}/models/{{ params.model_name }}"
+        registry = OUTPUT_ROOT + "/models/{{ params.model_name }}"
         eval_ = stage("eval", "tasks.eval", {
             "baseline": sft.output,
             "policy": "{{ ti.xcom_pull(task_ids='rl') or ti.xcom_pull(task_ids='dpo') or ti.xcom_pull(task_ids='kto') }}",

@@ -142,7 +142,7 @@ def ray_head(s3_server):
     RAY_GCS_ADDRESS = f"127.0.0.1:{cfg.ray_port}"
     saved = {k: os.environ.get(k) for k in ("AIRFLOW_CONN_RLHF_RAY", "AIRFLOW_CONN_RLHF_S3")}
     os.environ["AIRFLOW_CONN_RLHF_RAY"] = _stack.conn_ray(cfg.dashboard_port)
-    os.environ["AIRFLOW_CONN_RLHF_S3"] = _stack.conn_s3(s3_server.endpoint)
+    os.environ["AIRFLOW_CONN_RLHF_S3"] = _stack.conn_s3(s3_server.endpoint, s3_server.bucket)
     yield cfg.dashboard_url
     _stack.stop_process(proc.pid)
     _stack.pid_file(cfg, "ray").unlink(missing_ok=True)

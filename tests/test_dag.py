@@ -24,7 +24,7 @@ def training(stage: str, steps: str) -> dict:
             "fail_after_step": "{{ fail_after('%s', params.fault_injection) }}" % stage}
 
 
-REGISTRY = "s3://{{ params.bucket }}/{{ params.prefix }}/models/{{ params.model_name }}"
+REGISTRY = "s3://{{ params.bucket or conn.rlhf_s3.extra_dejson.get('bucket') or 'rlhf-flow' }}/{{ params.prefix }}/models/{{ params.model_name }}"
 # What each stage gets: flag -> upstream task whose manifest URI it receives, or the param it comes from.
 WIRING = {
     "prepare_data": ("tasks.data", {"source": "params.dataset", "base_model": "params.base_model", "seed": "params.seed"}),
@@ -157,7 +157,7 @@ def test_stage_inputs_are_upstream_manifests_and_params(dag):
             else:
                 assert isinstance(value, XComArg), (task_id, flag, value)
                 assert value.operator.task_id == source and value.key == "return_value", (task_id, flag)
-        assert task.output_root == "s3://{{ params.bucket }}/{{ params.prefix }}"
+        assert task.output_root == REGISTRY.removesuffix("/models/{{ params.model_name }}")
 
 
 def test_params_form(dag):

@@ -74,12 +74,12 @@ DAG_FILE = '''\
 from airflow.sdk import DAG, Param
 from plugins.operators import RayJobOperator
 
-with DAG({dag_id!r}, schedule=None, default_args={{"retries": 0}}, params={{"word": Param("bird", type="string")}}):
+with DAG({dag_id!r}, schedule=None, default_args={{"retries": 0}},
+         params={{"word": Param("bird", type="string"), "bucket": "", "prefix": "optest-default"}}):
     RayJobOperator(
         task_id="job",
         module="stage.job",
-        args={args!r},
-        output_root={output_root!r},
+        args={args!r},{output_root}
         working_dir={working_dir!r},
         poll_interval=0.5,{extra}
     )
@@ -124,7 +124,8 @@ def make_dag(env, dag_id: str, args: dict, **operator_kwargs):
         DAG_FILE.format(
             dag_id=dag_id,
             args=args,
-            output_root=f"s3://{env['s3'].bucket}/optest",
+            output_root="" if operator_kwargs.pop("default_output_root", False) else
+            "\n        output_root=%r," % f"s3://{env['s3'].bucket}/optest",
             working_dir=str(env["stage_dir"]),
             extra="".join(f"\n        {k}={v!r}," for k, v in operator_kwargs.items()),
         )
@@ -545,3 +546,11 @@ def test_cache_key_covers_flags_inputs_and_code(tmp_path):
     stage_cache.code_digest.cache_clear()
     (tmp_path / "tasks" / "a.py").write_text("x = 2\n")
     assert stage_cache.code_digest(str(tmp_path)) != first
+
+
+def test_default_output_root_takes_the_bucket_from_the_s3_connection(env, capfd):
+    # The bucket Param left empty: the rlhf_s3 connection's extra names the bucket (conftest sets it).
+    dag = make_dag(env, "optest_connbucket", {"message": "where"}, default_output_root=True)
+    dr = run_dag(dag)
+    assert ti_states(dr) == {"job": "success"}, "".join(capfd.readouterr())[-3000:]
+    assert xcom_return(dr, "job") == f"s3://{env['s3'].bucket}/optest-default/runs/optest_connbucket/{key_safe(dr.run_id)}/job/manifest.json"

@@ -287,14 +287,15 @@ def airflow_login(scratch: Path) -> tuple[str, str]:
     return USERNAME, password
 
 
-def conn_s3(endpoint: str, region: str = "us-east-1") -> str:
-    """AIRFLOW_CONN_RLHF_S3: an aws connection to the S3 emulator."""
+def conn_s3(endpoint: str, bucket: str = "rlhf-flow", region: str = "us-east-1") -> str:
+    """AIRFLOW_CONN_RLHF_S3: an aws connection to the S3 emulator; its extra `bucket` is the pipeline's
+    default bucket (the DAG's `bucket` Param left empty)."""
     return json.dumps(
         {
             "conn_type": "aws",
             "login": "testing",
             "password": "testing",
-            "extra": {"endpoint_url": endpoint, "region_name": region},
+            "extra": {"endpoint_url": endpoint, "region_name": region, "bucket": bucket},
         }
     )
 
@@ -376,7 +377,7 @@ def stack_env(
         "AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "10",
         "AIRFLOW__SCHEDULER__ENABLE_HEALTH_CHECK": "False",
         # Connections come from the environment, never from the UI or the database.
-        "AIRFLOW_CONN_RLHF_S3": conn_s3(s3),
+        "AIRFLOW_CONN_RLHF_S3": conn_s3(s3, bucket),
         "AIRFLOW_CONN_RLHF_RAY": conn_ray(dashboard_port),
     }
     return env
