@@ -67,6 +67,10 @@ def test_every_stage_commits_a_manifest_with_its_lineage(chain):
     assert manifests.read_manifest(chain["rl"])["metrics"]["steps"] == 2  # --num_episodes 1 over --max_samples 32 prompts, 16 a step
     assert manifests.read_manifest(chain["reward_model"])["metrics"]["workers"] == 2
     assert "critic/model.safetensors" in manifests.read_manifest(chain["rl"])["files"]  # --save_value_network
+    # Each stage's cost: what it held (its driver's CPU plus a CPU per worker bundle here; no GPU) and GPU-hours.
+    held = {name: {k: manifests.read_manifest(uri)["metrics"][k] for k in ("gpus", "cpus", "gpu_hours")} for name, uri in chain.items()}
+    cpus = {"prepare_data": 1, "sft": 2, "reward_model": 3, "rl": 3, "eval": 1}  # RL: [actor+ref] and [critic+reward]
+    assert held == {name: {"gpus": 0, "cpus": n, "gpu_hours": 0.0} for name, n in cpus.items()}
 
 
 def test_checkpoints_load_through_the_auto_classes(chain):
