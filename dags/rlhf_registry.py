@@ -24,7 +24,7 @@ with DAG(
     tags=["rlhf", "registry"],
     params={
         "action": Param("list", type="string", enum=["list", "promote", "rollback"], title="Action"),
-        "bucket": Param("", type="string", title="Bucket", pattern=r"^$|^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$",
+        "bucket": Param(None, type=["null", "string"], title="Bucket", pattern=r"^$|^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$",
                         description="Empty: the bucket of the rlhf_s3 connection (extra.bucket)."),
         "prefix": Param("rlhf-flow", type="string", title="Key prefix", pattern=r"^[A-Za-z0-9._\-/]*$", maxLength=200),
         "model_name": Param("demo-policy", type="string", title="Model name", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"),

@@ -57,7 +57,7 @@ def fail_after(stage: str, fault: dict) -> int:
 
 # The run form's defaults, in one place.
 DEFAULTS = {
-    "bucket": "",
+    "bucket": None,
     "prefix": "rlhf-flow",
     "dataset": "demo",
     "base_model": "demo",
@@ -91,8 +91,9 @@ DEFAULTS = {
 }
 
 PARAMS = {
+    # null allowed: the UI's form sends an emptied field as null (Airflow's docs: optional = "null" in type).
     "bucket": Param(
-        DEFAULTS["bucket"], type="string", title="Bucket",
+        DEFAULTS["bucket"], type=["null", "string"], title="Bucket",
         description="S3 bucket that receives every artifact of the run. Empty: the bucket named in the rlhf_s3 "
                     "connection's extra (`bucket`), else rlhf-flow.",
         pattern=r"^$|^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$",
