@@ -8,9 +8,9 @@ moved since, the task fails with one line and nothing changes. Who acted is reco
 """
 from airflow.sdk import DAG, Param, task
 
-from plugins.operators import OUTPUT_ROOT, RayJobOperator
+from plugins.operators import RayJobOperator
+from plugins.pipeline import REGISTRY
 
-REGISTRY = OUTPUT_ROOT + "/models/{{ params.model_name }}"
 MOVE = {"registry": REGISTRY, "expected_version": "{{ params.expected_version }}",
         "by": "{{ params.requested_by or 'rlhf_registry' }} via {{ dag.dag_id }} run {{ run_id }}", "reason": "{{ params.reason }}"}
 

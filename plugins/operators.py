@@ -146,8 +146,8 @@ class RayJobOperator(BaseOperator):
     :param module: the stage module, e.g. ``tasks.sft`` (templated).
     :param args: ``{flag: value}``; each becomes ``--flag value`` (templated; None dropped; bools as
         true/false). XComArgs (``other_task.output``) are resolved and make the dependency.
-    :param output_root: where runs are stored, e.g. ``s3://bucket/prefix`` (templated; default: OUTPUT_ROOT). The job writes to
-        ``{output_root}/runs/{dag_id}/{run_id}/{task_id}``, ``manifest.json`` last.
+    :param output_root: where runs are stored, e.g. ``s3://bucket/prefix`` (templated; default: OUTPUT_ROOT).
+        The job writes to ``{output_root}/runs/{dag_id}/{run_id}/{task_id}``, ``manifest.json`` last.
     :param ray_conn_id: connection of the Ray dashboard (Jobs API).
     :param aws_conn_id: connection used to check the manifest exists.
     :param entrypoint_num_cpus: CPUs reserved for the driver.
@@ -159,8 +159,9 @@ class RayJobOperator(BaseOperator):
     :param deadline_minutes: stop the job and fail the task once the job has run this long (templated;
         enforced by the trigger, as ``execution_timeout`` does not run while the task is deferred).
     :param cache: skip the stage when a completed run of the same work exists (templated bool); see
-        :mod:`plugins.stage_cache` for the key. Every success is indexed, whether or not it may reuse. Off for stages whose result depends on more than their
-        flags and inputs (evaluation against the registry's champion, promotion).
+        :mod:`plugins.stage_cache` for the key. Every success is indexed, whether or not it may reuse.
+        Off for stages whose result depends on more than their flags and inputs (evaluation against the
+        registry's champion, promotion).
 
     Every outlet Asset of the task gets an event whose extra holds the manifest URI, the stage's
     numeric metrics and whether it was a cache hit.

@@ -27,6 +27,9 @@ from airflow.sdk import DAG, Asset, Param, chain, task
 from plugins.notifiers import WebhookNotifier
 from plugins.operators import OUTPUT_ROOT, RayJobOperator
 
+#: A model's registry folder (champion.json, history/, candidates/), templated like the stages' output.
+REGISTRY = OUTPUT_ROOT + "/models/{{ params.model_name }}"
+
 #: The Airflow pool of GPUs (created by `make up` with --include-deferred: deferred stages hold their GPUs).
 GPU_POOL = "rlhf_gpus"
 #: GPUs each stage asks Ray for with the DAG's layout (the RL models colocated on the actor's GPU).
@@ -339,13 +342,12 @@ def build_pipeline(dag_id: str, schedule, description: str, allow_promotion: boo
             **preference_args, **training_args("kto", "preference_steps"),
             "method": "kto", "dataset_split": "unpaired", "beta": "{{ params.kto_beta }}", "undesirable_weight": 0.3,
         }, inlets=["sft_model", "prepared_data"], outlet="policy")
-        registry = OUTPUT_ROOT + "/models/{{ params.model_name }}"
         eval_ = stage("eval", "tasks.eval", {
             "baseline": sft.output,
             "policy": "{{ ti.xcom_pull(task_ids='rl') or ti.xcom_pull(task_ids='dpo') or ti.xcom_pull(task_ids='kto') }}",
             "reward_pretrain": "{{ ti.xcom_pull(task_ids='reward_model') or '' }}",
             "dataset": prepare_data.output,
-            "registry": registry,
+            "registry": REGISTRY,
             "max_samples": "{{ params.eval_max_samples }}",
             "seed": "{{ params.seed }}",
         }, inlets=["policy"], outlet="eval_report",
@@ -354,7 +356,7 @@ def build_pipeline(dag_id: str, schedule, description: str, allow_promotion: boo
             trigger_rule="none_failed_min_one_success", cache=False)
         promote = stage("promote", "tasks.promote", {
             "evaluation": eval_.output,
-            "registry": registry,
+            "registry": REGISTRY,
             "gate": "{{ params.promotion_gate | tojson }}",
             "allow_promotion": "{{ params.allow_promotion }}",
             "promoted_by": "{{ dag.dag_id }} run {{ run_id }}",
