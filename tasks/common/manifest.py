@@ -19,6 +19,7 @@ Works the same on local paths (``commit("out/sft", "/data/run1/sft", m)``). No t
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -37,8 +38,8 @@ from tasks.common.storage import NotFoundError, StorageError
 
 FORMAT = "rlhf-flow/manifest/v1"
 MANIFEST = "manifest.json"
-RESERVED = ("format", "stage", "run_id", "created_at", "config", "config_hash", "inputs", "metrics",
-            "code_version", "versions", "files", "uri")
+RESERVED = ("format", "stage", "run_id", "created_at", "config", "config_hash", "inputs", "input_manifests",
+            "metrics", "code_version", "code_digest", "versions", "files", "uri")
 # Versions recorded for reproducibility; read from package metadata so nothing heavy is imported.
 TRACKED_PACKAGES = ("torch", "transformers", "deepspeed", "ray", "datasets", "vllm")
 REPO = Path(__file__).resolve().parents[2]
@@ -72,6 +73,21 @@ def code_version() -> str:
         return "unknown"
 
 
+@functools.lru_cache(maxsize=1)
+def code_digest() -> str:
+    """sha256 over the stage code: every tasks/**/*.py and pyproject.toml beside this package (a checkout,
+    a Ray job's working_dir or an install), as plugins/stage_cache.py's code_digest defines it.
+
+    Unlike code_version (git HEAD), it changes with uncommitted edits, which tasks.reproduce must see.
+    Computed once per process, at the first call (StageRun makes it when the stage starts), so a file
+    edited while the stage runs is not taken for the code that ran."""
+    digest = hashlib.sha256()
+    for path in sorted([*REPO.glob("tasks/**/*.py"), REPO / "pyproject.toml"]):
+        if path.is_file() and "__pycache__" not in path.parts:
+            digest.update(path.relative_to(REPO).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
 def package_versions() -> dict[str, str]:
     versions = {"python": platform.python_version()}
     for name in TRACKED_PACKAGES:
@@ -82,11 +98,18 @@ def package_versions() -> dict[str, str]:
     return versions
 
 
-def build_manifest(stage: str, run_id: str, config: dict, inputs: dict, metrics: dict, **extra: Any) -> dict:
-    """A manifest for ``commit``; ``extra`` adds stage fields such as ``model="model"``."""
+def build_manifest(stage: str, run_id: str, config: dict, inputs: dict, metrics: dict,
+                   input_manifests: dict | None = None, **extra: Any) -> dict:
+    """A manifest for ``commit``; ``extra`` adds stage fields such as ``model="model"``.
+
+    ``input_manifests`` ({input stage folder URI: sha256 of its manifest.json bytes}, see
+    ``manifest_digest``) pins what the inputs held when the stage read them, so a rerun
+    (tasks.reproduce) can tell a rewritten input from the same one. Left out when not given:
+    manifests written before it existed have no such field, and readers must not require it."""
     clash = sorted(set(extra) & set(RESERVED))
     if clash:
         raise ValueError(f"build_manifest: extra keys {clash} are reserved manifest fields: rename them")
+    pinned = {} if input_manifests is None else {"input_manifests": dict(sorted(input_manifests.items()))}
     return {
         "format": FORMAT,
         "stage": stage,
@@ -95,11 +118,31 @@ def build_manifest(stage: str, run_id: str, config: dict, inputs: dict, metrics:
         "config": config,
         "config_hash": config_hash(config),
         "inputs": dict(inputs),
+        **pinned,
         "metrics": dict(metrics),
         "code_version": code_version(),
+        "code_digest": code_digest(),
         "versions": package_versions(),
         **extra,
     }
+
+
+def manifest_digest(uri: str) -> str | None:
+    """sha256 of the manifest.json bytes of the stage output ``uri`` names (its folder or its manifest.json);
+    None when ``uri`` names no committed stage output (a hub id, a data file, a plain folder, nothing).
+
+    The same digest plugins/stage_cache.py keys on: a manifest lists every file with its sha256, so
+    equal digests mean equal contents."""
+    if not isinstance(uri, str) or not uri.strip() or uri.startswith(("http://", "https://")):
+        return None
+    target = storage.join(_dir_uri(uri.strip()), MANIFEST)
+    # A relative name with no such local file is a hub id (or nothing): do not ask S3 or the hub.
+    if not storage.is_s3(target) and not storage.local_path(target).is_file():
+        return None
+    try:
+        return hashlib.sha256(storage.read_bytes(target)).hexdigest()
+    except NotFoundError:
+        return None
 
 
 def file_sha256(path: str | os.PathLike) -> str:

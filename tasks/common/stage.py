@@ -46,9 +46,11 @@ class StageRun:
         self.cfg = cfg
         self.workdir = Path(tempfile.mkdtemp(prefix=f"rlhf-{stage}-"))
         self.inputs: dict[str, str] = {}
+        self.input_manifests: dict[str, str] = {}  # {input stage folder: sha256 of its manifest.json}, for reruns
         self.resumed_from = 0  # the checkpoint step this run started from (0: from scratch)
         self.placements: list = []  # the placement groups its workers held (each once), for the cost
         self.started = time.time()
+        manifests.code_digest()  # of the code as the stage starts, not as it is when the stage commits
         self.tracker = MetricsTracker(
             self.workdir / "metrics.jsonl",
             use_wandb=cfg.use_wandb,
@@ -58,8 +60,16 @@ class StageRun:
         )
 
     def input(self, name: str, uri: str) -> str:
-        """Record an input URI for the manifest's lineage; returns it unchanged."""
+        """Record an input URI for the manifest's lineage; returns it unchanged.
+
+        A stage output among them (a value may list several, comma-separated) also gets its
+        manifest's sha256 recorded, read now, as the stage reads it: tasks.reproduce refuses to
+        rerun the stage once that input has been rewritten."""
         self.inputs[name] = uri
+        for part in str(uri).split(","):
+            digest = manifests.manifest_digest(part.strip())
+            if digest:
+                self.input_manifests[part.strip()] = digest
         return uri
 
     # ------------------------------------------------------------ in-stage checkpoints (TrainingConfig)
@@ -121,7 +131,8 @@ class StageRun:
         metrics = {**metrics, **cost.stage_cost(time.time() - self.started, **cost.held_resources(self.placements, driver_cpus=1))}
         if self.resumed_from:
             extra = {"resumed_from_step": self.resumed_from, **extra}
-        manifest = manifests.build_manifest(self.stage, self.cfg.run_id, self.cfg.to_dict(), self.inputs, metrics, **extra)
+        manifest = manifests.build_manifest(self.stage, self.cfg.run_id, self.cfg.to_dict(), self.inputs, metrics,
+                                            input_manifests=self.input_manifests, **extra)
         committed = manifests.commit(self.workdir, self.cfg.output, manifest, uploaded=uploaded)
         print(f"committed {self.stage} output to {committed['uri']}", flush=True)
         if getattr(self.cfg, "save_path", "") and "model" in extra and (self.workdir / extra["model"]).is_dir():
