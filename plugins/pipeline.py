@@ -30,6 +30,12 @@ from plugins.operators import OUTPUT_ROOT, RayJobOperator
 #: A model's registry folder (champion.json, history/, candidates/), templated like the stages' output.
 REGISTRY = OUTPUT_ROOT + "/models/{{ params.model_name }}"
 
+#: Where prepare_data registers dataset versions: <root>/<name>/<version>/ (tasks/data/versions.py).
+DATASETS_ROOT = OUTPUT_ROOT + "/datasets"
+#: prepare_data's flags that come from the Params of the same name (the column mapping and the checks).
+DATASET_FLAGS = ("input_key", "output_key", "chosen_key", "rejected_key", "label_key", "messages_key", "eval_fraction",
+                 "max_bad_fraction")
+
 #: The Airflow pool of GPUs (created by `make up` with --include-deferred: deferred stages hold their GPUs).
 GPU_POOL = "rlhf_gpus"
 #: GPUs each stage asks Ray for with the DAG's layout (the RL models colocated on the actor's GPU).
@@ -58,12 +64,27 @@ def fail_after(stage: str, fault: dict) -> int:
     return int(fault.get("after_step", 0)) if fault and fault.get("stage") == stage else 0
 
 
+def fixed_data(dataset: str) -> bool:
+    """Whether the dataset Param names the same data every time: the demo, or a pinned dataset:<name>@<version>."""
+    return dataset == "demo" or (dataset.startswith("dataset:") and "@" in dataset)
+
+
 # The run form's defaults, in one place.
 DEFAULTS = {
     "bucket": None,
     "prefix": "rlhf-flow",
     "dataset": "demo",
+    "input_key": "prompt",
+    "output_key": "",
+    "chosen_key": "chosen",
+    "rejected_key": "rejected",
+    "label_key": "",
+    "messages_key": "",
+    "eval_fraction": 0.1,
+    "max_bad_fraction": 0.05,
     "base_model": "demo",
+    "apply_chat_template": False,
+    "lora_rank": 0,
     "seed": 0,
     "method": "rl",
     "sft_steps": 500,
@@ -108,11 +129,46 @@ PARAMS = {
     ),
     "dataset": Param(
         DEFAULTS["dataset"], type="string", title="Dataset", minLength=1,
-        description="'demo' for the built-in synthetic preference dataset, or a dataset URI (s3://..., local path).",
+        description="'demo' for the built-in synthetic preference dataset; a JSONL, Parquet or CSV file URI (s3://..., local "
+                    "path), validated, split and registered as a version under <prefix>/datasets/<file name>/; or "
+                    "dataset:<name> (its newest registered version) or dataset:<name>@<version>.",
+    ),
+    # The column mapping of a user's dataset (ignored for 'demo'): a column name, or empty for none.
+    **{name: Param(
+        DEFAULTS[name], type="string", title=title, maxLength=200, description=description,
+    ) for name, title, description in (
+        ("input_key", "Prompt column", "Column holding the prompt (not read when a messages column is set)."),
+        ("output_key", "SFT response column", "Column holding the SFT response. Empty: the final assistant turn of the "
+                                              "messages column, else the chosen column."),
+        ("chosen_key", "Chosen column", "Column holding the preferred response of a pair. Empty, with the rejected "
+                                        "column: SFT-only data (no reward model, DPO or KTO data)."),
+        ("rejected_key", "Rejected column", "Column holding the other response of a pair (empty: no pairs)."),
+        ("label_key", "Label column", "Column holding a reference answer for exact-match evaluation (empty: none)."),
+        ("messages_key", "Messages column", "Column holding chat messages [{role, content}]: the turns before the final "
+                                            "assistant turn are the prompt, that turn the SFT response (empty: none)."),
+    )},
+    "eval_fraction": Param(
+        DEFAULTS["eval_fraction"], type="number", title="Held-out fraction", exclusiveMinimum=0, exclusiveMaximum=1,
+        description="Fraction of a user dataset's prompts held out for evaluation, chosen by a hash of the prompt and "
+                    "the seed (a prompt is never on both sides).",
+    ),
+    "max_bad_fraction": Param(
+        DEFAULTS["max_bad_fraction"], type="number", title="Max bad rows", minimum=0, maximum=1,
+        description="prepare_data fails when more than this fraction of a user dataset's rows fails validation "
+                    "(missing or empty fields, too long, duplicates, train/held-out overlap); fewer are left out and reported.",
     ),
     "base_model": Param(
         DEFAULTS["base_model"], type="string", title="Base model", minLength=1,
         description="'demo' for a tiny model built offline, or a model URI / hub id.",
+    ),
+    "apply_chat_template": Param(
+        DEFAULTS["apply_chat_template"], type="boolean", title="Apply chat template",
+        description="Render prompts with the base model's chat template (a chat-messages prompt always needs it) in "
+                    "every training stage and the evaluation.",
+    ),
+    "lora_rank": Param(
+        DEFAULTS["lora_rank"], type="integer", title="LoRA rank", minimum=0, maximum=1024,
+        description="Train LoRA adapters of this rank instead of every weight, in every training stage (0: full fine-tuning).",
     ),
     "seed": Param(
         DEFAULTS["seed"], type="integer", title="Seed", minimum=0, maximum=2**31 - 1,
@@ -244,6 +300,8 @@ def training_args(stage: str, steps_param: str) -> dict:
         "zero_stage": "{{ params.zero_stage }}",
         "save_steps": "{{ save_steps(params.%s, params.checkpoints_per_stage) }}" % steps_param,
         "fail_after_step": "{{ fail_after('%s', params.fault_injection) }}" % stage,
+        "apply_chat_template": "{{ params.apply_chat_template }}",
+        "lora_rank": "{{ params.lora_rank }}",
     }
 
 
@@ -275,7 +333,7 @@ def build_pipeline(dag_id: str, schedule, description: str, allow_promotion: boo
         params=params,
         # A scheduled run fails with nobody watching: post it to the webhook (plugins/notifiers.py).
         on_failure_callback=WebhookNotifier("nightly_failure") if schedule is not None else None,
-        user_defined_macros={"save_steps": save_steps, "fail_after": fail_after},
+        user_defined_macros={"save_steps": save_steps, "fail_after": fail_after, "fixed_data": fixed_data},
         default_args={
             "retries": 1,
             "retry_delay": timedelta(seconds=30),
@@ -287,7 +345,12 @@ def build_pipeline(dag_id: str, schedule, description: str, allow_promotion: boo
             "source": "{{ params.dataset }}",
             "base_model": "{{ params.base_model }}",
             "seed": "{{ params.seed }}",
-        }, outlet="prepared_data")
+            "datasets_root": DATASETS_ROOT,
+            **{name: "{{ params.%s }}" % name for name in DATASET_FLAGS},
+        }, outlet="prepared_data",
+            # A file's content or dataset:<name>'s newest version may change under the same flags: only the demo
+            # and a pinned version are the same data whenever the flags are.
+            cache="{{ params.use_cache and fixed_data(params.dataset) }}")
         sft = stage("sft", "tasks.sft", {
             "pretrain": prepare_data.output,
             "dataset": prepare_data.output,
@@ -350,6 +413,7 @@ def build_pipeline(dag_id: str, schedule, description: str, allow_promotion: boo
             "registry": REGISTRY,
             "max_samples": "{{ params.eval_max_samples }}",
             "seed": "{{ params.seed }}",
+            "apply_chat_template": "{{ params.apply_chat_template }}",
         }, inlets=["policy"], outlet="eval_report",
             # Runs after whichever branch ran (the skipped branch's XComs are empty). Never cached: it also
             # scores the registry's current champion.

@@ -21,13 +21,19 @@ def training(stage: str, steps: str) -> dict:
     """The flags every training stage gets beside its own."""
     return {"seed": "params.seed", "zero_stage": "params.zero_stage",
             "save_steps": "{{ save_steps(params.%s, params.checkpoints_per_stage) }}" % steps,
-            "fail_after_step": "{{ fail_after('%s', params.fault_injection) }}" % stage}
+            "fail_after_step": "{{ fail_after('%s', params.fault_injection) }}" % stage,
+            "apply_chat_template": "params.apply_chat_template", "lora_rank": "params.lora_rank"}
 
 
 REGISTRY = "s3://{{ params.bucket or conn.rlhf_s3.extra_dejson.get('bucket') or 'rlhf-flow' }}/{{ params.prefix }}/models/{{ params.model_name }}"
 # What each stage gets: flag -> upstream task whose manifest URI it receives, or the param it comes from.
 WIRING = {
-    "prepare_data": ("tasks.data", {"source": "params.dataset", "base_model": "params.base_model", "seed": "params.seed"}),
+    "prepare_data": ("tasks.data", {
+        "source": "params.dataset", "base_model": "params.base_model", "seed": "params.seed",
+        "datasets_root": REGISTRY.replace("/models/{{ params.model_name }}", "/datasets"),
+        **{k: f"params.{k}" for k in ("input_key", "output_key", "chosen_key", "rejected_key", "label_key", "messages_key",
+                                      "eval_fraction", "max_bad_fraction")},
+    }),
     "sft": ("tasks.sft", {
         "pretrain": "prepare_data", "dataset": "prepare_data", "max_steps": "params.sft_steps",
         "learning_rate": "params.sft_learning_rate", **training("sft", "sft_steps"),
@@ -52,6 +58,7 @@ WIRING = {
                              ("kto", {"dataset_split": "unpaired", "undesirable_weight": 0.3}))},
     "eval": ("tasks.eval", {
         "baseline": "sft", "dataset": "prepare_data", "max_samples": "params.eval_max_samples", "seed": "params.seed",
+        "apply_chat_template": "params.apply_chat_template",
         # whichever branch ran: a template over both branches' XComs
         "policy": "{{ ti.xcom_pull(task_ids='rl') or ti.xcom_pull(task_ids='dpo') or ti.xcom_pull(task_ids='kto') }}",
         "reward_pretrain": "{{ ti.xcom_pull(task_ids='reward_model') or '' }}", "registry": REGISTRY,
@@ -115,7 +122,9 @@ def test_stage_tasks_share_the_gpu_pool_cache_deadline_and_lineage(dag):
         task = dag.get_task(task_id)
         assert task.pool == GPU_POOL and task.pool_slots == max(1, gpus), task_id
         assert task.deadline_minutes == "{{ params.stage_deadline_minutes }}"
-        assert task.cache == ("{{ params.use_cache }}" if task_id not in ("eval", "promote") else False), task_id
+        # prepare_data reuses an output only when the data cannot have changed under the same flags.
+        assert task.cache == {"eval": False, "promote": False,
+                              "prepare_data": "{{ params.use_cache and fixed_data(params.dataset) }}"}.get(task_id, "{{ params.use_cache }}"), task_id
     lineage = {t: ([a.name for a in dag.get_task(t).inlets], [a.name for a in dag.get_task(t).outlets])
                for t in ("prepare_data", "sft", "reward_model", "rl", "dpo", "eval", "champion")}
     assert lineage == {
@@ -171,6 +180,8 @@ def test_params_form(dag):
         "gae_lambda", "advantage_estimator", "n_samples_per_prompt", "colocate_all_models", "zero_stage", "eval_max_samples",
         "method", "preference_steps", "preference_learning_rate", "dpo_beta", "kto_beta", "checkpoints_per_stage",
         "use_cache", "stage_deadline_minutes", "model_name", "allow_promotion", "promotion_gate", "fault_injection",
+        "input_key", "output_key", "chosen_key", "rejected_key", "label_key", "messages_key", "eval_fraction",
+        "max_bad_fraction", "apply_chat_template", "lora_rank",
     }
     assert set(params) == expected
     for name in expected:
@@ -207,6 +218,12 @@ def test_params_form(dag):
         ("promotion_gate", {}),
         ("fault_injection", {"stage": "eval", "after_step": 2}),
         ("use_cache", "yes"),
+        ("eval_fraction", 0),
+        ("eval_fraction", 1),
+        ("max_bad_fraction", 1.5),
+        ("lora_rank", -1),
+        ("apply_chat_template", "true"),
+        ("messages_key", None),
     ],
 )
 def test_params_refuse_bad_values(dag, name, value):
@@ -221,7 +238,9 @@ def test_params_accept_good_overrides(dag):
     params = copy.deepcopy(dag.params)
     for name, value in {"sft_steps": 30, "rm_steps": 20, "rl_steps": 2, "eval_max_samples": 50, "zero_stage": 3,
                         "advantage_estimator": "group_norm", "n_samples_per_prompt": 4, "colocate_all_models": False,
-                        "dataset": "s3://bucket/data/v1", "bucket": "rlhf-test", "prefix": ""}.items():
+                        "dataset": "s3://bucket/data/v1", "bucket": "rlhf-test", "prefix": "",
+                        "messages_key": "messages", "input_key": "", "label_key": "answer", "eval_fraction": 0.2,
+                        "max_bad_fraction": 0, "apply_chat_template": True, "lora_rank": 8}.items():
         params[name] = value
     params.validate()
 

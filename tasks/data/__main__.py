@@ -1,18 +1,28 @@
 """prepare_data: write the pipeline's datasets (and the demo's base model) as one stage output.
 
     python -m tasks.data --output s3://bucket/prefix/runs/<dag>/<run>/prepare_data --source demo --seed 0
+    python -m tasks.data --output … --source s3://bucket/raw/chat.jsonl --datasets_root s3://bucket/prefix/datasets \\
+        --messages_key messages --label_key answer            # ingest: validate, split, register a version
+    python -m tasks.data --output … --source dataset:chat --datasets_root s3://bucket/prefix/datasets   # the newest version
 
 Output: data/<split>.jsonl for every split, model/ (tokenizer + random-weight tiny Llama) when
-base_model is 'demo', and manifest.json listing `datasets` and `model`.
+base_model is 'demo', and manifest.json listing `datasets` and `model`. A user's dataset is first
+registered as an immutable version under --datasets_root (tasks/data/ingest.py); the output then holds a
+verified copy of that version's splits, names it in `inputs.dataset` and `dataset_version`, and carries
+its validation summary, so the next stages keep taking `--dataset <this output>`.
 """
 import json
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
+from tasks.common import manifest as manifests
 from tasks.common import storage
 from tasks.common.config import ConfigError
 from tasks.common.stage import StageRun, main
-from tasks.data import demo
-from tasks.data.config import PrepareDataConfig
+from tasks.data import demo, ingest, versions
+from tasks.data.config import PrepareDataConfig, parse_dataset_ref, source_kind
 
 
 def check_base_model(uri: str) -> None:
@@ -24,16 +34,60 @@ def check_base_model(uri: str) -> None:
         raise ConfigError(f"base_model: {uri!r} is a hub id, and HF_HUB_OFFLINE=1 forbids fetching it: pass a model URI")
 
 
-def prepare(cfg: PrepareDataConfig, run: StageRun) -> None:
-    if cfg.base_model != "demo":
-        check_base_model(cfg.base_model)
+def demo_splits(cfg: PrepareDataConfig, data_dir: Path) -> tuple[dict, dict]:
+    """The built-in task's splits written under data_dir; returns (datasets, metrics)."""
     splits = demo.make_datasets(cfg.seed)
-    data_dir = run.workdir / "data"
-    data_dir.mkdir()
     for name, rows in splits.items():
         with open(data_dir / f"{name}.jsonl", "w") as f:
             f.writelines(json.dumps(row) + "\n" for row in rows)
         print(f"{name}: {len(rows)} rows", flush=True)
+    terse = sum(row["style"] == demo.TERSE for row in splits["sft"]) / len(splits["sft"])
+    metrics = {**{f"rows_{name}": len(rows) for name, rows in splits.items()}, "sft_terse_fraction": round(terse, 4)}
+    return {name: f"data/{name}.jsonl" for name in splits}, metrics
+
+
+def dataset_version(cfg: PrepareDataConfig) -> dict:
+    """The manifest of the registered version the source names: ingested now, or resolved."""
+    if source_kind(cfg.source) == "dataset":
+        version = versions.resolve(cfg.datasets_root, *parse_dataset_ref(cfg.source))
+        print(f"{cfg.source}: version {version['dataset']['version']} at {version['uri']}", flush=True)
+        return version
+    scratch = Path(tempfile.mkdtemp(prefix="rlhf-ingest-"))  # not the stage's workdir: that is uploaded
+    try:
+        return ingest.ingest(cfg, scratch)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def version_splits(version: dict, data_dir: Path) -> tuple[dict, dict]:
+    """A verified copy of the version's splits under data_dir; returns (datasets, metrics)."""
+    local, _ = manifests.fetch(version["uri"], manifests.local_cache_dir(version["uri"]), subdir="data")
+    datasets = {}
+    for split, relative in version["datasets"].items():
+        shutil.copyfile(local / Path(relative).name, data_dir / f"{split}.jsonl")
+        datasets[split] = f"data/{split}.jsonl"
+        print(f"{split}: {version['dataset']['rows'][split]} rows", flush=True)
+    metrics = {**{f"rows_{split}": n for split, n in version["dataset"]["rows"].items()},
+               "rows_read": version["validation"]["rows"], "rows_bad": version["validation"]["bad"]}
+    return datasets, metrics
+
+
+def prepare(cfg: PrepareDataConfig, run: StageRun) -> None:
+    if cfg.base_model != "demo":
+        check_base_model(cfg.base_model)
+    data_dir = run.workdir / "data"
+    data_dir.mkdir()
+    extra = {}
+    if cfg.source == "demo":
+        datasets, metrics = demo_splits(cfg, data_dir)
+    else:
+        version = dataset_version(cfg)
+        datasets, metrics = version_splits(version, data_dir)
+        run.input("dataset", version["uri"])
+        info = version["dataset"]
+        extra = {"dataset_version": {"name": info["name"], "version": info["version"], "uri": version["uri"], "source": info["source"],
+                                     "content_sha256": info["content_sha256"], "mapping": info["mapping"]},
+                 "validation": version["validation"]}
 
     if cfg.base_model == "demo":
         tokenizer = demo.build_tokenizer()
@@ -43,12 +97,7 @@ def prepare(cfg: PrepareDataConfig, run: StageRun) -> None:
         model_ref = "model"
     else:
         model_ref = cfg.base_model
-    terse = sum(row["style"] == demo.TERSE for row in splits["sft"]) / len(splits["sft"])
-    run.commit(
-        metrics={**{f"rows_{name}": len(rows) for name, rows in splits.items()}, "sft_terse_fraction": round(terse, 4)},
-        datasets={name: f"data/{name}.jsonl" for name in splits},
-        model=model_ref,
-    )
+    run.commit(metrics=metrics, datasets=datasets, model=model_ref, **extra)
 
 
 if __name__ == "__main__":
