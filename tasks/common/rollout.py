@@ -3,8 +3,11 @@
     engine = HFRolloutEngine(policy, tokenizer)
     rollout = engine.generate(prompt_ids, max_new_tokens=16, temperature=1.0)
     rollout.sequences, rollout.attention_mask   # [B, P+R]: prompts left-padded, responses right-padded
-    rollout.response_mask                       # [B, R]: 1 up to and including the first EOS
-    rollout.texts(tokenizer)                    # decoded responses
+    rollout.response_mask                       # [B, R]: 1 up to and including the first stop token
+    rollout.texts(tokenizer)                    # decoded responses, stop token stripped
+
+A response stops at the tokenizer's EOS or at the special token its chat template closes an assistant
+turn with (data.stop_token_ids): a chat model ends its answer with <|im_end|> or <|eot_id|>, not EOS.
 
 Positions in training forward passes are cumsum(attention_mask) - 1, which is what `generate()`
 uses for left-padded prompts, so log-probabilities match between generation and training.
@@ -15,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tasks.common.data import pad
+from tasks.common.data import pad, stop_token_ids
 
 
 @dataclass
@@ -24,15 +27,16 @@ class Rollout:
     attention_mask: torch.Tensor
     response_mask: torch.Tensor
     prompt_width: int
+    logprobs: torch.Tensor | None = None  # [B, R]: the engine's own log-probabilities of the response tokens (vLLM)
 
     @property
     def responses(self) -> torch.Tensor:
         return self.sequences[:, self.prompt_width:]
 
     def texts(self, tokenizer) -> list[str]:
-        out = []
+        out, stops = [], set(stop_token_ids(tokenizer))
         for ids, mask in zip(self.responses.tolist(), self.response_mask.tolist()):
-            kept = [t for t, m in zip(ids, mask) if m and t != tokenizer.eos_token_id]
+            kept = [t for t, m in zip(ids, mask) if m and t not in stops]
             out.append(tokenizer.decode(kept, skip_special_tokens=True))
         return out
 
@@ -41,15 +45,17 @@ class Rollout:
 
     def select(self, rows) -> "Rollout":
         """The rollout of some rows (an index tensor, list or slice), at the same widths."""
-        return Rollout(self.sequences[rows], self.attention_mask[rows], self.response_mask[rows], self.prompt_width)
+        return Rollout(self.sequences[rows], self.attention_mask[rows], self.response_mask[rows], self.prompt_width,
+                       None if self.logprobs is None else self.logprobs[rows])
 
     def to(self, device) -> "Rollout":
-        return Rollout(self.sequences.to(device), self.attention_mask.to(device), self.response_mask.to(device), self.prompt_width)
+        return Rollout(self.sequences.to(device), self.attention_mask.to(device), self.response_mask.to(device), self.prompt_width,
+                       None if self.logprobs is None else self.logprobs.to(device))
 
 
-def response_mask(responses: torch.Tensor, eos_token_id: int) -> torch.Tensor:
-    """1 for each response token up to and including the first EOS (all of them without one)."""
-    is_eos = responses == eos_token_id
+def response_mask(responses: torch.Tensor, stop_ids: int | list[int]) -> torch.Tensor:
+    """1 for each response token up to and including the first stop token (all of them without one)."""
+    is_eos = torch.isin(responses, torch.tensor(stop_ids, dtype=responses.dtype, device=responses.device).reshape(-1))
     eos_seen_before = (is_eos.long().cumsum(-1) - is_eos.long()) > 0
     return (~eos_seen_before).long()
 
@@ -59,6 +65,7 @@ class HFRolloutEngine:
 
     def __init__(self, model, tokenizer, device: torch.device | None = None):
         self.model, self.tokenizer = model, tokenizer
+        self.stop_ids = stop_token_ids(tokenizer)
         self.device = device or next(model.parameters()).device
 
     @torch.no_grad()
@@ -76,11 +83,11 @@ class HFRolloutEngine:
         sampling = {"do_sample": False} if greedy else {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
         out = self.model.generate(
             input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-            eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id, **sampling,
+            eos_token_id=self.stop_ids or None, pad_token_id=self.tokenizer.pad_token_id, **sampling,
         )
         self.model.train(was_training)
         responses = out[:, ids.size(1):]
-        r_mask = response_mask(responses, self.tokenizer.eos_token_id)
+        r_mask = response_mask(responses, self.stop_ids)
         return Rollout(out, torch.cat([mask, r_mask], dim=1), r_mask, ids.size(1))
 
 
@@ -90,10 +97,13 @@ def concat_rollouts(chunks: list[Rollout], pad_id: int) -> Rollout:
         return chunks[0]
     p_width = max(c.prompt_width for c in chunks)
     r_width = max(c.responses.size(1) for c in chunks)
-    seqs, masks, r_masks = [], [], []
+    seqs, masks, r_masks, logprobs = [], [], [], []
     for c in chunks:
         left, right = p_width - c.prompt_width, r_width - c.responses.size(1)
         seqs.append(torch.nn.functional.pad(c.sequences, (left, right), value=pad_id))
         masks.append(torch.nn.functional.pad(c.attention_mask, (left, right), value=0))
         r_masks.append(torch.nn.functional.pad(c.response_mask, (0, right), value=0))
-    return Rollout(torch.cat(seqs), torch.cat(masks), torch.cat(r_masks), p_width)
+        if c.logprobs is not None:
+            logprobs.append(torch.nn.functional.pad(c.logprobs, (0, right), value=0.0))
+    engine_logprobs = torch.cat(logprobs) if len(logprobs) == len(chunks) else None
+    return Rollout(torch.cat(seqs), torch.cat(masks), torch.cat(r_masks), p_width, engine_logprobs)

@@ -5,6 +5,11 @@ and on one sampled response per prompt at the configured temperature: `preferred
 `sampled_accuracy`, `reward_mean` (the reward model's raw score) and `kl_to_ref` (the summed
 log-ratio to the baseline, k1, averaged over responses). Style is a property of the sampling
 distribution, which a greedy decode of a 50/50 model hides, hence sampled.
+
+Prompts are encoded as the training stages encoded them (strings or chat messages, with
+--apply_chat_template through the tokenizer's chat template). Prompts without reference answers (no
+label column: a team's own prompts) leave `accuracy` and `sampled_accuracy` out of the report, which
+is not the same as scoring 0; the reward and KL metrics stay.
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ from tasks.eval.report import write_report
 from tasks.rl.rewards import RewardModels, build_reward_batch
 
 METRICS = ("accuracy", "preferred_style_rate", "sampled_accuracy", "reward_mean", "kl_to_ref", "response_length")
+LABELLED_METRICS = ("accuracy", "sampled_accuracy")  # need reference answers
 
 
 @torch.no_grad()
@@ -38,21 +44,41 @@ def summed_logprobs(model, rollout: Rollout, batch_size: int = 256) -> torch.Ten
     return torch.cat(out)
 
 
+def reference_answers(rows, cfg: EvalConfig) -> list[str | None] | None:
+    """The label column as strings (None where a row has none); None when the data has no labels at all."""
+    if not cfg.label_key or cfg.label_key not in rows.column_names:
+        return None
+    labels = [None if v is None else str(v) for v in rows[cfg.label_key]]
+    return labels if any(label is not None for label in labels) else None
+
+
+def exact_match(responses: list[str], labels: list[str | None]) -> float:
+    """Share of the labelled rows whose parsed answer equals the label."""
+    scored = [(r, label) for r, label in zip(responses, labels) if label is not None]
+    return sum(extract_answer(r) == label for r, label in scored) / len(scored)
+
+
+def shown(prompt) -> str:
+    """A prompt on one line for the report: a string, or chat messages as 'role: content' turns."""
+    text = prompt if isinstance(prompt, str) else " | ".join(f"{m['role']}: {m['content']}" for m in prompt)
+    return " ".join(text.split())
+
+
 def policy_metrics(policy, reference, reward_model, tokenizer, prompts, prompt_texts, labels, cfg: EvalConfig) -> tuple[dict, list[str]]:
+    """The metrics of one policy; without `labels` (None) the exact-match ones are left out."""
     engine = HFRolloutEngine(policy, tokenizer)
     greedy = engine.generate(prompts, cfg.generate_max_len, greedy=True).texts(tokenizer)
     set_seed(cfg.seed)  # both policies sample with the same seed
     sampled = engine.generate(prompts, cfg.generate_max_len, temperature=cfg.temperature)
     texts = sampled.texts(tokenizer)
-    correct = lambda responses: sum(extract_answer(r) == label for r, label in zip(responses, labels)) / len(labels)
     kl = summed_logprobs(policy, sampled) - summed_logprobs(reference, sampled)
     metrics = {
-        "accuracy": correct(greedy),
         "preferred_style_rate": sum(map(is_preferred_style, texts)) / len(texts),
-        "sampled_accuracy": correct(texts),
         "kl_to_ref": kl.mean().item(),
         "response_length": sampled.response_lengths().float().mean().item(),
     }
+    if labels is not None:
+        metrics.update(accuracy=exact_match(greedy, labels), sampled_accuracy=exact_match(texts, labels))
     if reward_model is not None:
         metrics["reward_mean"] = reward_model.score(build_reward_batch(sampled, tokenizer, prompt_texts, labels)).mean().item()
     return {k: round(v, 4) for k, v in metrics.items()}, greedy
@@ -66,25 +92,32 @@ def markdown(report: dict) -> str:
     lines += ["", f"Cost of the candidate: {cost.get('wall_time_s', 0):.0f} s of stage wall time, "
               f"{cost.get('gpu_hours', 0):.3f} GPU-hours over {cost.get('stages', 0)} stages."] if cost else []
     lines += ["", f"{report['num_prompts']} held-out prompts. accuracy: greedy exact match; the rest: one sample per prompt "
-              f"at temperature {report['temperature']}.", "", "| prompt | label | baseline | policy |", "|---|---|---|---|"]
-    lines += [f"| `{s['prompt']}` | {s['label']} | `{s['baseline']}` | `{s['policy']}` |" for s in report["samples"]]
+              f"at temperature {report['temperature']}."]
+    if not report.get("labelled", True):
+        lines.append(f"No reference answers (no label column): {' and '.join(LABELLED_METRICS)} are left out.")
+    lines += ["", "| prompt | label | baseline | policy |", "|---|---|---|---|"]
+    lines += [f"| `{s['prompt']}` | {'–' if s['label'] is None else s['label']} | `{s['baseline']}` | `{s['policy']}` |"
+              for s in report["samples"]]
     return "\n".join(lines) + "\n"
 
 
 def evaluate(cfg: EvalConfig, run: StageRun) -> None:
     set_seed(cfg.seed)
-    rows = data.load_rows(run.input("dataset", cfg.dataset), cfg.dataset_split, [cfg.input_key, cfg.label_key])
+    rows = data.load_rows(run.input("dataset", cfg.dataset), cfg.dataset_split, [cfg.input_key])
     rows = rows.select(range(min(cfg.max_samples, len(rows))))
+    labels = reference_answers(rows, cfg)
+    if labels is None:
+        print(f"eval: no reference answers (column {cfg.label_key!r}) in {cfg.dataset}; {' and '.join(LABELLED_METRICS)} "
+              "are left out, the reward and KL metrics stay", flush=True)
     baseline_path = resolve_model(run.input("baseline", cfg.baseline))
     policy_path = resolve_model(run.input("policy", cfg.policy))
     tokenizer = load_tokenizer(policy_path)
     baseline, policy = load_causal_lm(baseline_path).eval(), load_causal_lm(policy_path).eval()
     # Raw scores (not standardised), summed over the models of a comma-separated list, as in RL.
     reward_model = RewardModels(run.input("reward_pretrain", cfg.reward_pretrain), normalize=False) if cfg.reward_pretrain else None
-    prompts = [data.encode_prompt(tokenizer, p) for p in rows[cfg.input_key]]
-    labels = [str(label) for label in rows[cfg.label_key]]
-
     texts = list(rows[cfg.input_key])
+    prompts = [data.encode_prompt(tokenizer, p, cfg.apply_chat_template) for p in texts]
+
     base_metrics, base_greedy = policy_metrics(baseline, baseline, reward_model, tokenizer, prompts, texts, labels, cfg)
     pol_metrics, pol_greedy = policy_metrics(policy, baseline, reward_model, tokenizer, prompts, texts, labels, cfg)
     metrics = {"baseline": base_metrics, "policy": pol_metrics}
@@ -100,12 +133,13 @@ def evaluate(cfg: EvalConfig, run: StageRun) -> None:
         "champion": {"version": champion["version"], "policy": champion["policy"]} if champion else None,
         "delta": {k: round(pol_metrics[k] - base_metrics[k], 4) for k in METRICS if k in base_metrics},
         "num_prompts": len(prompts),
+        "labelled": labels is not None,
         "temperature": cfg.temperature,
         "inputs": dict(run.inputs),
         # What producing the candidate took: wall time and GPU-hours over its lineage (SFT, RM, RL, ...).
         "cost": lineage_cost(cfg.policy),
-        "samples": [{"prompt": p, "label": l, "baseline": b, "policy": q}
-                    for p, l, b, q in list(zip(rows[cfg.input_key], labels, base_greedy, pol_greedy))[:cfg.num_shown_samples]],
+        "samples": [{"prompt": shown(p), "label": l, "baseline": b, "policy": q}
+                    for p, l, b, q in list(zip(texts, labels or [None] * len(texts), base_greedy, pol_greedy))[:cfg.num_shown_samples]],
     }
     (run.workdir / "report.json").write_text(json.dumps(report, indent=2))
     table = markdown(report)

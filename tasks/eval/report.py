@@ -190,7 +190,8 @@ def render_html(report: dict, chart_svgs: dict[str, str], metrics_uri: str | Non
              f"<title>rlhf-flow evaluation {e(run_id)}</title><style>{_CSS}</style></head><body>",
              f"<h1>Evaluation{' of ' + e(run_id) if run_id else ''}</h1>",
              f'<p class="note">{report.get("num_prompts", "?")} held-out prompts. accuracy: greedy exact match; '
-             f'the rest: one sample per prompt at temperature {e(str(report.get("temperature", "?")))}.</p>',
+             f'the rest: one sample per prompt at temperature {e(str(report.get("temperature", "?")))}.'
+             f'{"" if report.get("labelled", True) else " No reference answers (no label column): the accuracy metrics are left out."}</p>',
              "<h2>Metrics</h2>", metrics_table(report), "<h2>Training curves of the policy</h2>"]
     if chart_svgs:
         parts.append(f'<p class="note">From <code>{e(metrics_uri or "")}</code>, per logged step.</p>')
@@ -200,7 +201,7 @@ def render_html(report: dict, chart_svgs: dict[str, str], metrics_uri: str | Non
                      "or its stage logged no reward, KL or loss.</p>")
     if report.get("samples"):
         parts.append("<h2>Samples (greedy)</h2><table><tr><th>prompt</th><th>label</th><th>baseline</th><th>policy</th></tr>")
-        parts += [f"<tr><td><code>{e(str(s['prompt']))}</code></td><td>{e(str(s['label']))}</td>"
+        parts += [f"<tr><td><code>{e(str(s['prompt']))}</code></td><td>{e('–' if s['label'] is None else str(s['label']))}</td>"
                   f"<td><code>{e(str(s['baseline']))}</code></td><td><code>{e(str(s['policy']))}</code></td></tr>"
                   for s in report["samples"]]
         parts.append("</table>")
