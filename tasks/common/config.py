@@ -70,6 +70,12 @@ class TrainingConfig(StageConfig):
     max_ckpt_num: int = field(default=3, metadata={"help": "keep this many newest checkpoints (0: all)"})
     fail_after_step: int = field(default=0, metadata={"help": "testing only: fail right after committing this step's checkpoint, unless the run resumed at or past it (fault injection for rerun tests)"})
     save_path: str = field(default="", metadata={"help": "also write the final HF model here (a folder or s3:// URI); the stage output stays --output"})
+    # LoRA (tasks.common.lora): low-rank adapters through peft; the base weights stay frozen.
+    lora_rank: int = field(default=0, metadata={"help": "LoRA rank: train low-rank adapters (peft) instead of every weight; 0 trains the full model"})
+    lora_alpha: int = field(default=16, metadata={"help": "LoRA scaling: the adapters' update is multiplied by lora_alpha / lora_rank"})
+    lora_dropout: float = field(default=0.0, metadata={"help": "dropout on the adapters' input, in [0, 1)"})
+    target_modules: str = field(default="all-linear", metadata={"help": "modules LoRA adapts: all-linear (every linear layer but the output head) or comma-separated names such as q_proj,v_proj"})
+    merge_lora: bool = field(default=False, metadata={"help": "with LoRA, export model/ as the merged full checkpoint; otherwise the adapter alone, with the base's URI in the manifest (loading it merges)"})
 
     def validate(self) -> None:
         super().validate()
@@ -78,6 +84,22 @@ class TrainingConfig(StageConfig):
                 raise ConfigError(f"{name}: must not be negative, got {getattr(self, name)}")
         if self.fail_after_step and (not self.save_steps or self.fail_after_step % self.save_steps):
             raise ConfigError(f"fail_after_step: {self.fail_after_step} is not a checkpoint step; use a multiple of --save_steps ({self.save_steps})")
+        self.validate_lora()
+
+    def validate_lora(self) -> None:
+        if self.lora_rank < 0:
+            raise ConfigError(f"lora_rank: must not be negative, got {self.lora_rank}; use 0 (full fine-tuning) or a rank such as 8")
+        if not self.lora_rank:
+            if self.merge_lora:
+                raise ConfigError("merge_lora: only applies to LoRA training; set --lora_rank too, or drop it")
+            return
+        if self.lora_alpha <= 0:
+            raise ConfigError(f"lora_alpha: must be positive, got {self.lora_alpha}; use e.g. 16 (or 2 × lora_rank)")
+        if not 0 <= self.lora_dropout < 1:
+            raise ConfigError(f"lora_dropout: must be in [0, 1), got {self.lora_dropout}")
+        names = [n.strip() for n in self.target_modules.split(",")]
+        if not all(names) or ("all-linear" in names and len(names) > 1):
+            raise ConfigError(f"target_modules: {self.target_modules!r} is not a module list; use all-linear or comma-separated names such as q_proj,v_proj")
 
 
 def check_batch(name: str, batch: int, micro: int, world: int, world_flag: str) -> None:

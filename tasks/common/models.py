@@ -7,7 +7,9 @@
 
 A URI that names a stage output (s3://…, or a folder holding manifest.json) is resolved through
 its manifest's `model` entry and fetched with every file's size and sha256 checked; a plain folder
-is used as it is; anything else is passed to transformers as a hub id.
+is used as it is; anything else is passed to transformers as a hub id. A stage output holding a LoRA
+adapter (its manifest names the `base_model`) resolves to a full checkpoint: the base with the
+adapter merged in (tasks.common.lora.merged_checkpoint), made once per node and cached.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from tasks.common import lora
 from tasks.common import manifest as manifests
 from tasks.common import storage
 from tasks.common.losses import last_token_index, token_logprobs
@@ -40,6 +43,8 @@ def resolve_model(uri: str) -> str:
     if not any(path.startswith(ref + "/") for path in manifest.get("files", {})):
         return resolve_model(ref)  # the manifest points elsewhere: a hub id or another stage's output
     local, _ = manifests.fetch(manifest["uri"], manifests.local_cache_dir(manifest["uri"]), subdir=ref)
+    if manifest.get("base_model"):  # a LoRA adapter: later stages get base + adapter as one full model
+        return str(lora.merged_checkpoint(local, resolve_model(manifest["base_model"]), manifest.get("model_config")))
     return str(local)
 
 
@@ -103,6 +108,7 @@ def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tens
 
 def token_values(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """The scalar head applied to every token's hidden state: [B, T]."""
+    model = lora.unwrap(model)  # a peft wrapper's attributes are not the transformers model's
     backbone = getattr(model, model.base_model_prefix)
     hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask)).last_hidden_state
     return model.score(hidden).squeeze(-1).float()

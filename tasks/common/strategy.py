@@ -20,6 +20,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tasks.common import lora
+
 
 def set_seed(seed: int) -> None:
     random.seed(seed)
@@ -133,6 +135,10 @@ class DeepSpeedStrategy:
             # the variant that works with frozen inputs (embeddings) and ZeRO-3.
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.config.use_cache = False
+            if lora.is_peft_model(model):
+                # The frozen embeddings' output needs requires_grad, or checkpointed blocks of a LoRA
+                # model would have nothing to differentiate and its adapters would get no gradient.
+                model.enable_input_require_grads()
         params = [p for p in model.parameters() if p.requires_grad]
         if self.adam_offload:
             from deepspeed.ops.adam import DeepSpeedCPUAdam
@@ -159,12 +165,23 @@ class DeepSpeedStrategy:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         return tensor / self.world_size if op == "mean" else tensor
 
-    def save_hf(self, engine, tokenizer, out_dir: str | Path) -> Path:
-        """Save an HF-format checkpoint from rank 0, gathering ZeRO-3 shards first (every rank must call)."""
+    def save_hf(self, engine, tokenizer, out_dir: str | Path, merge_lora: bool = False, base_uri: str = "") -> Path:
+        """Save an HF-format checkpoint from rank 0, gathering ZeRO-3 shards first (every rank must call).
+
+        A LoRA (peft) model saves its adapter, whose config names `base_uri` as its base, or with
+        `merge_lora` the full model with the adapter merged in (tasks.common.lora.save_peft)."""
         import torch.distributed as dist
 
         out_dir = Path(out_dir)
         model = engine.module
+        if lora.is_peft_model(model):
+            state = lora.trainable_state(model, gather=self.zero_stage == 3)
+            if dist.get_rank() == 0:
+                lora.save_peft(model, state, out_dir, merge=merge_lora, base_uri=base_uri)
+                if tokenizer is not None:
+                    tokenizer.save_pretrained(out_dir)
+            dist.barrier()
+            return out_dir
         if self.zero_stage == 3:
             state_dict = engine._zero3_consolidated_16bit_state_dict()
         else:

@@ -1,6 +1,7 @@
 """DPO / IPO / cDPO on preference pairs and KTO on unpaired examples, as one data-parallel worker group.
 
-Each worker holds the policy (DeepSpeed) and, unless --reference_free, the frozen reference; with
+Each worker holds the policy (DeepSpeed) and, unless --reference_free, the frozen reference (with
+--lora_rank and no --ref_pretrain, the policy's own base with its adapters off: no second copy); with
 --ref_offload the reference scores the whole dataset once at setup and is freed. A sequence's
 log-probability is the sum over its response tokens (prompt tokens masked out).
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from tasks.common import data
+from tasks.common import data, lora
 from tasks.common.losses import dpo_loss, kto_kl_baseline, kto_loss, sft_loss
 from tasks.common.models import load_causal_lm, load_tokenizer, resolve_model, sequence_logprobs
 from tasks.common.stage import StageRun
@@ -28,19 +29,17 @@ def keys(cfg: PreferenceConfig) -> list[str]:
 
 
 def tokenize(rows, tokenizer, cfg: PreferenceConfig) -> tuple[list[list[int]], list[list[list[int]]], int]:
-    """(prompt ids, responses ids per column, number of sequences cut to max_len). Responses are cut
-    so that prompt + response fits in max_len; a prompt longer than max_len keeps its last tokens."""
+    """(prompt ids, responses ids per column, number of sequences cut to max_len), encoded as SFT, the
+    reward model and RL encode them. A long example loses the start of its shared prompt first, then,
+    when a response alone does not fit, that response's end (data.fit)."""
     prompts, responses, truncated = [], [], 0
     columns = keys(cfg)[1:2] if cfg.method == "kto" else keys(cfg)[1:]
     for row in zip(*(rows[k] for k in [cfg.prompt_key, *columns])):
-        p = data.encode_prompt(tokenizer, row[0], cfg.apply_chat_template)[-(cfg.max_len - 1):]
-        outs = []
-        for text in row[1:]:
-            r = data.encode_response(tokenizer, text)
-            truncated += len(p) + len(r) > cfg.max_len
-            outs.append(r[:cfg.max_len - len(p)])
+        p, outs, cut = data.fit(data.encode_prompt(tokenizer, row[0], cfg.apply_chat_template),
+                                [data.encode_response(tokenizer, text, cfg.apply_chat_template) for text in row[1:]], cfg.max_len)
         prompts.append(p)
         responses.append(outs)
+        truncated += cut
     return prompts, responses, truncated
 
 
@@ -71,17 +70,25 @@ class PreferenceWorker(TrainingWorker):
         self.mismatched = [self.responses[(i + 1) % n] for i in range(n)]
         self.strategy = DeepSpeedStrategy.for_training(cfg, self.world_size)
         self.micro = self.strategy.micro_batch_size
-        self.engine = self.strategy.prepare(load_causal_lm(path, flash_attn=cfg.flash_attn), cfg.learning_rate, cfg.max_steps,
-                                            cfg.lr_warmup_steps, lr_scheduler=cfg.lr_scheduler)
+        model = lora.apply_lora(load_causal_lm(path, flash_attn=cfg.flash_attn), cfg)
+        counts = lora.param_counts(model)  # before ZeRO-3 partitions the parameters
+        self.engine = self.strategy.prepare(model, cfg.learning_rate, cfg.max_steps, cfg.lr_warmup_steps, lr_scheduler=cfg.lr_scheduler)
         self.sampler = data.BatchSampler(n, cfg.train_batch_size, cfg.seed)
         self.reference, self.ref_logps = None, None
         if not cfg.reference_free:
-            self.reference = self.strategy.frozen(load_causal_lm(resolve_model(cfg.ref_pretrain or cfg.pretrain), flash_attn=cfg.flash_attn))
+            self.reference = self._load_reference(cfg)
             if cfg.ref_offload:
                 self.ref_logps = {column: self._reference_logps(list(range(n)), column) for column in self._columns()}
                 self.reference = None  # freed: its log-probabilities are all it was needed for
         self.engine.train()
-        return {"examples": n, "truncated": truncated}
+        return {**counts, "examples": n, "truncated": truncated}
+
+    def _load_reference(self, cfg: PreferenceConfig):
+        """The frozen reference: with LoRA (and no --ref_pretrain) the policy's own base, adapters off, so
+        no second copy of the weights; otherwise a model of its own."""
+        if lora.enabled(cfg) and not cfg.ref_pretrain:
+            return lora.FrozenBase(self.engine.module)
+        return self.strategy.frozen(load_causal_lm(resolve_model(cfg.ref_pretrain or cfg.pretrain), flash_attn=cfg.flash_attn))
 
     def _columns(self) -> list[str]:
         return ["chosen", "rejected"] if self.cfg.method == "dpo" else ["completion", "mismatched"]
@@ -148,7 +155,7 @@ class PreferenceWorker(TrainingWorker):
         return {**dict(zip(sums, means.tolist())), "lr": self.engine.get_lr()[0]}
 
     def save_model(self, out_dir: str) -> None:
-        self.strategy.save_hf(self.engine, self.tokenizer, out_dir)
+        self.strategy.save_hf(self.engine, self.tokenizer, out_dir, merge_lora=self.cfg.merge_lora, base_uri=self.cfg.pretrain)
 
 
 def _mean(x: torch.Tensor) -> torch.Tensor:
@@ -167,4 +174,5 @@ def train(cfg: PreferenceConfig, run: StageRun) -> None:
         stats = train_steps(run, group, cfg.max_steps, cfg.logging_steps)
         group.run("save_model", str(run.workdir / "model"))
     run.commit(metrics={**{k: round(v, 5) for k, v in stats.items()}, "method": cfg.method, "steps": cfg.max_steps,
-                        "examples": info["examples"], "truncated": info["truncated"], "workers": group.world_size}, model="model")
+                        "examples": info["examples"], "truncated": info["truncated"], "workers": group.world_size,
+                        "trainable_params": info["trainable_params"]}, model="model", **lora.manifest_fields(cfg))

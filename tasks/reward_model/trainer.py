@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from tasks.common import data
+from tasks.common import data, lora
 from tasks.common.losses import bradley_terry_loss
 from tasks.common.models import load_scalar_model, load_tokenizer, resolve_model, sequence_scores
 from tasks.common.stage import StageRun
@@ -17,13 +17,16 @@ from tasks.reward_model.config import RewardModelConfig
 
 
 def tokenize_pairs(rows, tokenizer, cfg: RewardModelConfig) -> tuple[list[list[int]], list[list[int]], int]:
+    """(chosen sequences, rejected sequences, number of sequences cut to max_len), encoded as SFT, RL and
+    DPO encode them. A long pair loses the start of its shared prompt first (data.fit): the score is read
+    at the last token, the response's closing one, which must stay."""
     chosen, rejected, truncated = [], [], 0
     for prompt, good, bad in zip(rows[cfg.prompt_key], rows[cfg.chosen_key], rows[cfg.rejected_key]):
-        p = data.encode_prompt(tokenizer, prompt)
-        for side, response in ((chosen, good), (rejected, bad)):
-            seq = p + data.encode_response(tokenizer, response)
-            truncated += len(seq) > cfg.max_len
-            side.append(seq[:cfg.max_len])
+        p, (c, r), cut = data.fit(data.encode_prompt(tokenizer, prompt, cfg.apply_chat_template),
+                                  [data.encode_response(tokenizer, text, cfg.apply_chat_template) for text in (good, bad)], cfg.max_len)
+        chosen.append(p + c)
+        rejected.append(p + r)
+        truncated += cut
     return chosen, rejected, truncated
 
 
@@ -53,17 +56,20 @@ class RewardModelWorker(TrainingWorker):
         path = resolve_model(cfg.pretrain)
         self.tokenizer = load_tokenizer(path)
         self.chosen, self.rejected, truncated = tokenize_pairs(train_rows, self.tokenizer, cfg)
-        eval_chosen, eval_rejected, _ = tokenize_pairs(eval_rows, self.tokenizer, cfg)
+        eval_chosen, eval_rejected, eval_truncated = tokenize_pairs(eval_rows, self.tokenizer, cfg)
         # This worker scores its share of the held-out pairs at the end.
         self.eval_chosen, self.eval_rejected = (shard(side, self.world_size)[self.rank] for side in (eval_chosen, eval_rejected))
         # A micro-batch of n pairs is 2n sequences in one forward pass.
         self.strategy = DeepSpeedStrategy.for_training(cfg, self.world_size, sequences_per_item=2)
         self.micro = self.strategy.micro_batch_size // 2
-        self.engine = self.strategy.prepare(load_scalar_model(path, flash_attn=cfg.flash_attn), cfg.learning_rate, cfg.max_steps,
-                                            cfg.lr_warmup_steps, lr_scheduler=cfg.lr_scheduler)
+        self.cfg = cfg
+        # With LoRA the score head trains in full beside the adapters (lora.apply_lora).
+        model = lora.apply_lora(load_scalar_model(path, flash_attn=cfg.flash_attn), cfg, scalar=True)
+        counts = lora.param_counts(model)  # before ZeRO-3 partitions the parameters
+        self.engine = self.strategy.prepare(model, cfg.learning_rate, cfg.max_steps, cfg.lr_warmup_steps, lr_scheduler=cfg.lr_scheduler)
         self.sampler = data.BatchSampler(len(self.chosen), cfg.train_batch_size, cfg.seed)
         self.engine.train()
-        return {"pairs": len(self.chosen), "eval_pairs": len(eval_chosen), "truncated": truncated}
+        return {**counts, "pairs": len(self.chosen), "eval_pairs": len(eval_chosen), "truncated": truncated, "eval_truncated": eval_truncated}
 
     def train_step(self) -> dict:
         """One optimizer step on this worker's share of the next global batch; global means of the statistics.
@@ -89,7 +95,7 @@ class RewardModelWorker(TrainingWorker):
     def save_model(self, out_dir: str, reward_mean: float, reward_std: float) -> None:
         config = self.engine.module.config
         config.reward_mean, config.reward_std = reward_mean, reward_std
-        self.strategy.save_hf(self.engine, self.tokenizer, out_dir)
+        self.strategy.save_hf(self.engine, self.tokenizer, out_dir, merge_lora=self.cfg.merge_lora, base_uri=self.cfg.pretrain)
 
 
 def train(cfg: RewardModelConfig, run: StageRun) -> None:
@@ -97,8 +103,8 @@ def train(cfg: RewardModelConfig, run: StageRun) -> None:
     run.input("pretrain", cfg.pretrain)
     with placed_group(RewardModelWorker, cfg.num_nodes, cfg.num_gpus_per_node, "reward_model") as group:
         info = group.run("setup", cfg)[0]
-        print(f"reward_model: {info['pairs']} pairs, {info['eval_pairs']} held out, {info['truncated']} sequences truncated, "
-              f"{group.world_size} worker(s)", flush=True)
+        print(f"reward_model: {info['pairs']} pairs, {info['eval_pairs']} held out, {info['truncated']} sequences truncated "
+              f"({info['eval_truncated']} held out) to {cfg.max_len} tokens, {group.world_size} worker(s)", flush=True)
         stats = train_steps(run, group, cfg.max_steps, cfg.logging_steps)
         shares = group.run("score_held_out")
         chosen = torch.tensor([s for c, _ in shares for s in c])
@@ -110,6 +116,8 @@ def train(cfg: RewardModelConfig, run: StageRun) -> None:
         group.run("save_model", str(run.workdir / "model"), reward_mean, reward_std)
     run.commit(
         metrics={"train_loss": round(stats["loss"], 5) if stats else None, "eval_pairwise_accuracy": round(accuracy, 4),
-                 "reward_mean": reward_mean, "reward_std": reward_std, "truncated": info["truncated"], "workers": group.world_size},
-        model="model",
+                 "reward_mean": reward_mean, "reward_std": reward_std, "truncated": info["truncated"],
+                 "eval_truncated": info["eval_truncated"], "workers": group.world_size, "trainable_params": info["trainable_params"]},
+        # An adapter output keeps the statistics in its manifest; loading it writes them into the merged config.json.
+        model="model", **lora.manifest_fields(cfg, reward_mean=reward_mean, reward_std=reward_std),
     )

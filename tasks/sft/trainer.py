@@ -1,4 +1,6 @@
-"""Supervised fine-tuning with the loss masked to the response tokens (and the closing EOS).
+"""Supervised fine-tuning with the loss masked to the response tokens (and the token closing them:
+EOS, or the chat template's end of turn). With --apply_chat_template a prompt may be a whole
+conversation (system, user and earlier assistant turns): only the final answer is learned.
 
 The driver places `num_nodes × num_gpus_per_node` SFTWorkers (one data-parallel world) and steps
 them; each draws the same global batch from an identically seeded sampler and trains on its share.
@@ -7,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from tasks.common import data
+from tasks.common import data, lora
 from tasks.common.losses import sft_loss
 from tasks.common.models import load_causal_lm, load_tokenizer, resolve_model, sequence_logprobs
 from tasks.common.stage import StageRun
@@ -17,15 +19,16 @@ from tasks.sft.config import SFTConfig
 
 
 def tokenize(rows, tokenizer, cfg: SFTConfig) -> tuple[list[list[int]], list[list[int]], int]:
-    """(ids, loss mask) per row; rows longer than max_len are cut and counted."""
+    """(ids, loss mask, number of rows cut) per row; the loss mask is 1 on the response tokens only.
+    Rows longer than max_len lose the start of their prompt first (data.fit), so the answer and its
+    closing token stay."""
     ids, masks, truncated = [], [], 0
     for prompt, response in zip(rows[cfg.input_key], rows[cfg.output_key]):
-        p, r = data.encode_prompt(tokenizer, prompt, cfg.apply_chat_template), data.encode_response(tokenizer, response)
-        seq, mask = p + r, [0] * len(p) + [1] * len(r)
-        if len(seq) > cfg.max_len:
-            seq, mask, truncated = seq[:cfg.max_len], mask[:cfg.max_len], truncated + 1
-        ids.append(seq)
-        masks.append(mask)
+        p, (r,), cut = data.fit(data.encode_prompt(tokenizer, prompt, cfg.apply_chat_template),
+                                [data.encode_response(tokenizer, response, cfg.apply_chat_template)], cfg.max_len)
+        ids.append(p + r)
+        masks.append([0] * len(p) + [1] * len(r))
+        truncated += cut
     return ids, masks, truncated
 
 
@@ -37,11 +40,13 @@ class SFTWorker(TrainingWorker):
         self.ids, self.masks, truncated = tokenize(rows, self.tokenizer, cfg)
         self.strategy = DeepSpeedStrategy.for_training(cfg, self.world_size)
         self.micro = self.strategy.micro_batch_size
-        self.engine = self.strategy.prepare(load_causal_lm(path, flash_attn=cfg.flash_attn), cfg.learning_rate, cfg.max_steps,
-                                            cfg.lr_warmup_steps, lr_scheduler=cfg.lr_scheduler)
+        self.cfg = cfg
+        model = lora.apply_lora(load_causal_lm(path, flash_attn=cfg.flash_attn), cfg)
+        counts = lora.param_counts(model)  # before ZeRO-3 partitions the parameters
+        self.engine = self.strategy.prepare(model, cfg.learning_rate, cfg.max_steps, cfg.lr_warmup_steps, lr_scheduler=cfg.lr_scheduler)
         self.sampler = data.BatchSampler(len(self.ids), cfg.train_batch_size, cfg.seed)
         self.engine.train()
-        return {"rows": len(self.ids), "truncated": truncated}
+        return {"rows": len(self.ids), "truncated": truncated, **counts}
 
     def train_step(self) -> dict:
         """One optimizer step on this worker's share of the next global batch; the global mean loss."""
@@ -64,7 +69,7 @@ class SFTWorker(TrainingWorker):
         return {"loss": mean_loss.item(), "lr": self.engine.get_lr()[0], "epoch": self.sampler.epoch}
 
     def save_model(self, out_dir: str) -> None:
-        self.strategy.save_hf(self.engine, self.tokenizer, out_dir)
+        self.strategy.save_hf(self.engine, self.tokenizer, out_dir, merge_lora=self.cfg.merge_lora, base_uri=self.cfg.pretrain)
 
 
 def train(cfg: SFTConfig, run: StageRun) -> None:
@@ -72,8 +77,10 @@ def train(cfg: SFTConfig, run: StageRun) -> None:
     run.input("pretrain", cfg.pretrain)
     with placed_group(SFTWorker, cfg.num_nodes, cfg.num_gpus_per_node, "sft") as group:
         info = group.run("setup", cfg)[0]
-        print(f"sft: {info['rows']} rows, {info['truncated']} truncated to {cfg.max_len} tokens, {group.world_size} worker(s)", flush=True)
+        print(f"sft: {info['rows']} rows, {info['truncated']} truncated to {cfg.max_len} tokens, {group.world_size} worker(s), "
+              f"{info['trainable_params']} of {info['total_params']} parameters trained", flush=True)
         stats = train_steps(run, group, cfg.max_steps, cfg.logging_steps)
         group.run("save_model", str(run.workdir / "model"))
     run.commit(metrics={"train_loss": round(stats["loss"], 5) if stats else None, "steps": cfg.max_steps, "rows": info["rows"],
-                        "truncated": info["truncated"], "workers": group.world_size}, model="model")
+                        "truncated": info["truncated"], "workers": group.world_size, "trainable_params": info["trainable_params"]},
+               model="model", **lora.manifest_fields(cfg))
