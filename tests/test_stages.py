@@ -280,7 +280,7 @@ def test_rl_run_killed_after_a_checkpoint_resumes_to_the_same_metrics(chain, s3_
 def test_rl_refuses_what_cannot_run_here_in_one_line(chain, ray_address, tmp_path):
     base = ["--output", str(tmp_path / "rl"), "--pretrain", chain["sft"], "--reward_pretrain", chain["reward_model"],
             "--prompt_data", chain["prepare_data"]]
-    done = run_cli("tasks.rl", *base, "--vllm_num_engines", "2", ray=ray_address)
+    done = run_cli("tasks.rl", *base, "--vllm_num_engines", "1", ray=ray_address)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1] == ("error: vllm_num_engines: vLLM engines need GPUs and the vllm package, and this "
                                                    "Ray cluster has no GPUs; use --vllm_num_engines 0 (transformers generate in the actor workers)")

@@ -18,6 +18,13 @@ import torch
 import torch.nn.functional as F
 
 
+def max_masked_abs_diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
+    """max |a - b| over the positions where mask is 1 (0.0 when none is): how far the rollout engine's
+    log-probabilities of the sampled tokens are from the trained actor's, after each weight sync."""
+    diff = (a.float() - b.float()).abs() * mask
+    return diff.max().item() if mask.any() else 0.0
+
+
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """Mean of x over the positions where mask is 1 (all of them, or along `dim`)."""
     mask = mask.to(x.dtype)

@@ -82,12 +82,20 @@ class RLConfig(TrainingConfig):
     colocate_all_models: bool = field(default=False, metadata={"help": "every model shares the actor's GPUs (fractions of one placement group)"})
     vllm_num_engines: int = field(default=0, metadata={"help": "vLLM rollout engines (GPU only); 0 generates with transformers in the actor workers"})
     vllm_tensor_parallel_size: int = field(default=1, metadata={"help": "GPUs per vLLM engine"})
-    vllm_gpu_memory_utilization: float = field(default=0.9, metadata={"help": "fraction of a GPU's memory a vLLM engine may take"})
+    vllm_gpu_memory_utilization: float = field(default=0.4, metadata={"help": "fraction of its GPU's memory a vLLM engine may take; the rest is the colocated trainer's"})
     enable_prefix_caching: bool = field(default=False, metadata={"help": "vLLM's prefix cache (shared prompt prefixes computed once)"})
+    vllm_enable_sleep: bool = field(default=False, metadata={"help": "vLLM gives its weights and KV cache back while the actor trains (sleep level 1), and takes them again for the next rollout"})
+    ignore_eos: bool = field(default=False, metadata={"help": "benchmarks: every response is generate_max_len tokens, EOS or not"})
+
+    def uses_kl(self) -> bool:
+        """Whether the KL to the reference enters reward or loss; without it no reference model is needed."""
+        return self.init_kl_coef > 0 or self.kl_target > 0
 
     def roles(self) -> list[str]:
-        """The worker groups this run places: a critic only for gae, reward models unless a function or endpoint scores."""
-        return ["actor", "ref"] + (["critic"] if uses_critic(self.advantage_estimator) else []) + ([] if self.remote_rm_url else ["reward"])
+        """The worker groups this run places: a reference only when KL is on, a critic only for gae, reward
+        models unless a function or endpoint scores."""
+        return (["actor"] + (["ref"] if self.uses_kl() else []) + (["critic"] if uses_critic(self.advantage_estimator) else [])
+                + ([] if self.remote_rm_url else ["reward"]))
 
     def group_size(self, role: str) -> int:
         return getattr(self, f"{role}_num_nodes") * getattr(self, f"{role}_num_gpus_per_node")
@@ -157,8 +165,17 @@ class RLConfig(TrainingConfig):
                         f"{role}_num_nodes × {role}_num_gpus_per_node")
         if self.vllm_num_engines < 0 or self.micro_rollout_batch_size < 0 or self.num_episodes < 0:
             raise ConfigError("vllm_num_engines, micro_rollout_batch_size and num_episodes must not be negative")
-        if not self.vllm_num_engines:
-            for name, default in (("vllm_tensor_parallel_size", 1), ("vllm_gpu_memory_utilization", 0.9), ("enable_prefix_caching", False)):
+        if self.vllm_num_engines:
+            # The engines built so far live inside the actor workers, one per rank, sharing its GPU.
+            if self.vllm_num_engines != self.group_size("actor") or self.vllm_tensor_parallel_size != 1:
+                raise ConfigError(f"vllm_num_engines: each actor worker hosts one vLLM engine on its own GPU; use "
+                                  f"--vllm_num_engines {self.group_size('actor')} (the actor's size) and --vllm_tensor_parallel_size 1")
+            if not 0 < self.vllm_gpu_memory_utilization < 1:
+                raise ConfigError(f"vllm_gpu_memory_utilization: {self.vllm_gpu_memory_utilization} leaves the colocated trainer "
+                                  "no memory; use a fraction such as 0.3")
+        else:
+            for name, default in (("vllm_tensor_parallel_size", 1), ("vllm_gpu_memory_utilization", 0.4), ("enable_prefix_caching", False),
+                                  ("vllm_enable_sleep", False)):
                 if getattr(self, name) != default:
                     raise ConfigError(f"{name}: only applies to vLLM engines; set --vllm_num_engines too, or drop it")
         dynamic_range = self.interval("dynamic_filtering_reward_range")
@@ -174,7 +191,7 @@ class RLConfig(TrainingConfig):
             raise ConfigError(f"kl_estimator: {self.kl_estimator!r} is unknown; use k1, k2 or k3")
         if self.advantage_estimator in GROUP_ESTIMATORS and self.n_samples_per_prompt < 2:
             raise ConfigError(f"n_samples_per_prompt: {self.advantage_estimator} compares samples of one prompt; use 2 or more")
-        for name in ("max_steps", "rollout_batch_size", "n_samples_per_prompt", "train_batch_size", "max_epochs", "generate_max_len", "logging_steps", "kl_horizon"):
+        for name in ("max_steps", "rollout_batch_size", "n_samples_per_prompt", "train_batch_size", "max_epochs", "prompt_max_len", "generate_max_len", "logging_steps", "kl_horizon"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be at least 1, got {getattr(self, name)}")
         if (self.rollout_batch_size * self.n_samples_per_prompt) % self.train_batch_size:

@@ -4,7 +4,8 @@
     ActorWorker × N                   ReferenceWorker × N  CriticWorker × N     RewardWorker × N
 
 Each group is one data-parallel world on its own placement group, or shares one with others
-(--colocate_actor_ref, --colocate_critic_reward, --colocate_all_models). This driver holds no
+(--colocate_actor_ref, --colocate_critic_reward, --colocate_all_models). With --lora_rank there is
+no reference group: the actor scores the reference log-probabilities itself, with its adapters off. This driver holds no
 model: it samples prompts, shards work over the groups' ranks, computes advantages on the whole
 batch (tasks.rl.advantages), plans the minibatches, logs, and checkpoints.
 """
@@ -18,10 +19,11 @@ from pathlib import Path
 
 import torch
 
-from tasks.common import data
+from tasks.common import data, lora
 from tasks.common import manifest as manifests
 from tasks.common import storage
 from tasks.common.config import ConfigError
+from tasks.common.losses import max_masked_abs_diff
 from tasks.common.models import load_tokenizer, resolve_model
 from tasks.common.rollout import Rollout, concat_rollouts
 from tasks.common.stage import StageRun
@@ -39,12 +41,15 @@ MAX_FILTER_ROUNDS = 8  # rollouts drawn per step before dynamic filtering gives 
 @dataclass
 class Prompts:
     ids: list[list[int]]
-    texts: list[str]
+    texts: list  # as the dataset gave them (strings or chat messages): what reward functions and endpoints get
     labels: list[str | None]
     truncated: int
 
 
 def load_prompts(cfg: RLConfig, run: StageRun, tokenizer) -> Prompts:
+    """The prompts encoded as SFT encoded them (strings or chat messages, with --apply_chat_template the
+    template's rendering up to the assistant's opening); a prompt over prompt_max_len loses its start,
+    keeping the opening the response follows, and is counted."""
     keys = [cfg.input_key] + ([cfg.label_key] if cfg.label_key else [])
     rows = data.load_rows(run.input("prompt_data", cfg.prompt_data), cfg.prompt_split, keys, cfg.max_samples)
     texts = list(rows[cfg.input_key])
@@ -99,19 +104,20 @@ class RemoteRewardModels(RewardSource):
 
 class ActorGroupEngine:
     """The rollout engine slot as the controller sees it: `generate(prompts) -> Rollout`, and
-    `sync_weights()` after each update. This one is the actor group's own transformers `generate`
-    (prompts sharded over its ranks), so there are no weights to sync; a vLLM engine group (GPU)
-    takes the same two calls, loading the actor's new weights in `sync_weights`."""
+    `sync_weights()` after each update. The engines live in the actor workers (prompts sharded over
+    its ranks): transformers `generate` on the trained module itself, nothing to sync; or one vLLM
+    engine per rank on the rank's GPU (tasks.rl.vllm_engine), loaded with the new weights in place."""
 
-    def __init__(self, actor: WorkerGroup, pad_token_id: int):
-        self.actor, self.pad_token_id = actor, pad_token_id
+    def __init__(self, actor: WorkerGroup, pad_token_id: int, vllm: bool = False):
+        self.actor, self.pad_token_id, self.vllm = actor, pad_token_id, vllm
 
     def generate(self, prompts: list[list[int]]) -> Rollout:
         parts = self.actor.scatter("generate", shard(prompts, self.actor.world_size))
         return concat_rollouts([p for p in parts if p.sequences.size(0)], self.pad_token_id)
 
     def sync_weights(self) -> None:
-        pass
+        if self.vllm:
+            self.actor.run("sync_weights")
 
 
 class Controller:
@@ -120,9 +126,8 @@ class Controller:
     def __init__(self, cfg: RLConfig, run: StageRun):
         self.cfg, self.run = cfg, run
         connect_ray()
-        if cfg.vllm_num_engines:
-            where = "this build has no vLLM engine yet" if cluster_has_gpus() else "this Ray cluster has no GPUs"
-            raise ConfigError(f"vllm_num_engines: vLLM engines need GPUs and the vllm package, and {where}; "
+        if cfg.vllm_num_engines and not cluster_has_gpus():
+            raise ConfigError("vllm_num_engines: vLLM engines need GPUs and the vllm package, and this Ray cluster has no GPUs; "
                               "use --vllm_num_engines 0 (transformers generate in the actor workers)")
         self.tokenizer = load_tokenizer(resolve_model(run.input("pretrain", cfg.pretrain)))
         self.prompts = load_prompts(cfg, run, self.tokenizer)
@@ -138,7 +143,8 @@ class Controller:
 
     def _place(self) -> None:
         cfg, run = self.cfg, self.run
-        roles = cfg.roles()
+        # With LoRA the reference is the actor's own frozen base (ActorWorker.reference_logprobs): no model of its own.
+        roles = [role for role in cfg.roles() if not (role == "ref" and lora.enabled(cfg))]
         critic_uri = ""
         if "critic" in roles:
             critic_uri = run.input("critic_pretrain", cfg.critic_pretrain or (split_list(cfg.reward_pretrain) or [cfg.pretrain])[0])
@@ -160,7 +166,7 @@ class Controller:
                 self.groups[role] = WorkerGroup(classes[role], placement, role, fraction=1.0 / len(members))
         setup_args = {"actor": (cfg, self.updates), "ref": (cfg,), "critic": (cfg, critic_uri, self.updates), "reward": (cfg,)}
         gather([self.groups[role].run_async("setup", *setup_args[role]) for role in roles])
-        self.engine = ActorGroupEngine(self.groups["actor"], self.tokenizer.pad_token_id)
+        self.engine = ActorGroupEngine(self.groups["actor"], self.tokenizer.pad_token_id, vllm=cfg.vllm_num_engines > 0)
         self.reward: RewardSource = (RemoteRewardModels(self.groups["reward"]) if "reward" in self.groups
                                      else make_reward_source("", cfg.remote_rm_url))
         layout = ", ".join(f"[{' + '.join(m)}] × {self.groups[m[0]].world_size}" for m in self.layout)
@@ -168,6 +174,10 @@ class Controller:
               f"{self.steps} steps; placement groups {layout}", flush=True)
         where = ", ".join(f"{role} on node(s) {sorted({n[:8] for n in g.nodes})} via {g.rendezvous}" for role, g in self.groups.items())
         print(f"rl: driver on node {self.groups['actor'].driver_node[:8]}; {where}", flush=True)
+        if not cfg.uses_kl():
+            print("rl: KL off (init_kl_coef 0, no kl_target): no reference model", flush=True)
+        elif "ref" not in self.groups:
+            print("rl: reference = the actor's base with its LoRA adapters off (no reference model loaded)", flush=True)
 
     def _check_outputs_reachable(self) -> None:
         """Workers upload checkpoints and the final model themselves: a folder on the driver's node is out
@@ -235,10 +245,16 @@ class Controller:
     def score(self, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Old log-probabilities (actor), reference log-probabilities and values of a rollout."""
         rows = list(range(rollout.sequences.size(0)))
+        # LoRA: the actor returns (log-probabilities, reference ones); KL off: no reference at all.
+        own_reference = "ref" not in self.groups and self.cfg.uses_kl()
+        actor_method = "reference_logprobs" if own_reference else "logprobs"
         calls = {role: (method, [rollout.select(r) for r in shard(rows, self.groups[role].world_size)], ())
-                 for role, method in (("actor", "logprobs"), ("ref", "logprobs"), ("critic", "values")) if role in self.groups}
-        results = {role: torch.cat(parts) for role, parts in self.in_waves(calls).items()}
-        return results["actor"], results["ref"], results.get("critic")
+                 for role, method in (("actor", actor_method), ("ref", "logprobs"), ("critic", "values")) if role in self.groups}
+        parts = self.in_waves(calls)
+        if own_reference:
+            parts["actor"], parts["ref"] = zip(*parts["actor"])
+        results = {role: torch.cat(list(p)) for role, p in parts.items()}
+        return results["actor"], results.get("ref", results["actor"]), results.get("critic")
 
     def minibatch_plan(self, n: int) -> list[torch.Tensor]:
         """Row indices of each minibatch: max_epochs shuffled passes in train_batch_size pieces."""
@@ -251,6 +267,8 @@ class Controller:
         rollout, scores, timing = self.rollout()
         t1 = time.time()
         logprobs, ref_logprobs, values = self.score(rollout)
+        if rollout.logprobs is not None:  # the sync check: the engine samples from the weights being trained
+            timing["engine_logprob_max_diff"] = max_masked_abs_diff(logprobs, rollout.logprobs, rollout.response_mask)
         kl_coef = self.kl_ctl.value
         exp = make_experience(rollout, logprobs, ref_logprobs, values, scores, cfg, kl_coef)
         t2 = time.time()
@@ -351,7 +369,8 @@ def train(cfg: RLConfig, run: StageRun) -> None:
     finally:
         controller.shutdown()
     final = {"final_reward": exp.scores.mean().item(), "final_kl": exp.kl.sum(-1).mean().item()} if exp is not None else {}
-    run.commit(metrics={**final, "steps": controller.steps, "actor_workers": controller.groups["actor"].world_size},
-               uploaded=uploaded, model="model")
+    run.commit(metrics={**final, "steps": controller.steps, "truncated": controller.prompts.truncated, "actor_workers": controller.groups["actor"].world_size,
+                        "ref_workers": controller.groups["ref"].world_size if "ref" in controller.groups else 0},
+               uploaded=uploaded, model="model", **lora.manifest_fields(cfg))
     if cfg.save_path:
         print(f"rl: final model also written to {cfg.save_path}", flush=True)

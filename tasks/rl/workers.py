@@ -1,7 +1,8 @@
 """The RL stage's Ray worker roles: actor (policy + its rollout engine), critic, reference, reward.
 
 Each role is a tasks.common.workers.Worker, placed as a WorkerGroup by the controller
-(tasks.rl.trainer). Tensors travel between the controller and the workers on the CPU; a worker
+(tasks.rl.trainer). With --lora_rank the actor trains adapters and is its own reference (its base
+with the adapters off, `reference_logprobs`): no ReferenceWorker is placed. Tensors travel between the controller and the workers on the CPU; a worker
 moves them to its device. Every method that takes part in a collective (training steps, ZeRO-3
 gathers) runs on every rank of its group.
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from tasks.common import lora
 from tasks.common.losses import kl_loss, masked_mean, policy_loss, value_loss
 from tasks.common.models import load_causal_lm, load_scalar_model, load_tokenizer, resolve_model
 from tasks.common.rollout import HFRolloutEngine, Rollout
@@ -57,15 +59,28 @@ class ActorWorker(_Trainer):
         self.strategy = DeepSpeedStrategy.for_training(cfg, self.world_size)
         # Sampling differs per rank; weights start identical (they are loaded, not drawn).
         torch.manual_seed(cfg.seed + self.rank)
-        model = load_causal_lm(path, flash_attn=cfg.flash_attn)
+        model = lora.apply_lora(load_causal_lm(path, flash_attn=cfg.flash_attn), cfg)
         self.engine = self.strategy.prepare(model, cfg.actor_learning_rate, total_updates, cfg.lr_warmup_steps)
         self.micro = self.strategy.micro_batch_size
-        self.rollout_engine = HFRolloutEngine(self.engine.module, self.tokenizer, self.strategy.device)
+        if cfg.vllm_num_engines:
+            from tasks.rl.vllm_engine import VLLMRolloutEngine  # GPU only: vllm is the gpu extra
+
+            self.rollout_engine = VLLMRolloutEngine(
+                path, self.tokenizer, max_model_len=cfg.prompt_max_len + cfg.generate_max_len,
+                gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, seed=cfg.seed + self.rank, dtype=str(_dtype(cfg)).removeprefix("torch."),
+                enable_prefix_caching=cfg.enable_prefix_caching, enable_sleep=cfg.vllm_enable_sleep, ignore_eos=cfg.ignore_eos)
+        else:
+            self.rollout_engine = HFRolloutEngine(self.engine.module, self.tokenizer, self.strategy.device)
 
     def generate(self, prompts: list[list[int]]) -> Rollout:
         rollout = self.rollout_engine.generate(prompts, self.cfg.generate_max_len, self.cfg.temperature,
                                                batch_size=self.cfg.micro_rollout_batch_size or len(prompts))
         return rollout.to("cpu")
+
+    def sync_weights(self) -> None:
+        """Load the updated weights into this worker's vLLM engine (the HF engine uses them in place)."""
+        if hasattr(self.rollout_engine, "load_weights"):
+            self.rollout_engine.load_weights(self.engine.module, gathered=self.strategy.zero_stage == 3)
 
     @torch.no_grad()
     def logprobs(self, rollout: Rollout) -> torch.Tensor:
@@ -73,6 +88,15 @@ class ActorWorker(_Trainer):
         out = [response_logprobs(self.engine.module, r.sequences.to(self.strategy.device), r.attention_mask.to(self.strategy.device),
                                  r.prompt_width).cpu() for r in _chunks(rollout, self.cfg.micro_rollout_batch_size)]
         return torch.cat(out)
+
+    def reference_logprobs(self, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
+        """With LoRA: (log-probabilities, reference log-probabilities), the reference being this policy's
+        frozen base (adapters off), so no reference model is loaded anywhere."""
+        reference = lora.FrozenBase(self.engine.module)
+        device = self.strategy.device
+        ref = [response_logprobs(reference, r.sequences.to(device), r.attention_mask.to(device), r.prompt_width).cpu()
+               for r in _chunks(rollout, self.cfg.micro_rollout_batch_size)]
+        return self.logprobs(rollout), torch.cat(ref)
 
     def train(self, minibatches: list[Experience], kl_coef: float) -> dict[str, float]:
         """One optimizer step per minibatch (this rank's share of it), in micro-batches."""
@@ -100,7 +124,7 @@ class ActorWorker(_Trainer):
         return self._mean_stats(stats)
 
     def save_model(self, out_dir: str) -> None:
-        self.strategy.save_hf(self.engine, self.tokenizer, out_dir)
+        self.strategy.save_hf(self.engine, self.tokenizer, out_dir, merge_lora=self.cfg.merge_lora, base_uri=self.cfg.pretrain)
 
 
 class CriticWorker(_Trainer):
@@ -111,7 +135,7 @@ class CriticWorker(_Trainer):
         path = resolve_model(critic_uri)
         self.tokenizer = load_tokenizer(path)
         self.strategy = DeepSpeedStrategy.for_training(cfg, self.world_size)
-        model = load_scalar_model(path, flash_attn=cfg.flash_attn)
+        model = lora.apply_lora(load_scalar_model(path, flash_attn=cfg.flash_attn), cfg, scalar=True)
         self.engine = self.strategy.prepare(model, cfg.critic_learning_rate, total_updates, cfg.lr_warmup_steps)
         self.micro = self.strategy.micro_batch_size
 
@@ -139,7 +163,8 @@ class CriticWorker(_Trainer):
         return self._mean_stats(stats)
 
     def save_model(self, out_dir: str) -> None:
-        self.strategy.save_hf(self.engine, self.tokenizer, out_dir)
+        # Always full weights: critic/ is not a stage's model/ and has no manifest entry naming a base.
+        self.strategy.save_hf(self.engine, self.tokenizer, out_dir, merge_lora=True)
 
 
 class ReferenceWorker(Worker):

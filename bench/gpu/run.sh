@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# On the GPU machine: run benchmark phases in order, each in its own process, logs and results to $OUT.
+#
+#   bash bench/gpu/run.sh setup vllm sft          # one device call
+#   bash bench/gpu/run.sh ours trl_vllm trl_hf report
+#
+# /tmp/bench (model, data, results) outlives a call while the machine is warm; results also go to $OUT.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+source bench/gpu/env.sh
+out="${OUT:-/tmp/out}"; mkdir -p "$out/logs"
+dir=/tmp/bench
+ray_up=""
+for phase in "$@"; do
+  t0=$(date +%s)
+  case "$phase" in
+    setup) [ -f $dir/model_info.json ] || python bench/grpo_bench.py setup --dir $dir ;;
+    vllm) python bench/grpo_bench.py vllm --dir $dir ;;
+    sft|ours|ours32|ours64|ours_hf)
+      if [ -z "$ray_up" ]; then start_ray && ray_up=1; fi
+      case "$phase" in
+        sft) python bench/grpo_bench.py sft --dir $dir ;;
+        ours) python bench/grpo_bench.py ours --dir $dir --mode vllm ;;
+        ours32) python bench/grpo_bench.py ours --dir $dir --mode vllm --micro 32 ;;
+        ours64) python bench/grpo_bench.py ours --dir $dir --mode vllm --micro 64 ;;
+        ours_hf) python bench/grpo_bench.py ours --dir $dir --mode hf --steps 5 ;;
+      esac ;;
+    trl_hf) python bench/grpo_bench.py trl --dir $dir --mode hf --steps 8 ;;
+    trl_vllm) python bench/grpo_bench.py trl --dir $dir --mode vllm ;;
+    report) python bench/grpo_bench.py report --dir $dir --out "$out/results.json" --command "bash bench/gpu/run.sh $*" ;;
+    *) echo "unknown phase $phase"; exit 2 ;;
+  esac > "$out/logs/$phase.log" 2>&1
+  rc=$?
+  echo "phase $phase: rc=$rc in $(( $(date +%s) - t0 )) s"
+  [ $rc -eq 0 ] || tail -25 "$out/logs/$phase.log"
+  cp $dir/*.log "$out/logs/" 2>/dev/null || true
+done
+mkdir -p "$out/results"; cp $dir/results/*.json "$out/results/" 2>/dev/null || true
+[ -n "$ray_up" ] && ray stop --force >/dev/null 2>&1
+nvidia-smi --query-gpu=name,memory.used --format=csv,noheader

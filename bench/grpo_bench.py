@@ -1,0 +1,338 @@
+"""GPU benchmark: our GRPO stage against TRL's GRPOTrainer on the same work, plus vLLM's standalone
+rollout rate, the decode floor and SFT's MFU. Each measurement runs in its own process, so one's GPU
+memory is gone before the next starts; each writes <dir>/results/<name>.json.
+
+    python bench/grpo_bench.py setup  --dir /tmp/bench [--shape qwen2-0.5b|tiny]
+    python bench/grpo_bench.py vllm   --dir /tmp/bench        # standalone vLLM at batch 64 / 256 / 1024
+    python bench/grpo_bench.py sft    --dir /tmp/bench        # our SFT stage, 8 × 2048 tokens, MFU
+    python bench/grpo_bench.py ours   --dir /tmp/bench        # our GRPO stage, vLLM colocated (Ray head needed)
+    python bench/grpo_bench.py trl    --dir /tmp/bench --mode hf|vllm
+    python bench/grpo_bench.py report --dir /tmp/bench --out bench/results.json
+
+The work (both sides): a Qwen2-0.5B-shaped model with random weights in bf16; 8 prompts of 128 tokens
+× 8 completions = 64 completions of exactly 256 tokens per step (EOS ignored); one optimizer update per
+step; no reference model (KL off, TRL's default β = 0); gradient checkpointing; the same reward
+function. Step times are medians over the steps after the first two (start-up and compilation).
+bench/gpu/run.sh runs the lot on the GPU machine; bench/RESULTS.md says what came out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BF16_PEAK_FLOPS = 790e12   # the H200's measured dense bf16 rate (../shared GPU notes), the MFU denominator
+HBM_BYTES_PER_S = 4.3e12   # the H200's memory bandwidth: the decode floor reads every weight once per step
+PROMPT_TOKENS, COMPLETION_TOKENS, GROUP, PROMPTS_PER_STEP = 128, 256, 8, 8
+SHAPES = {
+    # Qwen2-0.5B's shape: 494 M parameters, tied embeddings.
+    "qwen2-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                       num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True, rope_theta=1e6),
+    # For a dry run of every path on a CPU.
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, rope_theta=1e6),
+}
+REWARD_FILE = Path(__file__).with_name("reward.py")
+
+
+def on_gpu() -> bool:
+    """bf16 and the GPU-only paths; off for a CPU dry run of the script (--shape tiny)."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def save(bench_dir: Path, name: str, result: dict) -> None:
+    out = bench_dir / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({name: result}), flush=True)
+
+
+def steady_median(times: list[float], skip: int = 2) -> float:
+    """Median step time after the first `skip` steps (start-up, compilation, allocator warm-up)."""
+    tail = times[skip:] or times
+    return statistics.median(tail)
+
+
+# ---------------------------------------------------------------------------- setup
+
+def build_tokenizer(vocab_size: int):
+    """A byte-level BPE tokenizer without merges (Qwen2's class, which AutoTokenizer picks for a qwen2
+    config anyway): every character is one token, so a prompt of n letters is n tokens. Ids past the
+    256 byte symbols and <eos>/<pad> are fillers the random model may still sample."""
+    from transformers import Qwen2Tokenizer
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    vocab = {symbol: i for i, symbol in enumerate(bytes_to_unicode().values())}
+    vocab.update({"<eos>": len(vocab), "<pad>": len(vocab) + 1})
+    vocab.update({f"<x{i}>": i for i in range(len(vocab), vocab_size)})
+    return Qwen2Tokenizer(vocab=vocab, merges=[], eos_token="<eos>", pad_token="<pad>", unk_token=None, bos_token=None,
+                          padding_side="left", model_max_length=4096)
+
+
+def setup(bench_dir: Path, shape: str) -> None:
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = SHAPES[shape]
+    tokenizer = build_tokenizer(cfg["vocab_size"])
+    config = Qwen2Config(**cfg, max_position_embeddings=4096, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                         bos_token_id=None)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+    model.save_pretrained(bench_dir / "model")
+    tokenizer.save_pretrained(bench_dir / "model")
+    rng = random.Random(0)
+
+    def words(n):  # n letters: n tokens
+        return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(n))
+
+    with open(bench_dir / "prompts.jsonl", "w") as f:
+        for _ in range(512):
+            f.write(json.dumps({"prompt": words(PROMPT_TOKENS)}) + "\n")
+    # SFT rows of exactly 2048 tokens: 1023 prompt + 1024 response + EOS.
+    with open(bench_dir / "sft.jsonl", "w") as f:
+        for _ in range(64):
+            f.write(json.dumps({"prompt": words(1023), "response": words(1024)}) + "\n")
+    params = sum(p.numel() for p in model.parameters())
+    (bench_dir / "model_info.json").write_text(json.dumps({"shape": shape, "parameters": params}) + "\n")
+    print(f"setup: {shape}, {params / 1e6:.1f} M parameters, in {bench_dir}", flush=True)
+
+
+def parameters(bench_dir: Path) -> int:
+    return json.loads((bench_dir / "model_info.json").read_text())["parameters"]
+
+
+# ---------------------------------------------------------------------------- vLLM alone
+
+def decode_floor(bench_dir: Path, batch: int) -> float:
+    """Tokens/s if each decode step cost only reading the bf16 weights once from HBM."""
+    return batch / (2 * parameters(bench_dir) / HBM_BYTES_PER_S)
+
+
+def bench_vllm(bench_dir: Path, batches=(64, 256, 1024)) -> None:
+    from vllm import LLM, SamplingParams
+
+    t0 = time.time()
+    llm = LLM(model=str(bench_dir / "model"), skip_tokenizer_init=True, dtype="bfloat16", gpu_memory_utilization=0.5,
+              max_model_len=PROMPT_TOKENS + COMPLETION_TOKENS, seed=0)
+    startup = time.time() - t0
+    rng = random.Random(1)
+    vocab = llm.llm_engine.model_config.hf_config.vocab_size
+    params = SamplingParams(temperature=1.0, max_tokens=COMPLETION_TOKENS, ignore_eos=True, logprobs=0, detokenize=False)
+    result = {"startup_s": round(startup, 1)}
+    for batch in (8,) + tuple(batches):  # 8: warm-up
+        prompts = [{"prompt_token_ids": [rng.randrange(2, vocab) for _ in range(PROMPT_TOKENS)]} for _ in range(batch)]
+        t = time.time()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.time() - t
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        if batch != 8:
+            result[f"tokens_per_s_{batch}"] = round(tokens / seconds)
+            result[f"decode_floor_tokens_per_s_{batch}"] = round(decode_floor(bench_dir, batch))
+    save(bench_dir, "vllm", result)
+
+
+# ---------------------------------------------------------------------------- our stages
+
+def run_stage(module: str, args: dict, log: Path) -> None:
+    argv = [sys.executable, "-m", module] + [x for k, v in args.items() for x in ((f"--{k}", str(v)) if v is not True else (f"--{k}",))]
+    print(" ".join(argv), flush=True)
+    with open(log, "w") as f:
+        done = subprocess.run(argv, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
+    if done.returncode:
+        tail = log.read_text().splitlines()[-30:]
+        raise SystemExit(f"{module} failed ({done.returncode}); last lines of {log}:\n" + "\n".join(tail))
+
+
+def step_times(metrics_file: Path) -> list[float]:
+    """Per-step seconds from a stage's metrics.jsonl (its `time_s` is time since the tracker started)."""
+    stamps = [json.loads(line)["time_s"] for line in metrics_file.read_text().splitlines() if line.strip()]
+    return [b - a for a, b in zip(stamps, stamps[1:])]
+
+
+def bench_sft(bench_dir: Path, steps: int = 12, batch: int = 8, seq: int = 2048) -> None:
+    out = bench_dir / "out" / "sft"
+    run_stage("tasks.sft", {
+        "pretrain": bench_dir / "model", "dataset": bench_dir / "sft.jsonl", "output": out, "max_steps": steps,
+        "train_batch_size": batch, "micro_train_batch_size": batch, "max_len": seq, "learning_rate": 1e-5,
+        "lr_warmup_steps": 0, "logging_steps": 1, "bf16": on_gpu(), "zero_stage": 2, "gradient_checkpointing": True,
+        "flash_attn": True,
+    }, bench_dir / "sft.log")
+    seconds = steady_median(step_times(out / "metrics.jsonl"))
+    tokens = batch * seq
+    # 6 N per token for forward + backward, and 2 N more for the forward gradient checkpointing recomputes.
+    flops = 8 * parameters(bench_dir) * tokens
+    save(bench_dir, "sft", {"step_s": round(seconds, 4), "tokens_per_s": round(tokens / seconds), "mfu": round(flops / seconds / BF16_PEAK_FLOPS, 4),
+                            "batch": batch, "seq_len": seq, "zero_stage": 2, "gradient_checkpointing": True,
+                            "attention": _attention_kernel(bench_dir / "sft.log")})
+
+
+def _attention_kernel(log: Path) -> str:
+    return "sdpa (flash-attn missing)" if "flash_attn:" in log.read_text() else "flash_attention_2"
+
+
+def grpo_args(bench_dir: Path, out: Path, steps: int, micro: int) -> dict:
+    return {
+        "pretrain": bench_dir / "model", "prompt_data": bench_dir / "prompts.jsonl", "remote_rm_url": REWARD_FILE,
+        "output": out, "max_steps": steps, "advantage_estimator": "group_norm", "n_samples_per_prompt": GROUP,
+        "rollout_batch_size": PROMPTS_PER_STEP, "train_batch_size": PROMPTS_PER_STEP * GROUP, "micro_train_batch_size": micro,
+        "max_epochs": 1, "prompt_max_len": PROMPT_TOKENS, "generate_max_len": COMPLETION_TOKENS, "ignore_eos": True,
+        "init_kl_coef": 0.0, "actor_learning_rate": 1e-6, "lr_warmup_steps": 0, "bf16": on_gpu(), "zero_stage": 2,
+        "gradient_checkpointing": True, "flash_attn": True, "colocate_all_models": True, "logging_steps": 1,
+        # Log-probabilities in chunks too: a 64 × 384 × 152k float32 logits tensor at once is 14 GiB.
+        "micro_rollout_batch_size": micro,
+    }
+
+
+def bench_ours(bench_dir: Path, steps: int = 12, engine: str = "vllm", micro: int = 16) -> None:
+    name = f"ours_{engine}_m{micro}"
+    out = bench_dir / "out" / name
+    args = grpo_args(bench_dir, out, steps, micro)
+    if engine == "vllm":
+        args.update(vllm_num_engines=1, vllm_gpu_memory_utilization=0.3)
+    run_stage("tasks.rl", args, bench_dir / f"{name}.log")
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    tail = records[2:] or records
+    split = {key: round(statistics.median(r[key] for r in tail), 4)
+             for key in ("time_step_s", "time_generate_s", "time_reward_s", "time_inference_s", "time_train_s", "time_weight_sync_s")}
+    step = split["time_step_s"]
+    tokens = PROMPTS_PER_STEP * GROUP * COMPLETION_TOKENS
+    train_tokens = PROMPTS_PER_STEP * GROUP * (PROMPT_TOKENS + COMPLETION_TOKENS)
+    result = {"step_s": step, **split, "rollout_tokens_per_s": round(tokens / split["time_generate_s"]),
+              "train_tokens_per_s": round(train_tokens / split["time_train_s"]),
+              # forward+backward+recompute (8 N) in training, one forward (2 N) for the old log-probabilities
+              "mfu": round(10 * parameters(bench_dir) * train_tokens / step / BF16_PEAK_FLOPS, 4),
+              "reward_first": records[0]["reward"], "reward_last": records[-1]["reward"]}
+    if "engine_logprob_max_diff" in records[-1]:
+        result["engine_logprob_max_diff"] = [r["engine_logprob_max_diff"] for r in records]
+    save(bench_dir, name, {"micro_batch": micro, **result})
+
+
+# ---------------------------------------------------------------------------- TRL
+
+def bench_trl(bench_dir: Path, mode: str, steps: int = 12) -> None:
+    import importlib.util
+
+    import trl
+    from datasets import load_dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    spec = importlib.util.spec_from_file_location("bench_reward", REWARD_FILE)
+    reward = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(reward)
+
+    class StepClock(TrainerCallback):
+        def __init__(self):
+            self.stamps = []
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.stamps.append(time.time())
+
+    tokenizer = AutoTokenizer.from_pretrained(bench_dir / "model")
+    dataset = load_dataset("json", data_files=str(bench_dir / "prompts.jsonl"), split="train")
+    vllm = mode == "vllm"
+    args = GRPOConfig(
+        output_dir=str(bench_dir / "out" / f"trl_{mode}"), max_steps=steps, per_device_train_batch_size=PROMPTS_PER_STEP * GROUP,
+        gradient_accumulation_steps=1, num_generations=GROUP, max_completion_length=COMPLETION_TOKENS, learning_rate=1e-6,
+        bf16=on_gpu(), use_cpu=not on_gpu(), beta=0.0, gradient_checkpointing=True, logging_steps=1, report_to=[], save_strategy="no", seed=0,
+        use_vllm=vllm, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3,
+        generation_kwargs={"ignore_eos": True} if vllm else {"min_new_tokens": COMPLETION_TOKENS},
+    )
+    clock = StepClock()
+    start = time.time()
+    trainer = GRPOTrainer(model=str(bench_dir / "model"), reward_funcs=reward.trl_reward, args=args, train_dataset=dataset,
+                          processing_class=tokenizer, callbacks=[clock])
+    clock.stamps.append(time.time())
+    setup_s = clock.stamps[0] - start
+    trainer.train()
+    times = [b - a for a, b in zip(clock.stamps, clock.stamps[1:])]
+    save(bench_dir, f"trl_{mode}", {"step_s": round(steady_median(times), 4), "setup_s": round(setup_s, 1),
+                                    "steps": len(times), "trl": trl.__version__})
+
+
+# ---------------------------------------------------------------------------- report
+
+def report(bench_dir: Path, out: Path, command: str) -> None:
+    import torch
+
+    results = {p.stem: json.loads(p.read_text()) for p in sorted((bench_dir / "results").glob("*.json"))}
+
+    def get(name, key):
+        return results.get(name, {}).get(key)
+
+    versions = {}
+    for package in ("torch", "transformers", "vllm", "deepspeed", "ray", "trl", "flash_attn"):
+        try:
+            versions[package] = __import__(package).__version__
+        except Exception:  # noqa: BLE001 - absent is a fact to record
+            versions[package] = None
+    # Ours at its best micro-batch (sequences per forward/backward): the runs differ only in that.
+    candidates = sorted((r["step_s"], name) for name, r in results.items() if name.startswith("ours_vllm"))
+    best = candidates[0][1] if candidates else "ours_vllm"
+    ours, trl_hf, trl_vllm = get(best, "step_s"), get("trl_hf", "step_s"), get("trl_vllm", "step_s")
+    summary = {
+        "date": time.strftime("%Y-%m-%d"),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        "command": command,
+        "model": json.loads((bench_dir / "model_info.json").read_text()),
+        "work": {"prompts_per_step": PROMPTS_PER_STEP, "group": GROUP, "prompt_tokens": PROMPT_TOKENS,
+                 "completion_tokens": COMPLETION_TOKENS, "updates_per_step": 1, "kl": "off (beta 0)"},
+        "grpo_step_s_ours": ours, "grpo_step_s_trl": trl_hf, "grpo_step_s_trl_vllm": trl_vllm,
+        "speedup_vs_trl_vllm": round(trl_vllm / ours, 3) if ours and trl_vllm else None,
+        "speedup_vs_trl_hf": round(trl_hf / ours, 3) if ours and trl_hf else None,
+        "grpo_ours_run": best,
+        "rollout_tokens_per_s": get(best, "rollout_tokens_per_s"),
+        "vllm_standalone_tokens_per_s": get("vllm", "tokens_per_s_64"),
+        "vllm_standalone_tokens_per_s_by_batch": {b: get("vllm", f"tokens_per_s_{b}") for b in (64, 256, 1024)},
+        "decode_floor_tokens_per_s": get("vllm", "decode_floor_tokens_per_s_64"),
+        "decode_floor_tokens_per_s_by_batch": {b: get("vllm", f"decode_floor_tokens_per_s_{b}") for b in (64, 256, 1024)},
+        "sft_mfu": get("sft", "mfu"),
+        "versions": versions,
+        "runs": results,
+    }
+    out.write_text(json.dumps(summary, indent=2) + "\n")
+    for key in ("grpo_step_s_ours", "grpo_step_s_trl_vllm", "grpo_step_s_trl", "rollout_tokens_per_s", "vllm_standalone_tokens_per_s",
+                "decode_floor_tokens_per_s", "sft_mfu"):
+        print(f"{key:32} {summary[key]}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("what", choices=["setup", "vllm", "sft", "ours", "trl", "report"])
+    parser.add_argument("--dir", type=Path, default=Path("/tmp/bench"))
+    parser.add_argument("--shape", default="qwen2-0.5b", choices=sorted(SHAPES))
+    parser.add_argument("--mode", default="vllm", choices=["hf", "vllm"], help="trl: generate with HF generate or vLLM colocate; ours: engine")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--micro", type=int, default=16, help="ours: sequences per forward/backward and per log-probability pass")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results.json")
+    parser.add_argument("--command", default="bash bench/gpu/run.sh", help="recorded in results.json")
+    a = parser.parse_args()
+    a.dir.mkdir(parents=True, exist_ok=True)
+    if a.what == "setup":
+        setup(a.dir, a.shape)
+    elif a.what == "vllm":
+        bench_vllm(a.dir)
+    elif a.what == "sft":
+        bench_sft(a.dir, a.steps)
+    elif a.what == "ours":
+        bench_ours(a.dir, a.steps, engine=a.mode, micro=a.micro)
+    elif a.what == "trl":
+        bench_trl(a.dir, a.mode, a.steps)
+    else:
+        report(a.dir, a.out, a.command)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()

@@ -1,0 +1,119 @@
+"""vLLM rollouts inside each actor worker: the GPU path, colocated with training on the same GPU (the
+layout of TRL's colocate mode and verl's hybrid engine).
+
+    engine = VLLMRolloutEngine(model_dir, tokenizer, max_model_len=512, gpu_memory_utilization=0.3, seed=0)
+    rollout = engine.generate(prompt_ids, max_new_tokens=256, temperature=1.0)   # rollout.logprobs: vLLM's own
+    engine.load_weights(actor.module, gathered=False)                           # after every update
+
+The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, the external_launcher executor on
+the torch.distributed world DeepSpeed already formed), so a weight sync is a device-to-device copy of
+each parameter into vLLM's model: no NCCL group, no IPC handles, no second process. Under ZeRO-3 each
+parameter is gathered first, one at a time. With `enable_sleep` vLLM gives its weights and KV cache
+back while the actor trains (sleep level 1) and takes them again before the sync.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from tasks.common.data import pad, stop_token_ids
+from tasks.common.rollout import Rollout
+
+
+def _model_of(llm):
+    """vLLM's nn.Module for the in-process engine (its location moved between vLLM releases)."""
+    paths = (
+        ("llm_engine", "model_executor", "driver_worker", "model_runner", "model"),
+        ("llm_engine", "model_executor", "driver_worker", "worker", "model_runner", "model"),
+        ("llm_engine", "engine_core", "engine_core", "model_executor", "driver_worker", "worker", "model_runner", "model"),
+    )
+    for path in paths:
+        obj = llm
+        try:
+            for name in path:
+                obj = getattr(obj, name)
+        except AttributeError:
+            continue
+        if isinstance(obj, torch.nn.Module):
+            return obj
+    raise RuntimeError("vLLM's model is not reachable in this process; run with VLLM_ENABLE_V1_MULTIPROCESSING=0")
+
+
+def _gathered(param):
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters([param])
+
+
+class VLLMRolloutEngine:
+    def __init__(self, model_path: str, tokenizer, max_model_len: int, gpu_memory_utilization: float, seed: int,
+                 dtype: str = "bfloat16", enable_prefix_caching: bool = False, enable_sleep: bool = False,
+                 ignore_eos: bool = False):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        from vllm import LLM
+
+        self.tokenizer, self.ignore_eos, self.enable_sleep = tokenizer, ignore_eos, enable_sleep
+        self.llm = LLM(
+            model=model_path, skip_tokenizer_init=True, dtype=dtype, seed=seed,
+            max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
+            enable_prefix_caching=enable_prefix_caching, enable_sleep_mode=enable_sleep,
+            distributed_executor_backend="external_launcher",
+            # vLLM's memory profiler sizes activations by this; its default (tens of thousands of tokens)
+            # reserves memory the colocated trainer needs. Prefill beyond it is chunked.
+            max_num_batched_tokens=max(8192, max_model_len),
+        )
+        self.model = _model_of(self.llm)
+        self.asleep = False
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
+                 greedy: bool = False, batch_size: int = 0) -> Rollout:
+        """Every prompt at once (vLLM schedules its own batches; batch_size is the HF engine's knob)."""
+        from vllm import SamplingParams
+
+        self.wake_up()
+        params = SamplingParams(temperature=0.0 if greedy else temperature, max_tokens=max_new_tokens, logprobs=0,
+                                stop_token_ids=[] if self.ignore_eos else stop_token_ids(self.tokenizer), ignore_eos=self.ignore_eos, detokenize=False)
+        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
+        responses = [list(o.outputs[0].token_ids) or [self.tokenizer.eos_token_id] for o in outputs]
+        logprobs = [[step[token].logprob for token, step in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
+                    for o in outputs]
+        if self.enable_sleep:
+            self.sleep()
+        return to_rollout(prompt_ids, responses, logprobs, self.tokenizer.pad_token_id)
+
+    @torch.no_grad()
+    def load_weights(self, module: torch.nn.Module, gathered: bool = False) -> None:
+        """Copy the trained module's weights into vLLM's model (`gathered`: ZeRO-3 shards, gather each first).
+        vLLM's own loader maps HF names onto its fused projections."""
+        self.wake_up()
+        if gathered:
+            for name, param in module.named_parameters():
+                with _gathered(param):
+                    self.model.load_weights(weights=[(name, param.data)])
+        else:
+            self.model.load_weights(weights=((name, param.data) for name, param in module.named_parameters()))
+        # Cached prompt KV was computed with the old weights.
+        self.llm.reset_prefix_cache()
+
+    def sleep(self) -> None:
+        if self.enable_sleep and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def wake_up(self) -> None:
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
+
+def to_rollout(prompt_ids: list[list[int]], responses: list[list[int]], logprobs: list[list[float]], pad_id: int) -> Rollout:
+    """A Rollout of prompts (left-padded) and engine responses (right-padded; each ends at EOS or the
+    length limit, so every generated token is a response token), with the engine's log-probabilities."""
+    p_ids, p_mask = pad(prompt_ids, pad_id, side="left")
+    r_ids, r_mask = pad(responses, pad_id)
+    r_logprobs = torch.zeros(r_ids.shape, dtype=torch.float32)
+    for row, values in enumerate(logprobs):
+        r_logprobs[row, :len(values)] = torch.tensor(values, dtype=torch.float32)
+    return Rollout(torch.cat([p_ids, r_ids], 1), torch.cat([p_mask, r_mask], 1), r_mask, p_ids.size(1), logprobs=r_logprobs)
