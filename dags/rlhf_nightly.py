@@ -5,7 +5,12 @@ active run. Unchanged stages (same data, flags and code) are cache hits, so a ni
 reruns only RL and eval. The candidate is evaluated beside the current champion on the same held-out
 prompts; `promote` makes it champion by compare-and-swap on models/<name>/champion.json only when the
 gate passes (`promotion_gate` Param); a rejected candidate is kept and recorded under candidates/.
+
+Its data: RLHF_NIGHTLY_DATASET in the scheduler's and DAG processor's environment, typically
+`dataset:<name>` so each night trains on the newest registered version of that dataset; 'demo' without it.
 """
+import os
+
 from airflow.sdk import CronTriggerTimetable
 
 from plugins.pipeline import build_pipeline
@@ -17,4 +22,5 @@ dag = build_pipeline(
     allow_promotion=True,
     doc_md=__doc__,
     tags=("nightly",),
+    dataset=os.environ.get("RLHF_NIGHTLY_DATASET") or None,
 )

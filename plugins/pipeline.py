@@ -319,9 +319,13 @@ def stage(task_id: str, module: str, args: dict, inlets: list[str] = (), outlet:
 
 
 def build_pipeline(dag_id: str, schedule, description: str, allow_promotion: bool, doc_md: str | None = None,
-                   tags: tuple[str, ...] = ()) -> DAG:
-    """The pipeline DAG; `allow_promotion` is the default of the Param of that name."""
+                   tags: tuple[str, ...] = (), dataset: str | None = None) -> DAG:
+    """The pipeline DAG; `allow_promotion` is the default of the Param of that name, `dataset` (when given)
+    the default of the dataset Param: a scheduled run takes no form, so its data comes from here."""
     params = {**PARAMS, "allow_promotion": promotion_param(allow_promotion)}
+    if dataset:
+        base = PARAMS["dataset"]
+        params["dataset"] = Param(dataset, description=base.description, **{k: v for k, v in base.schema.items() if k != "default"})
     with DAG(
         dag_id=dag_id,
         description=description,

@@ -314,3 +314,17 @@ def test_pipeline_end_to_end(method, airflow_db, s3_server, ray_head, dagbag):
     evaluated = json.loads(s3.get_object(Bucket=s3_server.bucket, Key=f"{base}/eval/manifest.json")["Body"].read())
     assert evaluated["inputs"]["policy"].endswith(f"/{method}/manifest.json")
     assert ("reward_pretrain" in evaluated["inputs"]) == (method == "rl")
+
+
+def test_nightly_dataset_comes_from_the_environment():
+    """A scheduled run has no form: RLHF_NIGHTLY_DATASET (e.g. dataset:<name>, its newest version) is the
+    nightly DAG's default dataset; the manual DAG keeps 'demo'."""
+    code = ("from airflow.dag_processing.dagbag import DagBag; "
+            f"bag = DagBag(dag_folder={str(DAGS)!r}); assert not bag.import_errors, bag.import_errors; "
+            "p = bag.dags['rlhf_nightly'].params.get_param('dataset'); "
+            "print('RESULT', p.value, bag.dags['rlhf_pipeline'].params['dataset'], bool(p.description))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                          env={**os.environ, "RLHF_NIGHTLY_DATASET": "dataset:support-chats"}, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = next(line for line in done.stdout.splitlines() if line.startswith("RESULT"))
+    assert result.split()[1:] == ["dataset:support-chats", "demo", "True"]

@@ -1,0 +1,79 @@
+"""The vLLM rollout path: its pure parts on CPU, the engine itself on a GPU (marked gpu, skipped without
+CUDA and vllm; run on the GPU machine with bench/gpu/, see bench/gpu/README.md)."""
+import importlib.util
+
+import pytest
+import torch
+
+from tasks.common.config import ConfigError, make_config
+from tasks.common.losses import max_masked_abs_diff
+from tasks.common.rollout import concat_rollouts
+from tasks.rl.config import RLConfig
+from tasks.rl.vllm_engine import to_rollout
+
+GPU = torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None
+
+
+def test_engine_output_becomes_a_rollout_with_its_logprobs():
+    rollout = to_rollout([[5, 6, 7], [8]], [[9, 2], [3, 4, 2]], [[-0.5, -1.0], [-0.1, -0.2, -0.3]], pad_id=0)
+    assert rollout.sequences.tolist() == [[5, 6, 7, 9, 2, 0], [0, 0, 8, 3, 4, 2]]
+    assert rollout.attention_mask.tolist() == [[1, 1, 1, 1, 1, 0], [0, 0, 1, 1, 1, 1]]
+    assert rollout.response_mask.tolist() == [[1, 1, 0], [1, 1, 1]]
+    assert torch.allclose(rollout.logprobs, torch.tensor([[-0.5, -1.0, 0.0], [-0.1, -0.2, -0.3]]))
+    # Selecting and joining rows keeps the engine's log-probabilities aligned with their tokens.
+    joined = concat_rollouts([rollout.select([1]), to_rollout([[1, 1, 1, 1]], [[7]], [[-2.0]], pad_id=0)], pad_id=0)
+    assert torch.allclose(joined.logprobs, torch.tensor([[-0.1, -0.2, -0.3], [-2.0, 0.0, 0.0]]))
+    assert joined.prompt_width == 4
+
+
+def test_sync_check_is_the_largest_gap_on_response_tokens():
+    actor = torch.tensor([[-1.0, -2.0, -9.0], [-0.5, -0.5, -0.5]])
+    engine = torch.tensor([[-1.1, -2.5, 0.0], [-0.5, -0.45, -0.5]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    assert max_masked_abs_diff(actor, engine, mask) == pytest.approx(0.5)  # the masked 9.0 gap is not counted
+    assert max_masked_abs_diff(actor, engine, torch.zeros_like(mask)) == 0.0
+
+
+def test_vllm_flags_refused_in_one_line_when_they_cannot_apply():
+    base = {"output": "/tmp/x", "pretrain": "m", "prompt_data": "p", "remote_rm_url": "r.py"}
+    with pytest.raises(ConfigError, match="^vllm_num_engines: each actor worker hosts one vLLM engine"):
+        make_config(RLConfig, {**base, "vllm_num_engines": 2})
+    with pytest.raises(ConfigError, match="^vllm_gpu_memory_utilization: 1.0 leaves the colocated trainer no memory"):
+        make_config(RLConfig, {**base, "vllm_num_engines": 1, "vllm_gpu_memory_utilization": 1.0})
+    with pytest.raises(ConfigError, match="^vllm_enable_sleep: only applies to vLLM engines"):
+        make_config(RLConfig, {**base, "vllm_enable_sleep": True})
+
+
+def test_no_reference_model_when_kl_is_off():
+    base = {"output": "/tmp/x", "pretrain": "m", "prompt_data": "p", "remote_rm_url": "r.py", "advantage_estimator": "rloo",
+            "n_samples_per_prompt": 2}
+    assert make_config(RLConfig, {**base, "init_kl_coef": 0.0}).roles() == ["actor"]
+    assert make_config(RLConfig, {**base, "init_kl_coef": 0.01}).roles() == ["actor", "ref"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU and vllm")
+def test_vllm_engine_generates_and_follows_the_trained_weights(tmp_path):
+    """The engine samples from the weights it is given: after loading perturbed weights its
+    log-probabilities match the perturbed model's own (bf16 tolerance), not the original's."""
+    from tasks.common.models import load_causal_lm, load_tokenizer
+    from tasks.data import demo
+    from tasks.rl.experience import response_logprobs
+    from tasks.rl.vllm_engine import VLLMRolloutEngine
+    from tasks.common.strategy import init_distributed
+
+    tokenizer = demo.build_tokenizer()
+    demo.build_base_model(tokenizer).save_pretrained(tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
+    init_distributed()
+    tokenizer = load_tokenizer(str(tmp_path / "m"))
+    model = load_causal_lm(str(tmp_path / "m")).to("cuda", torch.bfloat16)
+    engine = VLLMRolloutEngine(str(tmp_path / "m"), tokenizer, max_model_len=64, gpu_memory_utilization=0.2, seed=0)
+    prompts = [[tokenizer.bos_token_id] + tokenizer.encode(p, add_special_tokens=False) for p in ("12+34=", "56+07=")]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    engine.load_weights(model)
+    rollout = engine.generate(prompts * 8, max_new_tokens=8)
+    actor = response_logprobs(model, rollout.sequences.cuda(), rollout.attention_mask.cuda(), rollout.prompt_width).float().cpu()
+    assert max_masked_abs_diff(actor, rollout.logprobs, rollout.response_mask) < 0.1
