@@ -40,6 +40,8 @@ def test_vllm_flags_refused_in_one_line_when_they_cannot_apply():
         make_config(RLConfig, {**base, "vllm_num_engines": 2})
     with pytest.raises(ConfigError, match="^vllm_gpu_memory_utilization: 1.0 leaves the colocated trainer no memory"):
         make_config(RLConfig, {**base, "vllm_num_engines": 1, "vllm_gpu_memory_utilization": 1.0})
+    with pytest.raises(ConfigError, match="^lora_rank: vLLM engines take full weights"):
+        make_config(RLConfig, {**base, "vllm_num_engines": 1, "lora_rank": 8})
     with pytest.raises(ConfigError, match="^vllm_enable_sleep: only applies to vLLM engines"):
         make_config(RLConfig, {**base, "vllm_enable_sleep": True})
 

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from tasks.common import manifest as manifests
 from tasks.common.config import ConfigError
 
 SCALAR_HEAD = "score"  # the head of AutoModelForSequenceClassification, as tasks.common.models.token_values uses it
@@ -184,19 +185,6 @@ def _sha256(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-@contextmanager
-def _lock(path: Path):
-    """One process per node merges into `path`; the others wait and reuse its result."""
-    import fcntl
-
-    with open(path.parent / f".{path.name}.lock", "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 def merged_checkpoint(adapter_dir: str | Path, base_path: str, overrides: dict | None = None) -> Path:
     """A full checkpoint of `base_path` with the adapter in `adapter_dir` merged in, plus the adapter's
     tokenizer files: made once beside the adapter (`<adapter_dir>-merged`) and reused while adapter, base
@@ -205,7 +193,7 @@ def merged_checkpoint(adapter_dir: str | Path, base_path: str, overrides: dict |
     out = adapter_dir.with_name(adapter_dir.name + "-merged")
     made_from = {"adapter_sha256": _sha256(adapter_dir / "adapter_model.safetensors"), "base": str(base_path),
                  "overrides": overrides or {}}
-    with _lock(out):
+    with manifests.folder_lock(out):
         try:
             if json.loads((out / MERGE_MARKER).read_text()) == made_from:
                 return out

@@ -275,8 +275,9 @@ def local_cache_dir(uri: str) -> Path:
 
 
 @contextmanager
-def _fetch_lock(local: Path):
-    """Serialize fetches into one folder (e.g. 8 Ray workers of a node): one downloads, others reuse."""
+def folder_lock(local: Path):
+    """Serialize work into one local folder across processes (e.g. 8 Ray workers of a node fetching or
+    merging the same model): one does it, the others wait and reuse the result."""
     try:
         import fcntl
     except ImportError:  # not POSIX: no cross-process lock
@@ -318,7 +319,7 @@ def fetch(uri: str, local_dir: str | os.PathLike, subdir: str | None = None) -> 
     local.mkdir(parents=True, exist_ok=True)
     cache_manifest = local / MANIFEST
 
-    with _fetch_lock(local):
+    with folder_lock(local):
         try:
             cached = json.loads(cache_manifest.read_text()).get("files", {})
         except (OSError, ValueError, AttributeError):

@@ -170,6 +170,9 @@ class RLConfig(TrainingConfig):
             if self.vllm_num_engines != self.group_size("actor") or self.vllm_tensor_parallel_size != 1:
                 raise ConfigError(f"vllm_num_engines: each actor worker hosts one vLLM engine on its own GPU; use "
                                   f"--vllm_num_engines {self.group_size('actor')} (the actor's size) and --vllm_tensor_parallel_size 1")
+            if self.lora_rank:
+                raise ConfigError("lora_rank: vLLM engines take full weights and LoRA syncs are not built yet; "
+                                  "use --vllm_num_engines 0 with LoRA, or drop --lora_rank")
             if not 0 < self.vllm_gpu_memory_utilization < 1:
                 raise ConfigError(f"vllm_gpu_memory_utilization: {self.vllm_gpu_memory_utilization} leaves the colocated trainer "
                                   "no memory; use a fraction such as 0.3")
