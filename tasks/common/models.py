@@ -7,13 +7,17 @@
 
 A URI that names a stage output (s3://…, or a folder holding manifest.json) is resolved through
 its manifest's `model` entry and fetched with every file's size and sha256 checked; a plain folder
-is used as it is; anything else is passed to transformers as a hub id. A stage output holding a LoRA
+is used as it is, and a plain checkpoint on S3 (config.json, no manifest.json: a team's own base model)
+is downloaded once per node; anything else is passed to transformers as a hub id. A stage output holding a LoRA
 adapter (its manifest names the `base_model`) resolves to a full checkpoint: the base with the
 adapter merged in (tasks.common.lora.merged_checkpoint), made once per node and cached.
 """
 from __future__ import annotations
 
 import logging
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -32,10 +36,46 @@ def is_stage_output(uri: str) -> bool:
     return (Path(uri) / "manifest.json").is_file()
 
 
+def is_model_folder(uri: str) -> bool:
+    """An S3 folder holding a plain transformers checkpoint (config.json, no manifest.json): a team's own base
+    model uploaded as it is, which prepare_data's --base_model accepts and passes on to the stages."""
+    return (storage.is_s3(uri) and not uri.rstrip("/").endswith("/" + manifests.MANIFEST)
+            and not storage.exists(storage.join(uri, manifests.MANIFEST)) and storage.exists(storage.join(uri, "config.json")))
+
+
+def fetch_model_folder(uri: str) -> Path:
+    """The S3 model folder `uri` downloaded into the local cache, once per node: the copy is named by the
+    folder's listing (each file's path, size and ETag), so new content under the same URI is a new copy."""
+    bucket, key = storage.split_s3(uri)
+    prefix = key.rstrip("/") + "/"
+    try:
+        pages = storage.client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+        listing = sorted((o["Key"][len(prefix):], o["Size"], o.get("ETag", "")) for page in pages
+                         for o in page.get("Contents", []) if not o["Key"].endswith("/"))
+    except storage._S3_ERRORS as e:
+        raise storage._wrap(e, uri, "list") from None
+    digest = manifests.config_hash({"files": listing})[:16]
+    local = manifests.local_cache_dir(uri) / f"model-{digest}"
+    if not local.is_dir():
+        work = Path(tempfile.mkdtemp(prefix=f"{local.name}-", dir=local.parent))
+        try:
+            storage.download_dir(uri, work, files=[rel for rel, _, _ in listing])
+            try:
+                os.replace(work, local)  # atomic; another process of the node may have made it first
+            except OSError:
+                if not local.is_dir():
+                    raise
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    return local
+
+
 def resolve_model(uri: str) -> str:
     """A local folder (or hub id) that transformers can load the model named by `uri` from."""
     if not is_stage_output(uri):
         return uri
+    if is_model_folder(uri):
+        return str(fetch_model_folder(uri))
     manifest = manifests.read_manifest(uri)
     if "model" not in manifest:
         raise storage.StorageError(f"{manifest['uri']} holds no model (its stage is {manifest.get('stage')!r}); pass a model's URI")
