@@ -46,11 +46,12 @@ def test_vllm_flags_refused_in_one_line_when_they_cannot_apply():
         make_config(RLConfig, {**base, "vllm_enable_sleep": True})
 
 
-def test_no_reference_model_when_kl_is_off():
+def test_no_reference_model_when_kl_is_off_or_the_actor_is_its_own():
     base = {"output": "/tmp/x", "pretrain": "m", "prompt_data": "p", "remote_rm_url": "r.py", "advantage_estimator": "rloo",
             "n_samples_per_prompt": 2}
     assert make_config(RLConfig, {**base, "init_kl_coef": 0.0}).roles() == ["actor"]
     assert make_config(RLConfig, {**base, "init_kl_coef": 0.01}).roles() == ["actor", "ref"]
+    assert make_config(RLConfig, {**base, "init_kl_coef": 0.01, "lora_rank": 4}).roles() == ["actor"]  # its own base
 
 
 @pytest.mark.gpu

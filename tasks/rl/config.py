@@ -92,9 +92,11 @@ class RLConfig(TrainingConfig):
         return self.init_kl_coef > 0 or self.kl_target > 0
 
     def roles(self) -> list[str]:
-        """The worker groups this run places: a reference only when KL is on, a critic only for gae, reward
-        models unless a function or endpoint scores."""
-        return (["actor"] + (["ref"] if self.uses_kl() else []) + (["critic"] if uses_critic(self.advantage_estimator) else [])
+        """The worker groups this run places: a reference only when KL is on and the actor cannot be its own
+        (with LoRA it is: its base with the adapters off), a critic only for gae, reward models unless a
+        function or endpoint scores."""
+        ref = self.uses_kl() and not self.lora_rank
+        return (["actor"] + (["ref"] if ref else []) + (["critic"] if uses_critic(self.advantage_estimator) else [])
                 + ([] if self.remote_rm_url else ["reward"]))
 
     def group_size(self, role: str) -> int:

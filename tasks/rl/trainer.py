@@ -5,9 +5,10 @@
 
 Each group is one data-parallel world on its own placement group, or shares one with others
 (--colocate_actor_ref, --colocate_critic_reward, --colocate_all_models). With --lora_rank there is
-no reference group: the actor scores the reference log-probabilities itself, with its adapters off. This driver holds no
-model: it samples prompts, shards work over the groups' ranks, computes advantages on the whole
-batch (tasks.rl.advantages), plans the minibatches, logs, and checkpoints.
+no reference group: the actor scores the reference log-probabilities itself, with its adapters off;
+with KL off there is no reference at all. This driver holds no model: it samples prompts, shards work
+over the groups' ranks, computes advantages on the whole batch (tasks.rl.advantages), plans the
+minibatches, logs, and checkpoints.
 """
 from __future__ import annotations
 
@@ -143,8 +144,7 @@ class Controller:
 
     def _place(self) -> None:
         cfg, run = self.cfg, self.run
-        # With LoRA the reference is the actor's own frozen base (ActorWorker.reference_logprobs): no model of its own.
-        roles = [role for role in cfg.roles() if not (role == "ref" and lora.enabled(cfg))]
+        roles = cfg.roles()
         critic_uri = ""
         if "critic" in roles:
             critic_uri = run.input("critic_pretrain", cfg.critic_pretrain or (split_list(cfg.reward_pretrain) or [cfg.pretrain])[0])
@@ -369,8 +369,9 @@ def train(cfg: RLConfig, run: StageRun) -> None:
     finally:
         controller.shutdown()
     final = {"final_reward": exp.scores.mean().item(), "final_kl": exp.kl.sum(-1).mean().item()} if exp is not None else {}
-    run.commit(metrics={**final, "steps": controller.steps, "truncated": controller.prompts.truncated, "actor_workers": controller.groups["actor"].world_size,
-                        "ref_workers": controller.groups["ref"].world_size if "ref" in controller.groups else 0},
+    groups = controller.groups
+    run.commit(metrics={**final, "steps": controller.steps, "truncated": controller.prompts.truncated,
+                        "actor_workers": groups["actor"].world_size, "ref_workers": groups["ref"].world_size if "ref" in groups else 0},
                uploaded=uploaded, model="model", **lora.manifest_fields(cfg))
     if cfg.save_path:
         print(f"rl: final model also written to {cfg.save_path}", flush=True)

@@ -2,8 +2,8 @@
 
 Each role is a tasks.common.workers.Worker, placed as a WorkerGroup by the controller
 (tasks.rl.trainer). With --lora_rank the actor trains adapters and is its own reference (its base
-with the adapters off, `reference_logprobs`): no ReferenceWorker is placed. Tensors travel between the controller and the workers on the CPU; a worker
-moves them to its device. Every method that takes part in a collective (training steps, ZeRO-3
+with the adapters off, `reference_logprobs`): no ReferenceWorker is placed. Tensors travel between
+the controller and the workers on the CPU; a worker moves them to its device. Every method that takes part in a collective (training steps, ZeRO-3
 gathers) runs on every rank of its group.
 """
 from __future__ import annotations
@@ -67,8 +67,9 @@ class ActorWorker(_Trainer):
 
             self.rollout_engine = VLLMRolloutEngine(
                 path, self.tokenizer, max_model_len=cfg.prompt_max_len + cfg.generate_max_len,
-                gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, seed=cfg.seed + self.rank, dtype=str(_dtype(cfg)).removeprefix("torch."),
-                enable_prefix_caching=cfg.enable_prefix_caching, enable_sleep=cfg.vllm_enable_sleep, ignore_eos=cfg.ignore_eos)
+                gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, seed=cfg.seed + self.rank,
+                dtype=str(_dtype(cfg)).removeprefix("torch."), enable_prefix_caching=cfg.enable_prefix_caching,
+                enable_sleep=cfg.vllm_enable_sleep, ignore_eos=cfg.ignore_eos)
         else:
             self.rollout_engine = HFRolloutEngine(self.engine.module, self.tokenizer, self.strategy.device)
 
