@@ -174,6 +174,17 @@ def fit(prompt: list[int], responses: list[list[int]], max_len: int) -> tuple[li
     return prompt[len(prompt) - keep:], [r[:room] for r in responses], cuts
 
 
+def pack(sequences: list[list[int]]):
+    """Several sequences as one row (sequence packing): (ids [1, T], position_ids [1, T] restarting at 0
+    for each sequence, sequence index [T]), for tasks.common.models.packed_logprobs. No padding."""
+    import torch
+
+    ids = torch.tensor([[t for seq in sequences for t in seq]], dtype=torch.long)
+    positions = torch.tensor([[i for seq in sequences for i in range(len(seq))]], dtype=torch.long)
+    index = torch.tensor([k for k, seq in enumerate(sequences) for _ in seq], dtype=torch.long)
+    return ids, positions, index
+
+
 def pad(sequences: list[list[int]], pad_id: int, side: str = "right"):
     """Pad to one length: returns (ids, attention_mask) as LongTensors [B, T]."""
     import torch

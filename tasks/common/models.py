@@ -134,6 +134,21 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+def packed_logprobs(model, input_ids: torch.Tensor, position_ids: torch.Tensor, sequence_index: torch.Tensor) -> torch.Tensor:
+    """sequence_logprobs of a packed row (tasks.common.data.pack): [1, T] -> [1, T-1]. No token attends
+    across sequences: FlashAttention-2 reads the boundaries from the restarting position ids (varlen);
+    the other kernels get a block-diagonal causal mask. A sequence's last position predicts the next
+    sequence's first token: callers mask it out (a prompt token, never in the loss)."""
+    config = getattr(model, "module", model).config
+    mask = None
+    if config._attn_implementation != "flash_attention_2":
+        same = sequence_index[:, None] == sequence_index[None, :]
+        causal = torch.ones_like(same).tril()
+        mask = (same & causal)[None, None].to(input_ids.device)
+    logits = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids).logits
+    return token_logprobs(logits[:, :-1], input_ids[:, 1:])
+
+
 def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, return_entropy: bool = False):
     """log p(token t+1 | tokens ≤ t) for every position: [B, T] -> [B, T-1] (and the entropy)."""
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask)).logits

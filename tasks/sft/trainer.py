@@ -11,7 +11,7 @@ import torch
 
 from tasks.common import data, lora
 from tasks.common.losses import sft_loss
-from tasks.common.models import load_causal_lm, load_tokenizer, resolve_model, sequence_logprobs
+from tasks.common.models import load_causal_lm, load_tokenizer, packed_logprobs, resolve_model, sequence_logprobs
 from tasks.common.stage import StageRun
 from tasks.common.strategy import DeepSpeedStrategy
 from tasks.common.workers import TrainingWorker, placed_group, shard, train_steps
@@ -58,10 +58,9 @@ class SFTWorker(TrainingWorker):
         micro_batches_in_step = len(chunks) * self.world_size
         total = torch.zeros((), device=self.strategy.device)
         for chunk in chunks:
-            ids, attention_mask = data.pad([self.ids[i] for i in chunk], self.tokenizer.pad_token_id)
-            loss_mask, _ = data.pad([self.masks[i] for i in chunk], 0)
-            ids, attention_mask, loss_mask = (t.to(self.strategy.device) for t in (ids, attention_mask, loss_mask))
-            loss = sft_loss(sequence_logprobs(self.engine, ids, attention_mask), loss_mask[:, 1:], tokens / micro_batches_in_step)
+            logprobs, loss_mask = micro_batch_logprobs(self.engine, [self.ids[i] for i in chunk], [self.masks[i] for i in chunk],
+                                                       self.tokenizer.pad_token_id, self.cfg.packing_samples, self.strategy.device)
+            loss = sft_loss(logprobs, loss_mask[:, 1:], tokens / micro_batches_in_step)
             self.engine.backward(loss)
             self.engine.step()
             total += loss.detach()
@@ -70,6 +69,19 @@ class SFTWorker(TrainingWorker):
 
     def save_model(self, out_dir: str) -> None:
         self.strategy.save_hf(self.engine, self.tokenizer, out_dir, merge_lora=self.cfg.merge_lora, base_uri=self.cfg.pretrain)
+
+
+def micro_batch_logprobs(model, ids: list[list[int]], masks: list[list[int]], pad_id: int, packed: bool, device):
+    """(log-probabilities [B, T-1], loss mask [B, T]) of rows padded to one width, or packed into one row
+    (B = 1; each row's first token is a prompt token, so the position predicting it across the boundary
+    is masked out like any prompt token)."""
+    if packed:
+        input_ids, positions, index = data.pack(ids)
+        loss_mask = torch.tensor([[m for row in masks for m in row]], device=device)
+        return packed_logprobs(model, input_ids.to(device), positions.to(device), index.to(device)), loss_mask
+    input_ids, attention_mask = data.pad(ids, pad_id)
+    loss_mask, _ = data.pad(masks, 0)
+    return sequence_logprobs(model, input_ids.to(device), attention_mask.to(device)), loss_mask.to(device)
 
 
 def train(cfg: SFTConfig, run: StageRun) -> None:
