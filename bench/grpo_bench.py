@@ -194,12 +194,18 @@ def grpo_args(bench_dir: Path, out: Path, steps: int, micro: int) -> dict:
     }
 
 
-def bench_ours(bench_dir: Path, steps: int = 12, engine: str = "vllm", micro: int = 16) -> None:
-    name = f"ours_{engine}_m{micro}"
+def bench_ours(bench_dir: Path, steps: int = 12, engine: str = "vllm", micro: int = 16, layout: str = "colocated",
+               lr: float = 1e-6) -> None:
+    """layout: colocated (one GPU: vLLM inside the actor) or async (two GPUs: the engine on its own,
+    generating the next rollout while the actor trains, one step off-policy)."""
+    name = f"ours_{engine}_m{micro}" + ("" if layout == "colocated" else f"_{layout}") + ("" if lr == 1e-6 else f"_lr{lr:g}")
     out = bench_dir / "out" / name
     args = grpo_args(bench_dir, out, steps, micro)
-    if engine == "vllm":
+    args["actor_learning_rate"] = lr
+    if engine == "vllm" and layout == "colocated":
         args.update(vllm_num_engines=1, vllm_gpu_memory_utilization=0.3)
+    elif engine == "vllm":
+        args.update(vllm_num_engines=1, vllm_gpu_memory_utilization=0.6, async_train=True, colocate_all_models=False)
     run_stage("tasks.rl", args, bench_dir / f"{name}.log")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     tail = records[2:] or records
@@ -208,11 +214,14 @@ def bench_ours(bench_dir: Path, steps: int = 12, engine: str = "vllm", micro: in
     step = split["time_step_s"]
     tokens = PROMPTS_PER_STEP * GROUP * COMPLETION_TOKENS
     train_tokens = PROMPTS_PER_STEP * GROUP * (PROMPT_TOKENS + COMPLETION_TOKENS)
-    result = {"step_s": step, **split, "rollout_tokens_per_s": round(tokens / split["time_generate_s"]),
+    # Async, generation overlaps training: what the step waits for it is no rate.
+    rate = None if layout == "async" else round(tokens / split["time_generate_s"])
+    result = {"step_s": step, **split, "rollout_tokens_per_s": rate,
               "train_tokens_per_s": round(train_tokens / split["time_train_s"]),
               # forward+backward+recompute (8 N) in training, one forward (2 N) for the old log-probabilities
               "mfu": round(10 * parameters(bench_dir) * train_tokens / step / BF16_PEAK_FLOPS, 4),
-              "reward_first": records[0]["reward"], "reward_last": records[-1]["reward"]}
+              "reward_first": records[0]["reward"], "reward_last": records[-1]["reward"],
+              "reward_curve": [round(r["reward"], 4) for r in records], "steps": len(records), "learning_rate": lr}
     if "engine_logprob_max_diff" in records[-1]:
         result["engine_logprob_max_diff"] = [r["engine_logprob_max_diff"] for r in records]
     save(bench_dir, name, {"micro_batch": micro, **result})
@@ -278,7 +287,7 @@ def report(bench_dir: Path, out: Path, command: str) -> None:
         except Exception:  # noqa: BLE001 - absent is a fact to record
             versions[package] = None
     # Ours at its best micro-batch (sequences per forward/backward): the runs differ only in that.
-    candidates = sorted((r["step_s"], name) for name, r in results.items() if name.startswith("ours_vllm"))
+    candidates = sorted((r["step_s"], name) for name, r in results.items() if name.startswith("ours_vllm") and "async" not in name)
     best = candidates[0][1] if candidates else "ours_vllm"
     ours, trl_hf, trl_vllm = get(best, "step_s"), get("trl_hf", "step_s"), get("trl_vllm", "step_s")
     summary = {
@@ -293,6 +302,7 @@ def report(bench_dir: Path, out: Path, command: str) -> None:
         "speedup_vs_trl_hf": round(trl_hf / ours, 3) if ours and trl_hf else None,
         "grpo_ours_run": best,
         "rollout_tokens_per_s": get(best, "rollout_tokens_per_s"),
+        "grpo_step_s_ours_2gpu_async": min((r["step_s"] for n, r in results.items() if "async" in n), default=None),
         "vllm_standalone_tokens_per_s": get("vllm", "tokens_per_s_64"),
         "vllm_standalone_tokens_per_s_by_batch": {b: get("vllm", f"tokens_per_s_{b}") for b in (64, 256, 1024)},
         "decode_floor_tokens_per_s": get("vllm", "decode_floor_tokens_per_s_64"),
@@ -315,6 +325,8 @@ def main() -> None:
     parser.add_argument("--mode", default="vllm", choices=["hf", "vllm"], help="trl: generate with HF generate or vLLM colocate; ours: engine")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--micro", type=int, default=16, help="ours: sequences per forward/backward and per log-probability pass")
+    parser.add_argument("--layout", default="colocated", choices=["colocated", "async"], help="ours: one GPU, or two with async rollouts")
+    parser.add_argument("--lr", type=float, default=1e-6, help="ours: actor learning rate (a learning check uses a larger one)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results.json")
     parser.add_argument("--command", default="bash bench/gpu/run.sh", help="recorded in results.json")
     a = parser.parse_args()
@@ -326,7 +338,7 @@ def main() -> None:
     elif a.what == "sft":
         bench_sft(a.dir, a.steps)
     elif a.what == "ours":
-        bench_ours(a.dir, a.steps, engine=a.mode, micro=a.micro)
+        bench_ours(a.dir, a.steps, engine=a.mode, micro=a.micro, layout=a.layout, lr=a.lr)
     elif a.what == "trl":
         bench_trl(a.dir, a.mode, a.steps)
     else:

@@ -36,8 +36,13 @@ def test_sync_check_is_the_largest_gap_on_response_tokens():
 
 def test_vllm_flags_refused_in_one_line_when_they_cannot_apply():
     base = {"output": "/tmp/x", "pretrain": "m", "prompt_data": "p", "remote_rm_url": "r.py"}
-    with pytest.raises(ConfigError, match="^vllm_num_engines: each actor worker hosts one vLLM engine"):
-        make_config(RLConfig, {**base, "vllm_num_engines": 2})
+    with pytest.raises(ConfigError, match="^vllm_num_engines: with --colocate_all_models each actor worker hosts one vLLM engine"):
+        make_config(RLConfig, {**base, "vllm_num_engines": 2, "colocate_all_models": True})
+    assert make_config(RLConfig, {**base, "vllm_num_engines": 2}).separate_engines()  # two engines on GPUs of their own
+    with pytest.raises(ConfigError, match="^async_train: needs vLLM engines on GPUs of their own"):
+        make_config(RLConfig, {**base, "vllm_num_engines": 1, "colocate_all_models": True, "async_train": True})
+    with pytest.raises(ConfigError, match="^async_train: only applies to vLLM engines"):
+        make_config(RLConfig, {**base, "async_train": True})
     with pytest.raises(ConfigError, match="^vllm_gpu_memory_utilization: 1.0 leaves the colocated trainer no memory"):
         make_config(RLConfig, {**base, "vllm_num_engines": 1, "vllm_gpu_memory_utilization": 1.0})
     with pytest.raises(ConfigError, match="^lora_rank: vLLM engines take full weights"):

@@ -16,13 +16,15 @@ for phase in "$@"; do
   case "$phase" in
     setup) [ -f $dir/model_info.json ] || python bench/grpo_bench.py setup --dir $dir ;;
     vllm) python bench/grpo_bench.py vllm --dir $dir ;;
-    sft|ours|ours32|ours64|ours_hf)
+    sft|ours|ours32|ours64|ours_hf|ours_async|ours_learn)
       if [ -z "$ray_up" ]; then start_ray && ray_up=1; fi
       case "$phase" in
         sft) python bench/grpo_bench.py sft --dir $dir ;;
         ours) python bench/grpo_bench.py ours --dir $dir --mode vllm ;;
         ours32) python bench/grpo_bench.py ours --dir $dir --mode vllm --micro 32 ;;
         ours64) python bench/grpo_bench.py ours --dir $dir --mode vllm --micro 64 ;;
+        ours_async) python bench/grpo_bench.py ours --dir $dir --mode vllm --micro 64 --layout async --steps 24 --lr 1e-5 ;;
+        ours_learn) python bench/grpo_bench.py ours --dir $dir --mode vllm --micro 64 --steps 24 --lr 1e-5 ;;
         ours_hf) python bench/grpo_bench.py ours --dir $dir --mode hf --steps 5 ;;
       esac ;;
     trl_hf) python bench/grpo_bench.py trl --dir $dir --mode hf --steps 8 ;;

@@ -85,7 +85,12 @@ class RLConfig(TrainingConfig):
     vllm_gpu_memory_utilization: float = field(default=0.4, metadata={"help": "fraction of its GPU's memory a vLLM engine may take; the rest is the colocated trainer's"})
     enable_prefix_caching: bool = field(default=False, metadata={"help": "vLLM's prefix cache (shared prompt prefixes computed once)"})
     vllm_enable_sleep: bool = field(default=False, metadata={"help": "vLLM gives its weights and KV cache back while the actor trains (sleep level 1), and takes them again for the next rollout"})
+    async_train: bool = field(default=False, metadata={"help": "vLLM engines on GPUs of their own generate the next rollout while the actor trains on this one (one step off-policy)"})
     ignore_eos: bool = field(default=False, metadata={"help": "benchmarks: every response is generate_max_len tokens, EOS or not"})
+
+    def separate_engines(self) -> bool:
+        """vLLM engines on GPUs of their own (RolloutEngineWorker), rather than inside the actor workers."""
+        return self.vllm_num_engines > 0 and not self.colocate_all_models
 
     def uses_kl(self) -> bool:
         """Whether the KL to the reference enters reward or loss; without it no reference model is needed."""
@@ -168,10 +173,15 @@ class RLConfig(TrainingConfig):
         if self.vllm_num_engines < 0 or self.micro_rollout_batch_size < 0 or self.num_episodes < 0:
             raise ConfigError("vllm_num_engines, micro_rollout_batch_size and num_episodes must not be negative")
         if self.vllm_num_engines:
-            # The engines built so far live inside the actor workers, one per rank, sharing its GPU.
-            if self.vllm_num_engines != self.group_size("actor") or self.vllm_tensor_parallel_size != 1:
-                raise ConfigError(f"vllm_num_engines: each actor worker hosts one vLLM engine on its own GPU; use "
-                                  f"--vllm_num_engines {self.group_size('actor')} (the actor's size) and --vllm_tensor_parallel_size 1")
+            if self.vllm_tensor_parallel_size != 1:
+                raise ConfigError("vllm_tensor_parallel_size: engines of one GPU each only, so far; use 1")
+            # Colocated, the engines live inside the actor workers, one per rank, on its GPU.
+            if self.colocate_all_models and self.vllm_num_engines != self.group_size("actor"):
+                raise ConfigError(f"vllm_num_engines: with --colocate_all_models each actor worker hosts one vLLM engine on its "
+                                  f"GPU; use --vllm_num_engines {self.group_size('actor')} (the actor's size)")
+            if self.async_train and (self.colocate_all_models or self.dynamic_filtering):
+                raise ConfigError("async_train: needs vLLM engines on GPUs of their own and a fixed rollout; "
+                                  "drop --colocate_all_models and --dynamic_filtering, or drop --async_train")
             if self.lora_rank:
                 raise ConfigError("lora_rank: vLLM engines take full weights and LoRA syncs are not built yet; "
                                   "use --vllm_num_engines 0 with LoRA, or drop --lora_rank")
@@ -180,7 +190,7 @@ class RLConfig(TrainingConfig):
                                   "no memory; use a fraction such as 0.3")
         else:
             for name, default in (("vllm_tensor_parallel_size", 1), ("vllm_gpu_memory_utilization", 0.4), ("enable_prefix_caching", False),
-                                  ("vllm_enable_sleep", False)):
+                                  ("vllm_enable_sleep", False), ("async_train", False)):
                 if getattr(self, name) != default:
                     raise ConfigError(f"{name}: only applies to vLLM engines; set --vllm_num_engines too, or drop it")
         dynamic_range = self.interval("dynamic_filtering_reward_range")

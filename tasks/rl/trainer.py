@@ -34,7 +34,7 @@ from tasks.rl.config import RLConfig
 from tasks.rl.experience import Experience, make_experience
 from tasks.rl.kl_controller import make_kl_controller
 from tasks.rl.rewards import RewardBatch, RewardSource, build_reward_batch, make_reward_source, split_list
-from tasks.rl.workers import ActorWorker, CriticWorker, ReferenceWorker, RewardWorker
+from tasks.rl.workers import ActorWorker, CriticWorker, ReferenceWorker, RewardWorker, RolloutEngineWorker
 
 MAX_FILTER_ROUNDS = 8  # rollouts drawn per step before dynamic filtering gives up
 
@@ -84,7 +84,7 @@ def check_fits(cfg: RLConfig, layout: list[list[str]]) -> None:
     import ray
 
     kind = "GPU" if cluster_has_gpus() else "CPU"
-    need = sum(cfg.group_size(members[0]) for members in layout)
+    need = sum(cfg.group_size(members[0]) for members in layout) + (cfg.vllm_num_engines if cfg.separate_engines() else 0)
     have = ray.cluster_resources().get(kind, 0)
     if need > have:
         groups = ", ".join(f"[{' + '.join(m)}] × {cfg.group_size(m[0])}" for m in layout)
@@ -121,6 +121,39 @@ class ActorGroupEngine:
             self.actor.run("sync_weights")
 
 
+class EngineGroup:
+    """vLLM engines on GPUs of their own (RolloutEngineWorker × --vllm_num_engines), behind the same two
+    calls: prompts sharded over the engines; after each update the actor's rank 0 broadcasts its
+    weights to them over NCCL. With --async_train, `generate(prompts, upcoming)` returns the rollout of
+    `prompts` started by the previous call and starts `upcoming`'s, so the engines generate the next
+    rollout while the actor trains on this one: one step off-policy."""
+
+    def __init__(self, engines: WorkerGroup, actor: WorkerGroup, pad_token_id: int, asynchronous: bool):
+        self.engines, self.actor, self.pad_token_id, self.asynchronous = engines, actor, pad_token_id, asynchronous
+        self.pending = None
+        host, port = actor.run("weight_channel_address")[0]
+        world = 1 + engines.world_size
+        gather([actor.run_async("open_weight_channel", host, port, world), engines.run_async("open_weight_channel", host, port, world)])
+        self.shapes = actor.run("weight_shapes")[0]
+
+    def _start(self, prompts: list[list[int]]):
+        return self.engines.scatter_async("generate", shard(prompts, self.engines.world_size))
+
+    def _finish(self, futures) -> Rollout:
+        return concat_rollouts([p for p in gather(futures) if p.sequences.size(0)], self.pad_token_id)
+
+    def generate(self, prompts: list[list[int]], upcoming: list[list[int]] | None = None) -> Rollout:
+        if not self.asynchronous:
+            return self._finish(self._start(prompts))
+        rollout = self._finish(self.pending or self._start(prompts))  # the first step has nothing started
+        self.pending = self._start(upcoming) if upcoming else None
+        return rollout
+
+    def sync_weights(self) -> None:
+        # Queued behind a pending generation on the engines: the rollout in flight keeps the old weights.
+        gather([self.actor.run_async("send_weights"), self.engines.run_async("receive_weights", self.shapes)])
+
+
 class Controller:
     """The RL loop's state on the driver, and the groups it drives."""
 
@@ -138,6 +171,7 @@ class Controller:
         group = cfg.rollout_batch_size * cfg.n_samples_per_prompt
         self.updates = self.steps * cfg.max_epochs * (group // cfg.train_batch_size)
         self.sampler = data.BatchSampler(len(self.prompts.ids), cfg.rollout_batch_size, cfg.seed)
+        self.upcoming: list[int] | None = None  # --async_train: the next step's prompt rows, already generating
         self.generator = torch.Generator().manual_seed(cfg.seed)
         self.kl_ctl = make_kl_controller(cfg.init_kl_coef, cfg.kl_target or None, cfg.kl_horizon)
         self._place()
@@ -165,8 +199,18 @@ class Controller:
             for role in members:
                 self.groups[role] = WorkerGroup(classes[role], placement, role, fraction=1.0 / len(members))
         setup_args = {"actor": (cfg, self.updates), "ref": (cfg,), "critic": (cfg, critic_uri, self.updates), "reward": (cfg,)}
+        if cfg.separate_engines():
+            placement = Placement.create(1, cfg.vllm_num_engines, "vllm")
+            self.placements.append(placement)
+            run.placements.append(placement)
+            self.groups["vllm"] = WorkerGroup(RolloutEngineWorker, placement, "vllm")
+            roles = roles + ["vllm"]
+            setup_args["vllm"] = (cfg,)
         gather([self.groups[role].run_async("setup", *setup_args[role]) for role in roles])
-        self.engine = ActorGroupEngine(self.groups["actor"], self.tokenizer.pad_token_id, vllm=cfg.vllm_num_engines > 0)
+        if cfg.separate_engines():
+            self.engine = EngineGroup(self.groups["vllm"], self.groups["actor"], self.tokenizer.pad_token_id, cfg.async_train)
+        else:
+            self.engine = ActorGroupEngine(self.groups["actor"], self.tokenizer.pad_token_id, vllm=cfg.vllm_num_engines > 0)
         self.reward: RewardSource = (RemoteRewardModels(self.groups["reward"]) if "reward" in self.groups
                                      else make_reward_source("", cfg.remote_rm_url))
         layout = ", ".join(f"[{' + '.join(m)}] × {self.groups[m[0]].world_size}" for m in self.layout)
@@ -196,8 +240,9 @@ class Controller:
 
     # ------------------------------------------------------------------ one step
 
-    def rollout(self) -> tuple[Rollout, torch.Tensor, dict]:
-        """Sample prompts, generate, score; with --dynamic_filtering, keep only informative groups."""
+    def rollout(self, last: bool = False) -> tuple[Rollout, torch.Tensor, dict]:
+        """Sample prompts, generate, score; with --dynamic_filtering, keep only informative groups. With
+        --async_train the prompts were drawn a step ahead (`upcoming`); the last step starts nothing."""
         cfg, n = self.cfg, self.cfg.n_samples_per_prompt
         kept: list[tuple[Rollout, torch.Tensor]] = []
         have, rounds, generated = 0, 0, 0
@@ -208,9 +253,13 @@ class Controller:
                 raise ConfigError(f"dynamic_filtering: only {have} of {cfg.rollout_batch_size} prompt groups kept after "
                                   f"{MAX_FILTER_ROUNDS} rollouts; widen --dynamic_filtering_reward_range or drop --dynamic_filtering")
             # The samples of one prompt are consecutive rows: the group estimators rely on it.
-            index = [i for i in self.sampler.next() for _ in range(n)]
+            index = self.upcoming or [i for i in self.sampler.next() for _ in range(n)]
             t0 = time.time()
-            rollout = self.engine.generate([self.prompts.ids[i] for i in index])
+            if cfg.async_train:  # the engines start on the next step's prompts as soon as these are back
+                self.upcoming = [i for i in self.sampler.next() for _ in range(n)] if not last else None
+                rollout = self.engine.generate([self.prompts.ids[i] for i in index], [self.prompts.ids[i] for i in self.upcoming or []])
+            else:
+                rollout = self.engine.generate([self.prompts.ids[i] for i in index])
             t1 = time.time()
             batch = build_reward_batch(rollout, self.tokenizer, [self.prompts.texts[i] for i in index], [self.prompts.labels[i] for i in index])
             scores = self.reward.score(batch).float()
@@ -264,7 +313,7 @@ class Controller:
     def step(self, step: int) -> Experience:
         cfg = self.cfg
         t0 = time.time()
-        rollout, scores, timing = self.rollout()
+        rollout, scores, timing = self.rollout(last=step == self.steps)
         t1 = time.time()
         logprobs, ref_logprobs, values = self.score(rollout)
         if rollout.logprobs is not None:  # the sync check: the engine samples from the weights being trained

@@ -1,18 +1,20 @@
-"""vLLM rollouts inside each actor worker: the GPU path, colocated with training on the same GPU (the
-layout of TRL's colocate mode and verl's hybrid engine).
+"""vLLM rollouts on the GPU: one engine inside each actor worker, colocated with training on its GPU
+(--colocate_all_models: the layout of TRL's colocate mode and verl's hybrid engine), or engines on GPUs
+of their own (tasks.rl.workers.RolloutEngineWorker), fed over NCCL by a WeightChannel.
 
     engine = VLLMRolloutEngine(model_dir, tokenizer, max_model_len=512, gpu_memory_utilization=0.3, seed=0)
     rollout = engine.generate(prompt_ids, max_new_tokens=256, temperature=1.0)   # rollout.logprobs: vLLM's own
-    engine.load_weights(actor.module, gathered=False)                           # after every update
+    engine.load_weights(actor.module, zero3=False)                              # after every update
 
-The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, the external_launcher executor on
-the torch.distributed world DeepSpeed already formed), so a weight sync is a device-to-device copy of
-each parameter into vLLM's model: no NCCL group, no IPC handles, no second process. Under ZeRO-3 each
-parameter is gathered first, one at a time. With `enable_sleep` vLLM gives its weights and KV cache
+The engine runs in its worker's process (VLLM_ENABLE_V1_MULTIPROCESSING=0, the external_launcher
+executor on the worker's torch.distributed world). Colocated, a weight sync is a device-to-device copy
+of each parameter into vLLM's model; under ZeRO-3 each parameter is gathered first, one at a time. On
+separate GPUs, the actor's rank 0 broadcasts each parameter over NCCL and the engines load it. With `enable_sleep` vLLM gives its weights and KV cache
 back while the actor trains (sleep level 1) and takes them again before the sync.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -40,7 +42,10 @@ def _model_of(llm):
     raise RuntimeError("vLLM's model is not reachable in this process; run with VLLM_ENABLE_V1_MULTIPROCESSING=0")
 
 
-def _gathered(param):
+def gathered(param, gather: bool = True):
+    """ZeRO-3: the whole parameter for the duration (a collective: every rank of the group enters it)."""
+    if not gather:
+        return contextlib.nullcontext()
     import deepspeed
 
     return deepspeed.zero.GatheredParameters([param])
@@ -84,16 +89,23 @@ class VLLMRolloutEngine:
         return to_rollout(prompt_ids, responses, logprobs, self.tokenizer.pad_token_id)
 
     @torch.no_grad()
-    def load_weights(self, module: torch.nn.Module, gathered: bool = False) -> None:
-        """Copy the trained module's weights into vLLM's model (`gathered`: ZeRO-3 shards, gather each first).
-        vLLM's own loader maps HF names onto its fused projections."""
+    def load_weights(self, module: torch.nn.Module, zero3: bool = False) -> None:
+        """Copy the trained module's weights into vLLM's model (`zero3`: shards, so gather each first)."""
+        if not zero3:
+            self.load_named((name, param.data) for name, param in module.named_parameters())
+            return
         self.wake_up()
-        if gathered:
-            for name, param in module.named_parameters():
-                with _gathered(param):
-                    self.model.load_weights(weights=[(name, param.data)])
-        else:
-            self.model.load_weights(weights=((name, param.data) for name, param in module.named_parameters()))
+        for name, param in module.named_parameters():
+            with gathered(param):
+                self.model.load_weights(weights=[(name, param.data)])
+        self.llm.reset_prefix_cache()
+
+    @torch.no_grad()
+    def load_named(self, weights) -> None:
+        """Load (HF name, tensor) pairs, consumed one by one; vLLM's own loader maps the names onto its
+        fused projections."""
+        self.wake_up()
+        self.model.load_weights(weights=weights)
         # Cached prompt KV was computed with the old weights.
         self.llm.reset_prefix_cache()
 
@@ -117,3 +129,25 @@ def to_rollout(prompt_ids: list[list[int]], responses: list[list[int]], logprobs
     for row, values in enumerate(logprobs):
         r_logprobs[row, :len(values)] = torch.tensor(values, dtype=torch.float32)
     return Rollout(torch.cat([p_ids, r_ids], 1), torch.cat([p_mask, r_mask], 1), r_mask, p_ids.size(1), logprobs=r_logprobs)
+
+
+class WeightChannel:
+    """NCCL from the actor's rank 0 (rank 0 here) to vLLM engines on GPUs of their own (ranks 1…), on
+    vLLM's stateless process group, which leaves each process's own torch.distributed world alone.
+    Every member calls the constructor at once (NCCL's rendezvous), then `send` on rank 0 pairs with
+    `receive` on the others, tensor by tensor in the same order."""
+
+    def __init__(self, host: str, port: int, rank: int, world_size: int):
+        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+        from vllm.distributed.utils import StatelessProcessGroup
+
+        group = StatelessProcessGroup.create(host=host, port=port, rank=rank, world_size=world_size)
+        self.comm = PyNcclCommunicator(group, device=torch.cuda.current_device())
+
+    def send(self, tensor: torch.Tensor) -> None:
+        self.comm.broadcast(tensor, src=0, stream=torch.cuda.current_stream())
+
+    def receive(self, shape: list[int], dtype: str) -> torch.Tensor:
+        buffer = torch.empty(shape, dtype=getattr(torch, dtype), device="cuda")
+        self.comm.broadcast(buffer, src=0, stream=torch.cuda.current_stream())
+        return buffer

@@ -19,6 +19,7 @@ from tasks.common.workers import TrainingWorker, Worker
 from tasks.rl.config import RLConfig
 from tasks.rl.experience import Experience, response_logprobs, response_values
 from tasks.rl.rewards import RewardBatch, RewardModels
+from tasks.rl.vllm_engine import gathered
 
 
 def _dtype(cfg: RLConfig) -> torch.dtype:
@@ -62,16 +63,11 @@ class ActorWorker(_Trainer):
         model = lora.apply_lora(load_causal_lm(path, flash_attn=cfg.flash_attn), cfg)
         self.engine = self.strategy.prepare(model, cfg.actor_learning_rate, total_updates, cfg.lr_warmup_steps)
         self.micro = self.strategy.micro_batch_size
-        if cfg.vllm_num_engines:
-            from tasks.rl.vllm_engine import VLLMRolloutEngine  # GPU only: vllm is the gpu extra
-
-            self.rollout_engine = VLLMRolloutEngine(
-                path, self.tokenizer, max_model_len=cfg.prompt_max_len + cfg.generate_max_len,
-                gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, seed=cfg.seed + self.rank,
-                dtype=str(_dtype(cfg)).removeprefix("torch."), enable_prefix_caching=cfg.enable_prefix_caching,
-                enable_sleep=cfg.vllm_enable_sleep, ignore_eos=cfg.ignore_eos)
+        if cfg.vllm_num_engines and not cfg.separate_engines():
+            self.rollout_engine = _vllm_engine(cfg, path, self.tokenizer, seed=cfg.seed + self.rank)
         else:
             self.rollout_engine = HFRolloutEngine(self.engine.module, self.tokenizer, self.strategy.device)
+        self.channel = None
 
     def generate(self, prompts: list[list[int]]) -> Rollout:
         rollout = self.rollout_engine.generate(prompts, self.cfg.generate_max_len, self.cfg.temperature,
@@ -81,7 +77,36 @@ class ActorWorker(_Trainer):
     def sync_weights(self) -> None:
         """Load the updated weights into this worker's vLLM engine (the HF engine uses them in place)."""
         if hasattr(self.rollout_engine, "load_weights"):
-            self.rollout_engine.load_weights(self.engine.module, gathered=self.strategy.zero_stage == 3)
+            self.rollout_engine.load_weights(self.engine.module, zero3=self.strategy.zero_stage == 3)
+
+    # ---- feeding vLLM engines on other GPUs (RolloutEngineWorker): rank 0 broadcasts, every rank gathers
+
+    def weight_channel_address(self) -> tuple[str, int]:
+        import socket
+
+        host = self.node_address()
+        with socket.socket() as sock:
+            sock.bind((host, 0))
+            return host, sock.getsockname()[1]
+
+    def open_weight_channel(self, host: str, port: int, world_size: int) -> None:
+        if self.rank == 0:
+            from tasks.rl.vllm_engine import WeightChannel
+
+            self.channel = WeightChannel(host, port, 0, world_size)
+
+    def weight_shapes(self) -> list[tuple[str, list[int], str]]:
+        """(name, shape, dtype) of every parameter, whole (ZeRO-3 shards report their full shape)."""
+        return [(name, list(getattr(p, "ds_shape", p.shape)), str(p.dtype).removeprefix("torch."))
+                for name, p in self.engine.module.named_parameters()]
+
+    @torch.no_grad()
+    def send_weights(self) -> None:
+        gather = self.strategy.zero_stage == 3
+        for _, param in self.engine.module.named_parameters():
+            with gathered(param, gather):
+                if self.rank == 0:
+                    self.channel.send(param.data)
 
     @torch.no_grad()
     def logprobs(self, rollout: Rollout) -> torch.Tensor:
@@ -126,6 +151,38 @@ class ActorWorker(_Trainer):
 
     def save_model(self, out_dir: str) -> None:
         self.strategy.save_hf(self.engine, self.tokenizer, out_dir, merge_lora=self.cfg.merge_lora, base_uri=self.cfg.pretrain)
+
+
+class RolloutEngineWorker(Worker):
+    """A vLLM engine on a GPU of its own (--vllm_num_engines without --colocate_all_models). It loads the
+    policy's start weights from disk, then after every update the actor's new ones over NCCL."""
+
+    def setup(self, cfg: RLConfig) -> None:
+        self.cfg = cfg
+        path = resolve_model(cfg.pretrain)
+        self.tokenizer = load_tokenizer(path)
+        # Distinct seeds from the actor ranks' and from each other's.
+        self.engine = _vllm_engine(cfg, path, self.tokenizer, seed=cfg.seed + 1000 * (self.rank + 1))
+
+    def generate(self, prompts: list[list[int]]) -> Rollout:
+        return self.engine.generate(prompts, self.cfg.generate_max_len, self.cfg.temperature).to("cpu")
+
+    def open_weight_channel(self, host: str, port: int, world_size: int) -> None:
+        from tasks.rl.vllm_engine import WeightChannel
+
+        self.channel = WeightChannel(host, port, 1 + self.rank, world_size)
+
+    def receive_weights(self, shapes: list[tuple[str, list[int], str]]) -> None:
+        self.engine.load_named((name, self.channel.receive(shape, dtype)) for name, shape, dtype in shapes)
+
+
+def _vllm_engine(cfg: RLConfig, path: str, tokenizer, seed: int):
+    from tasks.rl.vllm_engine import VLLMRolloutEngine  # GPU only: vllm is the gpu extra
+
+    return VLLMRolloutEngine(
+        path, tokenizer, max_model_len=cfg.prompt_max_len + cfg.generate_max_len,
+        gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, seed=seed, dtype=str(_dtype(cfg)).removeprefix("torch."),
+        enable_prefix_caching=cfg.enable_prefix_caching, enable_sleep=cfg.vllm_enable_sleep, ignore_eos=cfg.ignore_eos)
 
 
 class CriticWorker(_Trainer):
