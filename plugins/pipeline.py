@@ -133,9 +133,10 @@ PARAMS = {
                     "path), validated, split and registered as a version under <prefix>/datasets/<file name>/; or "
                     "dataset:<name> (its newest registered version) or dataset:<name>@<version>.",
     ),
-    # The column mapping of a user's dataset (ignored for 'demo'): a column name, or empty for none.
+    # The column mapping of a user's dataset (ignored for 'demo'): a column name, or empty for none. null
+    # allowed: the UI's form sends an emptied field as null (as for bucket above).
     **{name: Param(
-        DEFAULTS[name], type="string", title=title, maxLength=200, description=description,
+        DEFAULTS[name], type=["null", "string"], title=title, maxLength=200, description=description,
     ) for name, title, description in (
         ("input_key", "Prompt column", "Column holding the prompt (not read when a messages column is set)."),
         ("output_key", "SFT response column", "Column holding the SFT response. Empty: the final assistant turn of the "
@@ -350,7 +351,7 @@ def build_pipeline(dag_id: str, schedule, description: str, allow_promotion: boo
             "base_model": "{{ params.base_model }}",
             "seed": "{{ params.seed }}",
             "datasets_root": DATASETS_ROOT,
-            **{name: "{{ params.%s }}" % name for name in DATASET_FLAGS},
+            **{name: ("{{ params.%s or '' }}" if name.endswith("_key") else "{{ params.%s }}") % name for name in DATASET_FLAGS},
         }, outlet="prepared_data",
             # A file's content or dataset:<name>'s newest version may change under the same flags: only the demo
             # and a pinned version are the same data whenever the flags are.

@@ -31,8 +31,9 @@ WIRING = {
     "prepare_data": ("tasks.data", {
         "source": "params.dataset", "base_model": "params.base_model", "seed": "params.seed",
         "datasets_root": REGISTRY.replace("/models/{{ params.model_name }}", "/datasets"),
-        **{k: f"params.{k}" for k in ("input_key", "output_key", "chosen_key", "rejected_key", "label_key", "messages_key",
-                                      "eval_fraction", "max_bad_fraction")},
+        # Column names: the form sends an emptied field as null, which renders as "".
+        **{k: "params.%s or ''" % k for k in ("input_key", "output_key", "chosen_key", "rejected_key", "label_key", "messages_key")},
+        **{k: f"params.{k}" for k in ("eval_fraction", "max_bad_fraction")},
     }),
     "sft": ("tasks.sft", {
         "pretrain": "prepare_data", "dataset": "prepare_data", "max_steps": "params.sft_steps",
@@ -188,9 +189,10 @@ def test_params_form(dag):
         p = params.get_param(name)
         assert p.schema.get("title") and p.description, name  # the UI form shows a title and a help text
         # Flat fields, but the gate and the test-only fault injection, which the form edits as JSON.
-        # The bucket may be left empty (the connection's); the form sends an empty field as null.
+        # The bucket and the column names may be left empty; the form sends an emptied field as null.
+        optional = {"bucket", "input_key", "output_key", "chosen_key", "rejected_key", "label_key", "messages_key"}
         assert p.schema.get("type") == "object" if name in ("promotion_gate", "fault_injection") else \
-            p.schema.get("type") == ["null", "string"] if name == "bucket" else \
+            p.schema.get("type") == ["null", "string"] if name in optional else \
             p.schema.get("type") in ("string", "integer", "number", "boolean"), name
     assert params.get_param("zero_stage").schema["enum"] == [0, 2, 3]
     assert pipeline.DEFAULTS["dataset"] == "demo" and pipeline.DEFAULTS["base_model"] == "demo"
@@ -223,7 +225,6 @@ def test_params_form(dag):
         ("max_bad_fraction", 1.5),
         ("lora_rank", -1),
         ("apply_chat_template", "true"),
-        ("messages_key", None),
     ],
 )
 def test_params_refuse_bad_values(dag, name, value):
@@ -239,7 +240,7 @@ def test_params_accept_good_overrides(dag):
     for name, value in {"sft_steps": 30, "rm_steps": 20, "rl_steps": 2, "eval_max_samples": 50, "zero_stage": 3,
                         "advantage_estimator": "group_norm", "n_samples_per_prompt": 4, "colocate_all_models": False,
                         "dataset": "s3://bucket/data/v1", "bucket": "rlhf-test", "prefix": "",
-                        "messages_key": "messages", "input_key": "", "label_key": "answer", "eval_fraction": 0.2,
+                        "messages_key": "messages", "input_key": "", "label_key": "answer", "output_key": None, "eval_fraction": 0.2,
                         "max_bad_fraction": 0, "apply_chat_template": True, "lora_rank": 8}.items():
         params[name] = value
     params.validate()
