@@ -23,7 +23,8 @@ ROOT = SCRATCH / "learning"
 ESTIMATORS = {
     # estimator: RL flags beyond the shared ones (group estimators sample 4 answers for each of 32 prompts)
     "gae": {"rollout_batch_size": 128, "lambd": 0.8},
-    "group_norm": {"rollout_batch_size": 32, "n_samples_per_prompt": 4},
+    # GRPO as TRL runs it by default: no KL, one update per rollout, so the actor skips its scoring pass.
+    "group_norm": {"rollout_batch_size": 32, "n_samples_per_prompt": 4, "train_batch_size": 128, "max_epochs": 1, "init_kl_coef": 0.0},
     "rloo": {"rollout_batch_size": 32, "n_samples_per_prompt": 4},
     "reinforce_baseline": {"rollout_batch_size": 32, "n_samples_per_prompt": 4},
 }
@@ -61,8 +62,8 @@ def policy_metrics(ray_address, trained, estimator: str, reward: str) -> dict:
     name = f"{estimator}-{reward}"
     rl, ev = str(ROOT / f"rl-{name}"), str(ROOT / f"eval-{name}")
     cli(ray_address, "tasks.rl", output=rl, pretrain=trained["sft"], reward_pretrain=trained["rm"], prompt_data=trained["data"],
-        advantage_estimator=estimator, max_steps=30, train_batch_size=64, colocate_all_models=True,
-        **ESTIMATORS[estimator], **REWARDS[reward])
+        **{"advantage_estimator": estimator, "max_steps": 30, "train_batch_size": 64, "colocate_all_models": True,
+           **ESTIMATORS[estimator], **REWARDS[reward]})
     cli(ray_address, "tasks.eval", output=ev, baseline=trained["sft"], policy=rl, reward_pretrain=trained["rm"], dataset=trained["data"])
     path, _ = manifests.fetch(ev, ROOT / f"fetched-{name}")
     return json.loads((path / "report.json").read_text())["metrics"]["policy"]

@@ -59,6 +59,17 @@ def test_no_reference_model_when_kl_is_off_or_the_actor_is_its_own():
     assert make_config(RLConfig, {**base, "init_kl_coef": 0.01, "lora_rank": 4}).roles() == ["actor"]  # its own base
 
 
+def test_the_actor_scores_a_rollout_only_when_the_update_needs_it():
+    """Without KL and with one optimizer update per rollout, the old log-probabilities are the update's own
+    (detached): the actor's scoring pass is skipped. A KL term or a second update brings it back."""
+    base = {"output": "/tmp/x", "pretrain": "m", "prompt_data": "p", "remote_rm_url": "r.py", "advantage_estimator": "group_norm",
+            "n_samples_per_prompt": 4, "rollout_batch_size": 8, "train_batch_size": 32, "max_epochs": 1, "init_kl_coef": 0.0}
+    assert not make_config(RLConfig, base).needs_old_logprobs()
+    assert make_config(RLConfig, {**base, "init_kl_coef": 0.01}).needs_old_logprobs()
+    assert make_config(RLConfig, {**base, "train_batch_size": 16}).needs_old_logprobs()  # two updates per rollout
+    assert make_config(RLConfig, {**base, "max_epochs": 2}).needs_old_logprobs()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU and vllm")
 def test_vllm_engine_generates_and_follows_the_trained_weights(tmp_path):

@@ -158,11 +158,11 @@ class DeepSpeedStrategy:
         return model.to(self.device, dtype=torch.bfloat16 if self.bf16 else torch.float32)
 
     def all_reduce(self, value: torch.Tensor | float, op: str = "sum") -> torch.Tensor:
-        """Sum (or mean) of a tensor over the data-parallel world; a copy, on this rank's device."""
+        """Sum (or mean, or max) of a tensor over the data-parallel world; a copy, on this rank's device."""
         import torch.distributed as dist
 
         tensor = torch.as_tensor(value, dtype=torch.float32).clone().to(self.device)
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
         return tensor / self.world_size if op == "mean" else tensor
 
     def save_hf(self, engine, tokenizer, out_dir: str | Path, merge_lora: bool = False, base_uri: str = "") -> Path:

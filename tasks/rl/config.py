@@ -96,6 +96,13 @@ class RLConfig(TrainingConfig):
         """Whether the KL to the reference enters reward or loss; without it no reference model is needed."""
         return self.init_kl_coef > 0 or self.kl_target > 0
 
+    def needs_old_logprobs(self) -> bool:
+        """Whether the actor scores a rollout before training on it. Only the KL (against the reference) and
+        a rollout feeding several optimizer updates need that pass: with one update, the log-probabilities
+        before it are the update's own forward, detached (ratio 1), so the pass is skipped, as TRL does."""
+        one_update = self.max_epochs == 1 and self.train_batch_size == self.rollout_batch_size * self.n_samples_per_prompt
+        return self.uses_kl() or not one_update
+
     def roles(self) -> list[str]:
         """The worker groups this run places: a reference only when KL is on and the actor cannot be its own
         (with LoRA it is: its base with the adapters off), a critic only for gae, reward models unless a

@@ -19,13 +19,14 @@ class Experience:
     attention_mask: torch.Tensor
     action_mask: torch.Tensor
     prompt_width: int
-    logprobs: torch.Tensor
-    ref_logprobs: torch.Tensor
+    logprobs: torch.Tensor | None  # None: the update's own, detached (RLConfig.needs_old_logprobs)
+    ref_logprobs: torch.Tensor | None
     values: torch.Tensor
     advantages: torch.Tensor
     returns: torch.Tensor
     scores: torch.Tensor
     kl: torch.Tensor
+    engine_logprobs: torch.Tensor | None = None  # the rollout engine's, for the sync check when the actor scores nothing
 
     def minibatch(self, index: torch.Tensor) -> "Experience":
         fields = {k: (v[index] if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
@@ -48,16 +49,20 @@ def response_values(critic, sequences, attention_mask, prompt_width):
     return token_values(critic, sequences, attention_mask)[:, prompt_width - 1:-1]
 
 
-def make_experience(rollout: Rollout, logprobs: torch.Tensor, ref_logprobs: torch.Tensor, values: torch.Tensor | None,
+def make_experience(rollout: Rollout, logprobs: torch.Tensor | None, ref_logprobs: torch.Tensor | None, values: torch.Tensor | None,
                     scores: torch.Tensor, cfg, kl_coef: float) -> Experience:
-    """One scored rollout batch with its advantages; `values` is None for critic-free estimators.
+    """One scored rollout batch with its advantages; `values` is None for critic-free estimators, and
+    `logprobs` None when the actor scored nothing (no KL, one update: RLConfig.needs_old_logprobs).
     Advantages are computed on the whole batch (whitening is batch-wide), never per worker."""
     action_mask = rollout.response_mask
-    kl = kl_estimate(logprobs, ref_logprobs, cfg.kl_estimator) * action_mask
+    if logprobs is None:
+        kl = torch.zeros(action_mask.shape)
+    else:
+        kl = kl_estimate(logprobs, ref_logprobs, cfg.kl_estimator) * action_mask
     reward_kl_coef = 0.0 if cfg.use_kl_loss else kl_coef  # with --use_kl_loss the KL is in the loss instead
     advantages, returns = compute_advantages(cfg.advantage_estimator, scores, kl, action_mask, values,
                                              cfg.n_samples_per_prompt, reward_kl_coef, cfg.gamma, cfg.lambd,
                                              reward_clip=cfg.interval("reward_clip_range"))
     values = values if values is not None else torch.zeros_like(advantages)
     return Experience(rollout.sequences, rollout.attention_mask, action_mask, rollout.prompt_width, logprobs, ref_logprobs,
-                      values, advantages, returns, scores, kl)
+                      values, advantages, returns, scores, kl, engine_logprobs=rollout.logprobs if logprobs is None else None)

@@ -292,18 +292,18 @@ class Controller:
         return results
 
     def score(self, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Old log-probabilities (actor), reference log-probabilities and values of a rollout."""
+        """Old log-probabilities (actor; None when not needed), reference log-probabilities and values of a rollout."""
         rows = list(range(rollout.sequences.size(0)))
         # LoRA: the actor returns (log-probabilities, reference ones); KL off: no reference at all.
         own_reference = "ref" not in self.groups and self.cfg.uses_kl()
-        actor_method = "reference_logprobs" if own_reference else "logprobs"
+        actor_method = ("reference_logprobs" if own_reference else "logprobs") if self.cfg.needs_old_logprobs() else None
         calls = {role: (method, [rollout.select(r) for r in shard(rows, self.groups[role].world_size)], ())
-                 for role, method in (("actor", actor_method), ("ref", "logprobs"), ("critic", "values")) if role in self.groups}
+                 for role, method in (("actor", actor_method), ("ref", "logprobs"), ("critic", "values")) if method and role in self.groups}
         parts = self.in_waves(calls)
         if own_reference:
             parts["actor"], parts["ref"] = zip(*parts["actor"])
         results = {role: torch.cat(list(p)) for role, p in parts.items()}
-        return results["actor"], results.get("ref", results["actor"]), results.get("critic")
+        return results.get("actor"), results.get("ref", results.get("actor")), results.get("critic")
 
     def minibatch_plan(self, n: int) -> list[torch.Tensor]:
         """Row indices of each minibatch: max_epochs shuffled passes in train_batch_size pieces."""
@@ -316,7 +316,7 @@ class Controller:
         rollout, scores, timing = self.rollout(last=step == self.steps)
         t1 = time.time()
         logprobs, ref_logprobs, values = self.score(rollout)
-        if rollout.logprobs is not None:  # the sync check: the engine samples from the weights being trained
+        if rollout.logprobs is not None and logprobs is not None:  # the sync check (else the actor's train makes it)
             timing["engine_logprob_max_diff"] = max_masked_abs_diff(logprobs, rollout.logprobs, rollout.response_mask)
         kl_coef = self.kl_ctl.value
         exp = make_experience(rollout, logprobs, ref_logprobs, values, scores, cfg, kl_coef)

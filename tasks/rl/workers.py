@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from tasks.common import lora
-from tasks.common.losses import kl_loss, masked_mean, policy_loss, value_loss
+from tasks.common.losses import kl_loss, masked_mean, max_masked_abs_diff, policy_loss, value_loss
 from tasks.common.models import load_causal_lm, load_scalar_model, load_tokenizer, resolve_model
 from tasks.common.rollout import HFRolloutEngine, Rollout
 from tasks.common.strategy import DeepSpeedStrategy
@@ -129,12 +129,16 @@ class ActorWorker(_Trainer):
         cfg, device = self.cfg, self.strategy.device
         self.engine.train()
         stats: dict[str, list[float]] = {"policy_loss": [], "clip_fraction": [], "entropy": []}
+        sync_gaps = []  # engine vs actor log-probabilities, when the controller had none to compare
         loss_agg = "seq_mean_token_sum_norm" if cfg.advantage_estimator == "dr_grpo" else "token_mean"
         for minibatch in minibatches:
             for mb in _micro_batches(minibatch.to(device), self.micro):
                 logprobs, entropy = response_logprobs(self.engine, mb.sequences, mb.attention_mask, mb.prompt_width, return_entropy=True)
+                old = logprobs.detach() if mb.logprobs is None else mb.logprobs
+                if mb.engine_logprobs is not None:
+                    sync_gaps.append(max_masked_abs_diff(old, mb.engine_logprobs, mb.action_mask))
                 p_loss, clip_fraction = policy_loss(
-                    logprobs, mb.logprobs, mb.advantages, mb.action_mask, cfg.eps_clip, clip_eps_low=cfg.eps_clip_low or None,
+                    logprobs, old, mb.advantages, mb.action_mask, cfg.eps_clip, clip_eps_low=cfg.eps_clip_low or None,
                     clip_eps_high=cfg.eps_clip_high or None, dual_clip=cfg.dual_clip or None, loss_agg=loss_agg,
                     max_len=cfg.generate_max_len)
                 loss = p_loss
@@ -147,7 +151,10 @@ class ActorWorker(_Trainer):
                 self.engine.step()
                 for key, value in (("policy_loss", p_loss), ("clip_fraction", clip_fraction), ("entropy", mean_entropy)):
                     stats[key].append(value.item())
-        return self._mean_stats(stats)
+        result = self._mean_stats(stats)
+        if sync_gaps:
+            result["engine_logprob_max_diff"] = self.strategy.all_reduce(max(sync_gaps), op="max").item()
+        return result
 
     def save_model(self, out_dir: str) -> None:
         self.strategy.save_hf(self.engine, self.tokenizer, out_dir, merge_lora=self.cfg.merge_lora, base_uri=self.cfg.pretrain)
