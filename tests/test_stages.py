@@ -24,7 +24,7 @@ from conftest import REPO, SCRATCH
 
 def run_cli(*args, ray: str = ""):
     """`python -m <args>` as a plain process; `ray` is the cluster's address for stages that place workers."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_ADDRESS": ray}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])), "RAY_ADDRESS": ray}
     return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
 
 

@@ -3,6 +3,7 @@
 #
 #   bash bench/gpu/run.sh setup vllm sft          # one device call
 #   bash bench/gpu/run.sh ours trl_vllm trl_hf report
+#   bash bench/gpu/run.sh tests_stages               # the gpu-marked tests; tests_learn: the learning check
 #
 # /tmp/bench (model, data, results) outlives a call while the machine is warm; results also go to $OUT.
 set -uo pipefail
@@ -16,7 +17,8 @@ for phase in "$@"; do
   case "$phase" in
     setup) [ -f $dir/model_info.json ] || python bench/grpo_bench.py setup --dir $dir ;;
     vllm) python bench/grpo_bench.py vllm --dir $dir ;;
-    sft|ours|ours32|ours64|ours_hf|ours_async|ours_learn)
+    sft_profile) python bench/grpo_bench.py sft_profile --dir $dir ;;
+    sft|ours|ours32|ours64|ours_hf|ours_async|tests_stages|tests_learn)
       if [ -z "$ray_up" ]; then start_ray && ray_up=1; fi
       case "$phase" in
         sft) python bench/grpo_bench.py sft --dir $dir ;;
@@ -24,12 +26,18 @@ for phase in "$@"; do
         ours32) python bench/grpo_bench.py ours --dir $dir --mode vllm --micro 32 ;;
         ours64) python bench/grpo_bench.py ours --dir $dir --mode vllm --micro 64 ;;
         ours_async) python bench/grpo_bench.py ours --dir $dir --mode vllm --micro 64 --layout async --steps 24 --lr 1e-5 ;;
-        ours_learn) python bench/grpo_bench.py ours --dir $dir --mode vllm --micro 64 --steps 24 --lr 1e-5 ;;
         ours_hf) python bench/grpo_bench.py ours --dir $dir --mode hf --steps 5 ;;
+        # The GPU tests (tests/test_gpu.py, tests/test_vllm_engine.py), on this Ray head; the learning
+        # check's preferred-style rates land in results/gpu_learning.json.
+        tests_stages) python -m pytest -m gpu -s -p no:cacheprovider tests/test_vllm_engine.py tests/test_gpu.py -k "${TESTS_K:-not learns}" ;;
+        tests_learn) python -m pytest -m gpu -s -p no:cacheprovider tests/test_gpu.py -k learns \
+                       && mkdir -p $dir/results && cp .scratch/test/gpu/learning.json $dir/results/gpu_learning.json ;;
       esac ;;
     trl_hf) python bench/grpo_bench.py trl --dir $dir --mode hf --steps 8 ;;
     trl_vllm) python bench/grpo_bench.py trl --dir $dir --mode vllm ;;
-    report) python bench/grpo_bench.py report --dir $dir --out "$out/results.json" --command "bash bench/gpu/run.sh $*" ;;
+    # Earlier sessions' results (bench/runs/) fill in what this machine did not run; its own runs win.
+    report) mkdir -p $dir/results && for f in $(ls -r bench/runs/*/*.json); do cp -n "$f" $dir/results/; done
+            python bench/grpo_bench.py report --dir $dir --out "$out/results.json" --command "bash bench/gpu/run.sh $*" ;;
     *) echo "unknown phase $phase"; exit 2 ;;
   esac > "$out/logs/$phase.log" 2>&1
   rc=$?

@@ -184,10 +184,15 @@ class RolloutEngineWorker(Worker):
 
 
 def _vllm_engine(cfg: RLConfig, path: str, tokenizer, seed: int):
+    from transformers import AutoConfig
+
     from tasks.rl.vllm_engine import VLLMRolloutEngine  # GPU only: vllm is the gpu extra
 
+    # vLLM refuses a length past the model's positions; prompts and answers cannot go beyond them anyway.
+    positions = getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", None)
+    max_len = cfg.prompt_max_len + cfg.generate_max_len
     return VLLMRolloutEngine(
-        path, tokenizer, max_model_len=cfg.prompt_max_len + cfg.generate_max_len,
+        path, tokenizer, max_model_len=min(max_len, positions) if positions else max_len,
         gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, seed=seed, dtype=str(_dtype(cfg)).removeprefix("torch."),
         enable_prefix_caching=cfg.enable_prefix_caching, enable_sleep=cfg.vllm_enable_sleep, ignore_eos=cfg.ignore_eos)
 

@@ -1,0 +1,145 @@
+"""The stages on a GPU (marked gpu: skipped without CUDA and vllm; run on the GPU machine with
+`bash bench/gpu/run.sh tests`, see bench/gpu/README.md).
+
+- Every stage's CLI on the demo model with the GPU path's flags: bf16, ZeRO-2 and ZeRO-3,
+  --adam_offload, gradient checkpointing, --flash_attn (SDPA when flash-attn is missing, said in the
+  log), SFT --packing_samples, and PPO with its rollouts from a vLLM engine colocated with every model
+  (sleep/wake), synced after each update and checked against the actor's log-probabilities.
+- The demo task's learning check on the GPU path, as tests/test_learning.py runs it on the CPU: GRPO
+  (group_norm, KL off, one update per rollout) with the terse-style reward against the zero-reward
+  control, the rollouts from vLLM. On-policy with the engine in the actor on one GPU and, when a second
+  GPU is there, one step off-policy (--async_train) with the engine on the other.
+
+Outputs go to local folders; the Ray head is RAY_ADDRESS's (bench/gpu/env.sh's start_ray) or one
+started here.
+"""
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+
+import pytest
+import torch
+
+from tasks.common import manifest as manifests
+
+from conftest import REPO, SCRATCH, free_port
+from test_stages import flags, run_cli
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not (torch.cuda.is_available() and importlib.util.find_spec("vllm")), reason="needs a CUDA GPU and vllm"),
+]
+
+ROOT = SCRATCH / "gpu"
+GPU_FLAGS = {"bf16": True, "flash_attn": True, "gradient_checkpointing": True}
+STYLE = {"remote_rm_url": str(REPO / "tests" / "rewards" / "style_reward.py")}
+CONTROL = {"remote_rm_url": str(REPO / "tests" / "rewards" / "zero_reward.py")}
+GRPO = {"advantage_estimator": "group_norm", "rollout_batch_size": 32, "n_samples_per_prompt": 4, "train_batch_size": 128,
+        "max_epochs": 1, "init_kl_coef": 0.0, "max_steps": 30, "vllm_num_engines": 1}
+
+
+@pytest.fixture(scope="module")
+def gpu_ray():
+    """RAY_ADDRESS's head, or a `ray start --head --block` on loopback with every GPU, stopped afterwards."""
+    if os.environ.get("RAY_ADDRESS"):
+        yield os.environ["RAY_ADDRESS"]
+        return
+    port = free_port()
+    temp = tempfile.mkdtemp(prefix="rlhf-gpu-ray-")
+    proc = subprocess.Popen(
+        ["ray", "start", "--head", "--block", "--node-ip-address", "127.0.0.1", f"--port={port}", f"--temp-dir={temp}",
+         f"--num-gpus={torch.cuda.device_count()}", "--include-dashboard=false", "--disable-usage-stats"],
+        env={**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}, start_new_session=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"ray start exited with {proc.returncode}: run `ray start --head` by hand to see why", pytrace=False)
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                break
+        time.sleep(1)
+    time.sleep(5)  # the GCS port opens before the raylet registers
+    yield f"127.0.0.1:{port}"
+    os.killpg(proc.pid, signal.SIGTERM)
+    proc.wait(timeout=60)
+    shutil.rmtree(temp, ignore_errors=True)
+
+
+def cli(ray: str, module: str, **values) -> str:
+    done = run_cli(module, *flags(values), ray=ray)
+    assert done.returncode == 0, f"{module} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+    return done.stdout + done.stderr
+
+
+def metrics(uri: str) -> list[dict]:
+    path, _ = manifests.fetch(uri, ROOT / "fetched" / os.path.basename(uri))
+    return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def data():
+    from tasks.common import stage
+    from tasks.common.config import make_config
+    from tasks.data.__main__ import prepare
+    from tasks.data.config import PrepareDataConfig
+
+    shutil.rmtree(ROOT, ignore_errors=True)
+    out = str(ROOT / "data")
+    stage.run("prepare_data", make_config(PrepareDataConfig, {"output": out}), prepare)
+    return out
+
+
+def test_every_stage_runs_on_the_gpu_path(gpu_ray, data):
+    out = {name: str(ROOT / name) for name in ("sft", "rm", "ppo", "dpo", "eval")}
+    log = cli(gpu_ray, "tasks.sft", output=out["sft"], pretrain=data, dataset=data, max_steps=20, zero_stage=2,
+              packing_samples=True, **GPU_FLAGS)
+    if importlib.util.find_spec("flash_attn") is None:
+        assert "flash_attn:" in log  # the fallback to SDPA is said
+    cli(gpu_ray, "tasks.reward_model", output=out["rm"], pretrain=out["sft"], dataset=data, max_steps=10, zero_stage=3,
+        adam_offload=True, **GPU_FLAGS)
+    # PPO with a critic, every model and the vLLM engine on one GPU; ZeRO-3, so each sync gathers the shards.
+    cli(gpu_ray, "tasks.rl", output=out["ppo"], pretrain=out["sft"], reward_pretrain=out["rm"], prompt_data=data, max_steps=3,
+        rollout_batch_size=16, train_batch_size=8, colocate_all_models=True, vllm_num_engines=1, vllm_gpu_memory_utilization=0.2,
+        vllm_enable_sleep=True, zero_stage=3, **GPU_FLAGS)
+    cli(gpu_ray, "tasks.preference", output=out["dpo"], pretrain=out["sft"], dataset=data, method="dpo", dataset_split="style_pairs",
+        max_steps=5, zero_stage=2, **GPU_FLAGS)
+    cli(gpu_ray, "tasks.eval", output=out["eval"], baseline=out["sft"], policy=out["ppo"], reward_pretrain=out["rm"], dataset=data,
+        max_samples=64)
+    for name in out:
+        assert manifests.read_manifest(out[name])  # committed
+    logged = metrics(out["ppo"])
+    gaps = [r["engine_logprob_max_diff"] for r in logged]
+    print(f"ppo on the gpu: engine vs actor log-probability gap per step {gaps}")
+    assert len(gaps) == 3 and max(gaps) < 0.25  # bf16 noise, not stale weights
+    assert all("value_loss" in r for r in logged)
+
+
+def learned(ray: str, data: str, sft: str, name: str, **values) -> dict:
+    rl, ev = str(ROOT / f"rl-{name}"), str(ROOT / f"eval-{name}")
+    cli(ray, "tasks.rl", output=rl, pretrain=sft, prompt_data=data, **{**GRPO, **GPU_FLAGS, **values})
+    cli(ray, "tasks.eval", output=ev, baseline=sft, policy=rl, dataset=data)
+    path, _ = manifests.fetch(ev, ROOT / "fetched" / f"eval-{name}")
+    return json.loads((path / "report.json").read_text())["metrics"]["policy"]
+
+
+def test_demo_learns_on_the_gpu_path_on_policy_and_one_step_off(gpu_ray, data):
+    sft = str(ROOT / "sft-learn")
+    cli(gpu_ray, "tasks.sft", output=sft, pretrain=data, dataset=data, max_steps=500, **GPU_FLAGS)
+    colocated = {"colocate_all_models": True, "vllm_gpu_memory_utilization": 0.3}
+    control = learned(gpu_ray, data, sft, "control", **CONTROL, **colocated)
+    on_policy = learned(gpu_ray, data, sft, "on-policy", **STYLE, **colocated)
+    rates = {"control": control["preferred_style_rate"], "on-policy": on_policy["preferred_style_rate"]}
+    if torch.cuda.device_count() >= 2:  # actor on one GPU, the engine on the other, a step ahead
+        rates["off-policy"] = learned(gpu_ray, data, sft, "off-policy", **STYLE, async_train=True)["preferred_style_rate"]
+    print(f"preferred-style rate after 30 GRPO steps on the gpu: {rates}")
+    (ROOT / "learning.json").write_text(json.dumps(rates))
+    for name in ("on-policy", "off-policy"):
+        if name in rates:
+            assert rates[name] >= rates["control"] + 0.15, name
