@@ -5,6 +5,7 @@ memory is gone before the next starts; each writes <dir>/results/<name>.json.
     python bench/grpo_bench.py setup  --dir /tmp/bench [--shape qwen2-0.5b|tiny]
     python bench/grpo_bench.py vllm   --dir /tmp/bench        # standalone vLLM at batch 64 / 256 / 1024
     python bench/grpo_bench.py sft    --dir /tmp/bench        # our SFT stage, 8 × 2048 tokens, MFU
+    python bench/grpo_bench.py sft_profile --dir /tmp/bench   # where that SFT step's GPU time goes
     python bench/grpo_bench.py ours   --dir /tmp/bench        # our GRPO stage, vLLM colocated (Ray head needed)
     python bench/grpo_bench.py trl    --dir /tmp/bench --mode hf|vllm
     python bench/grpo_bench.py report --dir /tmp/bench --out bench/results.json
@@ -177,6 +178,70 @@ def bench_sft(bench_dir: Path, steps: int = 12, batch: int = 8, seq: int = 2048)
                             "attention": _attention_kernel(bench_dir / "sft.log")})
 
 
+KERNEL_KINDS = (  # (kind, substrings of a CUDA kernel's name), first match wins
+    ("optimizer", ("adam", "multi_tensor")),
+    ("attention", ("flash", "fmha", "attention", "cudnn")),
+    ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul")),
+    ("log_softmax and loss", ("softmax", "logsumexp", "nll", "cross_entropy", "gather")),
+    ("communication", ("nccl",)),
+    ("copies", ("memcpy", "memset", "copy")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys)), "elementwise and other")
+
+
+def bench_sft_profile(bench_dir: Path, batch: int = 8, seq: int = 2048, steps: int = 3) -> None:
+    """Where an SFT step's GPU time goes: the stage's own pieces (model loading, DeepSpeed strategy,
+    log-probabilities, loss) in this process, `steps` steps under torch.profiler after 3 warm-up steps;
+    kernel time per step by kind, the busiest kernels, and how much of the step no kernel ran."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from tasks.common.losses import sft_loss
+    from tasks.common.models import load_causal_lm
+    from tasks.common.strategy import DeepSpeedStrategy
+    from tasks.sft.trainer import micro_batch_logprobs
+
+    strategy = DeepSpeedStrategy(zero_stage=2, bf16=on_gpu(), micro_batch_size=batch, gradient_checkpointing=True)
+    engine = strategy.prepare(load_causal_lm(str(bench_dir / "model"), flash_attn=True), 1e-5, 100)
+    engine.train()
+    rng = random.Random(0)
+    ids = [[rng.randrange(2, 500) for _ in range(seq)] for _ in range(batch)]
+    masks = [[0] * (seq // 2) + [1] * (seq - seq // 2) for _ in range(batch)]
+
+    def step():
+        logprobs, loss_mask = micro_batch_logprobs(engine, ids, masks, 0, False, strategy.device)
+        engine.backward(sft_loss(logprobs, loss_mask[:, 1:], float(sum(map(sum, masks)))))
+        engine.step()
+
+    sync = torch.cuda.synchronize if on_gpu() else (lambda: None)
+    for _ in range(3):
+        step()
+    sync()
+    activity = ProfilerActivity.CUDA if on_gpu() else ProfilerActivity.CPU
+    t0 = time.time()
+    with profile(activities=[activity]) as prof:
+        for _ in range(steps):
+            step()
+        sync()
+    step_s = (time.time() - t0) / steps
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0] if on_gpu() else []
+    by_kind: dict[str, float] = {}
+    for e in events:
+        by_kind[kernel_kind(e.key)] = by_kind.get(kernel_kind(e.key), 0.0) + e.self_device_time_total / 1e6 / steps
+    busy = sum(by_kind.values())
+    top = sorted(events, key=lambda e: -e.self_device_time_total)[:12]
+    save(bench_dir, "sft_profile", {
+        "step_s_profiled": round(step_s, 4), "kernel_s_per_step": round(busy, 4), "idle_s_per_step": round(step_s - busy, 4),
+        "kernel_s_by_kind": {k: round(v, 4) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
+        "top_kernels_ms_per_step": {e.key[:100]: round(e.self_device_time_total / 1e3 / steps, 2) for e in top},
+        "batch": batch, "seq_len": seq, "zero_stage": 2, "gradient_checkpointing": True,
+    })
+
+
 def _attention_kernel(log: Path) -> str:
     return "sdpa (flash-attn missing)" if "flash_attn:" in log.read_text() else "flash_attention_2"
 
@@ -319,7 +384,7 @@ def report(bench_dir: Path, out: Path, command: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=["setup", "vllm", "sft", "ours", "trl", "report"])
+    parser.add_argument("what", choices=["setup", "vllm", "sft", "sft_profile", "ours", "trl", "report"])
     parser.add_argument("--dir", type=Path, default=Path("/tmp/bench"))
     parser.add_argument("--shape", default="qwen2-0.5b", choices=sorted(SHAPES))
     parser.add_argument("--mode", default="vllm", choices=["hf", "vllm"], help="trl: generate with HF generate or vLLM colocate; ours: engine")
@@ -337,6 +402,8 @@ def main() -> None:
         bench_vllm(a.dir)
     elif a.what == "sft":
         bench_sft(a.dir, a.steps)
+    elif a.what == "sft_profile":
+        bench_sft_profile(a.dir)
     elif a.what == "ours":
         bench_ours(a.dir, a.steps, engine=a.mode, micro=a.micro, layout=a.layout, lr=a.lr)
     elif a.what == "trl":
