@@ -261,14 +261,18 @@ def grpo_args(bench_dir: Path, out: Path, steps: int, micro: int) -> dict:
 
 def bench_ours(bench_dir: Path, steps: int = 12, engine: str = "vllm", micro: int = 16, layout: str = "colocated",
                lr: float = 1e-6) -> None:
-    """layout: colocated (one GPU: vLLM inside the actor) or async (two GPUs: the engine on its own,
-    generating the next rollout while the actor trains, one step off-policy)."""
+    """layout: colocated (one GPU: vLLM inside the actor); async (two GPUs: the engine on its own,
+    generating the next rollout while the actor trains, one step off-policy); or actor_ref_vllm (two
+    GPUs, on-policy, KL on: actor and reference share one, the engine has the other)."""
     name = f"ours_{engine}_m{micro}" + ("" if layout == "colocated" else f"_{layout}") + ("" if lr == 1e-6 else f"_lr{lr:g}")
     out = bench_dir / "out" / name
     args = grpo_args(bench_dir, out, steps, micro)
     args["actor_learning_rate"] = lr
     if engine == "vllm" and layout == "colocated":
         args.update(vllm_num_engines=1, vllm_gpu_memory_utilization=0.3)
+    elif engine == "vllm" and layout == "actor_ref_vllm":
+        args.update(vllm_num_engines=1, vllm_gpu_memory_utilization=0.6, colocate_all_models=False, colocate_actor_ref=True,
+                    init_kl_coef=0.01)
     elif engine == "vllm":
         args.update(vllm_num_engines=1, vllm_gpu_memory_utilization=0.6, async_train=True, colocate_all_models=False)
     run_stage("tasks.rl", args, bench_dir / f"{name}.log")
@@ -283,8 +287,9 @@ def bench_ours(bench_dir: Path, steps: int = 12, engine: str = "vllm", micro: in
     rate = None if layout == "async" else round(tokens / split["time_generate_s"])
     result = {"step_s": step, **split, "rollout_tokens_per_s": rate,
               "train_tokens_per_s": round(train_tokens / split["time_train_s"]),
-              # forward+backward+recompute (8 N) in training, one forward (2 N) for the old log-probabilities
-              "mfu": round(10 * parameters(bench_dir) * train_tokens / step / BF16_PEAK_FLOPS, 4),
+              # forward+backward+recompute (8 N) in training; with KL, one more forward (2 N) each for the
+              # old and the reference log-probabilities (without, the actor skips its scoring pass)
+              "mfu": round((12 if layout == "actor_ref_vllm" else 8) * parameters(bench_dir) * train_tokens / step / BF16_PEAK_FLOPS, 4),
               "reward_first": records[0]["reward"], "reward_last": records[-1]["reward"],
               "reward_curve": [round(r["reward"], 4) for r in records], "steps": len(records), "learning_rate": lr}
     if "engine_logprob_max_diff" in records[-1]:
@@ -390,7 +395,8 @@ def main() -> None:
     parser.add_argument("--mode", default="vllm", choices=["hf", "vllm"], help="trl: generate with HF generate or vLLM colocate; ours: engine")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--micro", type=int, default=16, help="ours: sequences per forward/backward and per log-probability pass")
-    parser.add_argument("--layout", default="colocated", choices=["colocated", "async"], help="ours: one GPU, or two with async rollouts")
+    parser.add_argument("--layout", default="colocated", choices=["colocated", "async", "actor_ref_vllm"],
+                        help="ours: one GPU; two with async rollouts; two with actor+ref on one and vLLM on the other")
     parser.add_argument("--lr", type=float, default=1e-6, help="ours: actor learning rate (a learning check uses a larger one)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results.json")
     parser.add_argument("--command", default="bash bench/gpu/run.sh", help="recorded in results.json")

@@ -18,7 +18,7 @@ for phase in "$@"; do
     setup) [ -f $dir/model_info.json ] || python bench/grpo_bench.py setup --dir $dir ;;
     vllm) python bench/grpo_bench.py vllm --dir $dir ;;
     sft_profile) python bench/grpo_bench.py sft_profile --dir $dir ;;
-    sft|ours|ours32|ours64|ours_hf|ours_async|tests_stages|tests_learn)
+    sft|ours|ours32|ours64|ours_hf|ours_async|ours_2gpu_kl|tests_stages|tests_learn)
       if [ -z "$ray_up" ]; then start_ray && ray_up=1; fi
       case "$phase" in
         sft) python bench/grpo_bench.py sft --dir $dir ;;
@@ -26,6 +26,7 @@ for phase in "$@"; do
         ours32) python bench/grpo_bench.py ours --dir $dir --mode vllm --micro 32 ;;
         ours64) python bench/grpo_bench.py ours --dir $dir --mode vllm --micro 64 ;;
         ours_async) python bench/grpo_bench.py ours --dir $dir --mode vllm --micro 64 --layout async --steps 24 --lr 1e-5 ;;
+        ours_2gpu_kl) python bench/grpo_bench.py ours --dir $dir --mode vllm --micro 64 --layout actor_ref_vllm --steps 10 ;;
         ours_hf) python bench/grpo_bench.py ours --dir $dir --mode hf --steps 5 ;;
         # The GPU tests (tests/test_gpu.py, tests/test_vllm_engine.py), on this Ray head; the learning
         # check's preferred-style rates land in results/gpu_learning.json.
