@@ -3,7 +3,7 @@
 
 - Every stage's CLI on the demo model with the GPU path's flags: bf16, ZeRO-2 and ZeRO-3,
   --adam_offload, gradient checkpointing, --flash_attn (SDPA when flash-attn is missing, said in the
-  log), SFT --packing_samples, and PPO with its rollouts from a vLLM engine colocated with every model
+  log), --packing_samples in SFT and the reward model, and PPO with its rollouts from a vLLM engine colocated with every model
   (sleep/wake), synced after each update and checked against the actor's log-probabilities.
 - The demo task's learning check on the GPU path, as tests/test_learning.py runs it on the CPU: GRPO
   (group_norm, KL off, one update per rollout) with the terse-style reward against the zero-reward
@@ -103,7 +103,7 @@ def test_every_stage_runs_on_the_gpu_path(gpu_ray, data):
     if importlib.util.find_spec("flash_attn") is None:
         assert "flash_attn:" in log  # the fallback to SDPA is said
     cli(gpu_ray, "tasks.reward_model", output=out["rm"], pretrain=out["sft"], dataset=data, max_steps=10, zero_stage=3,
-        adam_offload=True, **GPU_FLAGS)
+        adam_offload=True, packing_samples=True, **GPU_FLAGS)
     # PPO with a critic, every model and the vLLM engine on one GPU; ZeRO-3, so each sync gathers the shards.
     cli(gpu_ray, "tasks.rl", output=out["ppo"], pretrain=out["sft"], reward_pretrain=out["rm"], prompt_data=data, max_steps=3,
         rollout_batch_size=16, train_batch_size=8, colocate_all_models=True, vllm_num_engines=1, vllm_gpu_memory_utilization=0.2,

@@ -1,11 +1,15 @@
-"""Sequence packing for SFT: rows packed into one sequence give the same log-probabilities and loss as
-the same rows padded, because no token attends across rows (CPU, tiny model, no Ray)."""
+"""Sequence packing for SFT and the reward model: rows packed into one sequence give the same
+log-probabilities, scores, losses and gradients as the same rows padded, because no token attends across
+rows (CPU, tiny model, no Ray)."""
 import torch
 
 from tasks.common import data
 from tasks.common.config import make_config
-from tasks.common.losses import sft_loss
+from tasks.common.losses import bradley_terry_loss, sft_loss
+from tasks.common.models import load_scalar_model
 from tasks.data import demo
+from tasks.reward_model.config import RewardModelConfig
+from tasks.reward_model.trainer import pair_scores
 from tasks.sft.config import SFTConfig
 from tasks.sft.trainer import micro_batch_logprobs
 
@@ -41,6 +45,27 @@ def test_packed_and_padded_sft_losses_and_gradients_match():
     assert torch.allclose(packed_grad, padded_grad, atol=1e-5)
 
 
+def test_packed_and_padded_reward_scores_and_gradients_match(tmp_path):
+    tokenizer = demo.build_tokenizer()
+    demo.build_base_model(tokenizer).save_pretrained(tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
+    model = load_scalar_model(str(tmp_path / "m"))  # SDPA: the block-diagonal mask path
+    prompts = [data.encode_prompt(tokenizer, p) for p in ("12+34=", "05+05=")]
+    chosen = [p + data.encode_response(tokenizer, r) for p, r in zip(prompts, ("046", "010"))]
+    rejected = [p + data.encode_response(tokenizer, r) for p, r in zip(prompts, ("046 is the sum", "010 is the sum"))]
+
+    def scores_and_grad(packed: bool):
+        model.zero_grad()
+        c, r = pair_scores(model, chosen, rejected, tokenizer.pad_token_id, torch.device("cpu"), packed)
+        bradley_terry_loss(c, r).backward()
+        return torch.cat([c, r]).detach(), torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+    padded_scores, padded_grad = scores_and_grad(False)
+    packed_scores, packed_grad = scores_and_grad(True)
+    assert torch.allclose(packed_scores, padded_scores, atol=1e-5)
+    assert torch.allclose(packed_grad, padded_grad, atol=1e-5)
+
+
 def test_packing_is_a_flag():
-    cfg = make_config(SFTConfig, {"output": "/tmp/x", "pretrain": "m", "dataset": "d", "packing_samples": True})
-    assert cfg.packing_samples
+    for config in (SFTConfig, RewardModelConfig):
+        assert make_config(config, {"output": "/tmp/x", "pretrain": "m", "dataset": "d", "packing_samples": True}).packing_samples

@@ -34,7 +34,7 @@ def flags(values: dict) -> list[str]:
 
 @pytest.fixture(scope="module")
 def chain(s3_server, ray_address):
-    """prepare_data (in this process) -> sft -> reward_model (2 workers) -> rl (actor+ref and critic+reward
+    """prepare_data (in this process) -> sft -> reward_model (2 workers, packed) -> rl (actor+ref and critic+reward
     colocated) -> eval (each its CLI), outputs on S3."""
     os.environ["RLHF_CACHE_DIR"] = str(SCRATCH / "cache-stages")
     root = s3_server.uri("stages/run1")
@@ -44,7 +44,7 @@ def chain(s3_server, ray_address):
         "tasks.sft": {"output": out["sft"], "pretrain": out["prepare_data"], "dataset": out["prepare_data"],
                       "max_steps": 6, "train_batch_size": 32, "logging_steps": 2, "use_wandb": True},
         "tasks.reward_model": {"output": out["reward_model"], "pretrain": out["sft"], "dataset": out["prepare_data"],
-                               "max_steps": 4, "train_batch_size": 32, "logging_steps": 2, "num_gpus_per_node": 2},
+                               "max_steps": 4, "train_batch_size": 32, "logging_steps": 2, "num_gpus_per_node": 2, "packing_samples": True},
         "tasks.rl": {"output": out["rl"], "pretrain": out["sft"], "reward_pretrain": out["reward_model"],
                      "prompt_data": out["prepare_data"], "max_samples": 32, "num_episodes": 1, "rollout_batch_size": 16, "train_batch_size": 8,
                      "colocate_actor_ref": True, "colocate_critic_reward": True, "save_value_network": True},

@@ -139,14 +139,31 @@ def packed_logprobs(model, input_ids: torch.Tensor, position_ids: torch.Tensor, 
     across sequences: FlashAttention-2 reads the boundaries from the restarting position ids (varlen);
     the other kernels get a block-diagonal causal mask. A sequence's last position predicts the next
     sequence's first token: callers mask it out (a prompt token, never in the loss)."""
-    config = getattr(model, "module", model).config
-    mask = None
-    if config._attn_implementation != "flash_attention_2":
-        same = sequence_index[:, None] == sequence_index[None, :]
-        causal = torch.ones_like(same).tril()
-        mask = (same & causal)[None, None].to(input_ids.device)
+    mask = packed_attention_mask(getattr(model, "module", model).config, sequence_index, input_ids.device)
     logits = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids).logits
     return token_logprobs(logits[:, :-1], input_ids[:, 1:])
+
+
+def packed_attention_mask(config, sequence_index: torch.Tensor, device) -> torch.Tensor | None:
+    """None for FlashAttention-2, which finds the sequences in the restarting position ids; otherwise a
+    block-diagonal causal mask [1, 1, T, T], so no token attends across sequences."""
+    if config._attn_implementation == "flash_attention_2":
+        return None
+    same = sequence_index[:, None] == sequence_index[None, :]
+    return (same & torch.ones_like(same).tril())[None, None].to(device)
+
+
+def packed_scores(model, input_ids: torch.Tensor, position_ids: torch.Tensor, sequence_index: torch.Tensor) -> torch.Tensor:
+    """sequence_scores of a packed row (tasks.common.data.pack): [1, T] -> [number of sequences], the scalar
+    head at each sequence's last token, with no token attending across sequences."""
+    model = lora.unwrap(model)
+    backbone = getattr(model, model.base_model_prefix)
+    mask = packed_attention_mask(model.config, sequence_index, input_ids.device)
+    hidden = backbone(input_ids=input_ids, attention_mask=mask, position_ids=position_ids).last_hidden_state
+    values = model.score(hidden).squeeze(-1).float()[0]
+    index = sequence_index.to(values.device)
+    last = torch.cat([(index[1:] != index[:-1]).nonzero().squeeze(-1), torch.tensor([index.numel() - 1], device=values.device)])
+    return values[last]
 
 
 def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, return_entropy: bool = False):

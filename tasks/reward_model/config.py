@@ -20,6 +20,7 @@ class RewardModelConfig(TrainingConfig):
     lr_warmup_steps: int = field(default=50, metadata={"help": "linear warmup steps"})
     lr_scheduler: str = field(default="constant", metadata={"help": "after warmup: constant, or cosine down to 0.1 of the peak"})
     max_len: int = field(default=512, metadata={"help": "longest prompt+response in tokens; longer ones lose the start of their prompt (then the end of the response) and are counted"})
+    packing_samples: bool = field(default=False, metadata={"help": "pack each micro-batch's sequences into one: no padding, and no token attends across sequences"})
     logging_steps: int = field(default=25, metadata={"help": "log metrics every this many steps"})
     num_nodes: int = field(default=1, metadata={"help": "nodes of the data-parallel worker group"})
     num_gpus_per_node: int = field(default=1, metadata={"help": "workers per node, one GPU each (one CPU on a CPU-only cluster)"})

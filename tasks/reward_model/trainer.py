@@ -9,7 +9,7 @@ import torch
 
 from tasks.common import data, lora
 from tasks.common.losses import bradley_terry_loss
-from tasks.common.models import load_scalar_model, load_tokenizer, resolve_model, sequence_scores
+from tasks.common.models import load_scalar_model, load_tokenizer, packed_scores, resolve_model, sequence_scores
 from tasks.common.stage import StageRun
 from tasks.common.strategy import DeepSpeedStrategy
 from tasks.common.workers import TrainingWorker, placed_group, shard, train_steps
@@ -30,10 +30,15 @@ def tokenize_pairs(rows, tokenizer, cfg: RewardModelConfig) -> tuple[list[list[i
     return chosen, rejected, truncated
 
 
-def pair_scores(model, chosen, rejected, pad_id, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scores of chosen and rejected sequences, in one forward pass."""
-    ids, mask = data.pad(chosen + rejected, pad_id)
-    scores = sequence_scores(model, ids.to(device), mask.to(device))
+def pair_scores(model, chosen, rejected, pad_id, device, packed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scores of chosen and rejected sequences, in one forward pass: padded to one width, or packed into
+    one row (--packing_samples)."""
+    if packed:
+        ids, positions, index = data.pack(chosen + rejected)
+        scores = packed_scores(model, ids.to(device), positions.to(device), index)
+    else:
+        ids, mask = data.pad(chosen + rejected, pad_id)
+        scores = sequence_scores(model, ids.to(device), mask.to(device))
     return scores[:len(chosen)], scores[len(chosen):]
 
 
@@ -79,7 +84,7 @@ class RewardModelWorker(TrainingWorker):
         chunks = [batch[i:i + self.micro] for i in range(0, len(batch), self.micro)]
         for chunk in chunks:
             c, r = pair_scores(self.engine, [self.chosen[i] for i in chunk], [self.rejected[i] for i in chunk],
-                               self.tokenizer.pad_token_id, self.strategy.device)
+                               self.tokenizer.pad_token_id, self.strategy.device, self.cfg.packing_samples)
             loss = bradley_terry_loss(c, r)
             self.engine.backward(loss)
             self.engine.step()
