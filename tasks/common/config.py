@@ -102,6 +102,11 @@ class TrainingConfig(StageConfig):
             raise ConfigError(f"target_modules: {self.target_modules!r} is not a module list; use all-linear or comma-separated names such as q_proj,v_proj")
 
 
+def split_list(value: str) -> list[str]:
+    """The parts of a comma-separated flag value (several reward models, endpoints or input URIs)."""
+    return [part.strip() for part in (value or "").split(",") if part.strip()]
+
+
 def check_batch(name: str, batch: int, micro: int, world: int, world_flag: str) -> None:
     """Refuse a global batch that `world` workers cannot split evenly into micro-batches of `micro`."""
     if batch % world:

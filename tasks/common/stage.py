@@ -25,7 +25,7 @@ from tasks.common import cost
 from tasks.common import manifest as manifests
 from tasks.common import storage
 from tasks.common.checkpoint import CheckpointStore
-from tasks.common.config import ConfigError, StageConfig, parse_config
+from tasks.common.config import ConfigError, StageConfig, parse_config, split_list
 from tasks.common.storage import StorageError
 from tasks.common.tracking import MetricsTracker
 
@@ -66,10 +66,10 @@ class StageRun:
         manifest's sha256 recorded, read now, as the stage reads it: tasks.reproduce refuses to
         rerun the stage once that input has been rewritten."""
         self.inputs[name] = uri
-        for part in str(uri).split(","):
-            digest = manifests.manifest_digest(part.strip())
+        for part in split_list(str(uri)):
+            digest = manifests.manifest_digest(part)
             if digest:
-                self.input_manifests[part.strip()] = digest
+                self.input_manifests[part] = digest
         return uri
 
     # ------------------------------------------------------------ in-stage checkpoints (TrainingConfig)

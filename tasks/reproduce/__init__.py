@@ -42,7 +42,7 @@ from typing import Any, Callable
 
 from tasks.common import cost, storage
 from tasks.common import manifest as manifests
-from tasks.common.config import ConfigError, make_config
+from tasks.common.config import ConfigError, make_config, split_list
 
 DEFAULT_RTOL = 1e-6
 # Metrics that measure the run, not what it computed (tasks.common.cost adds them to every stage's).
@@ -164,11 +164,6 @@ def check_output(manifest: dict, output: str) -> None:
 # ---------------------------------------------------------------- inputs and code
 
 
-def split_uris(value: Any) -> list[str]:
-    """The URIs an input value holds (several reward models are comma-separated)."""
-    return [p.strip() for p in value.split(",") if p.strip()] if isinstance(value, str) else []
-
-
 def stored(uri: str) -> bool:
     """Whether `uri` names something in storage we can check (not a hub id or an http endpoint)."""
     if storage.is_s3(uri) or uri.startswith(("/", "./", "../", "file://")):
@@ -209,7 +204,7 @@ def check_inputs(manifest: dict, cfg) -> dict[str, str]:
         if isinstance(named, str) and named and named != uri:
             raise ReproduceError(f"inputs.{name}: the manifest records {uri} but its config names {named}; "
                                  "the manifest is inconsistent, rerun the pipeline instead")
-        for part in split_uris(uri):
+        for part in split_list(uri) if isinstance(uri, str) else []:
             checked[f"{name}: {part}"] = check_input(name, part, digests)
     return checked
 

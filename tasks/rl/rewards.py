@@ -40,7 +40,7 @@ from typing import Any, Sequence
 import torch
 
 from tasks.common import storage
-from tasks.common.config import ConfigError
+from tasks.common.config import ConfigError, split_list
 
 
 class RewardError(ConfigError):
@@ -281,10 +281,6 @@ class SummedRewards(RewardSource):
 
     def __repr__(self) -> str:
         return f"SummedRewards({self.sources})"
-
-
-def split_list(value: str) -> list[str]:
-    return [part.strip() for part in (value or "").split(",") if part.strip()]
 
 
 def _remote_source(url: str, timeout: float, retries: int) -> RewardSource:

@@ -23,7 +23,7 @@ import torch
 from tasks.common import data, lora
 from tasks.common import manifest as manifests
 from tasks.common import storage
-from tasks.common.config import ConfigError
+from tasks.common.config import ConfigError, split_list
 from tasks.common.losses import max_masked_abs_diff
 from tasks.common.models import load_tokenizer, resolve_model
 from tasks.common.rollout import Rollout, concat_rollouts
@@ -33,7 +33,7 @@ from tasks.rl.advantages import group_keep_mask
 from tasks.rl.config import RLConfig
 from tasks.rl.experience import Experience, make_experience
 from tasks.rl.kl_controller import make_kl_controller
-from tasks.rl.rewards import RewardBatch, RewardSource, build_reward_batch, make_reward_source, split_list
+from tasks.rl.rewards import RewardBatch, RewardSource, build_reward_batch, make_reward_source
 from tasks.rl.workers import ActorWorker, CriticWorker, ReferenceWorker, RewardWorker, RolloutEngineWorker
 
 MAX_FILTER_ROUNDS = 8  # rollouts drawn per step before dynamic filtering gives up
