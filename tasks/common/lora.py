@@ -18,7 +18,6 @@ peft is imported only when LoRA is used.
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import os
 import shutil
@@ -180,18 +179,13 @@ def merge_adapter(adapter_dir: str | Path, base_path: str, out_dir: str | Path, 
     return Path(out_dir)
 
 
-def _sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
 def merged_checkpoint(adapter_dir: str | Path, base_path: str, overrides: dict | None = None) -> Path:
     """A full checkpoint of `base_path` with the adapter in `adapter_dir` merged in, plus the adapter's
     tokenizer files: made once beside the adapter (`<adapter_dir>-merged`) and reused while adapter, base
     and overrides are the same."""
     adapter_dir = Path(adapter_dir)
     out = adapter_dir.with_name(adapter_dir.name + "-merged")
-    made_from = {"adapter_sha256": _sha256(adapter_dir / "adapter_model.safetensors"), "base": str(base_path),
+    made_from = {"adapter_sha256": manifests.file_sha256(adapter_dir / "adapter_model.safetensors"), "base": str(base_path),
                  "overrides": overrides or {}}
     with manifests.folder_lock(out):
         try:
