@@ -85,6 +85,12 @@ def test_objects_round_trip(where, s3, prefix, tmp_path):
     assert storage.read_text(storage.join(base, "t.txt")) == "héllo"
     storage.write_bytes(storage.join(base, "a", "b", "raw"), b"\x00\x01")
     assert storage.list_files(base) == [("a/b/raw", 2), ("a/obj.json", len(storage.read_bytes(u))), ("t.txt", 6)]
+    # With etags: the same files, each with a tag that changes with its content.
+    tagged = storage.list_files(base, etags=True)
+    assert [(rel, size) for rel, size, _ in tagged] == storage.list_files(base)
+    storage.write_text(storage.join(base, "t.txt"), "hullo!")
+    retagged = dict((rel, tag) for rel, _, tag in storage.list_files(base, etags=True))
+    assert retagged["t.txt"] != dict((rel, tag) for rel, _, tag in tagged)["t.txt"] and retagged["a/b/raw"] == tagged[0][2]
     storage.delete(u)
     assert not storage.exists(u)
     with pytest.raises(NotFoundError) as e:

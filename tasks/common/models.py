@@ -46,14 +46,7 @@ def is_model_folder(uri: str) -> bool:
 def fetch_model_folder(uri: str) -> Path:
     """The S3 model folder `uri` downloaded into the local cache, once per node: the copy is named by the
     folder's listing (each file's path, size and ETag), so new content under the same URI is a new copy."""
-    bucket, key = storage.split_s3(uri)
-    prefix = key.rstrip("/") + "/"
-    try:
-        pages = storage.client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
-        listing = sorted((o["Key"][len(prefix):], o["Size"], o.get("ETag", "")) for page in pages
-                         for o in page.get("Contents", []) if not o["Key"].endswith("/"))
-    except storage._S3_ERRORS as e:
-        raise storage._wrap(e, uri, "list") from None
+    listing = storage.list_files(uri, etags=True)
     digest = manifests.config_hash({"files": listing})[:16]
     local = manifests.local_cache_dir(uri) / f"model-{digest}"
     if not local.is_dir():

@@ -283,11 +283,14 @@ def exists(uri: str) -> bool:
         raise _wrap(e, uri, "check") from None
 
 
-def list_files(uri: str) -> list[tuple[str, int]]:
-    """Every file under a prefix/directory, recursively, as sorted ``(relative POSIX path, size)``."""
+def list_files(uri: str, etags: bool = False) -> list[tuple]:
+    """Every file under a prefix/directory, recursively, as sorted ``(relative POSIX path, size)``; with
+    ``etags``, ``(path, size, etag)``, the etag changing whenever the content does (S3's ETag, a local
+    file's sha256)."""
     if not is_s3(uri):
         root = local_path(uri)
-        return walk_local(root) if root.is_dir() else []
+        files = walk_local(root) if root.is_dir() else []
+        return [(rel, size, _local_etag(root / rel)) for rel, size in files] if etags else files
     bucket, key = split_s3(uri)
     prefix = key.rstrip("/") + "/" if key.strip("/") else ""
     out = []
@@ -296,7 +299,7 @@ def list_files(uri: str) -> list[tuple[str, int]]:
             for obj in page.get("Contents", []):
                 rel = obj["Key"][len(prefix):]
                 if rel and not rel.endswith("/"):  # skip "folder" marker objects
-                    out.append((rel, obj["Size"]))
+                    out.append((rel, obj["Size"], obj.get("ETag", "")) if etags else (rel, obj["Size"]))
     except _S3_ERRORS as e:
         raise _wrap(e, uri, "list") from None
     return sorted(out)
