@@ -20,6 +20,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -53,7 +54,8 @@ def gpu_ray():
     port = free_port()
     temp = tempfile.mkdtemp(prefix="rlhf-gpu-ray-")
     proc = subprocess.Popen(
-        ["ray", "start", "--head", "--block", "--node-ip-address", "127.0.0.1", f"--port={port}", f"--temp-dir={temp}",
+        # The CLI through this python: a `ray` script on PATH may carry another interpreter's shebang.
+        [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--node-ip-address", "127.0.0.1", f"--port={port}", f"--temp-dir={temp}",
          f"--num-gpus={torch.cuda.device_count()}", "--include-dashboard=false", "--disable-usage-stats"],
         env={**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}, start_new_session=True,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

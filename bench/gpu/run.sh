@@ -47,5 +47,5 @@ for phase in "$@"; do
   cp $dir/*.log "$out/logs/" 2>/dev/null || true
 done
 mkdir -p "$out/results"; cp $dir/results/*.json "$out/results/" 2>/dev/null || true
-[ -n "$ray_up" ] && ray stop --force >/dev/null 2>&1
+[ -n "$ray_up" ] && ray_cli stop --force >/dev/null 2>&1
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
