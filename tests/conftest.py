@@ -23,6 +23,7 @@ os.environ["WANDB_DIR"] = str(SCRATCH / "wandb")
 os.environ["WANDB_CACHE_DIR"] = str(SCRATCH / "wandb-cache")
 # One JIT cache for DeepSpeed's ops across tests and the local stack: each op builds once.
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".scratch" / "torch_extensions"))
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(REPO / ".scratch" / "torchinductor"))  # torch.compile's kernels
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 if str(REPO) not in sys.path:
@@ -130,7 +131,7 @@ def ray_head(s3_server):
     )
     env = _stack.process_env(cfg)
     # Same caches as the in-process tests (set at the top of this file).
-    for key in ("HF_HOME", "WANDB_DIR", "WANDB_CACHE_DIR", "TORCH_EXTENSIONS_DIR"):
+    for key in ("HF_HOME", "WANDB_DIR", "WANDB_CACHE_DIR", "TORCH_EXTENSIONS_DIR", "TORCHINDUCTOR_CACHE_DIR"):
         env[key] = os.environ[key]
     proc = _stack.start_ray(cfg, env)
     try:

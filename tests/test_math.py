@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from tasks.common.losses import (aggregate, bradley_terry_loss, kl_loss, masked_mean, policy_loss, sft_loss,
-                                 value_loss)
+from tasks.common.losses import (aggregate, bradley_terry_loss, fused_token_logprobs, kl_loss, masked_mean, policy_loss, sft_loss,
+                                 token_logprobs, value_loss)
 from tasks.rl.advantages import (compute_advantages, discounted_returns, gae, group_keep_mask, kl_estimate,
                                  kl_penalized_rewards, shape_scores, uses_critic, whiten)
 from tasks.rl.kl_controller import AdaptiveKLController, FixedKLController, make_kl_controller
@@ -334,3 +334,25 @@ def test_lr_multiplier_warmup_then_constant_or_cosine():
     close(lr_multiplier(4, 104, 4, "cosine"), 1.0)
     close(lr_multiplier(54, 104, 4, "cosine"), 0.55)
     close(lr_multiplier(104, 104, 4, "cosine"), 0.1)
+
+
+def test_token_logprobs_by_hand():
+    # logits (0, ln 3) over two tokens: p = (1/4, 3/4)
+    logits = torch.tensor([[[0.0, math.log(3.0)], [0.0, math.log(3.0)]]])
+    got = token_logprobs(logits, torch.tensor([[0, 1]]))
+    assert torch.allclose(got, torch.tensor([[math.log(0.25), math.log(0.75)]]), atol=1e-6)
+
+
+def test_fused_token_logprobs_compiled_matches_eager_values_and_gradients():
+    """What runs on a GPU (the compiled fused form), here compiled for the CPU, against eager log-softmax."""
+    torch.manual_seed(0)
+    logits = (3 * torch.randn(2, 5, 37)).to(torch.bfloat16).requires_grad_()
+    labels = torch.randint(0, 37, (2, 5))
+    weights = torch.randn(2, 5)
+    eager = token_logprobs(logits, labels)
+    (grad_eager,) = torch.autograd.grad((eager * weights).sum(), logits)
+    fused = torch.compile(fused_token_logprobs, dynamic=True)(logits, labels)
+    (grad_fused,) = torch.autograd.grad((fused * weights).sum(), logits)
+    assert fused.dtype == torch.float32
+    assert torch.allclose(fused, eager, atol=1e-5)
+    assert torch.allclose(grad_fused.float(), grad_eager.float(), atol=1e-2)  # bf16 gradients: 8 bits of mantissa

@@ -347,6 +347,7 @@ def stack_env(
         "WANDB_CACHE_DIR": str(scratch / "wandb-cache"),
         # One JIT cache for DeepSpeed's ops, shared by every stack and the tests: each op builds once.
         "TORCH_EXTENSIONS_DIR": str(REPO / ".scratch" / "torch_extensions"),
+        "TORCHINDUCTOR_CACHE_DIR": str(REPO / ".scratch" / "torchinductor"),  # torch.compile's kernels (--torch_compile)
         "TOKENIZERS_PARALLELISM": "false",
         # Ray: the only setting that makes every Ray listener bind 127.0.0.1; no usage reports.
         "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",

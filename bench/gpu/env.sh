@@ -3,7 +3,7 @@
 export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PATH="/tmp/site/bin:$PATH"
 export TORCH_CUDA_ARCH_LIST=9.0
-export TORCH_EXTENSIONS_DIR=/tmp/torch-ext HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export TORCH_EXTENSIONS_DIR=/tmp/torch-ext TORCHINDUCTOR_CACHE_DIR=/tmp/inductor HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export WANDB_MODE=offline WANDB_DIR=/tmp/wandb
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_USAGE_STATS_ENABLED=0
 # Ray 2.60 turns token auth on by itself once ~/.ray/auth_token exists (a local ray.init() writes one), so

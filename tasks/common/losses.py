@@ -14,6 +14,8 @@ Shapes: per-token tensors are [batch, tokens] with a 0/1 mask of the same shape.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -40,8 +42,29 @@ def last_token_index(mask: torch.Tensor) -> torch.Tensor:
 
 
 def token_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """log p(labels[t] | ·) from logits of the same length: [B, T, V], [B, T] -> [B, T]."""
+    """log p(labels[t] | ·) from logits of the same length: [B, T, V], [B, T] -> [B, T].
+
+    On a GPU this runs compiled (fused_token_logprobs): eager PyTorch makes a float32 copy of the logits,
+    log-softmaxes it and, in backward, scatters into a zero tensor of the same size. At 8 × 2048 tokens and
+    a 152k vocabulary each of those is 10 GB written and read; compiled, one pass reads the logits each way.
+    """
+    if logits.is_cuda:
+        return _compiled_token_logprobs()(logits, labels)
     return torch.gather(F.log_softmax(logits.float(), dim=-1), -1, labels.unsqueeze(-1)).squeeze(-1)
+
+
+def fused_token_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """token_logprobs as logit[label] - logsumexp(logits), written so torch.compile fuses it: the label's
+    logit is picked by comparison rather than gather, so backward is one elementwise expression
+    (onehot - softmax) × grad instead of a scatter. Eager, it would build a [B, T, V] mask: compile it."""
+    x = logits.float()
+    hit = torch.arange(x.size(-1), device=x.device) == labels.unsqueeze(-1)
+    return torch.where(hit, x, 0.0).sum(-1) - torch.logsumexp(x, dim=-1)
+
+
+@functools.cache
+def _compiled_token_logprobs():
+    return torch.compile(fused_token_logprobs, dynamic=True)
 
 
 def sft_loss(logprobs: torch.Tensor, loss_mask: torch.Tensor, num_tokens: torch.Tensor | float | None = None) -> torch.Tensor:
