@@ -62,6 +62,7 @@ class TrainingConfig(StageConfig):
     gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations in backward: less memory, more compute"})
     adam_offload: bool = field(default=False, metadata={"help": "keep Adam's state on the CPU (DeepSpeedCPUAdam; JIT-builds its op once)"})
     flash_attn: bool = field(default=False, metadata={"help": "FlashAttention-2 kernels; PyTorch's SDPA kernels (logged) when the flash-attn package or a GPU is missing"})
+    torch_compile: bool = field(default=False, metadata={"help": "compile each transformer block with torch.compile: its norms, rotary and MLP elementwise ops fuse (GPU speed; the first steps pay the compile; not with ZeRO-3)"})
     max_samples: int = field(default=0, metadata={"help": "use only the first this many rows of the training data (0: all)"})
     apply_chat_template: bool = field(default=False, metadata={"help": "wrap each prompt in the tokenizer's chat template as a user turn"})
     save_steps: int = field(default=0, metadata={"help": "write a resumable checkpoint every this many steps (0: never)"})
@@ -84,6 +85,8 @@ class TrainingConfig(StageConfig):
                 raise ConfigError(f"{name}: must not be negative, got {getattr(self, name)}")
         if self.fail_after_step and (not self.save_steps or self.fail_after_step % self.save_steps):
             raise ConfigError(f"fail_after_step: {self.fail_after_step} is not a checkpoint step; use a multiple of --save_steps ({self.save_steps})")
+        if self.torch_compile and self.zero_stage == 3:
+            raise ConfigError("torch_compile: ZeRO-3 gathers each block's weights through hooks a compiled block does not run; use --zero_stage 2 or drop --torch_compile")
         self.validate_lora()
 
     def validate_lora(self) -> None:

@@ -111,6 +111,21 @@ def load_causal_lm(path: str, dtype: torch.dtype = torch.float32, flash_attn: bo
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation(flash_attn))
 
 
+def compile_blocks(model) -> int:
+    """torch.compile each transformer block in place; returns how many. Block by block, not the whole model:
+    gradient checkpointing keeps wrapping each block (the recompute reruns the compiled code), and the
+    DeepSpeed hooks on parameters and gradients stay outside the compiled graphs. The blocks share one
+    compiled graph (parameters are its inputs); new batch or sequence sizes recompile until torch marks them dynamic."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    blocks = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    if not blocks:
+        raise ValueError(f"torch_compile: {type(model).__name__} has no transformer blocks transformers knows; drop --torch_compile")
+    for block in blocks:
+        block.compile()
+    return len(blocks)
+
+
 def load_scalar_model(path: str, dtype: torch.dtype = torch.float32, flash_attn: bool = False):
     """A model with a one-output head on every token: reward models and critics."""
     from transformers import AutoModelForSequenceClassification

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from tasks.common import lora
+from tasks.common.models import compile_blocks
 
 
 def set_seed(seed: int) -> None:
@@ -84,6 +85,7 @@ class DeepSpeedStrategy:
         accumulation_steps: int = 1,
         adam_offload: bool = False,
         gradient_checkpointing: bool = False,
+        torch_compile: bool = False,
     ):
         import torch.distributed as dist
 
@@ -95,6 +97,7 @@ class DeepSpeedStrategy:
         self.accumulation_steps = accumulation_steps
         self.adam_offload = adam_offload
         self.gradient_checkpointing = gradient_checkpointing
+        self.torch_compile = torch_compile
         init_distributed()
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         set_seed(seed)
@@ -109,7 +112,8 @@ class DeepSpeedStrategy:
 
         micro, accumulation = micro_batches(cfg.train_batch_size, cfg.micro_train_batch_size, world_size)
         return cls(zero_stage=cfg.zero_stage, bf16=cfg.bf16, seed=cfg.seed, micro_batch_size=sequences_per_item * micro,
-                   accumulation_steps=accumulation, adam_offload=cfg.adam_offload, gradient_checkpointing=cfg.gradient_checkpointing)
+                   accumulation_steps=accumulation, adam_offload=cfg.adam_offload, gradient_checkpointing=cfg.gradient_checkpointing,
+                   torch_compile=cfg.torch_compile)
 
     def ds_config(self) -> dict:
         zero: dict = {"stage": self.zero_stage}
@@ -139,6 +143,8 @@ class DeepSpeedStrategy:
                 # The frozen embeddings' output needs requires_grad, or checkpointed blocks of a LoRA
                 # model would have nothing to differentiate and its adapters would get no gradient.
                 model.enable_input_require_grads()
+        if self.torch_compile:
+            compile_blocks(model)
         params = [p for p in model.parameters() if p.requires_grad]
         if self.adam_offload:
             from deepspeed.ops.adam import DeepSpeedCPUAdam
