@@ -1,10 +1,11 @@
 """The stages on a GPU (marked gpu: skipped without CUDA and vllm; run on the GPU machine with
-`bash bench/gpu/run.sh tests`, see bench/gpu/README.md).
+`bash bench/gpu/run.sh tests_stages`, see bench/gpu/README.md).
 
 - Every stage's CLI on the demo model with the GPU path's flags: bf16, ZeRO-2 and ZeRO-3,
   --adam_offload, gradient checkpointing, --flash_attn (SDPA when flash-attn is missing, said in the
-  log), --packing_samples in SFT and the reward model, and PPO with its rollouts from a vLLM engine colocated with every model
-  (sleep/wake), synced after each update and checked against the actor's log-probabilities.
+  log), --packing_samples in SFT and the reward model, --torch_compile in SFT, and PPO with its rollouts
+  from a vLLM engine colocated with every model (sleep/wake), synced after each update and checked
+  against the actor's log-probabilities.
 - The demo task's learning check on the GPU path, as tests/test_learning.py runs it on the CPU: GRPO
   (group_norm, KL off, one update per rollout) with the terse-style reward against the zero-reward
   control, the rollouts from vLLM. On-policy with the engine in the actor on one GPU and, when a second
@@ -101,7 +102,7 @@ def data():
 def test_every_stage_runs_on_the_gpu_path(gpu_ray, data):
     out = {name: str(ROOT / name) for name in ("sft", "rm", "ppo", "dpo", "eval")}
     log = cli(gpu_ray, "tasks.sft", output=out["sft"], pretrain=data, dataset=data, max_steps=20, zero_stage=2,
-              packing_samples=True, **GPU_FLAGS)
+              packing_samples=True, torch_compile=True, **GPU_FLAGS)
     if importlib.util.find_spec("flash_attn") is None:
         assert "flash_attn:" in log  # the fallback to SDPA is said
     cli(gpu_ray, "tasks.reward_model", output=out["rm"], pretrain=out["sft"], dataset=data, max_steps=10, zero_stage=3,
