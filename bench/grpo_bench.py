@@ -4,6 +4,7 @@ memory is gone before the next starts; each writes <dir>/results/<name>.json.
 
     python bench/grpo_bench.py setup  --dir /tmp/bench [--shape qwen2-0.5b|tiny]
     python bench/grpo_bench.py vllm   --dir /tmp/bench        # standalone vLLM at batch 64 / 256 / 1024
+    python bench/grpo_bench.py hf_generate --dir /tmp/bench   # our HF rollout engine: dynamic vs static cache + compiled decode
     python bench/grpo_bench.py sft    --dir /tmp/bench        # our SFT stage, 8 × 2048 tokens, MFU
     python bench/grpo_bench.py sft_profile --dir /tmp/bench   # where that SFT step's GPU time goes
     python bench/grpo_bench.py ours   --dir /tmp/bench        # our GRPO stage, vLLM colocated (Ray head needed)
@@ -141,6 +142,40 @@ def bench_vllm(bench_dir: Path, batches=(64, 256, 1024)) -> None:
             result[f"tokens_per_s_{batch}"] = round(tokens / seconds)
             result[f"decode_floor_tokens_per_s_{batch}"] = round(decode_floor(bench_dir, batch))
     save(bench_dir, "vllm", result)
+
+
+def bench_hf_generate(bench_dir: Path, batch: int = 64) -> None:
+    """HFRolloutEngine's tokens/s at `batch` prompts, dynamic cache against static cache (compiled decode)."""
+    import torch
+
+    from tasks.common.models import load_causal_lm, load_tokenizer
+    from tasks.common.rollout import HFRolloutEngine
+
+    model = load_causal_lm(str(bench_dir / "model")).to("cuda", torch.bfloat16)
+    model.generation_config.eos_token_id = None  # EOS ignored: every completion is COMPLETION_TOKENS long
+    tokenizer = load_tokenizer(str(bench_dir / "model"))
+    rng = random.Random(1)
+    prompts = [[rng.randrange(2, model.config.vocab_size) for _ in range(PROMPT_TOKENS)] for _ in range(batch)]
+    result = {"batch": batch, "completion_tokens": COMPLETION_TOKENS}
+    for static in (False, True):
+        engine = HFRolloutEngine(model, tokenizer, torch.device("cuda"), static_cache=static)
+        engine.stop_ids = []  # generate(eos_token_id=None): no stop token
+
+        def timed() -> tuple[float, int]:
+            torch.cuda.synchronize()
+            t = time.time()
+            rollout = engine.generate(prompts, COMPLETION_TOKENS, temperature=1.0, batch_size=batch)
+            torch.cuda.synchronize()
+            return time.time() - t, int(rollout.response_lengths().sum())
+
+        warmup_s, _ = timed()  # static: includes compiling the decode step
+        if static:
+            result["compile_s"] = round(warmup_s, 1)
+        runs = [timed() for _ in range(3)]
+        seconds = statistics.median(s for s, _ in runs)
+        assert all(n == batch * COMPLETION_TOKENS for _, n in runs), runs
+        result[f"tokens_per_s_{'static_compiled' if static else 'dynamic'}"] = round(batch * COMPLETION_TOKENS / seconds)
+    save(bench_dir, "hf_generate", result)
 
 
 # ---------------------------------------------------------------------------- our stages
@@ -374,6 +409,8 @@ def report(bench_dir: Path, out: Path, command: str) -> None:
         "rollout_tokens_per_s": get(best, "rollout_tokens_per_s"),
         "grpo_step_s_ours_2gpu_async": min((r["step_s"] for n, r in results.items() if "async" in n), default=None),
         "vllm_standalone_tokens_per_s": get("vllm", "tokens_per_s_64"),
+        "hf_generate_tokens_per_s": {"dynamic": get("hf_generate", "tokens_per_s_dynamic"),
+                                     "static_compiled": get("hf_generate", "tokens_per_s_static_compiled")},
         "vllm_standalone_tokens_per_s_by_batch": {b: get("vllm", f"tokens_per_s_{b}") for b in (64, 256, 1024)},
         "decode_floor_tokens_per_s": get("vllm", "decode_floor_tokens_per_s_64"),
         "decode_floor_tokens_per_s_by_batch": {b: get("vllm", f"decode_floor_tokens_per_s_{b}") for b in (64, 256, 1024)},
@@ -389,7 +426,7 @@ def report(bench_dir: Path, out: Path, command: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=["setup", "vllm", "sft", "sft_profile", "ours", "trl", "report"])
+    parser.add_argument("what", choices=["setup", "vllm", "hf_generate", "sft", "sft_profile", "ours", "trl", "report"])
     parser.add_argument("--dir", type=Path, default=Path("/tmp/bench"))
     parser.add_argument("--shape", default="qwen2-0.5b", choices=sorted(SHAPES))
     parser.add_argument("--mode", default="vllm", choices=["hf", "vllm"], help="trl: generate with HF generate or vLLM colocate; ours: engine")
@@ -406,6 +443,8 @@ def main() -> None:
         setup(a.dir, a.shape)
     elif a.what == "vllm":
         bench_vllm(a.dir)
+    elif a.what == "hf_generate":
+        bench_hf_generate(a.dir)
     elif a.what == "sft":
         bench_sft(a.dir, a.steps)
     elif a.what == "sft_profile":

@@ -55,3 +55,22 @@ def test_training_logprobs_match_generation_with_left_padded_prompts():
         train_logprobs = sequence_logprobs(model, rollout.sequences, rollout.attention_mask)[:, rollout.prompt_width - 1:]
     mask = rollout.response_mask.bool()
     assert torch.allclose(gen_logprobs[mask], train_logprobs[mask], atol=1e-4)
+
+
+def test_static_cache_engine_matches_the_default_one_with_bucketed_prompt_widths():
+    """The static-cache path (compiled decode on CUDA; not compiled here) left-pads prompts to a bucket
+    multiple and still decodes the same greedy tokens as the dynamic cache."""
+    from tasks.common.rollout import STATIC_PROMPT_BUCKET
+
+    tok = demo.build_tokenizer()
+    model = demo.build_base_model(tok, seed=6).eval()  # seed 6: the last two rows stop at EOS, the others run on
+    prompts = [encode_prompt(tok, p) for p in ("3+4=", "37+45=", "1+99=", "12+3=4+5+6+7+8=")]
+    dynamic = HFRolloutEngine(model, tok).generate(prompts, max_new_tokens=8, greedy=True)
+    assert dynamic.response_lengths().tolist() == [8, 8, 2, 2]
+    for batch_size in (4, 3):  # one chunk; two chunks of different raw widths and response widths, joined by concat_rollouts
+        static = HFRolloutEngine(model, tok, static_cache=True).generate(prompts, max_new_tokens=8, greedy=True, batch_size=batch_size)
+        assert static.prompt_width % STATIC_PROMPT_BUCKET == 0 and static.prompt_width > dynamic.prompt_width
+        assert torch.equal(static.responses, dynamic.responses) and torch.equal(static.response_mask, dynamic.response_mask)
+        extra = static.prompt_width - dynamic.prompt_width
+        assert torch.equal(static.sequences[:, extra:], dynamic.sequences)
+        assert torch.equal(static.attention_mask[:, extra:], dynamic.attention_mask) and not static.attention_mask[:, :extra].any()

@@ -2,6 +2,7 @@
 # On the GPU machine: run benchmark phases in order, each in its own process, logs and results to $OUT.
 #
 #   bash bench/gpu/run.sh setup vllm sft          # one device call
+#   bash bench/gpu/run.sh setup hf_generate       # our HF rollout engine: dynamic vs static cache + compiled decode
 #   bash bench/gpu/run.sh ours trl_vllm trl_hf report
 #   bash bench/gpu/run.sh tests_stages               # the gpu-marked tests; tests_learn: the learning check
 #
@@ -17,6 +18,7 @@ for phase in "$@"; do
   case "$phase" in
     setup) [ -f $dir/model_info.json ] || python bench/grpo_bench.py setup --dir $dir ;;
     vllm) python bench/grpo_bench.py vllm --dir $dir ;;
+    hf_generate) python bench/grpo_bench.py hf_generate --dir $dir ;;
     sft_profile) python bench/grpo_bench.py sft_profile --dir $dir ;;
     sft|ours|ours32|ours64|ours_hf|ours_async|ours_2gpu_kl|tests_stages|tests_learn)
       if [ -z "$ray_up" ]; then start_ray && ray_up=1; fi

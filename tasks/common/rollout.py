@@ -20,6 +20,9 @@ import torch
 
 from tasks.common.data import pad, stop_token_ids
 
+# Static-cache prompt widths round up to this: each (batch, cache length) shape compiles its own decode.
+STATIC_PROMPT_BUCKET = 64
+
 
 @dataclass
 class Rollout:
@@ -61,10 +64,14 @@ def response_mask(responses: torch.Tensor, stop_ids: int | list[int]) -> torch.T
 
 
 class HFRolloutEngine:
-    """transformers' `generate` on the policy in this process: the CPU path."""
+    """transformers' `generate` on the policy in this process: the CPU path.
 
-    def __init__(self, model, tokenizer, device: torch.device | None = None):
-        self.model, self.tokenizer = model, tokenizer
+    static_cache: a static KV cache, which on CUDA makes transformers compile the decode step; prompts are
+    left-padded to a multiple of STATIC_PROMPT_BUCKET so varying prompt widths reuse a few compiled shapes.
+    """
+
+    def __init__(self, model, tokenizer, device: torch.device | None = None, static_cache: bool = False):
+        self.model, self.tokenizer, self.static_cache = model, tokenizer, static_cache
         self.stop_ids = stop_token_ids(tokenizer)
         self.device = device or next(model.parameters()).device
 
@@ -77,13 +84,19 @@ class HFRolloutEngine:
 
     def _generate(self, prompt_ids, max_new_tokens, temperature, greedy) -> Rollout:
         ids, mask = pad(prompt_ids, self.tokenizer.pad_token_id, side="left")
+        cache = {}
+        if self.static_cache:  # extra left padding is harmless: positions come from the attention mask
+            extra = -ids.size(1) % STATIC_PROMPT_BUCKET
+            ids = torch.nn.functional.pad(ids, (extra, 0), value=self.tokenizer.pad_token_id)
+            mask = torch.nn.functional.pad(mask, (extra, 0), value=0)
+            cache = {"cache_implementation": "static"}
         ids, mask = ids.to(self.device), mask.to(self.device)
         was_training = self.model.training
         self.model.eval()
         sampling = {"do_sample": False} if greedy else {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
         out = self.model.generate(
             input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-            eos_token_id=self.stop_ids or None, pad_token_id=self.tokenizer.pad_token_id, **sampling,
+            eos_token_id=self.stop_ids or None, pad_token_id=self.tokenizer.pad_token_id, **sampling, **cache,
         )
         self.model.train(was_training)
         responses = out[:, ids.size(1):]

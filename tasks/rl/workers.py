@@ -66,7 +66,10 @@ class ActorWorker(_Trainer):
         if cfg.vllm_num_engines and not cfg.separate_engines():
             self.rollout_engine = _vllm_engine(cfg, path, self.tokenizer, seed=cfg.seed + self.rank)
         else:
-            self.rollout_engine = HFRolloutEngine(self.engine.module, self.tokenizer, self.strategy.device)
+            # Static cache (compiled decode) on CUDA, not under ZeRO-3: it gathers parameters through hooks
+            # each forward, which a compiled decode cannot hold.
+            self.rollout_engine = HFRolloutEngine(self.engine.module, self.tokenizer, self.strategy.device,
+                                                  static_cache=self.strategy.device.type == "cuda" and self.strategy.zero_stage != 3)
         self.channel = None
 
     def generate(self, prompts: list[list[int]]) -> Rollout:
