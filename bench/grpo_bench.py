@@ -196,24 +196,26 @@ def step_times(metrics_file: Path) -> list[float]:
     return [b - a for a, b in zip(stamps, stamps[1:])]
 
 
-def bench_sft(bench_dir: Path, steps: int = 12, batch: int = 8, seq: int = 2048) -> None:
-    out = bench_dir / "out" / "sft"
+def bench_sft(bench_dir: Path, steps: int = 12, batch: int = 8, seq: int = 2048, compile_blocks: bool = False) -> None:
+    name = "sft_compile" if compile_blocks else "sft"
+    out = bench_dir / "out" / name
     run_stage("tasks.sft", {
         "pretrain": bench_dir / "model", "dataset": bench_dir / "sft.jsonl", "output": out, "max_steps": steps,
         "train_batch_size": batch, "micro_train_batch_size": batch, "max_len": seq, "learning_rate": 1e-5,
         "lr_warmup_steps": 0, "logging_steps": 1, "bf16": on_gpu(), "zero_stage": 2, "gradient_checkpointing": True,
-        "flash_attn": True,
-    }, bench_dir / "sft.log")
+        "flash_attn": True, "torch_compile": compile_blocks,
+    }, bench_dir / f"{name}.log")
     seconds = steady_median(step_times(out / "metrics.jsonl"))
     tokens = batch * seq
     # 6 N per token for forward + backward, and 2 N more for the forward gradient checkpointing recomputes.
     flops = 8 * parameters(bench_dir) * tokens
-    save(bench_dir, "sft", {"step_s": round(seconds, 4), "tokens_per_s": round(tokens / seconds), "mfu": round(flops / seconds / BF16_PEAK_FLOPS, 4),
-                            "batch": batch, "seq_len": seq, "zero_stage": 2, "gradient_checkpointing": True,
-                            "attention": _attention_kernel(bench_dir / "sft.log")})
+    save(bench_dir, name, {"step_s": round(seconds, 4), "tokens_per_s": round(tokens / seconds), "mfu": round(flops / seconds / BF16_PEAK_FLOPS, 4),
+                           "batch": batch, "seq_len": seq, "zero_stage": 2, "gradient_checkpointing": True, "torch_compile": compile_blocks,
+                           "attention": _attention_kernel(bench_dir / f"{name}.log")})
 
 
 KERNEL_KINDS = (  # (kind, substrings of a CUDA kernel's name), first match wins
+    ("fused by torch.compile", ("triton",)),
     ("optimizer", ("adam", "multi_tensor")),
     ("attention", ("flash", "fmha", "attention", "cudnn")),
     ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul")),
@@ -228,7 +230,7 @@ def kernel_kind(name: str) -> str:
     return next((kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys)), "elementwise and other")
 
 
-def bench_sft_profile(bench_dir: Path, batch: int = 8, seq: int = 2048, steps: int = 3) -> None:
+def bench_sft_profile(bench_dir: Path, batch: int = 8, seq: int = 2048, steps: int = 3, compile_blocks: bool = False) -> None:
     """Where an SFT step's GPU time goes: the stage's own pieces (model loading, DeepSpeed strategy,
     log-probabilities, loss) in this process, `steps` steps under torch.profiler after 3 warm-up steps;
     kernel time per step by kind, the busiest kernels, and how much of the step no kernel ran."""
@@ -240,7 +242,8 @@ def bench_sft_profile(bench_dir: Path, batch: int = 8, seq: int = 2048, steps: i
     from tasks.common.strategy import DeepSpeedStrategy
     from tasks.sft.trainer import micro_batch_logprobs
 
-    strategy = DeepSpeedStrategy(zero_stage=2, bf16=on_gpu(), micro_batch_size=batch, gradient_checkpointing=True)
+    strategy = DeepSpeedStrategy(zero_stage=2, bf16=on_gpu(), micro_batch_size=batch, gradient_checkpointing=True,
+                                 torch_compile=compile_blocks)
     engine = strategy.prepare(load_causal_lm(str(bench_dir / "model"), flash_attn=True), 1e-5, 100)
     engine.train()
     rng = random.Random(0)
@@ -269,11 +272,11 @@ def bench_sft_profile(bench_dir: Path, batch: int = 8, seq: int = 2048, steps: i
         by_kind[kernel_kind(e.key)] = by_kind.get(kernel_kind(e.key), 0.0) + e.self_device_time_total / 1e6 / steps
     busy = sum(by_kind.values())
     top = sorted(events, key=lambda e: -e.self_device_time_total)[:12]
-    save(bench_dir, "sft_profile", {
+    save(bench_dir, "sft_profile_compile" if compile_blocks else "sft_profile", {
         "step_s_profiled": round(step_s, 4), "kernel_s_per_step": round(busy, 4), "idle_s_per_step": round(step_s - busy, 4),
         "kernel_s_by_kind": {k: round(v, 4) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
         "top_kernels_ms_per_step": {e.key[:100]: round(e.self_device_time_total / 1e3 / steps, 2) for e in top},
-        "batch": batch, "seq_len": seq, "zero_stage": 2, "gradient_checkpointing": True,
+        "batch": batch, "seq_len": seq, "zero_stage": 2, "gradient_checkpointing": True, "torch_compile": compile_blocks,
     })
 
 
@@ -414,7 +417,8 @@ def report(bench_dir: Path, out: Path, command: str) -> None:
         "vllm_standalone_tokens_per_s_by_batch": {b: get("vllm", f"tokens_per_s_{b}") for b in (64, 256, 1024)},
         "decode_floor_tokens_per_s": get("vllm", "decode_floor_tokens_per_s_64"),
         "decode_floor_tokens_per_s_by_batch": {b: get("vllm", f"decode_floor_tokens_per_s_{b}") for b in (64, 256, 1024)},
-        "sft_mfu": get("sft", "mfu"),
+        "sft_mfu": max((r["mfu"] for n, r in results.items() if n in ("sft", "sft_compile")), default=None),
+        "sft_mfu_by_run": {n: results[n]["mfu"] for n in ("sft", "sft_compile") if n in results},
         "versions": versions,
         "runs": results,
     }
@@ -437,6 +441,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-6, help="ours: actor learning rate (a learning check uses a larger one)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results.json")
     parser.add_argument("--command", default="bash bench/gpu/run.sh", help="recorded in results.json")
+    parser.add_argument("--compile", action="store_true", help="sft, sft_profile: --torch_compile (each transformer block compiled)")
     a = parser.parse_args()
     a.dir.mkdir(parents=True, exist_ok=True)
     if a.what == "setup":
@@ -446,9 +451,9 @@ def main() -> None:
     elif a.what == "hf_generate":
         bench_hf_generate(a.dir)
     elif a.what == "sft":
-        bench_sft(a.dir, a.steps)
+        bench_sft(a.dir, a.steps, compile_blocks=a.compile)
     elif a.what == "sft_profile":
-        bench_sft_profile(a.dir)
+        bench_sft_profile(a.dir, compile_blocks=a.compile)
     elif a.what == "ours":
         bench_ours(a.dir, a.steps, engine=a.mode, micro=a.micro, layout=a.layout, lr=a.lr)
     elif a.what == "trl":

@@ -20,10 +20,12 @@ for phase in "$@"; do
     vllm) python bench/grpo_bench.py vllm --dir $dir ;;
     hf_generate) python bench/grpo_bench.py hf_generate --dir $dir ;;
     sft_profile) python bench/grpo_bench.py sft_profile --dir $dir ;;
-    sft|ours|ours32|ours64|ours_hf|ours_async|ours_2gpu_kl|tests_stages|tests_learn)
+    sft_profile_compile) python bench/grpo_bench.py sft_profile --dir $dir --compile ;;
+    sft|sft_compile|ours|ours32|ours64|ours_hf|ours_async|ours_2gpu_kl|tests_stages|tests_learn)
       if [ -z "$ray_up" ]; then start_ray && ray_up=1; fi
       case "$phase" in
         sft) python bench/grpo_bench.py sft --dir $dir ;;
+        sft_compile) python bench/grpo_bench.py sft --dir $dir --compile ;;
         ours) python bench/grpo_bench.py ours --dir $dir --mode vllm ;;
         ours32) python bench/grpo_bench.py ours --dir $dir --mode vllm --micro 32 ;;
         ours64) python bench/grpo_bench.py ours --dir $dir --mode vllm --micro 64 ;;
