@@ -3,6 +3,7 @@
 #
 #   bash bench/gpu/run.sh setup vllm sft          # one device call
 #   bash bench/gpu/run.sh setup hf_generate       # our HF rollout engine: dynamic vs static cache + compiled decode
+#   bash bench/gpu/run.sh sft_compile sft_profile_compile   # SFT with --torch_compile, and its kernel profile
 #   bash bench/gpu/run.sh ours trl_vllm trl_hf report
 #   bash bench/gpu/run.sh tests_stages               # the gpu-marked tests; tests_learn: the learning check
 #
