@@ -1,10 +1,12 @@
 # rlhf-flow: the local stack and the tests. The README's first two commands are `make demo` and `make test`.
 #
-#   make install   .venv with the whole stack (instant when pyproject.toml has not changed)
+#   make install   .venv with the whole stack, pinned by locks/dev.txt (instant when nothing changed)
+#   make lock      re-resolve locks/*.txt from pyproject.toml's ranges (tools/lock.py); commit the result
 #   make up        S3 emulator + Ray head + Airflow on 127.0.0.1 (tools/stack.py; idempotent)
 #   make down      stop them (S3 saved to .scratch/s3-snapshot first); `make status` shows them
 #   make demo      install + up + one run of the rlhf_pipeline DAG, followed to its report
-#   make test      the test suite without slow and GPU tests; `make test-all` adds the slow ones
+#   make test      lock check, then the test suite without slow and GPU tests; `make test-all` adds the slow ones
+#   make test-fast the unit tests only (no stack, no Ray head, no DeepSpeed op builds): the edit loop
 #   make clean     down + remove .scratch (every stack's state, the DeepSpeed op cache, test scratch)
 
 SHELL := /bin/bash
@@ -14,19 +16,32 @@ BIN := $(VENV)/bin
 PY := $(BIN)/python
 STAMP := $(VENV)/.rlhf-flow-installed
 PYTEST_ARGS ?=
+PIP_VERSION := 26.3
+LOCK := locks/dev.txt
 
-.PHONY: install up down status demo test test-all clean
+.PHONY: install lock check-lock up down status demo test test-all test-fast clean
 
 install: $(STAMP)
 
-# torch first, pinned: it resolves to the CPU build available locally. Installing anything that depends
-# on torch before it would pull the multi-GB CUDA build from the index instead.
-$(STAMP): pyproject.toml
+# Every version comes from the lock (pip constraints), so two fresh machines install the same stack.
+# torch first: it resolves to the CPU build available locally. Installing anything that depends on torch
+# before it would pull the multi-GB CUDA build from the index instead. The lock's sha256 is recorded in
+# the venv; every stage's manifest copies it (tasks/common/manifest.py).
+$(STAMP): pyproject.toml $(LOCK)
+	@$(PYTHON) tools/lock.py check
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -U pip
-	$(PY) -m pip install torch==2.13.0
-	DS_BUILD_OPS=0 $(PY) -m pip install -e ".[airflow,train,dev]"
+	$(PY) -m pip install pip==$(PIP_VERSION)
+	$(PY) -m pip install -c $(LOCK) torch
+	DS_BUILD_OPS=0 $(PY) -m pip install -c $(LOCK) -e ".[airflow,train,dev]"
+	@printf '{"set": "dev", "sha256": "%s"}\n' "$$($(PYTHON) tools/lock.py hash dev)" > $(VENV)/rlhf-flow-lock.json
 	@touch $@
+
+# Needs the venv only for uv (the dev extra); resolves against the package index, so it is never run by CI.
+lock: install
+	$(PY) tools/lock.py generate
+
+check-lock:
+	@$(PYTHON) tools/lock.py check
 
 up: install
 	$(PY) tools/stack.py up
@@ -40,11 +55,14 @@ status:
 demo: up
 	$(PY) tools/demo.py
 
-test: install
+test: check-lock install
 	$(PY) -m pytest -m "not slow and not gpu" $(PYTEST_ARGS)
 
-test-all: install
+test-all: check-lock install
 	$(PY) -m pytest -m "not gpu" $(PYTEST_ARGS)
+
+test-fast: install
+	$(PY) -m pytest -m "not slow and not gpu and not e2e and not ray" $(PYTEST_ARGS)
 
 # Stops every stack under .scratch (the developer's, and any test stack or Ray head a killed test run
 # left behind), then removes the folder.

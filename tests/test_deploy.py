@@ -160,65 +160,45 @@ def test_gpu_workers_ask_for_gpus_and_write_to_their_own_disk():
         assert "nvidia.com/gpu" not in head["spec"]["containers"][0]["resources"]["limits"]
 
 
-# ---------------------------------------------------------------------------- image requirements
-
-def extras(*names: str) -> list[str]:
-    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    return project["dependencies"] + [r for n in names for r in project["optional-dependencies"][n]]
+# ---------------------------------------------------------------------------- locked installs
 
 
-def dockerfile_arg(dockerfile: str, name: str) -> str:
-    return re.search(rf"^ARG {name}=(\S+)$", (DOCKER / dockerfile).read_text(), re.M).group(1).strip('"')
+def test_locks_are_current_and_every_install_uses_its_own():
+    """Each install set has a lock made from pyproject.toml's current ranges (tools/lock.py; `make lock`
+    resolved them), and each place that installs uses its set's lock as pip constraints: the images and
+    `make install` (CI's install)."""
+    from tools import lock
+
+    assert lock.check() == []
+    for dockerfile, name in (("Dockerfile.airflow", "airflow"), ("Dockerfile.ray-gpu", "gpu")):
+        text = (DOCKER / dockerfile).read_text()
+        extras = ",".join(lock.SETS[name]["extras"])
+        assert f"locks/{name}.txt locks/" in text, dockerfile  # copied into the image
+        assert re.search(rf'pip install [^\n]*-c locks/{name}\.txt [^\n]*"\.\[{extras}\]"', text), dockerfile
+        assert f'"set": "{name}"' in text, dockerfile  # the lock's sha256, for the manifests
+    makefile = (REPO / "Makefile").read_text()
+    assert "LOCK := locks/dev.txt" in makefile and '-c $(LOCK) -e ".[airflow,train,dev]"' in makefile
+    airflow, gpu, dev, train = (lock.pins(name) for name in ("airflow", "gpu", "dev", "train"))
+    assert "torch" not in airflow  # the Airflow side never needs it
+    assert airflow["ray"] == gpu["ray"] == dev["ray"] == train["ray"]  # the job client speaks the cluster's version
+    assert airflow["apache-airflow"] == dev["apache-airflow"] and "apache-airflow-providers-celery" in airflow
+    assert gpu["vllm"] == "0.26.0" and gpu["torch"].startswith("2.11.")  # what was measured on the H200
+    assert dev["torch"] == train["torch"] == "2.13.0+cpu" and dev["transformers"] == train["transformers"]
 
 
-def dry_run(requirements: list[str], *options: str, tmp_path: Path) -> dict:
-    report = tmp_path / "report.json"
-    done = run(sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet", "--report", report,
-               *options, *requirements, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return {item["metadata"]["name"].lower(): item["metadata"]["version"] for item in json.loads(report.read_text())["install"]}
+def test_a_lock_made_from_other_ranges_is_stale(tmp_path):
+    from tools import lock
 
-
-def test_airflow_image_requirements_resolve(tmp_path):
-    """What Dockerfile.airflow installs: the `airflow` extra, with its pinned Airflow and Ray, and the Celery/Postgres extras."""
-    pinned = [f"apache-airflow=={dockerfile_arg('Dockerfile.airflow', 'AIRFLOW_VERSION')}",
-              f"ray[default]=={dockerfile_arg('Dockerfile.airflow', 'RAY_VERSION')}"]
-    resolved = dry_run(extras("airflow") + pinned + ["apache-airflow-providers-celery>=3.8", "apache-airflow-providers-postgres>=6.0",
-                                                    "psycopg2-binary>=2.9", "redis>=5"],
-                       "--python-version", dockerfile_arg("Dockerfile.airflow", "PYTHON_VERSION"), "--only-binary=:all:",
-                       "--target", tmp_path / "t", tmp_path=tmp_path)
-    assert resolved["apache-airflow"] == pinned[0].split("==")[1] and "apache-airflow-providers-amazon" in resolved
-    assert "torch" not in resolved  # the Airflow side never needs it
-
-
-def test_ray_gpu_image_requirements_resolve(tmp_path):
-    """What Dockerfile.ray-gpu installs: the `train` and `gpu` extras with its pinned Ray and vLLM, resolved as
-    wheels for Linux x86_64, CPython 3.12 and glibc up to 2.39 (Ubuntu 24.04, the CUDA base image's), CUDA
-    builds included. Two sdist-only packages cannot be resolved that way, as pip builds their metadata on
-    this machine: DeepSpeed's metadata is built here (DS_BUILD_OPS=0, no kernels) and its requirements
-    resolved with the rest, in its place; flash-attn builds only with torch and a CUDA toolchain, so only its
-    pinned version's presence on the index is checked."""
-    from packaging.requirements import Requirement
-
-    deepspeed = next(r for r in extras("train") if Requirement(r).name == "deepspeed")
-    report = tmp_path / "deepspeed.json"
-    done = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--no-deps", "--no-build-isolation",
-                           "--quiet", "--report", str(report), deepspeed], capture_output=True, text=True, timeout=600, cwd=REPO,
-                          env={**os.environ, "DS_BUILD_OPS": "0"})
-    assert done.returncode == 0, done.stderr[-3000:]
-    # Its own requirements (not its extras') join the resolution in its place.
-    deepspeed_needs = [line for line in json.loads(report.read_text())["install"][0]["metadata"].get("requires_dist", [])
-                       if Requirement(line).marker is None]
-    assert any(Requirement(line).name == "torch" for line in deepspeed_needs)
-
-    pins = [f"ray[default]=={dockerfile_arg('Dockerfile.ray-gpu', 'RAY_VERSION')}", f"vllm=={dockerfile_arg('Dockerfile.ray-gpu', 'VLLM_VERSION')}"]
-    platforms = ["manylinux2014_x86_64"] + [f"manylinux_2_{minor}_x86_64" for minor in range(17, 40)]
-    wheels = [r for r in extras("train", "gpu") if Requirement(r).name != "deepspeed"]
-    resolved = dry_run(wheels + pins + deepspeed_needs, *(f"--platform={p}" for p in platforms), "--python-version", "3.12",
-                       "--implementation", "cp", "--only-binary=:all:", "--target", tmp_path / "t", tmp_path=tmp_path)
-    assert {"torch", "vllm", "transformers", "ray", "accelerate", "datasets", "hjson"} <= set(resolved)
-    assert any(name.startswith("nvidia-") for name in resolved)  # the CUDA build of torch
-
-    flash = dockerfile_arg("Dockerfile.ray-gpu", "FLASH_ATTN_VERSION")
-    done = run(sys.executable, "-m", "pip", "index", "versions", "flash-attn", timeout=120)
-    assert done.returncode == 0 and re.search(rf"\b{re.escape(flash)}\b", done.stdout), done.stdout + done.stderr
+    locks = tmp_path / "locks"
+    locks.mkdir()
+    for name in lock.SETS:
+        (locks / f"{name}.txt").write_text(lock.lock_path(name).read_text())
+    changed = (REPO / "pyproject.toml").read_text().replace('"pyyaml>=6"', '"pyyaml>=6.1"')
+    (tmp_path / "pyproject.toml").write_text(changed)
+    assert lock.check(tmp_path / "pyproject.toml", locks) == [
+        f"locks/{name}.txt: stale against pyproject.toml's dependencies; run `make lock` and commit locks/" for name in lock.SETS]
+    # Edits outside the dependency tables leave the locks current.
+    (tmp_path / "pyproject.toml").write_text((REPO / "pyproject.toml").read_text().replace('addopts = "-ra"', 'addopts = "-ra -q"'))
+    assert lock.check(tmp_path / "pyproject.toml", locks) == []
+    (locks / "gpu.txt").unlink()
+    assert lock.check(tmp_path / "pyproject.toml", locks) == ["locks/gpu.txt: missing; run `make lock` and commit locks/"]
