@@ -26,6 +26,7 @@ import os
 import platform
 import re
 import subprocess
+import sys
 import tempfile
 from contextlib import contextmanager
 from datetime import datetime, timezone
@@ -40,8 +41,14 @@ FORMAT = "rlhf-flow/manifest/v1"
 MANIFEST = "manifest.json"
 RESERVED = ("format", "stage", "run_id", "created_at", "config", "config_hash", "inputs", "input_manifests",
             "metrics", "code_version", "code_digest", "versions", "files", "uri")
-# Versions recorded for reproducibility; read from package metadata so nothing heavy is imported.
-TRACKED_PACKAGES = ("torch", "transformers", "deepspeed", "ray", "datasets", "vllm")
+# Versions recorded for reproducibility, the packages that decide a stage's numbers; read from package
+# metadata so nothing heavy is imported.
+TRACKED_PACKAGES = ("torch", "transformers", "tokenizers", "accelerate", "peft", "deepspeed", "numpy", "safetensors",
+                    "ray", "datasets", "vllm")
+# Written by `make install` and the images (tools/lock.py): which lock the environment was installed from.
+LOCK_RECORD = "rlhf-flow-lock.json"
+# The CPU code paths tasks/__init__.py pins; recorded because they change floats as much as a version does.
+NUMERICS_VARIABLES = ("MKL_CBWR", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -89,12 +96,20 @@ def code_digest() -> str:
 
 
 def package_versions() -> dict[str, str]:
+    """Python, the tracked packages, the lock this environment was installed from (`lock`: set and sha256)
+    and the pinned CPU code paths (`cpu_numerics`)."""
     versions = {"python": platform.python_version()}
     for name in TRACKED_PACKAGES:
         try:
             versions[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             pass
+    try:
+        record = json.loads((Path(sys.prefix) / LOCK_RECORD).read_text())
+        versions["lock"] = f"{record['set']} sha256:{record['sha256']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        versions["lock"] = "none"  # installed without a lock (pip install -e . by hand)
+    versions["cpu_numerics"] = " ".join(f"{k}={os.environ.get(k, '')}" for k in NUMERICS_VARIABLES)
     return versions
 
 
