@@ -181,7 +181,12 @@ def test_config_hash_and_build_manifest(monkeypatch):
     assert m["config_hash"] == mf.config_hash({"lr": 1e-5}) and m["model"] == "model"
     assert m["code_version"] == "abc123" and m["created_at"].endswith("+00:00")
     assert m["versions"]["python"] == "%d.%d.%d" % sys.version_info[:3]
-    assert "torch" in m["versions"] and set(m["versions"]) <= {"python", *mf.TRACKED_PACKAGES}
+    assert "torch" in m["versions"] and set(m["versions"]) <= {"python", "lock", "cpu_numerics", *mf.TRACKED_PACKAGES}
+    # The lock `make install` recorded in the venv, and the CPU code paths tasks/__init__.py pins.
+    lock = Path(sys.prefix) / mf.LOCK_RECORD
+    if lock.exists():
+        assert m["versions"]["lock"] == "dev sha256:" + json.loads(lock.read_text())["sha256"]
+    assert "MKL_CBWR=AVX2,STRICT" in m["versions"]["cpu_numerics"]
     json.dumps(m)  # JSON-serialisable as built
     monkeypatch.delenv("RLHF_CODE_VERSION")
     assert mf.build_manifest("x", "r", {}, {}, {})["code_version"]
@@ -368,3 +373,30 @@ def test_local_cache_dir_reuses_verified_files(s3, prefix, tmp_path, monkeypatch
     (d / "model" / "tokenizer" / "vocab.txt").write_bytes(b"x")
     mf.fetch(uri, d, subdir="model/tokenizer")
     assert (d / "model" / "tokenizer" / "vocab.txt").read_bytes() == files["model/tokenizer/vocab.txt"]
+
+
+# ---------------------------------------------------------------- keys that lead outside the target folder
+
+
+@pytest.mark.parametrize("bad", ["../../escaped.txt", "sub/../../escaped.txt", "/escaped.txt", "a/../../escaped.txt"])
+def test_a_key_leading_outside_the_folder_is_refused_before_any_download(s3, prefix, tmp_path, bad):
+    """An object key (or a manifest entry) names a local path: one that leaves the folder fails in one line
+    naming the key, and nothing is written, inside the folder or out."""
+    client = s3.client()
+    client.put_object(Bucket=s3.bucket, Key=f"{prefix}/model/config.json", Body=b"{}")
+    client.put_object(Bucket=s3.bucket, Key=f"{prefix}/model/{bad.lstrip('/') if bad.startswith('/') else bad}", Body=b"x")
+    if bad.startswith("/"):  # an absolute path: a key with an empty segment, listed as '/escaped.txt'
+        client.put_object(Bucket=s3.bucket, Key=f"{prefix}/model//escaped.txt", Body=b"x")
+    listed = [rel for rel, _ in storage.list_files(s3.uri(f"{prefix}/model"))]
+    assert any("escaped" in rel for rel in listed), listed  # the store keeps such keys as they are
+    dest = tmp_path / "deep" / "dest"
+    with pytest.raises(storage.StorageError) as err:
+        storage.download_dir(s3.uri(f"{prefix}/model"), dest)
+    assert "leads outside" in str(err.value) and "\n" not in str(err.value)
+    assert not list(tmp_path.rglob("escaped.txt")) and not dest.exists()
+
+    for rel in ("../x", "/etc/x", "", "a/../../x"):
+        with pytest.raises(storage.StorageError, match="leads outside"):
+            storage.inside(dest, rel)
+    assert storage.inside(dest, "a/../b/c.txt") == (dest / "b" / "c.txt").resolve()
+

@@ -89,6 +89,19 @@ def join(uri: str | os.PathLike, *parts: str) -> str:
     return os.path.join(uri, *parts)
 
 
+def inside(root: str | os.PathLike, rel: str, source: str = "") -> Path:
+    """``root / rel``, refused unless it stays under ``root``: every local path named by remote data (an object
+    key, a manifest entry) goes through here, so a key such as ``model/../../etc/x`` or ``/tmp/x`` cannot
+    write outside the folder it is downloaded into."""
+    base, text = Path(root).resolve(), str(rel)
+    if text and not text.startswith(("/", "\\")) and "\0" not in text:
+        target = (base / text).resolve()
+        if target.is_relative_to(base) and target != base:
+            return target
+    raise StorageError(f"{source or 'download'}: the key {text!r} leads outside {base}; refusing to write it "
+                       "(remove or rename that object in storage)", source or None)
+
+
 def local_path(uri: str | os.PathLike) -> Path:
     """The filesystem path of a local URI (plain or ``file://``)."""
     uri = str(uri)
@@ -480,6 +493,7 @@ def download_dir(uri: str, local_dir: str | os.PathLike, files: Iterable[str] | 
         files = [rel for rel, _ in list_files(uri)]
         if not files:
             raise NotFoundError(f"nothing under {uri}: check the URI or rerun the step that writes it", uri)
+    targets = {rel: inside(root, rel, join(uri, rel)) for rel in files}  # every key checked before any download
     root.mkdir(parents=True, exist_ok=True)
-    parallel_map(lambda rel: download_file(join(uri, rel), root / rel), list(files))
+    parallel_map(lambda rel: download_file(join(uri, rel), targets[rel]), list(targets))
     return root
