@@ -88,6 +88,12 @@ def load_tokenizer(path: str):
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
+    # The stages put the BOS before every plain prompt (data.encode_prompt). A tokenizer that does not add it
+    # itself is told to, so the copy saved with each model encodes text as training did for anyone who loads
+    # it with AutoTokenizer (the stages' own encodings do not change: they add special tokens by hand).
+    bos = tokenizer.bos_token_id
+    if bos is not None and hasattr(tokenizer, "update_post_processor") and tokenizer("0")["input_ids"][:1] != [bos]:
+        tokenizer.add_bos_token = True
     return tokenizer
 
 
