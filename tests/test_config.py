@@ -56,3 +56,12 @@ def test_rl_clip_options_are_checked():
         make_config(RLConfig, {**base, "dual_clip": 0.5})
     with pytest.raises(ConfigError, match="entropy_coef: must not be negative"):
         make_config(RLConfig, {**base, "entropy_coef": -0.1})
+
+
+def test_rl_ptx_needs_data_and_a_weight():
+    base = {"output": "o", "pretrain": "p", "reward_pretrain": "r", "prompt_data": "d"}
+    with pytest.raises(ConfigError, match=r"^ptx_coef: PPO-ptx needs both --pretrain_data"):
+        make_config(RLConfig, {**base, "ptx_coef": 0.5})
+    with pytest.raises(ConfigError, match=r"^ptx_coef: PPO-ptx needs both"):
+        make_config(RLConfig, {**base, "pretrain_data": "d"})
+    assert make_config(RLConfig, {**base, "pretrain_data": "d", "ptx_coef": 0.5}).ptx_coef == 0.5

@@ -47,7 +47,8 @@ def chain(s3_server, ray_address):
                                "max_steps": 4, "train_batch_size": 32, "logging_steps": 2, "num_gpus_per_node": 2, "packing_samples": True},
         "tasks.rl": {"output": out["rl"], "pretrain": out["sft"], "reward_pretrain": out["reward_model"],
                      "prompt_data": out["prepare_data"], "max_samples": 32, "num_episodes": 1, "rollout_batch_size": 16, "train_batch_size": 8,
-                     "colocate_actor_ref": True, "colocate_critic_reward": True, "save_value_network": True},
+                     "colocate_actor_ref": True, "colocate_critic_reward": True, "save_value_network": True,
+                     "pretrain_data": out["prepare_data"], "ptx_coef": 0.5},  # PPO-ptx, as the demo's RL stage
         "tasks.eval": {"output": out["eval"], "baseline": out["sft"], "policy": out["rl"], "reward_pretrain": out["reward_model"],
                        "dataset": out["prepare_data"], "max_samples": 24},
     }
@@ -90,7 +91,7 @@ def test_metrics_are_logged_per_step(chain, tmp_path):
     assert steps == [2, 4, 6]
     rl_path, _ = manifests.fetch(chain["rl"], tmp_path / "rl")
     rl_metrics = [json.loads(line) for line in (rl_path / "metrics.jsonl").read_text().splitlines()]
-    assert {"reward", "kl", "policy_loss", "value_loss", "clip_fraction", "entropy", "time_generate_s"} <= set(rl_metrics[0])
+    assert {"reward", "kl", "policy_loss", "value_loss", "clip_fraction", "entropy", "ptx_loss", "time_generate_s"} <= set(rl_metrics[0])
     wandb_runs = list((SCRATCH / "wandb" / "wandb").glob("offline-run-*"))
     assert wandb_runs, "use_wandb wrote no offline wandb run"
 

@@ -31,6 +31,10 @@ class RLConfig(TrainingConfig):
     prompt_split: str = field(default="prompts", metadata={"help": "split of a stage output's datasets holding the prompts"})
     input_key: str = field(default="prompt", metadata={"help": "dataset column holding the prompt"})
     label_key: str = field(default="", metadata={"help": "dataset column passed to a reward function or endpoint as labels"})
+    pretrain_data: str = field(default="", metadata={"help": "PPO-ptx (InstructGPT): supervised data whose likelihood the actor keeps while RL trains, a stage output URI (its pretrain_split) or a file; needs --ptx_coef"})
+    pretrain_split: str = field(default="sft", metadata={"help": "split of a stage output's datasets holding the PPO-ptx data"})
+    output_key: str = field(default="response", metadata={"help": "PPO-ptx data column holding the response (the prompt is input_key)"})
+    ptx_coef: float = field(default=0.0, metadata={"help": "weight of the PPO-ptx loss (the response tokens' mean NLL on --pretrain_data) beside the policy loss; 0 = off"})
     max_steps: int = field(default=40, metadata={"help": "rollout + update iterations"})
     rollout_batch_size: int = field(default=128, metadata={"help": "prompts per rollout"})
     n_samples_per_prompt: int = field(default=1, metadata={"help": "responses sampled per prompt (a group, for the group estimators)"})
@@ -221,6 +225,8 @@ class RLConfig(TrainingConfig):
                               f"= {self.rollout_batch_size * self.n_samples_per_prompt}")
         if self.dual_clip and self.dual_clip <= 1:
             raise ConfigError(f"dual_clip: {self.dual_clip} must be greater than 1 (or 0 for off)")
+        if self.ptx_coef < 0 or bool(self.ptx_coef) != bool(self.pretrain_data):
+            raise ConfigError("ptx_coef: PPO-ptx needs both --pretrain_data <URI> and a positive --ptx_coef; set both, or neither")
         for name in ("eps_clip_low", "eps_clip_high", "entropy_coef"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}: must not be negative, got {getattr(self, name)}")

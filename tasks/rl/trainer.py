@@ -165,6 +165,8 @@ class Controller:
                               "use --vllm_num_engines 0 (transformers generate in the actor workers)")
         self.tokenizer = load_tokenizer(resolve_model(run.input("pretrain", cfg.pretrain)))
         self.prompts = load_prompts(cfg, run, self.tokenizer)
+        if cfg.pretrain_data:  # PPO-ptx rows: the actor workers read them; checked and recorded here first
+            data.load_rows(run.input("pretrain_data", cfg.pretrain_data), cfg.pretrain_split, [cfg.input_key, cfg.output_key], 1)
         self.steps = cfg.num_episodes * (len(self.prompts.ids) // cfg.rollout_batch_size) if cfg.num_episodes else cfg.max_steps
         if self.steps < 1:
             raise ConfigError(f"num_episodes: {len(self.prompts.ids)} prompts make no rollout batch of {cfg.rollout_batch_size}; lower rollout_batch_size")

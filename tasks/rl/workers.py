@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from tasks.common import lora
-from tasks.common.losses import kl_loss, masked_mean, max_masked_abs_diff, policy_loss, value_loss
+from tasks.common import data, lora
+from tasks.common.losses import kl_loss, masked_mean, max_masked_abs_diff, policy_loss, sft_loss, value_loss
 from tasks.common.models import load_causal_lm, load_scalar_model, load_tokenizer, resolve_model
 from tasks.common.rollout import HFRolloutEngine, Rollout
 from tasks.common.strategy import DeepSpeedStrategy
@@ -63,6 +63,13 @@ class ActorWorker(_Trainer):
         model = lora.apply_lora(load_causal_lm(path, flash_attn=cfg.flash_attn), cfg)
         self.engine = self.strategy.prepare(model, cfg.actor_learning_rate, total_updates, cfg.lr_warmup_steps)
         self.micro = self.strategy.micro_batch_size
+        if cfg.ptx_coef:  # PPO-ptx: supervised rows, drawn a micro-batch at a time (the sampler is checkpointed)
+            from tasks.sft.trainer import tokenize_rows
+
+            rows = data.load_rows(cfg.pretrain_data, cfg.pretrain_split, [cfg.input_key, cfg.output_key], 0)
+            self.ptx_ids, self.ptx_masks, _ = tokenize_rows(rows, self.tokenizer, cfg.input_key, cfg.output_key, cfg.apply_chat_template,
+                                                       cfg.prompt_max_len + cfg.generate_max_len)
+            self.sampler = data.BatchSampler(len(self.ptx_ids), self.micro, cfg.seed + self.rank)
         if cfg.vllm_num_engines and not cfg.separate_engines():
             self.rollout_engine = _vllm_engine(cfg, path, self.tokenizer, seed=cfg.seed + self.rank)
         else:
@@ -147,6 +154,10 @@ class ActorWorker(_Trainer):
                 loss = p_loss
                 if cfg.use_kl_loss:
                     loss = loss + kl_coef * kl_loss(logprobs, mb.ref_logprobs, mb.action_mask, cfg.kl_estimator)
+                if cfg.ptx_coef:
+                    ptx = self._ptx_loss()
+                    loss = loss + cfg.ptx_coef * ptx
+                    stats.setdefault("ptx_loss", []).append(ptx.item())
                 mean_entropy = masked_mean(entropy.detach(), mb.action_mask)
                 if cfg.entropy_coef:
                     loss = loss - cfg.entropy_coef * masked_mean(entropy, mb.action_mask)
@@ -158,6 +169,15 @@ class ActorWorker(_Trainer):
         if sync_gaps:
             result["engine_logprob_max_diff"] = self.strategy.all_reduce(max(sync_gaps), op="max").item()
         return result
+
+    def _ptx_loss(self) -> torch.Tensor:
+        """Mean NLL of the response tokens of the next micro-batch of PPO-ptx rows (the SFT loss)."""
+        from tasks.sft.trainer import micro_batch_logprobs
+
+        batch = self.sampler.next()
+        logprobs, mask = micro_batch_logprobs(self.engine, [self.ptx_ids[i] for i in batch], [self.ptx_masks[i] for i in batch],
+                                              self.tokenizer.pad_token_id, False, self.strategy.device)
+        return sft_loss(logprobs, mask[:, 1:])
 
     def save_model(self, out_dir: str) -> None:
         self.strategy.save_hf(self.engine, self.tokenizer, out_dir, merge_lora=self.cfg.merge_lora, base_uri=self.cfg.pretrain)

@@ -19,13 +19,18 @@ from tasks.sft.config import SFTConfig
 
 
 def tokenize(rows, tokenizer, cfg: SFTConfig) -> tuple[list[list[int]], list[list[int]], int]:
+    return tokenize_rows(rows, tokenizer, cfg.input_key, cfg.output_key, cfg.apply_chat_template, cfg.max_len)
+
+
+def tokenize_rows(rows, tokenizer, input_key: str, output_key: str, chat_template: bool, max_len: int
+                  ) -> tuple[list[list[int]], list[list[int]], int]:
     """(ids, loss mask, number of rows cut) per row; the loss mask is 1 on the response tokens only.
     Rows longer than max_len lose the start of their prompt first (data.fit), so the answer and its
-    closing token stay."""
+    closing token stay. Also the RL actor's PPO-ptx data (tasks.rl.workers)."""
     ids, masks, truncated = [], [], 0
-    for prompt, response in zip(rows[cfg.input_key], rows[cfg.output_key]):
-        p, (r,), cut = data.fit(data.encode_prompt(tokenizer, prompt, cfg.apply_chat_template),
-                                [data.encode_response(tokenizer, response, cfg.apply_chat_template)], cfg.max_len)
+    for prompt, response in zip(rows[input_key], rows[output_key]):
+        p, (r,), cut = data.fit(data.encode_prompt(tokenizer, prompt, chat_template),
+                                [data.encode_response(tokenizer, response, chat_template)], max_len)
         ids.append(p + r)
         masks.append([0] * len(p) + [1] * len(r))
         truncated += cut
