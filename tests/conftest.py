@@ -3,6 +3,7 @@
 The environment is fixed here, at import time, because Airflow reads AIRFLOW_HOME on its first
 import and transformers reads HF_HUB_OFFLINE on its first import.
 """
+import json
 import os
 import socket
 import sys
@@ -25,9 +26,17 @@ os.environ["WANDB_CACHE_DIR"] = str(SCRATCH / "wandb-cache")
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".scratch" / "torch_extensions"))
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(REPO / ".scratch" / "torchinductor"))  # torch.compile's kernels
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+os.environ["RAY_AUTH_MODE"] = "disabled"  # as tools/stack.py's stack: a stray ~/.ray/auth_token must not turn tokens on
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+
+def pytest_collection_modifyitems(items):
+    """Mark the tests that place stages on a Ray head `ray`: `make test-fast` leaves them out, with e2e."""
+    for item in items:
+        if {"ray_head", "ray_address"} & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.ray)
 
 
 def free_port() -> int:
@@ -190,6 +199,14 @@ class LiveStack:
         """{process name: pid} of the stack's running processes."""
         return {n: p.pid for n in _stack._all_procs() if (p := _stack.running(self.cfg, n)) is not None}
 
+    def stage_env(self) -> dict:
+        """The environment of a stage run as a plain process against this stack: its S3 emulator and its Ray
+        head (RAY_ADDRESS), nothing of the in-process fixtures' S3 or Ray."""
+        env = _stack.process_env(self.cfg, {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "RAY_", "RLHF_"))})
+        env["RAY_ADDRESS"] = f"127.0.0.1:{self.cfg.ray_port}"
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+        return env
+
 
 def stack_subprocess_env(scratch: Path, **ports: int) -> dict:
     """os.environ without anything that configures Airflow, AWS, Ray or the stack, plus RLHF_* for scratch/ports.
@@ -243,3 +260,35 @@ def live_stack():
     )  # fmt: skip
     if down.returncode != 0:
         print(f"live_stack teardown: `stack.py down` failed:\n{down.stdout}\n{down.stderr}", file=sys.stderr)
+
+
+class DemoRun:
+    """The demo as `make demo` runs it (tools/demo.py on the live stack: the rlhf_pipeline DAG at its Param
+    defaults, triggered through the REST API), once per session: tests/test_e2e.py checks it, the learning
+    checks start from its SFT and reward model, the nightly and browser tests reuse its cached stages."""
+
+    def __init__(self, live: LiveStack, run: dict, stdout: str):
+        self.live, self.run, self.stdout = live, run, stdout
+        self.run_id = run["dag_run_id"]
+
+    def xcom(self, task_id: str):
+        entry = self.live.rest("GET", f"/api/v2/dags/rlhf_pipeline/dagRuns/{self.run_id}/taskInstances/{task_id}/xcomEntries/return_value")
+        value = entry["value"]
+        return json.loads(value) if isinstance(value, str) and value.startswith('"') else value
+
+    def read_json(self, uri: str) -> dict:
+        bucket, key = uri.removeprefix("s3://").split("/", 1)
+        return json.loads(self.live.s3().get_object(Bucket=bucket, Key=key)["Body"].read())
+
+    def report(self) -> dict:
+        return self.read_json(self.xcom("eval").replace("manifest.json", "report.json"))
+
+
+@pytest.fixture(scope="session")
+def demo_run(live_stack) -> DemoRun:
+    done = subprocess.run([sys.executable, str(REPO / "tools" / "demo.py"), "--timeout", "2400"], env=live_stack.env,
+                          capture_output=True, text=True, timeout=2700)
+    print(done.stdout[-6000:])
+    assert done.returncode == 0, f"demo failed:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+    runs = live_stack.rest("GET", "/api/v2/dags/rlhf_pipeline/dagRuns", order_by="-run_after", limit=1)["dag_runs"]
+    return DemoRun(live_stack, runs[0], done.stdout)

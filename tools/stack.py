@@ -352,6 +352,10 @@ def stack_env(
         # Ray: the only setting that makes every Ray listener bind 127.0.0.1; no usage reports.
         "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
         "RAY_USAGE_STATS_ENABLED": "0",
+        # Ray 2.60 turns token authentication on by itself once any local ray.init() has written
+        # ~/.ray/auth_token, and then refuses every client of the stack that does not carry it: say what
+        # this loopback-only stack uses, so a machine's history cannot change it.
+        "RAY_AUTH_MODE": "disabled",
         # Airflow 3.3: SQLite + LocalExecutor, everything on loopback.
         "AIRFLOW_HOME": str(airflow_home),
         "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{airflow_home / 'airflow.db'}",
