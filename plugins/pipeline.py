@@ -96,6 +96,7 @@ DEFAULTS = {
     "critic_learning_rate": 1e-4,
     "init_kl_coef": 0.05,
     "gae_lambda": 0.8,
+    "ptx_coef": 0.5,
     "advantage_estimator": "gae",
     "n_samples_per_prompt": 1,
     "colocate_all_models": True,
@@ -215,6 +216,11 @@ PARAMS = {
     "gae_lambda": Param(
         DEFAULTS["gae_lambda"], type="number", title="GAE lambda", minimum=0, maximum=1,
         description="λ of generalised advantage estimation in RL (lower: credit stays nearer the token that earned it).",
+    ),
+    "ptx_coef": Param(
+        DEFAULTS["ptx_coef"], type="number", title="PPO-ptx coefficient", minimum=0, maximum=100,
+        description="Weight of the SFT data's likelihood in the RL policy's loss (InstructGPT's PPO-ptx), which keeps what "
+                    "SFT taught while RL moves the style; 0 turns it off.",
     ),
     "advantage_estimator": Param(
         DEFAULTS["advantage_estimator"], type="string", title="Advantage estimator",
@@ -386,6 +392,9 @@ def build_pipeline(dag_id: str, schedule, description: str, allow_promotion: boo
             "critic_learning_rate": "{{ params.critic_learning_rate }}",
             "init_kl_coef": "{{ params.init_kl_coef }}",
             "lambd": "{{ params.gae_lambda }}",
+            # PPO-ptx on the run's own SFT split: the demo's accuracy held on every seed only with it (README's design notes).
+            "ptx_coef": "{{ params.ptx_coef }}",
+            "pretrain_data": "{{ ti.xcom_pull(task_ids='prepare_data') if params.ptx_coef else '' }}",
             "advantage_estimator": "{{ params.advantage_estimator }}",
             "n_samples_per_prompt": "{{ params.n_samples_per_prompt }}",
             "colocate_all_models": "{{ params.colocate_all_models }}",

@@ -47,7 +47,9 @@ WIRING = {
         "pretrain": "sft", "reward_pretrain": "reward_model", "prompt_data": "prepare_data",
         "max_steps": "params.rl_steps", "actor_learning_rate": "params.actor_learning_rate",
         "critic_learning_rate": "params.critic_learning_rate", "init_kl_coef": "params.init_kl_coef",
-        "lambd": "params.gae_lambda", "advantage_estimator": "params.advantage_estimator",
+        "lambd": "params.gae_lambda", "ptx_coef": "params.ptx_coef",
+        "pretrain_data": "{{ ti.xcom_pull(task_ids='prepare_data') if params.ptx_coef else '' }}",  # PPO-ptx's SFT rows
+        "advantage_estimator": "params.advantage_estimator",
         "n_samples_per_prompt": "params.n_samples_per_prompt", "colocate_all_models": "params.colocate_all_models",
         **training("rl", "rl_steps"),
     }),
@@ -178,7 +180,7 @@ def test_params_form(dag):
     expected = {
         "bucket", "prefix", "dataset", "base_model", "seed", "sft_steps", "sft_learning_rate", "rm_steps",
         "rm_learning_rate", "rl_steps", "actor_learning_rate", "critic_learning_rate", "init_kl_coef",
-        "gae_lambda", "advantage_estimator", "n_samples_per_prompt", "colocate_all_models", "zero_stage", "eval_max_samples",
+        "gae_lambda", "ptx_coef", "advantage_estimator", "n_samples_per_prompt", "colocate_all_models", "zero_stage", "eval_max_samples",
         "method", "preference_steps", "preference_learning_rate", "dpo_beta", "kto_beta", "checkpoints_per_stage",
         "use_cache", "stage_deadline_minutes", "model_name", "allow_promotion", "promotion_gate", "fault_injection",
         "input_key", "output_key", "chosen_key", "rejected_key", "label_key", "messages_key", "eval_fraction",
@@ -224,6 +226,7 @@ def test_params_form(dag):
         ("eval_fraction", 1),
         ("max_bad_fraction", 1.5),
         ("lora_rank", -1),
+        ("ptx_coef", -0.5),
         ("apply_chat_template", "true"),
     ],
 )

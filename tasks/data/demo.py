@@ -26,6 +26,11 @@ CHARACTERS = list("0123456789+=") + sorted(set(WORDY_SUFFIX))
 SPLIT_SIZES = {"train": 8500, "val": 500, "test": 1000}
 
 _ANSWER = re.compile(r"^\s*(\d{3})(?!\d)")
+# What the demo's RL run must show against its SFT start, on every seed (tests/test_e2e.py, tests/test_demo_claim.py,
+# and the verdict `make demo` prints): the preferred style up by this much, held-out greedy accuracy down by no
+# more than this.
+MIN_STYLE_GAIN = 0.30
+MAX_ACCURACY_DROP = 0.03
 
 
 def prompt_text(a: int, b: int) -> str:
@@ -49,6 +54,16 @@ def extract_answer(response: str) -> str | None:
 def is_preferred_style(response: str) -> bool:
     """The terse style: the response is the answer's three digits and nothing else."""
     return re.fullmatch(r"\d{3}", response.strip()) is not None
+
+
+def verdict(baseline: dict, policy: dict) -> tuple[bool, str]:
+    """Whether an eval report's metrics show the demo's claim, and one line saying so."""
+    gain = policy["preferred_style_rate"] - baseline["preferred_style_rate"]
+    change = policy["accuracy"] - baseline["accuracy"]
+    ok = gain >= MIN_STYLE_GAIN and change >= -MAX_ACCURACY_DROP
+    head = "PASS: the policy gained the preferred style with accuracy held" if ok else "FAIL: the demo's claim does not hold"
+    return ok, (f"{head} (preferred style {gain:+.3f}, needs +{MIN_STYLE_GAIN:.2f} or more; accuracy {change:+.3f}, "
+                f"needs -{MAX_ACCURACY_DROP:.2f} or better)")
 
 
 def make_datasets(seed: int = 0) -> dict[str, list[dict]]:
