@@ -282,7 +282,9 @@ def airflow_db():
 @pytest.mark.e2e
 # The preference branches run under `make test-all`: their stages are covered by test_stages and
 # test_learning, and the branch wiring by the tests above; `make test` keeps its time for the live stack.
-@pytest.mark.parametrize("method", ["rl", pytest.param("dpo", marks=pytest.mark.slow), pytest.param("kto", marks=pytest.mark.slow)])
+# The rl branch runs end to end in make test through the live stack (tests/test_e2e.py) and dag.test()
+# (tests/test_byo_e2e.py), so this one is make test-all's too.
+@pytest.mark.parametrize("method", [pytest.param(m, marks=pytest.mark.slow) for m in ("rl", "dpo", "kto")])
 def test_pipeline_end_to_end(method, airflow_db, s3_server, ray_head, dagbag):
     """The whole DAG with dag.test() against the local Ray head and the S3 emulator, with tiny step counts,
     down each branch: the other branch's tasks are skipped, not failed."""

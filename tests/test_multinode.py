@@ -122,6 +122,7 @@ def inputs(two_nodes, s3_server):
     return out
 
 
+@pytest.mark.slow  # 85 s: make test-all (the refusals below stay in make test)
 def test_rl_stage_spans_two_nodes_checkpoints_through_s3_and_resumes(two_nodes, inputs, s3_server, tmp_path, monkeypatch):
     # The driver's own temp and cache folders are neither node's.
     monkeypatch.setenv("TMPDIR", str(two_nodes["driver_tmp"]))

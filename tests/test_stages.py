@@ -215,6 +215,7 @@ def test_sft_flags_take_effect(chain, s3_server, ray_address, tmp_path):
         assert abs(a["loss"] - b["loss"]) <= 1e-5
 
 
+@pytest.mark.slow  # 75 s: make test-all
 def test_checkpoint_flags(chain, s3_server, ray_address, tmp_path):
     """--ckpt_path puts checkpoints elsewhere, --max_ckpt_num keeps the newest, a rerun resumes from the
     newest unless --load_checkpoint false (refused when it would write beside them), and --bf16 trains and
@@ -241,6 +242,7 @@ def test_checkpoint_flags(chain, s3_server, ray_address, tmp_path):
     assert str(AutoConfig.from_pretrained(resolve_model(out)).dtype).endswith("bfloat16")
 
 
+@pytest.mark.slow  # 200 s; a resumed RL stage also runs in make test (tests/test_operations.py, from its step-6 checkpoint)
 def test_rl_run_killed_after_a_checkpoint_resumes_to_the_same_metrics(chain, s3_server, ray_address, tmp_path):
     import signal
     import time
@@ -296,7 +298,7 @@ def test_rl_refuses_what_cannot_run_here_in_one_line(chain, ray_address, tmp_pat
 
 
 @pytest.mark.parametrize("method,extra", [
-    ("dpo", {"ref_offload": True, "num_gpus_per_node": 2}),
+    pytest.param("dpo", {"ref_offload": True, "num_gpus_per_node": 2}, marks=pytest.mark.slow),  # 2 workers, 63 s: make test-all
     ("dpo", {"loss_type": "ipo"}),
     ("kto", {"desirable_weight": 1.5}),
 ])
