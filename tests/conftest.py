@@ -33,9 +33,10 @@ if str(REPO) not in sys.path:
 
 
 def pytest_collection_modifyitems(items):
-    """Mark the tests that place stages on a Ray head `ray`: `make test-fast` leaves them out, with e2e."""
+    """Mark the tests that place stages on Ray (a head, or test_multinode's two nodes) `ray`: `make test-fast`
+    leaves them out, with e2e."""
     for item in items:
-        if {"ray_head", "ray_address"} & set(getattr(item, "fixturenames", ())):
+        if {"ray_head", "ray_address", "two_nodes"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.ray)
 
 
