@@ -1,12 +1,12 @@
 """The stage library: every stage runs inside a Ray job (or as a plain process) and never imports airflow.
 
-Importing it pins the CPU code paths that decide floating-point results, before any tensor is computed, so
-the same commit, lock and seed give the same numbers on any x86-64 machine with AVX2 (Intel or AMD, any
-core count): MKL's conditional numerical reproducibility (the AVX2 code path, bitwise the same whatever the
-thread count for its matrix products), torch's own vectorised kernels at AVX2, and oneDNN at AVX2. Without
-this, MKL and torch pick AVX-512 kernels where the CPU has them, and the demo's SFT model came out
-different on another machine from the same install. A variable already set wins. GPU kernels are not
-affected.
+Importing it pins the CPU code paths that decide floating-point results, before any tensor is computed:
+MKL's conditional numerical reproducibility at AVX2 in strict mode, torch's own vectorised kernels at AVX2,
+and oneDNN at AVX2. Without the pins, MKL and torch pick AVX-512 kernels where the CPU has them, floats sum
+in another order, and a 500-step run ends in another model: the demo's SFT model differed between two
+machines with the same package versions. With them, any x86-64 CPU with AVX2 is meant to take the code
+paths this one takes (confirmed here only: no other CPU kind was at hand). A variable already set wins.
+GPU kernels are not affected.
 """
 import os
 import platform
