@@ -20,7 +20,7 @@ from tasks.common import manifest as manifests
 
 from conftest import REPO, SCRATCH
 from test_demo_claim import dag_default_flags
-from test_stages import flags
+from test_stages import flags, run_cli
 
 pytestmark = pytest.mark.e2e
 ROOT = SCRATCH / "learning"
@@ -40,11 +40,7 @@ REWARDS = {
 
 
 def cli(live, module, **values):
-    import subprocess
-    import sys
-
-    done = subprocess.run([sys.executable, "-m", module, *flags(values)], capture_output=True, text=True, env=live.stage_env(),
-                          timeout=900, cwd=REPO)
+    done = run_cli(module, *flags(values), env=live.stage_env())
     assert done.returncode == 0, f"{module} failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
 
 
@@ -75,10 +71,7 @@ def policy_metrics(trained, estimator: str, reward: str) -> dict:
 
 
 @pytest.mark.slow  # about 3 minutes each; make test keeps the demo run's own check (tests/test_e2e.py)
-@pytest.mark.parametrize("estimator", [
-    "gae", pytest.param("group_norm", marks=pytest.mark.slow),
-    pytest.param("rloo", marks=pytest.mark.slow), pytest.param("reinforce_baseline", marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize("estimator", ["gae", "group_norm", "rloo", "reinforce_baseline"])
 def test_estimator_learns_from_a_reward_model_and_from_a_reward_function(estimator, trained):
     control = policy_metrics(trained, estimator, "control")
     with_rm = policy_metrics(trained, estimator, "rm")

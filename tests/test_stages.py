@@ -22,9 +22,10 @@ from tasks.sft.config import SFTConfig
 from conftest import REPO, SCRATCH
 
 
-def run_cli(*args, ray: str = ""):
-    """`python -m <args>` as a plain process; `ray` is the cluster's address for stages that place workers."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])), "RAY_ADDRESS": ray}
+def run_cli(*args, ray: str = "", env: dict | None = None):
+    """`python -m <args>` as a plain process; `ray` is the cluster's address for stages that place workers, or
+    `env` the whole environment (LiveStack.stage_env(): the live stack's S3 and Ray)."""
+    env = env or {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])), "RAY_ADDRESS": ray}
     return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
 
 
