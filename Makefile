@@ -3,7 +3,7 @@
 #   make install   .venv with the whole stack, pinned by locks/dev.txt (instant when nothing changed)
 #   make lock      re-resolve locks/*.txt from pyproject.toml's ranges (tools/lock.py); commit the result
 #   make up        S3 emulator + Ray head + Airflow on 127.0.0.1 (tools/stack.py; idempotent)
-#   make down      stop them (S3 saved to .scratch/s3-snapshot first); `make status` shows them
+#   make down      stop them (S3 objects stay in .scratch/s3-data); `make status` shows them
 #   make demo      install + up + one run of the rlhf_pipeline DAG, followed to its report
 #   make test      lock check, then the test suite without slow and GPU tests; `make test-all` adds the slow ones
 #   make test-fast the unit tests only (no stack, no Ray head, no DeepSpeed op builds): the edit loop
@@ -69,7 +69,7 @@ test-fast: install
 clean:
 	@if [ -x $(PY) ] && [ -d .scratch ]; then \
 	  for pids in $$(find .scratch -type d -name pids 2>/dev/null); do \
-	    RLHF_SCRATCH="$$(dirname "$$pids")" $(PY) tools/stack.py down --no-snapshot --force || true; \
+	    RLHF_SCRATCH="$$(dirname "$$pids")" $(PY) tools/stack.py down || true; \
 	  done; \
 	fi
 	@# Ray temp dirs that long scratch paths moved to /tmp (see tools/STACK.md)

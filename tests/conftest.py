@@ -248,7 +248,7 @@ def live_stack():
     )
     cfg = _stack.Config.load(scratch) or _stack.Config.from_env(env)
     if up.returncode != 0:
-        subprocess.run([sys.executable, str(STACK_PY), "down", "--no-snapshot", "--force"], env=env,
+        subprocess.run([sys.executable, str(STACK_PY), "down"], env=env,
                        capture_output=True, timeout=300)  # fmt: skip
         pytest.fail(f"live_stack: `stack.py up` failed:\n{up.stdout}\n{up.stderr}", pytrace=False)
     live = LiveStack(cfg, env)
@@ -256,7 +256,7 @@ def live_stack():
     live.up_output = up.stdout
     yield live
     down = subprocess.run(
-        [sys.executable, str(STACK_PY), "down", "--no-snapshot", "--force"], env=env, capture_output=True, text=True,
+        [sys.executable, str(STACK_PY), "down"], env=env, capture_output=True, text=True,
         timeout=300,
     )  # fmt: skip
     if down.returncode != 0:

@@ -124,8 +124,9 @@ def test_nothing_listens_beyond_loopback(live_stack):
 
 
 @pytest.mark.e2e
-def test_s3_objects_survive_down_and_up():
-    """`down` saves S3 to the scratch folder and `up` restores it (S3 alone, on its own scratch and port)."""
+def test_s3_objects_survive_the_emulator_being_killed():
+    """Every object S3 acknowledged is on disk: after `kill -9` of the emulator, `up` serves it again, with
+    its ETag (a manifest's record) and content type; `down` and `up` keep it too (S3 alone, own scratch)."""
     parent = REPO / ".scratch" / "test-stack"
     scratch = parent / f"{os.getpid()}-s3"
     stack.remove_scratch(scratch)
@@ -143,23 +144,32 @@ def test_s3_objects_survive_down_and_up():
         s3 = stack.s3_client(cfg)
         key = "runs/rlhf_pipeline/manual__x/sft/manifest.json"
         s3.put_object(Bucket=cfg.bucket, Key=key, Body=b'{"stage": "sft"}', ContentType="application/json")
+        s3.put_object(Bucket=cfg.bucket, Key="runs/gone", Body=b"deleted before the crash")
+        s3.delete_object(Bucket=cfg.bucket, Key="runs/gone")
         s3.create_bucket(Bucket="another")
-        s3.put_object(Bucket="another", Key="dir/", Body=b"")  # not a file name: kept under .keys/
-        pid = stack.running(cfg, "s3").pid
+        s3.put_object(Bucket="another", Key="dir/", Body=b"")
+        big = os.urandom(9 * 1024 * 1024)  # uploaded in parts: its ETag is not an MD5 of the bytes
+        (scratch / "big").write_bytes(big)
+        s3.upload_file(str(scratch / "big"), "another", "model/weights.bin")
+        before = {b: {o["Key"]: o["ETag"] for o in s3.list_objects_v2(Bucket=b)["Contents"]} for b in (cfg.bucket, "another")}
+        assert before["another"]["model/weights.bin"].endswith('-2"')
 
-        assert "saved 2 objects" in run("down", "s3")
-        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-        assert (scratch / "s3-snapshot" / "manifest.json").exists()
-
-        assert "restored 2 objects" in run("up", "s3")
+        proc = stack.running(cfg, "s3")
+        proc.kill()  # SIGKILL: no handler, no shutdown path runs
+        proc.wait(30)
+        run("up", "s3")
         s3 = stack.s3_client(cfg)
+        after = {b: {o["Key"]: o["ETag"] for o in s3.list_objects_v2(Bucket=b)["Contents"]} for b in (cfg.bucket, "another")}
+        assert after == before
         obj = s3.get_object(Bucket=cfg.bucket, Key=key)
-        assert obj["Body"].read() == b'{"stage": "sft"}'
-        assert obj["ContentType"] == "application/json"
-        assert s3.get_object(Bucket="another", Key="dir/")["Body"].read() == b""
+        assert obj["Body"].read() == b'{"stage": "sft"}' and obj["ContentType"] == "application/json"
+        assert s3.get_object(Bucket="another", Key="model/weights.bin")["Body"].read() == big
+
+        run("down", "s3")
+        run("up", "s3")
+        assert stack.s3_client(cfg).get_object(Bucket="another", Key="dir/")["Body"].read() == b""
     finally:
-        subprocess.run([sys.executable, str(STACK_PY), "down", "--no-snapshot", "--force"], env=env,
-                       capture_output=True, timeout=120)  # fmt: skip
+        subprocess.run([sys.executable, str(STACK_PY), "down"], env=env, capture_output=True, timeout=120)
         stack.remove_scratch(scratch)
 
 
@@ -181,3 +191,23 @@ def test_ray_head_jobs_reach_s3_with_the_nodes_environment(ray_head, s3_server):
     assert status == JobStatus.SUCCEEDED, client.get_job_logs(job)
     body = s3_server.client().get_object(Bucket=s3_server.bucket, Key="ray-head/probe")["Body"].read().decode()
     assert Path(body).parent == Path(sys.executable).parent
+
+
+@pytest.mark.e2e
+def test_two_ups_at_once_leave_one_whole_stack():
+    """`up` takes the stack's lock: a second `up` started at the same moment waits, then finds S3 running."""
+    scratch = REPO / ".scratch" / "test-stack" / f"{os.getpid()}-lock"
+    stack.remove_scratch(scratch)
+    env = stack_subprocess_env(scratch, s3_port=_stack_port())
+    try:
+        procs = [subprocess.Popen([sys.executable, str(STACK_PY), "up", "s3"], env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+        assert [p.returncode for p in procs] == [0, 0], outs
+        assert sum("s3       started" in o for o in outs) == 1 and sum("already running" in o for o in outs) == 1, outs
+        cfg = stack.Config.load(scratch)
+        s3_procs = [p for p in psutil.process_iter(["cmdline"]) if str(cfg.s3_data) in " ".join(p.info["cmdline"] or [])]
+        assert len(s3_procs) == 1 and stack.running(cfg, "s3").pid == s3_procs[0].pid
+    finally:
+        subprocess.run([sys.executable, str(STACK_PY), "down"], env=env, capture_output=True, timeout=120)
+        stack.remove_scratch(scratch)

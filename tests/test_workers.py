@@ -5,7 +5,7 @@ import pytest
 from tasks.common.checkpoint import CheckpointStore
 from tasks.common.config import ConfigError, check_batch, make_config, micro_batches
 from tasks.common.data import BatchSampler, encode_prompt
-from tasks.common.workers import shard
+from tasks.common.workers import forwarded_env, shard
 from tasks.data import demo
 from tasks.rl.config import RLConfig
 from tasks.rl.trainer import plan_placements
@@ -16,6 +16,13 @@ RL = {"output": "o", "pretrain": "p", "reward_pretrain": "r", "prompt_data": "d"
 def test_shard_cuts_contiguous_nearly_equal_pieces():
     assert shard(list(range(7)), 3) == [[0, 1, 2], [3, 4], [5, 6]]
     assert shard(list(range(2)), 3) == [[0], [1], []]
+
+
+def test_worker_actors_get_the_drivers_settings_but_no_secret():
+    environ = {"AWS_ENDPOINT_URL_S3": "http://s3", "AWS_ACCESS_KEY_ID": "id", "AWS_SECRET_ACCESS_KEY": "s",
+               "AWS_SESSION_TOKEN": "t", "WANDB_API_KEY": "k", "HF_TOKEN": "h", "HF_HOME": "/hf", "RLHF_NODE_SCRATCH": "/n",
+               "PATH": "/bin"}
+    assert forwarded_env(environ) == {"AWS_ENDPOINT_URL_S3": "http://s3", "HF_HOME": "/hf"}
 
 
 def test_batch_split_over_workers_and_micro_batches():
@@ -92,6 +99,7 @@ def test_chat_template_wraps_the_prompt_or_is_refused_in_one_line():
     assert encode_prompt(tokenizer, "1+2", chat_template=True) == tokenizer.encode("1+2=", add_special_tokens=False)
 
 
+@pytest.mark.slow  # 65 s (DeepSpeed in this process); make test runs SFT with --gradient_checkpointing (tests/test_stages.py)
 def test_gradient_checkpointing_is_switched_on_for_training():
     from transformers import LlamaConfig, LlamaForCausalLM
 

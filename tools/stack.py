@@ -2,7 +2,7 @@
 """The local stack: an S3 emulator, a Ray head and Airflow 3.3, all on 127.0.0.1.
 
     python tools/stack.py up [s3|ray|airflow ...]     start (idempotent, health-checked)
-    python tools/stack.py down [s3|ray|airflow ...]   stop what `up` started (S3 saved to a snapshot first)
+    python tools/stack.py down [s3|ray|airflow ...]   stop what `up` started (S3's objects stay on disk)
     python tools/stack.py status                      one line per process: state, pid, URL
     python tools/stack.py env                         `export K=V` lines: eval "$(python tools/stack.py env)"
 
@@ -15,14 +15,19 @@ Every process started here gets its own session (process group); its PID file is
 $RLHF_SCRATCH/pids/<name>.pid and its output $RLHF_SCRATCH/logs/<name>.log. `down` signals only those
 PIDs (and their descendants); it never runs `ray stop`, which would stop every Ray on the machine.
 
-Only the standard library, psutil and (for the S3 snapshot) boto3 are imported, so test fixtures and
+The S3 emulator (tools/s3_server.py) writes every object through to $RLHF_SCRATCH/s3-data before it
+answers, so nothing committed is lost when it stops or dies.
+
+Only the standard library, psutil and (for S3 clients) boto3 are imported, so test fixtures and
 tools/demo.py can import this module cheaply.
 """
 from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import json
 import os
@@ -140,7 +145,13 @@ class Config:
         return self.scratch / "airflow"
 
     @property
+    def s3_data(self) -> Path:
+        """Where the S3 emulator keeps its objects (tools/s3_server.py writes through to it)."""
+        return self.scratch / "s3-data"
+
+    @property
     def snapshot(self) -> Path:
+        """Where `down` saved S3 before the emulator wrote through to disk: migrated once by `up`."""
         return self.scratch / "s3-snapshot"
 
     @property
@@ -287,14 +298,23 @@ def airflow_login(scratch: Path) -> tuple[str, str]:
     return USERNAME, password
 
 
-def conn_s3(endpoint: str, bucket: str = "rlhf-flow", region: str = "us-east-1") -> str:
+def s3_keys(scratch: Path) -> tuple[str, str]:
+    """The embedded S3's access key id and secret, made once per stack. The emulator accepts any pair; a
+    secret of its own lets a test prove that it never reaches Ray's API or logs."""
+    secrets_dir = Path(scratch) / "secrets"
+    return (_secret(secrets_dir / "s3_access_key_id", lambda: "RLHF" + secrets.token_hex(8).upper()),
+            _secret(secrets_dir / "s3_secret_access_key", lambda: secrets.token_urlsafe(30)))
+
+
+def conn_s3(endpoint: str, bucket: str = "rlhf-flow", region: str = "us-east-1",
+            keys: tuple[str, str] = ("testing", "testing")) -> str:
     """AIRFLOW_CONN_RLHF_S3: an aws connection to the S3 emulator; its extra `bucket` is the pipeline's
     default bucket (the DAG's `bucket` Param left empty)."""
     return json.dumps(
         {
             "conn_type": "aws",
-            "login": "testing",
-            "password": "testing",
+            "login": keys[0],
+            "password": keys[1],
             "extra": {"endpoint_url": endpoint, "region_name": region, "bucket": bucket},
         }
     )
@@ -325,6 +345,7 @@ def stack_env(
     s3 = f"http://{LOOPBACK}:{s3_port}"
     airflow_url = f"http://{LOOPBACK}:{airflow_port}"
     _, _ = airflow_login(scratch)  # make sure the passwords file exists before any Airflow process reads it
+    key_id, secret = s3_keys(scratch)
     env = {
         # The stack's own settings, for DAGs, stages and scripts that want them.
         "RLHF_SCRATCH": str(scratch),
@@ -334,8 +355,8 @@ def stack_env(
         "RLHF_RAY_DASHBOARD_PORT": str(dashboard_port),
         "RLHF_BUCKET": bucket,
         # S3: Ray nodes and Airflow get it from their own environment, never from a job's runtime_env.
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_ACCESS_KEY_ID": key_id,
+        "AWS_SECRET_ACCESS_KEY": secret,
         "AWS_DEFAULT_REGION": "us-east-1",
         "AWS_ENDPOINT_URL_S3": s3,
         # Offline ML stack.
@@ -382,7 +403,7 @@ def stack_env(
         "AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "10",
         "AIRFLOW__SCHEDULER__ENABLE_HEALTH_CHECK": "False",
         # Connections come from the environment, never from the UI or the database.
-        "AIRFLOW_CONN_RLHF_S3": conn_s3(s3, bucket),
+        "AIRFLOW_CONN_RLHF_S3": conn_s3(s3, bucket, keys=(key_id, secret)),
         "AIRFLOW_CONN_RLHF_RAY": conn_ray(dashboard_port),
     }
     return env
@@ -608,11 +629,12 @@ def s3_client(cfg: Config):
     import boto3
     from botocore.config import Config as BotoConfig
 
+    key_id, secret = s3_keys(cfg.scratch)
     return boto3.client(
         "s3",
         endpoint_url=cfg.s3_endpoint,
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
+        aws_access_key_id=key_id,
+        aws_secret_access_key=secret,
         region_name="us-east-1",
         config=BotoConfig(retries={"max_attempts": 2}, connect_timeout=3, read_timeout=60),
     )
@@ -842,65 +864,12 @@ def reserialize(cfg: Config, env: dict[str, str] | None = None) -> None:
                env or process_env(cfg), timeout=300)  # fmt: skip
 
 
-# S3 snapshot ----------------------------------------------------------------------------------------
+# S3 -----------------------------------------------------------------------------------------------
 
 
-def _safe_relpath(key: str) -> bool:
-    parts = key.split("/")
-    return bool(key) and not key.endswith("/") and all(p not in ("", ".", "..") for p in parts) and "\0" not in key
-
-
-def save_snapshot(cfg: Config) -> tuple[int, int]:
-    """Copy every bucket's objects to <scratch>/s3-snapshot/ (replaced atomically). Returns (objects, bytes).
-
-    Layout: <bucket>/<key> where the key is a plain relative path, else .keys/<sha256>; manifest.json lists
-    every bucket (empty ones too) and object with its content type and metadata.
-    """
-    s3 = s3_client(cfg)
-    new = cfg.scratch / "s3-snapshot.new"
-    shutil.rmtree(new, ignore_errors=True)
-    new.mkdir(parents=True)
-    manifest: dict[str, Any] = {"saved_at": time.time(), "endpoint": cfg.s3_endpoint, "buckets": {}}
-    count = size = 0
-    for b in s3.list_buckets().get("Buckets", []):
-        bucket = b["Name"]
-        objects = manifest["buckets"][bucket] = []
-        for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket):
-            for obj in page.get("Contents", []):
-                key = obj["Key"]
-                rel = Path(bucket) / key if _safe_relpath(key) else None
-                if rel is not None and any((new / p).is_file() for p in list(rel.parents)[:-1]) or (
-                    rel is not None and (new / rel).exists()
-                ):
-                    rel = None
-                if rel is None:
-                    rel = Path(".keys") / hashlib.sha256(f"{bucket}/{key}".encode()).hexdigest()
-                dest = new / rel
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                head = s3.head_object(Bucket=bucket, Key=key)
-                s3.download_file(bucket, key, str(dest))
-                objects.append(
-                    {
-                        "key": key,
-                        "file": str(rel),
-                        "size": obj["Size"],
-                        "content_type": head.get("ContentType"),
-                        "metadata": head.get("Metadata") or {},
-                    }
-                )
-                count += 1
-                size += obj["Size"]
-    _atomic_write(new / "manifest.json", json.dumps(manifest, indent=1) + "\n")
-    old = cfg.scratch / "s3-snapshot.old"
-    shutil.rmtree(old, ignore_errors=True)
-    if cfg.snapshot.exists():
-        cfg.snapshot.rename(old)
-    new.rename(cfg.snapshot)
-    shutil.rmtree(old, ignore_errors=True)
-    return count, size
-
-
-def restore_snapshot(cfg: Config) -> tuple[int, int]:
+def migrate_snapshot(cfg: Config) -> tuple[int, int]:
+    """Load a snapshot an older `down` saved into the running emulator (which writes it to s3-data),
+    then rename it to s3-snapshot.migrated. Returns (objects, bytes); (0, 0) when there is none."""
     manifest_path = cfg.snapshot / "manifest.json"
     if not manifest_path.exists():
         return 0, 0
@@ -918,6 +887,7 @@ def restore_snapshot(cfg: Config) -> tuple[int, int]:
             s3.upload_file(str(cfg.snapshot / obj["file"]), bucket, obj["key"], ExtraArgs=extra)
             count += 1
             size += obj.get("size", 0)
+    cfg.snapshot.rename(cfg.scratch / "s3-snapshot.migrated")
     return count, size
 
 
@@ -967,7 +937,8 @@ def up(cfg: Config, components: Iterable[str] = ORDER) -> None:
     if "s3" in wanted:
         if need(["s3"]):
             check_free({"RLHF_S3_PORT": cfg.s3_port})
-            proc = launch(cfg, "s3", [str(BIN / "moto_server"), "-H", LOOPBACK, "-p", str(cfg.s3_port)], env)
+            proc = launch(cfg, "s3", [str(BIN / "python"), str(REPO / "tools" / "s3_server.py"), "--host", LOOPBACK,
+                                      "--port", str(cfg.s3_port), "--data", str(cfg.s3_data)], env)
             started["s3"] = {"s3": proc}
         else:
             kept["s3"] = {"s3": running(cfg, "s3")}
@@ -1017,8 +988,9 @@ def up(cfg: Config, components: Iterable[str] = ORDER) -> None:
             ensure_bucket(cfg)
             note = ""
             if fresh:
-                n, size = restore_snapshot(cfg)
-                note = f", restored {n} objects ({_mb(size)}) from {cfg.snapshot}" if n else ""
+                n, size = migrate_snapshot(cfg)
+                note = f", migrated {n} objects ({_mb(size)}) from {cfg.snapshot}" if n else ""
+                note += f", objects in {cfg.s3_data}"
             say(f"s3       {'started' if fresh else 'already running'}: {cfg.s3_endpoint} bucket {cfg.bucket} "
                 f"(pid {pids}){note}{since()}")  # fmt: skip
         elif comp == "ray":
@@ -1033,8 +1005,8 @@ def up(cfg: Config, components: Iterable[str] = ORDER) -> None:
     say(f"stack up in {time.monotonic() - t0:.1f}s (scratch {cfg.scratch}; logs in {cfg.logs})")
 
 
-def down(cfg: Config, components: Iterable[str] = ORDER, snapshot: bool = True, force: bool = False) -> None:
-    """Stop only the processes recorded in the PID files: Airflow, then Ray, then S3 (saved first)."""
+def down(cfg: Config, components: Iterable[str] = ORDER) -> None:
+    """Stop only the processes recorded in the PID files: Airflow, then Ray, then S3."""
     wanted = set(components)
     if not any(running(cfg, n) for c in wanted for n in COMPONENTS[c]):
         say(f"nothing running in {cfg.scratch}")
@@ -1048,19 +1020,6 @@ def down(cfg: Config, components: Iterable[str] = ORDER, snapshot: bool = True, 
                 pid_file(cfg, name).unlink(missing_ok=True)
             else:
                 procs[name] = proc
-        if comp == "s3" and snapshot and procs:
-            try:
-                t = time.monotonic()
-                n, size = save_snapshot(cfg)
-                say(f"s3       saved {n} objects ({_mb(size)}) to {cfg.snapshot} in {time.monotonic() - t:.1f}s")
-            except Exception as e:  # noqa: BLE001 - anything that would lose the data
-                if not force:
-                    raise StackError(
-                        f"could not save S3 to {cfg.snapshot} ({type(e).__name__}: {e}); S3 left running: "
-                        "retry, or `down --force` to stop it anyway"
-                    ) from None
-                say(f"s3       snapshot failed ({e}); stopping anyway (--force)")
-
         def stop(name: str, proc: psutil.Process) -> None:
             t = time.monotonic()
             stop_process(proc.pid)
@@ -1099,6 +1058,20 @@ def status(cfg: Config) -> bool:
     return ok_all
 
 
+@contextlib.contextmanager
+def stack_lock(cfg: Config):
+    """One `up` or `down` of a stack at a time: two at once would both start (or stop) the same parts and
+    leave it half up. The second waits for the first, then finds what it left."""
+    cfg.scratch.mkdir(parents=True, exist_ok=True)
+    with open(cfg.scratch / "stack.lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            say(f"waiting for another `up` or `down` of {cfg.scratch} to finish")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def print_env(cfg: Config) -> None:
     env = cfg.env()
     env["RAY_ADDRESS"] = cfg.dashboard_url  # for `ray job submit/list` from a shell; not given to the stack
@@ -1113,8 +1086,6 @@ def main(argv: list[str] | None = None) -> int:
     p_up.add_argument("components", nargs="*", metavar="{s3,ray,airflow}", help="default: all")
     p_down = sub.add_parser("down", help="stop what up started")
     p_down.add_argument("components", nargs="*", metavar="{s3,ray,airflow}", help="default: all")
-    p_down.add_argument("--no-snapshot", action="store_true", help="do not save S3 before stopping it")
-    p_down.add_argument("--force", action="store_true", help="stop S3 even if saving it fails")
     sub.add_parser("status", help="show each process")
     sub.add_parser("env", help="print export lines for the stack's environment")
     p_rs = sub.add_parser("reserialize", help="airflow dags reserialize against the running stack")
@@ -1125,9 +1096,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown component {bad[0]!r} (choose from {', '.join(ORDER)})")
     try:
         if args.cmd == "up":
-            up(config_for_up(), args.components or ORDER)
+            cfg = config_for_up()
+            with stack_lock(cfg):
+                up(cfg, args.components or ORDER)
         elif args.cmd == "down":
-            down(current_config(), args.components or ORDER, snapshot=not args.no_snapshot, force=args.force)
+            cfg = current_config()
+            with stack_lock(cfg):
+                down(cfg, args.components or ORDER)
         elif args.cmd == "status":
             status(current_config())
         elif args.cmd == "env":

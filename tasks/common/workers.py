@@ -26,7 +26,9 @@ time a method runs, `torch.distributed` and DeepSpeed are ready.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import shutil
 import socket
 import tempfile
@@ -38,13 +40,22 @@ from typing import Any, Sequence
 from tasks.common.config import ConfigError
 
 # Environment a worker process needs from the driver: the raylet started it with its own, which
-# lacks what a test or a job set for the driver (caches, S3 endpoint and keys, offline flags).
+# lacks what a test or a job set for the driver (caches, S3 endpoint, offline flags).
 FORWARDED_ENV_PREFIXES = ("RLHF_", "AWS_", "HF_", "WANDB_", "TRANSFORMERS_", "TORCH_EXTENSIONS_DIR", "PYTHONPATH",
                           "TOKENIZERS_PARALLELISM", "DS_")
+# Never forwarded, whatever the prefix: a runtime_env is readable by anyone who reaches Ray's dashboard
+# (its actor API shows it) and is written to Ray's logs. Workers inherit credentials from their node.
+SECRET_ENV = re.compile(r"SECRET|PASSWORD|PASSWD|TOKEN|CREDENTIAL|ACCESS_KEY|PRIVATE_KEY|SESSION_KEY|API_KEY", re.I)
 # Set per node on its `ray start`, never copied from the driver: where that node's workers write.
 NODE_SCRATCH_ENV = "RLHF_NODE_SCRATCH"
 NOT_FORWARDED = (NODE_SCRATCH_ENV,)
 PLACEMENT_TIMEOUT_S = float(os.environ.get("RLHF_PLACEMENT_TIMEOUT_S", "60"))
+
+
+def forwarded_env(environ: dict[str, str]) -> dict[str, str]:
+    """What a worker actor's runtime_env carries from the driver's environment: no secret."""
+    return {k: v for k, v in environ.items()
+            if k.startswith(FORWARDED_ENV_PREFIXES) and k not in NOT_FORWARDED and not SECRET_ENV.search(k)}
 
 
 def connect_ray() -> None:
@@ -263,7 +274,7 @@ class WorkerGroup:
 
         self.name, self.placement, self.world_size = name, placement, placement.size
         resources = {"num_cpus": fraction, "num_gpus": fraction if placement.use_gpu else 0}
-        env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIXES) and k not in NOT_FORWARDED}
+        env = forwarded_env(os.environ)
         options = [dict(resources, runtime_env={"env_vars": env},
                         scheduling_strategy=PlacementGroupSchedulingStrategy(placement.group, placement_group_bundle_index=r))
                    for r in range(self.world_size)]
@@ -283,6 +294,7 @@ class WorkerGroup:
         else:
             init_method = f"tcp://{addresses[0][1]}:{addresses[0][2]}"
         self.rendezvous = init_method.split(":", 1)[0]
+        self._rendezvous_file = init_method.removeprefix("file://") if self.rendezvous == "file" else None
         per_node = max(nodes.count(n) for n in nodes)
         threads = max(1, (os.cpu_count() or 1) // per_node)
 
@@ -316,6 +328,9 @@ class WorkerGroup:
 
         for w in self.workers:
             ray.kill(w)
+        if self._rendezvous_file:  # torch's file store leaves it behind
+            with contextlib.suppress(OSError):
+                os.unlink(self._rendezvous_file)
 
 
 @contextmanager
