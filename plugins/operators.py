@@ -6,11 +6,12 @@ manifest URI, never data.
 """
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import re
 import shlex
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -46,6 +47,12 @@ OUTPUT_ROOT = "s3://" + BUCKET + "/{{ params.prefix }}"
 SUBMISSION_ID_KEY = "ray_submission_id"
 #: ... and the cache key of the work that job was submitted for (the code may change before it ends).
 CACHE_KEY_KEY = "cache_key"
+
+#: What a stage prints as its last line when it stops on something only its input can fix (bad config,
+#: missing or corrupt data: tasks/common/stage.py), and the exit status it then has. Such a failure would
+#: fail again the same way, so it is not retried.
+STAGE_ERROR_PREFIX = "error: "
+INPUT_ERROR_EXIT = 2
 
 _FLAG_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
 _MAX_SUBMISSION_ID = 120
@@ -112,15 +119,52 @@ def build_entrypoint(module: str, output: str, run_id: str, args: Mapping[str, A
     return shlex.join(argv)
 
 
+def stage_cause(log: str) -> str | None:
+    """The one-line cause a stage printed before exiting (``error: …``, tasks/common/stage.py), if any."""
+    for line in reversed(log.splitlines()):
+        if line.startswith(STAGE_ERROR_PREFIX):
+            return line[len(STAGE_ERROR_PREFIX):].strip()
+    return None
+
+
 def failure_message(event: Mapping[str, Any], submission_id: str | None = None) -> str:
-    """One line of cause (job, status, Ray's message), then the last lines of the driver log."""
+    """One line of cause, then the last lines of the driver log. The line is the stage's own cause when it
+    printed one (with the job's id and status after it), else the job's status and Ray's message."""
     sid = event.get("submission_id") or submission_id
-    message = " ".join(str(event.get("message") or "").split())
-    if len(message) > 300:
-        message = message[:297] + "..."
-    cause = f"Ray job {sid} {event.get('status')}" + (f": {message}" if message else "")
-    tail = event.get("log_tail") or "(empty driver log)"
-    return f"{cause}\n--- last lines of the driver log ---\n{tail}"
+    tail = event.get("log_tail") or ""
+    cause = stage_cause(tail)
+    if cause:
+        exit_code = event.get("exit_code")
+        headline = f"{cause} (Ray job {sid} {event.get('status')}" + (f", exit code {exit_code})" if exit_code is not None else ")")
+    else:
+        message = " ".join(str(event.get("message") or "").split())
+        if len(message) > 300:
+            message = message[:297] + "..."
+        headline = f"Ray job {sid} {event.get('status')}" + (f": {message}" if message else "")
+    return f"{headline}\n--- last lines of the driver log ---\n{tail or '(empty driver log)'}"
+
+
+def unknown_conf(conf: Mapping[str, Any], known: Iterable[str]) -> str | None:
+    """A one-line refusal naming the run conf's keys that are not Params of the DAG (a typo would otherwise
+    run the default silently), each with the closest Param name; None when every key is known."""
+    known = sorted(known)
+    bad = sorted(k for k in conf if k not in known)
+    if not bad:
+        return None
+    named = []
+    for key in bad:
+        close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+        named.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    return (f"conf key{'s' if len(bad) > 1 else ''} {', '.join(named)} {'are' if len(bad) > 1 else 'is'} not "
+            "Params of this DAG: fix the name and trigger again (the trigger form lists every Param)")
+
+
+def cleared_by_user(try_number: int, max_tries: int, retries: int) -> bool:
+    """Whether this try is the first after a clear (the UI's Clear, the REST API's clearTaskInstances,
+    `airflow tasks clear`). A clear starts a new budget of tries: Airflow sets max_tries to the last try
+    number plus the task's retries, so the new budget's first try is ``max_tries - retries + 1``, which
+    a run's very first try (1) also is. An automatic retry, or the same try restarted, comes later."""
+    return try_number > 1 and try_number == max_tries - retries + 1
 
 
 def as_bool(value: Any) -> bool:
@@ -250,11 +294,13 @@ class RayJobOperator(BaseOperator):
     # ------------------------------------------------------------------ S3 (manifests, cache index, logs)
 
     def _s3(self, action: str, uri: str, fn, *args, **kwargs):
-        """Call an S3Hook method; a failure becomes one line naming the URI, not a botocore traceback."""
+        """Call an S3Hook method (by name, or a function given the hook); a failure becomes one line naming
+        the URI, not a botocore traceback."""
         from airflow.providers.amazon.aws.hooks.s3 import S3Hook
 
         try:
-            return getattr(S3Hook(aws_conn_id=self.aws_conn_id), fn)(*args, **kwargs)
+            hook = S3Hook(aws_conn_id=self.aws_conn_id)
+            return fn(hook, *args, **kwargs) if callable(fn) else getattr(hook, fn)(*args, **kwargs)
         except Exception as exc:  # botocore's errors have no common base worth naming here
             cause = " ".join(str(exc).split())[:300] or type(exc).__name__
             raise AirflowException(f"S3 ({self.aws_conn_id}): cannot {action} {uri}: {cause}") from exc
@@ -281,12 +327,32 @@ class RayJobOperator(BaseOperator):
         return stage_cache.cache_key(self.module, args, inputs, code)
 
     def cache_lookup(self, key: str) -> str | None:
-        """The manifest a completed run with this key produced, if it is still there."""
+        """The manifest a completed run with this key produced, if it is still there and its files still
+        are what it committed (a changed one makes the lookup a miss: the stage is computed again)."""
         index = stage_cache.index_uri(self.output_root, key)
         if not self.manifest_exists(index):
             return None
         manifest = self.read_json(index).get("manifest", "")
-        return manifest if manifest and self.manifest_exists(manifest) else None
+        if not manifest or not self.manifest_exists(manifest):
+            return None
+        problems = self.output_problems(manifest)
+        if problems:
+            self.log.warning("Cache entry %s points at %s, whose files changed since they were committed (%s): "
+                             "not reusing it", key, manifest, "; ".join(problems[:3]))
+            return None
+        return manifest
+
+    def output_problems(self, manifest: str) -> list[str]:
+        """How a committed output's folder differs from its manifest (sizes and S3's ETags; see
+        stage_cache.mismatches); empty when it is whole."""
+        files = self.read_json(manifest).get("files")
+        if not isinstance(files, dict):  # not a stage manifest: nothing to check against
+            return []
+        folder = manifest.removesuffix("manifest.json")
+        bucket, prefix = folder.removeprefix("s3://").split("/", 1)
+        listing = self._s3("list", folder, lambda hook: list(hook.iter_file_metadata(prefix, bucket)))
+        stored = {obj["Key"][len(prefix):]: (obj["Size"], obj.get("ETag", "")) for obj in listing}
+        return stage_cache.mismatches(files, stored)
 
     # ------------------------------------------------------------------ results
 
@@ -334,16 +400,20 @@ class RayJobOperator(BaseOperator):
 
     # ------------------------------------------------------------------ execution
 
-    def _find_job(self, hook: RayJobHook, base: str, try_number: int, manifest: str, stored: str | None = None) -> tuple[str, str]:
+    def _find_job(self, hook: RayJobHook, base: str, try_number: int, manifest: str, stored: str | None = None,
+                  recompute: bool = False) -> tuple[str, str]:
         """Decide what this attempt does. Returns (action, submission_id); action in submit/reattach/done.
 
-        ``stored`` is the id an earlier attempt kept in the task state store; it is looked at first.
+        ``stored`` is the id an earlier attempt kept in the task state store; it is looked at first. With
+        ``recompute`` (a user's clear) a succeeded job is not taken as the result; a live one still is
+        followed, so that one output never has two jobs writing it.
         """
+        result = None if recompute else self._whole_result(manifest)
         if stored and stored != base:
             info = hook.get_job_info(stored)
             if info is not None and self._status(info) in LIVE_STATUSES:
                 return "reattach", stored
-            if info is not None and self._status(info) == "SUCCEEDED" and self.manifest_exists(manifest):
+            if info is not None and self._status(info) == "SUCCEEDED" and result:
                 return "done", stored
         info = hook.get_job_info(base)
         if info is None:
@@ -351,9 +421,11 @@ class RayJobOperator(BaseOperator):
         status = self._status(info)
         if status in LIVE_STATUSES:
             return "reattach", base
-        if status == "SUCCEEDED" and self.manifest_exists(manifest):
+        if status == "SUCCEEDED" and result:
             return "done", base
-        self.log.info("Earlier job %s ended %s%s", base, status, "" if status != "SUCCEEDED" else " without a manifest")
+        self.log.info("Earlier job %s ended %s%s", base, status,
+                      "" if status != "SUCCEEDED" else " (its result is recomputed)" if recompute or result is False
+                      else " without a manifest")
 
         # The base job ended without a result: later attempts run under "{base}-try{n}". Look at those too,
         # so a retry after a worker crash finds the job an earlier retry left running.
@@ -366,7 +438,7 @@ class RayJobOperator(BaseOperator):
             if self._status(job) in LIVE_STATUSES:
                 return "reattach", job.submission_id
         succeeded = [j for j in attempts if self._status(j) == "SUCCEEDED"]
-        if succeeded and self.manifest_exists(manifest):
+        if succeeded and result:
             return "done", succeeded[-1].submission_id
         taken = {j.submission_id for j in attempts}
         sid = f"{base}-try{try_number}"
@@ -376,16 +448,42 @@ class RayJobOperator(BaseOperator):
             n += 1
         return "submit", sid
 
+    def _whole_result(self, manifest: str) -> bool | None:
+        """True when this task's own output is committed and whole; None when it has no manifest; False
+        when its files changed since (then it is computed again, the stage's commit moving the old aside)."""
+        if not self.manifest_exists(manifest):
+            return None
+        problems = self.output_problems(manifest)
+        if problems:
+            self.log.warning("The committed output at %s changed since it was written (%s): computing it again",
+                             manifest, "; ".join(problems[:3]))
+        return not problems
+
+    def check_conf(self, context: Context) -> None:
+        """Refuse a run whose conf names a key that is not a Param of the DAG, before any job."""
+        dag_run, dag = context.get("dag_run"), context.get("dag")
+        conf = getattr(dag_run, "conf", None) or {}
+        if conf and dag is not None:
+            refusal = unknown_conf(conf, dag.params.keys())
+            if refusal:
+                raise AirflowFailException(refusal)
+
     def execute(self, context: Context) -> str:
+        self.check_conf(context)
         dag_id, run_id, task_id, _ = self._ids(context)
-        try_number = int(getattr(context["ti"], "try_number", 1) or 1)
+        ti = context["ti"]
+        try_number = int(getattr(ti, "try_number", 1) or 1)
+        recompute = cleared_by_user(try_number, int(getattr(ti, "max_tries", 0) or 0), int(self.retries or 0))
         output = self.output_uri(context)
         manifest = f"{output}/manifest.json"
         base = self.base_submission_id(context)
         hook = RayJobHook(self.ray_conn_id)
 
         key = self.cache_key()
-        if self.cache_on():
+        if recompute:
+            self.log.info("Cleared by a user (try %s starts a new budget): computing the stage again, "
+                          "neither the cache nor an earlier result is reused", try_number)
+        elif self.cache_on():
             hit = self.cache_lookup(key)
             if hit:
                 self.log.info("Cache hit: key %s was computed by %s; not running the stage", key, hit)
@@ -393,7 +491,8 @@ class RayJobOperator(BaseOperator):
             self.log.info("Cache miss: key %s", key)
 
         state = context.get("task_state_store")
-        action, sid = self._find_job(hook, base, try_number, manifest, state.get(SUBMISSION_ID_KEY) if state else None)
+        action, sid = self._find_job(hook, base, try_number, manifest, state.get(SUBMISSION_ID_KEY) if state else None,
+                                     recompute=recompute)
         self.submission_id = sid
         context["ti"].xcom_push(key=RAY_JOB_URL_KEY, value=hook.dashboard_url(sid))
         if action == "done":
@@ -464,6 +563,9 @@ class RayJobOperator(BaseOperator):
             raise AirflowFailException(
                 f"Ray job {sid} ran past the stage deadline of {self.deadline_minutes} minutes and was stopped: "
                 f"{event.get('message')} (raise the deadline Param to allow longer stages)")
+        if status == "FAILED" and event.get("exit_code") == INPUT_ERROR_EXIT:
+            # The stage refused its input (config, data, verification): a retry would fail the same way.
+            raise AirflowFailException(failure_message(event, sid))
         raise AirflowException(failure_message(event, sid))
 
     def on_kill(self) -> None:

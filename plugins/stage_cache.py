@@ -61,3 +61,24 @@ def cache_key(module: str, args: Mapping[str, str], input_digests: Mapping[str, 
 
 def index_uri(output_root: str, key: str) -> str:
     return f"{output_root.rstrip('/')}/cache/{key}.json"
+
+
+def mismatches(files: Mapping[str, Mapping[str, Any]], stored: Mapping[str, tuple[int, str]]) -> list[str]:
+    """Why a committed output cannot be reused as it is: one entry per file of the manifest's ``files``
+    table ({path: {"size", "sha256", "etag"}}) that is missing from ``stored`` ({path: (size, etag)}, a
+    listing of the output folder) or differs from it in size or ETag. Empty when everything matches.
+
+    The ETag is what S3 computes from the bytes it holds (a manifest written before ETags were recorded
+    is checked on sizes only); the sha256 needs the bytes and is checked by every stage that reads them.
+    """
+    problems = []
+    for rel, entry in sorted(files.items()):
+        if rel not in stored:
+            problems.append(f"{rel} is missing")
+            continue
+        size, etag = stored[rel]
+        if entry.get("size") is not None and int(entry["size"]) != int(size):
+            problems.append(f"{rel} has {size} bytes, the manifest says {entry['size']}")
+        elif entry.get("etag") and entry["etag"] != etag:
+            problems.append(f"{rel} changed since it was committed (ETag {etag}, the manifest says {entry['etag']})")
+    return problems

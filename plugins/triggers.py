@@ -41,7 +41,8 @@ def log_tail(logs: str, n: int = LOG_TAIL_LINES) -> str:
 class RayJobTrigger(BaseTrigger):
     """Poll a Ray job until it ends; log the driver's new log lines on every poll.
 
-    Fires one event: ``{"status", "submission_id", "message", "log_tail"}``; ``status`` is Ray's terminal
+    Fires one event: ``{"status", "submission_id", "message", "log_tail", "exit_code"}`` (the driver's exit
+    status when Ray knows it, else None); ``status`` is Ray's terminal
     status (SUCCEEDED, FAILED, STOPPED), or MISSING when Ray does not know the job, or UNREACHABLE when
     Ray could not be reached for ``unreachable_grace_s`` seconds, or DEADLINE when the job ran longer
     than ``deadline_s`` and was stopped. The deadline is enforced here, not by ``execution_timeout``,
@@ -92,13 +93,14 @@ class RayJobTrigger(BaseTrigger):
         for line in lines:
             self.log.info("[ray %s] %s", self.submission_id, line)
 
-    def _event(self, status: str, message: str, logs: str) -> TriggerEvent:
+    def _event(self, status: str, message: str, logs: str, exit_code: int | None = None) -> TriggerEvent:
         return TriggerEvent(
             {
                 "status": status,
                 "submission_id": self.submission_id,
                 "message": message,
                 "log_tail": log_tail(logs),
+                "exit_code": exit_code,
             }
         )
 
@@ -143,7 +145,7 @@ class RayJobTrigger(BaseTrigger):
                 last_status = status
             if terminal:
                 message = str(info.get("message") or "")
-                yield self._event(status, message, logs)
+                yield self._event(status, message, logs, info.get("driver_exit_code"))
                 return
             ran_s = time.time() - float(info.get("start_time") or time.time() * 1000) / 1000
             if self.deadline_s is not None and ran_s > self.deadline_s:

@@ -23,6 +23,8 @@ from plugins.hooks import RayJobHook, RayUnreachableError
 from plugins.operators import (
     RayJobOperator,
     build_entrypoint,
+    cleared_by_user,
+    unknown_conf,
     failure_message,
     key_safe,
     output_uri_for,
@@ -49,7 +51,12 @@ p.add_argument("--message", default="hi")
 p.add_argument("--sleep", type=float, default=0.0)
 p.add_argument("--fail", default="false")
 p.add_argument("--manifest", default="true")
+p.add_argument("--refuse", default="")
 a, rest = p.parse_known_args()
+if a.refuse:  # what tasks/common/stage.py does with input it cannot use
+    print("checking the input", flush=True)
+    print(f"error: {a.refuse}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
 print(f"stage starting run_id={a.run_id} extra={rest}", flush=True)
 for i in range(3):
     print(f"driver line {i} message={a.message}", flush=True)
@@ -63,10 +70,11 @@ if a.fail == "true":
     raise SystemExit("boom: failing on purpose")
 bucket, _, key = a.output[len("s3://"):].partition("/")
 s3 = boto3.client("s3")
-s3.put_object(Bucket=bucket, Key=f"{key}/result.txt", Body=a.message.encode())
+put = s3.put_object(Bucket=bucket, Key=f"{key}/result.txt", Body=a.message.encode())
+files = {"result.txt": {"size": len(a.message.encode()), "etag": put["ETag"]}}
 if a.manifest == "true":
     s3.put_object(Bucket=bucket, Key=f"{key}/manifest.json",
-                  Body=json.dumps({"files": ["result.txt"], "argv": sys.argv[1:]}).encode())
+                  Body=json.dumps({"files": files, "argv": sys.argv[1:]}).encode())
 print("final line without newline", end="")
 '''
 
@@ -414,6 +422,10 @@ def test_failure_message_is_one_line_cause_plus_tail():
     first, *rest = msg.splitlines()
     assert first == "Ray job sid-1 STOPPED: Job was intentionally stopped."
     assert rest == ["--- last lines of the driver log ---", "line a", "line b"]
+    # A stage that said why it stopped: its line first.
+    msg = failure_message({"status": "FAILED", "submission_id": "sid-2", "message": "Job entrypoint command failed",
+                           "exit_code": 2, "log_tail": "sft: config {}\nerror: no dataset at s3://b/d: check the URI"})
+    assert msg.splitlines()[0] == "no dataset at s3://b/d: check the URI (Ray job sid-2 FAILED, exit code 2)"
 
 
 def test_succeeded_without_manifest_fails(env, capfd):
@@ -424,21 +436,73 @@ def test_succeeded_without_manifest_fails(env, capfd):
     assert "succeeded but wrote no manifest at s3://" in text
 
 
-def test_rerun_with_same_ids_returns_without_a_second_job(env, capfd):
+def test_an_attempt_that_finds_its_job_succeeded_returns_without_a_second_job(env, capfd):
+    # An earlier attempt's job succeeded and wrote its manifest, and that attempt's worker died before it
+    # could say so: this attempt takes the result.
     dag = make_dag(env, "optest_rerun", {"message": "once"})
-    dr1 = run_dag(dag, FIXED_DATE)
-    assert ti_states(dr1) == {"job": "success"}
-    sid = submission_id_for("optest_rerun", dr1.run_id, "job")
-    assert len(jobs_with_prefix(env["ray"], sid)) == 1
-    capfd.readouterr()
-
-    dr2 = run_dag(dag, FIXED_DATE)  # same run id: the task runs again
+    sid, output = submit_like_operator(env, "optest_rerun", FIXED_DATE, {"message": "once"})
+    assert wait_status(RayJobHook(), sid, {"SUCCEEDED", "FAILED", "STOPPED"}) == "SUCCEEDED"
+    dr = run_dag(dag, FIXED_DATE)
     text = "".join(capfd.readouterr())
-    assert dr2.run_id == dr1.run_id
-    assert ti_states(dr2) == {"job": "success"}
+    assert ti_states(dr) == {"job": "success"}
     assert "already SUCCEEDED and its manifest exists: not rerunning" in text
-    assert xcom_return(dr2, "job").endswith("/optest_rerun/" + key_safe(dr1.run_id) + "/job/manifest.json")
+    assert xcom_return(dr, "job") == f"{output}/manifest.json"
     assert len(jobs_with_prefix(env["ray"], sid)) == 1
+    # A user's clear computes it again: tests/test_operations.py clears a succeeded task through the REST API.
+
+
+def test_a_committed_output_whose_files_changed_is_computed_again(env, capfd):
+    dag = make_dag(env, "optest_corrupt", {"message": "whole"})
+    sid, output = submit_like_operator(env, "optest_corrupt", FIXED_DATE, {"message": "whole"})
+    assert wait_status(RayJobHook(), sid, {"SUCCEEDED", "FAILED", "STOPPED"}) == "SUCCEEDED"
+    bucket, _, key = output[len("s3://"):].partition("/")
+    env["s3"].client().put_object(Bucket=bucket, Key=f"{key}/result.txt", Body=b"WHOLE")  # same size, other bytes
+    dr = run_dag(dag, FIXED_DATE)  # a retry: it would take the succeeded job's result, were it whole
+    text = "".join(capfd.readouterr())
+    assert ti_states(dr) == {"job": "success"}, text[-3000:]
+    assert "changed since it was written (result.txt changed since it was committed" in text
+    assert len(jobs_with_prefix(env["ray"], sid)) == 2
+    assert env["s3"].client().get_object(Bucket=bucket, Key=f"{key}/result.txt")["Body"].read() == b"whole"
+
+
+def test_refused_input_fails_at_once_with_the_stages_own_cause(env, capfd):
+    dag = make_dag(env, "optest_refuse", {"refuse": "sft_steps: -3 must be at least 1"}, retries=3, retry_delay=0)
+    dr = run_dag(dag)
+    text = "".join(capfd.readouterr())
+    assert ti_states(dr) == {"job": "failed"}, text[-3000:]  # exit status 2: not retried
+    sid = submission_id_for("optest_refuse", dr.run_id, "job")
+    assert f"sft_steps: -3 must be at least 1 (Ray job {sid} FAILED, exit code 2)" in text
+    assert len(jobs_with_prefix(env["ray"], sid)) == 1
+
+
+def test_unknown_conf_keys_are_refused_before_any_job(env, capfd):
+    dag = make_dag(env, "optest_conf", {"message": "{{ params.word }}"})
+    dr = dag.test(run_conf={"wrod": "cat"})
+    text = "".join(capfd.readouterr())
+    assert ti_states(dr) == {"job": "failed"}
+    assert "conf key 'wrod' (did you mean 'word'?) is not Params of this DAG" in text
+    assert jobs_with_prefix(env["ray"], submission_id_for("optest_conf", dr.run_id, "job")) == []
+
+
+def test_conf_and_clear_rules():
+    assert unknown_conf({"sft_steps": 3}, ["sft_steps", "rm_steps"]) is None
+    assert unknown_conf({"sft_step": 3, "zzz": 1}, ["sft_steps", "rm_steps"]) == (
+        "conf keys 'sft_step' (did you mean 'sft_steps'?), 'zzz' are not Params of this DAG: fix the name and "
+        "trigger again (the trigger form lists every Param)")
+    # retries=1: try 1 starts the run's budget; try 2 is its retry; a clear after try 2 makes max_tries 3.
+    assert not cleared_by_user(1, 1, 1) and not cleared_by_user(2, 1, 1)
+    assert cleared_by_user(3, 3, 1) and not cleared_by_user(4, 3, 1)
+    assert cleared_by_user(2, 1, 0)  # retries=0: any later try follows a clear
+
+
+def test_cache_checks_sizes_and_etags():
+    from plugins import stage_cache
+
+    files = {"a": {"size": 3, "sha256": "x", "etag": '"e1"'}, "b": {"size": 5, "sha256": "y"}}
+    assert stage_cache.mismatches(files, {"a": (3, '"e1"'), "b": (5, '"anything"')}) == []
+    assert stage_cache.mismatches(files, {"a": (3, '"e2"'), "b": (4, '"z"')}) == [
+        "a changed since it was committed (ETag \"e2\", the manifest says \"e1\")", "b has 4 bytes, the manifest says 5"]
+    assert stage_cache.mismatches(files, {}) == ["a is missing", "b is missing"]
 
 
 def test_reattaches_to_a_live_job_instead_of_submitting(env, capfd):
@@ -521,6 +585,18 @@ def test_cache_hit_reuses_the_earlier_output_without_a_job(env, capfd):
     assert "Cache hit: key" in text
     assert xcom_return(second, "job") == xcom_return(first, "job")  # the earlier run's manifest
     assert jobs_with_prefix(env["ray"], submission_id_for("optest_cache", second.run_id, "job")) == []
+
+    # The cached output's file changed since it was committed: not reused, computed again.
+    bucket, _, key = xcom_return(first, "job")[len("s3://"):].rpartition("/")[0].partition("/")
+    env["s3"].client().put_object(Bucket=bucket, Key=f"{key}/result.txt", Body=b"tampered")
+    fourth = run_dag(dag)
+    text = "".join(capfd.readouterr())
+    assert ti_states(fourth) == {"job": "success"}
+    assert "whose files changed since they were committed (result.txt has 8 bytes" in text and "Cache miss" in text
+    assert len(jobs_with_prefix(env["ray"], submission_id_for("optest_cache", fourth.run_id, "job"))) == 1
+    fifth = run_dag(dag)  # the recomputed output is indexed: a hit again
+    assert "Cache hit: key" in "".join(capfd.readouterr())
+    assert xcom_return(fifth, "job") == xcom_return(fourth, "job")
 
     # Another flag value is other work: a miss, and a job.
     dag = make_dag(env, "optest_cache", {**args, "message": "other"}, cache=True)

@@ -233,8 +233,11 @@ def test_commit_writes_manifest_last_and_fetch_verifies(s3, prefix, tmp_path):
         watcher.join()
     assert not seen_early
     assert out["uri"] == uri
-    assert out["files"] == {rel: {"size": len(d), "sha256": hashlib.sha256(d).hexdigest()}
+    # Each file with the store's own checksum (ETag): of a single-part upload, the MD5 of its bytes.
+    etags = {o["Key"][len(prefix) + 1:]: o["ETag"] for o in s3.client().list_objects_v2(Bucket=s3.bucket, Prefix=prefix)["Contents"]}
+    assert out["files"] == {rel: {"size": len(d), "sha256": hashlib.sha256(d).hexdigest(), "etag": etags[rel]}
                             for rel, d in files.items()}
+    assert etags["config.json"] == f'"{hashlib.md5(files["config.json"]).hexdigest()}"'
     assert storage.read_json(storage.join(uri, "manifest.json"))["files"] == out["files"]
 
     # Both spellings of the URI read the same manifest, with "uri" the directory.
@@ -269,6 +272,13 @@ def test_recommit_replaces_marker_and_a_failed_one_leaves_none(s3, prefix, tmp_p
     out2 = mf.commit(tmp_path / "out", s3.uri(prefix), mf.build_manifest("sft", "run-2", {}, {}, {}))
     assert out2["files"]["config.json"]["sha256"] != out["files"]["config.json"]["sha256"]
     assert mf.read_manifest(s3.uri(prefix))["run_id"] == "run-2"
+    # The replaced output was set aside whole, its manifest with it: it still verifies.
+    [aside] = {rel.split("/")[0] for rel, _ in storage.list_files(s3.uri(f"{prefix}/superseded"))}
+    old = mf.read_manifest(s3.uri(f"{prefix}/superseded/{aside}"))
+    assert old["run_id"] == "run-1" and old["files"] == out["files"]
+    path, _ = mf.fetch(s3.uri(f"{prefix}/superseded/{aside}"), tmp_path / "old")
+    assert (path / "config.json").read_bytes() == files["config.json"]
+    assert not [rel for rel in out2["files"] if rel.startswith("superseded/")]
     # A recommit that dies half-way must not leave the old manifest vouching for a mix of files.
     dest = tmp_path / "store"
     mf.commit(tmp_path / "out", dest, mf.build_manifest("sft", "run-1", {}, {}, {}))
@@ -400,3 +410,13 @@ def test_a_key_leading_outside_the_folder_is_refused_before_any_download(s3, pre
             storage.inside(dest, rel)
     assert storage.inside(dest, "a/../b/c.txt") == (dest / "b" / "c.txt").resolve()
 
+
+
+def test_a_damaged_stage_output_names_the_task_to_clear(s3, tmp_path):
+    prefix = "p/runs/rlhf_pipeline/manual__2026-12-01T10_00_00+00_00/sft"
+    files, _ = committed(s3, prefix, tmp_path)
+    s3.client().put_object(Bucket=s3.bucket, Key=f"{prefix}/config.json", Body=files["config.json"].upper())
+    with pytest.raises(StorageError) as e:
+        mf.fetch(s3.uri(prefix), tmp_path / "f")
+    assert_one_line(e.value, "sha256 mismatch", "clear task sft of run manual__2026-12-01T10_00_00+00_00 of DAG "
+                    "rlhf_pipeline (Airflow UI: Clear, or `airflow tasks clear rlhf_pipeline -t '^sft$'`)")

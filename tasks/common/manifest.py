@@ -39,6 +39,8 @@ from tasks.common.storage import NotFoundError, StorageError
 
 FORMAT = "rlhf-flow/manifest/v1"
 MANIFEST = "manifest.json"
+#: Where set_aside moves an output that a stage is about to replace (inside the output's folder).
+SUPERSEDED = "superseded"
 RESERVED = ("format", "stage", "run_id", "created_at", "config", "config_hash", "inputs", "input_manifests",
             "metrics", "code_version", "code_digest", "versions", "files", "uri")
 # Versions recorded for reproducibility, the packages that decide a stage's numbers; read from package
@@ -205,18 +207,50 @@ def commit(local_dir: str | os.PathLike, uri: str, manifest: dict, uploaded: dic
     uri = _dir_uri(uri)
     if not root.is_dir():
         raise NotFoundError(f"no local directory {root} to commit to {uri}: write the stage output first", uri)
-    # Remove a previous run's marker first, so readers see "unfinished" while new files land.
-    storage.delete(storage.join(uri, MANIFEST))
+    set_aside(uri)
     files = upload_files(root, uri)
     for rel, entry in (uploaded or {}).items():
         _check_relpath(rel, uri)
         if files.setdefault(rel, entry) != entry:
             raise StorageError(f"{storage.join(uri, rel)} was written twice with different contents: "
                                "give each writer its own file names", uri)
-    files = dict(sorted(files.items()))
+    # The store's own checksum of each file (S3's ETag), so a reuse can check the files without reading
+    # them. A local folder's "ETag" is the sha256 itself (storage.list_files).
+    etags = {rel: etag for rel, _, etag in storage.list_files(uri, etags=True)} if storage.is_s3(uri) else {}
+    files = {rel: {**entry, "etag": etags.get(rel, entry["sha256"])} for rel, entry in sorted(files.items())}
     out = {**manifest, "files": files, "uri": uri}
     storage.write_json(storage.join(uri, MANIFEST), out)
     return out
+
+
+def set_aside(uri: str) -> str | None:
+    """Before a stage writes into ``uri`` again: move the output committed there (its manifest and the
+    files it lists) to ``<uri>/superseded/<UTC time>/``, so that nothing committed is lost and no reader
+    sees a manifest vouch for files being replaced. Returns where it went (None: nothing was committed)."""
+    uri = _dir_uri(uri)
+    marker = storage.join(uri, MANIFEST)
+    if not storage.exists(marker):
+        return None
+    old = storage.read_json(marker)
+    aside = storage.join(uri, SUPERSEDED, datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ"))
+    files = old.get("files") if isinstance(old, dict) and isinstance(old.get("files"), dict) else {}
+    present = {rel for rel, _ in storage.list_files(uri)}
+    storage.parallel_map(lambda rel: storage.copy(storage.join(uri, rel), storage.join(aside, rel)),
+                         [rel for rel in files if rel in present and not rel.startswith(SUPERSEDED + "/")])
+    storage.copy(marker, storage.join(aside, MANIFEST))  # last: it vouches for the copies above
+    storage.delete(marker)  # readers now see "unfinished" while new files land
+    print(f"set aside the output committed at {uri} to {aside}", flush=True)
+    return aside
+
+
+def repair_hint(directory: str) -> str:
+    """What a user does about a stage output whose files no longer match its manifest."""
+    found = re.search(r"/runs/([^/]+)/([^/]+)/([^/]+)/?$", directory)
+    if not found:
+        return "commit that output again (rerun the stage that wrote it)"
+    dag_id, run, task_id = found.groups()
+    return (f"clear task {task_id} of run {run} of DAG {dag_id} (Airflow UI: Clear, or `airflow tasks clear "
+            f"{dag_id} -t '^{task_id}$'`): a cleared stage is computed again; a new run recomputes it by itself")
 
 
 # ---------------------------------------------------------------- reading
@@ -353,19 +387,19 @@ def fetch(uri: str, local_dir: str | os.PathLike, subdir: str | None = None) -> 
                 storage.download_file(src, target)
             except NotFoundError:
                 raise NotFoundError(f"missing {src}: listed in {directory}/{MANIFEST} but not in storage; "
-                                    "rerun the stage that wrote it", src) from None
+                                    f"{repair_hint(directory)}", src) from None
             size = _local_size(target)
             if size != expected["size"]:
                 target.unlink(missing_ok=True)
                 raise StorageError(f"size mismatch for {src}: got {size} bytes, manifest says "
-                                   f"{expected['size']}; the object is truncated or overwritten, rerun the stage",
+                                   f"{expected['size']}; the object is truncated or overwritten: {repair_hint(directory)}",
                                    src)
             sha = file_sha256(target)
             if sha != expected["sha256"]:
                 target.unlink(missing_ok=True)
                 raise StorageError(f"sha256 mismatch for {src}: got {sha[:16]}..., manifest says "
-                                   f"{expected['sha256'][:16]}...; the object is corrupted or overwritten, "
-                                   "rerun the stage", src)
+                                   f"{expected['sha256'][:16]}...; the object is corrupted or overwritten: "
+                                   f"{repair_hint(directory)}", src)
 
         if todo:
             # Until the new set is verified the local marker must not vouch for anything.

@@ -8,7 +8,8 @@
         main("sft", SFTConfig, train)
 
 `main` parses and validates the config before any work, runs the stage, and turns the errors a
-user can fix (bad config, missing or corrupt input) into one line on stderr and exit status 2.
+user can fix (bad config, missing or corrupt input) into one line on stderr and exit status 2 (75
+when the store was only unreachable: worth a retry).
 Outputs are written to a local folder first and committed to `cfg.output` with manifest.json last.
 """
 from __future__ import annotations
@@ -32,10 +33,15 @@ from tasks.common.tracking import MetricsTracker
 
 
 class InjectedFailure(RuntimeError):
-    """The failure --fail_after_step asks for."""
+    """The failure --fail_after_step asks for. It stands for a crash, which a retry may get past."""
+
+    transient = True
 
 
 USER_ERRORS = (ConfigError, StorageError, InjectedFailure)
+#: A stage's exit status when its input must change before it can succeed (plugins/operators.py does not
+#: retry it), and when the same input may succeed later (EX_TEMPFAIL).
+INPUT_ERROR_EXIT, TRY_AGAIN_EXIT = 2, 75
 
 
 class StageRun:
@@ -118,9 +124,10 @@ class StageRun:
 
     def remote_output(self, rel: str) -> str:
         """The URI under --output where workers upload `rel` themselves (a group spanning nodes cannot
-        write into this process's folder); list what they uploaded in commit(uploaded=…). The old
-        manifest goes first, so no reader sees it vouch for files being replaced."""
-        storage.delete(storage.join(self.cfg.output, manifests.MANIFEST))
+        write into this process's folder); list what they uploaded in commit(uploaded=…). An output
+        committed there before is set aside first (manifest.set_aside): no manifest vouches for files
+        being replaced."""
+        manifests.set_aside(self.cfg.output)
         return storage.join(self.cfg.output, rel)
 
     def commit(self, metrics: dict, uploaded: dict | None = None, **extra) -> dict:
@@ -163,5 +170,8 @@ def main(stage: str, config_cls: type, work: Callable, argv: list[str] | None = 
     except USER_ERRORS as error:
         # A worker's error reaches the driver wrapped by Ray (a RayTaskError that is also an
         # instance of the cause's class); the user needs the cause's one line, not the traceback.
-        print(f"error: {getattr(error, 'cause', None) or error}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        cause = getattr(error, "cause", None) or error
+        print(f"error: {cause}", file=sys.stderr, flush=True)
+        # Exit 2 says "fix the input": the orchestrator does not retry it. An unreachable or overloaded
+        # store is worth another try.
+        sys.exit(TRY_AGAIN_EXIT if getattr(cause, "transient", False) else INPUT_ERROR_EXIT)

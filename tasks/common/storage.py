@@ -48,11 +48,13 @@ R = TypeVar("R")
 
 
 class StorageError(Exception):
-    """A storage failure with a one-line message naming the URI and the fix; ``uri`` holds the URI."""
+    """A storage failure with a one-line message naming the URI and the fix; ``uri`` holds the URI.
+    ``transient``: the store was unreachable or overloaded, so trying again later may succeed."""
 
-    def __init__(self, message: str, uri: str | None = None):
+    def __init__(self, message: str, uri: str | None = None, transient: bool = False):
         super().__init__(_one_line(message))
         self.uri = uri
+        self.transient = transient
 
 
 class NotFoundError(StorageError):
@@ -179,7 +181,7 @@ def _wrap(exc: BaseException, uri: str, action: str) -> StorageError:
     if isinstance(exc, (botocore.exceptions.ConnectionError, botocore.exceptions.HTTPClientError)):
         return StorageError(
             f"cannot reach S3 endpoint {endpoint()} for {uri}: {cause} "
-            "(start the S3 service or fix AWS_ENDPOINT_URL_S3)", uri)
+            "(start the S3 service or fix AWS_ENDPOINT_URL_S3)", uri, transient=True)
     if isinstance(exc, botocore.exceptions.NoCredentialsError):
         return StorageError(
             f"no AWS credentials to {action} {uri}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY", uri)
@@ -195,7 +197,9 @@ def _wrap(exc: BaseException, uri: str, action: str) -> StorageError:
         if code in ("403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
             return StorageError(
                 f"access denied to {action} {uri} ({code}): check the AWS_* credentials for {endpoint()}", uri)
-        return StorageError(f"cannot {action} {uri}: {code}: {err.get('Message') or cause}", uri)
+        status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+        busy = status >= 500 or code in ("SlowDown", "Throttling", "ThrottlingException", "RequestTimeout")
+        return StorageError(f"cannot {action} {uri}: {code}: {err.get('Message') or cause}", uri, transient=busy)
     if isinstance(exc, (botocore.exceptions.BotoCoreError, boto3.exceptions.Boto3Error)):
         return StorageError(f"cannot {action} {uri}: {cause}", uri)
     if isinstance(exc, OSError):
@@ -453,6 +457,19 @@ def upload_file(local: str | os.PathLike, uri: str) -> None:
         client().upload_file(str(src), bucket, key, Config=TRANSFER_CONFIG)
     except (*_S3_ERRORS, OSError) as e:
         raise _wrap(e, uri, "upload to") from None
+
+
+def copy(src: str, dst: str) -> None:
+    """Copy one object or file; S3 copies inside the store (the bytes never pass through this process)."""
+    try:
+        if is_s3(src) != is_s3(dst):
+            raise StorageError(f"cannot copy {src} to {dst}: both must be S3 URIs or both local paths", src)
+        if not is_s3(src):
+            return _atomic_copy(local_path(src), local_path(dst))
+        (src_bucket, src_key), (bucket, key) = split_s3(src), split_s3(dst)
+        client().copy({"Bucket": src_bucket, "Key": src_key}, bucket, key, Config=TRANSFER_CONFIG)
+    except (*_S3_ERRORS, OSError) as e:
+        raise _wrap(e, src, f"copy to {dst}") from None
 
 
 def download_file(uri: str, local: str | os.PathLike) -> Path:
