@@ -20,7 +20,7 @@ from airflow.api_fastapi.core_api.security import DagAccessEntity, requires_acce
 from fastapi import Depends, FastAPI, Query
 from fastapi.responses import HTMLResponse
 
-from plugins.reports import BUCKET, PREFIX, _s3, bad, read_object
+from plugins.reports import bad, check_location, check_prefix, check_served, list_pages, read_object, served_buckets
 
 MODEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")  # the model_name Param's pattern
 MAX_CANDIDATES = 100  # newest shown; each costs a few manifest reads
@@ -30,13 +30,20 @@ can_read_runs = Depends(requires_access_dag("GET", DagAccessEntity.RUN))
 
 
 def registry_root(bucket: str, prefix: str, model_name: str) -> str:
-    if not BUCKET.match(bucket):
-        raise bad("bucket", bucket, "is not an S3 bucket name: use 3-63 lowercase letters, digits, '.' and '-'")
-    if not PREFIX.match(prefix) or ".." in prefix.split("/"):
-        raise bad("prefix", prefix, "is not a key prefix: use letters, digits, '.', '_', '-' and '/', no '..' segment")
+    """The registry's folder, after validating each part (formats only; see served_root)."""
+    root = check_location(bucket, prefix)
     if not MODEL.match(model_name):
         raise bad("model_name", model_name, "is not a model name: use letters, digits, '.', '_' and '-'")
-    return "/".join(p for p in (f"s3://{bucket}", prefix.strip("/"), "models", model_name) if p)
+    return f"{root}/models/{model_name}"
+
+
+def served_root(bucket: str | None, prefix: str, model_name: str) -> str:
+    """registry_root in a served bucket (the default when None), under a prefix some run wrote under."""
+    bucket = bucket or served_buckets()[0]
+    root = registry_root(bucket, prefix, model_name)
+    check_served(bucket)
+    check_prefix(prefix, None)
+    return root
 
 
 def _json(uri: str) -> dict | None:
@@ -49,8 +56,7 @@ def _json(uri: str) -> dict | None:
 
 def _list(uri: str) -> list[str]:
     bucket, _, key = uri.removeprefix("s3://").partition("/")
-    pages = _s3().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=key.rstrip("/") + "/")
-    return sorted(f"s3://{bucket}/{o['Key']}" for page in pages for o in page.get("Contents", []) if o["Key"].endswith(".json"))
+    return sorted(f"s3://{bucket}/{k}" for k in list_pages(bucket, key.rstrip("/") + "/") if k.endswith(".json"))
 
 
 def _folder(value) -> str | None:
@@ -89,8 +95,8 @@ def listing(root: str) -> dict:
 
 
 @app.get("/api", dependencies=[can_read_runs])
-def registry_json(bucket: str = Query("rlhf-flow"), prefix: str = Query("rlhf-flow"), model_name: str = Query("demo-policy")) -> dict:
-    return listing(registry_root(bucket, prefix, model_name))
+def registry_json(bucket: str | None = Query(None), prefix: str = Query("rlhf-flow"), model_name: str = Query("demo-policy")) -> dict:
+    return listing(served_root(bucket, prefix, model_name))
 
 
 def _metrics(m: dict) -> str:
@@ -98,8 +104,8 @@ def _metrics(m: dict) -> str:
 
 
 @app.get("/", response_class=HTMLResponse, dependencies=[can_read_runs])
-def registry_page(bucket: str = Query("rlhf-flow"), prefix: str = Query("rlhf-flow"), model_name: str = Query("demo-policy")):
-    data = listing(registry_root(bucket, prefix, model_name))
+def registry_page(bucket: str | None = Query(None), prefix: str = Query("rlhf-flow"), model_name: str = Query("demo-policy")):
+    data = listing(served_root(bucket, prefix, model_name))
     e = html.escape
     champ = data["champion"]
     rows = "".join(

@@ -4,11 +4,14 @@
     GET /rlhf-flow/dags/<dag_id>/runs/<run_id>/report.html                    a run's report (also
         report.json, report.md, chart_<name>.svg), read from the eval stage's output in S3
 
-S3 through the Airflow connection ``rlhf_s3`` (the amazon provider's S3Hook). A run's report is found
-through the manifest URI its eval task returned (XCom), else through the operator's layout
-(``plugins.operators.output_uri_for``) under bucket/prefix. Callers need read access to the DAG's runs, checked
-by Airflow's own auth (the UI's session cookie, or a Bearer token). Every name that reaches a key is
-validated first: a run id becomes its key-safe form, file names come from a fixed set.
+S3 through the Airflow connection ``rlhf_s3`` (the amazon provider's S3Hook). A report belongs to a run
+that exists in Airflow: it is found through the manifest URI the run's eval task returned (XCom), else
+through the operator's layout (``plugins.operators.output_uri_for``) under the run's own bucket and prefix
+Params. The list reads only a served bucket (the connection's extra ``bucket``, the pipeline's default, and
+``buckets``, the others runs may name) under a prefix the DAG's runs use. Callers need read access to the
+DAG's runs, checked by Airflow's own auth manager for that DAG (the UI's session cookie, or a Bearer
+token). Every name that reaches a key is validated first: a run id becomes its key-safe form, file names
+come from a fixed set.
 """
 from __future__ import annotations
 
@@ -40,21 +43,89 @@ def bad(field: str, value: str, fix: str) -> HTTPException:
     return HTTPException(400, f"{field}: {value[:80]!r} {fix}")
 
 
-def check_location(bucket: str, prefix: str, dag_id: str) -> str:
+def check_location(bucket: str, prefix: str, dag_id: str | None = None) -> str:
     """The runs' root URI ``s3://<bucket>/<prefix>``, after validating each part."""
     if not BUCKET.match(bucket):
         raise bad("bucket", bucket, "is not an S3 bucket name: use 3-63 lowercase letters, digits, '.' and '-'")
     if not PREFIX.match(prefix) or ".." in prefix.split("/"):
         raise bad("prefix", prefix, "is not a key prefix: use letters, digits, '.', '_', '-' and '/', no '..' segment")
+    if dag_id is not None:
+        check_dag_id(dag_id)
+    return f"s3://{bucket}/{prefix.strip('/')}" if prefix.strip("/") else f"s3://{bucket}"
+
+
+def check_dag_id(dag_id: str) -> str:
     if not DAG_ID.match(dag_id) or set(dag_id) == {"."}:
         raise bad("dag_id", dag_id, "is not a DAG id: use letters, digits, '_', '.' and '-'")
-    return f"s3://{bucket}/{prefix.strip('/')}" if prefix.strip("/") else f"s3://{bucket}"
+    return dag_id
 
 
 def check_run_id(run_id: str) -> str:
     if not RUN_ID.match(run_id) or set(run_id) == {"."}:
         raise bad("run_id", run_id, "is not a DAG run id: use letters, digits and _ . : + -")
     return run_id
+
+
+def _connection_extra() -> dict:
+    from airflow.providers.amazon.aws.hooks.s3 import S3Hook
+
+    try:
+        return S3Hook(aws_conn_id=AWS_CONN_ID).get_connection(AWS_CONN_ID).extra_dejson
+    except Exception:  # no such connection: the operator then writes to the default bucket
+        return {}
+
+
+def served_buckets() -> tuple[str, list[str]]:
+    """(the default bucket, every bucket the views read): the rlhf_s3 connection's extra ``bucket`` (the
+    pipeline's default, as for the operator) and ``buckets`` (a list, or names separated by commas)."""
+    extra = _connection_extra()
+    default = extra.get("bucket") or DEFAULTS["bucket"]
+    others = extra.get("buckets") or []
+    others = others.split(",") if isinstance(others, str) else list(others)
+    return default, sorted({b.strip() for b in [default, *others] if b and b.strip()})
+
+
+def check_served(bucket: str) -> None:
+    served = served_buckets()[1]
+    if bucket not in served:
+        raise HTTPException(403, f"bucket: {bucket[:80]!r} is not served here: add it to the extra 'buckets' of "
+                                 f"the {AWS_CONN_ID} connection (served: {', '.join(served)})")
+
+
+def run_confs(dag_id: str | None, run_id: str | None = None) -> list[dict]:
+    """The conf of the DAG's run ``run_id`` (of every run of the DAG when None, of every DAG's runs when
+    ``dag_id`` is None too); [] when there is none."""
+    from airflow.models.dagrun import DagRun
+    from airflow.utils.session import create_session
+    from sqlalchemy import select
+
+    query = select(DagRun.conf)
+    if dag_id is not None:
+        query = query.where(DagRun.dag_id == dag_id)
+    if run_id is not None:
+        query = query.where(DagRun.run_id == run_id)
+    with create_session() as session:
+        return [conf if isinstance(conf, dict) else {} for conf in session.scalars(query)]
+
+
+def check_prefix(prefix: str, dag_id: str | None) -> None:
+    """A prefix is read only when it is the default or a run (of the DAG ``dag_id``; of any DAG when
+    None) wrote under it."""
+    used = {DEFAULTS["prefix"]} | {str(c["prefix"]).strip("/") for c in run_confs(dag_id) if c.get("prefix")}
+    if prefix.strip("/") not in used:
+        whose = f"of DAG {dag_id!r} " if dag_id else ""
+        raise HTTPException(404, f"prefix: no run {whose}writes under {prefix[:80]!r} "
+                                 f"(runs use: {', '.join(sorted(used)[:20])})")
+
+
+def run_location(dag_id: str, run_id: str) -> str:
+    """``s3://<bucket>/<prefix>`` of the run's own bucket and prefix Params (404: Airflow has no such run)."""
+    confs = run_confs(dag_id, run_id)
+    if not confs:
+        raise HTTPException(404, f"run_id: DAG {dag_id!r} has no run {run_id[:80]!r}")
+    bucket = str(confs[0].get("bucket") or served_buckets()[0])
+    check_served(bucket)
+    return check_location(bucket, str(confs[0].get("prefix") or DEFAULTS["prefix"]), dag_id)
 
 
 def _s3():
@@ -99,22 +170,29 @@ def eval_output(dag_id: str, run_id: str) -> str | None:
     return None
 
 
-def list_runs(root: str, dag_id: str) -> list[dict]:
-    """Every run under <root>/runs/<dag_id>/ whose eval stage committed its manifest, newest first."""
+def list_pages(bucket: str, prefix: str, field: str = "Contents") -> list[str]:
+    """The keys under ``prefix`` ("Contents"), or its sub-folders ("CommonPrefixes"); a missing bucket is a
+    one-line 404, any other failure a one-line 502."""
     from botocore.exceptions import BotoCoreError, ClientError
 
-    bucket, key = _split(f"{root}/runs/{dag_id}/")
-    runs = []
+    delimiter = {"Delimiter": "/"} if field == "CommonPrefixes" else {}
     try:
-        pages = _s3().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=key, Delimiter="/")
-        folders = [p["Prefix"] for page in pages for p in page.get("CommonPrefixes", [])]
+        pages = _s3().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix, **delimiter)
+        return [item["Prefix" if field == "CommonPrefixes" else "Key"] for page in pages for item in page.get(field, [])]
     except ClientError as e:
         if e.response.get("Error", {}).get("Code") == "NoSuchBucket":
-            raise HTTPException(404, f"bucket: {bucket!r} does not exist: pass ?bucket=<the run's bucket Param>") from None
-        raise HTTPException(502, f"S3 (connection {AWS_CONN_ID}): listing s3://{bucket}/{key} failed: {e}") from None
+            raise HTTPException(404, f"bucket: {bucket!r} does not exist: create it or fix the {AWS_CONN_ID} "
+                                     "connection's extra") from None
+        raise HTTPException(502, f"S3 (connection {AWS_CONN_ID}): listing s3://{bucket}/{prefix} failed: {e}") from None
     except BotoCoreError as e:
         raise HTTPException(502, f"S3 (connection {AWS_CONN_ID}) is unreachable: {e}") from None
-    for folder in folders:
+
+
+def list_runs(root: str, dag_id: str) -> list[dict]:
+    """Every run under <root>/runs/<dag_id>/ whose eval stage committed its manifest, newest first."""
+    bucket, key = _split(f"{root}/runs/{dag_id}/")
+    runs = []
+    for folder in list_pages(bucket, key, "CommonPrefixes"):
         raw = read_object(f"s3://{bucket}/{folder}eval/manifest.json")  # the manifest commits the report
         if raw is None:
             continue
@@ -133,9 +211,12 @@ can_read_runs = Depends(requires_access_dag("GET", DagAccessEntity.RUN))
 
 
 @app.get("/", response_class=HTMLResponse, dependencies=[can_read_runs])
-def index(request: Request, bucket: str = Query(DEFAULTS["bucket"]), prefix: str = Query(DEFAULTS["prefix"]),
+def index(request: Request, bucket: str | None = Query(None), prefix: str = Query(DEFAULTS["prefix"]),
           dag_id: str = Query(DEFAULTS["dag_id"])) -> HTMLResponse:
+    bucket = bucket or served_buckets()[0]
     root = check_location(bucket, prefix, dag_id)
+    check_served(bucket)
+    check_prefix(prefix, dag_id)
     runs = list_runs(root, dag_id)
     e = html.escape
     rows = []
@@ -143,13 +224,12 @@ def index(request: Request, bucket: str = Query(DEFAULTS["bucket"]), prefix: str
         # The run id itself (not its key-safe folder name), so the report is found through the run's XCom.
         run_id = r["run_id"] if RUN_ID.match(r["run_id"] or "") else r["run"]
         base = f"{e(request.scope.get('root_path', ''))}/dags/{e(dag_id)}/runs/{quote(run_id, safe='')}"
-        query = f"?bucket={e(bucket)}&amp;prefix={e(prefix)}"
         m = r["metrics"]
         cells = "".join(f'<td class="num">{m[k]:.3f}</td>' if isinstance(m.get(k), (int, float)) else "<td></td>"
                         for k in ("policy_accuracy", "policy_preferred_style_rate", "policy_kl_to_ref"))
-        rows.append(f'<tr><td><a class="report" href="{base}/report.html{query}">{e(r["run_id"] or r["run"])}</a></td>'
+        rows.append(f'<tr><td><a class="report" href="{base}/report.html">{e(r["run_id"] or r["run"])}</a></td>'
                     f"<td>{e(r['created_at'])}</td>{cells}"
-                    f'<td><a href="{base}/report.json{query}">json</a> <a href="{base}/report.md{query}">md</a></td></tr>')
+                    f'<td><a href="{base}/report.json">json</a> <a href="{base}/report.md">md</a></td></tr>')
     body = ("<table><tr><th>run</th><th>evaluated at</th><th>policy accuracy</th><th>policy style rate</th>"
             "<th>policy KL</th><th>files</th></tr>" + "".join(rows) + "</table>") if rows else \
         f"<p>No evaluated runs under <code>{e(root)}/runs/{e(dag_id)}/</code> yet.</p>"
@@ -161,16 +241,18 @@ def index(request: Request, bucket: str = Query(DEFAULTS["bucket"]), prefix: str
 
 
 @app.get("/dags/{dag_id}/runs/{run_id}/{name}", dependencies=[can_read_runs])
-def report_file(dag_id: str, run_id: str, name: str, bucket: str = Query(DEFAULTS["bucket"]),
-                prefix: str = Query(DEFAULTS["prefix"])) -> Response:
-    root = check_location(bucket, prefix, dag_id)
+def report_file(dag_id: str, run_id: str, name: str) -> Response:
+    check_dag_id(dag_id)
     check_run_id(run_id)
     media = FILES.get(name) or ("image/svg+xml" if CHART.match(name) else None)
     if media is None:
         raise bad("name", name, f"is not a report file: use one of {', '.join(FILES)} or chart_<name>.svg")
-    uri = f"{eval_output(dag_id, run_id) or output_uri_for(root, dag_id, key_safe(run_id), 'eval')}/{name}"
+    root = run_location(dag_id, run_id)
+    folder = eval_output(dag_id, run_id)
+    if folder:
+        check_served(_split(folder)[0])
+    uri = f"{folder or output_uri_for(root, dag_id, key_safe(run_id), 'eval')}/{name}"
     data = read_object(uri)
     if data is None:
-        raise HTTPException(404, f"{uri} does not exist: the run's eval stage has not committed a report (yet), "
-                                 "or bucket/prefix differ from the run's Params")
+        raise HTTPException(404, f"{uri} does not exist: the run's eval stage has not committed a report (yet)")
     return Response(data, media_type=media, headers={"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff"})

@@ -7,6 +7,8 @@ of style, accuracy down 3 points at most), which `make demo` prints as its last 
 tests/test_demo_claim.py checks on seeds 0, 1 and 2 under `make test-all`.
 """
 import json
+import urllib.error
+import urllib.parse
 import urllib.request
 
 import pytest
@@ -61,3 +63,53 @@ def test_rl_gains_the_preferred_style_and_keeps_accuracy(demo_run):
     ok, line = demo.verdict(sft, rl)
     assert ok, line
     assert report["num_prompts"] == 500
+
+
+def test_no_secret_reaches_rays_api_or_logs(demo_run):
+    """The stack's S3 secret (its own, made per stack) is in no actor's or job's runtime_env as Ray's
+    dashboard serves them (no authentication there) and in no Ray, Airflow or stack log: the workers take
+    their credentials from their node."""
+    from tools import stack
+
+    live = demo_run.live
+    secret = stack.s3_keys(live.scratch)[1].encode()
+    with urllib.request.urlopen(f"{live.ray_dashboard}/api/v0/actors?detail=1&limit=10000", timeout=60) as response:
+        actors = response.read()
+    # The RL stage's worker actors are listed with their runtime_env (it carries their forwarded settings).
+    assert actors.count(b"RLHF_") >= 4 and b"serialized_runtime_env" in actors
+    assert secret not in actors
+    with urllib.request.urlopen(f"{live.ray_dashboard}/api/jobs/", timeout=30) as response:
+        assert secret not in response.read()
+    logs = [live.cfg.ray_temp_dir, live.cfg.logs, live.cfg.airflow_home / "logs"]
+    read = [p for root in logs for p in root.rglob("*") if p.is_file() and not p.is_symlink()]
+    assert len(read) > 20
+    assert not [p for p in read if secret in p.read_bytes()]
+
+
+def test_the_report_views_serve_only_served_buckets_and_existing_runs(demo_run):
+    """Another tenant's bucket is not read even when the S3 connection can read it; a report belongs to a
+    run Airflow has (its location comes from the run, never from the query); a missing bucket is a 4xx."""
+    live = demo_run.live
+    s3 = live.s3()
+    s3.create_bucket(Bucket="other-tenant")
+    s3.put_object(Bucket="other-tenant", Key=f"rlhf-flow/runs/rlhf_pipeline/{demo_run.run_id}/eval/report.json",
+                  Body=b'{"secret": "of another tenant"}')
+
+    def get(path: str) -> tuple[int, str]:
+        request = urllib.request.Request(f"{live.airflow_url}{path}", headers={"Authorization": f"Bearer {live.token()}"})
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                return response.status, response.read().decode()
+        except urllib.error.HTTPError as error:
+            return error.code, error.read().decode()
+
+    run = urllib.parse.quote(demo_run.run_id, safe="")
+    status, body = get(f"/rlhf-flow/dags/rlhf_pipeline/runs/{run}/report.json?bucket=other-tenant")
+    assert status == 200 and "of another tenant" not in body and json.loads(body)["metrics"]["policy"]
+    for path, want in [("/rlhf-flow/?bucket=other-tenant", (403, "bucket: 'other-tenant' is not served here")),
+                       ("/rlhf-flow/?prefix=elsewhere", (404, "prefix: no run of DAG 'rlhf_pipeline' writes under")),
+                       ("/rlhf-flow/dags/rlhf_pipeline/runs/manual__never/report.json", (404, "run_id: DAG 'rlhf_pipeline' has no run")),
+                       ("/rlhf-registry/api?bucket=other-tenant", (403, "bucket: 'other-tenant' is not served here"))]:
+        status, body = get(path)
+        assert (status, json.loads(body)["detail"][:len(want[1])]) == want, (path, body)
+        assert "\n" not in json.loads(body)["detail"]

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tasks.common import cost, storage
+from tasks.common import cost
 from tasks.common import manifest as manifests
 from tasks.common.config import ConfigError
 from tasks.common.registry import Registry, StaleChampion
@@ -169,3 +169,6 @@ def test_ui_view_lists_what_the_cli_lists(s3_server, tmp_path, monkeypatch):
     with pytest.raises(HTTPException) as err:
         registry_view.registry_root("rlhf-flow", "p", "../etc")
     assert err.value.status_code == 400 and err.value.detail.startswith("model_name: ")
+    with pytest.raises(HTTPException) as err:  # a bucket that does not exist: one line, not a 500
+        registry_view.listing(registry_view.registry_root("no-such-bucket", "p", "demo-policy"))
+    assert err.value.status_code == 404 and err.value.detail.startswith("bucket: 'no-such-bucket' does not exist")
