@@ -12,11 +12,9 @@
 No schema is fetched at test time: each comes from an installed package (the `dev` extra).
 """
 import json
-import os
 import re
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest

@@ -2,7 +2,6 @@
 run, and the promote stage's decisions (promotion, rejection) with the gate's metrics read back from the
 promote manifest and candidate record on the S3 emulator, through the Airflow connection rlhf_s3."""
 import json
-import os
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 

@@ -1,7 +1,8 @@
 """Operating the pipeline on the live stack (real scheduler, triggerer, Ray head, S3 emulator), all through
 Airflow's REST API: a failed stage rerun alone from its checkpoint after the scheduler and triggerer were
 restarted; stopping a stage or a whole run stops its Ray jobs; the nightly DAG promotes only a better
-policy. Runs after test_e2e, whose demo run fills the stage cache the nightly runs reuse."""
+policy. Each starts from the session's demo run (tests/conftest.py), whose outputs fill the stage cache its
+runs reuse: only the stages under test compute."""
 import json
 import time
 import urllib.request
@@ -11,11 +12,6 @@ import pytest
 from plugins.operators import key_safe, submission_id_for
 
 pytestmark = pytest.mark.e2e
-
-# Small stages: these tests check operations, not learning (the RL stage checkpoints every 3 steps).
-SMALL = {"sft_steps": 40, "rm_steps": 20, "rl_steps": 12, "checkpoints_per_stage": 4, "eval_max_samples": 50,
-         "use_cache": False}
-
 
 def trigger(live, dag_id: str, conf: dict) -> str:
     dag = live.rest("GET", f"/api/v2/dags/{dag_id}")
@@ -70,12 +66,14 @@ def xcom(live, dag_id: str, run_id: str, task_id: str, key: str = "return_value"
     return json.loads(value) if isinstance(value, str) and value.startswith('"') else value
 
 
-def test_a_failed_stage_reruns_alone_from_its_checkpoint_across_restarts(live_stack):
-    live, dag_id = live_stack, "rlhf_pipeline"
-    run_id = trigger(live, dag_id, {**SMALL, "prefix": "ops-rerun", "fault_injection": {"stage": "rl", "after_step": 6}})
+def test_a_failed_stage_reruns_alone_from_its_checkpoint_across_restarts(demo_run, tmp_path, monkeypatch):
+    live, dag_id = demo_run.live, "rlhf_pipeline"
+    # The demo's Params (its data, SFT and reward model are cache hits) with a shorter RL stage that fails
+    # right after its step-6 checkpoint (it checkpoints every 3 steps) and a smaller evaluation.
+    run_id = trigger(live, dag_id, {"rl_steps": 12, "eval_max_samples": 50, "fault_injection": {"stage": "rl", "after_step": 6}})
 
-    # Restart the scheduler and the triggerer while SFT's job runs: the run carries on with that job.
-    running_job(live, dag_id, run_id, "sft")
+    # Restart the scheduler and the triggerer while RL's job runs: the run carries on with that job.
+    running_job(live, dag_id, run_id, "rl")
     from tools import stack
 
     for name in ("airflow-scheduler", "airflow-triggerer"):
@@ -83,16 +81,16 @@ def test_a_failed_stage_reruns_alone_from_its_checkpoint_across_restarts(live_st
     up = live.stack("up")
     assert up.returncode == 0, up.stdout + up.stderr
 
-    # The RL stage fails right after its step-6 checkpoint; an operator clears it through the REST API.
+    # The RL stage fails after its step-6 checkpoint; an operator clears it through the REST API.
     wait("rl to fail", lambda: task_states(live, dag_id, run_id).get("rl") in ("up_for_retry", "failed"), 900, every=2)
     live.rest("POST", f"/api/v2/dags/{dag_id}/clearTaskInstances",
               {"dag_run_id": run_id, "task_ids": ["rl"], "only_failed": False, "dry_run": False})
     assert wait_run(live, dag_id, run_id) == "success", task_states(live, dag_id, run_id)
 
-    # Every upstream stage ran as exactly one Ray job, SFT's through the restarts included; RL twice.
+    # The upstream stages ran no job (the demo's outputs); RL ran twice: the failed job, then the rerun.
     for task_id in ("prepare_data", "sft", "reward_model"):
-        jobs = ray_jobs(live, submission_id_for(dag_id, run_id, task_id))
-        assert list(jobs.values()) == ["SUCCEEDED"], (task_id, jobs)
+        assert ray_jobs(live, submission_id_for(dag_id, run_id, task_id)) == {}, task_id
+        assert xcom(live, dag_id, run_id, task_id) == demo_run.xcom(task_id)
     rl_jobs = ray_jobs(live, submission_id_for(dag_id, run_id, "rl"))
     assert sorted(rl_jobs.values()) == ["FAILED", "SUCCEEDED"], rl_jobs
 
@@ -100,23 +98,46 @@ def test_a_failed_stage_reruns_alone_from_its_checkpoint_across_restarts(live_st
     assert rl["resumed_from_step"] == 6
     assert rl["inputs"]["pretrain"] == xcom(live, dag_id, run_id, "sft")  # the same run's upstream manifests
     # Each attempt's driver log sits beside the manifest; the task links to its Ray job.
-    output = f"ops-rerun/runs/{dag_id}/{key_safe(run_id)}/rl"
+    output = f"rlhf-flow/runs/{dag_id}/{key_safe(run_id)}/rl"
     logs = {o["Key"].rsplit("/", 1)[1] for o in live.s3().list_objects_v2(Bucket=live.bucket, Prefix=f"{output}/logs/")["Contents"]}
     assert logs == {f"{sid}.log" for sid in rl_jobs}
     assert xcom(live, dag_id, run_id, "rl", "ray_job_url").startswith(f"{live.ray_dashboard}/#/jobs/")
 
-    # Lineage: each stage's Asset event carries its manifest and metrics.
+    # Lineage: each stage's Asset event carries its manifest and metrics, and whether it was a cache hit.
     events = live.rest("GET", "/api/v2/assets/events", source_run_id=run_id, limit=100)["asset_events"]
     by_task = {e["source_task_id"]: e for e in events}
     assert set(by_task) == {"prepare_data", "sft", "reward_model", "rl", "eval"}
-    assert by_task["sft"]["extra"]["manifest"] == xcom(live, dag_id, run_id, "sft")
+    assert by_task["sft"]["extra"]["manifest"] == xcom(live, dag_id, run_id, "sft") and by_task["sft"]["extra"]["cache_hit"] is True
     assert by_task["rl"]["extra"]["metrics"]["wall_time_s"] > 0 and by_task["rl"]["extra"]["cache_hit"] is False
+
+    # A committed output damaged in the store: clearing its task (succeeded) computes it again, the damaged
+    # output set aside whole, and the new one verifies.
+    eval_uri = xcom(live, dag_id, run_id, "eval")
+    bucket, key = eval_uri.removeprefix("s3://").rsplit("/", 1)[0].split("/", 1)
+    files = s3_json(live, eval_uri)["files"]
+    damaged = "report.json"
+    body = live.s3().get_object(Bucket=bucket, Key=f"{key}/{damaged}")["Body"].read()
+    live.s3().put_object(Bucket=bucket, Key=f"{key}/{damaged}", Body=bytes(b ^ 0xFF for b in body[:32]) + body[32:])
+    live.rest("POST", f"/api/v2/dags/{dag_id}/clearTaskInstances",
+              {"dag_run_id": run_id, "task_ids": ["eval"], "only_failed": False, "dry_run": False})
+    assert wait_run(live, dag_id, run_id) == "success", task_states(live, dag_id, run_id)
+    jobs = ray_jobs(live, submission_id_for(dag_id, run_id, "eval"))
+    assert sorted(jobs.values()) == ["SUCCEEDED", "SUCCEEDED"], jobs  # the clear ran a second job
+    from tasks.common import manifest as manifests
+
+    for name, value in live.stage_env().items():
+        if name.startswith("AWS_"):
+            monkeypatch.setenv(name, value)
+    _, fresh = manifests.fetch(eval_uri, tmp_path / "fresh")  # every byte checked against the new manifest
+    assert fresh["files"][damaged]["size"] == files[damaged]["size"]
+    aside = {o["Key"] for o in live.s3().list_objects_v2(Bucket=bucket, Prefix=f"{key}/superseded/")["Contents"]}
+    assert any(k.endswith(f"/{damaged}") for k in aside) and any(k.endswith("/manifest.json") for k in aside)
 
 
 @pytest.mark.parametrize("target", ["task", "run"])
-def test_marking_failed_stops_the_ray_job(target, live_stack):
-    live, dag_id = live_stack, "rlhf_pipeline"
-    run_id = trigger(live, dag_id, {"prefix": f"ops-stop-{target}", "use_cache": False, "sft_steps": 100_000})
+def test_marking_failed_stops_the_ray_job(target, demo_run):
+    live, dag_id = demo_run.live, "rlhf_pipeline"
+    run_id = trigger(live, dag_id, {"sft_steps": 100_000})  # prepare_data: the demo's
     sid = running_job(live, dag_id, run_id, "sft")
     if target == "task":
         live.rest("PATCH", f"/api/v2/dags/{dag_id}/dagRuns/{run_id}/taskInstances/sft", {"new_state": "failed"})
@@ -127,13 +148,14 @@ def test_marking_failed_stops_the_ray_job(target, live_stack):
     assert wait_run(live, dag_id, run_id, timeout=120) == "failed"
 
 
-def test_nightly_promotes_the_better_policy_only(live_stack):
-    live, dag_id = live_stack, "rlhf_nightly"
+def test_nightly_promotes_the_better_policy_only(demo_run):
+    live, dag_id = demo_run.live, "rlhf_nightly"
     name = f"nightly-{int(time.time())}"  # a registry of its own
-    good = trigger(live, dag_id, {"model_name": name})
+    # 100 held-out prompts are enough here: the two policies' style rates differ by about 40 points.
+    good = trigger(live, dag_id, {"model_name": name, "eval_max_samples": 100})
     assert wait_run(live, dag_id, good) == "success", task_states(live, dag_id, good)
     # The next night trains far less: it beats the SFT model, not the champion.
-    worse = trigger(live, dag_id, {"model_name": name, "rl_steps": 2})
+    worse = trigger(live, dag_id, {"model_name": name, "rl_steps": 2, "eval_max_samples": 100})
     assert wait_run(live, dag_id, worse) == "success", task_states(live, dag_id, worse)
 
     # The second night reused the unchanged stages (same data, flags and code): no Ray job, the first

@@ -2,7 +2,6 @@
 champion (current or in history) or a kept run reaches through manifest inputs is touched, stale cache index
 entries go with the manifests they pointed at, unfinished multipart uploads are aborted, and a dry run deletes
 nothing. Stage outputs are committed as stages commit them; ages come from the objects' real LastModified."""
-import json
 import time
 
 import pytest
