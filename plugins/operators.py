@@ -7,6 +7,7 @@ manifest URI, never data.
 from __future__ import annotations
 
 import difflib
+import functools
 import hashlib
 import json
 import re
@@ -408,12 +409,13 @@ class RayJobOperator(BaseOperator):
         ``recompute`` (a user's clear) a succeeded job is not taken as the result; a live one still is
         followed, so that one output never has two jobs writing it.
         """
-        result = None if recompute else self._whole_result(manifest)
+        # Asked only once a succeeded job is found (it lists the output folder), then remembered.
+        result = functools.cache(lambda: None if recompute else self._whole_result(manifest))
         if stored and stored != base:
             info = hook.get_job_info(stored)
             if info is not None and self._status(info) in LIVE_STATUSES:
                 return "reattach", stored
-            if info is not None and self._status(info) == "SUCCEEDED" and result:
+            if info is not None and self._status(info) == "SUCCEEDED" and result():
                 return "done", stored
         info = hook.get_job_info(base)
         if info is None:
@@ -421,10 +423,10 @@ class RayJobOperator(BaseOperator):
         status = self._status(info)
         if status in LIVE_STATUSES:
             return "reattach", base
-        if status == "SUCCEEDED" and result:
+        if status == "SUCCEEDED" and result():
             return "done", base
         self.log.info("Earlier job %s ended %s%s", base, status,
-                      "" if status != "SUCCEEDED" else " (its result is recomputed)" if recompute or result is False
+                      "" if status != "SUCCEEDED" else " (its result is recomputed)" if recompute or result() is False
                       else " without a manifest")
 
         # The base job ended without a result: later attempts run under "{base}-try{n}". Look at those too,
@@ -438,7 +440,7 @@ class RayJobOperator(BaseOperator):
             if self._status(job) in LIVE_STATUSES:
                 return "reattach", job.submission_id
         succeeded = [j for j in attempts if self._status(j) == "SUCCEEDED"]
-        if succeeded and result:
+        if succeeded and result():
             return "done", succeeded[-1].submission_id
         taken = {j.submission_id for j in attempts}
         sid = f"{base}-try{try_number}"

@@ -247,11 +247,12 @@ def report_file(dag_id: str, run_id: str, name: str) -> Response:
     media = FILES.get(name) or ("image/svg+xml" if CHART.match(name) else None)
     if media is None:
         raise bad("name", name, f"is not a report file: use one of {', '.join(FILES)} or chart_<name>.svg")
-    root = run_location(dag_id, run_id)
-    folder = eval_output(dag_id, run_id)
+    folder = eval_output(dag_id, run_id)  # None too when Airflow has no such run: run_location says so
     if folder:
         check_served(_split(folder)[0])
-    uri = f"{folder or output_uri_for(root, dag_id, key_safe(run_id), 'eval')}/{name}"
+    else:
+        folder = output_uri_for(run_location(dag_id, run_id), dag_id, key_safe(run_id), "eval")
+    uri = f"{folder}/{name}"
     data = read_object(uri)
     if data is None:
         raise HTTPException(404, f"{uri} does not exist: the run's eval stage has not committed a report (yet)")
