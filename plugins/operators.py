@@ -12,6 +12,7 @@ import hashlib
 import json
 import re
 import shlex
+import time
 from collections.abc import Iterable, Mapping
 from datetime import timedelta
 from pathlib import Path
@@ -21,9 +22,9 @@ from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 from plugins import stage_cache
-from plugins.hooks import LIVE_STATUSES, RayJobHook
+from plugins.hooks import LIVE_STATUSES, TERMINAL_STATUSES, RayJobHook
 from plugins.links import RAY_JOB_URL_KEY, WANDB_URL_KEY, RayJobLink, WandbRunLink
-from plugins.triggers import RayJobTrigger
+from plugins.triggers import RayJobTrigger, job_event
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
@@ -54,6 +55,11 @@ CACHE_KEY_KEY = "cache_key"
 #: fail again the same way, so it is not retried.
 STAGE_ERROR_PREFIX = "error: "
 INPUT_ERROR_EXIT = 2
+
+#: How long the trigger holds back a job's end event after the task deferred: the scheduler learns of the
+#: deferral when the worker process exits, and an event that arrives first gets the task marked for retry
+#: (see RayJobTrigger's not_before).
+DEFER_SETTLE_S = 10.0
 
 _FLAG_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
 _MAX_SUBMISSION_ID = 120
@@ -199,7 +205,10 @@ class RayJobOperator(BaseOperator):
     :param entrypoint_num_gpus: GPUs reserved for the driver (0 when it only launches GPU actors).
     :param working_dir: local folder shipped as the job's working_dir; default: the project root.
     :param env_vars: extra non-secret environment for the job (names that look like secrets are refused).
-    :param poll_interval: seconds between the trigger's polls.
+    :param poll_interval: seconds between polls of the job's status.
+    :param follow_before_defer: seconds the worker follows the job before deferring to the triggerer. A job
+        that ends sooner (promotion, a short evaluation, a job found already ending) completes the task
+        without a trigger round trip, and a trigger's event never races the deferral.
     :param python: the interpreter the entrypoint runs on the Ray node.
     :param deadline_minutes: stop the job and fail the task once the job has run this long (templated;
         enforced by the trigger, as ``execution_timeout`` does not run while the task is deferred).
@@ -237,6 +246,7 @@ class RayJobOperator(BaseOperator):
         working_dir: str | None = None,
         env_vars: dict[str, str] | None = None,
         poll_interval: float = 2.0,
+        follow_before_defer: float = 15.0,
         python: str = "python",
         deadline_minutes: float | str | None = None,
         cache: bool | str = False,
@@ -259,6 +269,7 @@ class RayJobOperator(BaseOperator):
                 "give the Ray nodes their own access instead"
             )
         self.poll_interval = poll_interval
+        self.follow_before_defer = follow_before_defer
         self.python = python
         self.deadline_minutes = deadline_minutes
         self.cache = cache
@@ -539,12 +550,34 @@ class RayJobOperator(BaseOperator):
                 state.set(SUBMISSION_ID_KEY, sid)
                 state.set(CACHE_KEY_KEY, key)
 
+        ended = self._follow(hook, sid)
+        if ended is not None:
+            return self.execute_complete(context, ended)
         self.defer(
             trigger=RayJobTrigger(address=hook.address, submission_id=sid, poll_interval=self.poll_interval,
-                                  deadline_s=self.deadline_s()),
+                                  deadline_s=self.deadline_s(), not_before=time.time() + DEFER_SETTLE_S),
             method_name="execute_complete",
             timeout=self.execution_timeout if isinstance(self.execution_timeout, timedelta) else None,
         )
+
+    def _follow(self, hook: RayJobHook, sid: str) -> dict[str, Any] | None:
+        """Follow the job in this worker for up to ``follow_before_defer`` seconds (never past the stage
+        deadline, which the trigger enforces); its end event (as the trigger's) if it ended, else None."""
+        window = min(self.follow_before_defer, self.deadline_s() or float("inf"))
+        until = time.monotonic() + window
+        while time.monotonic() < until:
+            info = hook.get_job_info(sid)
+            if info is None:
+                return None  # the trigger reports a job Ray does not know
+            status = self._status(info)
+            if status in TERMINAL_STATUSES:
+                logs = hook.get_job_logs(sid)
+                for line in logs.splitlines():
+                    self.log.info("[ray %s] %s", sid, line)
+                return job_event(sid, status, str(getattr(info, "message", "") or ""), logs,
+                                 getattr(info, "driver_exit_code", None))
+            time.sleep(min(self.poll_interval, max(0.0, until - time.monotonic())))
+        return None
 
     def execute_complete(self, context: Context, event: dict[str, Any] | None = None) -> str:
         if not event:

@@ -38,6 +38,12 @@ def log_tail(logs: str, n: int = LOG_TAIL_LINES) -> str:
     return "\n".join(logs.rstrip("\n").splitlines()[-n:])
 
 
+def job_event(submission_id: str, status: str, message: str, logs: str, exit_code: int | None = None) -> dict[str, Any]:
+    """What the operator's ``execute_complete`` gets when a job ended, from the trigger or from the worker."""
+    return {"status": status, "submission_id": submission_id, "message": message, "log_tail": log_tail(logs),
+            "exit_code": exit_code}
+
+
 class RayJobTrigger(BaseTrigger):
     """Poll a Ray job until it ends; log the driver's new log lines on every poll.
 
@@ -54,6 +60,10 @@ class RayJobTrigger(BaseTrigger):
     :param poll_interval: seconds between polls.
     :param log_offset: characters of the driver log already shown (a resumed trigger skips them).
     :param deadline_s: stop the job once it has run this many seconds (None: no deadline).
+    :param not_before: fire no event before this time (epoch seconds). A task that deferred is seen as
+        deferred by the scheduler only once its worker process has exited (seconds later); an event that
+        comes first gets the resumed task marked for retry ("task state changed externally",
+        apache/airflow#66374 and #72716), so the operator sets this a few seconds past its deferral.
     """
 
     def __init__(
@@ -64,6 +74,7 @@ class RayJobTrigger(BaseTrigger):
         log_offset: int = 0,
         unreachable_grace_s: float = DEFAULT_UNREACHABLE_GRACE_S,
         deadline_s: float | None = None,
+        not_before: float = 0.0,
     ) -> None:
         super().__init__()
         self.address = address
@@ -72,6 +83,7 @@ class RayJobTrigger(BaseTrigger):
         self.log_offset = int(log_offset)
         self.unreachable_grace_s = float(unreachable_grace_s)
         self.deadline_s = float(deadline_s) if deadline_s else None
+        self.not_before = float(not_before or 0.0)
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (
@@ -83,6 +95,7 @@ class RayJobTrigger(BaseTrigger):
                 "log_offset": self.log_offset,
                 "unreachable_grace_s": self.unreachable_grace_s,
                 "deadline_s": self.deadline_s,
+                "not_before": self.not_before,
             },
         )
 
@@ -93,16 +106,11 @@ class RayJobTrigger(BaseTrigger):
         for line in lines:
             self.log.info("[ray %s] %s", self.submission_id, line)
 
-    def _event(self, status: str, message: str, logs: str, exit_code: int | None = None) -> TriggerEvent:
-        return TriggerEvent(
-            {
-                "status": status,
-                "submission_id": self.submission_id,
-                "message": message,
-                "log_tail": log_tail(logs),
-                "exit_code": exit_code,
-            }
-        )
+    async def _event(self, status: str, message: str, logs: str, exit_code: int | None = None) -> TriggerEvent:
+        early = self.not_before - time.time()
+        if early > 0:
+            await asyncio.sleep(early)
+        return TriggerEvent(job_event(self.submission_id, status, message, logs, exit_code))
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         hook = self._hook()
@@ -118,7 +126,7 @@ class RayJobTrigger(BaseTrigger):
             try:
                 info = await hook.get_status(self.submission_id)
                 if info is None:
-                    yield self._event(
+                    yield await self._event(
                         "MISSING", f"Ray at {self.address} does not know job {self.submission_id}", logs
                     )
                     return
@@ -130,7 +138,7 @@ class RayJobTrigger(BaseTrigger):
                 now = loop.time()
                 failing_since = failing_since if failing_since is not None else now
                 if now - failing_since >= self.unreachable_grace_s:
-                    yield self._event("UNREACHABLE", f"{exc} (for {now - failing_since:.0f}s)", logs)
+                    yield await self._event("UNREACHABLE", f"{exc} (for {now - failing_since:.0f}s)", logs)
                     return
                 self.log.warning("Polling Ray job %s failed, retrying: %s", self.submission_id, exc)
                 await asyncio.sleep(self.poll_interval)
@@ -145,12 +153,12 @@ class RayJobTrigger(BaseTrigger):
                 last_status = status
             if terminal:
                 message = str(info.get("message") or "")
-                yield self._event(status, message, logs, info.get("driver_exit_code"))
+                yield await self._event(status, message, logs, info.get("driver_exit_code"))
                 return
             ran_s = time.time() - float(info.get("start_time") or time.time() * 1000) / 1000
             if self.deadline_s is not None and ran_s > self.deadline_s:
                 await self._stop_and_wait(hook)
-                yield self._event("DEADLINE", f"ran {ran_s:.0f}s, past its deadline of {self.deadline_s:.0f}s: stopped", logs)
+                yield await self._event("DEADLINE", f"ran {ran_s:.0f}s, past its deadline of {self.deadline_s:.0f}s: stopped", logs)
                 return
             await asyncio.sleep(self.poll_interval)
 

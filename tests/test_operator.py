@@ -288,7 +288,8 @@ def test_plugins_import_neither_torch_nor_tasks():
 
 
 def test_trigger_serializes_and_rebuilds():
-    trig = RayJobTrigger(address="http://127.0.0.1:8265", submission_id="airflow-x--r--t", poll_interval=1.5, log_offset=7)
+    trig = RayJobTrigger(address="http://127.0.0.1:8265", submission_id="airflow-x--r--t", poll_interval=1.5, log_offset=7,
+                         not_before=1.8e9)
     classpath, kwargs = trig.serialize()
     assert classpath == "plugins.triggers.RayJobTrigger"
     from airflow.sdk._shared.module_loading import import_string
@@ -367,6 +368,7 @@ def test_job_succeeds_returns_manifest_and_streams_the_driver_log(env, capfd):
         env,
         "optest_ok",
         {"message": "hello world", "dropped": None, "verbose": True, "tag": "{{ ti.task_id }}-{{ params.word }}"},
+        follow_before_defer=0,  # straight to the triggerer, however short the job
     )
     dr = run_dag(dag)
     out = capfd.readouterr()
@@ -393,6 +395,7 @@ def test_job_succeeds_returns_manifest_and_streams_the_driver_log(env, capfd):
     assert jobs[0].metadata["airflow_task_id"] == "job"
 
     # The driver's lines were streamed through the trigger's logger, the last (unterminated) one too.
+    assert f"Following Ray job {sid}" in text
     for line in ("driver line 0 message=hello world", "driver line 2 message=hello world", "final line without newline"):
         assert f"[ray {sid}] {line}" in text, line
     assert "Submitting Ray job" in text and f"/#/jobs/{sid}" in text
@@ -407,6 +410,8 @@ def test_failing_module_fails_the_task_with_the_log_tail(env, capfd):
     text = "".join(capfd.readouterr())
     assert ti_states(dr) == {"job": "failed"}
     sid = submission_id_for("optest_fail", dr.run_id, "job")
+    # A job that ends within follow_before_defer is followed by the worker: no trigger, the same outcome.
+    assert "Following Ray job" not in text
     assert f"Ray job {sid} FAILED" in text
     assert "--- last lines of the driver log ---" in text
     assert "about to fail: the cause is right here" in text
@@ -559,6 +564,18 @@ def test_trigger_reports_an_unknown_job(ray_head):
     event = asyncio.run(first_event())
     assert event.payload["status"] == "MISSING"
     assert event.payload["submission_id"] == "airflow-never-submitted"
+
+
+def test_trigger_holds_its_event_until_not_before(ray_head):
+    # The scheduler must see the deferral before the event (apache/airflow#66374): the operator sets not_before.
+    async def first_event():
+        trigger = RayJobTrigger(address=ray_head, submission_id="airflow-never-submitted", poll_interval=0.2,
+                                not_before=time.time() + 2.0)
+        return await anext(trigger.run())
+
+    t0 = time.time()
+    assert asyncio.run(first_event()).payload["status"] == "MISSING"
+    assert time.time() - t0 >= 1.9
 
 
 def test_deadline_stops_the_job_and_fails_the_task_saying_so(env, capfd):
