@@ -16,6 +16,8 @@ BIN := $(VENV)/bin
 PY := $(BIN)/python
 STAMP := $(VENV)/.rlhf-flow-installed
 PYTEST_ARGS ?=
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
 PIP_VERSION := 26.3
 LOCK := locks/dev.txt
 
@@ -55,14 +57,17 @@ status:
 demo: up
 	$(PY) tools/demo.py
 
+# Two pytest-xdist workers: the tests on the shared local stack (one group, tests/conftest.py) in one, the
+# rest in the other. The stack's runs wait on Airflow and Ray as much as they compute, so two cores overlap
+# them with the other tests. TEST_WORKERS=0 runs in one process.
 test: check-lock install
-	$(PY) -m pytest -m "not slow and not gpu" $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST) -m "not slow and not gpu" $(PYTEST_ARGS)
 
 test-all: check-lock install
-	$(PY) -m pytest -m "not gpu" $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST) -m "not gpu" $(PYTEST_ARGS)
 
 test-fast: install
-	$(PY) -m pytest -m "not slow and not gpu and not e2e and not ray" $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST) -m "not slow and not gpu and not e2e and not ray" $(PYTEST_ARGS)
 
 # Stops every stack under .scratch (the developer's, and any test stack or Ray head a killed test run
 # left behind), then removes the folder.

@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SCRATCH = Path(os.environ.get("RLHF_TEST_SCRATCH", REPO / ".scratch" / "test"))
+# Under pytest-xdist (`make test` runs two workers) each worker has its own scratch: its own in-process
+# Airflow DB, caches and Ray head folders, as two sessions would.
+SCRATCH = Path(os.environ.get("RLHF_TEST_SCRATCH", REPO / ".scratch" / "test")) / os.environ.get("PYTEST_XDIST_WORKER", "")
 SCRATCH.mkdir(parents=True, exist_ok=True)
 
 os.environ.setdefault("AIRFLOW_HOME", str(SCRATCH / "airflow-inproc"))
@@ -32,12 +34,28 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 
+#: Fixtures of the one local stack a session shares (see live_stack): their tests run in one xdist worker.
+STACK_FIXTURES = {"live_stack", "demo_run"}
+
+
 def pytest_collection_modifyitems(items):
     """Mark the tests that place stages on Ray (a head, or test_multinode's two nodes) `ray`: `make test-fast`
-    leaves them out, with e2e."""
+    leaves them out, with e2e.
+
+    The tests on the shared stack form one xdist group (`--dist loadgroup` gives it to one worker, which
+    starts the stack once) and run first: the longest unit of work starts at once while the other worker
+    takes everything else.
+    """
+    stack = []
     for item in items:
-        if {"ray_head", "ray_address", "two_nodes"} & set(getattr(item, "fixturenames", ())):
+        names = set(getattr(item, "fixturenames", ()))
+        if {"ray_head", "ray_address", "two_nodes"} & names:
             item.add_marker(pytest.mark.ray)
+        if STACK_FIXTURES & names:
+            item.add_marker(pytest.mark.xdist_group("stack"))
+            stack.append(item)
+    others = [item for item in items if item not in stack]
+    items[:] = stack + others
 
 
 def free_port() -> int:
