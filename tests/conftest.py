@@ -38,6 +38,7 @@ if str(REPO) not in sys.path:
 STACK_FIXTURES = {"live_stack", "demo_run"}
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the group marks
 def pytest_collection_modifyitems(items):
     """Mark the tests that place stages on Ray (a head, or test_multinode's two nodes) `ray`: `make test-fast`
     leaves them out, with e2e.
@@ -56,6 +57,17 @@ def pytest_collection_modifyitems(items):
             stack.append(item)
     others = [item for item in items if item not in stack]
     items[:] = stack + others
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session):
+    """Under `--dist loadgroup`, refuse to run when xdist did not group the stack's tests (it marks their node ids
+    `@stack`): each worker would start a stack and a demo run of its own."""
+    if session.config.getvalue("loadgroup") and os.environ.get("PYTEST_XDIST_WORKER"):
+        loose = [item.nodeid for item in session.items if item.get_closest_marker("xdist_group") and "@" not in item.nodeid]
+        if loose:
+            raise pytest.UsageError(f"pytest-xdist did not group {loose[0]} with the other stack tests (a pytest/xdist version "
+                                    "pair that breaks --dist loadgroup); install from locks/dev.txt, or run with TEST_WORKERS=0")
 
 
 def free_port() -> int:
