@@ -63,7 +63,7 @@ def pytest_collection_modifyitems(items):
 def pytest_collection_finish(session):
     """Under `--dist loadgroup`, refuse to run when xdist did not group the stack's tests (it marks their node ids
     `@stack`): each worker would start a stack and a demo run of its own."""
-    if session.config.getvalue("loadgroup") and os.environ.get("PYTEST_XDIST_WORKER"):
+    if getattr(session.config.option, "loadgroup", False) and os.environ.get("PYTEST_XDIST_WORKER"):
         loose = [item.nodeid for item in session.items if item.get_closest_marker("xdist_group") and "@" not in item.nodeid]
         if loose:
             raise pytest.UsageError(f"pytest-xdist did not group {loose[0]} with the other stack tests (a pytest/xdist version "
