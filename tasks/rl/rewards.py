@@ -23,23 +23,12 @@ one line) naming the reward source.
 """
 from __future__ import annotations
 
-import hashlib
-import importlib.util
-import json
-import os
-import sys
-import tempfile
-import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
-from http.client import HTTPException
-from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
-from tasks.common import storage
+from tasks.common import http_json, user_code
 from tasks.common.config import ConfigError, split_list
 
 
@@ -149,12 +138,6 @@ class RewardModels(RewardSource):
 # ---------------------------------------------------------------------------------------------- function file
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("RLHF_CACHE_DIR") or os.path.join(
-        tempfile.gettempdir(), f"rlhf-flow-cache-{os.getuid() if hasattr(os, 'getuid') else 'user'}")
-    return Path(root) / "reward_funcs"
-
-
 class RewardFunction(RewardSource):
     """`reward_func(queries, prompts, labels)` from a Python file (a local path, file://, or s3://)."""
 
@@ -163,34 +146,8 @@ class RewardFunction(RewardSource):
         self._func = self._load()
 
     def _load(self):
-        who = f"remote_rm_url: {self.path}"
-        digest = hashlib.sha256(self.path.encode()).hexdigest()[:12]
-        try:
-            if storage.is_s3(self.path):
-                local = storage.download_file(self.path, _cache_dir() / digest / Path(storage.split_s3(self.path)[1]).name)
-            else:
-                local = storage.local_path(self.path)
-                if not local.is_file():
-                    raise storage.NotFoundError(self.path)
-        except storage.NotFoundError:
-            raise RewardError(f"{who} not found") from None
-        except storage.StorageError as e:
-            raise RewardError(f"{who} cannot be fetched: {e}") from None
-        name = f"_rlhf_reward_func_{digest}"
-        spec = importlib.util.spec_from_file_location(name, local)
-        if spec is None or spec.loader is None:
-            raise RewardError(f"{who} cannot be imported; name a .py file")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # dataclasses and pickling inside the file look themselves up here
-        try:
-            spec.loader.exec_module(module)
-        except Exception as e:
-            sys.modules.pop(name, None)
-            raise RewardError(f"{who} failed to import: {type(e).__name__}: {e}") from e
-        func = getattr(module, "reward_func", None)
-        if not callable(func):
-            raise RewardError(f"{who} defines no reward_func(queries, prompts, labels)")
-        return func
+        return user_code.load_function(self.path, "reward_func", who="remote_rm_url", error=RewardError,
+                                       signature="queries, prompts, labels")
 
     def __getstate__(self):  # a module does not pickle (Ray actors): reload from the path instead
         return {"path": self.path}
@@ -220,51 +177,16 @@ class RewardEndpoint(RewardSource):
     def __init__(self, url: str, timeout: float = 30, retries: int = 3, backoff: float = 1.0):
         self.url, self.timeout, self.retries, self.backoff = url, timeout, retries, backoff
 
-    def _post(self, payload: bytes) -> Any:
-        """The decoded JSON reply; raises _Retry for what is worth retrying, RewardError for the rest."""
-        request = urllib.request.Request(self.url, data=payload, method="POST",
-                                         headers={"Content-Type": "application/json", "Accept": "application/json"})
-        try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                body = response.read()
-        except urllib.error.HTTPError as e:
-            detail = " ".join(e.read(200).decode("utf-8", "replace").split())
-            message = f"HTTP {e.code} {e.reason}" + (f": {detail}" if detail else "")
-            if e.code >= 500 or e.code == 429:
-                raise _Retry(message) from None
-            raise RewardError(f"remote_rm_url: {self.url} answered {message}") from None
-        except (urllib.error.URLError, OSError, HTTPException) as e:  # refused, reset, timed out, …
-            reason = getattr(e, "reason", None) or e
-            raise _Retry(f"{type(reason).__name__}: {reason}" if str(reason) else type(reason).__name__) from None
-        try:
-            return json.loads(body)
-        except ValueError:
-            snippet = " ".join(body[:120].decode("utf-8", "replace").split())
-            raise RewardError(f"remote_rm_url: {self.url} answered with no JSON: {snippet!r}") from None
-
     def score(self, batch: RewardBatch) -> torch.Tensor:
-        payload = json.dumps({"query": list(batch.queries), "prompts": list(batch.prompts), "labels": list(batch.labels)}).encode()
-        attempts = self.retries + 1
-        for attempt in range(attempts):
-            try:
-                reply = self._post(payload)
-                break
-            except _Retry as e:
-                last = str(e)
-                if attempt + 1 < attempts:
-                    time.sleep(self.backoff * 2 ** attempt)
-        else:
-            raise RewardError(f"remote_rm_url: {self.url} failed after {attempts} attempts: {last}")
+        payload = {"query": list(batch.queries), "prompts": list(batch.prompts), "labels": list(batch.labels)}
+        reply = http_json.post_json(self.url, payload, who="remote_rm_url", error=RewardError, timeout=self.timeout,
+                               retries=self.retries, backoff=self.backoff)
         if isinstance(reply, dict) and not any(k in reply for k in ("rewards", "scores")):
             raise RewardError(f"remote_rm_url: {self.url} answered JSON with keys {sorted(reply)}; expected {{\"rewards\": [...]}}")
         return _as_rewards(reply, len(batch.queries), f"remote_rm_url: {self.url}", batch.sequences.device)
 
     def __repr__(self) -> str:
         return f"RewardEndpoint({self.url!r})"
-
-
-class _Retry(Exception):
-    pass
 
 
 # ---------------------------------------------------------------------------------------------- several, and the factory
