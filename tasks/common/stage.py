@@ -171,6 +171,9 @@ def main(stage: str, config_cls: type, work: Callable, argv: list[str] | None = 
         # A worker's error reaches the driver wrapped by Ray (a RayTaskError that is also an
         # instance of the cause's class); the user needs the cause's one line, not the traceback.
         cause = getattr(error, "cause", None) or error
+        # Ray streams the workers' output to this process: stop it first, so the cause is the last line.
+        if "ray" in sys.modules and sys.modules["ray"].is_initialized():
+            sys.modules["ray"].shutdown()
         print(f"error: {cause}", file=sys.stderr, flush=True)
         # Exit 2 says "fix the input": the orchestrator does not retry it. An unreachable or overloaded
         # store is worth another try.
