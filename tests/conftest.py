@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-# Under pytest-xdist (`make test` runs two workers) each worker has its own scratch: its own in-process
+# Under pytest-xdist (`make test TEST_WORKERS=n`) each worker has its own scratch: its own in-process
 # Airflow DB, caches and Ray head folders, as two sessions would.
 SCRATCH = Path(os.environ.get("RLHF_TEST_SCRATCH", REPO / ".scratch" / "test")) / os.environ.get("PYTEST_XDIST_WORKER", "")
 SCRATCH.mkdir(parents=True, exist_ok=True)
