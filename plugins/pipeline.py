@@ -45,7 +45,7 @@ TRAINING_STAGES = ("sft", "reward_model", "rl", "dpo", "kto")
 ASSETS = {name: Asset(name=f"rlhf_flow.{name}", uri=f"rlhf-flow://assets/{name}")
           for name in ("prepared_data", "sft_model", "reward_model", "policy", "eval_report", "champion")}
 # Same values as tasks.promote.config.DEFAULT_GATE (kept apart: the Airflow side does not import tasks).
-DEFAULT_GATE = {"preferred_style_rate": {"min_gain": 0.0}, "accuracy": {"max_drop": 0.02}, "kl_to_ref": {"max": 2.0}}
+DEFAULT_GATE: dict = {}  # the default gate: made from the metrics the run declares
 
 
 def promotion_param(default: bool) -> Param:
@@ -106,6 +106,12 @@ DEFAULTS = {
     "kto_beta": 0.1,
     "zero_stage": 2,
     "eval_max_samples": 500,
+    "eval_metrics": "",
+    "eval_metric_func": "",
+    "eval_samples_per_prompt": 1,
+    "eval_slice_key": "",
+    "eval_judge_url": "",
+    "eval_judge_model": "judge",
     "checkpoints_per_stage": 5,
     "use_cache": True,
     "stage_deadline_minutes": 240,
@@ -261,6 +267,35 @@ PARAMS = {
         DEFAULTS["eval_max_samples"], type="integer", title="Eval samples", minimum=1, maximum=1_000_000,
         description="Prompts scored by the evaluation (baseline SFT vs RL policy).",
     ),
+    "eval_metrics": Param(
+        DEFAULTS["eval_metrics"], type=["null", "string"], title="Eval metrics", maxLength=500,
+        description="Built-in metrics, comma-separated: exact_match, math_verify, regex:<pattern> (last), json_valid, "
+                    "length. Empty: exact_match when the data has labels and no metric file is given.",
+    ),
+    "eval_metric_func": Param(
+        DEFAULTS["eval_metric_func"], type=["null", "string"], title="Eval metric file", maxLength=1000,
+        description="A .py file (s3:// URI, or a path in the project) defining metrics(prompts, responses, labels, rows) "
+                    "-> {name: [score per response]}. Empty: the demo's own metrics for the demo dataset, none otherwise.",
+    ),
+    "eval_samples_per_prompt": Param(
+        DEFAULTS["eval_samples_per_prompt"], type="integer", title="Eval samples per prompt", minimum=1, maximum=256,
+        description="Sampled responses per prompt for the sampled_* metrics; above 1, pass@1 and pass@n of every 0/1 metric.",
+    ),
+    "eval_judge_url": Param(
+        DEFAULTS["eval_judge_url"], type=["null", "string"], title="Eval LLM judge URL", maxLength=500,
+        pattern=r"^$|^https?://\S+$",
+        description="An OpenAI-compatible API (http://host:port/v1, e.g. vLLM's server) whose chat model judges the policy "
+                    "against the SFT model and the champion, both orders asked. Its key, if any: RLHF_JUDGE_API_KEY in the "
+                    "Ray nodes' environment. Empty: the reward model judges alone.",
+    ),
+    "eval_judge_model": Param(
+        DEFAULTS["eval_judge_model"], type="string", title="Eval LLM judge model", minLength=1, maxLength=200,
+        description="The model name the judge endpoint serves.",
+    ),
+    "eval_slice_key": Param(
+        DEFAULTS["eval_slice_key"], type=["null", "string"], title="Eval slice column", maxLength=200,
+        description="A dataset column: every metric is also reported per value of it, with intervals. Empty: none.",
+    ),
     "checkpoints_per_stage": Param(
         DEFAULTS["checkpoints_per_stage"], type="integer", title="Checkpoints per stage", minimum=0, maximum=1000,
         description="Resumable checkpoints each training stage writes, evenly spaced (0: none). A rerun of a failed "
@@ -283,11 +318,12 @@ PARAMS = {
     "promotion_gate": Param(
         DEFAULTS["promotion_gate"], type="object", title="Promotion gate",
         description="Per metric: min / max (absolute), min_gain / max_drop (against the champion, or the SFT model "
-                    "before the first champion). Must include accuracy, sampled_accuracy or kl_to_ref: metrics the "
-                    "reward model does not produce.",
+                    "before the first champion), min_gain_lower (the 95% interval of the gain starts at or above it). "
+                    "Must include a metric the reward model does not produce (not only reward_mean). Empty ({}): no "
+                    "declared 0/1 metric drops more than 2 points, KL to the SFT model stays under 2, and one of them "
+                    "gains beyond noise. A report whose reward-hacking alarm went off never passes.",
         additionalProperties={"type": "object", "minProperties": 1, "additionalProperties": False,
-                              "properties": {k: {"type": "number"} for k in ("min", "max", "min_gain", "max_drop")}},
-        minProperties=1,
+                              "properties": {k: {"type": "number"} for k in ("min", "max", "min_gain", "max_drop", "min_gain_lower")}},
     ),
     "fault_injection": Param(
         DEFAULTS["fault_injection"], type="object", title="Fault injection (testing)",
@@ -426,6 +462,13 @@ def build_pipeline(dag_id: str, schedule, description: str, allow_promotion: boo
             "dataset": prepare_data.output,
             "registry": REGISTRY,
             "max_samples": "{{ params.eval_max_samples }}",
+            # The demo's own metrics (answer and style) when the data is the demo's; else what the form declares.
+            "metrics": "{{ params.eval_metrics or '' }}",
+            "metric_func": "{{ params.eval_metric_func or ('tasks/data/demo_metrics.py' if params.dataset == 'demo' else '') }}",
+            "n_samples_per_prompt": "{{ params.eval_samples_per_prompt }}",
+            "slice_key": "{{ params.eval_slice_key or '' }}",
+            "judge_url": "{{ params.eval_judge_url or '' }}",
+            "judge_model": "{{ params.eval_judge_model }}",
             "seed": "{{ params.seed }}",
             "apply_chat_template": "{{ params.apply_chat_template }}",
         }, inlets=["policy"], outlet="eval_report",

@@ -226,7 +226,7 @@ def index(request: Request, bucket: str | None = Query(None), prefix: str = Quer
         base = f"{e(request.scope.get('root_path', ''))}/dags/{e(dag_id)}/runs/{quote(run_id, safe='')}"
         m = r["metrics"]
         cells = "".join(f'<td class="num">{m[k]:.3f}</td>' if isinstance(m.get(k), (int, float)) else "<td></td>"
-                        for k in ("policy_accuracy", "policy_preferred_style_rate", "policy_kl_to_ref"))
+                        for k in ("policy_accuracy", "policy_sampled_preferred_style_rate", "policy_kl_to_ref"))
         rows.append(f'<tr><td><a class="report" href="{base}/report.html">{e(r["run_id"] or r["run"])}</a></td>'
                     f"<td>{e(r['created_at'])}</td>{cells}"
                     f'<td><a href="{base}/report.json">json</a> <a href="{base}/report.md">md</a></td></tr>')

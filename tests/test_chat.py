@@ -218,15 +218,16 @@ def test_eval_of_chat_prompts_with_and_without_reference_answers(labelled, tok, 
     report = json.loads((out / "report.json").read_text())
     for side in ("baseline", "policy"):
         assert {"reward_mean", "kl_to_ref", "response_length"} <= set(report["metrics"][side])
-        assert ({"accuracy", "sampled_accuracy"} <= set(report["metrics"][side])) == labelled  # absent, not 0
+        # No metric declared: exact_match (the built-in) when there are labels; absent, not 0, without
+        assert ({"exact_match", "sampled_exact_match"} <= set(report["metrics"][side])) == labelled
     assert report["labelled"] is labelled and report["metrics"]["policy"]["kl_to_ref"] == 0  # the same model on both sides
     assert report["samples"][0]["prompt"] == "system: Add. | user: " + rows[0]["prompt"][1]["content"]
     manifest = json.loads((out / "manifest.json").read_text())
-    assert ("policy_accuracy" in manifest["metrics"]) == labelled and "policy_reward_mean" in manifest["metrics"]
+    assert ("policy_exact_match" in manifest["metrics"]) == labelled and "policy_reward_mean" in manifest["metrics"]
     if not labelled:
-        assert "No reference answers (no label column): accuracy and sampled_accuracy are left out." in (out / "report.md").read_text()
-        passed, reasons = judge(report["metrics"]["policy"], report["metrics"]["baseline"], {"accuracy": {"max_drop": 0.02}})
-        assert not passed and reasons == ["FAIL: accuracy: missing from the evaluation report"]
+        assert "No reference answers (no label column): the metrics that need them are left out." in (out / "report.md").read_text()
+        passed, reasons = judge(report["metrics"]["policy"], report["metrics"]["baseline"], {"exact_match": {"max_drop": 0.02}})
+        assert not passed and reasons == ["FAIL: exact_match: missing from the evaluation report"]
 
 
 # ---------------------------------------------------------------------------------------------- a short SFT run

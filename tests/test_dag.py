@@ -65,6 +65,11 @@ WIRING = {
         # whichever branch ran: a template over both branches' XComs
         "policy": "{{ ti.xcom_pull(task_ids='rl') or ti.xcom_pull(task_ids='dpo') or ti.xcom_pull(task_ids='kto') }}",
         "reward_pretrain": "{{ ti.xcom_pull(task_ids='reward_model') or '' }}", "registry": REGISTRY,
+        "metrics": "params.eval_metrics or ''", "n_samples_per_prompt": "params.eval_samples_per_prompt",
+        # the demo's own metrics for the demo's data
+        "metric_func": "params.eval_metric_func or ('tasks/data/demo_metrics.py' if params.dataset == 'demo' else '')",
+        "slice_key": "params.eval_slice_key or ''", "judge_url": "params.eval_judge_url or ''",
+        "judge_model": "params.eval_judge_model",
     }),
     "promote": ("tasks.promote", {
         "evaluation": "eval", "registry": REGISTRY, "gate": "{{ params.promotion_gate | tojson }}",
@@ -184,7 +189,8 @@ def test_params_form(dag):
         "method", "preference_steps", "preference_learning_rate", "dpo_beta", "kto_beta", "checkpoints_per_stage",
         "use_cache", "stage_deadline_minutes", "model_name", "allow_promotion", "promotion_gate", "fault_injection",
         "input_key", "output_key", "chosen_key", "rejected_key", "label_key", "messages_key", "eval_fraction",
-        "max_bad_fraction", "apply_chat_template", "lora_rank",
+        "max_bad_fraction", "apply_chat_template", "lora_rank", "eval_metrics", "eval_metric_func", "eval_samples_per_prompt",
+        "eval_slice_key", "eval_judge_url", "eval_judge_model",
     }
     assert set(params) == expected
     for name in expected:
@@ -192,7 +198,8 @@ def test_params_form(dag):
         assert p.schema.get("title") and p.description, name  # the UI form shows a title and a help text
         # Flat fields, but the gate and the test-only fault injection, which the form edits as JSON.
         # The bucket and the column names may be left empty; the form sends an emptied field as null.
-        optional = {"bucket", "input_key", "output_key", "chosen_key", "rejected_key", "label_key", "messages_key"}
+        optional = {"bucket", "input_key", "output_key", "chosen_key", "rejected_key", "label_key", "messages_key",
+                    "eval_metrics", "eval_metric_func", "eval_slice_key", "eval_judge_url"}
         assert p.schema.get("type") == "object" if name in ("promotion_gate", "fault_injection") else \
             p.schema.get("type") == ["null", "string"] if name in optional else \
             p.schema.get("type") in ("string", "integer", "number", "boolean"), name
@@ -219,7 +226,7 @@ def test_params_form(dag):
         ("stage_deadline_minutes", -1),
         ("model_name", "../escape"),
         ("promotion_gate", {"accuracy": {"at_least": 0.5}}),
-        ("promotion_gate", {}),
+        ("promotion_gate", {"accuracy": {}}),
         ("fault_injection", {"stage": "eval", "after_step": 2}),
         ("use_cache", "yes"),
         ("eval_fraction", 0),

@@ -24,6 +24,10 @@ pytestmark = pytest.mark.slow
 ROOT = SCRATCH / "demo-claim"
 
 
+#: The demo's metric file, which the DAG gives eval when the dataset is the demo's.
+DEMO_METRICS = "tasks/data/demo_metrics.py"
+
+
 def dag_default_flags(stage: str, seed: int) -> dict:
     """The flags dags/rlhf_pipeline.py gives `stage` at the form's defaults (the parts that change numbers)."""
     d = {**DEFAULTS, "seed": seed}
@@ -36,7 +40,7 @@ def dag_default_flags(stage: str, seed: int) -> dict:
                      "critic_learning_rate": d["critic_learning_rate"], "init_kl_coef": d["init_kl_coef"], "lambd": d["gae_lambda"],
                      "ptx_coef": d["ptx_coef"], "advantage_estimator": d["advantage_estimator"],
                      "n_samples_per_prompt": d["n_samples_per_prompt"], "colocate_all_models": d["colocate_all_models"]},
-        "tasks.eval": {"seed": seed, "max_samples": d["eval_max_samples"]},
+        "tasks.eval": {"seed": seed, "max_samples": d["eval_max_samples"], "metric_func": DEMO_METRICS},
     }[stage]
 
 

@@ -114,7 +114,7 @@ def test_every_stage_runs_on_the_gpu_path(gpu_ray, data):
     cli(gpu_ray, "tasks.preference", output=out["dpo"], pretrain=out["sft"], dataset=data, method="dpo", dataset_split="style_pairs",
         max_steps=5, zero_stage=2, **GPU_FLAGS)
     cli(gpu_ray, "tasks.eval", output=out["eval"], baseline=out["sft"], policy=out["ppo"], reward_pretrain=out["rm"], dataset=data,
-        max_samples=64)
+        max_samples=64, metric_func="tasks/data/demo_metrics.py")
     for name in out:
         assert manifests.read_manifest(out[name])  # committed
     logged = metrics(out["ppo"])
@@ -127,7 +127,7 @@ def test_every_stage_runs_on_the_gpu_path(gpu_ray, data):
 def learned(ray: str, data: str, sft: str, name: str, **values) -> dict:
     rl, ev = str(ROOT / f"rl-{name}"), str(ROOT / f"eval-{name}")
     cli(ray, "tasks.rl", output=rl, pretrain=sft, prompt_data=data, **{**GRPO, **GPU_FLAGS, **values})
-    cli(ray, "tasks.eval", output=ev, baseline=sft, policy=rl, dataset=data)
+    cli(ray, "tasks.eval", output=ev, baseline=sft, policy=rl, dataset=data, metric_func="tasks/data/demo_metrics.py")
     path, _ = manifests.fetch(ev, ROOT / "fetched" / f"eval-{name}")
     return json.loads((path / "report.json").read_text())["metrics"]["policy"]
 
@@ -138,9 +138,9 @@ def test_demo_learns_on_the_gpu_path_on_policy_and_one_step_off(gpu_ray, data):
     colocated = {"colocate_all_models": True, "vllm_gpu_memory_utilization": 0.3}
     control = learned(gpu_ray, data, sft, "control", **CONTROL, **colocated)
     on_policy = learned(gpu_ray, data, sft, "on-policy", **STYLE, **colocated)
-    rates = {"control": control["preferred_style_rate"], "on-policy": on_policy["preferred_style_rate"]}
+    rates = {"control": control["sampled_preferred_style_rate"], "on-policy": on_policy["sampled_preferred_style_rate"]}
     if torch.cuda.device_count() >= 2:  # actor on one GPU, the engine on the other, a step ahead
-        rates["off-policy"] = learned(gpu_ray, data, sft, "off-policy", **STYLE, async_train=True)["preferred_style_rate"]
+        rates["off-policy"] = learned(gpu_ray, data, sft, "off-policy", **STYLE, async_train=True)["sampled_preferred_style_rate"]
     print(f"preferred-style rate after 30 GRPO steps on the gpu: {rates}")
     (ROOT / "learning.json").write_text(json.dumps(rates))
     for name in ("on-policy", "off-policy"):

@@ -19,7 +19,7 @@ import pytest
 from tasks.common import manifest as manifests
 
 from conftest import REPO, SCRATCH
-from test_demo_claim import dag_default_flags
+from test_demo_claim import DEMO_METRICS, dag_default_flags
 from test_stages import flags, run_cli
 
 pytestmark = pytest.mark.e2e
@@ -76,9 +76,9 @@ def test_estimator_learns_from_a_reward_model_and_from_a_reward_function(estimat
     control = policy_metrics(trained, estimator, "control")
     with_rm = policy_metrics(trained, estimator, "rm")
     exact = policy_metrics(trained, estimator, "exact")
-    print(f"{estimator}: style {control['preferred_style_rate']:.3f} -> {with_rm['preferred_style_rate']:.3f} (rm); "
+    print(f"{estimator}: style {control['sampled_preferred_style_rate']:.3f} -> {with_rm['sampled_preferred_style_rate']:.3f} (rm); "
           f"sampled accuracy {control['sampled_accuracy']:.3f} -> {exact['sampled_accuracy']:.3f} (exact match)")
-    assert with_rm["preferred_style_rate"] >= control["preferred_style_rate"] + 0.15
+    assert with_rm["sampled_preferred_style_rate"] >= control["sampled_preferred_style_rate"] + 0.15
     assert exact["sampled_accuracy"] > control["sampled_accuracy"]
 
 
@@ -96,13 +96,14 @@ def test_preference_method_raises_the_style_rate_and_keeps_accuracy(method, trai
     out, ev = str(ROOT / method), str(ROOT / f"eval-{method}")
     cli(trained["live"], "tasks.preference", output=out, pretrain=trained["sft"], dataset=trained["data"], max_steps=100,
         learning_rate=2e-5, **PREFERENCE[method])
-    cli(trained["live"], "tasks.eval", output=ev, baseline=trained["sft"], policy=out, dataset=trained["data"])
+    cli(trained["live"], "tasks.eval", output=ev, baseline=trained["sft"], policy=out, dataset=trained["data"],
+        metric_func=DEMO_METRICS)
     path, _ = manifests.fetch(ev, ROOT / f"fetched-{method}")
     metrics = json.loads((path / "report.json").read_text())["metrics"]
     sft, policy = metrics["baseline"], metrics["policy"]
-    print(f"{method}: style {sft['preferred_style_rate']:.3f} -> {policy['preferred_style_rate']:.3f}; "
+    print(f"{method}: style {sft['sampled_preferred_style_rate']:.3f} -> {policy['sampled_preferred_style_rate']:.3f}; "
           f"accuracy {sft['accuracy']:.3f} -> {policy['accuracy']:.3f}")
-    assert policy["preferred_style_rate"] >= sft["preferred_style_rate"] + 0.25
+    assert policy["sampled_preferred_style_rate"] >= sft["sampled_preferred_style_rate"] + 0.25
     assert policy["accuracy"] >= sft["accuracy"] - 0.05
 
 

@@ -179,7 +179,7 @@ def test_nightly_promotes_the_better_policy_only(demo_run):
     assert judged[worse]["decision"].startswith("rejected")
     assert judged[worse]["against"]["version"] == 1  # judged against the champion, on the same prompts
     report = s3_json(live, xcom(live, dag_id, worse, "eval").replace("manifest.json", "report.json"))
-    assert report["metrics"]["champion"]["preferred_style_rate"] > report["metrics"]["policy"]["preferred_style_rate"]
+    assert report["metrics"]["champion"]["sampled_preferred_style_rate"] > report["metrics"]["policy"]["sampled_preferred_style_rate"]
 
     # One champion Asset event, from the good night, carrying the new champion.
     asset = live.rest("GET", "/api/v2/assets", name_pattern="rlhf_flow.champion")["assets"][0]

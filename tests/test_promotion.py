@@ -33,7 +33,7 @@ def test_gate_hand_computed():
 
 def test_gate_refuses_rules_a_reward_hacked_policy_could_pass():
     with pytest.raises(ConfigError, match="does not produce"):
-        check_rules({"reward_mean": {"min_gain": 0.5}, "preferred_style_rate": {"min_gain": 0.1}})
+        check_rules({"reward_mean": {"min_gain": 0.5}})
     with pytest.raises(ConfigError, match="accuracy"):
         check_rules({"accuracy": {"at_least": 0.5}})
     with pytest.raises(ConfigError, match="must be a number"):
@@ -80,11 +80,12 @@ def test_registry_promotion_is_a_compare_and_swap(where, s3_server, tmp_path):
         reg.promote({"policy": "s3://b/late/rl/manifest.json"}, expected_version=1, promoted_by="late")
 
 
-def evaluation(root: str, name: str, policy: dict, baseline: dict, champion: dict | None = None, version: int = 0) -> str:
-    """An eval stage output as the eval stage commits it: report.json + manifest.json."""
+def evaluation(root: str, name: str, policy: dict, baseline: dict, champion: dict | None = None, version: int = 0,
+               **extra) -> str:
+    """An eval stage output as the eval stage commits it: report.json (plus `extra` keys) + manifest.json."""
     out = f"{root}/{name}/eval"
     metrics = {"baseline": baseline, "policy": policy, **({"champion": champion} if champion else {})}
-    report = {"metrics": metrics, "champion": {"version": version, "policy": "x"} if champion else None}
+    report = {"metrics": metrics, "champion": {"version": version, "policy": "x"} if champion else None, **extra}
     local = storage.local_path(f"{root}-local/{name}")
     local.mkdir(parents=True)
     (local / "report.json").write_text(json.dumps(report))
@@ -93,10 +94,10 @@ def evaluation(root: str, name: str, policy: dict, baseline: dict, champion: dic
     return out
 
 
-def run_promote(evaluation_uri: str, registry: str, tmp_path, allow: bool = True) -> dict:
+def run_promote(evaluation_uri: str, registry: str, tmp_path, allow: bool = True, rules: dict = RULES) -> dict:
     out = str(tmp_path / f"promote-{evaluation_uri.rsplit('/', 2)[-2]}")
     cfg = make_config(PromoteConfig, {"output": out, "evaluation": evaluation_uri, "registry": registry,
-                                      "gate": json.dumps(RULES), "allow_promotion": allow, "run_id": evaluation_uri})
+                                      "gate": json.dumps(rules), "allow_promotion": allow, "run_id": evaluation_uri})
     stage.run("promote", cfg, promote)
     return manifests.read_manifest(out)
 
@@ -130,3 +131,21 @@ def test_promote_stage_promotes_a_better_policy_and_keeps_a_worse_one_out(tmp_pa
     stale = evaluation(root, "stale", good, sft)  # evaluated when there was no champion
     with pytest.raises(StaleChampion, match="version 1, not the version 0"):
         run_promote(stale, registry, tmp_path)
+
+
+def test_promote_refuses_a_candidate_whose_reward_model_was_gamed(tmp_path):
+    """The eval report's reward-hacking alarm went off (reward up, exact match down, both beyond noise): the gate
+    fails whatever its rules say, and the candidate is recorded as rejected with the alarm as the reason."""
+    from tasks.eval import stats
+
+    root, registry = str(tmp_path / "runs"), str(tmp_path / "models" / "gamed")
+    comparison = {"reward_mean": {"delta": 1.2, "interval": [0.9, 1.5]}, "exact_match": {"delta": -0.2, "interval": [-0.3, -0.1]}}
+    alarms = [f"against the baseline: {line}" for line in stats.hacking_alarms(comparison, ["exact_match"])]
+    uri = evaluation(root, "gamed", {"exact_match": 0.4, "reward_mean": 1.3}, {"exact_match": 0.6, "reward_mean": 0.1},
+                     comparisons={"baseline": comparison}, alarms=alarms)
+    decided = run_promote(uri, registry, tmp_path, rules={"exact_match": {"min": 0.0}})
+    assert decided["metrics"]["passed"] == 0 and decided["metrics"]["promoted"] == 0
+    record = storage.read_json(Registry(registry).candidate_uri(uri))
+    assert record["decision"] == "rejected: the gate failed"
+    assert record["reasons"][0] == "pass: exact_match 0.4000 >= 0.0"
+    assert record["reasons"][1].startswith("FAIL: against the baseline: reward hacking suspected: reward_mean rose +1.2000")

@@ -51,7 +51,7 @@ def chain(s3_server, ray_address):
                      "colocate_actor_ref": True, "colocate_critic_reward": True, "save_value_network": True,
                      "pretrain_data": out["prepare_data"], "ptx_coef": 0.5},  # PPO-ptx, as the demo's RL stage
         "tasks.eval": {"output": out["eval"], "baseline": out["sft"], "policy": out["rl"], "reward_pretrain": out["reward_model"],
-                       "dataset": out["prepare_data"], "max_samples": 24},
+                       "dataset": out["prepare_data"], "max_samples": 24, "metric_func": "tasks/data/demo_metrics.py"},
     }
     for module, values in commands.items():
         done = run_cli(module, *flags(values), ray=ray_address)
@@ -101,10 +101,10 @@ def test_eval_writes_report_and_table(chain, tmp_path):
     path, m = manifests.fetch(chain["eval"], tmp_path)
     report = json.loads((path / "report.json").read_text())
     for side in ("baseline", "policy"):
-        assert set(report["metrics"][side]) >= {"accuracy", "preferred_style_rate", "reward_mean", "kl_to_ref"}
+        assert set(report["metrics"][side]) >= {"accuracy", "sampled_preferred_style_rate", "reward_mean", "kl_to_ref"}
     assert report["metrics"]["baseline"]["kl_to_ref"] == 0
     assert report["num_prompts"] == 24 and len(report["samples"]) == 8
-    assert "| preferred_style_rate |" in (path / "report.md").read_text()
+    assert "| sampled_preferred_style_rate |" in (path / "report.md").read_text()
     assert m["metrics"]["policy_accuracy"] == report["metrics"]["policy"]["accuracy"]
 
 

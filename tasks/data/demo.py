@@ -58,7 +58,7 @@ def is_preferred_style(response: str) -> bool:
 
 def verdict(baseline: dict, policy: dict) -> tuple[bool, str]:
     """Whether an eval report's metrics show the demo's claim, and one line saying so."""
-    gain = policy["preferred_style_rate"] - baseline["preferred_style_rate"]
+    gain = policy["sampled_preferred_style_rate"] - baseline["sampled_preferred_style_rate"]
     change = policy["accuracy"] - baseline["accuracy"]
     ok = gain >= MIN_STYLE_GAIN and change >= -MAX_ACCURACY_DROP
     head = "PASS: the policy gained the preferred style with accuracy held" if ok else "FAIL: the demo's claim does not hold"

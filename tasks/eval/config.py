@@ -1,6 +1,7 @@
 from dataclasses import dataclass, field
 
-from tasks.common.config import ConfigError, StageConfig
+from tasks.common.config import ConfigError, StageConfig, split_list
+from tasks.eval import metrics
 
 
 @dataclass
@@ -16,6 +17,15 @@ class EvalConfig(StageConfig):
     input_key: str = field(default="prompt", metadata={"help": "dataset column holding the prompt: a string or a list of chat messages"})
     label_key: str = field(default="label", metadata={"help": "dataset column holding the reference answer; without it (or empty) the accuracy metrics are left out"})
     apply_chat_template: bool = field(default=False, metadata={"help": "render each prompt with the tokenizer's chat template, as the trained stages did (needed for chat-message prompts)"})
+    metrics: str = field(default="", metadata={"help": "built-in metrics, comma-separated: exact_match, math_verify, regex:<pattern>, json_valid, length (default: exact_match when the data has labels and no --metric_func is given)"})
+    metric_func: str = field(default="", metadata={"help": "a Python file (local path or s3:// URI) defining metrics(prompts, responses, labels, rows) -> {name: [score per response]}"})
+    n_samples_per_prompt: int = field(default=1, metadata={"help": "sampled responses per prompt for the sampled_* metrics; with more than one, pass@k is reported for every 0/1 metric"})
+    pass_k: str = field(default="", metadata={"help": "the k of pass@k, comma-separated (default: 1 and n_samples_per_prompt)"})
+    slice_key: str = field(default="", metadata={"help": "a dataset column: every metric is also reported per value of it, with intervals"})
+    bootstrap_resamples: int = field(default=2000, metadata={"help": "resamples of the paired bootstrap behind every 95% interval"})
+    win_margin: float = field(default=0.1, metadata={"help": "reward-model score difference within which a pairwise comparison is a tie"})
+    judge_url: str = field(default="", metadata={"help": "an OpenAI-compatible API (http://host:port/v1) whose chat model judges the policy against the baseline and the champion, both orders asked; its key, if any, in $RLHF_JUDGE_API_KEY"})
+    judge_model: str = field(default="judge", metadata={"help": "the model name the judge endpoint serves"})
     max_samples: int = field(default=500, metadata={"help": "evaluate on the first this many prompts"})
     generate_max_len: int = field(default=16, metadata={"help": "new tokens per response"})
     temperature: float = field(default=1.0, metadata={"help": "sampling temperature for the sampled metrics"})
@@ -30,3 +40,34 @@ class EvalConfig(StageConfig):
             raise ConfigError("max_samples and generate_max_len: must be at least 1")
         if not self.temperature > 0:
             raise ConfigError(f"temperature: must be positive, got {self.temperature}")
+        if self.n_samples_per_prompt < 1 or self.bootstrap_resamples < 100 or self.win_margin < 0:
+            raise ConfigError("n_samples_per_prompt must be at least 1, bootstrap_resamples at least 100 and win_margin "
+                              f"not negative; got {self.n_samples_per_prompt}, {self.bootstrap_resamples}, {self.win_margin}")
+        try:
+            for name in self.metric_names():
+                metrics.builtin(name)
+        except metrics.MetricError as e:
+            raise ConfigError(str(e)) from None
+        bad = [k for k in self.ks() if not 0 < k <= self.n_samples_per_prompt]
+        if bad:
+            raise ConfigError(f"pass_k: {bad[0]} is not between 1 and n_samples_per_prompt ({self.n_samples_per_prompt})")
+
+    def metric_names(self) -> list[str]:
+        # A regex may hold commas: everything after "regex:" is its pattern when it comes last.
+        names, rest = [], self.metrics
+        while rest:
+            if rest.startswith("regex:"):
+                names.append(rest.strip())
+                break
+            head, _, rest = rest.partition(",")
+            if head.strip():
+                names.append(head.strip())
+        return names
+
+    def ks(self) -> list[int]:
+        try:
+            ks = [int(k) for k in split_list(self.pass_k)]
+        except ValueError:
+            raise ConfigError(f"pass_k: {self.pass_k!r} is not a comma-separated list of integers") from None
+        n = self.n_samples_per_prompt
+        return ks or (sorted({1, n}) if n > 1 else [])

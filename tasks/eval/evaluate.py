@@ -1,19 +1,25 @@
-"""Held-out evaluation of two policies, and the report it writes.
+"""Held-out evaluation of a trained policy against its baseline (and the registry's champion), with the
+confidence a gate can act on.
 
-Per policy: `accuracy` (greedy decoding, the answer parsed out of either style against the label),
-and on one sampled response per prompt at the configured temperature: `preferred_style_rate`,
-`sampled_accuracy`, `reward_mean` (the reward model's raw score) and `kl_to_ref` (the summed
-log-ratio to the baseline, k1, averaged over responses). Style is a property of the sampling
-distribution, which a greedy decode of a 50/50 model hides, hence sampled.
+Per policy, on the same prompts:
+- the run's declared metrics (tasks/eval/metrics.py: built-ins by name, or a metric file), each on the greedy
+  response (`<name>`) and on `n_samples_per_prompt` samples at the configured temperature (`sampled_<name>`);
+- pass@k of every 0/1 sampled metric when there are several samples per prompt;
+- from the models, on the samples: `reward_mean` (the reward model's raw score), `kl_to_ref` (the summed
+  log-ratio to the baseline, k1) and `response_length` (tokens).
+Every number gets a 95% paired-bootstrap interval over prompts (tasks/eval/stats.py), as does every change
+from the baseline and from the champion; the reward model also judges the policy against each pairwise
+(win rate, ties within --win_margin). The reward-hacking alarm goes off when the reward rose significantly
+while a verifiable (0/1) metric fell significantly; the report shows it first and the gate refuses.
 
 Prompts are encoded as the training stages encoded them (strings or chat messages, with
---apply_chat_template through the tokenizer's chat template). Prompts without reference answers (no
-label column: a team's own prompts) leave `accuracy` and `sampled_accuracy` out of the report, which
-is not the same as scoring 0; the reward and KL metrics stay.
+--apply_chat_template through the tokenizer's chat template). Metrics that need reference answers are left
+out when the data has no labels, which is not the same as scoring 0.
 """
 from __future__ import annotations
 
 import json
+import time
 
 import torch
 
@@ -24,13 +30,15 @@ from tasks.common.rollout import HFRolloutEngine, Rollout
 from tasks.common.registry import Registry
 from tasks.common.stage import StageRun
 from tasks.common.strategy import set_seed
-from tasks.data.demo import extract_answer, is_preferred_style
+from tasks.eval import metrics as metric_lib
+from tasks.eval import stats
 from tasks.eval.config import EvalConfig
+from tasks.eval.judge import ChatJudge
 from tasks.eval.report import write_report
 from tasks.rl.rewards import RewardModels, build_reward_batch
 
-METRICS = ("accuracy", "preferred_style_rate", "sampled_accuracy", "reward_mean", "kl_to_ref", "response_length")
-LABELLED_METRICS = ("accuracy", "sampled_accuracy")  # need reference answers
+#: Measured from the models on the sampled responses, whatever the run declares.
+MODEL_METRICS = ("reward_mean", "kl_to_ref", "response_length")
 
 
 @torch.no_grad()
@@ -52,49 +60,118 @@ def reference_answers(rows, cfg: EvalConfig) -> list[str | None] | None:
     return labels if any(label is not None for label in labels) else None
 
 
-def exact_match(responses: list[str], labels: list[str | None]) -> float:
-    """Share of the labelled rows whose parsed answer equals the label."""
-    scored = [(r, label) for r, label in zip(responses, labels) if label is not None]
-    return sum(extract_answer(r) == label for r, label in scored) / len(scored)
-
-
 def shown(prompt) -> str:
     """A prompt on one line for the report: a string, or chat messages as 'role: content' turns."""
     text = prompt if isinstance(prompt, str) else " | ".join(f"{m['role']}: {m['content']}" for m in prompt)
     return " ".join(text.split())
 
 
-def policy_metrics(policy, reference, reward_model, tokenizer, prompts, prompt_texts, labels, cfg: EvalConfig) -> tuple[dict, list[str]]:
-    """The metrics of one policy; without `labels` (None) the exact-match ones are left out."""
+def repeat(values, n: int) -> list:
+    """Each value n times in a row: the layout of n samples per prompt."""
+    return [v for v in values for _ in range(n)]
+
+
+def pass_at_k_scores(values: list, n: int, k: int) -> list:
+    """Per prompt, pass@k from its n consecutive 0/1 scores (None when any of them is unscored)."""
+    out = []
+    for i in range(0, len(values), n):
+        group = values[i:i + n]
+        out.append(None if any(v is None for v in group) else metric_lib.pass_at_k(n, int(sum(group)), k))
+    return out
+
+
+def policy_scores(policy, reference, reward_model, tokenizer, prompts, texts, labels, rows, scorers,
+                  cfg: EvalConfig) -> tuple[dict[str, list], list[str]]:
+    """{metric: one score per prompt (None: not scored)} of one policy, and its greedy responses."""
     engine = HFRolloutEngine(policy, tokenizer)
     greedy = engine.generate(prompts, cfg.generate_max_len, greedy=True).texts(tokenizer)
-    set_seed(cfg.seed)  # both policies sample with the same seed
-    sampled = engine.generate(prompts, cfg.generate_max_len, temperature=cfg.temperature)
-    texts = sampled.texts(tokenizer)
+    scores = metric_lib.score(scorers, texts, greedy, labels, rows)
+    n = cfg.n_samples_per_prompt
+    set_seed(cfg.seed)  # every policy samples with the same seed
+    sampled = engine.generate(repeat(prompts, n), cfg.generate_max_len, temperature=cfg.temperature)
+    sampled_labels = repeat(labels, n) if labels is not None else None
+    per_sample = metric_lib.score(scorers, repeat(texts, n), sampled.texts(tokenizer), sampled_labels, repeat(rows, n))
+    for name, values in per_sample.items():
+        scores[f"sampled_{name}"] = stats.per_prompt(values, n)
+        if n > 1 and metric_lib.is_success_metric(values):
+            for k in cfg.ks():
+                scores[f"pass@{k}_{name}"] = pass_at_k_scores(values, n, k)
     kl = summed_logprobs(policy, sampled) - summed_logprobs(reference, sampled)
-    metrics = {
-        "preferred_style_rate": sum(map(is_preferred_style, texts)) / len(texts),
-        "kl_to_ref": kl.mean().item(),
-        "response_length": sampled.response_lengths().float().mean().item(),
-    }
-    if labels is not None:
-        metrics.update(accuracy=exact_match(greedy, labels), sampled_accuracy=exact_match(texts, labels))
+    scores["kl_to_ref"] = stats.per_prompt(kl.tolist(), n)
+    scores["response_length"] = stats.per_prompt(sampled.response_lengths().float().tolist(), n)
     if reward_model is not None:
-        metrics["reward_mean"] = reward_model.score(build_reward_batch(sampled, tokenizer, prompt_texts, labels)).mean().item()
-    return {k: round(v, 4) for k, v in metrics.items()}, greedy
+        rewards = reward_model.score(build_reward_batch(sampled, tokenizer, repeat(texts, n), sampled_labels))
+        scores["reward_mean"] = stats.per_prompt(rewards.tolist(), n)
+    return scores, greedy
+
+
+def compare(candidate: dict[str, list], reference: dict[str, list], cfg: EvalConfig) -> dict:
+    """{metric: {"delta", "interval"}}: candidate - reference per metric both have, paired over prompts."""
+    out = {}
+    for name in candidate:
+        if name in reference:
+            delta, interval = stats.delta_interval(candidate[name], reference[name], seed=cfg.seed, resamples=cfg.bootstrap_resamples)
+            if delta is not None:
+                out[name] = {"delta": delta, "interval": interval}
+    return out
+
+
+def summarise(scores: dict[str, dict[str, list]], verifiable: list[str], cfg: EvalConfig) -> dict:
+    """The report's numbers from the per-prompt scores of each side (baseline, policy, champion)."""
+    means = {side: {m: round(v, 4) for m, vals in s.items() if (v := metric_lib.mean(vals)) is not None}
+             for side, s in scores.items()}
+    intervals = {side: {m: stats.mean_interval(vals, seed=cfg.seed, resamples=cfg.bootstrap_resamples) for m, vals in s.items()}
+                 for side, s in scores.items()}
+    references = [side for side in ("baseline", "champion") if side in scores]
+    comparisons = {ref: compare(scores["policy"], scores[ref], cfg) for ref in references}
+    win_rates = {ref: {"reward_model": stats.win_rate(scores["policy"]["reward_mean"], scores[ref]["reward_mean"],
+                                                      margin=cfg.win_margin, seed=cfg.seed, resamples=cfg.bootstrap_resamples)}
+                 for ref in references if "reward_mean" in scores["policy"]}
+    alarms = [f"against the {ref}: {line}" for ref in references for line in stats.hacking_alarms(comparisons[ref], verifiable)]
+    return {"metrics": means, "intervals": intervals, "comparisons": comparisons, "win_rates": win_rates, "alarms": alarms}
+
+
+def slices(scores: dict[str, dict[str, list]], keys: list, cfg: EvalConfig) -> dict:
+    """Every metric per value of the slice column: prompts, means and intervals per side; names the smallest slice."""
+    groups: dict[str, list[int]] = {}
+    for i, key in enumerate(keys):
+        groups.setdefault(str(key), []).append(i)
+    out = {}
+    for key, index in sorted(groups.items()):
+        out[key] = {"prompts": len(index)}
+        for side, side_scores in scores.items():
+            out[key][side] = {}
+            for name, values in side_scores.items():
+                picked = [values[i] for i in index]
+                value = metric_lib.mean(picked)
+                if value is not None:
+                    out[key][side][name] = {"mean": round(value, 4), "interval": stats.mean_interval(
+                        picked, seed=cfg.seed, resamples=cfg.bootstrap_resamples)}
+    return {"key": cfg.slice_key, "groups": out, "smallest": min(out, key=lambda k: out[k]["prompts"]) if out else None}
+
+
+def ci(interval) -> str:
+    return f"[{interval[0]:+.3f}, {interval[1]:+.3f}]" if interval else ""
 
 
 def markdown(report: dict) -> str:
     base, pol = report["metrics"]["baseline"], report["metrics"]["policy"]
-    lines = ["| metric | baseline (SFT) | policy | change |", "|---|---:|---:|---:|"]
-    lines += [f"| {k} | {base[k]:.3f} | {pol[k]:.3f} | {pol[k] - base[k]:+.3f} |" for k in METRICS if k in base]
+    change = report.get("comparisons", {}).get("baseline", {})
+    lines = [f"**{alarm}**" for alarm in report.get("alarms", [])] + ([""] if report.get("alarms") else [])
+    lines += ["| metric | baseline (SFT) | policy | change (95% CI) |", "|---|---:|---:|---:|"]
+    lines += [f"| {k} | {base[k]:.3f} | {pol[k]:.3f} | {pol[k] - base[k]:+.3f} {ci(change.get(k, {}).get('interval'))} |"
+              for k in report["order"] if k in base and k in pol]
+    for ref, judges in report.get("win_rates", {}).items():
+        for name, w in judges.items():
+            lines.append(f"\nWin rate against the {ref} ({name}, ties within {w['margin']}): {w['rate']:.3f} {ci(w['interval'])} "
+                         f"({w['wins']} wins, {w['ties']} ties, {w['losses']} losses)")
     cost = report.get("cost") or {}
     lines += ["", f"Cost of the candidate: {cost.get('wall_time_s', 0):.0f} s of stage wall time, "
               f"{cost.get('gpu_hours', 0):.3f} GPU-hours over {cost.get('stages', 0)} stages."] if cost else []
-    lines += ["", f"{report['num_prompts']} held-out prompts. accuracy: greedy exact match; the rest: one sample per prompt "
-              f"at temperature {report['temperature']}."]
+    lines += ["", f"{report['num_prompts']} held-out prompts. <metric>: the greedy response; sampled_<metric> and the model "
+              f"metrics: {report.get('samples_per_prompt', 1)} sample(s) per prompt at temperature {report['temperature']}."]
     if not report.get("labelled", True):
-        lines.append(f"No reference answers (no label column): {' and '.join(LABELLED_METRICS)} are left out.")
+        lines.append("No reference answers (no label column): the metrics that need them are left out.")
     lines += ["", "| prompt | label | baseline | policy |", "|---|---|---|---|"]
     lines += [f"| `{s['prompt']}` | {'–' if s['label'] is None else s['label']} | `{s['baseline']}` | `{s['policy']}` |"
               for s in report["samples"]]
@@ -106,9 +183,13 @@ def evaluate(cfg: EvalConfig, run: StageRun) -> None:
     rows = data.load_rows(run.input("dataset", cfg.dataset), cfg.dataset_split, [cfg.input_key])
     rows = rows.select(range(min(cfg.max_samples, len(rows))))
     labels = reference_answers(rows, cfg)
+    names = cfg.metric_names() or (["exact_match"] if labels is not None and not cfg.metric_func else [])
+    scorers = metric_lib.resolve(names, run.input("metric_func", cfg.metric_func) if cfg.metric_func else None)
     if labels is None:
-        print(f"eval: no reference answers (column {cfg.label_key!r}) in {cfg.dataset}; {' and '.join(LABELLED_METRICS)} "
-              "are left out, the reward and KL metrics stay", flush=True)
+        print(f"eval: no reference answers (column {cfg.label_key!r}) in {cfg.dataset}; the metrics that need them are "
+              "left out, the others stay", flush=True)
+    if cfg.slice_key and cfg.slice_key not in rows.column_names:
+        raise metric_lib.MetricError(f"slice_key: the dataset has no column {cfg.slice_key!r}; it has {rows.column_names}")
     baseline_path = resolve_model(run.input("baseline", cfg.baseline))
     policy_path = resolve_model(run.input("policy", cfg.policy))
     tokenizer = load_tokenizer(policy_path)
@@ -116,31 +197,60 @@ def evaluate(cfg: EvalConfig, run: StageRun) -> None:
     # Raw scores (not standardised), summed over the models of a comma-separated list, as in RL.
     reward_model = RewardModels(run.input("reward_pretrain", cfg.reward_pretrain), normalize=False) if cfg.reward_pretrain else None
     texts = list(rows[cfg.input_key])
+    records = rows.to_list()
     prompts = [data.encode_prompt(tokenizer, p, cfg.apply_chat_template) for p in texts]
 
-    base_metrics, base_greedy = policy_metrics(baseline, baseline, reward_model, tokenizer, prompts, texts, labels, cfg)
-    pol_metrics, pol_greedy = policy_metrics(policy, baseline, reward_model, tokenizer, prompts, texts, labels, cfg)
-    metrics = {"baseline": base_metrics, "policy": pol_metrics}
+    def score_side(model, side: str):
+        started = time.monotonic()
+        out = policy_scores(model, baseline, reward_model, tokenizer, prompts, texts, labels, records, scorers, cfg)
+        print(f"eval: scored the {side} on {len(prompts)} prompts ({cfg.n_samples_per_prompt} sample(s) each) in "
+              f"{time.monotonic() - started:.1f} s", flush=True)
+        return out
+
+    scores, greedy = {}, {}
+    scores["baseline"], greedy["baseline"] = score_side(baseline, "baseline")
+    scores["policy"], greedy["policy"] = score_side(policy, "policy")
     # The champion of the registry, judged on the same prompts, so the promotion gate compares like with like.
     champion, _ = Registry(cfg.registry).champion() if cfg.registry else (None, None)
     if champion:
         print(f"eval: champion v{champion['version']} is {champion['policy']}", flush=True)
         champ_model = load_causal_lm(resolve_model(run.input("champion", champion["policy"]))).eval()
-        metrics["champion"], _ = policy_metrics(champ_model, baseline, reward_model, tokenizer, prompts, texts, labels, cfg)
+        scores["champion"], greedy["champion"] = score_side(champ_model, "champion")
         del champ_model
+    declared = [m for m in scores["baseline"] if m not in MODEL_METRICS and not m.startswith("pass@")]
+    verifiable = [m for m in declared if metric_lib.is_success_metric(scores["baseline"][m])]
+    summary = summarise(scores, verifiable, cfg)
+    order = declared + [m for m in scores["baseline"] if m.startswith("pass@")] + [m for m in MODEL_METRICS if m in scores["baseline"]]
+    base_metrics, pol_metrics = summary["metrics"]["baseline"], summary["metrics"]["policy"]
     report = {
-        "metrics": metrics,
+        **summary,
         "champion": {"version": champion["version"], "policy": champion["policy"]} if champion else None,
-        "delta": {k: round(pol_metrics[k] - base_metrics[k], 4) for k in METRICS if k in base_metrics},
+        "delta": {k: round(pol_metrics[k] - base_metrics[k], 4) for k in order if k in base_metrics and k in pol_metrics},
+        "order": order,
+        "declared_metrics": declared,
+        "verifiable_metrics": verifiable,
         "num_prompts": len(prompts),
+        "samples_per_prompt": cfg.n_samples_per_prompt,
         "labelled": labels is not None,
         "temperature": cfg.temperature,
         "inputs": dict(run.inputs),
         # What producing the candidate took: wall time and GPU-hours over its lineage (SFT, RM, RL, ...).
         "cost": lineage_cost(cfg.policy),
         "samples": [{"prompt": shown(p), "label": l, "baseline": b, "policy": q}
-                    for p, l, b, q in list(zip(texts, labels or [None] * len(texts), base_greedy, pol_greedy))[:cfg.num_shown_samples]],
+                    for p, l, b, q in list(zip(texts, labels or [None] * len(texts), greedy["baseline"], greedy["policy"]))[:cfg.num_shown_samples]],
     }
+    if cfg.judge_url:
+        llm = ChatJudge(cfg.judge_url, cfg.judge_model)
+        for ref in [side for side in ("baseline", "champion") if side in greedy]:
+            outcomes = llm.compare([shown(t) for t in texts], greedy["policy"], greedy[ref])
+            report["win_rates"].setdefault(ref, {})[f"llm_judge {cfg.judge_model}"] = stats.win_rate(
+                outcomes, [0.5] * len(outcomes), margin=0.0, seed=cfg.seed, resamples=cfg.bootstrap_resamples)
+            print(f"eval: the judge {cfg.judge_model} at {cfg.judge_url} compared the policy with the {ref} on {len(outcomes)} "
+                  "prompts, both orders", flush=True)
+    if cfg.slice_key:
+        report["slices"] = slices(scores, list(rows[cfg.slice_key]), cfg)
+    for alarm in report["alarms"]:
+        print(f"eval: ALARM {alarm}", flush=True)
     (run.workdir / "report.json").write_text(json.dumps(report, indent=2))
     table = markdown(report)
     (run.workdir / "report.md").write_text("# Evaluation\n\n" + table)

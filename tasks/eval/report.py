@@ -29,8 +29,9 @@ CHARTS = {
     "loss": ("Loss", ("policy_loss", "value_loss", "loss")),
 }
 COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e")
-# The metrics table's rows in this order; any other metric follows.
-ORDER = ("accuracy", "preferred_style_rate", "sampled_accuracy", "reward_mean", "kl_to_ref", "response_length")
+# The metrics table's rows when the report gives no order (older reports); any other metric follows.
+ORDER = ("accuracy", "preferred_style_rate", "sampled_accuracy", "sampled_preferred_style_rate", "reward_mean", "kl_to_ref",
+         "response_length")
 
 
 # ---------------------------------------------------------------- reading the curves
@@ -160,27 +161,62 @@ _CSS = """body{font-family:sans-serif;margin:24px;color:#222;max-width:1200px}
 table{border-collapse:collapse;margin:8px 0 16px}td,th{border:1px solid #ccc;padding:4px 10px}
 td.num{text-align:right;font-variant-numeric:tabular-nums}th{background:#f3f3f3}
 .up{color:#1a7f37}.down{color:#b42318}.charts{display:flex;flex-wrap:wrap;gap:12px}
-code{background:#f6f6f6;padding:1px 3px}.note{color:#555}"""
+code{background:#f6f6f6;padding:1px 3px}.note{color:#555}.ci{color:#666;font-size:90%}
+.alarm{background:#fde8e8;border:1px solid #b42318;color:#b42318;padding:8px 12px;font-weight:bold}"""
 
 
 def _num(v) -> str:
     return f"{v:.3f}" if isinstance(v, (int, float)) and not isinstance(v, bool) else html.escape(str(v))
 
 
+def _interval(interval) -> str:
+    return f' <span class="ci">[{interval[0]:.3f}, {interval[1]:.3f}]</span>' if interval else ""
+
+
 def metrics_table(report: dict) -> str:
+    """Every side's mean with its 95% interval, and the policy's change from the baseline with the paired
+    interval of that change."""
     sides = list(report["metrics"])  # baseline, policy, and any other model the eval scored
     base, pol = report["metrics"].get("baseline", {}), report["metrics"].get("policy", {})
-    names = [k for k in ORDER if any(k in report["metrics"][s] for s in sides)]
+    intervals = report.get("intervals", {})
+    change_ci = report.get("comparisons", {}).get("baseline", {})
+    first = report.get("order") or ORDER
+    names = [k for k in first if any(k in report["metrics"][s] for s in sides)]
     names += sorted({k for s in sides for k in report["metrics"][s]} - set(names))
     head = "".join(f"<th>{html.escape(s)}</th>" for s in sides)
     rows = [f'<table id="metrics"><tr><th>metric</th>{head}<th>change (policy − baseline)</th></tr>']
     for k in names:
-        cells = "".join(f'<td class="num">{_num(report["metrics"][s].get(k, "–"))}</td>' for s in sides)
+        cells = "".join(f'<td class="num">{_num(report["metrics"][s].get(k, "–"))}{_interval(intervals.get(s, {}).get(k))}</td>'
+                        for s in sides)
         change = ""
         if isinstance(base.get(k), (int, float)) and isinstance(pol.get(k), (int, float)):
             d = pol[k] - base[k]
-            change = f'<span class="{"up" if d > 0 else "down" if d < 0 else ""}">{d:+.3f}</span>'
+            change = (f'<span class="{"up" if d > 0 else "down" if d < 0 else ""}">{d:+.3f}</span>'
+                      f'{_interval(change_ci.get(k, {}).get("interval"))}')
         rows.append(f'<tr><td>{html.escape(k)}</td>{cells}<td class="num">{change}</td></tr>')
+    return "\n".join(rows) + "</table>"
+
+
+def win_rates_table(report: dict) -> str:
+    rows = ['<table id="win-rates"><tr><th>policy against</th><th>judge</th><th>win rate</th><th>wins</th><th>ties</th>'
+            "<th>losses</th></tr>"]
+    for ref, judges in report.get("win_rates", {}).items():
+        for judge, w in judges.items():
+            rows.append(f"<tr><td>{html.escape(ref)}</td><td>{html.escape(judge)} (ties within {w['margin']})</td>"
+                        f'<td class="num">{w["rate"]:.3f}{_interval(w.get("interval"))}</td><td class="num">{w["wins"]}</td>'
+                        f'<td class="num">{w["ties"]}</td><td class="num">{w["losses"]}</td></tr>')
+    return "\n".join(rows) + "</table>"
+
+
+def slices_table(report: dict) -> str:
+    sliced = report["slices"]
+    names = [k for k in report.get("order", []) if any(k in g.get("policy", {}) for g in sliced["groups"].values())]
+    head = "".join(f"<th>{html.escape(n)} (policy)</th>" for n in names)
+    rows = [f'<table id="slices"><tr><th>{html.escape(sliced["key"])}</th><th>prompts</th>{head}</tr>']
+    for value, group in sliced["groups"].items():
+        cells = "".join(f'<td class="num">{_num(group["policy"][n]["mean"])}{_interval(group["policy"][n]["interval"])}</td>'
+                        if n in group.get("policy", {}) else "<td>–</td>" for n in names)
+        rows.append(f'<tr><td>{html.escape(value)}</td><td class="num">{group["prompts"]}</td>{cells}</tr>')
     return "\n".join(rows) + "</table>"
 
 
@@ -188,11 +224,19 @@ def render_html(report: dict, chart_svgs: dict[str, str], metrics_uri: str | Non
     e = html.escape
     parts = ["<!doctype html>", '<html lang="en"><head><meta charset="utf-8">',
              f"<title>rlhf-flow evaluation {e(run_id)}</title><style>{_CSS}</style></head><body>",
-             f"<h1>Evaluation{' of ' + e(run_id) if run_id else ''}</h1>",
-             f'<p class="note">{report.get("num_prompts", "?")} held-out prompts. accuracy: greedy exact match; '
-             f'the rest: one sample per prompt at temperature {e(str(report.get("temperature", "?")))}.'
-             f'{"" if report.get("labelled", True) else " No reference answers (no label column): the accuracy metrics are left out."}</p>',
-             "<h2>Metrics</h2>", metrics_table(report), "<h2>Training curves of the policy</h2>"]
+             f"<h1>Evaluation{' of ' + e(run_id) if run_id else ''}</h1>"]
+    parts += [f'<p class="alarm">{e(alarm)}</p>' for alarm in report.get("alarms", [])]
+    parts += [f'<p class="note">{report.get("num_prompts", "?")} held-out prompts. &lt;metric&gt;: the greedy response; '
+              f'sampled_&lt;metric&gt; and the model metrics: {report.get("samples_per_prompt", 1)} sample(s) per prompt at '
+              f'temperature {e(str(report.get("temperature", "?")))}. Intervals: 95%, paired bootstrap over prompts.'
+              f'{"" if report.get("labelled", True) else " No reference answers (no label column): the metrics that need them are left out."}</p>',
+              "<h2>Metrics</h2>", metrics_table(report)]
+    if report.get("win_rates"):
+        parts += ["<h2>Win rates</h2>", win_rates_table(report)]
+    if report.get("slices"):
+        parts += [f"<h2>By {e(report['slices']['key'])}</h2>", slices_table(report),
+                  f'<p class="note">Smallest slice: {e(str(report["slices"]["smallest"]))}.</p>']
+    parts.append("<h2>Training curves of the policy</h2>")
     if chart_svgs:
         parts.append(f'<p class="note">From <code>{e(metrics_uri or "")}</code>, per logged step.</p>')
         parts.append('<div class="charts">' + "".join(f'<figure id="chart-{e(n)}">{s}</figure>' for n, s in chart_svgs.items()) + "</div>")

@@ -5,21 +5,26 @@ from tasks.common import storage
 from tasks.common.registry import Registry
 from tasks.common.stage import StageRun, main
 from tasks.promote.config import PromoteConfig
-from tasks.promote.gate import judge
+from tasks.promote.gate import default_rules, judge, real_gain
 
 
 def promote(cfg: PromoteConfig, run: StageRun) -> None:
     evaluation = manifests.read_manifest(run.input("evaluation", cfg.evaluation))
     report = storage.read_json(manifests.resolve(evaluation, "report"))
     champion = report.get("champion")  # what the eval stage compared against: {"version", "policy"} or None
-    reference = report["metrics"]["champion"] if champion else report["metrics"]["baseline"]
-    passed, reasons = judge(report["metrics"]["policy"], reference, cfg.rules())
+    side = "champion" if champion else "baseline"
+    rules = cfg.rules() or default_rules(report)
+    passed, reasons = judge(report["metrics"]["policy"], report["metrics"][side], rules,
+                            comparison=report.get("comparisons", {}).get(side), alarms=report.get("alarms", []))
+    if not cfg.rules():  # the default gate also asks for a gain beyond noise
+        gained, line = real_gain(report, side)
+        passed, reasons = passed and gained, [*reasons, line]
     against = f"champion v{champion['version']}" if champion else "the SFT baseline (no champion yet)"
     print(f"gate against {against}:\n  " + "\n  ".join(reasons), flush=True)
 
     registry = Registry(cfg.registry)
     entry = {"policy": evaluation["inputs"]["policy"], "evaluation": cfg.evaluation, "run_id": cfg.run_id,
-             "metrics": report["metrics"]["policy"], "gate": cfg.rules(), "reasons": reasons}
+             "metrics": report["metrics"]["policy"], "gate": rules, "reasons": reasons}
     promoted = None
     if not passed:
         decision = "rejected: the gate failed"

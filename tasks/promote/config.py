@@ -4,7 +4,8 @@ from dataclasses import dataclass, field
 from tasks.common.config import ConfigError, StageConfig
 from tasks.promote.gate import check_rules
 
-DEFAULT_GATE = {"preferred_style_rate": {"min_gain": 0.0}, "accuracy": {"max_drop": 0.02}, "kl_to_ref": {"max": 2.0}}
+#: {}: the default gate, made from the metrics the run declares (tasks/promote/gate.py: default_rules, real_gain).
+DEFAULT_GATE: dict = {}
 
 
 @dataclass
@@ -13,7 +14,7 @@ class PromoteConfig(StageConfig):
 
     evaluation: str = field(default="", metadata={"help": "the eval stage's output URI (its report holds candidate, baseline and champion metrics)"})
     registry: str = field(default="", metadata={"help": "the model's registry folder, e.g. s3://bucket/prefix/models/<name>"})
-    gate: str = field(default=json.dumps(DEFAULT_GATE), metadata={"help": 'JSON rules per metric: {"accuracy": {"max_drop": 0.02}, ...} (min, max, min_gain, max_drop)'})
+    gate: str = field(default=json.dumps(DEFAULT_GATE), metadata={"help": 'JSON rules per metric: {"accuracy": {"max_drop": 0.02}, ...} (min, max, min_gain, max_drop, min_gain_lower); {}: no declared 0/1 metric drops over 2 points, KL under 2, and one gains beyond noise'})
     allow_promotion: bool = field(default=True, metadata={"help": "false: judge and record the candidate, never promote (manual runs)"})
     promoted_by: str = field(default="", metadata={"help": "who or what promotes (recorded in the history)"})
 
@@ -28,4 +29,4 @@ class PromoteConfig(StageConfig):
         try:
             return json.loads(self.gate)
         except ValueError as e:
-            raise ConfigError(f"gate: not valid JSON ({e}); pass an object such as {json.dumps(DEFAULT_GATE)}") from None
+            raise ConfigError(f'gate: not valid JSON ({e}); pass an object such as {{"accuracy": {{"max_drop": 0.02}}}}, or {{}}') from None
