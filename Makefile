@@ -59,8 +59,8 @@ demo: up
 
 # TEST_WORKERS=n runs n pytest-xdist workers: the tests on the shared local stack (one group, tests/conftest.py)
 # in one, the rest spread over the others. Worth it with cores to spare: on 2 cores two training tests at once
-# oversubscribe them (measured: the demo run took 1,715 s beside the other worker, 451 s alone), so the
-# default is one process.
+# oversubscribe them (each trains on 2 threads; measured with some other load too: the demo run took 1,715 s
+# beside the other worker, 451 s alone), so the default is one process.
 test: check-lock install
 	$(PY) -m pytest $(XDIST) -m "not slow and not gpu" $(PYTEST_ARGS)
 

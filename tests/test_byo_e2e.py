@@ -285,3 +285,25 @@ def test_a_plain_model_folder_on_s3_resolves_to_a_local_copy(s3_server, tmp_path
     # Not a model folder (no config.json, no manifest): the stage-output error, as before.
     with pytest.raises(Exception, match="no manifest.json at"):
         resolve_model(s3_server.uri(f"{prefix}-missing"))
+
+
+def test_the_evaluation_scores_the_teams_data_with_intervals_and_the_default_gate_reads_them(byo_run):
+    """Not the demo's regex: the team's labels get the built-in exact_match (no metric declared), every number an
+    interval, the reward model a win rate; promote's default gate is made from those declared metrics."""
+    from tasks.common import manifest as manifests
+    from tasks.common import storage
+
+    uris = byo_run["uris"]
+    report = storage.read_json(manifests.resolve(manifests.read_manifest(uris["eval"]), "report"))
+    assert report["declared_metrics"] == ["exact_match", "sampled_exact_match"]
+    assert "accuracy" not in report["metrics"]["policy"] and "sampled_preferred_style_rate" not in report["metrics"]["policy"]
+    for side in ("baseline", "policy"):
+        for metric in ("exact_match", "sampled_exact_match", "reward_mean", "kl_to_ref"):
+            value, (lo, hi) = report["metrics"][side][metric], report["intervals"][side][metric]
+            assert lo <= value <= hi, (side, metric)
+    assert set(report["comparisons"]["baseline"]) >= {"exact_match", "reward_mean"}
+    judged = report["win_rates"]["baseline"]["reward_model"]
+    assert judged["wins"] + judged["ties"] + judged["losses"] == report["num_prompts"]
+    decision = storage.read_json(uris["promote"].replace("manifest.json", "decision.json"))
+    assert decision["reasons"][0].startswith("pass: exact_match drop") or decision["reasons"][0].startswith("FAIL: exact_match drop")
+    assert any("kl_to_ref" in r for r in decision["reasons"]) and "gained" in decision["reasons"][-1]

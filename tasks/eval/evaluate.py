@@ -150,8 +150,8 @@ def slices(scores: dict[str, dict[str, list]], keys: list, cfg: EvalConfig) -> d
     return {"key": cfg.slice_key, "groups": out, "smallest": min(out, key=lambda k: out[k]["prompts"]) if out else None}
 
 
-def ci(interval) -> str:
-    return f"[{interval[0]:+.3f}, {interval[1]:+.3f}]" if interval else ""
+def ci(interval, signed: bool = True) -> str:
+    return (f"[{interval[0]:+.3f}, {interval[1]:+.3f}]" if signed else f"[{interval[0]:.3f}, {interval[1]:.3f}]") if interval else ""
 
 
 def markdown(report: dict) -> str:
@@ -163,7 +163,7 @@ def markdown(report: dict) -> str:
               for k in report["order"] if k in base and k in pol]
     for ref, judges in report.get("win_rates", {}).items():
         for name, w in judges.items():
-            lines.append(f"\nWin rate against the {ref} ({name}, ties within {w['margin']}): {w['rate']:.3f} {ci(w['interval'])} "
+            lines.append(f"\nWin rate against the {ref} ({name}, ties within {w['margin']}): {w['rate']:.3f} {ci(w['interval'], signed=False)} "
                          f"({w['wins']} wins, {w['ties']} ties, {w['losses']} losses)")
     cost = report.get("cost") or {}
     lines += ["", f"Cost of the candidate: {cost.get('wall_time_s', 0):.0f} s of stage wall time, "
