@@ -2,14 +2,14 @@
 (tasks/eval/judge.py, against a judge served over real HTTP here) and the gate rules that read them, against
 hand-computed values; then the eval stage on a team's own data and metric file."""
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from tasks.common.config import ConfigError, make_config
 from tasks.eval import metrics, stats
 from tasks.promote.gate import check_rules, judge
+
+from json_server import JSONServer
 
 
 # ---------------------------------------------------------------------------------------------- built-ins
@@ -156,73 +156,42 @@ def test_the_hacking_alarm_needs_both_a_significant_rise_and_fall():
 # ---------------------------------------------------------------------------------------------- the LLM judge
 
 
-class JudgeHandler(BaseHTTPRequestHandler):
-    """An OpenAI-compatible chat endpoint whose judge prefers the shorter response (or, biased, always the first)."""
-
-    def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        server = self.server
-        server.seen.append({"path": self.path, "auth": self.headers.get("Authorization"), "body": body})
-        if server.failures:
-            server.failures -= 1
-            self.send_response(503)
-            self.end_headers()
-            return
-        if server.status != 200:
-            self.send_response(server.status)
-            self.end_headers()
-            self.wfile.write(b'{"error": "bad key"}')
-            return
-        user = body["messages"][-1]["content"]
-        first = user.split("Response A:\n", 1)[1].split("\n\nResponse B:\n")[0]
-        second = user.split("\n\nResponse B:\n", 1)[1].split("\n\nWhich response")[0]
-        answer = "A" if server.biased or len(first) < len(second) else "B" if len(second) < len(first) else "tie"
-        reply = json.dumps({"choices": [{"message": {"role": "assistant", "content": f"{answer}."}}]}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(reply)))
-        self.end_headers()
-        self.wfile.write(reply)
-
-    def log_message(self, *args):
-        pass
+def shorter_wins(body: dict, biased: bool = False) -> dict:
+    """An OpenAI-compatible chat reply whose judge prefers the shorter response (biased: always the first)."""
+    user = body["messages"][-1]["content"]
+    first = user.split("Response A:\n", 1)[1].split("\n\nResponse B:\n")[0]
+    second = user.split("\n\nResponse B:\n", 1)[1].split("\n\nWhich response")[0]
+    answer = "A" if biased or len(first) < len(second) else "B" if len(second) < len(first) else "tie"
+    return {"choices": [{"message": {"role": "assistant", "content": f"{answer}."}}]}
 
 
-@pytest.fixture
-def judge_server():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), JudgeHandler)
-    server.seen, server.failures, server.status, server.biased = [], 0, 200, False
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield server
-    server.shutdown()
-
-
-def test_the_judge_asks_both_orders_and_cancels_a_position_bias(judge_server, monkeypatch):
+def test_the_judge_asks_both_orders_and_cancels_a_position_bias(monkeypatch):
     from tasks.eval.judge import ChatJudge
 
     monkeypatch.setenv("RLHF_JUDGE_API_KEY", "k-123")
-    url = f"http://127.0.0.1:{judge_server.server_port}/v1"
-    judge = ChatJudge(url, model="tiny-judge")
-    outcomes = judge.compare(["p1", "p2", "p3"], ["short", "a longer answer", "same"], ["a longer answer", "short", "same"])
+    with JSONServer([(200, shorter_wins)], path="/v1") as server:
+        judge = ChatJudge(server.url, model="tiny-judge")
+        outcomes = judge.compare(["p1", "p2", "p3"], ["short", "a longer answer", "same"], ["a longer answer", "short", "same"])
     assert outcomes == [1.0, 0.0, 0.5]
-    assert len(judge_server.seen) == 6 and {s["path"] for s in judge_server.seen} == {"/v1/chat/completions"}
-    assert {s["auth"] for s in judge_server.seen} == {"Bearer k-123"} and judge_server.seen[0]["body"]["model"] == "tiny-judge"
-    asked = sorted(s["body"]["messages"][-1]["content"].split("Response A:\n")[1].split("\n")[0] for s in judge_server.seen[:6])
+    seen = server.requests
+    assert len(seen) == 6 and {path for path, _, _ in seen} == {"/v1/chat/completions"}
+    assert {headers["Authorization"] for _, headers, _ in seen} == {"Bearer k-123"} and seen[0][2]["model"] == "tiny-judge"
+    asked = sorted(body["messages"][-1]["content"].split("Response A:\n")[1].split("\n")[0] for _, _, body in seen)
     assert asked.count("short") == 2 and asked.count("a longer answer") == 2  # each response shown first once
 
-    judge_server.biased = True  # always "A": both orders asked, the bias cancels to ties
-    assert judge.compare(["p1", "p2"], ["short", "x"], ["a longer answer", "yy"]) == [0.5, 0.5]
+    with JSONServer([(200, lambda body: shorter_wins(body, biased=True))], path="/v1") as biased:
+        # always "A": both orders asked, the bias cancels to ties
+        assert ChatJudge(biased.url, "j").compare(["p1", "p2"], ["short", "x"], ["a longer answer", "yy"]) == [0.5, 0.5]
 
 
-def test_the_judge_retries_what_is_transient_and_names_the_rest_in_one_line(judge_server):
+def test_the_judge_retries_what_is_transient_and_names_the_rest_in_one_line():
     from tasks.eval.judge import ChatJudge, JudgeError
 
-    url = f"http://127.0.0.1:{judge_server.server_port}/v1"
-    judge_server.failures = 2
-    assert ChatJudge(url, "j", backoff=0.01).compare(["p"], ["a"], ["bb"]) == [1.0]
-    judge_server.status = 401
-    with pytest.raises(JudgeError, match=r"^judge_url: http://127.0.0.1:\d+/v1/chat/completions answered HTTP 401 Unauthorized"):
-        ChatJudge(url, "j", backoff=0.01).compare(["p"], ["a"], ["bb"])
+    with JSONServer([(503, {"error": "warming up"}), (503, {"error": "warming up"}), (200, shorter_wins)], path="/v1") as server:
+        assert ChatJudge(server.url, "j", backoff=0.01).compare(["p"], ["a"], ["bb"]) == [1.0]
+    with JSONServer([(401, {"error": "bad key"})], path="/v1") as server:
+        with pytest.raises(JudgeError, match=r"^judge_url: http://127.0.0.1:\d+/v1/chat/completions answered HTTP 401 Unauthorized"):
+            ChatJudge(server.url, "j", backoff=0.01).compare(["p"], ["a"], ["bb"])
     with pytest.raises(JudgeError, match="not an http"):
         ChatJudge("localhost:8000", "j")
 
@@ -252,7 +221,7 @@ def test_an_alarm_fails_the_gate_whatever_the_rules():
 # ---------------------------------------------------------------------------------------------- the stage
 
 
-def test_eval_stage_scores_a_teams_own_data_with_its_metric_file(tmp_path, judge_server):
+def test_eval_stage_scores_a_teams_own_data_with_its_metric_file(tmp_path):
     """Not the demo: the team's labels, its own metric file (reading its rows), a built-in, four samples per
     prompt (pass@k), a slice column. Every number is checked against what it must be."""
     from tasks.common import stage
@@ -268,12 +237,12 @@ def test_eval_stage_scores_a_teams_own_data_with_its_metric_file(tmp_path, judge
         "    assert [r['prompt'] for r in rows] == prompts\n"
         "    return {'weight': [float(r['w']) for r in rows], 'even': [float(r['w'] % 2 == 0) for r in rows]}\n")
     out = tmp_path / "eval-out"
-    cfg = make_config(EvalConfig, {
+    flags = {
         "output": str(out), "baseline": model, "policy": model, "dataset": str(tmp_path / "eval.jsonl"),
         "metrics": "exact_match", "metric_func": str(tmp_path / "team_metrics.py"), "n_samples_per_prompt": 4,
-        "slice_key": "topic", "generate_max_len": 3, "num_shown_samples": 8, "bootstrap_resamples": 500,
-        "judge_url": f"http://127.0.0.1:{judge_server.server_port}/v1", "judge_model": "tiny-judge"})
-    stage.run("eval", cfg, evaluate)
+        "slice_key": "topic", "generate_max_len": 3, "num_shown_samples": 8, "bootstrap_resamples": 500}
+    with JSONServer([(200, shorter_wins)], path="/v1") as judge_server:
+        stage.run("eval", make_config(EvalConfig, {**flags, "judge_url": judge_server.url, "judge_model": "tiny-judge"}), evaluate)
     report = json.loads((out / "report.json").read_text())
     policy = report["metrics"]["policy"]
 
@@ -288,7 +257,7 @@ def test_eval_stage_scores_a_teams_own_data_with_its_metric_file(tmp_path, judge
     assert report["verifiable_metrics"] == ["exact_match", "even", "sampled_exact_match", "sampled_even"]
     # No reward model: no alarm, and the LLM judge alone compares; one model both sides, so every prompt ties.
     judged = report["win_rates"]["baseline"]["llm_judge tiny-judge"]
-    assert (judged["ties"], judged["rate"]) == (8, 0.5) and len(judge_server.seen) == 16 and report["alarms"] == []
+    assert (judged["ties"], judged["rate"]) == (8, 0.5) and len(judge_server.requests) == 16 and report["alarms"] == []
 
     groups = report["slices"]["groups"]
     assert {k: g["prompts"] for k, g in groups.items()} == {"even": 4, "odd": 4}

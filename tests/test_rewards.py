@@ -1,13 +1,11 @@
 """Reward sources (tasks/rl/rewards.py) and the demo reward file, against real files, servers and models."""
-import json
 import re
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
 
 from conftest import REPO, free_port
+from json_server import JSONServer
 from tasks.common.data import encode_prompt, encode_response, pad
 from tasks.common.models import load_scalar_model, sequence_scores
 from tasks.common.rollout import Rollout, response_mask
@@ -157,41 +155,9 @@ def test_reward_file_from_s3(s3_server, tmp_path, monkeypatch):
 # ---------------------------------------------------------------------------------------------- HTTP endpoint
 
 
-class RewardServer:
-    """A real ThreadingHTTPServer on 127.0.0.1 answering from a script: one (status, body) per request, the last repeating."""
-
-    def __init__(self, script):
-        self.script, self.requests = list(script), []
-        owner = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                owner.requests.append((self.path, self.headers["Content-Type"], json.loads(body)))
-                status, reply = owner.script[min(len(owner.requests), len(owner.script)) - 1]
-                if callable(reply):
-                    reply = reply(json.loads(body))
-                data = reply if isinstance(reply, bytes) else json.dumps(reply).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/get_reward"
-        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.server.shutdown()
-        self.server.server_close()
+def RewardServer(script) -> JSONServer:
+    """A reward server answering from a script at /get_reward (tests/json_server.py)."""
+    return JSONServer(script, path="/get_reward")
 
 
 def length_rewards(payload):
@@ -202,8 +168,8 @@ def test_endpoint_posts_openrlhf_payload_and_reads_rewards():
     batch = text_batch(["37+45=082", "1+1=2"], ["37+45=", "1+1="], ["082", None])
     with RewardServer([(200, length_rewards)]) as server:
         assert RewardEndpoint(server.url).score(batch).tolist() == [9.0, 5.0]
-    path, content_type, payload = server.requests[0]
-    assert (path, content_type) == ("/get_reward", "application/json")
+    path, headers, payload = server.requests[0]
+    assert (path, headers["Content-Type"]) == ("/get_reward", "application/json")
     assert payload == {"query": ["37+45=082", "1+1=2"], "prompts": ["37+45=", "1+1="], "labels": ["082", None]}
 
 

@@ -32,9 +32,6 @@ from tasks.common import user_code
 Scores = list  # list[float | None], one per response
 Scorer = Callable[[list, list[str], "list[str | None] | None", list[dict]], dict[str, Scores]]
 
-#: Built-ins that compare with a reference answer: left out when the data has no labels.
-LABELLED = ("exact_match", "math_verify", "regex")
-
 
 class MetricError(ValueError):
     """A metric name or file that cannot be used; the message names the fix."""
@@ -90,6 +87,15 @@ def math_verify(responses: Sequence[str], labels: Sequence[str | None]) -> Score
     return out
 
 
+def length(responses: Sequence[str]) -> Scores:
+    return [float(len(r)) for r in responses]
+
+
+#: Built-ins that compare with a reference answer (left out when the data has no labels), and the others.
+LABELLED = {"exact_match": exact_match, "math_verify": math_verify}
+UNLABELLED = {"json_valid": json_valid, "length": length}
+
+
 def builtin(name: str) -> Scorer:
     """The scorer of one built-in metric name."""
     if name.startswith("regex:"):
@@ -99,14 +105,10 @@ def builtin(name: str) -> Scorer:
         except re.error as exc:
             raise MetricError(f"metrics: {name!r} is not a valid regular expression ({exc})") from exc
         return lambda prompts, responses, labels, rows: {name: regex_match(pattern, responses, labels)} if labels else {}
-    if name == "exact_match":
-        return lambda prompts, responses, labels, rows: {name: exact_match(responses, labels)} if labels else {}
-    if name == "math_verify":
-        return lambda prompts, responses, labels, rows: {name: math_verify(responses, labels)} if labels else {}
-    if name == "json_valid":
-        return lambda prompts, responses, labels, rows: {name: json_valid(responses)}
-    if name == "length":
-        return lambda prompts, responses, labels, rows: {name: [float(len(r)) for r in responses]}
+    if name in LABELLED:
+        return lambda prompts, responses, labels, rows: {name: LABELLED[name](responses, labels)} if labels else {}
+    if name in UNLABELLED:
+        return lambda prompts, responses, labels, rows: {name: UNLABELLED[name](responses)}
     raise MetricError(f"metrics: unknown metric {name!r}; use exact_match, math_verify, regex:<pattern>, json_valid or "
                       "length, or a metric file (--metric_func)")
 
