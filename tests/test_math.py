@@ -4,8 +4,9 @@ import math
 import pytest
 import torch
 
-from tasks.common.losses import (aggregate, bradley_terry_loss, fused_token_logprobs, kl_loss, masked_mean, policy_loss, sft_loss,
-                                 token_logprobs, value_loss)
+from tasks.common.losses import (aggregate, bradley_terry_loss, fused_token_logprobs, kl_loss, masked_mean, max_masked_abs_diff,
+                                 policy_loss, sft_loss, token_logprobs, value_loss)
+from tasks.common.models import sequence_logprobs
 from tasks.rl.advantages import (compute_advantages, discounted_returns, gae, group_keep_mask, kl_estimate,
                                  kl_penalized_rewards, shape_scores, uses_critic, whiten)
 from tasks.rl.kl_controller import AdaptiveKLController, FixedKLController, make_kl_controller
@@ -356,3 +357,126 @@ def test_fused_token_logprobs_compiled_matches_eager_values_and_gradients():
     assert fused.dtype == torch.float32
     assert torch.allclose(fused, eager, atol=1e-5)
     assert torch.allclose(grad_fused.float(), grad_eager.float(), atol=1e-2)  # bf16 gradients: 8 bits of mantissa
+
+
+# ---- sampling temperature -----------------------------------------------------------------------------
+
+class FixedLogits(torch.nn.Module):
+    """A causal LM whose logits are (0, ln 3) at every position, whatever the input."""
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None):
+        row = torch.tensor([0.0, math.log(3.0)])
+        return type("Output", (), {"logits": row.expand(*input_ids.shape, 2)})()
+
+
+def test_token_logprobs_at_a_temperature_by_hand():
+    # logits (0, ln 3) / 0.5 = (0, ln 9): p = (1/10, 9/10)
+    logits = torch.tensor([[[0.0, math.log(3.0)], [0.0, math.log(3.0)]]])
+    close(token_logprobs(logits, torch.tensor([[0, 1]]), temperature=0.5), [[math.log(0.1), math.log(0.9)]])
+    # temperature 1.0 is the untempered formula bit for bit
+    logits, labels = torch.randn(2, 3, 11), torch.randint(0, 11, (2, 3))
+    untempered = torch.gather(torch.log_softmax(logits.float(), -1), -1, labels.unsqueeze(-1)).squeeze(-1)
+    assert torch.equal(token_logprobs(logits, labels, temperature=1.0), untempered)
+
+
+def test_sequence_logprobs_and_entropy_are_those_of_the_tempered_distribution():
+    # every position: p = (1/4, 3/4) untempered, (1/10, 9/10) at temperature 0.5
+    #   entropy: -(0.25 ln 0.25 + 0.75 ln 0.75) = 0.562335;  -(0.1 ln 0.1 + 0.9 ln 0.9) = 0.325083
+    ids, mask = torch.tensor([[0, 1, 1]]), torch.ones(1, 3)
+    logprobs, entropy = sequence_logprobs(FixedLogits(), ids, mask, return_entropy=True)
+    close(logprobs, [[math.log(0.75), math.log(0.75)]])
+    close(entropy, [[0.562335, 0.562335]])
+    logprobs, entropy = sequence_logprobs(FixedLogits(), ids, mask, return_entropy=True, temperature=0.5)
+    close(logprobs, [[math.log(0.9), math.log(0.9)]])
+    close(entropy, [[0.325083, 0.325083]])
+    # the RL helper passes it through: response tokens only (prompt width 2 -> the last position)
+    from tasks.rl.experience import response_logprobs
+
+    close(response_logprobs(FixedLogits(), ids, mask, 2, temperature=0.5), [[math.log(0.9)]])
+
+
+def test_fused_token_logprobs_compiled_applies_the_temperature():
+    """The compiled GPU path divides by the temperature too (here compiled for the CPU)."""
+    torch.manual_seed(0)
+    logits = (3 * torch.randn(2, 5, 37)).to(torch.bfloat16)
+    labels = torch.randint(0, 37, (2, 5))
+    expected = torch.gather(torch.log_softmax(logits.float() / 0.7, -1), -1, labels.unsqueeze(-1)).squeeze(-1)
+    close(token_logprobs(logits, labels, temperature=0.7), expected)
+    close(torch.compile(fused_token_logprobs, dynamic=True)(logits, labels, 0.7), expected)
+
+
+def test_actor_logprobs_at_the_temperature_are_those_generate_sampled_from():
+    """HF generate's processed scores (logits / temperature) give the sampled tokens the log-probs that
+    response_logprobs computes at that temperature; untempered ones differ."""
+    from tasks.common.data import encode_prompt
+    from tasks.common.rollout import HFRolloutEngine
+    from tasks.data import demo
+    from tasks.rl.experience import response_logprobs
+
+    tok = demo.build_tokenizer()
+    model = demo.build_base_model(tok, seed=1).eval()
+    prompts = [encode_prompt(tok, "3+4="), encode_prompt(tok, "37+45=")]
+    rollout = HFRolloutEngine(model, tok).generate(prompts, max_new_tokens=4)
+    width = rollout.prompt_width
+    torch.manual_seed(0)
+    with torch.no_grad():
+        out = model.generate(input_ids=rollout.sequences[:, :width], attention_mask=rollout.attention_mask[:, :width], max_new_tokens=4,
+                             do_sample=True, temperature=0.7, top_k=0, top_p=1.0, output_scores=True, return_dict_in_generate=True,
+                             pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+        sampled = torch.stack([torch.log_softmax(s.float(), -1) for s in out.scores], 1)
+        sampled = sampled.gather(-1, out.sequences[:, width:].unsqueeze(-1)).squeeze(-1)
+        seqs, attention = out.sequences, torch.cat([rollout.attention_mask[:, :width], torch.ones_like(out.sequences[:, width:])], 1)
+        tempered = response_logprobs(model, seqs, attention, width, temperature=0.7)
+        untempered = response_logprobs(model, seqs, attention, width)
+    first = slice(0, 1)  # the first response token is never after an EOS, so always a response token
+    assert torch.allclose(tempered[:, first], sampled[:, first], atol=1e-4)
+    assert not torch.allclose(untempered[:, first], sampled[:, first], atol=1e-3)
+
+
+# ---- masked positions: no inf/nan in the forward pass or the gradients -----------------------------------
+
+def test_policy_loss_gradient_is_finite_with_an_extreme_old_logprob_under_the_mask():
+    # token 1: ρ = 1.1 inside [0.8, 1.2], A = 1 -> loss -1.1, ∂/∂log π = -ρA = -1.1; token 2 masked with
+    #   log π_old = -1000: e^(0 + 1000) = inf, whose backward gave 0 · inf = nan before the inputs were masked
+    logp = T([[math.log(1.1), 0.0]]).requires_grad_(True)
+    loss, clip_fraction = policy_loss(logp, T([[0.0, -1000.0]]), T([[1.0, 1.0]]), T([[1, 0]]))
+    close(loss, -1.1)
+    close(clip_fraction, 0.0)
+    loss.backward()
+    assert torch.isfinite(logp.grad).all()
+    close(logp.grad, [[-1.1, 0.0]])
+    # the same with the masked token's ratio clipped (its gradient path through clamp was the nan one)
+    logp = T([[math.log(1.1), 0.0]]).requires_grad_(True)
+    loss, _ = policy_loss(logp, T([[0.0, -1000.0]]), T([[1.0, -1.0]]), T([[1, 0]]), dual_clip=3.0, loss_agg="seq_mean_token_mean")
+    loss.backward()
+    close(loss, -1.1)
+    close(logp.grad, [[-1.1, 0.0]])
+
+
+def test_value_and_kl_losses_have_finite_gradients_with_extremes_under_the_mask():
+    # value: token 1 V = 0.5, R = 1 -> ½·0.25 = 0.125, ∂/∂V = V - R = -0.5; token 2 masked with R = inf
+    values = T([[0.5, 0.0]]).requires_grad_(True)
+    loss, _ = value_loss(values, torch.zeros(1, 2), T([[1.0, float("inf")]]), T([[1, 0]]), clip_eps=None)
+    loss.backward()
+    close(loss, 0.125)
+    close(values.grad, [[-0.5, 0.0]])
+    # k3 KL: token 1 as in test_kl_loss_value_and_gradient (0.193147, ∂ = 0.5); token 2 masked with
+    #   log π_ref = +1000: e^r = inf
+    logp = T([[math.log(0.5), 0.0]]).requires_grad_(True)
+    loss = kl_loss(logp, T([[math.log(0.25), 1000.0]]), T([[1, 0]]), "k3")
+    loss.backward()
+    close(loss, 0.193147)
+    close(logp.grad, [[0.5, 0.0]])
+
+
+def test_sft_loss_masked_mean_and_sync_check_ignore_nonfinite_masked_values():
+    # a -inf log-prob on a prompt token: -inf · 0 = nan before; now -(-2 - 3) / 2 = 2.5 either way
+    logprobs = T([[float("-inf"), -2.0, -3.0]]).requires_grad_(True)
+    mask = T([[0, 1, 1]])
+    close(sft_loss(logprobs, mask), 2.5)
+    loss = sft_loss(logprobs, mask, num_tokens=2)
+    loss.backward()
+    close(loss, 2.5)
+    close(logprobs.grad, [[0.0, -0.5, -0.5]])
+    close(masked_mean(T([[1.0, 2.0, float("inf")]]), T([[1, 1, 0]])), 1.5)
+    assert max_masked_abs_diff(T([[-1.0, float("-inf")]]), T([[-1.5, 0.0]]), T([[1, 0]])) == pytest.approx(0.5)

@@ -147,6 +147,22 @@ def test_kto_kl_baseline():
     close(kto_kl_baseline(T([-3.0, -2.0]), T([-1.0, -2.0])), 0.0)
 
 
+def test_kto_kl_baseline_averages_over_workers_before_the_clamp():
+    # two workers; log ratios (-1, -1) and (0, 1): local means -1.0 and 0.5
+    #   z0 = max(0, mean(-1.0, 0.5) = -0.25) = 0, where clamping each worker first gave mean(0, 0.5) = 0.25
+    workers = [(T([-2.0, -2.0]), T([-1.0, -1.0])), (T([-1.0, -2.0]), T([-1.0, -3.0]))]
+    means = [-1.0, 0.5]
+    for rank, (pi, ref) in enumerate(workers):
+        other = means[1 - rank]
+        # the all-reduce (mean over 2 workers), simulated with the other worker's local mean
+        z0 = kto_kl_baseline(pi, ref, reduce_mean=lambda local: (local + other) / 2)
+        close(z0, 0.0)
+    # local means 1.0 and -0.5: max(0, 0.25) = 0.25 (clamping first: mean(1.0, 0) = 0.5)
+    z0 = kto_kl_baseline(T([0.0, 0.0]), T([-1.0, -1.0]), reduce_mean=lambda local: (local + -0.5) / 2)
+    close(z0, 0.25)
+    assert not z0.requires_grad
+
+
 def test_kto_errors():
     pi, ref, desirable = T([-1.0]), T([-1.0]), T([True])
     for kwargs in ({"beta": 0.0}, {"beta": -1.0}, {"desirable_weight": 0.0}, {"undesirable_weight": -1.0}):

@@ -15,6 +15,7 @@ Shapes: per-token tensors are [batch, tokens] with a 0/1 mask of the same shape.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -23,12 +24,21 @@ import torch.nn.functional as F
 def max_masked_abs_diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
     """max |a - b| over the positions where mask is 1 (0.0 when none is): how far the rollout engine's
     log-probabilities of the sampled tokens are from the trained actor's, after each weight sync."""
-    diff = (a.float() - b.float()).abs() * mask
+    diff = torch.where(mask > 0, (a.float() - b.float()).abs(), 0.0)  # where, not × mask: inf · 0 = nan
     return diff.max().item() if mask.any() else 0.0
+
+
+def masked_inputs(mask: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each tensor with 0 where mask is 0, applied to a loss's inputs before any arithmetic. Masking the output
+    (torch.where or × mask) keeps a padded position's inf/nan out of the forward pass but not the backward:
+    the chain rule there multiplies a zero gradient by ∞ (e.g. exp(logπ - logπ_old) with logπ_old = -1000) = nan."""
+    keep = mask > 0
+    return tuple(torch.where(keep, t, 0.0) for t in tensors)
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """Mean of x over the positions where mask is 1 (all of them, or along `dim`)."""
+    (x,) = masked_inputs(mask, x)  # an inf under the mask would make x · 0 = nan
     mask = mask.to(x.dtype)
     if dim is None:
         return (x * mask).sum() / mask.sum().clamp(min=1.0)
@@ -41,23 +51,32 @@ def last_token_index(mask: torch.Tensor) -> torch.Tensor:
     return (positions * mask.long()).argmax(dim=1)
 
 
-def token_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """log p(labels[t] | ·) from logits of the same length: [B, T, V], [B, T] -> [B, T].
+def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log p(labels[t] | ·) under softmax(logits / temperature), logits of the same length: [B, T, V], [B, T] -> [B, T].
+
+    The temperature is applied inside either path, in float32 after the upcast: dividing the bf16 logits
+    beforehand would round them again and, on a GPU, write one more [B, T, V] copy.
 
     On a GPU this runs compiled (fused_token_logprobs): eager PyTorch makes a float32 copy of the logits,
     log-softmaxes it and, in backward, scatters into a zero tensor of the same size. At 8 × 2048 tokens and
     a 152k vocabulary each of those is 10 GB written and read; compiled, one pass reads the logits each way.
     """
     if logits.is_cuda:
-        return _compiled_token_logprobs()(logits, labels)
-    return torch.gather(F.log_softmax(logits.float(), dim=-1), -1, labels.unsqueeze(-1)).squeeze(-1)
+        return _compiled_token_logprobs()(logits, labels, temperature)
+    return torch.gather(F.log_softmax(tempered(logits.float(), temperature), dim=-1), -1, labels.unsqueeze(-1)).squeeze(-1)
 
 
-def fused_token_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits / temperature: the logits of the distribution sampled at that temperature (vLLM's and HF's
+    sampling divide them the same way). At 1.0 the logits themselves, so untempered paths stay bit-for-bit."""
+    return logits if temperature == 1.0 else logits / temperature
+
+
+def fused_token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """token_logprobs as logit[label] - logsumexp(logits), written so torch.compile fuses it: the label's
     logit is picked by comparison rather than gather, so backward is one elementwise expression
     (onehot - softmax) × grad instead of a scatter. Eager, it would build a [B, T, V] mask: compile it."""
-    x = logits.float()
+    x = tempered(logits.float(), temperature)
     hit = torch.arange(x.size(-1), device=x.device) == labels.unsqueeze(-1)
     return torch.where(hit, x, 0.0).sum(-1) - torch.logsumexp(x, dim=-1)
 
@@ -77,6 +96,7 @@ def sft_loss(logprobs: torch.Tensor, loss_mask: torch.Tensor, num_tokens: torch.
     """
     if num_tokens is None:
         return -masked_mean(logprobs, loss_mask)
+    (logprobs,) = masked_inputs(loss_mask, logprobs)  # a -inf log-prob under the mask: -inf · 0 = nan
     return -(logprobs * loss_mask).sum() / num_tokens
 
 
@@ -153,6 +173,7 @@ def policy_loss(
         raise ValueError(f"dual_clip: c must be > 1, got {dual_clip}")
     eps_low = clip_eps if clip_eps_low is None else clip_eps_low
     eps_high = clip_eps if clip_eps_high is None else clip_eps_high
+    logprobs, old_logprobs, advantages = masked_inputs(mask, logprobs, old_logprobs, advantages)  # ρ = 1, A = 0 there
     ratio = torch.exp(logprobs - old_logprobs)
     unclipped = ratio * advantages
     clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * advantages
@@ -176,6 +197,7 @@ def value_loss(
     ppo2; analysed by Engstrom et al. 2020, eq. 4). clip_eps=None gives the plain ½(V-R)².
     Returns the masked mean loss and the fraction of tokens where the clipped term was larger.
     """
+    values, old_values, returns = masked_inputs(mask, values, old_values, returns)
     unclipped = (values - returns) ** 2
     if clip_eps is None:
         return 0.5 * masked_mean(unclipped, mask), torch.zeros((), device=values.device)
@@ -218,6 +240,7 @@ def kl_loss(
     loss, so use k3 (GRPO) or k2 (whose gradient is the true ∇KL on-policy). OpenRLHF aggregates
     this term as a token mean whatever the policy loss uses; loss_agg lets it follow the policy loss.
     """
+    logprobs, ref_logprobs = masked_inputs(mask, logprobs, ref_logprobs)  # e^r of a padded position could be inf
     return aggregate(kl_estimate(logprobs, ref_logprobs, estimator), mask, loss_agg, max_len)
 
 
@@ -228,7 +251,7 @@ def kl_loss(
 #     loss, chosen_r, rejected_r = dpo_loss(..., label_smoothing=0.1)                     # cDPO
 #     loss, chosen_r, rejected_r = dpo_loss(..., loss_type="ipo")                         # IPO
 #     loss, chosen_r, rejected_r = dpo_loss(pi_c, pi_r, None, None, reference_free=True)
-#     z0 = kto_kl_baseline(pi_mismatched, ref_mismatched)
+#     z0 = kto_kl_baseline(pi_mismatched, ref_mismatched, reduce_mean=all_reduce_mean)  # mean, then clamp
 #     loss, rewards = kto_loss(pi, ref, desirable, z0, beta=0.1)                          # KTO
 
 DPO_LOSS_TYPES = ("sigmoid", "ipo")
@@ -281,11 +304,15 @@ def dpo_loss(
     return losses.mean(), chosen_rewards, rejected_rewards
 
 
-def kto_kl_baseline(policy_mismatched_logps: torch.Tensor, ref_mismatched_logps: torch.Tensor) -> torch.Tensor:
-    """KTO's reference point z0: mean(log π - log π_ref) over mismatched (prompt, other completion)
-    pairs of the batch, clamped at 0 and detached. Ethayarajh et al. 2024 (KTO), §4.
+def kto_kl_baseline(policy_mismatched_logps: torch.Tensor, ref_mismatched_logps: torch.Tensor,
+                    reduce_mean: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """KTO's reference point z0 = max(0, mean(log π - log π_ref)) over mismatched (prompt, other completion)
+    pairs, detached. Ethayarajh et al. 2024 (KTO), §4. With data parallelism `reduce_mean` averages this
+    worker's mean over the world (strategy.all_reduce(·, op="mean")) before the clamp: clamping each
+    worker's mean first would bias z0 upwards (local means -1.0 and 0.5 give 0.25 instead of 0).
     """
-    return (policy_mismatched_logps.float() - ref_mismatched_logps.float()).mean().clamp(min=0).detach()
+    local = (policy_mismatched_logps.float() - ref_mismatched_logps.float()).mean().detach()
+    return (local if reduce_mean is None else reduce_mean(local)).clamp(min=0)
 
 
 def kto_loss(

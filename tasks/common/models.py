@@ -25,7 +25,7 @@ import torch
 from tasks.common import lora
 from tasks.common import manifest as manifests
 from tasks.common import storage
-from tasks.common.losses import last_token_index, token_logprobs
+from tasks.common.losses import last_token_index, tempered, token_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -180,14 +180,17 @@ def packed_scores(model, input_ids: torch.Tensor, position_ids: torch.Tensor, se
     return values[last]
 
 
-def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, return_entropy: bool = False):
-    """log p(token t+1 | tokens ≤ t) for every position: [B, T] -> [B, T-1] (and the entropy)."""
+def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, return_entropy: bool = False,
+                      temperature: float = 1.0):
+    """log p(token t+1 | tokens ≤ t) for every position under softmax(logits / temperature): [B, T] -> [B, T-1]
+    (and that distribution's entropy). RL passes its sampling temperature, so the ratio, KL and entropy are
+    those of the policy that sampled the rollout."""
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask)).logits
     logits = logits[:, :-1]
-    logprobs = token_logprobs(logits, input_ids[:, 1:])
+    logprobs = token_logprobs(logits, input_ids[:, 1:], temperature)  # divides inside, fused on a GPU
     if not return_entropy:
         return logprobs
-    log_p = torch.log_softmax(logits.float(), dim=-1)
+    log_p = torch.log_softmax(tempered(logits.float(), temperature), dim=-1)
     entropy = -(log_p.exp() * log_p).sum(-1)
     return logprobs, entropy
 

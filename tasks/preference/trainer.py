@@ -124,8 +124,9 @@ class PreferenceWorker(TrainingWorker):
         z0 = None
         if cfg.method == "kto":
             policy = _no_grad_logps(self.engine.module, *self._sequences(batch, "mismatched"), self.tokenizer.pad_token_id, self.strategy.device)
-            local = kto_kl_baseline(policy, self._reference_logps(batch, "mismatched"))
-            z0 = self.strategy.all_reduce(local, op="mean").clamp(min=0)
+            # mean over the world first, then the clamp (kto_kl_baseline): clamping per worker biases z0 up
+            z0 = kto_kl_baseline(policy, self._reference_logps(batch, "mismatched"),
+                                 reduce_mean=lambda local: self.strategy.all_reduce(local, op="mean"))
         sums: dict[str, torch.Tensor] = {}
         for chunk in chunks:
             if cfg.method == "dpo":

@@ -67,6 +67,9 @@ class VLLMRolloutEngine:
             # vLLM's memory profiler sizes activations by this; its default (tens of thousands of tokens)
             # reserves memory the colocated trainer needs. Prefill beyond it is chunked.
             max_num_batched_tokens=max(8192, max_model_len),
+            # The sampled tokens' log-probs after temperature (vLLM's default, raw_logprobs, is before it): the
+            # actor scores rollouts at the sampling temperature too, so the sync check compares one distribution.
+            logprobs_mode="processed_logprobs",
         )
         self.model = _model_of(self.llm)
         self.asleep = False

@@ -122,7 +122,8 @@ class ActorWorker(_Trainer):
     def logprobs(self, rollout: Rollout) -> torch.Tensor:
         self.engine.eval()
         out = [response_logprobs(self.engine.module, r.sequences.to(self.strategy.device), r.attention_mask.to(self.strategy.device),
-                                 r.prompt_width).cpu() for r in _chunks(rollout, self.cfg.micro_rollout_batch_size)]
+                                 r.prompt_width, temperature=self.cfg.temperature).cpu()
+               for r in _chunks(rollout, self.cfg.micro_rollout_batch_size)]
         return torch.cat(out)
 
     def reference_logprobs(self, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,7 +131,8 @@ class ActorWorker(_Trainer):
         frozen base (adapters off), so no reference model is loaded anywhere."""
         reference = lora.FrozenBase(self.engine.module)
         device = self.strategy.device
-        ref = [response_logprobs(reference, r.sequences.to(device), r.attention_mask.to(device), r.prompt_width).cpu()
+        ref = [response_logprobs(reference, r.sequences.to(device), r.attention_mask.to(device), r.prompt_width,
+                                 temperature=self.cfg.temperature).cpu()
                for r in _chunks(rollout, self.cfg.micro_rollout_batch_size)]
         return self.logprobs(rollout), torch.cat(ref)
 
@@ -143,7 +145,8 @@ class ActorWorker(_Trainer):
         loss_agg = "seq_mean_token_sum_norm" if cfg.advantage_estimator == "dr_grpo" else "token_mean"
         for minibatch in minibatches:
             for mb in _micro_batches(minibatch.to(device), self.micro):
-                logprobs, entropy = response_logprobs(self.engine, mb.sequences, mb.attention_mask, mb.prompt_width, return_entropy=True)
+                logprobs, entropy = response_logprobs(self.engine, mb.sequences, mb.attention_mask, mb.prompt_width, return_entropy=True,
+                                                      temperature=cfg.temperature)
                 old = logprobs.detach() if mb.logprobs is None else mb.logprobs
                 if mb.engine_logprobs is not None:
                     sync_gaps.append(max_masked_abs_diff(old, mb.engine_logprobs, mb.action_mask))
@@ -271,7 +274,8 @@ class ReferenceWorker(Worker):
     @torch.no_grad()
     def logprobs(self, rollout: Rollout) -> torch.Tensor:
         device = self.strategy.device
-        return torch.cat([response_logprobs(self.model, r.sequences.to(device), r.attention_mask.to(device), r.prompt_width).cpu()
+        return torch.cat([response_logprobs(self.model, r.sequences.to(device), r.attention_mask.to(device), r.prompt_width,
+                                            temperature=self.cfg.temperature).cpu()
                           for r in _chunks(rollout, self.cfg.micro_rollout_batch_size)])
 
 
