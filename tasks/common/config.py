@@ -161,10 +161,11 @@ def parse_config(cls: type, argv: list[str] | None = None, prog: str | None = No
     for name, f in fields.items():
         kind = _field_type(cls, f)
         help_text = f.metadata.get("help", "")
+        names = [f"--{name}"] + [f"--{alias}" for alias in f.metadata.get("aliases", ())]  # a peer's flag name for the same thing
         if kind is bool:
-            parser.add_argument(f"--{name}", nargs="?", const="true", default=None, metavar="BOOL", help=help_text)
+            parser.add_argument(*names, dest=name, nargs="?", const="true", default=None, metavar="BOOL", help=help_text)
         else:
-            parser.add_argument(f"--{name}", default=None, metavar=kind.__name__.upper(), help=help_text)
+            parser.add_argument(*names, dest=name, default=None, metavar=kind.__name__.upper(), help=help_text)
     # argparse's own errors are already one line; exit code 2 like every usage error.
     args = parser.parse_args(argv)
 

@@ -85,7 +85,7 @@ def as_messages(prompt) -> list[dict]:
     return messages
 
 
-def encode_prompt(tokenizer, prompt, chat_template: bool = False) -> list[int]:
+def encode_prompt(tokenizer, prompt, chat_template: bool = False, tools: list | None = None) -> list[int]:
     """Token ids of a prompt: a string, or a list of chat messages (system, user and earlier assistant turns).
 
     With `chat_template`, the tokenizer's chat template renders it (a string as one user turn), ending
@@ -93,7 +93,8 @@ def encode_prompt(tokenizer, prompt, chat_template: bool = False) -> list[int]:
     tokenizer's BOS, when it has one; a list of messages needs the template."""
     if chat_template:
         _require_template(tokenizer)
-        return list(tokenizer.apply_chat_template(as_messages(prompt), add_generation_prompt=True, tokenize=True, return_dict=False))
+        extra = {"tools": tools} if tools else {}  # tool schemas, for templates that describe tools to the model
+        return list(tokenizer.apply_chat_template(as_messages(prompt), add_generation_prompt=True, tokenize=True, return_dict=False, **extra))
     if not isinstance(prompt, str):
         raise ConfigError("apply_chat_template: the prompt is a list of chat messages, which only the tokenizer's chat template "
                           "can render; pass --apply_chat_template")

@@ -41,11 +41,10 @@ def fetch(path: str, who: str, error: type[Exception]) -> Path:
         raise error(f"{who}: {path} cannot be fetched: {e}") from None
 
 
-def load_function(path: str, name: str, who: str, error: type[Exception], signature: str = "") -> Callable:
-    """The function ``name`` defined by the Python file at ``path``; ``signature`` (its arguments, for the
-    error that says it is missing)."""
+def load_module(path: str, who: str, error: type[Exception], purpose: str = "user"):
+    """The module defined by the Python file at ``path`` (imported afresh: the file may have changed)."""
+    module_name = f"_rlhf_{purpose}_{hashlib.sha256(path.encode()).hexdigest()[:12]}"
     local = fetch(path, who, error)
-    module_name = f"_rlhf_user_{name}_{hashlib.sha256(path.encode()).hexdigest()[:12]}"
     spec = importlib.util.spec_from_file_location(module_name, local)
     if spec is None or spec.loader is None or local.suffix != ".py":
         raise error(f"{who}: {path} cannot be imported; name a .py file")
@@ -56,7 +55,13 @@ def load_function(path: str, name: str, who: str, error: type[Exception], signat
     except Exception as e:
         sys.modules.pop(module_name, None)
         raise error(f"{who}: {path} failed to import: {type(e).__name__}: {e}") from e
-    func = getattr(module, name, None)
+    return module
+
+
+def load_function(path: str, name: str, who: str, error: type[Exception], signature: str = "") -> Callable:
+    """The function ``name`` defined by the Python file at ``path``; ``signature`` (its arguments, for the
+    error that says it is missing)."""
+    func = getattr(load_module(path, who, error, purpose=f"user_{name}"), name, None)
     if not callable(func):
         raise error(f"{who}: {path} defines no {name}({signature})")
     return func

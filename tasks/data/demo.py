@@ -130,7 +130,7 @@ def build_tokenizer():
     )
 
 
-def build_base_model(tokenizer, seed: int = 0, hidden_size: int = 128, num_layers: int = 2):
+def build_base_model(tokenizer, seed: int = 0, hidden_size: int = 128, num_layers: int = 2, max_positions: int = 64):
     """A tiny Llama (about 0.4 M parameters at the defaults) with random weights."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -142,7 +142,7 @@ def build_base_model(tokenizer, seed: int = 0, hidden_size: int = 128, num_layer
         num_hidden_layers=num_layers,
         num_attention_heads=4,
         num_key_value_heads=4,
-        max_position_embeddings=64,
+        max_position_embeddings=max_positions,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

@@ -49,19 +49,33 @@ def gae(
 
     δ_t = r_t + γV_{t+1} - V_t,  A_t = Σ_l (γλ)^l δ_{t+l}  (Schulman et al. 2016, eqs. 11-16),
     with V = 0 past the last response token; returns R_t = A_t + V_t are the critic's targets.
+    The mask may have gaps (a multi-turn episode's observation tokens): t+1 is then the next masked-in
+    token, so the recursion runs over the model's own tokens only.
     """
-    rewards = rewards * mask
-    values = values * mask
-    advantages = torch.zeros_like(rewards)
-    next_value = torch.zeros_like(rewards[:, 0])
-    running = torch.zeros_like(rewards[:, 0])
-    for t in reversed(range(rewards.size(1))):
-        delta = rewards[:, t] + gamma * next_value - values[:, t]
+    order, mask_c = _compacted(mask)
+    rewards_c, values_c = rewards.gather(1, order) * mask_c, values.gather(1, order) * mask_c
+    advantages = torch.zeros_like(rewards_c)
+    next_value = torch.zeros_like(rewards_c[:, 0])
+    running = torch.zeros_like(rewards_c[:, 0])
+    for t in reversed(range(rewards_c.size(1))):
+        delta = rewards_c[:, t] + gamma * next_value - values_c[:, t]
         running = delta + gamma * lambd * running
         advantages[:, t] = running
-        next_value = values[:, t]
-    advantages = advantages * mask
-    return advantages, advantages + values
+        next_value = values_c[:, t]
+    advantages = _scattered(advantages * mask_c, order)
+    return advantages, advantages + values * mask
+
+
+def _compacted(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's masked-in positions first, in order, then the rest: (gather index, gathered mask).
+    The identity for a mask that is a prefix of ones (a single-turn response)."""
+    order = torch.argsort((mask <= 0).to(torch.int8), dim=1, stable=True)
+    return order, mask.gather(1, order)
+
+
+def _scattered(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """The inverse of gathering by `order`."""
+    return torch.zeros_like(x).scatter_(1, order, x)
 
 
 def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
@@ -115,15 +129,17 @@ def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float =
     """Returns-to-go G_t = Σ_k γ^k r_{t+k} over the response tokens: [B, T] -> [B, T].
 
     The critic-free (REINFORCE, Williams 1992) estimators use G_t itself as the advantage of
-    token t. Rewards past the response are ignored; masked-out positions become 0.
+    token t. Rewards past the response are ignored; masked-out positions become 0 and do not count
+    as steps (a multi-turn episode's observation tokens).
     """
-    rewards = rewards * mask
-    returns = torch.zeros_like(rewards)
-    running = torch.zeros_like(rewards[:, 0])
-    for t in reversed(range(rewards.size(1))):
-        running = rewards[:, t] + gamma * running
+    order, mask_c = _compacted(mask)
+    rewards_c = rewards.gather(1, order) * mask_c
+    returns = torch.zeros_like(rewards_c)
+    running = torch.zeros_like(rewards_c[:, 0])
+    for t in reversed(range(rewards_c.size(1))):
+        running = rewards_c[:, t] + gamma * running
         returns[:, t] = running
-    return returns * mask
+    return _scattered(returns * mask_c, order)
 
 
 def compute_advantages(

@@ -90,6 +90,11 @@ class RLConfig(TrainingConfig):
     enable_prefix_caching: bool = field(default=False, metadata={"help": "vLLM's prefix cache (shared prompt prefixes computed once)"})
     vllm_enable_sleep: bool = field(default=False, metadata={"help": "vLLM gives its weights and KV cache back while the actor trains (sleep level 1), and takes them again for the next rollout"})
     async_train: bool = field(default=False, metadata={"help": "vLLM engines on GPUs of their own generate the next rollout while the actor trains on this one (one step off-policy)"})
+    # Multi-turn episodes in an environment (tasks.rl.environment): the reward is the environment's.
+    env_path: str = field(default="", metadata={"help": "environment of multi-turn episodes: 'calculator', 'guess', or a .py file (local or s3://) defining class Environment with reset(row) and step(action); its rewards replace the reward model's", "aliases": ["agent_func_path"]})
+    max_turns: int = field(default=4, metadata={"help": "model turns per episode at most (with --env_path)"})
+    max_episode_tokens: int = field(default=64, metadata={"help": "model and observation tokens per episode after the prompt, at most (with --env_path); each turn is at most generate_max_len"})
+    env_step_timeout: float = field(default=30.0, metadata={"help": "seconds an environment's reset or step may take before its episode ends with reward 0 (with --env_path)"})
     ignore_eos: bool = field(default=False, metadata={"help": "benchmarks: every response is generate_max_len tokens, EOS or not"})
 
     def separate_engines(self) -> bool:
@@ -110,10 +115,10 @@ class RLConfig(TrainingConfig):
     def roles(self) -> list[str]:
         """The worker groups this run places: a reference only when KL is on and the actor cannot be its own
         (with LoRA it is: its base with the adapters off), a critic only for gae, reward models unless a
-        function or endpoint scores."""
+        function, an endpoint or an environment scores."""
         ref = self.uses_kl() and not self.lora_rank
         return (["actor"] + (["ref"] if ref else []) + (["critic"] if uses_critic(self.advantage_estimator) else [])
-                + ([] if self.remote_rm_url else ["reward"]))
+                + ([] if self.remote_rm_url or self.env_path else ["reward"]))
 
     def group_size(self, role: str) -> int:
         return getattr(self, f"{role}_num_nodes") * getattr(self, f"{role}_num_gpus_per_node")
@@ -211,8 +216,14 @@ class RLConfig(TrainingConfig):
         for name in ("pretrain", "prompt_data"):
             if not getattr(self, name):
                 raise ConfigError(f"{name}: missing; pass --{name} <URI>")
-        if not (self.reward_pretrain or self.remote_rm_url):
-            raise ConfigError("reward_pretrain: missing; pass --reward_pretrain <URI> or --remote_rm_url <file.py or URL>")
+        if self.env_path:
+            if self.separate_engines() or self.async_train:
+                raise ConfigError("env_path: episodes run in the actor workers so far; use --colocate_all_models with vLLM "
+                                  "(or --vllm_num_engines 0), without --async_train")
+            if self.max_turns < 1 or self.max_episode_tokens < 1 or not self.env_step_timeout > 0:
+                raise ConfigError("max_turns, max_episode_tokens and env_step_timeout: must be positive with --env_path")
+        elif not (self.reward_pretrain or self.remote_rm_url):
+            raise ConfigError("reward_pretrain: missing; pass --reward_pretrain <URI>, --remote_rm_url <file.py or URL> or --env_path <environment>")
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ConfigError(f"kl_estimator: {self.kl_estimator!r} is unknown; use k1, k2 or k3")
         if self.advantage_estimator in GROUP_ESTIMATORS and self.n_samples_per_prompt < 2:

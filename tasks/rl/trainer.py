@@ -31,6 +31,7 @@ from tasks.common.stage import StageRun
 from tasks.common.workers import Placement, WorkerGroup, cluster_has_gpus, connect_ray, merge_uploads, shard
 from tasks.rl.advantages import group_keep_mask
 from tasks.rl.config import RLConfig
+from tasks.rl.environment import check_environment, episode_stats, load_environment
 from tasks.rl.experience import Experience, make_experience
 from tasks.rl.kl_controller import make_kl_controller
 from tasks.rl.rewards import RewardBatch, RewardSource, build_reward_batch, make_reward_source
@@ -45,6 +46,7 @@ class Prompts:
     texts: list  # as the dataset gave them (strings or chat messages): what reward functions and endpoints get
     labels: list[str | None]
     truncated: int
+    rows: list[dict] | None = None  # whole rows, every column: what environments are reset with (--env_path)
 
 
 def load_prompts(cfg: RLConfig, run: StageRun, tokenizer) -> Prompts:
@@ -57,7 +59,7 @@ def load_prompts(cfg: RLConfig, run: StageRun, tokenizer) -> Prompts:
     labels = [None if v is None else str(v) for v in rows[cfg.label_key]] if cfg.label_key else [None] * len(texts)
     ids = [data.encode_prompt(tokenizer, text, cfg.apply_chat_template) for text in texts]
     truncated = sum(len(p) > cfg.prompt_max_len for p in ids)
-    return Prompts([p[-cfg.prompt_max_len:] for p in ids], texts, labels, truncated)
+    return Prompts([p[-cfg.prompt_max_len:] for p in ids], texts, labels, truncated, rows.to_list() if cfg.env_path else None)
 
 
 def plan_placements(cfg: RLConfig, roles: list[str]) -> list[list[str]]:
@@ -116,6 +118,13 @@ class ActorGroupEngine:
         parts = self.actor.scatter("generate", shard(prompts, self.actor.world_size))
         return concat_rollouts([p for p in parts if p.sequences.size(0)], self.pad_token_id)
 
+    def run_episodes(self, rows: list[dict]) -> tuple[Rollout, torch.Tensor, dict[str, float]]:
+        """Multi-turn episodes (--env_path), rows sharded over the actor's ranks: (rollout, rewards, statistics)."""
+        t0 = time.time()
+        parts = [p for p in self.actor.scatter("run_episodes", shard(rows, self.actor.world_size)) if p is not None]
+        stats = episode_stats([s for p in parts for s in p.summaries], time.time() - t0, max(p.stats["time_env_s"] for p in parts))
+        return concat_rollouts([p.rollout for p in parts], self.pad_token_id), torch.cat([p.rewards for p in parts]), stats
+
     def sync_weights(self) -> None:
         if self.vllm:
             self.actor.run("sync_weights")
@@ -165,6 +174,8 @@ class Controller:
                               "use --vllm_num_engines 0 (transformers generate in the actor workers)")
         self.tokenizer = load_tokenizer(resolve_model(run.input("pretrain", cfg.pretrain)))
         self.prompts = load_prompts(cfg, run, self.tokenizer)
+        if cfg.env_path:  # a file that does not load or reset fails here, before any worker starts
+            check_environment(load_environment(run.input("env_path", cfg.env_path)), self.prompts.rows[0], cfg.env_step_timeout)
         if cfg.pretrain_data:  # PPO-ptx rows: the actor workers read them; checked and recorded here first
             data.load_rows(run.input("pretrain_data", cfg.pretrain_data), cfg.pretrain_split, [cfg.input_key, cfg.output_key], 1)
         self.steps = cfg.num_episodes * (len(self.prompts.ids) // cfg.rollout_batch_size) if cfg.num_episodes else cfg.max_steps
@@ -256,17 +267,7 @@ class Controller:
                                   f"{MAX_FILTER_ROUNDS} rollouts; widen --dynamic_filtering_reward_range or drop --dynamic_filtering")
             # The samples of one prompt are consecutive rows: the group estimators rely on it.
             index = self.upcoming or [i for i in self.sampler.next() for _ in range(n)]
-            t0 = time.time()
-            if cfg.async_train:  # the engines start on the next step's prompts as soon as these are back
-                self.upcoming = [i for i in self.sampler.next() for _ in range(n)] if not last else None
-                rollout = self.engine.generate([self.prompts.ids[i] for i in index], [self.prompts.ids[i] for i in self.upcoming or []])
-            else:
-                rollout = self.engine.generate([self.prompts.ids[i] for i in index])
-            t1 = time.time()
-            batch = build_reward_batch(rollout, self.tokenizer, [self.prompts.texts[i] for i in index], [self.prompts.labels[i] for i in index])
-            scores = self.reward.score(batch).float()
-            timing["time_generate_s"] += t1 - t0
-            timing["time_reward_s"] += time.time() - t1
+            rollout, scores = self._generate_and_score(index, last, timing)
             generated += len(index) // n
             if not cfg.dynamic_filtering:
                 return rollout, scores, timing
@@ -276,6 +277,27 @@ class Controller:
             have += rows.numel() // n
         timing["filter_kept_fraction"] = cfg.rollout_batch_size / generated
         return concat_rollouts([r for r, _ in kept], self.tokenizer.pad_token_id), torch.cat([s for _, s in kept]), timing
+
+    def _generate_and_score(self, index: list[int], last: bool, timing: dict) -> tuple[Rollout, torch.Tensor]:
+        """The rollout of these prompt rows and its rewards: from the environment's episodes (--env_path), or
+        generated and then scored by the reward source. Adds to `timing`."""
+        cfg, n, t0 = self.cfg, self.cfg.n_samples_per_prompt, time.time()
+        if cfg.env_path:
+            rollout, scores, stats = self.engine.run_episodes([self.prompts.rows[i] for i in index])
+            timing["time_generate_s"] += time.time() - t0
+            timing.update(stats)
+            return rollout, scores
+        if cfg.async_train:  # the engines start on the next step's prompts as soon as these are back
+            self.upcoming = [i for i in self.sampler.next() for _ in range(n)] if not last else None
+            rollout = self.engine.generate([self.prompts.ids[i] for i in index], [self.prompts.ids[i] for i in self.upcoming or []])
+        else:
+            rollout = self.engine.generate([self.prompts.ids[i] for i in index])
+        t1 = time.time()
+        batch = build_reward_batch(rollout, self.tokenizer, [self.prompts.texts[i] for i in index], [self.prompts.labels[i] for i in index])
+        scores = self.reward.score(batch).float()
+        timing["time_generate_s"] += t1 - t0
+        timing["time_reward_s"] += time.time() - t1
+        return rollout, scores
 
     def in_waves(self, calls: dict[str, tuple[str, list, tuple]]) -> dict[str, list]:
         """Run {role: (method, per-rank shards, extra args)}: groups on separate placement groups at

@@ -78,6 +78,21 @@ class ActorWorker(_Trainer):
             self.rollout_engine = HFRolloutEngine(self.engine.module, self.tokenizer, self.strategy.device,
                                                   static_cache=self.strategy.device.type == "cuda" and self.strategy.zero_stage != 3)
         self.channel = None
+        self.episodes = None
+        if cfg.env_path:  # multi-turn episodes on this worker's engine, one environment per episode
+            from tasks.rl.environment import EpisodeLimits, EpisodeRunner, load_environment
+
+            limits = EpisodeLimits(cfg.max_turns, cfg.max_episode_tokens, cfg.generate_max_len, cfg.env_step_timeout)
+            self.episodes = EpisodeRunner(self.rollout_engine, self.tokenizer, load_environment(cfg.env_path), limits,
+                                          cfg.apply_chat_template, cfg.input_key)
+
+    def run_episodes(self, rows: list[dict]):
+        """This rank's share of a rollout's episodes (tasks.rl.environment.Episodes), None for no rows."""
+        if not rows:
+            return None
+        result = self.episodes.run(rows, self.cfg.temperature)
+        result.rollout, result.episodes = result.rollout.to("cpu"), []  # the environments stay here
+        return result
 
     def generate(self, prompts: list[list[int]]) -> Rollout:
         rollout = self.rollout_engine.generate(prompts, self.cfg.generate_max_len, self.cfg.temperature,

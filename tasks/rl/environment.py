@@ -1,0 +1,298 @@
+"""Multi-turn episodes: the policy acting in an environment (a tool, a game), token in, token out.
+
+    make_env = load_environment("calculator")        # a built-in's name, a .py path or an s3:// URI
+    runner = EpisodeRunner(engine, tokenizer, make_env, EpisodeLimits(max_turns=4, max_episode_tokens=64))
+    episodes = runner.run(rows, temperature=1.0)     # rows: the dataset's rows, as dicts
+    episodes.rollout      # Rollout: the first observation as prompt | every later token; response_mask = the model's own
+    episodes.rewards      # [B]: each episode's step rewards, summed
+    episodes.stats        # episodes/s, turns, tool calls, tool errors, failures by reason, time waiting on environments
+
+The contract, one Python file (`--env_path`, OpenRLHF's `--agent_func_path`):
+
+    TOOLS = [...]                    # optional: tool schemas for the chat template's `tools` argument
+    class Environment:               # a fresh instance per episode
+        def reset(self, row: dict) -> str | list[dict] | None     # the first observation; None: the row's prompt
+        def step(self, action: str) -> tuple[str | None, float, bool, dict]   # observation, reward, done, info
+
+Either method may be `async def` (a tool may await an HTTP service). `info` may say {"tool_call": True},
+{"tool_error": True} and, on the last step, {"success": bool}; they are counted. An environment that
+raises, runs past the step timeout or returns something malformed ends that episode with reward 0 and
+a counted reason; the run goes on.
+
+Token in, token out: the trajectory is the token ids the engine produced, never re-tokenized text. An
+observation is tokenized once and appended the way the chat template formats a tool (or user) turn,
+found by rendering one (`observation_ids`), or as plain text without a template.
+"""
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from tasks.common import data, user_code
+from tasks.common.config import ConfigError
+from tasks.common.rollout import Rollout
+
+BUILT_IN = {"calculator": "tasks.rl.envs.calculator", "guess": "tasks.rl.envs.guess"}
+FAILURES = ("error", "timeout", "malformed")  # why an environment ended an episode early
+
+
+class EnvError(ConfigError):
+    """An environment that cannot be used; one line naming it and the fix."""
+
+
+@dataclass
+class EnvironmentFile:
+    """An environment as loaded: calling it builds a fresh episode's environment."""
+
+    spec: str
+    cls: type
+    tools: list | None = None
+
+    def __call__(self):
+        return self.cls()
+
+
+def load_environment(spec: str) -> EnvironmentFile:
+    """The Environment class of a built-in (calculator, guess) or of a file (a local path or an s3:// URI)."""
+    import importlib
+
+    if spec in BUILT_IN:
+        module = importlib.import_module(BUILT_IN[spec])
+    else:
+        module = user_code.load_module(spec, "env_path", EnvError, purpose="env")
+    env = getattr(module, "Environment", None)
+    if not isinstance(env, type) or not all(callable(getattr(env, m, None)) for m in ("reset", "step")):
+        raise EnvError(f"env_path: {spec} defines no class Environment with reset(row) and step(action); "
+                       "define both (see the README's Agentic RL section)")
+    return EnvironmentFile(spec, env, getattr(module, "TOOLS", None))
+
+
+def check_environment(env: EnvironmentFile, row: dict, timeout: float) -> None:
+    """Build one episode's environment and reset it on a row, before any training: a file whose class
+    cannot be built or whose reset fails stops the stage here, in one line."""
+    async def reset():
+        instance = env()
+        if inspect.iscoroutinefunction(instance.reset):
+            return await asyncio.wait_for(instance.reset(row), timeout)
+        return instance.reset(row)
+
+    try:
+        first = asyncio.run(reset())
+    except Exception as e:
+        raise EnvError(f"env_path: {env.spec}: reset failed on the first prompt row ({type(e).__name__}: {e}); "
+                       "fix Environment.reset for rows like it") from None
+    if not (first is None or isinstance(first, (str, list))):
+        raise EnvError(f"env_path: {env.spec}: reset returned {type(first).__name__}; return the first observation "
+                       "(a string or chat messages) or None for the row's prompt")
+
+
+@dataclass
+class EpisodeLimits:
+    max_turns: int = 4
+    max_episode_tokens: int = 64  # model and observation tokens after the prompt
+    max_turn_tokens: int = 16     # new tokens per model turn (the stage's generate_max_len)
+    step_timeout: float = 30.0    # seconds an environment's reset or step may take
+
+
+@dataclass
+class Episode:
+    prompt: list[int]
+    env: object | None
+    tokens: list[int] = field(default_factory=list)
+    model_mask: list[int] = field(default_factory=list)  # 1: the model's token (trained on), 0: an observation's
+    reward: float = 0.0
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    success: bool | None = None
+    failure: str | None = None
+    done: bool = False
+
+    def add(self, ids: list[int], by_model: bool) -> None:
+        self.tokens += ids
+        self.model_mask += [int(by_model)] * len(ids)
+
+
+@dataclass
+class Episodes:
+    rollout: Rollout
+    rewards: torch.Tensor
+    summaries: list[dict]    # episode_summary of each: what episode_stats counts, small enough to ship between workers
+    stats: dict[str, float]  # episode_stats of this batch
+    episodes: list[Episode]
+
+
+def episode_summary(e: Episode) -> dict:
+    return {"turns": e.turns, "tool_calls": e.tool_calls, "tool_errors": e.tool_errors, "failure": e.failure,
+            "success": e.success if e.success is not None else e.reward > 0}
+
+
+def episode_stats(summaries: list[dict], seconds: float, waited: float) -> dict[str, float]:
+    """Per-episode means, failures counted by reason, episodes/s over `seconds` and the time spent waiting on environments."""
+    n = max(1, len(summaries))
+    failures = Counter(s["failure"] for s in summaries if s["failure"])
+    return {"episodes_per_s": len(summaries) / max(seconds, 1e-9), "turns_per_episode": sum(s["turns"] for s in summaries) / n,
+            "tool_calls_per_episode": sum(s["tool_calls"] for s in summaries) / n,
+            "tool_errors_per_episode": sum(s["tool_errors"] for s in summaries) / n,
+            "success_rate": sum(bool(s["success"]) for s in summaries) / n, "time_env_s": waited,
+            **{f"env_{reason}s": failures[reason] for reason in FAILURES}}
+
+
+def observation_ids(tokenizer, text: str, chat_template: bool, role: str = "tool") -> list[int]:
+    """The ids appended after a model turn for an observation: without a template the text's own tokens;
+    with one, what the template writes between the end of an assistant turn (its closing token, which the
+    model generated) and the next assistant turn's opening, with the observation inside."""
+    if not chat_template:
+        return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(_observation_frame(tokenizer, role).replace(_OBS_PROBE, text), add_special_tokens=False)
+
+
+_OBS_PROBE = "@@observation-probe@@"
+_FRAMES: dict[tuple, str] = {}
+
+
+def _observation_frame(tokenizer, role: str) -> str:
+    key = (str(tokenizer.chat_template), role)
+    if key not in _FRAMES:
+        answer = "@@answer-probe@@"
+        messages = [{"role": "user", "content": "1"}, {"role": "assistant", "content": answer}]
+        for who in (role, "user"):  # a template that knows no tool role gets the observation as a user turn
+            try:
+                text = tokenizer.apply_chat_template(messages + [{"role": who, "content": _OBS_PROBE}],
+                                                     add_generation_prompt=True, tokenize=False)
+            except Exception:
+                continue
+            if _OBS_PROBE in text:
+                break
+        else:
+            raise EnvError(f"env_path: the chat template of {tokenizer.name_or_path} renders no tool or user turn "
+                                    "after an assistant turn; use a model whose template can, or drop --apply_chat_template")
+        after = text[text.index(answer) + len(answer):]
+        closing = tokenizer.decode(data.turn_end_ids(tokenizer))  # generated by the model, not part of the observation
+        _FRAMES[key] = after[len(closing):] if after.startswith(closing) else after
+    return _FRAMES[key]
+
+
+class EpisodeRunner:
+    """Runs a batch of episodes: each turn, one `generate` over every live episode's tokens so far, then
+    every live environment's step at once (async steps awaited together, sync ones in threads)."""
+
+    def __init__(self, engine, tokenizer, make_env, limits: EpisodeLimits, chat_template: bool = False, input_key: str = "prompt"):
+        self.engine, self.tokenizer, self.make_env, self.limits = engine, tokenizer, make_env, limits
+        self.chat_template, self.input_key = chat_template, input_key
+        self.stop_ids = set(data.stop_token_ids(tokenizer))
+        self.pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="env")  # a hung sync step holds a thread, not the run
+
+    # ------------------------------------------------------------------ environment calls
+
+    async def _call(self, fn, arg):
+        if inspect.iscoroutinefunction(fn):
+            return await asyncio.wait_for(fn(arg), self.limits.step_timeout)
+        return await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(self.pool, fn, arg), self.limits.step_timeout)
+
+    def _call_all(self, calls: list[tuple]) -> list:
+        """[(fn, arg)] run concurrently; each result a value or the exception it raised."""
+        async def main():
+            return await asyncio.gather(*(self._call(fn, arg) for fn, arg in calls), return_exceptions=True)
+        return asyncio.run(main()) if calls else []
+
+    def _fail(self, episode: Episode, reason: str) -> None:
+        episode.failure, episode.reward, episode.done = reason, 0.0, True
+
+    # ------------------------------------------------------------------ one batch
+
+    def start(self, rows: list[dict]) -> list[Episode]:
+        envs = []
+        for _ in rows:
+            try:
+                envs.append(self.make_env())
+            except Exception:
+                envs.append(None)
+        firsts = self._call_all([(env.reset, row) for env, row in zip(envs, rows) if env is not None])
+        firsts = iter(firsts)
+        episodes = []
+        for env, row in zip(envs, rows):
+            first = next(firsts) if env is not None else RuntimeError("Environment() raised")
+            failed = isinstance(first, BaseException) or not (first is None or isinstance(first, (str, list)))
+            prompt = row.get(self.input_key, "") if failed or first is None else first
+            episode = Episode(data.encode_prompt(self.tokenizer, prompt, self.chat_template, tools=getattr(self.make_env, "tools", None)), env)
+            if failed:
+                self._fail(episode, "timeout" if isinstance(first, TimeoutError) else "error" if isinstance(first, BaseException) else "malformed")
+            episodes.append(episode)
+        return episodes
+
+    def run(self, rows: list[dict], temperature: float = 1.0, greedy: bool = False) -> Episodes:
+        t0, waited = time.time(), 0.0
+        episodes = self.start(rows)
+        waited += time.time() - t0
+        limits = self.limits
+        for turn in range(limits.max_turns):
+            live = [e for e in episodes if not e.done]
+            if not live:
+                break
+            rollout = self.engine.generate([e.prompt + e.tokens for e in live], limits.max_turn_tokens, temperature, greedy=greedy)
+            actions = []
+            for episode, ids, mask in zip(live, rollout.responses.tolist(), rollout.response_mask.tolist()):
+                ids = [t for t, m in zip(ids, mask) if m][: limits.max_episode_tokens - len(episode.tokens)]
+                episode.add(ids, by_model=True)
+                episode.turns += 1
+                actions.append(self.tokenizer.decode([t for t in ids if t not in self.stop_ids], skip_special_tokens=True))
+            t1 = time.time()
+            results = self._call_all([(e.env.step, a) for e, a in zip(live, actions)])
+            waited += time.time() - t1
+            for episode, result in zip(live, results):
+                self._apply(episode, result, last_turn=turn == limits.max_turns - 1)
+        for episode in episodes:
+            episode.done = True
+        return self._collect(episodes, time.time() - t0, waited)
+
+    def _apply(self, episode: Episode, result, last_turn: bool) -> None:
+        if isinstance(result, BaseException):
+            return self._fail(episode, "timeout" if isinstance(result, TimeoutError) else "error")
+        if not (isinstance(result, tuple) and len(result) == 4):
+            return self._fail(episode, "malformed")
+        observation, reward, done, info = result
+        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward) \
+                or not (observation is None or isinstance(observation, str)) or not (info is None or isinstance(info, dict)):
+            return self._fail(episode, "malformed")
+        info = info or {}
+        episode.reward += float(reward)
+        episode.tool_calls += bool(info.get("tool_call"))
+        episode.tool_errors += bool(info.get("tool_error"))
+        if "success" in info:
+            episode.success = bool(info["success"])
+        if done or observation is None or last_turn:
+            episode.done = True
+            return
+        ids = observation_ids(self.tokenizer, observation, self.chat_template)
+        if len(episode.tokens) + len(ids) >= self.limits.max_episode_tokens:  # no room left for the model to answer
+            episode.done = True
+            return
+        episode.add(ids, by_model=False)
+
+    def _collect(self, episodes: list[Episode], seconds: float, waited: float) -> Episodes:
+        pad_id = self.tokenizer.pad_token_id
+        prompts, p_mask = data.pad([e.prompt for e in episodes], pad_id, side="left")
+        width = max(1, max(len(e.tokens) for e in episodes))
+        responses = torch.full((len(episodes), width), pad_id, dtype=torch.long)
+        attention = torch.zeros((len(episodes), width), dtype=torch.long)
+        model_mask = torch.zeros((len(episodes), width), dtype=torch.long)
+        for i, e in enumerate(episodes):
+            n = len(e.tokens)
+            responses[i, :n] = torch.tensor(e.tokens, dtype=torch.long)
+            attention[i, :n] = 1
+            model_mask[i, :n] = torch.tensor(e.model_mask, dtype=torch.long)
+        rollout = Rollout(torch.cat([prompts, responses], 1), torch.cat([p_mask, attention], 1), model_mask, prompts.size(1))
+        summaries = [episode_summary(e) for e in episodes]
+        return Episodes(rollout, torch.tensor([e.reward for e in episodes], dtype=torch.float32), summaries,
+                        episode_stats(summaries, seconds, waited), episodes)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)

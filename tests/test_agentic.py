@@ -1,0 +1,278 @@
+"""Multi-turn episodes (tasks/rl/environment.py): the environment contract, the built-in environments,
+token in / token out, failures counted and never fatal, observation tokens out of the loss.
+
+Episodes run on a real tiny Llama (random weights) through the HF rollout engine, with real environments
+written as files the way a team writes them.
+"""
+import asyncio
+import textwrap
+
+import pytest
+import torch
+
+from tasks.common import data
+from tasks.common.config import ConfigError, parse_config
+from tasks.common.losses import policy_loss
+from tasks.common.rollout import HFRolloutEngine
+from tasks.data import agentic
+from tasks.data.demo import build_base_model
+from tasks.rl.advantages import discounted_returns, gae
+from tasks.rl.config import RLConfig
+from tasks.rl.environment import (EnvError, EpisodeLimits, EpisodeRunner, check_environment, load_environment,
+                                  observation_ids)
+from tasks.rl.envs import calculator, guess
+from tasks.rl.experience import response_logprobs
+
+from tiny_chat import build_tokenizer as build_chat_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    tokenizer = agentic.build_tokenizer()
+    model = build_base_model(tokenizer, hidden_size=32, num_layers=1, max_positions=128)
+    return model, tokenizer
+
+
+class RecordingEngine(HFRolloutEngine):
+    """The real HF engine, keeping what each generate call returned (the ids the model produced)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls = []
+
+    def generate(self, prompt_ids, max_new_tokens, temperature=1.0, greedy=False, batch_size=256):
+        rollout = super().generate(prompt_ids, max_new_tokens, temperature, greedy, batch_size)
+        self.calls.append([[t for t, m in zip(ids, mask) if m] for ids, mask in zip(rollout.responses.tolist(), rollout.response_mask.tolist())])
+        return rollout
+
+
+def env_file(tmp_path, body: str, name: str = "env.py") -> str:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+ECHO = """
+    class Environment:
+        def reset(self, row):
+            self.turns = 0
+            return row["prompt"]
+
+        def step(self, action):
+            self.turns += 1
+            return f"ok{self.turns}", 0.5, False, {"tool_call": True}
+"""
+
+
+# ---------------------------------------------------------------------------------------------- built-ins
+
+
+def test_calculator_evaluates_arithmetic_and_refuses_the_rest():
+    assert calculator.evaluate("347*8") == "2776"
+    assert calculator.evaluate("(2+3)*4-1") == "19"
+    assert calculator.evaluate("7/2") == "3.5"
+    for bad in ("2**10", "__import__('os')", "1/0", "9*" * 40 + "9"):
+        with pytest.raises(ValueError):
+            calculator.evaluate(bad)
+
+
+def test_calculator_answers_a_call_and_scores_the_answer():
+    env = calculator.Environment()
+    assert env.reset({"prompt": "347*8=", "label": "2776"}) is None
+    assert env.step("<calc>347*8</calc>") == ("<result>2776</result>", 0.0, False, {"tool_call": True})
+    assert env.step("<calc>347**8</calc>") == ("<result>error</result>", 0.0, False, {"tool_call": True, "tool_error": True})
+    assert env.step(" 2776") == (None, 1.0, True, {"success": True})
+    assert env.step("2775")[1:3] == (0.0, True)
+
+
+def test_guess_says_higher_or_lower_and_pays_less_for_more_guesses():
+    env = guess.Environment()
+    env.reset({"prompt": "guess 1-16:", "target": 11})
+    assert env.step("8")[:3] == ("higher", 0.0, False)
+    assert env.step("x")[3] == {"tool_error": True}
+    assert env.step("12")[0] == "lower"
+    observation, reward, done, info = env.step("11")
+    assert (observation, done, info) == (None, True, {"success": True})
+    assert reward == pytest.approx(1.0 - 0.2 * 3)
+
+
+# ---------------------------------------------------------------------------------------------- the contract
+
+
+def test_a_bad_environment_file_is_refused_in_one_line_naming_it(tmp_path):
+    cases = {
+        "broken.py": ("import nowhere_to_be_found\n", "failed to import: ModuleNotFoundError"),
+        "empty.py": ("X = 1\n", "defines no class Environment with reset(row) and step(action)"),
+        "half.py": ("class Environment:\n    def reset(self, row):\n        return None\n", "defines no class Environment"),
+    }
+    for name, (body, words) in cases.items():
+        path = env_file(tmp_path, body, name)
+        with pytest.raises(EnvError) as caught:
+            load_environment(path)
+        assert str(caught.value).startswith(f"env_path: {path}") and words in str(caught.value) and "\n" not in str(caught.value)
+    with pytest.raises(EnvError, match="not found"):
+        load_environment(str(tmp_path / "missing.py"))
+
+
+def test_an_environment_whose_reset_raises_stops_before_training(tmp_path):
+    path = env_file(tmp_path, """
+        class Environment:
+            def reset(self, row):
+                raise KeyError("target")
+            def step(self, action):
+                return None, 0.0, True, {}
+    """)
+    with pytest.raises(EnvError, match=r"reset failed on the first prompt row \(KeyError: 'target'\); fix Environment.reset"):
+        check_environment(load_environment(path), {"prompt": "1"}, timeout=5)
+    check_environment(load_environment("calculator"), {"prompt": "1*2=", "label": "2"}, timeout=5)
+
+
+def test_rl_config_takes_the_environment_flags_and_openrlhfs_name(tmp_path):
+    base = ["--pretrain", "m", "--prompt_data", "d", "--output", str(tmp_path / "o")]
+    cfg = parse_config(RLConfig, base + ["--agent_func_path", "calculator", "--max_turns", "3"])
+    assert (cfg.env_path, cfg.max_turns) == ("calculator", 3)
+    assert "reward" not in cfg.roles()  # the environment gives the rewards
+    with pytest.raises(ConfigError, match="env_path: episodes run in the actor workers"):
+        parse_config(RLConfig, base + ["--env_path", "guess", "--vllm_num_engines", "1"])
+    with pytest.raises(ConfigError, match="max_turns"):
+        parse_config(RLConfig, base + ["--env_path", "guess", "--max_turns", "0"])
+
+
+# ---------------------------------------------------------------------------------------------- episodes
+
+
+def test_episodes_keep_the_engines_tokens_and_mask_the_observations(tiny, tmp_path):
+    model, tokenizer = tiny
+    torch.manual_seed(0)
+    engine = RecordingEngine(model, tokenizer)
+    runner = EpisodeRunner(engine, tokenizer, load_environment(env_file(tmp_path, ECHO)),
+                           EpisodeLimits(max_turns=3, max_episode_tokens=60, max_turn_tokens=6))
+    rows = [{"prompt": f"{a}*{b}="} for a, b in ((123, 4), (56, 7), (9, 9))]
+    result = runner.run(rows)
+    rollout = result.rollout
+    for i, episode in enumerate(result.episodes):
+        # The sequence the trainer reads: the prompt's ids, then model and observation ids, as produced.
+        kept = [t for t, m in zip(rollout.sequences[i].tolist(), rollout.attention_mask[i].tolist()) if m]
+        assert kept == episode.prompt + episode.tokens
+        model_ids = [t for t, m in zip(rollout.responses[i].tolist(), rollout.response_mask[i].tolist()) if m]
+        generated = [tok for call in engine.calls for tok in call[i]]  # every episode is live for all 3 turns
+        assert model_ids == generated, "the model's tokens are exactly what the engine generated, never re-tokenized"
+        observations = [t for t, m, a in zip(rollout.responses[i].tolist(), rollout.response_mask[i].tolist(),
+                                             rollout.attention_mask[i, rollout.prompt_width:].tolist()) if a and not m]
+        expected = [tok for k in range(1, episode.turns) for tok in tokenizer.encode(f"ok{k}", add_special_tokens=False)]
+        assert observations == expected
+        assert episode.turns == 3 and episode.reward == pytest.approx(1.5) and episode.tool_calls == 3
+    assert result.rewards.tolist() == pytest.approx([1.5, 1.5, 1.5])
+    assert result.stats["turns_per_episode"] == 3 and result.stats["tool_calls_per_episode"] == 3
+    assert result.stats["episodes_per_s"] > 0
+    runner.close()
+
+
+def test_failing_hanging_and_malformed_environments_end_only_their_episode(tiny, tmp_path):
+    model, tokenizer = tiny
+    path = env_file(tmp_path, """
+        import asyncio
+        import itertools
+
+        COUNTER = itertools.count()
+
+        class Environment:
+            def reset(self, row):
+                self.kind = row["kind"]
+                return None
+
+            async def step(self, action):
+                if self.kind == "flaky" and next(COUNTER) % 5 == 0:   # every fifth step raises: 20%
+                    raise RuntimeError("tool down")
+                if self.kind == "hang":
+                    await asyncio.sleep(60)
+                if self.kind == "malformed":
+                    return "obs", "one", False, {}
+                return None, 1.0, True, {"success": True}
+    """)
+    runner = EpisodeRunner(HFRolloutEngine(model, tokenizer), tokenizer, load_environment(path),
+                           EpisodeLimits(max_turns=2, max_episode_tokens=40, max_turn_tokens=4, step_timeout=0.5))
+    kinds = ["flaky"] * 10 + ["hang", "malformed", "fine"]
+    result = runner.run([{"prompt": "1*2=", "kind": kind} for kind in kinds])
+    failures = {e.failure for e in result.episodes}
+    assert {"error", "timeout", "malformed"} <= failures
+    assert result.stats["env_errors"] == 2 and result.stats["env_timeouts"] == 1 and result.stats["env_malformeds"] == 1
+    rewards = dict(zip(range(len(kinds)), result.rewards.tolist()))
+    assert all(rewards[i] == 0.0 for i, e in enumerate(result.episodes) if e.failure)
+    assert sum(r == 1.0 for r in rewards.values()) == 10 - 2 + 1
+    assert result.stats["time_env_s"] < 5, "a hung step costs its timeout, not the run"
+    runner.close()
+
+
+def test_observation_tokens_get_no_gradient(tiny, tmp_path):
+    model, tokenizer = tiny
+    runner = EpisodeRunner(HFRolloutEngine(model, tokenizer), tokenizer, load_environment(env_file(tmp_path, ECHO)),
+                           EpisodeLimits(max_turns=2, max_episode_tokens=40, max_turn_tokens=4))
+    rollout = runner.run([{"prompt": "12*3="}, {"prompt": "45*6="}]).rollout
+    logprobs = response_logprobs(model, rollout.sequences, rollout.attention_mask, rollout.prompt_width)
+    logprobs.retain_grad()
+    mask = rollout.response_mask
+    loss, _ = policy_loss(logprobs, logprobs.detach() - 0.1, torch.ones_like(logprobs), mask, 0.2)
+    loss.backward()
+    observation = (rollout.attention_mask[:, rollout.prompt_width:] == 1) & (mask == 0)
+    assert observation.any() and (mask == 1).any()
+    assert torch.all(logprobs.grad[observation] == 0)
+    assert torch.any(logprobs.grad[mask == 1] != 0)
+    runner.close()
+
+
+def test_observations_are_framed_as_the_chat_template_frames_a_tool_turn():
+    tokenizer = build_chat_tokenizer()
+    ids = observation_ids(tokenizer, "<result>6</result>", chat_template=True)
+    # The model's turn ended with <|end|> (generated); then the tool turn and the next assistant opening.
+    assert tokenizer.decode(ids) == "<|tool|><result>6</result><|end|><|assistant|>"
+    assert observation_ids(tokenizer, "6", chat_template=False) == tokenizer.encode("6", add_special_tokens=False)
+
+
+def test_async_steps_run_concurrently(tiny, tmp_path):
+    model, tokenizer = tiny
+    path = env_file(tmp_path, """
+        import asyncio
+
+        class Environment:
+            def reset(self, row):
+                return None
+
+            async def step(self, action):
+                await asyncio.sleep(0.3)   # a slow tool: 16 of them at once take 0.3 s, not 4.8 s
+                return None, 1.0, True, {}
+    """)
+    runner = EpisodeRunner(HFRolloutEngine(model, tokenizer), tokenizer, load_environment(path),
+                           EpisodeLimits(max_turns=1, max_episode_tokens=8, max_turn_tokens=4))
+    result = runner.run([{"prompt": "1*1="}] * 16)
+    assert result.stats["time_env_s"] < 2.0
+    runner.close()
+    assert asyncio.iscoroutinefunction(load_environment(path).cls.step)
+
+
+# ---------------------------------------------------------------------------------------------- advantages over episodes
+
+
+def test_gae_runs_over_the_models_tokens_only():
+    # Tokens: model, observation, model (mask 1 0 1). Over the model's two tokens, γ = 1, λ = 0.5, V = (0.2, 0.6),
+    # reward 1 on the last: δ2 = 1 - 0.6 = 0.4, A2 = 0.4; δ1 = 0 + 0.6 - 0.2 = 0.4, A1 = 0.4 + 0.5·0.4 = 0.6.
+    # The observation's value (9.0) must not enter: it is not a state the model acted in.
+    rewards, values, mask = torch.tensor([[0.0, 0.0, 1.0]]), torch.tensor([[0.2, 9.0, 0.6]]), torch.tensor([[1, 0, 1]])
+    advantages, returns = gae(rewards, values, mask, gamma=1.0, lambd=0.5)
+    assert advantages.tolist()[0] == pytest.approx([0.6, 0.0, 0.4])
+    assert returns.tolist()[0] == pytest.approx([0.8, 0.0, 1.0])
+    # γ = 0.5: the observation is not a step. G = (0.5·1, 0, 1) = (0.5, 0, 1), not (0.25, 0.5, 1).
+    assert discounted_returns(rewards, mask, gamma=0.5).tolist()[0] == pytest.approx([0.5, 0.0, 1.0])
+    # A prefix mask (one turn) is unchanged by the compaction.
+    a, _ = gae(torch.tensor([[0.0, 1.0, 0.0]]), torch.tensor([[0.5, 0.6, 0.7]]), torch.tensor([[1, 1, 0]]), 1.0, 0.9)
+    assert a.tolist()[0] == pytest.approx([0.6 - 0.5 + 0.9 * 0.4, 0.4, 0.0])  # δ0 = 0.6 - 0.5
+
+
+def test_sft_traces_are_the_tokens_of_an_episode():
+    """A calculator trace's second row holds the first turn and the observation exactly as an episode does."""
+    tokenizer = agentic.build_tokenizer()
+    first, second = agentic.calculator_trace(347, 8, use_tool=True)
+    episode = (data.encode_prompt(tokenizer, first["prompt"]) + data.encode_response(tokenizer, first["response"])
+               + observation_ids(tokenizer, "<result>2776</result>", chat_template=False))
+    assert data.encode_prompt(tokenizer, second["prompt"]) == episode
+    assert second["response"] == "2776"
