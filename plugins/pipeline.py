@@ -65,8 +65,8 @@ def fail_after(stage: str, fault: dict) -> int:
 
 
 def fixed_data(dataset: str) -> bool:
-    """Whether the dataset Param names the same data every time: the demo, or a pinned dataset:<name>@<version>."""
-    return dataset == "demo" or (dataset.startswith("dataset:") and "@" in dataset)
+    """Whether the dataset Param names the same data every time: a built-in task, or a pinned dataset:<name>@<version>."""
+    return dataset in ("demo", "calculator", "guess") or (dataset.startswith("dataset:") and "@" in dataset)
 
 
 # The run form's defaults, in one place.
@@ -99,6 +99,10 @@ DEFAULTS = {
     "ptx_coef": 0.5,
     "advantage_estimator": "gae",
     "n_samples_per_prompt": 1,
+    "generate_max_len": 16,
+    "environment": "",
+    "max_turns": 4,
+    "max_episode_tokens": 64,
     "colocate_all_models": True,
     "preference_steps": 100,
     "preference_learning_rate": 2e-5,
@@ -237,6 +241,26 @@ PARAMS = {
     "n_samples_per_prompt": Param(
         DEFAULTS["n_samples_per_prompt"], type="integer", title="Samples per prompt", minimum=1, maximum=64,
         description="Responses sampled per prompt in RL (a group, for the group estimators).",
+    ),
+    "generate_max_len": Param(
+        DEFAULTS["generate_max_len"], type="integer", title="New tokens per response", minimum=1, maximum=65_536,
+        description="Tokens a response may have in RL and eval; with an environment, tokens per model turn.",
+    ),
+    "environment": Param(
+        DEFAULTS["environment"], type=["null", "string"], title="Environment",
+        description="Agentic RL: empty for single responses scored by the reward model; 'calculator' or 'guess' (the built-in "
+                    "environments, with the datasets of those names), or a .py file URI (s3://...) defining class Environment "
+                    "with reset(row) and step(action). With one, RL trains on multi-turn episodes with the environment's "
+                    "rewards (no reward model is trained) and eval plays the same environment.",
+        pattern=r"^$|^(calculator|guess|s3://\S+\.py|/\S+\.py|tasks/\S+\.py)$",
+    ),
+    "max_turns": Param(
+        DEFAULTS["max_turns"], type="integer", title="Turns per episode", minimum=1, maximum=1000,
+        description="Model turns an episode may take (with an environment).",
+    ),
+    "max_episode_tokens": Param(
+        DEFAULTS["max_episode_tokens"], type="integer", title="Tokens per episode", minimum=1, maximum=1_000_000,
+        description="Model and observation tokens an episode may hold after its prompt (with an environment).",
     ),
     "colocate_all_models": Param(
         DEFAULTS["colocate_all_models"], type="boolean", title="Colocate all RL models",
@@ -407,9 +431,12 @@ def build_pipeline(dag_id: str, schedule, description: str, allow_promotion: boo
         }, inlets=["prepared_data"], outlet="sft_model")
 
         @task.branch(task_id="choose_method")
-        def choose_method(params=None) -> str:
-            """The first task of the branch the `method` Param picks."""
-            return {"rl": "reward_model", "dpo": "dpo", "kto": "kto"}[params["method"]]
+        def choose_method(params=None) -> list[str]:
+            """The tasks of the branch the `method` Param picks: RL's reward model is left out with an environment,
+            whose rewards RL trains on (rl then runs with reward_model skipped: its trigger rule below)."""
+            if params["method"] == "rl":
+                return ["rl"] if params.get("environment") else ["reward_model", "rl"]
+            return [params["method"]]
 
         method = choose_method()
         reward_model = stage("reward_model", "tasks.reward_model", {
@@ -419,10 +446,18 @@ def build_pipeline(dag_id: str, schedule, description: str, allow_promotion: boo
             "learning_rate": "{{ params.rm_learning_rate }}",
             **training_args("reward_model", "rm_steps"),
         }, inlets=["sft_model", "prepared_data"], outlet="reward_model")
+        # With an environment: RL's episodes and eval's play the same one, within the same limits.
+        episode_args = {
+            "env_path": "{{ params.environment or '' }}",
+            "max_turns": "{{ params.max_turns }}",
+            "max_episode_tokens": "{{ params.max_episode_tokens }}",
+        }
         rl = stage("rl", "tasks.rl", {
             "pretrain": sft.output,
-            "reward_pretrain": reward_model.output,
+            "reward_pretrain": "{{ ti.xcom_pull(task_ids='reward_model') or '' }}",  # none with an environment
             "prompt_data": prepare_data.output,
+            "generate_max_len": "{{ params.generate_max_len }}",
+            **episode_args,
             "max_steps": "{{ params.rl_steps }}",
             "actor_learning_rate": "{{ params.actor_learning_rate }}",
             "critic_learning_rate": "{{ params.critic_learning_rate }}",
@@ -435,7 +470,7 @@ def build_pipeline(dag_id: str, schedule, description: str, allow_promotion: boo
             "n_samples_per_prompt": "{{ params.n_samples_per_prompt }}",
             "colocate_all_models": "{{ params.colocate_all_models }}",
             **training_args("rl", "rl_steps"),
-        }, inlets=["sft_model", "reward_model"], outlet="policy")
+        }, inlets=["sft_model", "reward_model"], outlet="policy", trigger_rule="none_failed_min_one_success")
         # DPO on the demo's style pairs (right answers both sides) with an NLL term on the chosen side, which
         # keeps the answers' likelihood from sliding (without it, accuracy fell 25 points for 27 of style);
         # KTO on the unpaired thumbs-up/down split.
@@ -462,6 +497,8 @@ def build_pipeline(dag_id: str, schedule, description: str, allow_promotion: boo
             "dataset": prepare_data.output,
             "registry": REGISTRY,
             "max_samples": "{{ params.eval_max_samples }}",
+            "generate_max_len": "{{ params.generate_max_len }}",
+            **episode_args,
             # The demo's own metrics (answer and style) when the data is the demo's; else what the form declares.
             "metrics": "{{ params.eval_metrics or '' }}",
             "metric_func": "{{ params.eval_metric_func or ('tasks/data/demo_metrics.py' if params.dataset == 'demo' else '') }}",
@@ -499,6 +536,7 @@ def build_pipeline(dag_id: str, schedule, description: str, allow_promotion: boo
 
         chain(prepare_data, sft, method, [reward_model, dpo, kto])
         chain(reward_model, rl, eval_)
+        method >> rl  # a branch of its own with an environment (choose_method)
         chain([dpo, kto], eval_)
         chain(eval_, promote, champion(promote.output))
     return dag

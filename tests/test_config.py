@@ -41,7 +41,7 @@ def test_rl_refuses_what_it_cannot_do():
 
 def test_rl_group_estimators_need_groups_and_a_reward():
     base = {"output": "o", "pretrain": "p", "prompt_data": "d"}
-    with pytest.raises(ConfigError, match="reward_pretrain: missing; pass --reward_pretrain <URI> or --remote_rm_url"):
+    with pytest.raises(ConfigError, match="reward_pretrain: missing; pass --reward_pretrain <URI>, --remote_rm_url <file.py or URL> or --env_path"):
         make_config(RLConfig, base)
     with pytest.raises(ConfigError, match="n_samples_per_prompt: rloo compares samples of one prompt; use 2 or more"):
         make_config(RLConfig, {**base, "remote_rm_url": "r.py", "advantage_estimator": "rloo"})

@@ -25,6 +25,7 @@ def training(stage: str, steps: str) -> dict:
             "apply_chat_template": "params.apply_chat_template", "lora_rank": "params.lora_rank"}
 
 
+EPISODES = {"env_path": "params.environment or ''", "max_turns": "params.max_turns", "max_episode_tokens": "params.max_episode_tokens"}
 REGISTRY = "s3://{{ params.bucket or conn.rlhf_s3.extra_dejson.get('bucket') or 'rlhf-flow' }}/{{ params.prefix }}/models/{{ params.model_name }}"
 # What each stage gets: flag -> upstream task whose manifest URI it receives, or the param it comes from.
 WIRING = {
@@ -44,7 +45,8 @@ WIRING = {
         "learning_rate": "params.rm_learning_rate", **training("reward_model", "rm_steps"),
     }),
     "rl": ("tasks.rl", {
-        "pretrain": "sft", "reward_pretrain": "reward_model", "prompt_data": "prepare_data",
+        "pretrain": "sft", "reward_pretrain": "{{ ti.xcom_pull(task_ids='reward_model') or '' }}", "prompt_data": "prepare_data",
+        "generate_max_len": "params.generate_max_len", **EPISODES,
         "max_steps": "params.rl_steps", "actor_learning_rate": "params.actor_learning_rate",
         "critic_learning_rate": "params.critic_learning_rate", "init_kl_coef": "params.init_kl_coef",
         "lambd": "params.gae_lambda", "ptx_coef": "params.ptx_coef",
@@ -61,6 +63,7 @@ WIRING = {
                              ("kto", {"dataset_split": "unpaired", "undesirable_weight": 0.3}))},
     "eval": ("tasks.eval", {
         "baseline": "sft", "dataset": "prepare_data", "max_samples": "params.eval_max_samples", "seed": "params.seed",
+        "generate_max_len": "params.generate_max_len", **EPISODES,
         "apply_chat_template": "params.apply_chat_template",
         # whichever branch ran: a template over both branches' XComs
         "policy": "{{ ti.xcom_pull(task_ids='rl') or ti.xcom_pull(task_ids='dpo') or ti.xcom_pull(task_ids='kto') }}",
@@ -150,7 +153,8 @@ def test_task_order(dag):
     assert [t.task_id for t in dag.topological_sort()] == ORDER
     upstream = {t: dag.get_task(t).upstream_task_ids for t in ORDER}
     assert upstream["prepare_data"] == set() and upstream["choose_method"] == {"sft"}
-    assert upstream["reward_model"] >= {"choose_method", "sft"} and upstream["rl"] >= {"reward_model", "sft"}
+    assert upstream["reward_model"] >= {"choose_method", "sft"} and upstream["rl"] >= {"reward_model", "sft", "choose_method"}
+    assert dag.get_task("rl").trigger_rule == "none_failed_min_one_success"  # runs with reward_model skipped (an environment)
     assert upstream["dpo"] >= {"choose_method", "sft"} and upstream["kto"] >= {"choose_method", "sft"}
     assert upstream["eval"] >= {"rl", "dpo", "kto"}
     assert dag.get_task("eval").trigger_rule == "none_failed_min_one_success"
@@ -190,7 +194,7 @@ def test_params_form(dag):
         "use_cache", "stage_deadline_minutes", "model_name", "allow_promotion", "promotion_gate", "fault_injection",
         "input_key", "output_key", "chosen_key", "rejected_key", "label_key", "messages_key", "eval_fraction",
         "max_bad_fraction", "apply_chat_template", "lora_rank", "eval_metrics", "eval_metric_func", "eval_samples_per_prompt",
-        "eval_slice_key", "eval_judge_url", "eval_judge_model",
+        "eval_slice_key", "eval_judge_url", "eval_judge_model", "generate_max_len", "environment", "max_turns", "max_episode_tokens",
     }
     assert set(params) == expected
     for name in expected:
@@ -199,7 +203,7 @@ def test_params_form(dag):
         # Flat fields, but the gate and the test-only fault injection, which the form edits as JSON.
         # The bucket and the column names may be left empty; the form sends an emptied field as null.
         optional = {"bucket", "input_key", "output_key", "chosen_key", "rejected_key", "label_key", "messages_key",
-                    "eval_metrics", "eval_metric_func", "eval_slice_key", "eval_judge_url"}
+                    "eval_metrics", "eval_metric_func", "eval_slice_key", "eval_judge_url", "environment"}
         assert p.schema.get("type") == "object" if name in ("promotion_gate", "fault_injection") else \
             p.schema.get("type") == ["null", "string"] if name in optional else \
             p.schema.get("type") in ("string", "integer", "number", "boolean"), name
@@ -235,6 +239,10 @@ def test_params_form(dag):
         ("lora_rank", -1),
         ("ptx_coef", -0.5),
         ("apply_chat_template", "true"),
+        ("environment", "calculator; rm -rf /"),
+        ("environment", "my_env"),
+        ("max_turns", 0),
+        ("generate_max_len", 0),
     ],
 )
 def test_params_refuse_bad_values(dag, name, value):
@@ -251,7 +259,8 @@ def test_params_accept_good_overrides(dag):
                         "advantage_estimator": "group_norm", "n_samples_per_prompt": 4, "colocate_all_models": False,
                         "dataset": "s3://bucket/data/v1", "bucket": "rlhf-test", "prefix": "",
                         "messages_key": "messages", "input_key": "", "label_key": "answer", "output_key": None, "eval_fraction": 0.2,
-                        "max_bad_fraction": 0, "apply_chat_template": True, "lora_rank": 8}.items():
+                        "max_bad_fraction": 0, "apply_chat_template": True, "lora_rank": 8, "environment": "s3://bucket/envs/my_env.py",
+                        "max_turns": 3, "generate_max_len": 24}.items():
         params[name] = value
     params.validate()
 
@@ -291,10 +300,11 @@ def airflow_db():
 # test_learning, and the branch wiring by the tests above; `make test` keeps its time for the live stack.
 # The rl branch runs end to end in make test through the live stack (tests/test_e2e.py) and dag.test()
 # (tests/test_byo_e2e.py), so this one is make test-all's too.
-@pytest.mark.parametrize("method", [pytest.param(m, marks=pytest.mark.slow) for m in ("rl", "dpo", "kto")])
+@pytest.mark.parametrize("method", [pytest.param(m, marks=pytest.mark.slow) for m in ("rl", "dpo", "kto", "agentic")])
 def test_pipeline_end_to_end(method, airflow_db, s3_server, ray_head, dagbag):
     """The whole DAG with dag.test() against the local Ray head and the S3 emulator, with tiny step counts,
-    down each branch: the other branch's tasks are skipped, not failed."""
+    down each branch: the other branch's tasks are skipped, not failed. `agentic` is rl with the calculator
+    environment on its dataset: no reward model is trained, RL and eval play the environment."""
     from airflow.dag_processing.bundles.manager import DagBundlesManager
     from airflow.dag_processing.dagbag import sync_bag_to_db
 
@@ -303,10 +313,12 @@ def test_pipeline_end_to_end(method, airflow_db, s3_server, ray_head, dagbag):
     DagBundlesManager().sync_bundles_to_db()
     sync_bag_to_db(dagbag, "dags-folder", None)
     dag = dagbag.dags["rlhf_pipeline"]
+    agentic = {"method": "rl", "dataset": "calculator", "environment": "calculator", "generate_max_len": 24, "max_turns": 3}
     conf = {
         "bucket": s3_server.bucket,
         "prefix": f"e2e-{method}",
         "method": method,
+        **(agentic if method == "agentic" else {}),
         "sft_steps": 30,
         "rm_steps": 20,
         "rl_steps": 2,
@@ -315,7 +327,7 @@ def test_pipeline_end_to_end(method, airflow_db, s3_server, ray_head, dagbag):
     }
     dr = dag.test(run_conf=conf)
     states = {ti.task_id: str(getattr(ti.state, "value", ti.state)) for ti in dr.get_task_instances()}
-    skipped = {t for branch, tasks in BRANCHES.items() if branch != method for t in tasks}
+    skipped = {t for branch, tasks in BRANCHES.items() if branch != method for t in tasks} - ({"rl"} if method == "agentic" else set())
     # A manual run judges its policy but may not promote it: the champion task is skipped.
     assert states == {t: "skipped" if t in skipped | {"champion"} else "success" for t in ORDER}, states
 
@@ -325,8 +337,12 @@ def test_pipeline_end_to_end(method, airflow_db, s3_server, ray_head, dagbag):
         body = s3.get_object(Bucket=s3_server.bucket, Key=f"{base}/{task_id}/manifest.json")["Body"].read()
         assert json.loads(body), task_id
     evaluated = json.loads(s3.get_object(Bucket=s3_server.bucket, Key=f"{base}/eval/manifest.json")["Body"].read())
-    assert evaluated["inputs"]["policy"].endswith(f"/{method}/manifest.json")
+    assert evaluated["inputs"]["policy"].endswith(f"/{'rl' if method == 'agentic' else method}/manifest.json")
     assert ("reward_pretrain" in evaluated["inputs"]) == (method == "rl")
+    if method == "agentic":
+        report = json.loads(s3.get_object(Bucket=s3_server.bucket, Key=f"{base}/eval/report.json")["Body"].read())
+        assert {"env_success", "env_turns", "env_tool_calls"} <= set(report["metrics"]["policy"])
+        assert evaluated["inputs"]["env_path"] == "calculator"
 
 
 def test_nightly_dataset_comes_from_the_environment():

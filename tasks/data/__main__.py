@@ -1,6 +1,7 @@
 """prepare_data: write the pipeline's datasets (and the demo's base model) as one stage output.
 
     python -m tasks.data --output s3://bucket/prefix/runs/<dag>/<run>/prepare_data --source demo --seed 0
+    python -m tasks.data --output … --source calculator      # an agentic task (tasks/data/agentic.py), for --env_path
     python -m tasks.data --output … --source s3://bucket/raw/chat.jsonl --datasets_root s3://bucket/prefix/datasets \\
         --messages_key messages --label_key answer            # ingest: validate, split, register a version
     python -m tasks.data --output … --source dataset:chat --datasets_root s3://bucket/prefix/datasets   # the newest version
@@ -21,8 +22,8 @@ from tasks.common import manifest as manifests
 from tasks.common import storage
 from tasks.common.config import ConfigError
 from tasks.common.stage import StageRun, main
-from tasks.data import demo, ingest, versions
-from tasks.data.config import PrepareDataConfig, parse_dataset_ref, source_kind
+from tasks.data import agentic, demo, ingest, versions
+from tasks.data.config import BUILT_IN_SOURCES, PrepareDataConfig, parse_dataset_ref, source_kind
 
 
 def check_base_model(uri: str) -> None:
@@ -35,15 +36,25 @@ def check_base_model(uri: str) -> None:
 
 
 def demo_splits(cfg: PrepareDataConfig, data_dir: Path) -> tuple[dict, dict]:
-    """The built-in task's splits written under data_dir; returns (datasets, metrics)."""
-    splits = demo.make_datasets(cfg.seed)
+    """A built-in task's splits written under data_dir (the demo's, or an agentic task's); returns (datasets, metrics)."""
+    splits = {"demo": demo.make_datasets, "calculator": agentic.calculator_datasets, "guess": agentic.guess_datasets}[cfg.source](seed=cfg.seed)
     for name, rows in splits.items():
         with open(data_dir / f"{name}.jsonl", "w") as f:
             f.writelines(json.dumps(row) + "\n" for row in rows)
         print(f"{name}: {len(rows)} rows", flush=True)
-    terse = sum(row["style"] == demo.TERSE for row in splits["sft"]) / len(splits["sft"])
-    metrics = {**{f"rows_{name}": len(rows) for name, rows in splits.items()}, "sft_terse_fraction": round(terse, 4)}
+    metrics = {f"rows_{name}": len(rows) for name, rows in splits.items()}
+    if cfg.source == "demo":
+        metrics["sft_terse_fraction"] = round(sum(row["style"] == demo.TERSE for row in splits["sft"]) / len(splits["sft"]), 4)
     return {name: f"data/{name}.jsonl" for name in splits}, metrics
+
+
+def build_demo_model(source: str, seed: int):
+    """The tiny base model of a built-in task and its tokenizer (an agentic task's has its own characters, longer positions)."""
+    if source == "demo":
+        tokenizer = demo.build_tokenizer()
+        return demo.build_base_model(tokenizer, seed=seed), tokenizer
+    tokenizer = agentic.build_tokenizer()
+    return demo.build_base_model(tokenizer, seed=seed, **agentic.BASE_MODEL), tokenizer
 
 
 def dataset_version(cfg: PrepareDataConfig) -> dict:
@@ -78,7 +89,7 @@ def prepare(cfg: PrepareDataConfig, run: StageRun) -> None:
     data_dir = run.workdir / "data"
     data_dir.mkdir()
     extra = {}
-    if cfg.source == "demo":
+    if cfg.source in BUILT_IN_SOURCES:
         datasets, metrics = demo_splits(cfg, data_dir)
     else:
         version = dataset_version(cfg)
@@ -90,8 +101,7 @@ def prepare(cfg: PrepareDataConfig, run: StageRun) -> None:
                  "validation": version["validation"]}
 
     if cfg.base_model == "demo":
-        tokenizer = demo.build_tokenizer()
-        model = demo.build_base_model(tokenizer, seed=cfg.seed)
+        model, tokenizer = build_demo_model(cfg.source if cfg.source in BUILT_IN_SOURCES else "demo", cfg.seed)
         model.save_pretrained(run.workdir / "model")
         tokenizer.save_pretrained(run.workdir / "model")
         model_ref = "model"

@@ -3,7 +3,7 @@
     splits = calculator_datasets(seed=0)    # {"sft": [...], "prompts": [...], "eval": [...]}
     splits = guess_datasets(seed=0)
     tokenizer = build_tokenizer()           # character-level (digits, arithmetic, lowercase, tags)
-    model = demo.build_base_model(tokenizer, max_positions=128)
+    model = demo.build_base_model(tokenizer, **BASE_MODEL)
 
 Calculator: `347*8=` asks for `2776`. A tiny model rarely gets a 3-digit × 1-digit product right on
 its own; with the tool it only has to copy: `<calc>347*8</calc>` (a turn ending in EOS), the
@@ -24,6 +24,8 @@ from tasks.data.demo import SPECIAL_TOKENS
 CHARACTERS = list("0123456789+-*/=()<>: ") + [chr(c) for c in range(ord("a"), ord("z") + 1)]
 EOS = "<eos>"
 GUESS_RANGE = (1, 16)
+#: demo.build_base_model's shape for these tasks: episodes are longer than the demo's answers.
+BASE_MODEL = {"hidden_size": 64, "num_layers": 1, "max_positions": 128}
 
 
 def build_tokenizer():

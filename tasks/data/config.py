@@ -21,9 +21,14 @@ NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 MAPPING_KEYS = ("input_key", "output_key", "chosen_key", "rejected_key", "label_key", "messages_key")
 
 
+#: Tasks built in code, each with its own tiny base model ('demo' as base_model): the demo, and the agentic ones.
+BUILT_IN_SOURCES = ("demo", "calculator", "guess")
+
+
 def source_kind(source: str) -> str:
-    """'demo', 'dataset' (a registered version), 'file' (s3:// or local) or 'hub' (a hub id)."""
-    if source == "demo":
+    """'demo' (a built-in task: demo, calculator, guess), 'dataset' (a registered version), 'file' (s3:// or local)
+    or 'hub' (a hub id)."""
+    if source in BUILT_IN_SOURCES:
         return "demo"
     if source.startswith(DATASET_PREFIX):
         return "dataset"
@@ -52,7 +57,7 @@ def default_dataset_name(source: str) -> str:
 class PrepareDataConfig(StageConfig):
     """Materialise the pipeline's datasets (and, for the demo, its base model) as a stage output."""
 
-    source: str = field(default="demo", metadata={"help": "'demo' (the built-in task), a JSONL/Parquet/CSV file (s3:// or local), a hub id "
+    source: str = field(default="demo", metadata={"help": "'demo' (the built-in task), 'calculator' or 'guess' (the agentic tasks, for --env_path), a JSONL/Parquet/CSV file (s3:// or local), a hub id "
                                                           "(not with HF_HUB_OFFLINE=1), or dataset:<name>[@<version>] (a registered version; newest without @)"})
     base_model: str = field(default="demo", metadata={"help": "'demo' builds a tiny Llama offline; otherwise a model URI or hub id recorded for the next stages"})
     datasets_root: str = field(default="", metadata={"help": "where dataset versions are registered: <root>/<name>/<version>/ (the pipeline passes <bucket root>/datasets)"})

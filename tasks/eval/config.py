@@ -2,10 +2,11 @@ from dataclasses import dataclass, field
 
 from tasks.common.config import ConfigError, StageConfig, split_list
 from tasks.eval import metrics
+from tasks.rl.config import EpisodeConfig
 
 
 @dataclass
-class EvalConfig(StageConfig):
+class EvalConfig(EpisodeConfig, StageConfig):
     """Compare a baseline policy (the SFT model, also the KL reference) with a trained policy on held-out prompts."""
 
     baseline: str = field(default="", metadata={"help": "the starting policy (SFT output URI); also the reference for KL"})
@@ -33,6 +34,7 @@ class EvalConfig(StageConfig):
 
     def validate(self) -> None:
         super().validate()
+        self.validate_episodes()
         for name in ("baseline", "policy", "dataset"):
             if not getattr(self, name):
                 raise ConfigError(f"{name}: missing; pass --{name} <URI>")

@@ -35,10 +35,12 @@ from tasks.eval import stats
 from tasks.eval.config import EvalConfig
 from tasks.eval.judge import ChatJudge
 from tasks.eval.report import write_report
+from tasks.rl.environment import EpisodeLimits, EpisodeRunner, check_environment, load_environment
 from tasks.rl.rewards import RewardModels, build_reward_batch
 
-#: Measured from the models on the sampled responses, whatever the run declares.
-MODEL_METRICS = ("reward_mean", "kl_to_ref", "response_length")
+#: Measured from the models on the sampled responses (and, with --env_path, how its episodes went), whatever the
+#: run declares: reported, never read as a task's success metric.
+MODEL_METRICS = ("reward_mean", "kl_to_ref", "response_length", "env_turns", "env_tool_calls", "env_tool_errors")
 
 
 @torch.no_grad()
@@ -96,6 +98,8 @@ def policy_scores(policy, reference, reward_model, tokenizer, prompts, texts, la
         if n > 1 and metric_lib.is_success_metric(values):
             for k in cfg.ks():
                 scores[f"pass@{k}_{name}"] = pass_at_k_scores(values, n, k)
+    if cfg.env_path:
+        scores.update(episode_scores(policy, tokenizer, rows, cfg))
     kl = summed_logprobs(policy, sampled) - summed_logprobs(reference, sampled)
     scores["kl_to_ref"] = stats.per_prompt(kl.tolist(), n)
     scores["response_length"] = stats.per_prompt(sampled.response_lengths().float().tolist(), n)
@@ -103,6 +107,20 @@ def policy_scores(policy, reference, reward_model, tokenizer, prompts, texts, la
         rewards = reward_model.score(build_reward_batch(sampled, tokenizer, repeat(texts, n), sampled_labels))
         scores["reward_mean"] = stats.per_prompt(rewards.tolist(), n)
     return scores, greedy
+
+
+def episode_scores(policy, tokenizer, rows, cfg: EvalConfig) -> dict[str, list]:
+    """Greedy multi-turn episodes in the environment (--env_path), one per prompt: env_success (a 0/1 metric
+    the gate can use), env_turns, env_tool_calls and env_tool_errors."""
+    limits = EpisodeLimits(cfg.max_turns, cfg.max_episode_tokens, cfg.generate_max_len, cfg.env_step_timeout)
+    runner = EpisodeRunner(HFRolloutEngine(policy, tokenizer), tokenizer, load_environment(cfg.env_path), limits,
+                           cfg.apply_chat_template, cfg.input_key)
+    try:
+        summaries = runner.run(list(rows), greedy=True).summaries
+    finally:
+        runner.close()
+    return {"env_success": [float(s["success"]) for s in summaries], "env_turns": [float(s["turns"]) for s in summaries],
+            "env_tool_calls": [float(s["tool_calls"]) for s in summaries], "env_tool_errors": [float(s["tool_errors"]) for s in summaries]}
 
 
 def compare(candidate: dict[str, list], reference: dict[str, list], cfg: EvalConfig) -> dict:
@@ -199,6 +217,8 @@ def evaluate(cfg: EvalConfig, run: StageRun) -> None:
     texts = list(rows[cfg.input_key])
     records = rows.to_list()
     prompts = [data.encode_prompt(tokenizer, p, cfg.apply_chat_template) for p in texts]
+    if cfg.env_path:  # a file that does not load or reset fails here, before any model generates
+        check_environment(load_environment(run.input("env_path", cfg.env_path)), records[0], cfg.env_step_timeout)
 
     def score_side(model, side: str):
         started = time.monotonic()

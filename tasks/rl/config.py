@@ -16,7 +16,21 @@ def uses_critic(estimator: str) -> bool:
 
 
 @dataclass
-class RLConfig(TrainingConfig):
+class EpisodeConfig:
+    """Multi-turn episodes in an environment (tasks.rl.environment): the RL stage trains on them, eval scores them."""
+
+    env_path: str = field(default="", metadata={"help": "environment of multi-turn episodes: 'calculator', 'guess', or a .py file (local or s3://) defining class Environment with reset(row) and step(action); in RL its rewards replace the reward model's", "aliases": ["agent_func_path"]})
+    max_turns: int = field(default=4, metadata={"help": "model turns per episode at most (with --env_path)"})
+    max_episode_tokens: int = field(default=64, metadata={"help": "model and observation tokens per episode after the prompt, at most (with --env_path); each turn is at most generate_max_len"})
+    env_step_timeout: float = field(default=30.0, metadata={"help": "seconds an environment's reset or step may take before its episode ends with reward 0 (with --env_path)"})
+
+    def validate_episodes(self) -> None:
+        if self.env_path and (self.max_turns < 1 or self.max_episode_tokens < 1 or not self.env_step_timeout > 0):
+            raise ConfigError("max_turns, max_episode_tokens and env_step_timeout: must be positive with --env_path")
+
+
+@dataclass
+class RLConfig(EpisodeConfig, TrainingConfig):
     """PPO-family RL: rollouts from the policy, rewards from reward models, a function or an endpoint,
     KL to the frozen reference; advantages by GAE with a critic or by a critic-free estimator.
 
@@ -90,11 +104,6 @@ class RLConfig(TrainingConfig):
     enable_prefix_caching: bool = field(default=False, metadata={"help": "vLLM's prefix cache (shared prompt prefixes computed once)"})
     vllm_enable_sleep: bool = field(default=False, metadata={"help": "vLLM gives its weights and KV cache back while the actor trains (sleep level 1), and takes them again for the next rollout"})
     async_train: bool = field(default=False, metadata={"help": "vLLM engines on GPUs of their own generate the next rollout while the actor trains on this one (one step off-policy)"})
-    # Multi-turn episodes in an environment (tasks.rl.environment): the reward is the environment's.
-    env_path: str = field(default="", metadata={"help": "environment of multi-turn episodes: 'calculator', 'guess', or a .py file (local or s3://) defining class Environment with reset(row) and step(action); its rewards replace the reward model's", "aliases": ["agent_func_path"]})
-    max_turns: int = field(default=4, metadata={"help": "model turns per episode at most (with --env_path)"})
-    max_episode_tokens: int = field(default=64, metadata={"help": "model and observation tokens per episode after the prompt, at most (with --env_path); each turn is at most generate_max_len"})
-    env_step_timeout: float = field(default=30.0, metadata={"help": "seconds an environment's reset or step may take before its episode ends with reward 0 (with --env_path)"})
     ignore_eos: bool = field(default=False, metadata={"help": "benchmarks: every response is generate_max_len tokens, EOS or not"})
 
     def separate_engines(self) -> bool:
@@ -216,12 +225,11 @@ class RLConfig(TrainingConfig):
         for name in ("pretrain", "prompt_data"):
             if not getattr(self, name):
                 raise ConfigError(f"{name}: missing; pass --{name} <URI>")
+        self.validate_episodes()
         if self.env_path:
             if self.separate_engines() or self.async_train:
                 raise ConfigError("env_path: episodes run in the actor workers so far; use --colocate_all_models with vLLM "
                                   "(or --vllm_num_engines 0), without --async_train")
-            if self.max_turns < 1 or self.max_episode_tokens < 1 or not self.env_step_timeout > 0:
-                raise ConfigError("max_turns, max_episode_tokens and env_step_timeout: must be positive with --env_path")
         elif not (self.reward_pretrain or self.remote_rm_url):
             raise ConfigError("reward_pretrain: missing; pass --reward_pretrain <URI>, --remote_rm_url <file.py or URL> or --env_path <environment>")
         if self.kl_estimator not in KL_ESTIMATORS:

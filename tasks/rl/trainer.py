@@ -224,8 +224,8 @@ class Controller:
             self.engine = EngineGroup(self.groups["vllm"], self.groups["actor"], self.tokenizer.pad_token_id, cfg.async_train)
         else:
             self.engine = ActorGroupEngine(self.groups["actor"], self.tokenizer.pad_token_id, vllm=cfg.vllm_num_engines > 0)
-        self.reward: RewardSource = (RemoteRewardModels(self.groups["reward"]) if "reward" in self.groups
-                                     else make_reward_source("", cfg.remote_rm_url))
+        self.reward: RewardSource | None = (RemoteRewardModels(self.groups["reward"]) if "reward" in self.groups
+                                            else None if cfg.env_path else make_reward_source("", cfg.remote_rm_url))
         layout = ", ".join(f"[{' + '.join(m)}] × {self.groups[m[0]].world_size}" for m in self.layout)
         print(f"rl: {len(self.prompts.ids)} prompts ({self.prompts.truncated} cut to {cfg.prompt_max_len} tokens), "
               f"{self.steps} steps; placement groups {layout}", flush=True)
