@@ -42,6 +42,8 @@ SHAPES = {
                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, rope_theta=1e6),
 }
 REWARD_FILE = Path(__file__).with_name("reward.py")
+AGENTIC_ENV = Path(__file__).with_name("agentic_env.py")
+AGENTIC_TURNS, AGENTIC_TURN_TOKENS = 4, 64  # 4 × 64 = COMPLETION_TOKENS: an agentic step samples as many tokens
 
 
 def on_gpu() -> bool:
@@ -311,6 +313,11 @@ def bench_ours(bench_dir: Path, steps: int = 12, engine: str = "vllm", micro: in
     elif engine == "vllm" and layout == "actor_ref_vllm":
         args.update(vllm_num_engines=1, vllm_gpu_memory_utilization=0.6, colocate_all_models=False, colocate_actor_ref=True,
                     init_kl_coef=0.01)
+    elif engine == "vllm" and layout == "agentic":
+        # Multi-turn episodes in a tool loop: AGENTIC_TURNS turns of AGENTIC_TURN_TOKENS tokens, the same tokens a step as above.
+        args.update(vllm_num_engines=1, vllm_gpu_memory_utilization=0.3, env_path=AGENTIC_ENV, max_turns=AGENTIC_TURNS,
+                    generate_max_len=AGENTIC_TURN_TOKENS, max_episode_tokens=AGENTIC_TURNS * (AGENTIC_TURN_TOKENS + 16))
+        args.pop("remote_rm_url")
     elif engine == "vllm":
         args.update(vllm_num_engines=1, vllm_gpu_memory_utilization=0.6, async_train=True, colocate_all_models=False)
     run_stage("tasks.rl", args, bench_dir / f"{name}.log")
@@ -330,6 +337,8 @@ def bench_ours(bench_dir: Path, steps: int = 12, engine: str = "vllm", micro: in
               "mfu": round((12 if layout == "actor_ref_vllm" else 8) * parameters(bench_dir) * train_tokens / step / BF16_PEAK_FLOPS, 4),
               "reward_first": records[0]["reward"], "reward_last": records[-1]["reward"],
               "reward_curve": [round(r["reward"], 4) for r in records], "steps": len(records), "learning_rate": lr}
+    if layout == "agentic":
+        result.update({key: round(statistics.median(r[key] for r in tail), 4) for key in ("episodes_per_s", "turns_per_episode", "time_env_s")})
     if "engine_logprob_max_diff" in records[-1]:
         result["engine_logprob_max_diff"] = [r["engine_logprob_max_diff"] for r in records]
     save(bench_dir, name, {"micro_batch": micro, **result})
@@ -395,7 +404,8 @@ def report(bench_dir: Path, out: Path, command: str) -> None:
         except Exception:  # noqa: BLE001 - absent is a fact to record
             versions[package] = None
     # Ours at its best micro-batch (sequences per forward/backward): the runs differ only in that.
-    candidates = sorted((r["step_s"], name) for name, r in results.items() if name.startswith("ours_vllm") and "async" not in name)
+    candidates = sorted((r["step_s"], name) for name, r in results.items()
+                        if name.startswith("ours_vllm") and "async" not in name and "agentic" not in name)
     best = candidates[0][1] if candidates else "ours_vllm"
     ours, trl_hf, trl_vllm = get(best, "step_s"), get("trl_hf", "step_s"), get("trl_vllm", "step_s")
     summary = {
@@ -411,6 +421,8 @@ def report(bench_dir: Path, out: Path, command: str) -> None:
         "grpo_ours_run": best,
         "rollout_tokens_per_s": get(best, "rollout_tokens_per_s"),
         "grpo_step_s_ours_2gpu_async": min((r["step_s"] for n, r in results.items() if "async" in n), default=None),
+        **{f"agentic_{key}": r.get(key) for n, r in results.items() if "agentic" in n
+           for key in ("step_s", "episodes_per_s", "turns_per_episode", "time_generate_s", "time_train_s")},
         "vllm_standalone_tokens_per_s": get("vllm", "tokens_per_s_64"),
         "hf_generate_tokens_per_s": {"dynamic": get("hf_generate", "tokens_per_s_dynamic"),
                                      "static_compiled": get("hf_generate", "tokens_per_s_static_compiled")},
@@ -436,7 +448,7 @@ def main() -> None:
     parser.add_argument("--mode", default="vllm", choices=["hf", "vllm"], help="trl: generate with HF generate or vLLM colocate; ours: engine")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--micro", type=int, default=16, help="ours: sequences per forward/backward and per log-probability pass")
-    parser.add_argument("--layout", default="colocated", choices=["colocated", "async", "actor_ref_vllm"],
+    parser.add_argument("--layout", default="colocated", choices=["colocated", "async", "actor_ref_vllm", "agentic"],
                         help="ours: one GPU; two with async rollouts; two with actor+ref on one and vLLM on the other")
     parser.add_argument("--lr", type=float, default=1e-6, help="ours: actor learning rate (a learning check uses a larger one)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results.json")

@@ -5,6 +5,7 @@ Episodes run on a real tiny Llama (random weights) through the HF rollout engine
 written as files the way a team writes them.
 """
 import asyncio
+import math
 import textwrap
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 
 from tasks.common import data
 from tasks.common.config import ConfigError, parse_config
-from tasks.common.losses import policy_loss
+from tasks.common.losses import importance_weights, logprob_mismatch, policy_loss
 from tasks.common.rollout import HFRolloutEngine
 from tasks.data import agentic
 from tasks.data.demo import build_base_model
@@ -132,8 +133,7 @@ def test_rl_config_takes_the_environment_flags_and_openrlhfs_name(tmp_path):
     cfg = parse_config(RLConfig, base + ["--agent_func_path", "calculator", "--max_turns", "3"])
     assert (cfg.env_path, cfg.max_turns) == ("calculator", 3)
     assert "reward" not in cfg.roles()  # the environment gives the rewards
-    with pytest.raises(ConfigError, match="env_path: episodes run in the actor workers"):
-        parse_config(RLConfig, base + ["--env_path", "guess", "--vllm_num_engines", "1"])
+    assert parse_config(RLConfig, base + ["--env_path", "guess", "--async_train"]).separate_engines()  # episodes on the engine
     with pytest.raises(ConfigError, match="max_turns"):
         parse_config(RLConfig, base + ["--env_path", "guess", "--max_turns", "0"])
 
@@ -276,3 +276,50 @@ def test_sft_traces_are_the_tokens_of_an_episode():
                + observation_ids(tokenizer, "<result>2776</result>", chat_template=False))
     assert data.encode_prompt(tokenizer, second["prompt"]) == episode
     assert second["response"] == "2776"
+
+
+# ---------------------------------------------------------------------------------------------- off-policy correction
+
+
+def test_importance_weights_truncate_or_mask_by_the_ratio_to_the_behaviour_policy():
+    # log w = old - behaviour = (log 3, log 0.25, 0, log 10 (masked)); cap 2.
+    old = torch.log(torch.tensor([[0.3, 0.1, 0.5, 0.9]]))
+    behaviour = torch.log(torch.tensor([[0.1, 0.4, 0.5, 0.09]]))
+    mask = torch.tensor([[1, 1, 1, 0]])
+    assert importance_weights(old, behaviour, mask, "tis", cap=2.0).tolist()[0] == pytest.approx([2.0, 0.25, 1.0, 0.0])
+    assert importance_weights(old, behaviour, mask, "mis", cap=2.0).tolist()[0] == pytest.approx([0.0, 0.0, 1.0, 0.0])
+    assert importance_weights(old, behaviour, mask, "none") is None
+    with pytest.raises(ValueError, match="is_correction"):
+        importance_weights(old, behaviour, mask, "vtrace")
+
+
+def test_policy_loss_weighs_each_token_by_its_importance_weight():
+    # ρ = 1 (π = π_old), A = (1, 2): token losses -1 and -2; weights (0.5, 2) give (-0.5 - 4) / 2 = -2.25.
+    logprobs = torch.zeros(1, 2)
+    loss, _ = policy_loss(logprobs, logprobs, torch.tensor([[1.0, 2.0]]), torch.ones(1, 2), 0.2, is_weights=torch.tensor([[0.5, 2.0]]))
+    assert loss.item() == pytest.approx(-2.25)
+
+
+def test_logprob_mismatch_reports_the_mean_the_largest_gap_and_the_kl():
+    # log w = (0.5, -0.5, 3.0 masked): mean 0, max 0.5; k3 = mean(e^0.5 - 1.5, e^-0.5 - 0.5).
+    old, behaviour, mask = torch.tensor([[0.0, -1.0, 3.0]]), torch.tensor([[-0.5, -0.5, 0.0]]), torch.tensor([[1, 1, 0]])
+    stats = logprob_mismatch(old, behaviour, mask)
+    assert stats["mismatch_log_ratio_mean"] == pytest.approx(0.0)
+    assert stats["engine_logprob_max_diff"] == pytest.approx(0.5)
+    assert stats["mismatch_kl"] == pytest.approx(((math.exp(0.5) - 1.5) + (math.exp(-0.5) - 0.5)) / 2)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_the_hf_engine_reports_the_behaviour_log_probabilities_the_trainer_computes(tiny, tmp_path, temperature):
+    """The sampled tokens' log-probabilities under softmax(logits / T), as generated, equal the trainer's at T:
+    episodes carry them for their model tokens (0 at observations)."""
+    model, tokenizer = tiny
+    torch.manual_seed(1)
+    runner = EpisodeRunner(HFRolloutEngine(model, tokenizer), tokenizer, load_environment(env_file(tmp_path, ECHO)),
+                           EpisodeLimits(max_turns=2, max_episode_tokens=40, max_turn_tokens=5))
+    rollout = runner.run([{"prompt": "12*3="}, {"prompt": "4*5="}], temperature=temperature).rollout
+    trainer = response_logprobs(model, rollout.sequences, rollout.attention_mask, rollout.prompt_width, temperature=temperature)
+    mask = rollout.response_mask
+    assert rollout.logprobs is not None and (rollout.logprobs * (1 - mask)).abs().max() == 0
+    assert ((trainer - rollout.logprobs).abs() * mask).max() < 1e-4
+    runner.close()

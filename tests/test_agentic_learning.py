@@ -76,13 +76,62 @@ def test_calculator_rl_raises_success_over_a_zero_reward_control(seed, ray_addre
     assert calc["env_tool_calls"] > control["env_tool_calls"], results
 
 
+def test_rl_stage_runs_episodes_with_a_critic_and_refuses_a_broken_environment_before_placing_workers(ray_address, tmp_path):
+    """gae (a critic over the model's tokens only) on the calculator from the untrained base model, two steps:
+    the stage commits with the episode statistics logged. A file whose reset raises stops the stage in one line."""
+    root = SCRATCH / "agentic" / "contract"
+    task = write_task(root, 0)
+    out = root / "rl-gae"
+    cli(ray_address, "tasks.rl", output=str(out), pretrain=task["base"], prompt_data=task["prompts"], env_path="calculator",
+        **{**RL, "advantage_estimator": "gae", "n_samples_per_prompt": 1, "rollout_batch_size": 16, "train_batch_size": 16,
+           "max_steps": 2, "init_kl_coef": 0.01, "colocate_all_models": True})
+    last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert {"value_loss", "kl", "turns_per_episode", "tool_calls_per_episode", "episodes_per_s", "env_errors"} <= set(last), last
+    broken = tmp_path / "broken_env.py"
+    broken.write_text("class Environment:\n    def reset(self, row):\n        return row['missing']\n"
+                      "    def step(self, action):\n        return None, 0.0, True, {}\n")
+    done = run_cli("tasks.rl", *flags({"output": str(root / "rl-broken"), "pretrain": task["base"], "prompt_data": task["prompts"],
+                                       "agent_func_path": str(broken), **RL}), ray=ray_address)
+    assert done.returncode != 0
+    last_line = done.stderr.strip().splitlines()[-1]
+    assert last_line.startswith(f"error: env_path: {broken}: reset failed on the first prompt row (KeyError: 'missing')"), last_line
+    assert "placement groups" not in done.stdout  # no worker was placed
+
+
+@pytest.mark.slow
+def test_async_calculator_rl_with_stale_rollouts_and_correction_still_learns(ray_address):
+    """--async_train without vLLM: a transformers engine of its own keeps 2 rollouts generating ahead of the actor
+    (weights up to 2 updates old), with truncated importance weights against the engine's log-probabilities.
+    The calculator check still holds against seed 0's control; the logs show the staleness and the mismatch."""
+    root = SCRATCH / "agentic" / "seed0"
+    task = write_task(root, 0)
+    sft = str(root / "sft")
+    if not (root / "sft" / "manifest.json").exists():
+        cli(ray_address, "tasks.sft", output=sft, pretrain=task["base"], dataset=task["sft"], max_steps=400, learning_rate=1e-3,
+            train_batch_size=64, max_len=64, seed=0)
+    runs = {}
+    for arm, env, extra in (("async", "calculator", {"async_train": True, "max_staleness": 2, "is_correction": "tis"}),
+                            ("control", str(REPO / "tests" / "rewards" / "zero_env.py"), {})):
+        out = root / f"rl-{arm}"
+        if arm == "async" or not (out / "manifest.json").exists():
+            cli(ray_address, "tasks.rl", output=str(out), pretrain=sft, prompt_data=task["prompts"], env_path=env, seed=0, **RL, **extra)
+        runs[arm] = held_out(ray_address, root, arm, sft, str(out), task["eval"])["policy"]
+    logged = [json.loads(line) for line in (root / "rl-async" / "metrics.jsonl").read_text().splitlines()]
+    print(f"async: success {runs['control']['env_success']:.3f} (control) -> {runs['async']['env_success']:.3f}; staleness "
+          f"{[r['staleness'] for r in logged][:4]}…; mismatch kl {logged[-1]['mismatch_kl']:.4f}")
+    assert runs["async"]["env_success"] >= runs["control"]["env_success"] + 0.20, runs
+    assert [r["staleness"] for r in logged][2:] == [2] * (len(logged) - 2)  # steps 1 and 2 start from fresher weights
+    assert all(r["mismatch_kl"] >= 0 and "engine_logprob_max_diff" in r for r in logged)
+
+
 GUESS_LIMITS = EpisodeLimits(max_turns=6, max_episode_tokens=64, max_turn_tokens=4)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1])
 def test_guess_rl_solves_in_fewer_turns_than_a_zero_reward_control(seed, ray_address):
-    """The SFT traces guess at random within the feedback; RL (reward 1 - 0.2 per extra guess) must need fewer turns."""
+    """The SFT traces guess at random within the feedback; RL (reward 1 - 0.2 per extra guess, 60 steps) must need
+    fewer turns. Measured: 4.58 -> 4.21 (seed 0) and 4.71 -> 4.44 (seed 1) greedy turns; a weak effect on this 1-layer model."""
     root = SCRATCH / "agentic" / f"guess-seed{seed}"
     task = write_task(root, seed, "guess")
     sft = str(root / "sft")
@@ -94,7 +143,7 @@ def test_guess_rl_solves_in_fewer_turns_than_a_zero_reward_control(seed, ray_add
     for arm, env in (("guess", "guess"), ("control", str(REPO / "tests" / "rewards" / "zero_guess_env.py"))):
         out = str(root / f"rl-{arm}")
         cli(ray_address, "tasks.rl", output=out, pretrain=sft, prompt_data=task["prompts"], env_path=env, seed=seed,
-            **{**RL, **limits, "n_samples_per_prompt": 8, "rollout_batch_size": 16})
+            **{**RL, **limits, "n_samples_per_prompt": 8, "rollout_batch_size": 16, "actor_learning_rate": 3e-4, "max_steps": 60})
         results[arm] = held_out(ray_address, root, arm, sft, out, task["eval"], env="guess", limits=GUESS_LIMITS)
     guess, control = results["guess"]["policy"], results["control"]["policy"]
     print(f"guess seed {seed}: turns {control['env_turns']:.2f} (control) -> {guess['env_turns']:.2f}; "

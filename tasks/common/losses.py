@@ -15,6 +15,7 @@ Shapes: per-token tensors are [batch, tokens] with a 0/1 mask of the same shape.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 
 import torch
@@ -154,6 +155,7 @@ def policy_loss(
     dual_clip: float | None = None,
     loss_agg: str = "token_mean",
     max_len: int | None = None,
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO's clipped surrogate, -min(ρA, clip(ρ, 1-ε_low, 1+ε_high)A) with ρ = π/π_old, per token.
 
@@ -166,6 +168,7 @@ def policy_loss(
     huge ratio on a bad token cannot dominate the batch. Tokens with A ≥ 0 are unchanged.
 
     loss_agg / max_len: how per-token losses become one number (see `aggregate`).
+    is_weights: per-token off-policy correction (importance_weights), multiplying each token's loss.
     Returns (loss, clip_fraction); clip_fraction is the token-mean fraction of response tokens where
     the ε-clipped term was the smaller one (the dual clip is not counted).
     """
@@ -181,7 +184,47 @@ def policy_loss(
     if dual_clip is not None:
         surrogate = torch.where(advantages < 0, torch.maximum(surrogate, dual_clip * advantages), surrogate)
     clip_fraction = masked_mean((clipped < unclipped).float(), mask)
+    if is_weights is not None:
+        (is_weights,) = masked_inputs(mask, is_weights.detach())
+        surrogate = surrogate * is_weights
     return aggregate(-surrogate, mask, loss_agg, max_len), clip_fraction
+
+
+def importance_weights(old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mask: torch.Tensor, mode: str,
+                       cap: float = 2.0) -> torch.Tensor | None:
+    """Per-token weights correcting for rollouts sampled by another policy μ (a rollout engine's stale weights or
+    its numerics) than the π_old the PPO ratio is taken against: w = π_old / μ per token, detached.
+
+    tis:  min(w, cap), truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly
+          brings you off-policy RL training"; Espeholt et al. 2018's truncation).
+    mis:  1 where 1/cap <= w <= cap, else 0: tokens the two policies disagree on too much are masked out.
+    none: None (no correction). Masked-out positions get 0.
+    """
+    if mode == "none":
+        return None
+    if mode not in ("tis", "mis"):
+        raise ValueError(f"is_correction: unknown {mode!r}; use tis, mis or none")
+    old_logprobs, behaviour_logprobs = masked_inputs(mask, old_logprobs.detach().float(), behaviour_logprobs.float())
+    log_w = old_logprobs - behaviour_logprobs
+    if mode == "tis":
+        weights = torch.exp(log_w.clamp(max=math.log(cap)))
+    else:
+        weights = (log_w.abs() <= math.log(cap)).float()
+    return weights * (mask > 0)
+
+
+def logprob_mismatch(old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """How far the trainer's log-probabilities of the sampled tokens are from the engine's that sampled them:
+    the mean of log π_old - log μ and its largest magnitude (engine_logprob_max_diff, the weight-sync check's
+    name) over response tokens, and KL(μ‖π_old) by the k3 estimator
+    (E_μ[w - 1 - log w], w = π_old/μ: unbiased and never negative on samples from μ)."""
+    old_logprobs, behaviour_logprobs = masked_inputs(mask, old_logprobs.detach().float(), behaviour_logprobs.float())
+    log_w = old_logprobs - behaviour_logprobs
+    if not (mask > 0).any():
+        return {"mismatch_log_ratio_mean": 0.0, "engine_logprob_max_diff": 0.0, "mismatch_kl": 0.0}
+    return {"mismatch_log_ratio_mean": masked_mean(log_w, mask).item(),
+            "engine_logprob_max_diff": log_w.abs()[mask > 0].max().item(),
+            "mismatch_kl": masked_mean(torch.exp(log_w) - 1 - log_w, mask).item()}
 
 
 def value_loss(

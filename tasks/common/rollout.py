@@ -30,7 +30,7 @@ class Rollout:
     attention_mask: torch.Tensor
     response_mask: torch.Tensor
     prompt_width: int
-    logprobs: torch.Tensor | None = None  # [B, R]: the engine's own log-probabilities of the response tokens (vLLM)
+    logprobs: torch.Tensor | None = None  # [B, R]: the engine's own log-probabilities of the response tokens (the behaviour policy's)
 
     @property
     def responses(self) -> torch.Tensor:
@@ -94,14 +94,41 @@ class HFRolloutEngine:
         was_training = self.model.training
         self.model.eval()
         sampling = {"do_sample": False} if greedy else {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+        recorder = LogprobRecorder(1.0 if greedy else temperature)
         out = self.model.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+            input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, logits_processor=[recorder],
             eos_token_id=self.stop_ids or None, pad_token_id=self.tokenizer.pad_token_id, **sampling, **cache,
         )
         self.model.train(was_training)
         responses = out[:, ids.size(1):]
         r_mask = response_mask(responses, self.stop_ids)
-        return Rollout(out, torch.cat([mask, r_mask], dim=1), r_mask, ids.size(1))
+        return Rollout(out, torch.cat([mask, r_mask], dim=1), r_mask, ids.size(1), recorder.finish(responses).cpu())
+
+
+class LogprobRecorder:
+    """A logits processor keeping the log-probability of each sampled token under the distribution it was sampled
+    from (softmax(logits / temperature)): the behaviour policy's, for off-policy correction and the check against
+    the trainer's. It holds one step's distribution at a time; the token drawn from it is read at the next step.
+    (transformers applies its temperature after the processors passed in, so the division is done here.)"""
+
+    def __init__(self, temperature: float):
+        self.temperature, self.previous, self.steps = temperature, None, []
+
+    def _take(self, tokens: torch.Tensor) -> None:
+        self.steps.append(self.previous.gather(1, tokens[:, None]).squeeze(1))
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.previous is not None:
+            self._take(input_ids[:, -1])
+        self.previous = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        return scores
+
+    def finish(self, responses: torch.Tensor) -> torch.Tensor:
+        """[B, R]: the log-probability of each generated token."""
+        if self.previous is not None and len(self.steps) < responses.size(1):
+            self._take(responses[:, len(self.steps)])
+        self.previous = None
+        return torch.stack(self.steps, dim=1) if self.steps else torch.zeros(responses.shape)
 
 
 def concat_rollouts(chunks: list[Rollout], pad_id: int) -> Rollout:

@@ -3,6 +3,8 @@ from dataclasses import dataclass, field
 
 from tasks.common.config import ConfigError, TrainingConfig, check_batch
 
+IS_CORRECTIONS = ("tis", "mis", "none")  # tasks.common.losses.importance_weights
+
 ADVANTAGE_ESTIMATORS = ("gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo")  # tasks.rl.advantages
 GROUP_ESTIMATORS = ("reinforce_baseline", "rloo", "group_norm", "dr_grpo")
 KL_ESTIMATORS = ("k1", "k2", "k3")
@@ -103,12 +105,26 @@ class RLConfig(EpisodeConfig, TrainingConfig):
     vllm_gpu_memory_utilization: float = field(default=0.4, metadata={"help": "fraction of its GPU's memory a vLLM engine may take; the rest is the colocated trainer's"})
     enable_prefix_caching: bool = field(default=False, metadata={"help": "vLLM's prefix cache (shared prompt prefixes computed once)"})
     vllm_enable_sleep: bool = field(default=False, metadata={"help": "vLLM gives its weights and KV cache back while the actor trains (sleep level 1), and takes them again for the next rollout"})
-    async_train: bool = field(default=False, metadata={"help": "vLLM engines on GPUs of their own generate the next rollout while the actor trains on this one (one step off-policy)"})
+    async_train: bool = field(default=False, metadata={"help": "rollout engines of their own generate the next rollouts while the actor trains: the vLLM engines on GPUs of their own, or without vLLM one transformers engine on a device of its own; see --max_staleness"})
+    max_staleness: int = field(default=1, metadata={"help": "with --async_train: rollouts kept generating ahead of the trainer, so a trained sample's weights are at most this many updates old (1: one step off-policy)"})
+    is_correction: str = field(default="auto", metadata={"help": "off-policy correction of the policy loss by the engine's log-probabilities of the sampled tokens: tis (truncated importance weights), mis (tokens whose weight leaves [1/is_cap, is_cap] masked) or none; auto: tis with --async_train, else none"})
+    is_cap: float = field(default=2.0, metadata={"help": "the importance weight's cap (tis) or band (mis)"})
     ignore_eos: bool = field(default=False, metadata={"help": "benchmarks: every response is generate_max_len tokens, EOS or not"})
 
     def separate_engines(self) -> bool:
-        """vLLM engines on GPUs of their own (RolloutEngineWorker), rather than inside the actor workers."""
-        return self.vllm_num_engines > 0 and not self.colocate_all_models
+        """Rollout engines on devices of their own (RolloutEngineWorker), rather than inside the actor workers: vLLM
+        engines unless colocated, or with --async_train one transformers engine."""
+        return (self.vllm_num_engines > 0 and not self.colocate_all_models) or (self.async_train and not self.vllm_num_engines)
+
+    def rollout_engines(self) -> int:
+        """How many RolloutEngineWorkers a run with separate engines places."""
+        return self.vllm_num_engines or 1
+
+    def correction(self) -> str:
+        """--is_correction with auto resolved: on (tis) when rollouts are a step behind the trainer (--async_train)."""
+        if self.is_correction == "auto":
+            return "tis" if self.async_train else "none"
+        return self.is_correction
 
     def uses_kl(self) -> bool:
         """Whether the KL to the reference enters reward or loss; without it no reference model is needed."""
@@ -204,9 +220,9 @@ class RLConfig(EpisodeConfig, TrainingConfig):
             if self.colocate_all_models and self.vllm_num_engines != self.group_size("actor"):
                 raise ConfigError(f"vllm_num_engines: with --colocate_all_models each actor worker hosts one vLLM engine on its "
                                   f"GPU; use --vllm_num_engines {self.group_size('actor')} (the actor's size)")
-            if self.async_train and (self.colocate_all_models or self.dynamic_filtering):
-                raise ConfigError("async_train: needs vLLM engines on GPUs of their own and a fixed rollout; "
-                                  "drop --colocate_all_models and --dynamic_filtering, or drop --async_train")
+            if self.async_train and self.colocate_all_models:
+                raise ConfigError("async_train: needs vLLM engines on GPUs of their own; drop --colocate_all_models, "
+                                  "or drop --async_train")
             if self.lora_rank:
                 raise ConfigError("lora_rank: vLLM engines take full weights and LoRA syncs are not built yet; "
                                   "use --vllm_num_engines 0 with LoRA, or drop --lora_rank")
@@ -215,9 +231,12 @@ class RLConfig(EpisodeConfig, TrainingConfig):
                                   "no memory; use a fraction such as 0.3")
         else:
             for name, default in (("vllm_tensor_parallel_size", 1), ("vllm_gpu_memory_utilization", 0.4), ("enable_prefix_caching", False),
-                                  ("vllm_enable_sleep", False), ("async_train", False)):
+                                  ("vllm_enable_sleep", False)):
                 if getattr(self, name) != default:
                     raise ConfigError(f"{name}: only applies to vLLM engines; set --vllm_num_engines too, or drop it")
+        if self.async_train and (self.dynamic_filtering or self.lora_rank or self.max_staleness < 1):
+            raise ConfigError("async_train: needs a fixed rollout, full weights and --max_staleness of 1 or more; "
+                              "drop --dynamic_filtering and --lora_rank, or drop --async_train")
         dynamic_range = self.interval("dynamic_filtering_reward_range")
         if self.dynamic_filtering and (dynamic_range is None or self.n_samples_per_prompt < 2):
             raise ConfigError("dynamic_filtering: needs n_samples_per_prompt of 2 or more and a dynamic_filtering_reward_range 'low high'")
@@ -226,11 +245,10 @@ class RLConfig(EpisodeConfig, TrainingConfig):
             if not getattr(self, name):
                 raise ConfigError(f"{name}: missing; pass --{name} <URI>")
         self.validate_episodes()
-        if self.env_path:
-            if self.separate_engines() or self.async_train:
-                raise ConfigError("env_path: episodes run in the actor workers so far; use --colocate_all_models with vLLM "
-                                  "(or --vllm_num_engines 0), without --async_train")
-        elif not (self.reward_pretrain or self.remote_rm_url):
+        if self.is_correction not in ("auto", *IS_CORRECTIONS) or not self.is_cap > 1:
+            raise ConfigError(f"is_correction: use auto, {', '.join(IS_CORRECTIONS)} with an is_cap above 1; "
+                              f"got {self.is_correction!r} and {self.is_cap}")
+        if not (self.reward_pretrain or self.remote_rm_url or self.env_path):
             raise ConfigError("reward_pretrain: missing; pass --reward_pretrain <URI>, --remote_rm_url <file.py or URL> or --env_path <environment>")
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ConfigError(f"kl_estimator: {self.kl_estimator!r} is unknown; use k1, k2 or k3")

@@ -26,7 +26,7 @@ class Experience:
     returns: torch.Tensor
     scores: torch.Tensor
     kl: torch.Tensor
-    engine_logprobs: torch.Tensor | None = None  # the rollout engine's, for the sync check when the actor scores nothing
+    behaviour_logprobs: torch.Tensor | None = None  # the rollout engine's (the policy that sampled): correction, mismatch
 
     def minibatch(self, index: torch.Tensor) -> "Experience":
         fields = {k: (v[index] if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
@@ -65,4 +65,4 @@ def make_experience(rollout: Rollout, logprobs: torch.Tensor | None, ref_logprob
                                              reward_clip=cfg.interval("reward_clip_range"))
     values = values if values is not None else torch.zeros_like(advantages)
     return Experience(rollout.sequences, rollout.attention_mask, action_mask, rollout.prompt_width, logprobs, ref_logprobs,
-                      values, advantages, returns, scores, kl, engine_logprobs=rollout.logprobs if logprobs is None else None)
+                      values, advantages, returns, scores, kl, behaviour_logprobs=rollout.logprobs)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +25,6 @@ from tasks.common import data, lora
 from tasks.common import manifest as manifests
 from tasks.common import storage
 from tasks.common.config import ConfigError, split_list
-from tasks.common.losses import max_masked_abs_diff
 from tasks.common.models import load_tokenizer, resolve_model
 from tasks.common.rollout import Rollout, concat_rollouts
 from tasks.common.stage import StageRun
@@ -86,7 +86,7 @@ def check_fits(cfg: RLConfig, layout: list[list[str]]) -> None:
     import ray
 
     kind = "GPU" if cluster_has_gpus() else "CPU"
-    need = sum(cfg.group_size(members[0]) for members in layout) + (cfg.vllm_num_engines if cfg.separate_engines() else 0)
+    need = sum(cfg.group_size(members[0]) for members in layout) + (cfg.rollout_engines() if cfg.separate_engines() else 0)
     have = ray.cluster_resources().get(kind, 0)
     if need > have:
         groups = ", ".join(f"[{' + '.join(m)}] × {cfg.group_size(m[0])}" for m in layout)
@@ -105,62 +105,76 @@ class RemoteRewardModels(RewardSource):
         return torch.cat(self.group.scatter("score", parts))
 
 
+@dataclass
+class Generated:
+    """What a rollout engine slot gives back: the rollout, the environment's rewards with episodes (None: the
+    reward source scores it), episode statistics, and the weight version it was generated with (None: the
+    actor's own, current weights)."""
+
+    rollout: Rollout
+    rewards: torch.Tensor | None = None
+    stats: dict[str, float] | None = None
+    version: int | None = None
+
+
+def merge_generated(parts: list, pad_token_id: int, seconds: float) -> Generated:
+    """One Generated from the workers' shares: Rollouts or Episodes, each alone or with the engine's version."""
+    versions = [p[1] for p in parts if isinstance(p, tuple)]
+    parts = [p[0] if isinstance(p, tuple) else p for p in parts if p is not None]
+    version = min(versions) if versions else None
+    if isinstance(parts[0], Rollout):
+        return Generated(concat_rollouts([p for p in parts if p.sequences.size(0)], pad_token_id), version=version)
+    stats = episode_stats([s for p in parts for s in p.summaries], seconds, max(p.stats["time_env_s"] for p in parts))
+    return Generated(concat_rollouts([p.rollout for p in parts], pad_token_id), torch.cat([p.rewards for p in parts]), stats, version)
+
+
 class ActorGroupEngine:
-    """The rollout engine slot as the controller sees it: `generate(prompts) -> Rollout`, and
-    `sync_weights()` after each update. The engines live in the actor workers (prompts sharded over
-    its ranks): transformers `generate` on the trained module itself, nothing to sync; or one vLLM
-    engine per rank on the rank's GPU (tasks.rl.vllm_engine), loaded with the new weights in place."""
+    """The rollout engine slot as the controller sees it: `start(method, items)` then `finish(handle)`, and
+    `sync_weights()` after each update; method is "generate" (prompt ids) or "run_episodes" (dataset rows,
+    --env_path). The engines live in the actor workers (items sharded over its ranks): transformers `generate`
+    on the trained module itself, nothing to sync; or one vLLM engine per rank on the rank's GPU
+    (tasks.rl.vllm_engine), loaded with the new weights in place."""
 
     def __init__(self, actor: WorkerGroup, pad_token_id: int, vllm: bool = False):
         self.actor, self.pad_token_id, self.vllm = actor, pad_token_id, vllm
 
-    def generate(self, prompts: list[list[int]]) -> Rollout:
-        parts = self.actor.scatter("generate", shard(prompts, self.actor.world_size))
-        return concat_rollouts([p for p in parts if p.sequences.size(0)], self.pad_token_id)
+    def start(self, method: str, items: list):
+        return time.time(), self.actor.scatter_async(method, shard(items, self.actor.world_size))
 
-    def run_episodes(self, rows: list[dict]) -> tuple[Rollout, torch.Tensor, dict[str, float]]:
-        """Multi-turn episodes (--env_path), rows sharded over the actor's ranks: (rollout, rewards, statistics)."""
-        t0 = time.time()
-        parts = [p for p in self.actor.scatter("run_episodes", shard(rows, self.actor.world_size)) if p is not None]
-        stats = episode_stats([s for p in parts for s in p.summaries], time.time() - t0, max(p.stats["time_env_s"] for p in parts))
-        return concat_rollouts([p.rollout for p in parts], self.pad_token_id), torch.cat([p.rewards for p in parts]), stats
+    def finish(self, handle) -> Generated:
+        started, futures = handle
+        return merge_generated(gather(futures), self.pad_token_id, time.time() - started)
 
     def sync_weights(self) -> None:
         if self.vllm:
             self.actor.run("sync_weights")
 
 
-class EngineGroup:
-    """vLLM engines on GPUs of their own (RolloutEngineWorker × --vllm_num_engines), behind the same two
-    calls: prompts sharded over the engines; after each update the actor's rank 0 broadcasts its
-    weights to them over NCCL. With --async_train, `generate(prompts, upcoming)` returns the rollout of
-    `prompts` started by the previous call and starts `upcoming`'s, so the engines generate the next
-    rollout while the actor trains on this one: one step off-policy."""
+class EngineGroup(ActorGroupEngine):
+    """Rollout engines on devices of their own (RolloutEngineWorker): vLLM engines on GPUs (--vllm_num_engines),
+    fed after each update by the actor's rank 0 over NCCL, or one transformers engine (--async_train without
+    vLLM), fed the weights through Ray's object store. Calls on an engine run in order, so an update sent
+    while rollouts are queued reaches only the rollouts started after it: with --async_train the controller
+    keeps up to --max_staleness rollouts in flight, and each comes back with the weight version it used."""
 
-    def __init__(self, engines: WorkerGroup, actor: WorkerGroup, pad_token_id: int, asynchronous: bool):
-        self.engines, self.actor, self.pad_token_id, self.asynchronous = engines, actor, pad_token_id, asynchronous
-        self.pending = None
-        host, port = actor.run("weight_channel_address")[0]
-        world = 1 + engines.world_size
-        gather([actor.run_async("open_weight_channel", host, port, world), engines.run_async("open_weight_channel", host, port, world)])
-        self.shapes = actor.run("weight_shapes")[0]
+    def __init__(self, engines: WorkerGroup, actor: WorkerGroup, pad_token_id: int, vllm: bool):
+        super().__init__(actor, pad_token_id, vllm)
+        self.engines = engines
+        if vllm:
+            host, port = actor.run("weight_channel_address")[0]
+            world = 1 + engines.world_size
+            gather([actor.run_async("open_weight_channel", host, port, world), engines.run_async("open_weight_channel", host, port, world)])
+            self.shapes = actor.run("weight_shapes")[0]
 
-    def _start(self, prompts: list[list[int]]):
-        return self.engines.scatter_async("generate", shard(prompts, self.engines.world_size))
-
-    def _finish(self, futures) -> Rollout:
-        return concat_rollouts([p for p in gather(futures) if p.sequences.size(0)], self.pad_token_id)
-
-    def generate(self, prompts: list[list[int]], upcoming: list[list[int]] | None = None) -> Rollout:
-        if not self.asynchronous:
-            return self._finish(self._start(prompts))
-        rollout = self._finish(self.pending or self._start(prompts))  # the first step has nothing started
-        self.pending = self._start(upcoming) if upcoming else None
-        return rollout
+    def start(self, method: str, items: list):
+        return time.time(), self.engines.scatter_async(method, shard(items, self.engines.world_size))
 
     def sync_weights(self) -> None:
-        # Queued behind a pending generation on the engines: the rollout in flight keeps the old weights.
-        gather([self.actor.run_async("send_weights"), self.engines.run_async("receive_weights", self.shapes)])
+        if self.vllm:
+            gather([self.actor.run_async("send_weights"), self.engines.run_async("receive_weights", self.shapes)])
+            return
+        state = self.actor.run_async("engine_state")  # every rank (ZeRO-3 gathers); rank 0's holds the weights
+        gather([*state, self.engines.run_async("load_state", state[0])])
 
 
 class Controller:
@@ -184,7 +198,8 @@ class Controller:
         group = cfg.rollout_batch_size * cfg.n_samples_per_prompt
         self.updates = self.steps * cfg.max_epochs * (group // cfg.train_batch_size)
         self.sampler = data.BatchSampler(len(self.prompts.ids), cfg.rollout_batch_size, cfg.seed)
-        self.upcoming: list[int] | None = None  # --async_train: the next step's prompt rows, already generating
+        self.in_flight: deque = deque()  # --async_train: (prompt rows, engine handle) of rollouts already generating
+        self.started = 0  # rollouts started so far (the run starts no more than its steps)
         self.generator = torch.Generator().manual_seed(cfg.seed)
         self.kl_ctl = make_kl_controller(cfg.init_kl_coef, cfg.kl_target or None, cfg.kl_horizon)
         self._place()
@@ -213,15 +228,15 @@ class Controller:
                 self.groups[role] = WorkerGroup(classes[role], placement, role, fraction=1.0 / len(members))
         setup_args = {"actor": (cfg, self.updates), "ref": (cfg,), "critic": (cfg, critic_uri, self.updates), "reward": (cfg,)}
         if cfg.separate_engines():
-            placement = Placement.create(1, cfg.vllm_num_engines, "vllm")
+            placement = Placement.create(1, cfg.rollout_engines(), "rollout")
             self.placements.append(placement)
             run.placements.append(placement)
-            self.groups["vllm"] = WorkerGroup(RolloutEngineWorker, placement, "vllm")
-            roles = roles + ["vllm"]
-            setup_args["vllm"] = (cfg,)
+            self.groups["rollout"] = WorkerGroup(RolloutEngineWorker, placement, "rollout")
+            roles = roles + ["rollout"]
+            setup_args["rollout"] = (cfg,)
         gather([self.groups[role].run_async("setup", *setup_args[role]) for role in roles])
         if cfg.separate_engines():
-            self.engine = EngineGroup(self.groups["vllm"], self.groups["actor"], self.tokenizer.pad_token_id, cfg.async_train)
+            self.engine = EngineGroup(self.groups["rollout"], self.groups["actor"], self.tokenizer.pad_token_id, vllm=cfg.vllm_num_engines > 0)
         else:
             self.engine = ActorGroupEngine(self.groups["actor"], self.tokenizer.pad_token_id, vllm=cfg.vllm_num_engines > 0)
         self.reward: RewardSource | None = (RemoteRewardModels(self.groups["reward"]) if "reward" in self.groups
@@ -253,9 +268,9 @@ class Controller:
 
     # ------------------------------------------------------------------ one step
 
-    def rollout(self, last: bool = False) -> tuple[Rollout, torch.Tensor, dict]:
+    def rollout(self, step: int) -> tuple[Rollout, torch.Tensor, dict]:
         """Sample prompts, generate, score; with --dynamic_filtering, keep only informative groups. With
-        --async_train the prompts were drawn a step ahead (`upcoming`); the last step starts nothing."""
+        --async_train the rollout was started up to --max_staleness steps ago (`in_flight`)."""
         cfg, n = self.cfg, self.cfg.n_samples_per_prompt
         kept: list[tuple[Rollout, torch.Tensor]] = []
         have, rounds, generated = 0, 0, 0
@@ -265,9 +280,8 @@ class Controller:
             if rounds > MAX_FILTER_ROUNDS:
                 raise ConfigError(f"dynamic_filtering: only {have} of {cfg.rollout_batch_size} prompt groups kept after "
                                   f"{MAX_FILTER_ROUNDS} rollouts; widen --dynamic_filtering_reward_range or drop --dynamic_filtering")
-            # The samples of one prompt are consecutive rows: the group estimators rely on it.
-            index = self.upcoming or [i for i in self.sampler.next() for _ in range(n)]
-            rollout, scores = self._generate_and_score(index, last, timing)
+            index, handle = self._next_rollout()
+            rollout, scores = self._finish_and_score(index, handle, step, timing)
             generated += len(index) // n
             if not cfg.dynamic_filtering:
                 return rollout, scores, timing
@@ -278,26 +292,41 @@ class Controller:
         timing["filter_kept_fraction"] = cfg.rollout_batch_size / generated
         return concat_rollouts([r for r, _ in kept], self.tokenizer.pad_token_id), torch.cat([s for _, s in kept]), timing
 
-    def _generate_and_score(self, index: list[int], last: bool, timing: dict) -> tuple[Rollout, torch.Tensor]:
-        """The rollout of these prompt rows and its rewards: from the environment's episodes (--env_path), or
-        generated and then scored by the reward source. Adds to `timing`."""
-        cfg, n, t0 = self.cfg, self.cfg.n_samples_per_prompt, time.time()
-        if cfg.env_path:
-            rollout, scores, stats = self.engine.run_episodes([self.prompts.rows[i] for i in index])
-            timing["time_generate_s"] += time.time() - t0
-            timing.update(stats)
-            return rollout, scores
-        if cfg.async_train:  # the engines start on the next step's prompts as soon as these are back
-            self.upcoming = [i for i in self.sampler.next() for _ in range(n)] if not last else None
-            rollout = self.engine.generate([self.prompts.ids[i] for i in index], [self.prompts.ids[i] for i in self.upcoming or []])
-        else:
-            rollout = self.engine.generate([self.prompts.ids[i] for i in index])
+    def _start_rollout(self):
+        """Draw a rollout's prompt rows and start generating it: (rows, engine handle). The samples of one prompt
+        are consecutive rows: the group estimators rely on it."""
+        index = [i for i in self.sampler.next() for _ in range(self.cfg.n_samples_per_prompt)]
+        self.started += 1
+        if self.cfg.env_path:
+            return index, self.engine.start("run_episodes", [self.prompts.rows[i] for i in index])
+        return index, self.engine.start("generate", [self.prompts.ids[i] for i in index])
+
+    def _next_rollout(self):
+        """The rollout this step trains on. With --async_train, the oldest in flight; then as many more are started
+        as keep --max_staleness in flight (queued on the engines before this step's weight update, they use
+        weights up to that many updates old), never more than the run's steps."""
+        if not self.cfg.async_train:
+            return self._start_rollout()
+        current = self.in_flight.popleft() if self.in_flight else self._start_rollout()
+        while len(self.in_flight) < self.cfg.max_staleness and self.started < self.steps:
+            self.in_flight.append(self._start_rollout())
+        return current
+
+    def _finish_and_score(self, index: list[int], handle, step: int, timing: dict) -> tuple[Rollout, torch.Tensor]:
+        """The rollout and its rewards: the environment's (--env_path), or the reward source's. Adds to `timing`."""
+        t0 = time.time()
+        out = self.engine.finish(handle)
         t1 = time.time()
-        batch = build_reward_batch(rollout, self.tokenizer, [self.prompts.texts[i] for i in index], [self.prompts.labels[i] for i in index])
-        scores = self.reward.score(batch).float()
         timing["time_generate_s"] += t1 - t0
+        timing.update(out.stats or {})
+        if out.version is not None:  # weight versions behind the trainer's (step - 1 updates so far)
+            timing["staleness"] = step - 1 - out.version
+        if out.rewards is not None:
+            return out.rollout, out.rewards
+        batch = build_reward_batch(out.rollout, self.tokenizer, [self.prompts.texts[i] for i in index], [self.prompts.labels[i] for i in index])
+        scores = self.reward.score(batch).float()
         timing["time_reward_s"] += time.time() - t1
-        return rollout, scores
+        return out.rollout, scores
 
     def in_waves(self, calls: dict[str, tuple[str, list, tuple]]) -> dict[str, list]:
         """Run {role: (method, per-rank shards, extra args)}: groups on separate placement groups at
@@ -337,11 +366,9 @@ class Controller:
     def step(self, step: int) -> Experience:
         cfg = self.cfg
         t0 = time.time()
-        rollout, scores, timing = self.rollout(last=step == self.steps)
+        rollout, scores, timing = self.rollout(step)
         t1 = time.time()
-        logprobs, ref_logprobs, values = self.score(rollout)
-        if rollout.logprobs is not None and logprobs is not None:  # the sync check (else the actor's train makes it)
-            timing["engine_logprob_max_diff"] = max_masked_abs_diff(logprobs, rollout.logprobs, rollout.response_mask)
+        logprobs, ref_logprobs, values = self.score(rollout)  # the engine's against these: the actor's train logs it
         kl_coef = self.kl_ctl.value
         exp = make_experience(rollout, logprobs, ref_logprobs, values, scores, cfg, kl_coef)
         t2 = time.time()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from tasks.common import data, lora
-from tasks.common.losses import kl_loss, masked_mean, max_masked_abs_diff, policy_loss, sft_loss, value_loss
+from tasks.common.losses import importance_weights, kl_loss, logprob_mismatch, masked_mean, policy_loss, sft_loss, value_loss
 from tasks.common.models import load_causal_lm, load_scalar_model, load_tokenizer, resolve_model
 from tasks.common.rollout import HFRolloutEngine, Rollout
 from tasks.common.strategy import DeepSpeedStrategy
@@ -78,21 +78,10 @@ class ActorWorker(_Trainer):
             self.rollout_engine = HFRolloutEngine(self.engine.module, self.tokenizer, self.strategy.device,
                                                   static_cache=self.strategy.device.type == "cuda" and self.strategy.zero_stage != 3)
         self.channel = None
-        self.episodes = None
-        if cfg.env_path:  # multi-turn episodes on this worker's engine, one environment per episode
-            from tasks.rl.environment import EpisodeLimits, EpisodeRunner, load_environment
-
-            limits = EpisodeLimits(cfg.max_turns, cfg.max_episode_tokens, cfg.generate_max_len, cfg.env_step_timeout)
-            self.episodes = EpisodeRunner(self.rollout_engine, self.tokenizer, load_environment(cfg.env_path), limits,
-                                          cfg.apply_chat_template, cfg.input_key)
+        self.episodes = _episode_runner(cfg, self.rollout_engine, self.tokenizer)
 
     def run_episodes(self, rows: list[dict]):
-        """This rank's share of a rollout's episodes (tasks.rl.environment.Episodes), None for no rows."""
-        if not rows:
-            return None
-        result = self.episodes.run(rows, self.cfg.temperature)
-        result.rollout, result.episodes = result.rollout.to("cpu"), []  # the environments stay here
-        return result
+        return _run_episodes(self.episodes, rows, self.cfg)
 
     def generate(self, prompts: list[list[int]]) -> Rollout:
         rollout = self.rollout_engine.generate(prompts, self.cfg.generate_max_len, self.cfg.temperature,
@@ -126,6 +115,17 @@ class ActorWorker(_Trainer):
                 for name, p in self.engine.module.named_parameters()]
 
     @torch.no_grad()
+    def engine_state(self) -> dict[str, torch.Tensor] | None:
+        """Rank 0: the whole weights on the CPU, for a transformers rollout engine elsewhere (every rank enters
+        the ZeRO-3 gathers); the other ranks None."""
+        gather, state = self.strategy.zero_stage == 3, {}
+        for name, param in self.engine.module.named_parameters():
+            with gathered(param, gather):
+                if self.rank == 0:
+                    state[name] = param.data.detach().to("cpu", copy=True)
+        return state if self.rank == 0 else None
+
+    @torch.no_grad()
     def send_weights(self) -> None:
         gather = self.strategy.zero_stage == 3
         for _, param in self.engine.module.named_parameters():
@@ -156,19 +156,24 @@ class ActorWorker(_Trainer):
         cfg, device = self.cfg, self.strategy.device
         self.engine.train()
         stats: dict[str, list[float]] = {"policy_loss": [], "clip_fraction": [], "entropy": []}
-        sync_gaps = []  # engine vs actor log-probabilities, when the controller had none to compare
+        sync_gaps = []  # the largest |engine - actor| log-probability gap of each micro-batch
         loss_agg = "seq_mean_token_sum_norm" if cfg.advantage_estimator == "dr_grpo" else "token_mean"
         for minibatch in minibatches:
             for mb in _micro_batches(minibatch.to(device), self.micro):
                 logprobs, entropy = response_logprobs(self.engine, mb.sequences, mb.attention_mask, mb.prompt_width, return_entropy=True,
                                                       temperature=cfg.temperature)
                 old = logprobs.detach() if mb.logprobs is None else mb.logprobs
-                if mb.engine_logprobs is not None:
-                    sync_gaps.append(max_masked_abs_diff(old, mb.engine_logprobs, mb.action_mask))
+                is_weights = None
+                if mb.behaviour_logprobs is not None:  # the engine's policy against the trainer's, every step
+                    mismatch = logprob_mismatch(old, mb.behaviour_logprobs, mb.action_mask)
+                    sync_gaps.append(mismatch.pop("engine_logprob_max_diff"))
+                    for key, value in mismatch.items():
+                        stats.setdefault(key, []).append(value)
+                    is_weights = importance_weights(old, mb.behaviour_logprobs, mb.action_mask, cfg.correction(), cfg.is_cap)
                 p_loss, clip_fraction = policy_loss(
                     logprobs, old, mb.advantages, mb.action_mask, cfg.eps_clip, clip_eps_low=cfg.eps_clip_low or None,
                     clip_eps_high=cfg.eps_clip_high or None, dual_clip=cfg.dual_clip or None, loss_agg=loss_agg,
-                    max_len=cfg.generate_max_len)
+                    max_len=cfg.generate_max_len, is_weights=is_weights)
                 loss = p_loss
                 if cfg.use_kl_loss:
                     loss = loss + kl_coef * kl_loss(logprobs, mb.ref_logprobs, mb.action_mask, cfg.kl_estimator)
@@ -202,18 +207,33 @@ class ActorWorker(_Trainer):
 
 
 class RolloutEngineWorker(Worker):
-    """A vLLM engine on a GPU of its own (--vllm_num_engines without --colocate_all_models). It loads the
-    policy's start weights from disk, then after every update the actor's new ones over NCCL."""
+    """A rollout engine on a device of its own, generating while the actor trains (--async_train): a vLLM engine
+    on a GPU (--vllm_num_engines without --colocate_all_models), fed the actor's new weights over NCCL, or a
+    transformers engine (no vLLM engines, e.g. on CPUs), fed them through Ray's object store. Both start from
+    the policy's weights on disk; `version` counts the updates loaded since, so a rollout says how stale it is."""
 
     def setup(self, cfg: RLConfig) -> None:
         self.cfg = cfg
         path = resolve_model(cfg.pretrain)
         self.tokenizer = load_tokenizer(path)
+        self.version = 0
         # Distinct seeds from the actor ranks' and from each other's.
-        self.engine = _vllm_engine(cfg, path, self.tokenizer, seed=cfg.seed + 1000 * (self.rank + 1))
+        seed = cfg.seed + 1000 * (self.rank + 1)
+        if cfg.vllm_num_engines:
+            self.engine = _vllm_engine(cfg, path, self.tokenizer, seed=seed)
+        else:
+            torch.manual_seed(seed)
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+            self.model = load_causal_lm(path, dtype=_dtype(cfg)).to(device).eval()
+            self.engine = HFRolloutEngine(self.model, self.tokenizer, device)
+        self.episodes = _episode_runner(cfg, self.engine, self.tokenizer)
 
-    def generate(self, prompts: list[list[int]]) -> Rollout:
-        return self.engine.generate(prompts, self.cfg.generate_max_len, self.cfg.temperature).to("cpu")
+    def generate(self, prompts: list[list[int]]) -> tuple[Rollout, int]:
+        return self.engine.generate(prompts, self.cfg.generate_max_len, self.cfg.temperature).to("cpu"), self.version
+
+    def run_episodes(self, rows: list[dict]):
+        result = _run_episodes(self.episodes, rows, self.cfg)
+        return None if result is None else (result, self.version)
 
     def open_weight_channel(self, host: str, port: int, world_size: int) -> None:
         from tasks.rl.vllm_engine import WeightChannel
@@ -222,6 +242,35 @@ class RolloutEngineWorker(Worker):
 
     def receive_weights(self, shapes: list[tuple[str, list[int], str]]) -> None:
         self.engine.load_named((name, self.channel.receive(shape, dtype)) for name, shape, dtype in shapes)
+        self.version += 1
+
+    @torch.no_grad()
+    def load_state(self, state: dict[str, torch.Tensor]) -> None:
+        """The actor's new weights (ActorWorker.engine_state), for the transformers engine."""
+        # Parameters only (buffers such as rotary frequencies stay), so not strict; but every name must land.
+        unexpected = self.model.load_state_dict(state, strict=False).unexpected_keys
+        if unexpected:
+            raise RuntimeError(f"rollout engine: the actor's weights {unexpected[:3]} have no place in the engine's model")
+        self.version += 1
+
+
+def _episode_runner(cfg: RLConfig, engine, tokenizer):
+    """Multi-turn episodes on `engine`, one environment per episode (--env_path); None without one."""
+    if not cfg.env_path:
+        return None
+    from tasks.rl.environment import EpisodeLimits, EpisodeRunner, load_environment
+
+    limits = EpisodeLimits(cfg.max_turns, cfg.max_episode_tokens, cfg.generate_max_len, cfg.env_step_timeout)
+    return EpisodeRunner(engine, tokenizer, load_environment(cfg.env_path), limits, cfg.apply_chat_template, cfg.input_key)
+
+
+def _run_episodes(runner, rows: list[dict], cfg: RLConfig):
+    """A worker's share of a rollout's episodes (tasks.rl.environment.Episodes) on the CPU, None for no rows."""
+    if not rows:
+        return None
+    result = runner.run(rows, cfg.temperature)
+    result.rollout, result.episodes = result.rollout.to("cpu"), []  # the environments stay here
+    return result
 
 
 def _vllm_engine(cfg: RLConfig, path: str, tokenizer, seed: int):
@@ -231,7 +280,8 @@ def _vllm_engine(cfg: RLConfig, path: str, tokenizer, seed: int):
 
     # vLLM refuses a length past the model's positions; prompts and answers cannot go beyond them anyway.
     positions = getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", None)
-    max_len = cfg.prompt_max_len + cfg.generate_max_len
+    # An episode's next turn reads everything before it: up to max_episode_tokens after the prompt, then a turn.
+    max_len = cfg.prompt_max_len + cfg.generate_max_len + (cfg.max_episode_tokens if cfg.env_path else 0)
     return VLLMRolloutEngine(
         path, tokenizer, max_model_len=min(max_len, positions) if positions else max_len,
         gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, seed=seed, dtype=str(_dtype(cfg)).removeprefix("torch."),
