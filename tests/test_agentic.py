@@ -168,6 +168,15 @@ def test_episodes_keep_the_engines_tokens_and_mask_the_observations(tiny, tmp_pa
     runner.close()
 
 
+def test_a_long_first_observation_keeps_its_last_tokens(tiny, tmp_path):
+    model, tokenizer = tiny
+    runner = EpisodeRunner(HFRolloutEngine(model, tokenizer), tokenizer, load_environment(env_file(tmp_path, ECHO)),
+                           EpisodeLimits(max_turns=1, max_episode_tokens=8, max_turn_tokens=2, max_prompt_tokens=5))
+    episode = runner.run([{"prompt": "123456789*2="}]).episodes[0]
+    assert episode.prompt == data.encode_prompt(tokenizer, "123456789*2=")[-5:]  # the end, which the answer follows
+    runner.close()
+
+
 def test_failing_hanging_and_malformed_environments_end_only_their_episode(tiny, tmp_path):
     model, tokenizer = tiny
     path = env_file(tmp_path, """

@@ -13,6 +13,7 @@ import urllib.request
 
 import pytest
 
+from plugins.operators import submission_id_for
 from tasks.data import demo
 
 pytestmark = pytest.mark.e2e
@@ -35,8 +36,9 @@ def test_each_stage_ran_as_exactly_one_ray_job(demo_run):
     live = demo_run.live
     with urllib.request.urlopen(f"{live.ray_dashboard}/api/jobs/", timeout=30) as response:
         jobs = json.load(response)
-    for stage in STAGES:
-        mine = [j for j in jobs if (j.get("submission_id") or "").endswith(f"--{stage}") and j["status"] == "SUCCEEDED"]
+    for stage in STAGES:  # this run's jobs: other runs may share the stack (a nightly run that came due, say)
+        sid = submission_id_for("rlhf_pipeline", demo_run.run_id, stage)
+        mine = [j for j in jobs if j.get("submission_id") == sid and j["status"] == "SUCCEEDED"]
         assert len(mine) == 1, (stage, [j.get("submission_id") for j in jobs])
 
 

@@ -103,6 +103,7 @@ class EpisodeLimits:
     max_episode_tokens: int = 64  # model and observation tokens after the prompt
     max_turn_tokens: int = 16     # new tokens per model turn (the stage's generate_max_len)
     step_timeout: float = 30.0    # seconds an environment's reset or step may take
+    max_prompt_tokens: int = 0    # a longer first observation keeps its last tokens (the stage's prompt_max_len; 0: all)
 
 
 @dataclass
@@ -231,7 +232,8 @@ class EpisodeRunner:
             failure = failure_reason(first) if isinstance(first, BaseException) else \
                 None if first is None or isinstance(first, (str, list)) else "malformed"
             prompt = row.get(self.input_key, "") if failure or first is None else first
-            episode = Episode(data.encode_prompt(self.tokenizer, prompt, self.chat_template, tools=getattr(self.make_env, "tools", None)),
+            ids = data.encode_prompt(self.tokenizer, prompt, self.chat_template, tools=getattr(self.make_env, "tools", None))
+            episode = Episode(ids[-self.limits.max_prompt_tokens:] if self.limits.max_prompt_tokens else ids,
                               None if isinstance(env, Exception) else env)
             if failure:
                 self._fail(episode, failure)

@@ -454,6 +454,8 @@ def train(cfg: RLConfig, run: StageRun) -> None:
     controller = Controller(cfg, run)
     try:
         start = run.resume(controller.load_state)
+        # Rollouts in flight at the checkpoint are lost (the sampler had drawn their prompts); start only the steps left.
+        controller.started = start
         exp = None
         for step in range(start + 1, controller.steps + 1):
             exp = controller.step(step)

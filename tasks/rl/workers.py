@@ -260,7 +260,7 @@ def _episode_runner(cfg: RLConfig, engine, tokenizer):
         return None
     from tasks.rl.environment import EpisodeLimits, EpisodeRunner, load_environment
 
-    limits = EpisodeLimits(cfg.max_turns, cfg.max_episode_tokens, cfg.generate_max_len, cfg.env_step_timeout)
+    limits = EpisodeLimits(cfg.max_turns, cfg.max_episode_tokens, cfg.generate_max_len, cfg.env_step_timeout, cfg.prompt_max_len)
     return EpisodeRunner(engine, tokenizer, load_environment(cfg.env_path), limits, cfg.apply_chat_template, cfg.input_key)
 
 
