@@ -242,7 +242,7 @@ class EpisodeRunner:
 
     def run(self, rows: list[dict], temperature: float = 1.0, greedy: bool = False) -> Episodes:
         t0, waited = time.time(), 0.0
-        self.behaviour_logprobs = True  # until an engine reports none
+        behaviour_logprobs = True  # until an engine call reports none
         episodes = self.start(rows)
         waited += time.time() - t0
         limits = self.limits
@@ -252,7 +252,7 @@ class EpisodeRunner:
                 break
             rollout = self.engine.generate([e.prompt + e.tokens for e in live], limits.max_turn_tokens, temperature, greedy=greedy)
             actions = []
-            self.behaviour_logprobs &= rollout.logprobs is not None
+            behaviour_logprobs &= rollout.logprobs is not None
             behaviour = rollout.logprobs.tolist() if rollout.logprobs is not None else [None] * len(live)
             for episode, ids, mask, logprobs in zip(live, rollout.responses.tolist(), rollout.response_mask.tolist(), behaviour):
                 room = limits.max_episode_tokens - len(episode.tokens)
@@ -268,7 +268,7 @@ class EpisodeRunner:
                 self._apply(episode, result, last_turn=turn == limits.max_turns - 1)
         for episode in episodes:
             episode.done = True
-        return self._collect(episodes, time.time() - t0, waited)
+        return self._collect(episodes, time.time() - t0, waited, behaviour_logprobs)
 
     def _apply(self, episode: Episode, result, last_turn: bool) -> None:
         if isinstance(result, BaseException):
@@ -294,7 +294,7 @@ class EpisodeRunner:
             return
         episode.add(ids, by_model=False)
 
-    def _collect(self, episodes: list[Episode], seconds: float, waited: float) -> Episodes:
+    def _collect(self, episodes: list[Episode], seconds: float, waited: float, behaviour_logprobs: bool) -> Episodes:
         pad_id = self.tokenizer.pad_token_id
         prompts, p_mask = data.pad([e.prompt for e in episodes], pad_id, side="left")
         width = max(1, max(len(e.tokens) for e in episodes))
@@ -309,7 +309,7 @@ class EpisodeRunner:
             model_mask[i, :n] = torch.tensor(e.model_mask, dtype=torch.long)
             logprobs[i, :n] = torch.tensor(e.logprobs, dtype=torch.float32)
         rollout = Rollout(torch.cat([prompts, responses], 1), torch.cat([p_mask, attention], 1), model_mask, prompts.size(1),
-                          logprobs if self.behaviour_logprobs else None)
+                          logprobs if behaviour_logprobs else None)
         summaries = [episode_summary(e) for e in episodes]
         return Episodes(rollout, torch.tensor([e.reward for e in episodes], dtype=torch.float32), summaries,
                         episode_stats(summaries, seconds, waited), episodes)
