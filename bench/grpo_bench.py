@@ -313,11 +313,17 @@ def bench_ours(bench_dir: Path, steps: int = 12, engine: str = "vllm", micro: in
     elif engine == "vllm" and layout == "actor_ref_vllm":
         args.update(vllm_num_engines=1, vllm_gpu_memory_utilization=0.6, colocate_all_models=False, colocate_actor_ref=True,
                     init_kl_coef=0.01)
-    elif engine == "vllm" and layout == "agentic":
-        # Multi-turn episodes in a tool loop: AGENTIC_TURNS turns of AGENTIC_TURN_TOKENS tokens, the same tokens a step as above.
+    elif engine == "vllm" and layout.startswith("agentic"):
+        # Multi-turn episodes in a tool loop: AGENTIC_TURNS turns of AGENTIC_TURN_TOKENS tokens, the same tokens a step as above;
+        # colocated on one GPU (agentic), or the engine on a GPU of its own, on-policy (agentic_separate) or generating the
+        # next rollout while the actor trains, new weights reaching running episodes (agentic_async).
         args.update(vllm_num_engines=1, vllm_gpu_memory_utilization=0.3, env_path=AGENTIC_ENV, max_turns=AGENTIC_TURNS,
                     generate_max_len=AGENTIC_TURN_TOKENS, max_episode_tokens=AGENTIC_TURNS * (AGENTIC_TURN_TOKENS + 16))
         args.pop("remote_rm_url")
+        if layout != "agentic":
+            args.update(colocate_all_models=False, vllm_gpu_memory_utilization=0.6)
+        if layout == "agentic_async":
+            args.update(async_train=True, max_staleness=1, partial_rollouts=True)
     elif engine == "vllm":
         args.update(vllm_num_engines=1, vllm_gpu_memory_utilization=0.6, async_train=True, colocate_all_models=False)
     run_stage("tasks.rl", args, bench_dir / f"{name}.log")
@@ -329,7 +335,7 @@ def bench_ours(bench_dir: Path, steps: int = 12, engine: str = "vllm", micro: in
     tokens = PROMPTS_PER_STEP * GROUP * COMPLETION_TOKENS
     train_tokens = PROMPTS_PER_STEP * GROUP * (PROMPT_TOKENS + COMPLETION_TOKENS)
     # Async, generation overlaps training: what the step waits for it is no rate.
-    rate = None if layout == "async" else round(tokens / split["time_generate_s"])
+    rate = None if layout.endswith("async") else round(tokens / split["time_generate_s"])
     result = {"step_s": step, **split, "rollout_tokens_per_s": rate,
               "train_tokens_per_s": round(train_tokens / split["time_train_s"]),
               # forward+backward+recompute (8 N) in training; with KL, one more forward (2 N) each for the
@@ -337,8 +343,11 @@ def bench_ours(bench_dir: Path, steps: int = 12, engine: str = "vllm", micro: in
               "mfu": round((12 if layout == "actor_ref_vllm" else 8) * parameters(bench_dir) * train_tokens / step / BF16_PEAK_FLOPS, 4),
               "reward_first": records[0]["reward"], "reward_last": records[-1]["reward"],
               "reward_curve": [round(r["reward"], 4) for r in records], "steps": len(records), "learning_rate": lr}
-    if layout == "agentic":
+    if layout.startswith("agentic"):
         result.update({key: round(statistics.median(r[key] for r in tail), 4) for key in ("episodes_per_s", "turns_per_episode", "time_env_s")})
+        for key in ("staleness", "partial_fraction", "mismatch_kl"):
+            if key in records[-1]:
+                result[key] = [round(r[key], 4) for r in records]
     if "engine_logprob_max_diff" in records[-1]:
         result["engine_logprob_max_diff"] = [r["engine_logprob_max_diff"] for r in records]
     save(bench_dir, name, {"micro_batch": micro, **result})
@@ -420,9 +429,11 @@ def report(bench_dir: Path, out: Path, command: str) -> None:
         "speedup_vs_trl_hf": round(trl_hf / ours, 3) if ours and trl_hf else None,
         "grpo_ours_run": best,
         "rollout_tokens_per_s": get(best, "rollout_tokens_per_s"),
-        "grpo_step_s_ours_2gpu_async": min((r["step_s"] for n, r in results.items() if "async" in n), default=None),
-        **{f"agentic_{key}": r.get(key) for n, r in results.items() if "agentic" in n
-           for key in ("step_s", "episodes_per_s", "turns_per_episode", "time_generate_s", "time_train_s")},
+        "grpo_step_s_ours_2gpu_async": min((r["step_s"] for n, r in results.items() if "async" in n and "agentic" not in n), default=None),
+        # agentic_<key> (colocated, one GPU), agentic_separate_<key> and agentic_async_<key> (the engine on a second GPU)
+        **{"agentic_" + n.split("_agentic")[1].lstrip("_") + ("_" if n.split("_agentic")[1] else "") + key: r.get(key)
+           for n, r in results.items() if "_agentic" in n
+           for key in ("step_s", "episodes_per_s", "turns_per_episode", "time_generate_s", "time_train_s", "time_weight_sync_s")},
         "vllm_standalone_tokens_per_s": get("vllm", "tokens_per_s_64"),
         "hf_generate_tokens_per_s": {"dynamic": get("hf_generate", "tokens_per_s_dynamic"),
                                      "static_compiled": get("hf_generate", "tokens_per_s_static_compiled")},
@@ -448,7 +459,7 @@ def main() -> None:
     parser.add_argument("--mode", default="vllm", choices=["hf", "vllm"], help="trl: generate with HF generate or vLLM colocate; ours: engine")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--micro", type=int, default=16, help="ours: sequences per forward/backward and per log-probability pass")
-    parser.add_argument("--layout", default="colocated", choices=["colocated", "async", "actor_ref_vllm", "agentic"],
+    parser.add_argument("--layout", default="colocated", choices=["colocated", "async", "actor_ref_vllm", "agentic", "agentic_separate", "agentic_async"],
                         help="ours: one GPU; two with async rollouts; two with actor+ref on one and vLLM on the other")
     parser.add_argument("--lr", type=float, default=1e-6, help="ours: actor learning rate (a learning check uses a larger one)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results.json")

@@ -7,6 +7,7 @@ written as files the way a team writes them.
 import asyncio
 import math
 import textwrap
+import time
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ import torch
 from tasks.common import data
 from tasks.common.config import ConfigError, parse_config
 from tasks.common.losses import importance_weights, logprob_mismatch, policy_loss
-from tasks.common.rollout import HFRolloutEngine
+from tasks.common.rollout import HFRolloutEngine, Rollout
 from tasks.data import agentic
 from tasks.data.demo import build_base_model
 from tasks.rl.advantages import discounted_returns, gae
@@ -23,6 +24,7 @@ from tasks.rl.environment import (EnvError, EpisodeLimits, EpisodeRunner, check_
                                   observation_ids)
 from tasks.rl.envs import calculator, guess
 from tasks.rl.experience import response_logprobs
+from tasks.rl.trainer import fresh_groups
 
 from tiny_chat import build_tokenizer as build_chat_tokenizer
 
@@ -136,6 +138,8 @@ def test_rl_config_takes_the_environment_flags_and_openrlhfs_name(tmp_path):
     assert parse_config(RLConfig, base + ["--env_path", "guess", "--async_train"]).separate_engines()  # episodes on the engine
     with pytest.raises(ConfigError, match="max_turns"):
         parse_config(RLConfig, base + ["--env_path", "guess", "--max_turns", "0"])
+    with pytest.raises(ConfigError, match="^partial_rollouts: .*--async_train"):
+        parse_config(RLConfig, base + ["--env_path", "guess", "--partial_rollouts"])
 
 
 # ---------------------------------------------------------------------------------------------- episodes
@@ -259,6 +263,52 @@ def test_async_steps_run_concurrently(tiny, tmp_path):
     assert asyncio.iscoroutinefunction(load_environment(path).cls.step)
 
 
+class OverlappedEngine(RecordingEngine):
+    overlap_turns = True  # as the vLLM engine declares
+
+
+SLOW_TOOL = """
+    import asyncio, time
+
+    class Environment:
+        LOG = []  # (episode, turn, time the step returned)
+
+        def reset(self, row):
+            self.row, self.turns = row, 0
+            return row["prompt"]
+
+        async def step(self, action):
+            self.turns += 1
+            await asyncio.sleep(self.row["delay"])
+            Environment.LOG.append((self.row["prompt"], self.turns, time.monotonic()))
+            return "ok", 1.0, False, {}
+"""
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_slow_tool_holds_back_only_its_own_episode_when_turns_overlap(overlap, tiny, tmp_path):
+    """One episode's tool takes 0.8 s a step, three others' return at once; three turns each. Overlapped (the
+    vLLM engine), the three finish all their turns while the slow one waits on its first step; in lock-step (the
+    transformers engine) every turn waits for the slow step. The episodes are the same either way."""
+    model, tokenizer = tiny
+    env = load_environment(env_file(tmp_path, SLOW_TOOL))
+    engine = (OverlappedEngine if overlap else RecordingEngine)(model, tokenizer)
+    runner = EpisodeRunner(engine, tokenizer, env, EpisodeLimits(max_turns=3, max_episode_tokens=60, max_turn_tokens=3))
+    rows = [{"prompt": "9*9=", "delay": 0.8}] + [{"prompt": f"{k}*2=", "delay": 0.0} for k in range(3)]
+    result = runner.run(rows)
+    runner.close()
+    assert [e.turns for e in result.episodes] == [3, 3, 3, 3] and result.rewards.tolist() == [3.0] * 4
+    finished = {prompt: t for prompt, turn, t in env.cls.LOG if turn == 3}
+    slow_first = next(t for prompt, turn, t in env.cls.LOG if prompt == "9*9=" and turn == 1)
+    fast_done = max(t for prompt, t in finished.items() if prompt != "9*9=")
+    assert (fast_done < slow_first) == overlap
+    if overlap:
+        assert any(len(call) < 4 for call in engine.calls)  # turns generated without the slow episode's
+    else:
+        assert [len(call) for call in engine.calls] == [4, 4, 4]
+        assert result.stats["time_env_s"] >= 2.4
+
+
 # ---------------------------------------------------------------------------------------------- advantages over episodes
 
 
@@ -316,6 +366,20 @@ def test_logprob_mismatch_reports_the_mean_the_largest_gap_and_the_kl():
     assert stats["mismatch_log_ratio_mean"] == pytest.approx(0.0)
     assert stats["engine_logprob_max_diff"] == pytest.approx(0.5)
     assert stats["mismatch_kl"] == pytest.approx(((math.exp(0.5) - 1.5) + (math.exp(-0.5) - 0.5)) / 2)
+    assert stats["corrected_mismatch_kl"] == pytest.approx(stats["mismatch_kl"])  # no correction: all of it is left
+
+
+def test_the_corrected_mismatch_is_what_the_importance_weights_leave():
+    # log w = (1.5, -0.5, 0.2); cap 2. tis: w = (e^1.5, e^-0.5, e^0.2) -> weights (2, e^-0.5, e^0.2), so
+    # r = (e^1.5 / 2, 1, 1): only the first token's excess over the cap is left. mis: the band is
+    # [1/2, 2]; the first token is masked out, the others keep all of theirs (r = w).
+    old, behaviour, mask = torch.tensor([[0.0, -1.0, -0.8]]), torch.tensor([[-1.5, -0.5, -1.0]]), torch.tensor([[1, 1, 1]])
+    k3 = lambda log_r: math.exp(log_r) - 1 - log_r  # noqa: E731
+    tis = logprob_mismatch(old, behaviour, mask, importance_weights(old, behaviour, mask, "tis", cap=2.0))
+    assert tis["corrected_mismatch_kl"] == pytest.approx(k3(1.5 - math.log(2)) / 3, rel=1e-5)
+    assert tis["mismatch_kl"] == pytest.approx((k3(1.5) + k3(-0.5) + k3(0.2)) / 3, rel=1e-5)
+    mis = logprob_mismatch(old, behaviour, mask, importance_weights(old, behaviour, mask, "mis", cap=2.0))
+    assert mis["corrected_mismatch_kl"] == pytest.approx((k3(-0.5) + k3(0.2)) / 2, rel=1e-5)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -332,3 +396,87 @@ def test_the_hf_engine_reports_the_behaviour_log_probabilities_the_trainer_compu
     assert rollout.logprobs is not None and (rollout.logprobs * (1 - mask)).abs().max() == 0
     assert ((trainer - rollout.logprobs).abs() * mask).max() < 1e-4
     runner.close()
+
+
+# ---------------------------------------------------------------------------------------------- partial rollouts
+
+
+def test_each_token_is_tagged_with_the_weight_version_of_its_turn(tiny, tmp_path):
+    """The runner asks `policy_version` before every turn (where --partial_rollouts loads newer weights): the
+    tokens of turn k carry the version it said, and the rollout's oldest version per row is the first turn's."""
+    model, tokenizer = tiny
+    versions = iter([3, 4, 6])
+    runner = EpisodeRunner(HFRolloutEngine(model, tokenizer), tokenizer, load_environment(env_file(tmp_path, ECHO)),
+                           EpisodeLimits(max_turns=3, max_episode_tokens=60, max_turn_tokens=4), policy_version=lambda: next(versions))
+    result = runner.run([{"prompt": "1*2="}, {"prompt": "3*4="}])
+    for episode in result.episodes:
+        turns = [v for v, m in zip(episode.versions, episode.model_mask) if m]
+        assert sorted(set(turns)) == [3, 4, 6] and turns == sorted(turns)
+    rollout = result.rollout
+    assert rollout.oldest_versions().tolist() == [3, 3]
+    assert rollout.select([1]).versions.tolist() == rollout.versions[1:].tolist()
+    runner.close()
+
+
+def test_fresh_groups_drop_whole_groups_past_the_staleness_bound():
+    """Rows are groups of 2; the trainer has made 5 updates. Row 2's oldest token is version 1 (4 behind): with
+    a bound of 2 its whole group (rows 2 and 3) goes; a row that spans two versions counts as partial."""
+    versions = torch.tensor([[4, 4, 5], [3, 3, 3], [1, 5, 5], [4, 4, 0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 1], [1, 1, 1], [1, 1, 0]])  # row 3's last token is padding: not counted
+    rollout = Rollout(torch.zeros(4, 4, dtype=torch.long), torch.ones(4, 4, dtype=torch.long), mask, 1, versions=versions)
+    keep, stats = fresh_groups(rollout, updates=5, n=2, max_staleness=2)
+    assert keep.tolist() == [True, True, False, False]
+    assert stats == {"staleness": 4, "staleness_mean": pytest.approx((1 + 2 + 4 + 1) / 4), "partial_fraction": 0.5, "dropped_stale": 2}
+
+
+SLOW_STEP = """
+    import pathlib, time
+    class Environment:
+        def reset(self, row):
+            return row["prompt"]
+        def step(self, action):
+            pathlib.Path({marker!r}).touch()  # the test sends new weights now, while this episode waits here
+            time.sleep(1.5)
+            return "ok", 0.0, False, {{}}
+"""
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("partial", [True, False])
+def test_weights_sent_beside_a_running_rollout_reach_its_next_turn(partial, ray_address, tiny, tmp_path):
+    """A transformers rollout engine of its own (RolloutEngineWorker on the real Ray head) runs two-turn episodes
+    whose environment waits 1.5 s a step. New weights sent while the first step waits: with --partial_rollouts
+    (beside the engine's queue) the second turn generates with them (tagged version 1, the first turn 0);
+    without, they wait in the queue and the whole episode is version 0, the next rollout version 1."""
+    import ray
+
+    from tasks.common.workers import Placement, WorkerGroup
+    from tasks.rl.workers import RolloutEngineWorker
+
+    model, tokenizer = tiny
+    model.save_pretrained(tmp_path / "base")
+    tokenizer.save_pretrained(tmp_path / "base")
+    marker = tmp_path / "stepping"
+    env = env_file(tmp_path, SLOW_STEP.format(marker=str(marker)))
+    cfg = parse_config(RLConfig, ["--pretrain", str(tmp_path / "base"), "--prompt_data", "d", "--output", str(tmp_path / "o"),
+                                  "--env_path", env, "--max_turns", "2", "--generate_max_len", "4", "--async_train",
+                                  *(["--partial_rollouts"] if partial else [])])
+    ray.init(address=ray_address, logging_level="WARNING")
+    placement = Placement.create(1, 1, "rollout")
+    try:
+        engines = WorkerGroup(RolloutEngineWorker, placement, "rollout")
+        engines.run("setup", cfg)
+        running = engines.scatter_async("run_episodes", [[{"prompt": "1*2="}, {"prompt": "3*4="}]])
+        while not marker.exists():
+            time.sleep(0.05)
+        state = {name: p.detach() + 0.01 for name, p in model.named_parameters()}  # what ActorWorker.engine_state sends
+        send = engines.run_beside_async if partial else engines.run_async
+        sent = send("load_state", state, 1)
+        rollout = ray.get(running)[0].rollout
+        ray.get(sent)
+        turns = sorted(set(rollout.versions[rollout.response_mask.bool()].tolist()))
+        assert turns == ([0, 1] if partial else [0])
+        assert engines.scatter("generate", [[[5, 6]]])[0].versions.unique().tolist() == [1]
+    finally:
+        placement.remove()  # with the actors
+        ray.shutdown()

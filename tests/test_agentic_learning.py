@@ -101,8 +101,9 @@ def test_rl_stage_runs_episodes_with_a_critic_and_refuses_a_broken_environment_b
 @pytest.mark.slow
 def test_async_calculator_rl_with_stale_rollouts_and_correction_still_learns(ray_address):
     """--async_train without vLLM: a transformers engine of its own keeps 2 rollouts generating ahead of the actor
-    (weights up to 2 updates old), with truncated importance weights against the engine's log-probabilities.
-    The calculator check still holds against seed 0's control; the logs show the staleness and the mismatch."""
+    (weights up to 2 updates old), new weights reaching running episodes at their next turn (--partial_rollouts),
+    with truncated importance weights against the engine's log-probabilities. The calculator check still holds
+    against seed 0's control; the logs show the staleness (never past the bound: nothing dropped) and the mismatch."""
     root = SCRATCH / "agentic" / "seed0"
     task = write_task(root, 0)
     sft = str(root / "sft")
@@ -110,7 +111,7 @@ def test_async_calculator_rl_with_stale_rollouts_and_correction_still_learns(ray
         cli(ray_address, "tasks.sft", output=sft, pretrain=task["base"], dataset=task["sft"], max_steps=400, learning_rate=1e-3,
             train_batch_size=64, max_len=64, seed=0)
     runs = {}
-    for arm, env, extra in (("async", "calculator", {"async_train": True, "max_staleness": 2, "is_correction": "tis"}),
+    for arm, env, extra in (("async", "calculator", {"async_train": True, "max_staleness": 2, "partial_rollouts": True, "is_correction": "tis"}),
                             ("control", str(REPO / "tests" / "rewards" / "zero_env.py"), {})):
         out = root / f"rl-{arm}"
         if arm == "async" or not (out / "manifest.json").exists():
@@ -118,10 +119,38 @@ def test_async_calculator_rl_with_stale_rollouts_and_correction_still_learns(ray
         runs[arm] = held_out(ray_address, root, arm, sft, str(out), task["eval"])["policy"]
     logged = [json.loads(line) for line in (root / "rl-async" / "metrics.jsonl").read_text().splitlines()]
     print(f"async: success {runs['control']['env_success']:.3f} (control) -> {runs['async']['env_success']:.3f}; staleness "
-          f"{[r['staleness'] for r in logged][:4]}…; mismatch kl {logged[-1]['mismatch_kl']:.4f}")
+          f"{[r['staleness'] for r in logged][:6]}…; partial {[round(r['partial_fraction'], 2) for r in logged][:6]}…; "
+          f"mismatch kl {logged[-1]['mismatch_kl']:.4f}")
     assert runs["async"]["env_success"] >= runs["control"]["env_success"] + 0.20, runs
-    assert [r["staleness"] for r in logged][2:] == [2] * (len(logged) - 2)  # steps 1 and 2 start from fresher weights
+    assert max(r["staleness"] for r in logged) <= 2 and sum(r["dropped_stale"] for r in logged) == 0
+    assert max(r["partial_fraction"] for r in logged) > 0  # updates reached episodes already running
     assert all(r["mismatch_kl"] >= 0 and "engine_logprob_max_diff" in r for r in logged)
+
+
+@pytest.mark.slow
+def test_at_staleness_4_the_correction_leaves_less_of_the_mismatch_than_none(ray_address):
+    """--async_train --max_staleness 4 without partial rollouts (samples 4 updates old from step 5 on), 16 steps from
+    seed 0's SFT model, with --is_correction none and tis. Both carry the weights' lag (mismatch_kl, engine against
+    trainer); the part the loss still trains on after the correction (corrected_mismatch_kl) is measurably
+    smaller with tis, and all of it without."""
+    root = SCRATCH / "agentic" / "seed0"
+    task = write_task(root, 0)
+    sft = str(root / "sft")
+    if not (root / "sft" / "manifest.json").exists():
+        cli(ray_address, "tasks.sft", output=sft, pretrain=task["base"], dataset=task["sft"], max_steps=400, learning_rate=1e-3,
+            train_batch_size=64, max_len=64, seed=0)
+    logged = {}
+    for correction in ("none", "tis"):
+        out = root / f"rl-stale4-{correction}"
+        cli(ray_address, "tasks.rl", output=str(out), pretrain=sft, prompt_data=task["prompts"], env_path="calculator", seed=0,
+            **{**RL, "max_steps": 16, "actor_learning_rate": 3e-4}, async_train=True, max_staleness=4, is_correction=correction)
+        logged[correction] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][4:]
+    mean = {c: {k: sum(r[k] for r in rows) / len(rows) for k in ("mismatch_kl", "corrected_mismatch_kl")} for c, rows in logged.items()}
+    print(f"staleness 4, steps 5-16: {mean}")
+    assert all(r["staleness"] == 4 for rows in logged.values() for r in rows)
+    assert mean["none"]["mismatch_kl"] > 0 and mean["tis"]["mismatch_kl"] > 0
+    assert mean["none"]["corrected_mismatch_kl"] == pytest.approx(mean["none"]["mismatch_kl"], rel=1e-3)
+    assert mean["tis"]["corrected_mismatch_kl"] < 0.5 * mean["none"]["corrected_mismatch_kl"]
 
 
 GUESS_LIMITS = EpisodeLimits(max_turns=6, max_episode_tokens=64, max_turn_tokens=4)

@@ -213,18 +213,27 @@ def importance_weights(old_logprobs: torch.Tensor, behaviour_logprobs: torch.Ten
     return weights * (mask > 0)
 
 
-def logprob_mismatch(old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+def logprob_mismatch(old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mask: torch.Tensor,
+                     is_weights: torch.Tensor | None = None) -> dict[str, float]:
     """How far the trainer's log-probabilities of the sampled tokens are from the engine's that sampled them:
     the mean of log π_old - log μ and its largest magnitude (engine_logprob_max_diff, the weight-sync check's
     name) over response tokens, and KL(μ‖π_old) by the k3 estimator
-    (E_μ[w - 1 - log w], w = π_old/μ: unbiased and never negative on samples from μ)."""
+    (E_μ[w - 1 - log w], w = π_old/μ: unbiased and never negative on samples from μ).
+
+    corrected_mismatch_kl: the same k3 of what the correction leaves, r = w / is_weight over the tokens it keeps
+    (none: r = w, the whole mismatch; tis: max(1, w/cap); mis: w inside the band). The mismatch itself is the
+    sampling weights' lag, which no correction changes; this is how much of it the loss still trains on."""
     old_logprobs, behaviour_logprobs = masked_inputs(mask, old_logprobs.detach().float(), behaviour_logprobs.float())
     log_w = old_logprobs - behaviour_logprobs
     if not (mask > 0).any():
-        return {"mismatch_log_ratio_mean": 0.0, "engine_logprob_max_diff": 0.0, "mismatch_kl": 0.0}
+        return {"mismatch_log_ratio_mean": 0.0, "engine_logprob_max_diff": 0.0, "mismatch_kl": 0.0, "corrected_mismatch_kl": 0.0}
+    k3 = torch.exp(log_w) - 1 - log_w
+    kept = mask if is_weights is None else mask * (is_weights > 0)
+    log_r = log_w if is_weights is None else log_w - torch.log(is_weights.float().clamp(min=1e-30))
     return {"mismatch_log_ratio_mean": masked_mean(log_w, mask).item(),
             "engine_logprob_max_diff": log_w.abs()[mask > 0].max().item(),
-            "mismatch_kl": masked_mean(torch.exp(log_w) - 1 - log_w, mask).item()}
+            "mismatch_kl": masked_mean(k3, mask).item(),
+            "corrected_mismatch_kl": masked_mean(torch.exp(log_r) - 1 - log_r, kept).item() if (kept > 0).any() else 0.0}
 
 
 def value_loss(

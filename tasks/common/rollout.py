@@ -31,6 +31,7 @@ class Rollout:
     response_mask: torch.Tensor
     prompt_width: int
     logprobs: torch.Tensor | None = None  # [B, R]: the engine's own log-probabilities of the response tokens (the behaviour policy's)
+    versions: torch.Tensor | None = None  # [B, R]: the weight version that generated each response token (engines of their own)
 
     @property
     def responses(self) -> torch.Tensor:
@@ -46,14 +47,18 @@ class Rollout:
     def response_lengths(self) -> torch.Tensor:
         return self.response_mask.sum(-1)
 
+    def oldest_versions(self) -> torch.Tensor:
+        """[B]: the oldest weight version among each row's response tokens (requires `versions`)."""
+        return self.versions.masked_fill(self.response_mask == 0, torch.iinfo(self.versions.dtype).max).min(-1).values
+
     def select(self, rows) -> "Rollout":
         """The rollout of some rows (an index tensor, list or slice), at the same widths."""
         return Rollout(self.sequences[rows], self.attention_mask[rows], self.response_mask[rows], self.prompt_width,
-                       None if self.logprobs is None else self.logprobs[rows])
+                       *(None if t is None else t[rows] for t in (self.logprobs, self.versions)))
 
     def to(self, device) -> "Rollout":
         return Rollout(self.sequences.to(device), self.attention_mask.to(device), self.response_mask.to(device), self.prompt_width,
-                       None if self.logprobs is None else self.logprobs.to(device))
+                       *(None if t is None else t.to(device) for t in (self.logprobs, self.versions)))
 
 
 def response_mask(responses: torch.Tensor, stop_ids: int | list[int]) -> torch.Tensor:
@@ -137,13 +142,17 @@ def concat_rollouts(chunks: list[Rollout], pad_id: int) -> Rollout:
         return chunks[0]
     p_width = max(c.prompt_width for c in chunks)
     r_width = max(c.responses.size(1) for c in chunks)
-    seqs, masks, r_masks, logprobs = [], [], [], []
+    seqs, masks, r_masks = [], [], []
     for c in chunks:
         left, right = p_width - c.prompt_width, r_width - c.responses.size(1)
         seqs.append(torch.nn.functional.pad(c.sequences, (left, right), value=pad_id))
         masks.append(torch.nn.functional.pad(c.attention_mask, (left, right), value=0))
         r_masks.append(torch.nn.functional.pad(c.response_mask, (0, right), value=0))
-        if c.logprobs is not None:
-            logprobs.append(torch.nn.functional.pad(c.logprobs, (0, right), value=0.0))
-    engine_logprobs = torch.cat(logprobs) if len(logprobs) == len(chunks) else None
-    return Rollout(torch.cat(seqs), torch.cat(masks), torch.cat(r_masks), p_width, engine_logprobs)
+
+    def joined(name: str):  # an optional [B, R] field, kept when every chunk has it
+        parts = [getattr(c, name) for c in chunks]
+        if any(p is None for p in parts):
+            return None
+        return torch.cat([torch.nn.functional.pad(p, (0, r_width - p.size(1)), value=0) for p in parts])
+
+    return Rollout(torch.cat(seqs), torch.cat(masks), torch.cat(r_masks), p_width, joined("logprobs"), joined("versions"))

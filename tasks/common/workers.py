@@ -37,6 +37,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import ray
+
 from tasks.common.config import ConfigError
 
 # Environment a worker process needs from the driver: the raylet started it with its own, which
@@ -61,8 +63,6 @@ def forwarded_env(environ: dict[str, str]) -> dict[str, str]:
 def connect_ray() -> None:
     """Join the Ray cluster this process belongs to: the job's (RAY_ADDRESS, which Ray sets for a
     job's driver), the local stack's (RLHF_RAY_PORT, from `tools/stack.py env`), or a new local one."""
-    import ray
-
     if ray.is_initialized():
         return
     address = os.environ.get("RAY_ADDRESS", "")
@@ -73,8 +73,6 @@ def connect_ray() -> None:
 
 
 def cluster_has_gpus() -> bool:
-    import ray
-
     return ray.cluster_resources().get("GPU", 0) > 0
 
 
@@ -97,7 +95,6 @@ class Placement:
                resources: dict[str, float] | None = None) -> "Placement":
         """`resources`: custom resources each bundle also asks for (e.g. {"node_a": 1}), so the bundles
         land only on nodes that advertise them."""
-        import ray
         from ray.util.placement_group import placement_group
 
         connect_ray()
@@ -130,14 +127,10 @@ class Placement:
 
     def node_ids(self) -> list[str]:
         """The Ray node id of each bundle, known as soon as the placement group is ready."""
-        import ray
-
         nodes = ray.util.placement_group_table(self.group)["bundles_to_node_id"]
         return [nodes[i] for i in range(self.size)]
 
     def remove(self) -> None:
-        import ray
-
         ray.util.remove_placement_group(self.group)
 
 
@@ -180,17 +173,19 @@ class Worker:
         init_distributed(rank, world_size, init_method)
 
     def node_address(self) -> str:
-        import ray
-
         return ray.util.get_node_ip_address()
 
     def node_id(self) -> str:
-        import ray
-
         return ray.get_runtime_context().get_node_id()
 
     def call(self, method: str, *args, **kwargs):
         """Run one of this worker's methods by name (the group's fan-out goes through here)."""
+        return getattr(self, method)(*args, **kwargs)
+
+    @ray.method(concurrency_group="beside")
+    def call_beside(self, method: str, *args, **kwargs):
+        """`call` on a thread of its own, while the main queue runs something else: a weight update that must
+        reach a rollout already running (--partial_rollouts). The method must be safe beside the others."""
         return getattr(self, method)(*args, **kwargs)
 
 
@@ -257,8 +252,6 @@ class _Probe:
     """A bare actor placed like a group's rank, to learn its node before the world forms."""
 
     def address(self) -> tuple[str, str, int]:
-        import ray
-
         with socket.socket() as s:
             s.bind(("", 0))
             port = s.getsockname()[1]
@@ -269,7 +262,6 @@ class WorkerGroup:
     """`placement.size` actors of `worker_cls`, rank r in bundle r, each taking `fraction` of its bundle."""
 
     def __init__(self, worker_cls: type, placement: Placement, name: str, fraction: float = 1.0):
-        import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.name, self.placement, self.world_size = name, placement, placement.size
@@ -298,7 +290,7 @@ class WorkerGroup:
         per_node = max(nodes.count(n) for n in nodes)
         threads = max(1, (os.cpu_count() or 1) // per_node)
 
-        remote_cls = ray.remote(worker_cls)
+        remote_cls = ray.remote(concurrency_groups={"beside": 1})(worker_cls)
         self.workers = [remote_cls.options(**o).remote(r, self.world_size, init_method, threads) for r, o in enumerate(options)]
         ray.get([w.node_address.remote() for w in self.workers])  # all joined (or the error surfaces here)
 
@@ -308,9 +300,11 @@ class WorkerGroup:
 
     def run(self, method: str, *args, **kwargs) -> list:
         """`method(*args)` on every rank; the ranks' results in rank order."""
-        import ray
-
         return ray.get(self.run_async(method, *args, **kwargs))
+
+    def run_beside_async(self, method: str, *args, **kwargs) -> list:
+        """`run_async` through each rank's `call_beside`: not queued behind the calls still running there."""
+        return [w.call_beside.remote(method, *args, **kwargs) for w in self.workers]
 
     def scatter_async(self, method: str, shards: Sequence, *args, **kwargs) -> list:
         if len(shards) != self.world_size:
@@ -319,13 +313,9 @@ class WorkerGroup:
 
     def scatter(self, method: str, shards: Sequence, *args, **kwargs) -> list:
         """Rank r runs `method(shards[r], *args)`; the results in rank order."""
-        import ray
-
         return ray.get(self.scatter_async(method, shards, *args, **kwargs))
 
     def shutdown(self) -> None:
-        import ray
-
         for w in self.workers:
             ray.kill(w)
         if self._rendezvous_file:  # torch's file store leaves it behind

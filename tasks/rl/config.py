@@ -107,6 +107,7 @@ class RLConfig(EpisodeConfig, TrainingConfig):
     vllm_enable_sleep: bool = field(default=False, metadata={"help": "vLLM gives its weights and KV cache back while the actor trains (sleep level 1), and takes them again for the next rollout"})
     async_train: bool = field(default=False, metadata={"help": "rollout engines of their own generate the next rollouts while the actor trains: the vLLM engines on GPUs of their own, or without vLLM one transformers engine on a device of its own; see --max_staleness"})
     max_staleness: int = field(default=1, metadata={"help": "with --async_train: rollouts kept generating ahead of the trainer, so a trained sample's weights are at most this many updates old (1: one step off-policy)"})
+    partial_rollouts: bool = field(default=False, metadata={"help": "with --async_train: an update reaches the episodes already running at their next turn (each token tagged with the weight version that generated it), instead of the rollouts started after it"})
     is_correction: str = field(default="auto", metadata={"help": "off-policy correction of the policy loss by the engine's log-probabilities of the sampled tokens: tis (truncated importance weights), mis (tokens whose weight leaves [1/is_cap, is_cap] masked) or none; auto: tis with --async_train, else none"})
     is_cap: float = field(default=2.0, metadata={"help": "the importance weight's cap (tis) or band (mis)"})
     ignore_eos: bool = field(default=False, metadata={"help": "benchmarks: every response is generate_max_len tokens, EOS or not"})
@@ -237,6 +238,9 @@ class RLConfig(EpisodeConfig, TrainingConfig):
         if self.async_train and (self.dynamic_filtering or self.lora_rank or self.max_staleness < 1):
             raise ConfigError("async_train: needs a fixed rollout, full weights and --max_staleness of 1 or more; "
                               "drop --dynamic_filtering and --lora_rank, or drop --async_train")
+        if self.partial_rollouts and not self.async_train:
+            raise ConfigError("partial_rollouts: weights change under running rollouts only with --async_train; add it, "
+                              "or drop --partial_rollouts")
         dynamic_range = self.interval("dynamic_filtering_reward_range")
         if self.dynamic_filtering and (dynamic_range is None or self.n_samples_per_prompt < 2):
             raise ConfigError("dynamic_filtering: needs n_samples_per_prompt of 2 or more and a dynamic_filtering_reward_range 'low high'")

@@ -28,9 +28,10 @@ from __future__ import annotations
 import asyncio
 import inspect
 import math
+import threading
 import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import torch
@@ -113,6 +114,7 @@ class Episode:
     tokens: list[int] = field(default_factory=list)
     model_mask: list[int] = field(default_factory=list)  # 1: the model's token (trained on), 0: an observation's
     logprobs: list[float] = field(default_factory=list)  # the engine's log-probability of each model token (0 elsewhere)
+    versions: list[int] = field(default_factory=list)    # the weight version each token was generated under
     reward: float = 0.0
     turns: int = 0
     tool_calls: int = 0
@@ -120,11 +122,13 @@ class Episode:
     success: bool | None = None
     failure: str | None = None
     done: bool = False
+    action: str = ""  # the last model turn's text, the environment's next step
 
-    def add(self, ids: list[int], by_model: bool, logprobs: list[float] | None = None) -> None:
+    def add(self, ids: list[int], by_model: bool, logprobs: list[float] | None = None, version: int = 0) -> None:
         self.tokens += ids
         self.model_mask += [int(by_model)] * len(ids)
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
+        self.versions += [version] * len(ids)
 
 
 @dataclass
@@ -188,27 +192,41 @@ def _observation_frame(tokenizer, role: str) -> str:
 
 
 class EpisodeRunner:
-    """Runs a batch of episodes: each turn, one `generate` over every live episode's tokens so far, then
-    every live environment's step at once (async steps awaited together, sync ones in threads)."""
+    """Runs a batch of episodes. The engine generates one turn for every episode ready for one, in one batched
+    `generate`; the environments step on an event loop of the runner's own (async steps awaited, sync ones in
+    threads), each as soon as its episode's turn is generated. In lock-step (the transformers engine: the same
+    batches, so the same samples, whatever the timing) the engine waits for every step in flight before the
+    next turn; overlapped (`engine.overlap_turns`, vLLM) it generates the turns of the episodes that are ready
+    while the others' steps run, so a slow tool holds back its own episode only.
 
-    def __init__(self, engine, tokenizer, make_env, limits: EpisodeLimits, chat_template: bool = False, input_key: str = "prompt"):
+    `policy_version`, when given, is called before each generate: it may load newer weights into the engine
+    (--partial_rollouts) and says which version the turn generates with; each token is tagged with it."""
+
+    def __init__(self, engine, tokenizer, make_env, limits: EpisodeLimits, chat_template: bool = False, input_key: str = "prompt",
+                 policy_version=None):
         self.engine, self.tokenizer, self.make_env, self.limits = engine, tokenizer, make_env, limits
-        self.chat_template, self.input_key = chat_template, input_key
+        self.chat_template, self.input_key, self.policy_version = chat_template, input_key, policy_version
+        self.overlap = bool(getattr(engine, "overlap_turns", False))
         self.stop_ids = set(data.stop_token_ids(tokenizer))
         self.pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="env")  # a hung sync step holds a thread, not the run
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, name="env-loop", daemon=True).start()
 
     # ------------------------------------------------------------------ environment calls
 
     async def _call(self, fn, arg):
         if inspect.iscoroutinefunction(fn):
             return await asyncio.wait_for(fn(arg), self.limits.step_timeout)
-        return await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(self.pool, fn, arg), self.limits.step_timeout)
+        return await asyncio.wait_for(self.loop.run_in_executor(self.pool, fn, arg), self.limits.step_timeout)
 
-    def _call_all(self, calls: list[tuple]) -> list:
-        """[(fn, arg)] run concurrently; each result a value or the exception it raised."""
-        async def main():
-            return await asyncio.gather(*(self._call(fn, arg) for fn, arg in calls), return_exceptions=True)
-        return asyncio.run(main()) if calls else []
+    def _submit(self, fn, arg) -> Future:
+        """`fn(arg)` started on the environments' loop, under the step timeout."""
+        return asyncio.run_coroutine_threadsafe(self._call(fn, arg), self.loop)
+
+    @staticmethod
+    def _outcome(future: Future):
+        """A finished call's value, or the exception it raised."""
+        return future.exception() or future.result()
 
     def _fail(self, episode: Episode, reason: str) -> None:
         episode.failure, episode.reward, episode.done = reason, 0.0, True
@@ -224,11 +242,10 @@ class EpisodeRunner:
                 envs.append(self.make_env())
             except Exception as e:
                 envs.append(e)
-        built = [(env, row) for env, row in zip(envs, rows) if not isinstance(env, Exception)]
-        firsts = iter(self._call_all([(env.reset, row) for env, row in built]))
+        resets = [None if isinstance(env, Exception) else self._submit(env.reset, row) for env, row in zip(envs, rows)]
         episodes = []
-        for env, row in zip(envs, rows):
-            first = env if isinstance(env, Exception) else next(firsts)
+        for env, row, reset in zip(envs, rows, resets):
+            first = env if reset is None else self._outcome(reset)
             failure = failure_reason(first) if isinstance(first, BaseException) else \
                 None if first is None or isinstance(first, (str, list)) else "malformed"
             prompt = row.get(self.input_key, "") if failure or first is None else first
@@ -241,36 +258,47 @@ class EpisodeRunner:
         return episodes
 
     def run(self, rows: list[dict], temperature: float = 1.0, greedy: bool = False) -> Episodes:
-        t0, waited = time.time(), 0.0
-        behaviour_logprobs = True  # until an engine call reports none
+        t0 = time.time()
         episodes = self.start(rows)
-        waited += time.time() - t0
-        limits = self.limits
-        for turn in range(limits.max_turns):
-            live = [e for e in episodes if not e.done]
-            if not live:
-                break
-            rollout = self.engine.generate([e.prompt + e.tokens for e in live], limits.max_turn_tokens, temperature, greedy=greedy)
-            actions = []
-            behaviour_logprobs &= rollout.logprobs is not None
-            behaviour = rollout.logprobs.tolist() if rollout.logprobs is not None else [None] * len(live)
-            for episode, ids, mask, logprobs in zip(live, rollout.responses.tolist(), rollout.response_mask.tolist(), behaviour):
-                room = limits.max_episode_tokens - len(episode.tokens)
-                kept = [i for i, m in enumerate(mask) if m][:room]
-                ids = [ids[i] for i in kept]
-                episode.add(ids, by_model=True, logprobs=None if logprobs is None else [logprobs[i] for i in kept])
-                episode.turns += 1
-                actions.append(self.tokenizer.decode([t for t in ids if t not in self.stop_ids], skip_special_tokens=True))
+        waited = time.time() - t0  # the engine idle, waiting on environments
+        behaviour_logprobs = True  # until an engine call reports none
+        ready = [i for i, e in enumerate(episodes) if not e.done]  # episodes waiting for their next model turn
+        stepping: dict[Future, tuple[int, int]] = {}  # an environment step in flight: (episode, version of its turn)
+        while ready or stepping:
+            blocked = stepping and (not ready or not self.overlap)
             t1 = time.time()
-            results = self._call_all([(e.env.step, a) for e, a in zip(live, actions)])
-            waited += time.time() - t1
-            for episode, result in zip(live, results):
-                self._apply(episode, result, last_turn=turn == limits.max_turns - 1)
-        for episode in episodes:
-            episode.done = True
+            finished, _ = wait(stepping, timeout=None if blocked else 0, return_when=ALL_COMPLETED if not self.overlap else FIRST_COMPLETED)
+            waited += time.time() - t1 if blocked else 0.0
+            for future in finished:
+                i, version = stepping.pop(future)
+                self._apply(episodes[i], self._outcome(future), episodes[i].turns == self.limits.max_turns, version)
+                if not episodes[i].done:
+                    ready.append(i)
+            if not ready:
+                continue
+            batch, ready = sorted(ready), []
+            version = self.policy_version() if self.policy_version else 0
+            behaviour_logprobs &= self._turn([episodes[i] for i in batch], temperature, greedy, version)
+            for i in batch:
+                stepping[self._submit(episodes[i].env.step, episodes[i].action)] = (i, version)
         return self._collect(episodes, time.time() - t0, waited, behaviour_logprobs)
 
-    def _apply(self, episode: Episode, result, last_turn: bool) -> None:
+    def _turn(self, live: list[Episode], temperature: float, greedy: bool, version: int) -> bool:
+        """One model turn for each of `live`: its tokens appended (up to the episode's room) and decoded into its
+        `action`. Returns whether the engine reported the tokens' log-probabilities."""
+        limits = self.limits
+        rollout = self.engine.generate([e.prompt + e.tokens for e in live], limits.max_turn_tokens, temperature, greedy=greedy)
+        behaviour = rollout.logprobs.tolist() if rollout.logprobs is not None else [None] * len(live)
+        for episode, ids, mask, logprobs in zip(live, rollout.responses.tolist(), rollout.response_mask.tolist(), behaviour):
+            room = limits.max_episode_tokens - len(episode.tokens)
+            kept = [i for i, m in enumerate(mask) if m][:room]
+            ids = [ids[i] for i in kept]
+            episode.add(ids, by_model=True, logprobs=None if logprobs is None else [logprobs[i] for i in kept], version=version)
+            episode.turns += 1
+            episode.action = self.tokenizer.decode([t for t in ids if t not in self.stop_ids], skip_special_tokens=True)
+        return rollout.logprobs is not None
+
+    def _apply(self, episode: Episode, result, last_turn: bool, version: int) -> None:
         if isinstance(result, BaseException):
             return self._fail(episode, failure_reason(result))
         if not (isinstance(result, tuple) and len(result) == 4):
@@ -292,7 +320,7 @@ class EpisodeRunner:
         if len(episode.tokens) + len(ids) >= self.limits.max_episode_tokens:  # no room left for the model to answer
             episode.done = True
             return
-        episode.add(ids, by_model=False)
+        episode.add(ids, by_model=False, version=version)
 
     def _collect(self, episodes: list[Episode], seconds: float, waited: float, behaviour_logprobs: bool) -> Episodes:
         pad_id = self.tokenizer.pad_token_id
@@ -302,17 +330,20 @@ class EpisodeRunner:
         attention = torch.zeros((len(episodes), width), dtype=torch.long)
         model_mask = torch.zeros((len(episodes), width), dtype=torch.long)
         logprobs = torch.zeros((len(episodes), width), dtype=torch.float32)
+        versions = torch.zeros((len(episodes), width), dtype=torch.long)
         for i, e in enumerate(episodes):
             n = len(e.tokens)
             responses[i, :n] = torch.tensor(e.tokens, dtype=torch.long)
             attention[i, :n] = 1
             model_mask[i, :n] = torch.tensor(e.model_mask, dtype=torch.long)
             logprobs[i, :n] = torch.tensor(e.logprobs, dtype=torch.float32)
+            versions[i, :n] = torch.tensor(e.versions, dtype=torch.long)
         rollout = Rollout(torch.cat([prompts, responses], 1), torch.cat([p_mask, attention], 1), model_mask, prompts.size(1),
-                          logprobs if behaviour_logprobs else None)
+                          logprobs if behaviour_logprobs else None, versions if self.policy_version else None)
         summaries = [episode_summary(e) for e in episodes]
         return Episodes(rollout, torch.tensor([e.reward for e in episodes], dtype=torch.float32), summaries,
                         episode_stats(summaries, seconds, waited), episodes)
 
     def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
         self.pool.shutdown(wait=False, cancel_futures=True)

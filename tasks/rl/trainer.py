@@ -107,25 +107,21 @@ class RemoteRewardModels(RewardSource):
 
 @dataclass
 class Generated:
-    """What a rollout engine slot gives back: the rollout, the environment's rewards with episodes (None: the
-    reward source scores it), episode statistics, and the weight version it was generated with (None: the
-    actor's own, current weights)."""
+    """What a rollout engine slot gives back: the rollout (its `versions` set by engines of their own), the
+    environment's rewards with episodes (None: the reward source scores it) and episode statistics."""
 
     rollout: Rollout
     rewards: torch.Tensor | None = None
     stats: dict[str, float] | None = None
-    version: int | None = None
 
 
 def merge_generated(parts: list, pad_token_id: int, seconds: float) -> Generated:
-    """One Generated from the workers' shares: Rollouts or Episodes, each alone or with the engine's version."""
-    versions = [p[1] for p in parts if isinstance(p, tuple)]
-    parts = [p[0] if isinstance(p, tuple) else p for p in parts if p is not None]
-    version = min(versions) if versions else None
+    """One Generated from the workers' shares: Rollouts, or Episodes (None for a worker without rows)."""
+    parts = [p for p in parts if p is not None]
     if isinstance(parts[0], Rollout):
-        return Generated(concat_rollouts([p for p in parts if p.sequences.size(0)], pad_token_id), version=version)
+        return Generated(concat_rollouts([p for p in parts if p.sequences.size(0)], pad_token_id))
     stats = episode_stats([s for p in parts for s in p.summaries], seconds, max(p.stats["time_env_s"] for p in parts))
-    return Generated(concat_rollouts([p.rollout for p in parts], pad_token_id), torch.cat([p.rewards for p in parts]), stats, version)
+    return Generated(concat_rollouts([p.rollout for p in parts], pad_token_id), torch.cat([p.rewards for p in parts]), stats)
 
 
 class ActorGroupEngine:
@@ -145,7 +141,8 @@ class ActorGroupEngine:
         started, futures = handle
         return merge_generated(gather(futures), self.pad_token_id, time.time() - started)
 
-    def sync_weights(self) -> None:
+    def sync_weights(self, version: int) -> None:
+        """The actor's weights after `version` updates to the engines."""
         if self.vllm:
             self.actor.run("sync_weights")
 
@@ -155,11 +152,13 @@ class EngineGroup(ActorGroupEngine):
     fed after each update by the actor's rank 0 over NCCL, or one transformers engine (--async_train without
     vLLM), fed the weights through Ray's object store. Calls on an engine run in order, so an update sent
     while rollouts are queued reaches only the rollouts started after it: with --async_train the controller
-    keeps up to --max_staleness rollouts in flight, and each comes back with the weight version it used."""
+    keeps up to --max_staleness rollouts in flight, each token tagged with the weight version it used. With
+    `partial` (--partial_rollouts) an update goes beside the queue and reaches running episodes at their next turn."""
 
-    def __init__(self, engines: WorkerGroup, actor: WorkerGroup, pad_token_id: int, vllm: bool):
+    def __init__(self, engines: WorkerGroup, actor: WorkerGroup, pad_token_id: int, vllm: bool, partial: bool = False):
         super().__init__(actor, pad_token_id, vllm)
         self.engines = engines
+        self.send = engines.run_beside_async if partial else engines.run_async
         if vllm:
             host, port = actor.run("weight_channel_address")[0]
             world = 1 + engines.world_size
@@ -169,12 +168,12 @@ class EngineGroup(ActorGroupEngine):
     def start(self, method: str, items: list):
         return time.time(), self.engines.scatter_async(method, shard(items, self.engines.world_size))
 
-    def sync_weights(self) -> None:
+    def sync_weights(self, version: int) -> None:
         if self.vllm:
-            gather([self.actor.run_async("send_weights"), self.engines.run_async("receive_weights", self.shapes)])
+            gather([self.actor.run_async("send_weights"), self.send("receive_weights", self.shapes, version)])
             return
         state = self.actor.run_async("engine_state")  # every rank (ZeRO-3 gathers); rank 0's holds the weights
-        gather([*state, self.engines.run_async("load_state", state[0])])
+        gather([*state, self.send("load_state", state[0], version)])
 
 
 class Controller:
@@ -236,7 +235,8 @@ class Controller:
             setup_args["rollout"] = (cfg,)
         gather([self.groups[role].run_async("setup", *setup_args[role]) for role in roles])
         if cfg.separate_engines():
-            self.engine = EngineGroup(self.groups["rollout"], self.groups["actor"], self.tokenizer.pad_token_id, vllm=cfg.vllm_num_engines > 0)
+            self.engine = EngineGroup(self.groups["rollout"], self.groups["actor"], self.tokenizer.pad_token_id,
+                                      vllm=cfg.vllm_num_engines > 0, partial=cfg.partial_rollouts)
         else:
             self.engine = ActorGroupEngine(self.groups["actor"], self.tokenizer.pad_token_id, vllm=cfg.vllm_num_engines > 0)
         self.reward: RewardSource | None = (RemoteRewardModels(self.groups["reward"]) if "reward" in self.groups
@@ -319,14 +319,27 @@ class Controller:
         t1 = time.time()
         timing["time_generate_s"] += t1 - t0
         timing.update(out.stats or {})
-        if out.version is not None:  # weight versions behind the trainer's (step - 1 updates so far)
-            timing["staleness"] = step - 1 - out.version
+        if out.rollout.versions is not None:
+            out, index = self._drop_stale(out, index, step, timing)
         if out.rewards is not None:
             return out.rollout, out.rewards
         batch = build_reward_batch(out.rollout, self.tokenizer, [self.prompts.texts[i] for i in index], [self.prompts.labels[i] for i in index])
         scores = self.reward.score(batch).float()
         timing["time_reward_s"] += time.time() - t1
         return out.rollout, scores
+
+    def _drop_stale(self, out: Generated, index: list[int], step: int, timing: dict) -> tuple[Generated, list[int]]:
+        """Drop the prompt groups with a sample more than --max_staleness updates behind the trainer (step - 1 so
+        far). The engines' queue keeps every sample within it, so a drop means a rollout outlived its bound."""
+        keep, stats = fresh_groups(out.rollout, step - 1, self.cfg.n_samples_per_prompt, self.cfg.max_staleness)
+        timing.update(stats)
+        if keep.all():
+            return out, index
+        if not keep.any():
+            raise RuntimeError(f"rl: every sample of step {step}'s rollout is more than --max_staleness {self.cfg.max_staleness} "
+                               "updates old; the engines fell behind the trainer")
+        rows = keep.nonzero().squeeze(-1)
+        return Generated(out.rollout.select(rows), None if out.rewards is None else out.rewards[rows], out.stats), [index[i] for i in rows.tolist()]
 
     def in_waves(self, calls: dict[str, tuple[str, list, tuple]]) -> dict[str, list]:
         """Run {role: (method, per-rank shards, extra args)}: groups on separate placement groups at
@@ -378,7 +391,7 @@ class Controller:
                  for role, args in (("actor", (kl_coef,)), ("critic", ())) if role in self.groups}
         stats = {k: v for ranks in self.in_waves(calls).values() for k, v in ranks[0].items()}
         t3 = time.time()
-        self.engine.sync_weights()
+        self.engine.sync_weights(step)
         t4 = time.time()
         sequence_kl = exp.kl.sum(-1).mean().item()
         self.kl_ctl.update(sequence_kl, n_steps=exp.sequences.size(0))
@@ -429,6 +442,17 @@ class Controller:
             placement.remove()
 
 
+def fresh_groups(rollout: Rollout, updates: int, n: int, max_staleness: int) -> tuple[torch.Tensor, dict[str, float]]:
+    """Which rows to train on, by groups of `n` (a group's samples are consecutive): those whose samples' oldest
+    tokens are at most `max_staleness` versions behind `updates`; and the staleness statistics logged."""
+    oldest = rollout.oldest_versions()
+    newest = rollout.versions.masked_fill(rollout.response_mask == 0, -1).max(-1).values
+    behind = updates - oldest
+    keep = (behind <= max_staleness).view(-1, n).all(-1).repeat_interleave(n)
+    return keep, {"staleness": behind.max().item(), "staleness_mean": behind.float().mean().item(),
+                  "partial_fraction": (newest > oldest).float().mean().item(), "dropped_stale": int((~keep).sum())}
+
+
 def gather(futures: list) -> list:
     """ray.get over futures and lists of futures, flattened, in order."""
     import ray
@@ -454,8 +478,11 @@ def train(cfg: RLConfig, run: StageRun) -> None:
     controller = Controller(cfg, run)
     try:
         start = run.resume(controller.load_state)
-        # Rollouts in flight at the checkpoint are lost (the sampler had drawn their prompts); start only the steps left.
-        controller.started = start
+        if start:
+            # The engines start from the policy on disk: give them the resumed weights. Rollouts in flight at the
+            # checkpoint are lost (the sampler had drawn their prompts); start only the steps left.
+            controller.engine.sync_weights(start)
+            controller.started = start
         exp = None
         for step in range(start + 1, controller.steps + 1):
             exp = controller.step(step)

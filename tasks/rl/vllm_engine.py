@@ -52,6 +52,10 @@ def gathered(param, gather: bool = True):
 
 
 class VLLMRolloutEngine:
+    # Episodes (tasks.rl.environment.EpisodeRunner): generate the turns of the episodes that are ready while the
+    # others' environment steps run; vLLM's batches are not reproducible bit for bit anyway.
+    overlap_turns = True
+
     def __init__(self, model_path: str, tokenizer, max_model_len: int, gpu_memory_utilization: float, seed: int,
                  dtype: str = "bfloat16", enable_prefix_caching: bool = False, enable_sleep: bool = False,
                  ignore_eos: bool = False):

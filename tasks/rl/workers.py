@@ -8,6 +8,8 @@ gathers) runs on every rank of its group.
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from tasks.common import data, lora
@@ -165,11 +167,11 @@ class ActorWorker(_Trainer):
                 old = logprobs.detach() if mb.logprobs is None else mb.logprobs
                 is_weights = None
                 if mb.behaviour_logprobs is not None:  # the engine's policy against the trainer's, every step
-                    mismatch = logprob_mismatch(old, mb.behaviour_logprobs, mb.action_mask)
+                    is_weights = importance_weights(old, mb.behaviour_logprobs, mb.action_mask, cfg.correction(), cfg.is_cap)
+                    mismatch = logprob_mismatch(old, mb.behaviour_logprobs, mb.action_mask, is_weights)
                     sync_gaps.append(mismatch.pop("engine_logprob_max_diff"))
                     for key, value in mismatch.items():
                         stats.setdefault(key, []).append(value)
-                    is_weights = importance_weights(old, mb.behaviour_logprobs, mb.action_mask, cfg.correction(), cfg.is_cap)
                 p_loss, clip_fraction = policy_loss(
                     logprobs, old, mb.advantages, mb.action_mask, cfg.eps_clip, clip_eps_low=cfg.eps_clip_low or None,
                     clip_eps_high=cfg.eps_clip_high or None, dual_clip=cfg.dual_clip or None, loss_agg=loss_agg,
@@ -210,13 +212,17 @@ class RolloutEngineWorker(Worker):
     """A rollout engine on a device of its own, generating while the actor trains (--async_train): a vLLM engine
     on a GPU (--vllm_num_engines without --colocate_all_models), fed the actor's new weights over NCCL, or a
     transformers engine (no vLLM engines, e.g. on CPUs), fed them through Ray's object store. Both start from
-    the policy's weights on disk; `version` counts the updates loaded since, so a rollout says how stale it is."""
+    the policy's weights on disk. New weights load between rollouts, in the engine's queue order; with
+    --partial_rollouts they arrive beside a running rollout and load before its episodes' next turn. Every
+    response token is tagged with the version (updates so far) of the weights that generated it."""
 
     def setup(self, cfg: RLConfig) -> None:
         self.cfg = cfg
         path = resolve_model(cfg.pretrain)
         self.tokenizer = load_tokenizer(path)
         self.version = 0
+        self.received = None  # (version, [(name, tensor)]): the newest weights not loaded yet
+        self.lock = threading.Lock()
         # Distinct seeds from the actor ranks' and from each other's.
         seed = cfg.seed + 1000 * (self.rank + 1)
         if cfg.vllm_num_engines:
@@ -226,42 +232,69 @@ class RolloutEngineWorker(Worker):
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
             self.model = load_causal_lm(path, dtype=_dtype(cfg)).to(device).eval()
             self.engine = HFRolloutEngine(self.model, self.tokenizer, device)
-        self.episodes = _episode_runner(cfg, self.engine, self.tokenizer)
+        self.episodes = _episode_runner(cfg, self.engine, self.tokenizer, policy_version=self.newest_weights)
 
-    def generate(self, prompts: list[list[int]]) -> tuple[Rollout, int]:
-        return self.engine.generate(prompts, self.cfg.generate_max_len, self.cfg.temperature).to("cpu"), self.version
+    def generate(self, prompts: list[list[int]]) -> Rollout:
+        version = self.newest_weights()
+        rollout = self.engine.generate(prompts, self.cfg.generate_max_len, self.cfg.temperature).to("cpu")
+        rollout.versions = torch.full_like(rollout.response_mask, version)
+        return rollout
 
     def run_episodes(self, rows: list[dict]):
-        result = _run_episodes(self.episodes, rows, self.cfg)
-        return None if result is None else (result, self.version)
+        return _run_episodes(self.episodes, rows, self.cfg)
+
+    def newest_weights(self) -> int:
+        """Load the weights received beside a running rollout, if any; the version generating from now on."""
+        with self.lock:
+            received, self.received = self.received, None
+        if received is not None:
+            self._load(*received)
+        return self.version
+
+    def _receive(self, version: int, weights) -> None:
+        """The actor's weights after `version` updates, as (name, tensor) pairs. Between rollouts (the queue's
+        order) they load at once, one tensor at a time; beside a running rollout (--partial_rollouts) they are
+        held, a second copy meanwhile, until its next turn; a newer version replaces one not loaded yet."""
+        if not self.cfg.partial_rollouts:
+            self._load(version, weights)
+            return
+        weights = list(weights)
+        with self.lock:
+            self.received = (version, weights)
+
+    @torch.no_grad()
+    def _load(self, version: int, weights) -> None:
+        if self.cfg.vllm_num_engines:
+            self.engine.load_named(weights)
+        else:
+            # Parameters only (buffers such as rotary frequencies stay), so not strict; but every name must land.
+            unexpected = self.model.load_state_dict(dict(weights), strict=False).unexpected_keys
+            if unexpected:
+                raise RuntimeError(f"rollout engine: the actor's weights {unexpected[:3]} have no place in the engine's model")
+        self.version = version
 
     def open_weight_channel(self, host: str, port: int, world_size: int) -> None:
         from tasks.rl.vllm_engine import WeightChannel
 
         self.channel = WeightChannel(host, port, 1 + self.rank, world_size)
 
-    def receive_weights(self, shapes: list[tuple[str, list[int], str]]) -> None:
-        self.engine.load_named((name, self.channel.receive(shape, dtype)) for name, shape, dtype in shapes)
-        self.version += 1
+    def receive_weights(self, shapes: list[tuple[str, list[int], str]], version: int) -> None:
+        """The actor's weights after `version` updates, over NCCL from its rank 0 (ActorWorker.send_weights)."""
+        self._receive(version, ((name, self.channel.receive(shape, dtype)) for name, shape, dtype in shapes))
 
-    @torch.no_grad()
-    def load_state(self, state: dict[str, torch.Tensor]) -> None:
-        """The actor's new weights (ActorWorker.engine_state), for the transformers engine."""
-        # Parameters only (buffers such as rotary frequencies stay), so not strict; but every name must land.
-        unexpected = self.model.load_state_dict(state, strict=False).unexpected_keys
-        if unexpected:
-            raise RuntimeError(f"rollout engine: the actor's weights {unexpected[:3]} have no place in the engine's model")
-        self.version += 1
+    def load_state(self, state: dict[str, torch.Tensor], version: int) -> None:
+        """The actor's weights after `version` updates (ActorWorker.engine_state), for the transformers engine."""
+        self._receive(version, state.items())
 
 
-def _episode_runner(cfg: RLConfig, engine, tokenizer):
+def _episode_runner(cfg: RLConfig, engine, tokenizer, policy_version=None):
     """Multi-turn episodes on `engine`, one environment per episode (--env_path); None without one."""
     if not cfg.env_path:
         return None
     from tasks.rl.environment import EpisodeLimits, EpisodeRunner, load_environment
 
     limits = EpisodeLimits(cfg.max_turns, cfg.max_episode_tokens, cfg.generate_max_len, cfg.env_step_timeout, cfg.prompt_max_len)
-    return EpisodeRunner(engine, tokenizer, load_environment(cfg.env_path), limits, cfg.apply_chat_template, cfg.input_key)
+    return EpisodeRunner(engine, tokenizer, load_environment(cfg.env_path), limits, cfg.apply_chat_template, cfg.input_key, policy_version)
 
 
 def _run_episodes(runner, rows: list[dict], cfg: RLConfig):
