@@ -7,7 +7,7 @@ Shows the champion, every promotion and rollback (who, when, which run, gate met
 candidate with its metrics and cost (GPU-hours and wall time summed over the manifests of its policy's
 lineage and its evaluation: the stages' ``gpu_hours`` / ``wall_time_s`` metrics where they recorded them).
 Nothing here writes: promote and roll back with the rlhf_registry DAG or ``python -m tasks.registry``.
-S3 through the connection ``rlhf_s3``; callers need read access to DAG runs (Airflow's own auth).
+S3 through the connection ``rlhf_s3``; callers need read access to the rlhf_registry DAG's runs (Airflow's own auth).
 The Airflow side never imports tasks, so the lineage walk is repeated here (tasks.common.cost.lineage).
 """
 from __future__ import annotations
@@ -16,17 +16,18 @@ import html
 import json
 import re
 
-from airflow.api_fastapi.core_api.security import DagAccessEntity, requires_access_dag
-from fastapi import Depends, FastAPI, Query
+from fastapi import FastAPI, Query
 from fastapi.responses import HTMLResponse
 
-from plugins.reports import bad, check_location, check_prefix, check_served, list_pages, read_object, served_buckets
+from plugins.reports import (bad, can_read_runs_of, check_location, check_prefix, check_served, list_pages, read_object,
+                             served_buckets)
 
 MODEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")  # the model_name Param's pattern
 MAX_CANDIDATES = 100  # newest shown; each costs a few manifest reads
 
 app = FastAPI(title="rlhf-flow registry", docs_url=None, redoc_url=None, openapi_url=None)
-can_read_runs = Depends(requires_access_dag("GET", DagAccessEntity.RUN))
+# The registry is what the rlhf_registry DAG manages (promotions, rollbacks): reading it is reading that DAG's runs.
+can_read_runs = can_read_runs_of("rlhf_registry")
 
 
 def registry_root(bucket: str, prefix: str, model_name: str) -> str:

@@ -20,7 +20,7 @@ import json
 import re
 from urllib.parse import quote
 
-from airflow.api_fastapi.core_api.security import DagAccessEntity, requires_access_dag
+from airflow.api_fastapi.core_api.security import DagAccessEntity, GetUserDep, requires_access_dag
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.responses import HTMLResponse, Response
 
@@ -205,9 +205,19 @@ def list_runs(root: str, dag_id: str) -> list[dict]:
     return sorted(runs, key=lambda r: r["created_at"], reverse=True)
 
 
+def can_read_runs_of(dag_id: str | None = None):
+    """A dependency: the caller may read the runs of `dag_id` or, without one, of the DAG the request names (its
+    path's or query's `dag_id`, else the default DAG), as Airflow's auth manager decides for that DAG. Airflow's
+    own `requires_access_dag` asks about "any DAG" when the request names none, which lets in a user of another."""
+    def check(request: Request, user: GetUserDep) -> None:
+        named = dag_id or request.path_params.get("dag_id") or request.query_params.get("dag_id") or DEFAULTS["dag_id"]
+        requires_access_dag("GET", DagAccessEntity.RUN, param_dag_id=named)(request, user)
+    return Depends(check)
+
+
 app = FastAPI(title="rlhf-flow reports", docs_url=None, redoc_url=None, openapi_url=None)
 # Reading a report is reading a DAG run's results.
-can_read_runs = Depends(requires_access_dag("GET", DagAccessEntity.RUN))
+can_read_runs = can_read_runs_of()
 
 
 @app.get("/", response_class=HTMLResponse, dependencies=[can_read_runs])

@@ -150,6 +150,12 @@ def ray_address(ray_head) -> str:
 
 
 @pytest.fixture(scope="session")
+def airflow_db():
+    """The in-process Airflow metadata DB (SQLite under AIRFLOW_HOME), migrated."""
+    subprocess.run([sys.executable, "-m", "airflow", "db", "migrate"], check=True, capture_output=True, env=os.environ.copy())
+
+
+@pytest.fixture(scope="session")
 def ray_head(s3_server):
     """A real `ray start --head --block` on free loopback ports, with s3_server's endpoint and credentials in
     its environment (job drivers inherit it). Yields the dashboard address ``http://127.0.0.1:<port>``.

@@ -290,11 +290,6 @@ print({{"files": files, "plugins": [p.name for p in plugins], "errors": errors, 
 # ----------------------------------------------------------------------------- end to end
 
 
-@pytest.fixture(scope="module")
-def airflow_db():
-    subprocess.run([sys.executable, "-m", "airflow", "db", "migrate"], check=True, capture_output=True, env=os.environ.copy())
-
-
 @pytest.mark.e2e
 # The preference branches run under `make test-all`: their stages are covered by test_stages and
 # test_learning, and the branch wiring by the tests above; `make test` keeps its time for the live stack.

@@ -101,12 +101,6 @@ FIXED_DATE = datetime.now(timezone.utc).replace(microsecond=0)
 
 
 @pytest.fixture(scope="module")
-def airflow_db():
-    """The in-process Airflow metadata DB (SQLite under AIRFLOW_HOME), migrated."""
-    subprocess.run([sys.executable, "-m", "airflow", "db", "migrate"], check=True, capture_output=True, env=os.environ.copy())
-
-
-@pytest.fixture(scope="module")
 def stage_dir(tmp_path_factory):
     """A working_dir holding the throwaway stage package ``stage``."""
     root = tmp_path_factory.mktemp("stage_wd")
