@@ -442,7 +442,7 @@ SLOW_STEP = """
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("partial", [True, False])
+@pytest.mark.parametrize("partial", [True, pytest.param(False, marks=pytest.mark.slow)])  # the queue's order: make test-all
 def test_weights_sent_beside_a_running_rollout_reach_its_next_turn(partial, ray_address, tiny, tmp_path):
     """A transformers rollout engine of its own (RolloutEngineWorker on the real Ray head) runs two-turn episodes
     whose environment waits 1.5 s a step. New weights sent while the first step waits: with --partial_rollouts

@@ -130,12 +130,14 @@ def manifest_of(byo_run):
             if byo_run["states"].get(stage) == "success"}
 
 
+@pytest.mark.slow  # make test-all: the team's own data down the whole DAG (dag.test, 150 s)
 def test_the_run_succeeds_down_the_rl_branch(byo_run):
     assert byo_run["states"] == {"prepare_data": "success", "sft": "success", "choose_method": "success",
                                  "reward_model": "success", "rl": "success", "dpo": "skipped", "kto": "skipped",
                                  "eval": "success", "promote": "success", "champion": "skipped"}, byo_run["states"]
 
 
+@pytest.mark.slow  # make test-all: the team's own data down the whole DAG (dag.test, 150 s)
 def test_prepare_data_validated_and_registered_the_dataset_version(byo_run, manifest_of):
     from tasks.common import manifest as manifests
     from tasks.data import versions
@@ -171,6 +173,7 @@ def test_prepare_data_validated_and_registered_the_dataset_version(byo_run, mani
     assert [v["version"] for v in versions.listing(root, DATASET)["versions"]] == [info["version"]]
 
 
+@pytest.mark.slow  # make test-all: the team's own data down the whole DAG (dag.test, 150 s)
 def test_the_training_stages_trained_lora_adapters_with_the_chat_template(byo_run, manifest_of):
     uris = byo_run["uris"]
     # Each adapter names the output it sits on: SFT the base model (through prepare_data), RM and RL the SFT adapter.
@@ -201,6 +204,7 @@ def test_the_training_stages_trained_lora_adapters_with_the_chat_template(byo_ru
     assert evaluated["inputs"]["policy"] == uris["rl"] and evaluated["inputs"]["reward_pretrain"] == uris["reward_model"]
 
 
+@pytest.mark.slow  # make test-all: the team's own data down the whole DAG (dag.test, 150 s)
 def test_the_rl_policy_loads_with_transformers_and_answers_a_chat(byo_run, manifest_of):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -233,6 +237,7 @@ def test_the_rl_policy_loads_with_transformers_and_answers_a_chat(byo_run, manif
     assert changed and all(k.endswith("_proj.weight") for k in changed)
 
 
+@pytest.mark.slow  # make test-all: the team's own data down the whole DAG (dag.test, 150 s)
 def test_the_reward_model_loads_as_a_sequence_classifier(byo_run, manifest_of):
     import torch
     from safetensors.torch import load_file
@@ -287,6 +292,7 @@ def test_a_plain_model_folder_on_s3_resolves_to_a_local_copy(s3_server, tmp_path
         resolve_model(s3_server.uri(f"{prefix}-missing"))
 
 
+@pytest.mark.slow  # make test-all: the team's own data down the whole DAG (dag.test, 150 s)
 def test_the_evaluation_scores_the_teams_data_with_intervals_and_the_default_gate_reads_them(byo_run):
     """Not the demo's regex: the team's labels get the built-in exact_match (no metric declared), every number an
     interval, the reward model a win rate; promote's default gate is made from those declared metrics."""

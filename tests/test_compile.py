@@ -12,6 +12,7 @@ from tasks.sft.config import SFTConfig
 from tasks.sft.trainer import micro_batch_logprobs
 
 
+@pytest.mark.slow  # make test-all: compiles (32 s)
 def test_compiled_blocks_match_eager_loss_and_gradients():
     tokenizer = demo.build_tokenizer()
     model = demo.build_base_model(tokenizer)

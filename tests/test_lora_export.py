@@ -149,6 +149,7 @@ def test_target_modules_naming_no_module_is_refused_naming_the_ones_there(tmp_pa
 # ------------------------------------------------------------------ SFT
 
 
+@pytest.mark.slow  # make test-all: LoRA stage runs and exports (80 s together)
 def test_lora_sft_trains_only_the_adapters_and_exports_them_naming_the_base(env, sft_adapter, tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -178,6 +179,7 @@ def test_lora_sft_trains_only_the_adapters_and_exports_them_naming_the_base(env,
     assert losses[-1] < losses[0]
 
 
+@pytest.mark.slow  # make test-all: LoRA stage runs and exports (80 s together)
 def test_merged_export_gives_the_logits_of_base_plus_adapter(env, sft_adapter, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, GenerationConfig
@@ -199,6 +201,7 @@ def test_merged_export_gives_the_logits_of_base_plus_adapter(env, sft_adapter, t
     assert not torch.allclose(causal_logits(base)[0], causal_logits(merged)[0], atol=1e-3)
 
 
+@pytest.mark.slow  # make test-all: LoRA stage runs and exports (80 s together)
 def test_zero3_lora_sft_exports_a_merged_checkpoint_the_auto_class_loads(env, tmp_path):
     """Under ZeRO-3 each rank holds a shard: the adapters are gathered to rank 0 and merged there (2
     workers, gradient checkpointing on, which LoRA needs input gradients for)."""
@@ -243,6 +246,7 @@ def held_out_scores(model, tokenizer, pairs_file: str) -> tuple[torch.Tensor, li
     return torch.tensor(c + r), (chosen + rejected)
 
 
+@pytest.mark.slow  # make test-all: LoRA stage runs and exports (80 s together)
 @pytest.mark.parametrize("merge", [True, False], ids=["merged", "adapter"])
 def test_reward_model_export_loads_as_a_sequence_classifier_with_its_statistics(env, rm_adapter, merge):
     """Merged at export or on load, the reward model loads with AutoModelForSequenceClassification
@@ -297,6 +301,7 @@ def test_rl_with_lora_takes_its_reference_from_the_actors_base(env, sft_adapter,
     assert AutoModelForSequenceClassification.from_pretrained(str(critic_dir), num_labels=1).config.num_labels == 1
 
 
+@pytest.mark.slow  # make test-all: LoRA stage runs and exports (80 s together)
 def test_dpo_with_lora_takes_its_reference_from_the_policys_base(env, tmp_path):
     """The implicit rewards β·(log π − log π_ref) are 0 at the first step (up to the padding of separate
     forward passes): the reference is the policy with its zero-initialised adapters off; they move after it."""

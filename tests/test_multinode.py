@@ -173,6 +173,7 @@ def test_rl_stage_spans_two_nodes_checkpoints_through_s3_and_resumes(two_nodes, 
     assert manifests.read_manifest(out)["metrics"]["steps"] == 6
 
 
+@pytest.mark.slow  # make test-all: a second Ray node (60 s to start)
 def test_a_local_output_is_refused_when_workers_sit_on_other_nodes(two_nodes, inputs, tmp_path):
     # Actor on one node, reference on the other: whichever node the driver shares, one group is elsewhere.
     done = run_cli("tasks.rl", *flags({
@@ -186,6 +187,7 @@ def test_a_local_output_is_refused_when_workers_sit_on_other_nodes(two_nodes, in
                     "cannot write to; pass an s3:// URI"), line
 
 
+@pytest.mark.slow  # make test-all: a second Ray node (60 s to start)
 def test_resources_no_node_advertises_are_refused_at_once(two_nodes, inputs, tmp_path):
     done = run_cli("tasks.rl", *flags({
         "output": str(tmp_path / "rl"), "pretrain": inputs["prepare_data"], "reward_pretrain": inputs["reward_model"],

@@ -134,6 +134,7 @@ def test_a_failed_stage_reruns_alone_from_its_checkpoint_across_restarts(demo_ru
     assert any(k.endswith(f"/{damaged}") for k in aside) and any(k.endswith("/manifest.json") for k in aside)
 
 
+@pytest.mark.slow  # make test-all (27 s); make test stops a job on kill in tests/test_operator.py
 @pytest.mark.parametrize("target", ["task", "run"])
 def test_marking_failed_stops_the_ray_job(target, demo_run):
     live, dag_id = demo_run.live, "rlhf_pipeline"
@@ -148,6 +149,7 @@ def test_marking_failed_stops_the_ray_job(target, demo_run):
     assert wait_run(live, dag_id, run_id, timeout=120) == "failed"
 
 
+@pytest.mark.slow  # make test-all (115 s): two nightly runs on the live stack
 def test_nightly_promotes_the_better_policy_only(demo_run):
     live, dag_id = demo_run.live, "rlhf_nightly"
     name = f"nightly-{int(time.time())}"  # a registry of its own

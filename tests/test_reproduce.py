@@ -56,6 +56,7 @@ def original(s3_server, ray_address):
             os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
 
 
+@pytest.mark.slow  # make test-all: needs an SFT run to reproduce (50 s)
 def test_the_manifest_pins_its_input_manifests(original):
     m = manifests.read_manifest(original["sft"])
     data_sha = manifests.manifest_digest(original["prepare_data"])
@@ -64,6 +65,7 @@ def test_the_manifest_pins_its_input_manifests(original):
     assert manifests.read_manifest(original["prepare_data"])["input_manifests"] == {}  # it reads no stage output
 
 
+@pytest.mark.slow  # make test-all: needs an SFT run to reproduce (50 s)
 def test_sft_reproduces_with_identical_metrics_and_weights(original, ray_address):
     new_uri = f"{original['root']}-reproduced/sft"
     done = run_cli("tasks.reproduce", f"{original['sft']}/manifest.json", "--output", new_uri, "--check", ray=ray_address)
@@ -97,6 +99,7 @@ def test_sft_reproduces_with_identical_metrics_and_weights(original, ray_address
     assert curve(new_uri) == curve(original["sft"]) and len(curve(new_uri)) == 3
 
 
+@pytest.mark.slow  # make test-all: needs an SFT run to reproduce (50 s)
 def test_a_changed_code_version_is_refused_in_one_line(original):
     new_uri = f"{original['root']}-other-code/sft"
     done = run_cli("tasks.reproduce", original["sft"], "--output", new_uri, "--check", code="reproduce-test-v2")
@@ -113,6 +116,7 @@ def test_a_missing_manifest_is_one_line(s3_server):
     assert done.stderr.count("\n") == 1 and done.stderr.startswith(f"error: no manifest.json at {missing}: ")
 
 
+@pytest.mark.slow  # make test-all: needs an SFT run to reproduce (50 s)
 def test_the_original_folder_is_never_the_output(original):
     with pytest.raises(reproduce.ReproduceError, match=r"^output: .* is the original's folder"):
         reproduce.preflight(original["sft"], original["sft"] + "/")

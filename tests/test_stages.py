@@ -3,6 +3,9 @@
 Step counts are tiny: these tests check the contract (inputs through manifests, outputs committed
 with manifest.json, HF-format checkpoints, metrics, reports), not learning; the end-to-end test
 checks learning on the demo's real settings.
+
+The chain (every stage by its CLI, about 100 s) and the tests on it run under `make test-all`; `make test`
+runs every stage through the DAG on the live stack (tests/test_e2e.py) and keeps the refusals that need no chain.
 """
 import json
 import os
@@ -59,6 +62,7 @@ def chain(s3_server, ray_address):
     return out
 
 
+@pytest.mark.slow  # the chain: make test-all (see above)
 def test_every_stage_commits_a_manifest_with_its_lineage(chain):
     for name, uri in chain.items():
         m = manifests.read_manifest(uri)
@@ -75,6 +79,7 @@ def test_every_stage_commits_a_manifest_with_its_lineage(chain):
     assert held == {name: {"gpus": 0, "cpus": n, "gpu_hours": 0.0} for name, n in cpus.items()}
 
 
+@pytest.mark.slow  # the chain: make test-all (see above)
 def test_checkpoints_load_through_the_auto_classes(chain):
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
@@ -86,6 +91,7 @@ def test_checkpoints_load_through_the_auto_classes(chain):
     assert isinstance(rm.config.reward_mean, float) and rm.config.reward_std > 0
 
 
+@pytest.mark.slow  # the chain: make test-all (see above)
 def test_metrics_are_logged_per_step(chain, tmp_path):
     path, _ = manifests.fetch(chain["sft"], tmp_path)
     steps = [json.loads(line)["step"] for line in (path / "metrics.jsonl").read_text().splitlines()]
@@ -97,6 +103,7 @@ def test_metrics_are_logged_per_step(chain, tmp_path):
     assert wandb_runs, "use_wandb wrote no offline wandb run"
 
 
+@pytest.mark.slow  # the chain: make test-all (see above)
 def test_eval_writes_report_and_table(chain, tmp_path):
     path, m = manifests.fetch(chain["eval"], tmp_path)
     report = json.loads((path / "report.json").read_text())
@@ -108,6 +115,7 @@ def test_eval_writes_report_and_table(chain, tmp_path):
     assert m["metrics"]["policy_accuracy"] == report["metrics"]["policy"]["accuracy"]
 
 
+@pytest.mark.slow  # the chain: make test-all (see above)
 def test_cli_refuses_a_missing_dataset_key_before_training(chain, ray_address, tmp_path):
     done = run_cli("tasks.sft", "--output", str(tmp_path / "out"), "--pretrain", chain["sft"],
                    "--dataset", chain["prepare_data"], "--output_key", "answer", ray=ray_address)
@@ -149,6 +157,7 @@ def test_prepare_data_refuses_a_missing_dataset_or_base_model_naming_the_uri(s3_
         assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow  # the chain: make test-all (see above)
 def test_rl_critic_free_estimator_with_a_reward_function(chain, s3_server, ray_address):
     """group_norm over 4 samples per prompt, a reward function file reading labels, adaptive KL,
     KL in the loss, entropy bonus, asymmetric and dual clipping, dynamic filtering, micro-batches."""
@@ -178,6 +187,7 @@ def metrics_of(uri: str, where) -> list[dict]:
     return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow  # the chain: make test-all (see above)
 def test_two_sft_workers_follow_the_loss_curve_of_one(chain, s3_server, ray_address, tmp_path):
     """Data parallelism: 2 workers (with 2 micro-batches of gradient accumulation each) on the same global
     batch give the loss curve of 1 worker, within 1% over the first 10 steps."""
@@ -196,6 +206,7 @@ def test_two_sft_workers_follow_the_loss_curve_of_one(chain, s3_server, ray_addr
     assert curves[1][-1] < curves[1][0]
 
 
+@pytest.mark.slow  # the chain: make test-all (see above)
 def test_sft_flags_take_effect(chain, s3_server, ray_address, tmp_path):
     """--max_samples cuts the rows; --save_path gets a copy of the final model; --flash_attn falls back to SDPA
     on CPU and says so; --gradient_checkpointing recomputes activations, which changes memory, not the loss."""
@@ -281,6 +292,7 @@ def test_rl_run_killed_after_a_checkpoint_resumes_to_the_same_metrics(chain, s3_
         assert abs(final[key] - expected[key]) <= 1e-4, (key, final[key], expected[key])
 
 
+@pytest.mark.slow  # the chain: make test-all (see above)
 def test_rl_refuses_what_cannot_run_here_in_one_line(chain, ray_address, tmp_path):
     base = ["--output", str(tmp_path / "rl"), "--pretrain", chain["sft"], "--reward_pretrain", chain["reward_model"],
             "--prompt_data", chain["prepare_data"]]
@@ -298,6 +310,7 @@ def test_rl_refuses_what_cannot_run_here_in_one_line(chain, ray_address, tmp_pat
     assert not (tmp_path / "rl").exists()
 
 
+@pytest.mark.slow  # the chain: make test-all (see above)
 @pytest.mark.parametrize("method,extra", [
     pytest.param("dpo", {"ref_offload": True, "num_gpus_per_node": 2}, marks=pytest.mark.slow),  # 2 workers, 63 s: make test-all
     ("dpo", {"loss_type": "ipo"}),
@@ -317,6 +330,7 @@ def test_preference_stage_trains_and_logs_its_metrics(method, extra, chain, s3_s
     assert m["metrics"]["examples"] == 8500 and m["metrics"]["workers"] == extra.get("num_gpus_per_node", 1)
 
 
+@pytest.mark.slow  # the chain: make test-all (see above)
 def test_preference_stage_refuses_bad_input_in_one_line(chain, ray_address, tmp_path):
     base = ["--output", str(tmp_path / "p"), "--pretrain", chain["sft"], "--dataset", chain["prepare_data"]]
     done = run_cli("tasks.preference", *base, "--method", "kto", "--label_key", "thumbs", ray=ray_address)

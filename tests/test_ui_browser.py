@@ -14,7 +14,9 @@ import pytest
 
 from conftest import SCRATCH
 
-pytestmark = pytest.mark.e2e
+# make test-all: a browser drives the trigger form through a whole run (90 s); make test triggers runs
+# through the REST API (tests/test_e2e.py)
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 CHROMIUM = os.environ.get("RLHF_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
