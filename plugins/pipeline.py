@@ -2,7 +2,10 @@
 
     build_pipeline(dag_id="rlhf_pipeline", schedule=None, allow_promotion=False)
 
-prepare_data -> sft -> choose_method -> (reward_model -> rl | dpo | kto) -> eval -> promote -> champion
+validate -> prepare_data -> sft -> choose_method -> (reward_model -> rl | dpo | kto) -> eval -> promote -> champion
+
+`validate` builds every stage's config from the flags its task would submit (tasks/validate.py: the stage
+configs need only the standard library and yaml), so a form the stages would refuse fails before any Ray job.
 
 Every stage is a RayJobOperator running ``python -m tasks.<stage>`` on the Ray cluster; it returns the URI
 of the stage's ``manifest.json`` and downstream stages take those URIs as inputs (XCom holds URIs, never
@@ -15,7 +18,7 @@ compare-and-swap; `champion` emits the champion Asset's event, and is skipped wh
 Each stage task: is cached (Param use_cache; see plugins.stage_cache), has a deadline (Param
 stage_deadline_minutes), takes pool_slots of the GPU pool equal to the GPUs it asks Ray for (at least
 one), writes resumable checkpoints (Param checkpoints_per_stage), and emits an Asset event carrying its
-manifest URI and metrics. Only the Airflow side is imported here: no torch, no tasks.
+manifest URI and metrics. Only the Airflow side is imported here (no torch; tasks' configs only inside `validate`).
 """
 from __future__ import annotations
 
@@ -360,6 +363,42 @@ PARAMS = {
 
 
 
+def branch_for(params) -> list[str]:
+    """The tasks of the branch the `method` Param picks: RL's reward model is left out with an environment,
+    whose rewards RL trains on (rl then runs with reward_model skipped: its trigger rule)."""
+    if params["method"] == "rl":
+        return ["rl"] if params.get("environment") else ["reward_model", "rl"]
+    return [params["method"]]
+
+
+def planned_problems(dag, params, context) -> list[str]:
+    """Each stage on this run's path with the flags its operator would submit (an upstream stage's output as a
+    placeholder URI), checked by the stage's own config (tasks.validate: standard library and yaml, no model
+    loaded): one line per stage that would refuse them."""
+    from airflow.sdk.definitions.xcom_arg import XComArg
+
+    from tasks.validate import check_stage
+
+    running = {"prepare_data", "sft", *branch_for(params), "eval", "promote"}
+
+    class PlannedXComs:
+        """`ti` for the templates: an upstream that will run gives its output's placeholder; a skipped one, nothing."""
+
+        def xcom_pull(self, task_ids=None, **_):
+            return f"s3://validate/{task_ids}/manifest.json" if task_ids in running else None
+
+    problems = []
+    for op in dag.tasks:
+        if not isinstance(op, RayJobOperator) or op.task_id not in running:
+            continue
+        args = {k: f"s3://validate/{v.operator.task_id}/manifest.json" if isinstance(v, XComArg) else v for k, v in op.args.items()}
+        flags = op.render_template(args, {**context, "params": params, "ti": PlannedXComs()})
+        why = check_stage(op.module, {"output": "s3://validate/output", "run_id": context["run_id"], **flags})
+        if why:
+            problems.append(f"{op.task_id}: {why}")
+    return problems
+
+
 def training_args(stage: str, steps_param: str) -> dict:
     """The flags every training stage gets from the run form, beside its own."""
     return {
@@ -412,6 +451,16 @@ def build_pipeline(dag_id: str, schedule, description: str, allow_promotion: boo
             "cache": "{{ params.use_cache }}",
         },
     ) as dag:
+        @task(task_id="validate", retries=0)
+        def validate(params=None, dag=None, **context) -> None:
+            """The whole run's flags, checked by each stage's own config before any Ray job: a form the stages
+            would refuse fails here, one line per stage, and nothing downstream runs."""
+            from airflow.sdk.exceptions import AirflowFailException
+
+            problems = planned_problems(dag, params, {**context, "dag": dag})
+            if problems:
+                raise AirflowFailException("this run's Params would fail its stages; fix them and trigger again:\n" + "\n".join(problems))
+
         prepare_data = stage("prepare_data", "tasks.data", {
             "source": "{{ params.dataset }}",
             "base_model": "{{ params.base_model }}",
@@ -432,11 +481,7 @@ def build_pipeline(dag_id: str, schedule, description: str, allow_promotion: boo
 
         @task.branch(task_id="choose_method")
         def choose_method(params=None) -> list[str]:
-            """The tasks of the branch the `method` Param picks: RL's reward model is left out with an environment,
-            whose rewards RL trains on (rl then runs with reward_model skipped: its trigger rule below)."""
-            if params["method"] == "rl":
-                return ["rl"] if params.get("environment") else ["reward_model", "rl"]
-            return [params["method"]]
+            return branch_for(params)
 
         method = choose_method()
         reward_model = stage("reward_model", "tasks.reward_model", {
@@ -534,7 +579,7 @@ def build_pipeline(dag_id: str, schedule, description: str, allow_promotion: boo
                                                        "promotion": decision_manifest}
             return record["champion"]
 
-        chain(prepare_data, sft, method, [reward_model, dpo, kto])
+        chain(validate(), prepare_data, sft, method, [reward_model, dpo, kto])
         chain(reward_model, rl, eval_)
         method >> rl  # a branch of its own with an environment (choose_method)
         chain([dpo, kto], eval_)

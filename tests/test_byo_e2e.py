@@ -132,7 +132,7 @@ def manifest_of(byo_run):
 
 @pytest.mark.slow  # make test-all: the team's own data down the whole DAG (dag.test, 150 s)
 def test_the_run_succeeds_down_the_rl_branch(byo_run):
-    assert byo_run["states"] == {"prepare_data": "success", "sft": "success", "choose_method": "success",
+    assert byo_run["states"] == {"validate": "success", "prepare_data": "success", "sft": "success", "choose_method": "success",
                                  "reward_model": "success", "rl": "success", "dpo": "skipped", "kto": "skipped",
                                  "eval": "success", "promote": "success", "champion": "skipped"}, byo_run["states"]
 

@@ -7,13 +7,14 @@ import json
 import os
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 DAGS = REPO / "dags"
-ORDER = ["prepare_data", "sft", "choose_method", "reward_model", "rl", "dpo", "kto", "eval", "promote", "champion"]
+ORDER = ["validate", "prepare_data", "sft", "choose_method", "reward_model", "rl", "dpo", "kto", "eval", "promote", "champion"]
 BRANCHES = {"rl": ["reward_model", "rl"], "dpo": ["dpo"], "kto": ["kto"]}
 
 
@@ -152,7 +153,7 @@ def test_stage_tasks_share_the_gpu_pool_cache_deadline_and_lineage(dag):
 def test_task_order(dag):
     assert [t.task_id for t in dag.topological_sort()] == ORDER
     upstream = {t: dag.get_task(t).upstream_task_ids for t in ORDER}
-    assert upstream["prepare_data"] == set() and upstream["choose_method"] == {"sft"}
+    assert upstream["validate"] == set() and upstream["prepare_data"] == {"validate"} and upstream["choose_method"] == {"sft"}
     assert upstream["reward_model"] >= {"choose_method", "sft"} and upstream["rl"] >= {"reward_model", "sft", "choose_method"}
     assert dag.get_task("rl").trigger_rule == "none_failed_min_one_success"  # runs with reward_model skipped (an environment)
     assert upstream["dpo"] >= {"choose_method", "sft"} and upstream["kto"] >= {"choose_method", "sft"}
@@ -285,6 +286,48 @@ print({{"files": files, "plugins": [p.name for p in plugins], "errors": errors, 
         "errors": {},
         "stray": [],
     }
+
+
+# ----------------------------------------------------------------------------- validation first
+
+
+def test_the_first_task_checks_every_stage_on_the_runs_path_with_the_stages_own_configs(dag, monkeypatch):
+    """The flags each stage operator would submit, rendered from the Params with upstream outputs as
+    placeholders, through tasks.validate: the defaults pass; what a stage would refuse after the others spent
+    their compute is named now, one line per stage; a stage off the run's path is not checked."""
+    from airflow.sdk.execution_time.context import ConnectionAccessor
+
+    from plugins.pipeline import planned_problems
+    from tools.stack import conn_s3
+
+    monkeypatch.setenv("AIRFLOW_CONN_RLHF_S3", conn_s3("http://127.0.0.1:9"))  # the templates read its bucket; nothing connects
+    defaults = dag.params.dump()
+    context = {"run_id": "manual__2026-01-01T00:00:00+00:00", "dag": dag, "conn": ConnectionAccessor()}
+    assert planned_problems(dag, defaults, context) == []
+    bad = {**defaults, "advantage_estimator": "group_norm", "n_samples_per_prompt": 1, "eval_metrics": "bleu",
+           "promotion_gate": {"accuracy": {"most": 0.5}}}
+    problems = planned_problems(dag, bad, context)
+    assert [p.split(": ")[:2] for p in problems] == [["rl", "n_samples_per_prompt"], ["eval", "metrics"], ["promote", "gate"]], problems
+    # The dpo branch does not run rl, so rl's estimator is nobody's problem there.
+    assert [p.split(":")[0] for p in planned_problems(dag, {**bad, "method": "dpo"}, context)] == ["eval", "promote"]
+
+
+@pytest.mark.e2e
+def test_a_refused_form_fails_the_validate_task_and_submits_no_ray_job(airflow_db, s3_server, ray_head, dagbag):
+    from airflow.dag_processing.bundles.manager import DagBundlesManager
+    from airflow.dag_processing.dagbag import sync_bag_to_db
+
+    from plugins.operators import submission_id_for
+
+    DagBundlesManager().sync_bundles_to_db()
+    sync_bag_to_db(dagbag, "dags-folder", None)
+    dag = dagbag.dags["rlhf_pipeline"]
+    dr = dag.test(run_conf={"bucket": s3_server.bucket, "prefix": "validate", "advantage_estimator": "rloo", "n_samples_per_prompt": 1})
+    states = {ti.task_id: str(getattr(ti.state, "value", ti.state)) for ti in dr.get_task_instances()}
+    assert states["validate"] == "failed" and states["prepare_data"] == "upstream_failed", states
+    with urllib.request.urlopen(f"{ray_head}/api/jobs/", timeout=30) as response:
+        jobs = [j.get("submission_id") or "" for j in json.load(response)]
+    assert not {submission_id_for("rlhf_pipeline", dr.run_id, t) for t in ORDER} & set(jobs), jobs
 
 
 # ----------------------------------------------------------------------------- end to end

@@ -26,7 +26,7 @@ def test_the_demo_run_succeeds_through_the_rest_api(demo_run):
     tasks = live.rest("GET", f"/api/v2/dags/rlhf_pipeline/dagRuns/{run['dag_run_id']}/taskInstances")["task_instances"]
     # The default method is rl: the branch task picks reward_model -> rl; the dpo and kto tasks are skipped.
     # A manual run judges the policy (promote) but may not promote it: the champion task is skipped.
-    assert {t["task_id"]: t["state"] for t in tasks} == {**{s: "success" for s in STAGES + ["choose_method", "promote"]},
+    assert {t["task_id"]: t["state"] for t in tasks} == {**{s: "success" for s in STAGES + ["validate", "choose_method", "promote"]},
                                                          "dpo": "skipped", "kto": "skipped", "champion": "skipped"}
     assert "| sampled_preferred_style_rate |" in stdout
     assert "PASS: the policy gained the preferred style with accuracy held" in stdout  # the demo's verdict line

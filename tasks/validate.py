@@ -1,0 +1,42 @@
+"""A whole run's flags checked before any stage runs: each stage's config built and validated, nothing loaded.
+
+    from tasks.validate import check_stage
+    check_stage("tasks.rl", {"pretrain": "s3://b/run/sft", "advantage_estimator": "group_norm", ...})
+    # -> None, or "rl: n_samples_per_prompt: group_norm needs 2 or more samples per prompt; …" (one line)
+
+The configs (tasks/<stage>/config.py) need the standard library and yaml only, so the Airflow side runs this
+in its first task (plugins/pipeline.py's `validate`) with the flags each stage operator would submit: a form
+the stages would refuse fails there, before any Ray job.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from tasks.common.config import ConfigError, make_config
+
+STAGE_CONFIGS = {  # a stage's module -> its config class
+    "tasks.data": "tasks.data.config:PrepareDataConfig",
+    "tasks.sft": "tasks.sft.config:SFTConfig",
+    "tasks.reward_model": "tasks.reward_model.config:RewardModelConfig",
+    "tasks.rl": "tasks.rl.config:RLConfig",
+    "tasks.preference": "tasks.preference.config:PreferenceConfig",
+    "tasks.eval": "tasks.eval.config:EvalConfig",
+    "tasks.promote": "tasks.promote.config:PromoteConfig",
+}
+
+
+def config_class(module: str) -> type:
+    if module not in STAGE_CONFIGS:
+        raise KeyError(f"{module} is not a stage; stages: {', '.join(STAGE_CONFIGS)}")
+    path, name = STAGE_CONFIGS[module].split(":")
+    return getattr(importlib.import_module(path), name)
+
+
+def check_stage(module: str, flags: dict[str, Any]) -> str | None:
+    """The stage's own one-line refusal of these flags (as its CLI gets them: strings), or None."""
+    try:
+        make_config(config_class(module), {k: v for k, v in flags.items() if v is not None})
+    except ConfigError as e:
+        return str(e)
+    return None
