@@ -399,6 +399,32 @@ def planned_problems(dag, params, context) -> list[str]:
     return problems
 
 
+def missing_inputs(params, render) -> list[str]:
+    """The run's own inputs on S3 that are not there: a dataset, base model, environment or metric file given as an
+    s3:// URI, and a registered dataset (dataset:<name>) with no version under the datasets root (`render` turns
+    a template into this run's value). Local paths and hub ids live on the Ray nodes: their stage checks them."""
+    from airflow.providers.amazon.aws.hooks.s3 import S3Hook
+
+    hook = S3Hook(aws_conn_id="rlhf_s3")
+    wanted = {name: params.get(name) or "" for name in ("dataset", "base_model", "environment", "eval_metric_func")}
+    if wanted["dataset"].startswith("dataset:"):
+        name = wanted["dataset"].removeprefix("dataset:").split("@")[0]
+        wanted["dataset"] = f"{render(DATASETS_ROOT)}/{name}/"
+    problems = []
+    for name, uri in wanted.items():
+        if not uri.startswith("s3://"):
+            continue
+        bucket, _, key = uri.removeprefix("s3://").partition("/")
+        try:
+            found = hook.check_for_key(key, bucket) if key and not key.endswith("/") and "." in key.rsplit("/", 1)[-1] \
+                else bool(hook.list_keys(bucket, prefix=key.rstrip("/") + "/" if key else "", max_items=1))
+        except Exception as exc:  # a missing bucket, no access: the same answer, with botocore's cause
+            found, uri = False, f"{uri} ({' '.join(str(exc).split())[:200]})"
+        if not found:
+            problems.append(f"{name}: {uri} does not exist; upload it or fix the URI")
+    return problems
+
+
 def training_args(stage: str, steps_param: str) -> dict:
     """The flags every training stage gets from the run form, beside its own."""
     return {
@@ -457,7 +483,9 @@ def build_pipeline(dag_id: str, schedule, description: str, allow_promotion: boo
             would refuse fails here, one line per stage, and nothing downstream runs."""
             from airflow.sdk.exceptions import AirflowFailException
 
-            problems = planned_problems(dag, params, {**context, "dag": dag})
+            context = {**context, "dag": dag, "params": params}
+            problems = missing_inputs(params, lambda template: dag.get_task("prepare_data").render_template(template, context))
+            problems += planned_problems(dag, params, context)
             if problems:
                 raise AirflowFailException("this run's Params would fail its stages; fix them and trigger again:\n" + "\n".join(problems))
 

@@ -312,6 +312,29 @@ def test_the_first_task_checks_every_stage_on_the_runs_path_with_the_stages_own_
     assert [p.split(":")[0] for p in planned_problems(dag, {**bad, "method": "dpo"}, context)] == ["eval", "promote"]
 
 
+def test_the_first_task_names_the_runs_s3_inputs_that_are_not_there(dag, s3_server, monkeypatch):
+    from airflow.sdk.execution_time.context import ConnectionAccessor
+
+    from plugins.pipeline import missing_inputs
+    from tools.stack import conn_s3
+
+    monkeypatch.setenv("AIRFLOW_CONN_RLHF_S3", conn_s3(s3_server.endpoint))
+    s3_server.client().put_object(Bucket=s3_server.bucket, Key="inputs/data.jsonl", Body=b'{"prompt": "1+1="}\n')
+    s3_server.client().put_object(Bucket=s3_server.bucket, Key="p/datasets/chats/v1/manifest.json", Body=b"{}")
+    context = {"run_id": "manual__2026-01-01T00:00:00+00:00", "dag": dag, "conn": ConnectionAccessor()}
+    params = {**dag.params.dump(), "bucket": s3_server.bucket, "prefix": "p"}
+    context["params"] = params
+    render = lambda template: dag.get_task("prepare_data").render_template(template, context)  # noqa: E731
+    there = {"dataset": f"s3://{s3_server.bucket}/inputs/data.jsonl", "base_model": "demo", "environment": "calculator"}
+    assert missing_inputs({**params, **there}, render) == []
+    assert missing_inputs({**params, "dataset": "dataset:chats"}, render) == []
+    gone = {"dataset": "dataset:chatz", "base_model": f"s3://{s3_server.bucket}/models/none/", "eval_metric_func": f"s3://{s3_server.bucket}/m.py"}
+    problems = missing_inputs({**params, **gone}, render)
+    assert problems == [f"dataset: s3://{s3_server.bucket}/p/datasets/chatz/ does not exist; upload it or fix the URI",
+                        f"base_model: s3://{s3_server.bucket}/models/none/ does not exist; upload it or fix the URI",
+                        f"eval_metric_func: s3://{s3_server.bucket}/m.py does not exist; upload it or fix the URI"], problems
+
+
 @pytest.mark.e2e
 def test_a_refused_form_fails_the_validate_task_and_submits_no_ray_job(airflow_db, s3_server, ray_head, dagbag):
     from airflow.dag_processing.bundles.manager import DagBundlesManager
