@@ -130,6 +130,22 @@ def test_an_environment_whose_reset_raises_stops_before_training(tmp_path):
     check_environment(load_environment("calculator"), {"prompt": "1*2=", "label": "2"}, timeout=5)
 
 
+@pytest.mark.parametrize("kind", ["def", "async def"])
+def test_an_environment_whose_reset_hangs_stops_before_training(kind, tmp_path):
+    path = env_file(tmp_path, f"""
+        import asyncio, time
+        class Environment:
+            {kind} reset(self, row):
+                {"await asyncio.sleep(30)" if kind == "async def" else "time.sleep(30)"}
+            def step(self, action):
+                return None, 0.0, True, {{}}
+    """)
+    started = time.monotonic()
+    with pytest.raises(EnvError, match=r"reset failed on the first prompt row \(TimeoutError"):
+        check_environment(load_environment(path), {"prompt": "1"}, timeout=0.5)
+    assert time.monotonic() - started < 5
+
+
 def test_rl_config_takes_the_environment_flags_and_openrlhfs_name(tmp_path):
     base = ["--pretrain", "m", "--prompt_data", "d", "--output", str(tmp_path / "o")]
     cfg = parse_config(RLConfig, base + ["--agent_func_path", "calculator", "--max_turns", "3"])

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from tasks.common.losses import (aggregate, bradley_terry_loss, fused_token_logprobs, kl_loss, masked_mean, max_masked_abs_diff,
+from tasks.common.losses import (aggregate, bradley_terry_loss, fused_token_logprobs, kl_loss, logprob_mismatch, masked_mean,
                                  policy_loss, sft_loss, token_logprobs, value_loss)
 from tasks.common.models import sequence_logprobs
 from tasks.rl.advantages import (compute_advantages, discounted_returns, gae, group_keep_mask, kl_estimate,
@@ -479,4 +479,4 @@ def test_sft_loss_masked_mean_and_sync_check_ignore_nonfinite_masked_values():
     close(loss, 2.5)
     close(logprobs.grad, [[0.0, -0.5, -0.5]])
     close(masked_mean(T([[1.0, 2.0, float("inf")]]), T([[1, 1, 0]])), 1.5)
-    assert max_masked_abs_diff(T([[-1.0, float("-inf")]]), T([[-1.5, 0.0]]), T([[1, 0]])) == pytest.approx(0.5)
+    assert logprob_mismatch(T([[-1.0, float("-inf")]]), T([[-1.5, 0.0]]), T([[1, 0]]))["engine_logprob_max_diff"] == pytest.approx(0.5)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tasks.common.config import ConfigError, make_config
-from tasks.common.losses import max_masked_abs_diff
+from tasks.common.losses import logprob_mismatch
 from tasks.common.rollout import concat_rollouts
 from tasks.rl.config import RLConfig
 from tasks.rl.vllm_engine import to_rollout
@@ -30,8 +30,8 @@ def test_sync_check_is_the_largest_gap_on_response_tokens():
     actor = torch.tensor([[-1.0, -2.0, -9.0], [-0.5, -0.5, -0.5]])
     engine = torch.tensor([[-1.1, -2.5, 0.0], [-0.5, -0.45, -0.5]])
     mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
-    assert max_masked_abs_diff(actor, engine, mask) == pytest.approx(0.5)  # the masked 9.0 gap is not counted
-    assert max_masked_abs_diff(actor, engine, torch.zeros_like(mask)) == 0.0
+    assert logprob_mismatch(actor, engine, mask)["engine_logprob_max_diff"] == pytest.approx(0.5)  # the masked 9.0 gap is not counted
+    assert logprob_mismatch(actor, engine, torch.zeros_like(mask))["engine_logprob_max_diff"] == 0.0
 
 
 def test_vllm_flags_refused_in_one_line_when_they_cannot_apply():
@@ -97,4 +97,4 @@ def test_vllm_engine_generates_and_follows_the_trained_weights(tmp_path):
     engine.load_weights(model)
     rollout = engine.generate(prompts * 8, max_new_tokens=8)
     actor = response_logprobs(model, rollout.sequences.cuda(), rollout.attention_mask.cuda(), rollout.prompt_width).float().cpu()
-    assert max_masked_abs_diff(actor, rollout.logprobs, rollout.response_mask) < 0.1
+    assert logprob_mismatch(actor, rollout.logprobs, rollout.response_mask)["engine_logprob_max_diff"] < 0.1

@@ -22,13 +22,6 @@ import torch
 import torch.nn.functional as F
 
 
-def max_masked_abs_diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
-    """max |a - b| over the positions where mask is 1 (0.0 when none is): how far the rollout engine's
-    log-probabilities of the sampled tokens are from the trained actor's, after each weight sync."""
-    diff = torch.where(mask > 0, (a.float() - b.float()).abs(), 0.0)  # where, not × mask: inf · 0 = nan
-    return diff.max().item() if mask.any() else 0.0
-
-
 def masked_inputs(mask: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Each tensor with 0 where mask is 0, applied to a loss's inputs before any arithmetic. Masking the output
     (torch.where or × mask) keeps a padded position's inf/nan out of the forward pass but not the backward:

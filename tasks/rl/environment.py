@@ -81,15 +81,25 @@ def failure_reason(error: BaseException) -> str:
 
 def check_environment(env: EnvironmentFile, row: dict, timeout: float) -> None:
     """Build one episode's environment and reset it on a row, before any training: a file whose class
-    cannot be built or whose reset fails stops the stage here, in one line."""
-    async def reset():
-        instance = env()
-        if inspect.iscoroutinefunction(instance.reset):
-            return await asyncio.wait_for(instance.reset(row), timeout)
-        return instance.reset(row)
+    cannot be built or whose reset fails or hangs past `timeout` stops the stage here, in one line."""
+    outcome: dict = {}
 
+    def reset():  # on a daemon thread: a reset that never returns is left there, not waited for
+        try:
+            value = env().reset(row)
+            outcome["first"] = asyncio.run(asyncio.wait_for(value, timeout)) if inspect.isawaitable(value) else value
+        except BaseException as e:
+            outcome["error"] = e
+
+    thread = threading.Thread(target=reset, name="env-check", daemon=True)
+    thread.start()
+    thread.join(timeout)
     try:
-        first = asyncio.run(reset())
+        if thread.is_alive():
+            raise TimeoutError(f"no answer in {timeout:g} s (--env_step_timeout)")
+        if "error" in outcome:
+            raise outcome["error"]
+        first = outcome["first"]
     except Exception as e:
         raise EnvError(f"env_path: {env.spec}: reset failed on the first prompt row ({type(e).__name__}: {e}); "
                        "fix Environment.reset for rows like it") from None
