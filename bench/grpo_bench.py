@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -353,6 +354,30 @@ def bench_ours(bench_dir: Path, steps: int = 12, engine: str = "vllm", micro: in
     save(bench_dir, name, {"micro_batch": micro, **result})
 
 
+# ---------------------------------------------------------------------------- eval
+
+EVAL_PROMPTS = 1000
+
+
+def bench_eval(bench_dir: Path, engine: str) -> None:
+    """The eval stage on EVAL_PROMPTS prompts of PROMPT_TOKENS tokens, COMPLETION_TOKENS new tokens each, the
+    bench model on both sides (each side: greedy responses, one sample per prompt, the KL pass): its
+    worker's transformers engine on the GPU, or --use_vllm. The seconds per side come from the stage's log."""
+    rows = [json.loads(line) for line in (bench_dir / "prompts.jsonl").read_text().splitlines()]
+    data = bench_dir / "eval_prompts.jsonl"
+    data.write_text("".join(json.dumps(rows[i % len(rows)]) + "\n" for i in range(EVAL_PROMPTS)))
+    name = f"eval_{engine}"
+    log = bench_dir / f"{name}.log"
+    started = time.time()
+    run_stage("tasks.eval", {"output": bench_dir / "out" / name, "baseline": bench_dir / "model", "policy": bench_dir / "model",
+                             "dataset": data, "max_samples": EVAL_PROMPTS, "generate_max_len": COMPLETION_TOKENS, "metrics": "length",
+                             "bootstrap_resamples": 200, "use_vllm": engine == "vllm"}, log)
+    sides = [float(m) for m in re.findall(r"scored the \w+ on \d+ prompts .* in ([0-9.]+) s", log.read_text())]
+    save(bench_dir, name, {"prompts": EVAL_PROMPTS, "new_tokens": COMPLETION_TOKENS, "side_s": sides,
+                           "stage_s": round(time.time() - started, 1),
+                           "tokens_per_s": round(2 * EVAL_PROMPTS * COMPLETION_TOKENS / sides[-1]) if sides else None})
+
+
 # ---------------------------------------------------------------------------- TRL
 
 def bench_trl(bench_dir: Path, mode: str, steps: int = 12) -> None:
@@ -431,6 +456,7 @@ def report(bench_dir: Path, out: Path, command: str) -> None:
         "rollout_tokens_per_s": get(best, "rollout_tokens_per_s"),
         "grpo_step_s_ours_2gpu_async": min((r["step_s"] for n, r in results.items() if "async" in n and "agentic" not in n), default=None),
         # agentic_<key> (colocated, one GPU), agentic_separate_<key> and agentic_async_<key> (the engine on a second GPU)
+        **{f"eval_{engine}_{key}": get(f"eval_{engine}", key) for engine in ("vllm", "hf") for key in ("side_s", "stage_s", "tokens_per_s")},
         **{"agentic_" + n.split("_agentic")[1].lstrip("_") + ("_" if n.split("_agentic")[1] else "") + key: r.get(key)
            for n, r in results.items() if "_agentic" in n
            for key in ("step_s", "episodes_per_s", "turns_per_episode", "time_generate_s", "time_train_s", "time_weight_sync_s")},
@@ -453,7 +479,7 @@ def report(bench_dir: Path, out: Path, command: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=["setup", "vllm", "hf_generate", "sft", "sft_profile", "ours", "trl", "report"])
+    parser.add_argument("what", choices=["setup", "vllm", "hf_generate", "sft", "sft_profile", "ours", "trl", "eval", "report"])
     parser.add_argument("--dir", type=Path, default=Path("/tmp/bench"))
     parser.add_argument("--shape", default="qwen2-0.5b", choices=sorted(SHAPES))
     parser.add_argument("--mode", default="vllm", choices=["hf", "vllm"], help="trl: generate with HF generate or vLLM colocate; ours: engine")
@@ -481,6 +507,8 @@ def main() -> None:
         bench_ours(a.dir, a.steps, engine=a.mode, micro=a.micro, layout=a.layout, lr=a.lr)
     elif a.what == "trl":
         bench_trl(a.dir, a.mode, a.steps)
+    elif a.what == "eval":
+        bench_eval(a.dir, a.mode)
     else:
         report(a.dir, a.out, a.command)
 

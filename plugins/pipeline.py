@@ -42,7 +42,7 @@ DATASET_FLAGS = ("input_key", "output_key", "chosen_key", "rejected_key", "label
 #: The Airflow pool of GPUs (created by `make up` with --include-deferred: deferred stages hold their GPUs).
 GPU_POOL = "rlhf_gpus"
 #: GPUs each stage asks Ray for with the DAG's layout (the RL models colocated on the actor's GPU).
-STAGE_GPUS = {"prepare_data": 0, "sft": 1, "reward_model": 1, "rl": 1, "dpo": 1, "kto": 1, "eval": 0, "promote": 0}
+STAGE_GPUS = {"prepare_data": 0, "sft": 1, "reward_model": 1, "rl": 1, "dpo": 1, "kto": 1, "eval": 1, "promote": 0}
 TRAINING_STAGES = ("sft", "reward_model", "rl", "dpo", "kto")
 #: Lineage in the Assets view: base model and data -> SFT -> reward model -> policy -> report -> champion.
 ASSETS = {name: Asset(name=f"rlhf_flow.{name}", uri=f"rlhf-flow://assets/{name}")

@@ -50,7 +50,7 @@ def pytest_collection_modifyitems(items):
     stack = []
     for item in items:
         names = set(getattr(item, "fixturenames", ()))
-        if {"ray_head", "ray_address", "two_nodes"} & names:
+        if {"ray_head", "ray_address", "ray_driver", "two_nodes"} & names:
             item.add_marker(pytest.mark.ray)
         if STACK_FIXTURES & names:
             item.add_marker(pytest.mark.xdist_group("stack"))
@@ -141,6 +141,17 @@ def _clear_stale(parent: Path, keep: Path) -> None:
 
 
 RAY_GCS_ADDRESS = ""
+
+
+@pytest.fixture
+def ray_driver(ray_address, monkeypatch) -> str:
+    """This process as a Ray driver on ray_head, as a stage's own driver is (placed_group, connect_ray): for
+    stages run in process. Disconnects after the test."""
+    import ray
+
+    monkeypatch.setenv("RAY_ADDRESS", ray_address)
+    yield ray_address
+    ray.shutdown()
 
 
 @pytest.fixture(scope="session")

@@ -459,7 +459,7 @@ SLOW_STEP = """
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("partial", [True, pytest.param(False, marks=pytest.mark.slow)])  # the queue's order: make test-all
-def test_weights_sent_beside_a_running_rollout_reach_its_next_turn(partial, ray_address, tiny, tmp_path):
+def test_weights_sent_beside_a_running_rollout_reach_its_next_turn(partial, ray_driver, tiny, tmp_path):
     """A transformers rollout engine of its own (RolloutEngineWorker on the real Ray head) runs two-turn episodes
     whose environment waits 1.5 s a step. New weights sent while the first step waits: with --partial_rollouts
     (beside the engine's queue) the second turn generates with them (tagged version 1, the first turn 0);
@@ -477,8 +477,7 @@ def test_weights_sent_beside_a_running_rollout_reach_its_next_turn(partial, ray_
     cfg = parse_config(RLConfig, ["--pretrain", str(tmp_path / "base"), "--prompt_data", "d", "--output", str(tmp_path / "o"),
                                   "--env_path", env, "--max_turns", "2", "--generate_max_len", "4", "--async_train",
                                   *(["--partial_rollouts"] if partial else [])])
-    ray.init(address=ray_address, logging_level="WARNING")
-    placement = Placement.create(1, 1, "rollout")
+    placement = Placement.create(1, 1, "rollout")  # joins the head (RAY_ADDRESS)
     try:
         engines = WorkerGroup(RolloutEngineWorker, placement, "rollout")
         engines.run("setup", cfg)
@@ -495,4 +494,3 @@ def test_weights_sent_beside_a_running_rollout_reach_its_next_turn(partial, ray_
         assert engines.scatter("generate", [[[5, 6]]])[0].versions.unique().tolist() == [1]
     finally:
         placement.remove()  # with the actors
-        ray.shutdown()

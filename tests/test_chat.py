@@ -202,7 +202,7 @@ def test_the_rollout_engine_stops_on_the_chat_models_end_token(tok, tmp_path):
 
 
 @pytest.mark.parametrize("labelled", [False, True])
-def test_eval_of_chat_prompts_with_and_without_reference_answers(labelled, tok, tmp_path):
+def test_eval_of_chat_prompts_with_and_without_reference_answers(labelled, tok, tmp_path, ray_driver):
     from tasks.common import stage
     from tasks.eval.config import EvalConfig
     from tasks.eval.evaluate import evaluate

@@ -221,7 +221,7 @@ def test_an_alarm_fails_the_gate_whatever_the_rules():
 # ---------------------------------------------------------------------------------------------- the stage
 
 
-def test_eval_stage_scores_a_teams_own_data_with_its_metric_file(tmp_path):
+def test_eval_stage_scores_a_teams_own_data_with_its_metric_file(tmp_path, ray_driver):
     """Not the demo: the team's labels, its own metric file (reading its rows), a built-in, four samples per
     prompt (pass@k), a slice column. Every number is checked against what it must be."""
     from tasks.common import stage

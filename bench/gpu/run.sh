@@ -22,7 +22,7 @@ for phase in "$@"; do
     hf_generate) python bench/grpo_bench.py hf_generate --dir $dir ;;
     sft_profile) python bench/grpo_bench.py sft_profile --dir $dir ;;
     sft_profile_compile) python bench/grpo_bench.py sft_profile --dir $dir --compile ;;
-    sft|sft_compile|ours|ours32|ours64|ours_hf|ours_async|ours_2gpu_kl|ours_agentic|ours_agentic_separate|ours_agentic_async|tests_stages|tests_learn)
+    sft|sft_compile|ours|ours32|ours64|ours_hf|ours_async|ours_2gpu_kl|ours_agentic|ours_agentic_separate|ours_agentic_async|eval_vllm|eval_hf|tests_stages|tests_learn)
       if [ -z "$ray_up" ]; then start_ray && ray_up=1; fi
       case "$phase" in
         sft) python bench/grpo_bench.py sft --dir $dir ;;
@@ -37,6 +37,9 @@ for phase in "$@"; do
         # Two GPUs: the engine on its own, on-policy, then asynchronous with partial rollouts.
         ours_agentic_separate) python bench/grpo_bench.py ours --dir $dir --mode vllm --micro 64 --layout agentic_separate --steps 8 ;;
         ours_agentic_async) python bench/grpo_bench.py ours --dir $dir --mode vllm --micro 64 --layout agentic_async --steps 10 ;;
+        # The eval stage, 1,000 prompts x 256 new tokens: vLLM on its worker's GPU, then the transformers engine there.
+        eval_vllm) python bench/grpo_bench.py eval --dir $dir --mode vllm ;;
+        eval_hf) python bench/grpo_bench.py eval --dir $dir --mode hf ;;
         # The GPU tests (tests/test_gpu.py, tests/test_vllm_engine.py), on this Ray head; the learning
         # check's preferred-style rates land in results/gpu_learning.json.
         tests_stages) python -m pytest -m gpu -s -p no:cacheprovider tests/test_vllm_engine.py tests/test_gpu.py -k "${TESTS_K:-not learns}" ;;

@@ -31,6 +31,8 @@ class EvalConfig(EpisodeConfig, StageConfig):
     generate_max_len: int = field(default=16, metadata={"help": "new tokens per response"})
     temperature: float = field(default=1.0, metadata={"help": "sampling temperature for the sampled metrics"})
     num_shown_samples: int = field(default=8, metadata={"help": "generations shown side by side in the report"})
+    use_vllm: bool = field(default=False, metadata={"help": "generate with one vLLM engine on the eval worker's GPU (the gpu extra), loaded with each compared model in turn; default: the transformers engine on the worker's device"})
+    vllm_gpu_memory_utilization: float = field(default=0.5, metadata={"help": "with --use_vllm: the fraction of the GPU's memory vLLM may take (the compared models and reward model use the rest)"})
 
     def validate(self) -> None:
         super().validate()
@@ -50,6 +52,8 @@ class EvalConfig(EpisodeConfig, StageConfig):
                 metrics.builtin(name)
         except metrics.MetricError as e:
             raise ConfigError(str(e)) from None
+        if not 0 < self.vllm_gpu_memory_utilization < 1:
+            raise ConfigError(f"vllm_gpu_memory_utilization: {self.vllm_gpu_memory_utilization} is not a fraction; use e.g. 0.5")
         bad = [k for k in self.ks() if not 0 < k <= self.n_samples_per_prompt]
         if bad:
             raise ConfigError(f"pass_k: {bad[0]} is not between 1 and n_samples_per_prompt ({self.n_samples_per_prompt})")

@@ -21,37 +21,23 @@ from __future__ import annotations
 import json
 import time
 
-import torch
-
 from tasks.common import data
 from tasks.common.cost import lineage_cost
-from tasks.common.models import load_causal_lm, load_tokenizer, resolve_model, sequence_logprobs
-from tasks.common.rollout import HFRolloutEngine, Rollout
 from tasks.common.registry import Registry
 from tasks.common.stage import StageRun
 from tasks.common.strategy import set_seed
+from tasks.common.workers import placed_group
 from tasks.eval import metrics as metric_lib
 from tasks.eval import stats
 from tasks.eval.config import EvalConfig
 from tasks.eval.judge import ChatJudge
 from tasks.eval.report import write_report
-from tasks.rl.environment import EpisodeLimits, EpisodeRunner, check_environment, load_environment
-from tasks.rl.rewards import RewardModels, build_reward_batch
+from tasks.eval.worker import EvalWorker, repeat
+from tasks.rl.environment import check_environment, load_environment
 
 #: Measured from the models on the sampled responses (and, with --env_path, how its episodes went), whatever the
 #: run declares: reported, never read as a task's success metric.
 MODEL_METRICS = ("reward_mean", "kl_to_ref", "response_length", "env_turns", "env_tool_calls", "env_tool_errors")
-
-
-@torch.no_grad()
-def summed_logprobs(model, rollout: Rollout, batch_size: int = 256) -> torch.Tensor:
-    """Σ log π(response tokens) per sequence."""
-    out = []
-    for i in range(0, rollout.sequences.size(0), batch_size):
-        seqs, mask = rollout.sequences[i:i + batch_size], rollout.attention_mask[i:i + batch_size]
-        logprobs = sequence_logprobs(model, seqs, mask)[:, rollout.prompt_width - 1:]
-        out.append((logprobs * rollout.response_mask[i:i + batch_size]).sum(-1))
-    return torch.cat(out)
 
 
 def reference_answers(rows, cfg: EvalConfig) -> list[str | None] | None:
@@ -68,11 +54,6 @@ def shown(prompt) -> str:
     return " ".join(text.split())
 
 
-def repeat(values, n: int) -> list:
-    """Each value n times in a row: the layout of n samples per prompt."""
-    return [v for v in values for _ in range(n)]
-
-
 def pass_at_k_scores(values: list, n: int, k: int) -> list:
     """Per prompt, pass@k from its n consecutive 0/1 scores (None when any of them is unscored)."""
     out = []
@@ -82,45 +63,27 @@ def pass_at_k_scores(values: list, n: int, k: int) -> list:
     return out
 
 
-def policy_scores(policy, reference, reward_model, tokenizer, prompts, texts, labels, rows, scorers,
-                  cfg: EvalConfig) -> tuple[dict[str, list], list[str]]:
-    """{metric: one score per prompt (None: not scored)} of one policy, and its greedy responses."""
-    engine = HFRolloutEngine(policy, tokenizer)
-    greedy = engine.generate(prompts, cfg.generate_max_len, greedy=True).texts(tokenizer)
-    scores = metric_lib.score(scorers, texts, greedy, labels, rows)
+def side_scores(side: dict, texts: list, labels, rows: list[dict], scorers, cfg: EvalConfig) -> dict[str, list]:
+    """{metric: one score per prompt (None: not scored)} of one side, from what its model generated on the eval
+    worker (tasks.eval.worker.EvalWorker.generate_side)."""
     n = cfg.n_samples_per_prompt
-    set_seed(cfg.seed)  # every policy samples with the same seed
-    sampled = engine.generate(repeat(prompts, n), cfg.generate_max_len, temperature=cfg.temperature)
+    scores = metric_lib.score(scorers, texts, side["greedy"], labels, rows)
     sampled_labels = repeat(labels, n) if labels is not None else None
-    per_sample = metric_lib.score(scorers, repeat(texts, n), sampled.texts(tokenizer), sampled_labels, repeat(rows, n))
+    per_sample = metric_lib.score(scorers, repeat(texts, n), side["sampled"], sampled_labels, repeat(rows, n))
     for name, values in per_sample.items():
         scores[f"sampled_{name}"] = stats.per_prompt(values, n)
         if n > 1 and metric_lib.is_success_metric(values):
             for k in cfg.ks():
                 scores[f"pass@{k}_{name}"] = pass_at_k_scores(values, n, k)
-    if cfg.env_path:
-        scores.update(episode_scores(policy, tokenizer, rows, cfg))
-    kl = summed_logprobs(policy, sampled) - summed_logprobs(reference, sampled)
-    scores["kl_to_ref"] = stats.per_prompt(kl.tolist(), n)
-    scores["response_length"] = stats.per_prompt(sampled.response_lengths().float().tolist(), n)
-    if reward_model is not None:
-        rewards = reward_model.score(build_reward_batch(sampled, tokenizer, repeat(texts, n), sampled_labels))
-        scores["reward_mean"] = stats.per_prompt(rewards.tolist(), n)
-    return scores, greedy
-
-
-def episode_scores(policy, tokenizer, rows, cfg: EvalConfig) -> dict[str, list]:
-    """Greedy multi-turn episodes in the environment (--env_path), one per prompt: env_success (a 0/1 metric
-    the gate can use), env_turns, env_tool_calls and env_tool_errors."""
-    limits = EpisodeLimits(cfg.max_turns, cfg.max_episode_tokens, cfg.generate_max_len, cfg.env_step_timeout)
-    runner = EpisodeRunner(HFRolloutEngine(policy, tokenizer), tokenizer, load_environment(cfg.env_path), limits,
-                           cfg.apply_chat_template, cfg.input_key)
-    try:
-        summaries = runner.run(list(rows), greedy=True).summaries
-    finally:
-        runner.close()
-    return {"env_success": [float(s["success"]) for s in summaries], "env_turns": [float(s["turns"]) for s in summaries],
-            "env_tool_calls": [float(s["tool_calls"]) for s in summaries], "env_tool_errors": [float(s["tool_errors"]) for s in summaries]}
+    if side["episodes"] is not None:
+        summaries = side["episodes"]
+        scores.update({"env_success": [float(s["success"]) for s in summaries], "env_turns": [float(s["turns"]) for s in summaries],
+                       "env_tool_calls": [float(s["tool_calls"]) for s in summaries],
+                       "env_tool_errors": [float(s["tool_errors"]) for s in summaries]})
+    for name in ("kl_to_ref", "response_length", "reward_mean"):
+        if side[name] is not None:
+            scores[name] = stats.per_prompt(side[name], n)
+    return scores
 
 
 def compare(candidate: dict[str, list], reference: dict[str, list], cfg: EvalConfig) -> dict:
@@ -208,35 +171,28 @@ def evaluate(cfg: EvalConfig, run: StageRun) -> None:
               "left out, the others stay", flush=True)
     if cfg.slice_key and cfg.slice_key not in rows.column_names:
         raise metric_lib.MetricError(f"slice_key: the dataset has no column {cfg.slice_key!r}; it has {rows.column_names}")
-    baseline_path = resolve_model(run.input("baseline", cfg.baseline))
-    policy_path = resolve_model(run.input("policy", cfg.policy))
-    tokenizer = load_tokenizer(policy_path)
-    baseline, policy = load_causal_lm(baseline_path).eval(), load_causal_lm(policy_path).eval()
-    # Raw scores (not standardised), summed over the models of a comma-separated list, as in RL.
-    reward_model = RewardModels(run.input("reward_pretrain", cfg.reward_pretrain), normalize=False) if cfg.reward_pretrain else None
     texts = list(rows[cfg.input_key])
     records = rows.to_list()
-    prompts = [data.encode_prompt(tokenizer, p, cfg.apply_chat_template) for p in texts]
     if cfg.env_path:  # a file that does not load or reset fails here, before any model generates
         check_environment(load_environment(run.input("env_path", cfg.env_path)), records[0], cfg.env_step_timeout)
-
-    def score_side(model, side: str):
-        started = time.monotonic()
-        out = policy_scores(model, baseline, reward_model, tokenizer, prompts, texts, labels, records, scorers, cfg)
-        print(f"eval: scored the {side} on {len(prompts)} prompts ({cfg.n_samples_per_prompt} sample(s) each) in "
-              f"{time.monotonic() - started:.1f} s", flush=True)
-        return out
-
-    scores, greedy = {}, {}
-    scores["baseline"], greedy["baseline"] = score_side(baseline, "baseline")
-    scores["policy"], greedy["policy"] = score_side(policy, "policy")
+    uris = {"baseline": run.input("baseline", cfg.baseline), "policy": run.input("policy", cfg.policy)}
+    if cfg.reward_pretrain:
+        run.input("reward_pretrain", cfg.reward_pretrain)
     # The champion of the registry, judged on the same prompts, so the promotion gate compares like with like.
     champion, _ = Registry(cfg.registry).champion() if cfg.registry else (None, None)
     if champion:
         print(f"eval: champion v{champion['version']} is {champion['policy']}", flush=True)
-        champ_model = load_causal_lm(resolve_model(run.input("champion", champion["policy"]))).eval()
-        scores["champion"], greedy["champion"] = score_side(champ_model, "champion")
-        del champ_model
+        uris["champion"] = run.input("champion", champion["policy"])
+    scores, greedy = {}, {}
+    with placed_group(EvalWorker, 1, 1, "eval") as group:
+        run.placements.append(group.placement)  # what the stage held, for its cost
+        group.run("setup", cfg, uris["baseline"])
+        for side, uri in uris.items():
+            started = time.monotonic()
+            out = group.run("generate_side", uri, texts, records, labels)[0]
+            scores[side], greedy[side] = side_scores(out, texts, labels, records, scorers, cfg), out["greedy"]
+            print(f"eval: scored the {side} on {len(texts)} prompts ({cfg.n_samples_per_prompt} sample(s) each) in "
+                  f"{time.monotonic() - started:.1f} s ({'vLLM' if cfg.use_vllm else 'transformers'} on the eval worker)", flush=True)
     declared = [m for m in scores["baseline"] if m not in MODEL_METRICS and not m.startswith("pass@")]
     verifiable = [m for m in declared if metric_lib.is_success_metric(scores["baseline"][m])]
     summary = summarise(scores, verifiable, cfg)
@@ -249,7 +205,7 @@ def evaluate(cfg: EvalConfig, run: StageRun) -> None:
         "order": order,
         "declared_metrics": declared,
         "verifiable_metrics": verifiable,
-        "num_prompts": len(prompts),
+        "num_prompts": len(texts),
         "samples_per_prompt": cfg.n_samples_per_prompt,
         "labelled": labels is not None,
         "temperature": cfg.temperature,

@@ -1,0 +1,106 @@
+"""The eval stage's models on a device of their own: a Ray worker that generates and measures; the driver
+keeps the metrics, the intervals and the report (tasks/eval/evaluate.py).
+
+    with placed_group(EvalWorker, num_nodes=1, gpus_per_node=1, name="eval") as group:
+        group.run("setup", cfg, baseline_uri)
+        side = group.run("generate_side", policy_uri, prompts, rows, labels)[0]
+        side["greedy"], side["sampled"]       # texts: one greedy response per prompt, n samples per prompt in a row
+        side["kl_to_ref"], side["response_length"], side["reward_mean"]   # per sample; reward_mean None without a reward model
+        side["episodes"]                      # with --env_path: one greedy episode's summary per prompt
+
+The worker takes a GPU when the cluster has one (a CPU otherwise), like the training stages' workers, and
+generates through the same rollout-engine slot as RL: the transformers engine on its device, or with
+--use_vllm one vLLM engine on its GPU that is loaded with each model's weights in turn (the models
+compared share the baseline's architecture). Models are fetched on the worker's own node.
+"""
+from __future__ import annotations
+
+import torch
+
+from tasks.common import data
+from tasks.common.config import ConfigError
+from tasks.common.models import load_causal_lm, load_tokenizer, resolve_model, sequence_logprobs
+from tasks.common.rollout import HFRolloutEngine, Rollout
+from tasks.common.strategy import set_seed
+from tasks.common.workers import Worker
+from tasks.eval.config import EvalConfig
+from tasks.rl.environment import EpisodeLimits, EpisodeRunner, load_environment
+from tasks.rl.rewards import RewardModels, build_reward_batch
+
+
+def repeat(values, n: int) -> list:
+    """Each value n times in a row: the layout of n samples per prompt."""
+    return [v for v in values for _ in range(n)]
+
+
+@torch.no_grad()
+def summed_logprobs(model, rollout: Rollout, batch_size: int = 256) -> torch.Tensor:
+    """Σ log π(response tokens) per sequence."""
+    device = next(model.parameters()).device
+    out = []
+    for i in range(0, rollout.sequences.size(0), batch_size):
+        seqs, mask = rollout.sequences[i:i + batch_size].to(device), rollout.attention_mask[i:i + batch_size].to(device)
+        logprobs = sequence_logprobs(model, seqs, mask)[:, rollout.prompt_width - 1:]
+        out.append((logprobs * rollout.response_mask[i:i + batch_size].to(device)).sum(-1).cpu())
+    return torch.cat(out)
+
+
+class EvalWorker(Worker):
+    def setup(self, cfg: EvalConfig, baseline_uri: str) -> None:
+        self.cfg = cfg
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.baseline_uri = baseline_uri
+        path = resolve_model(baseline_uri)
+        self.reference = load_causal_lm(path).to(self.device).eval()
+        # Raw scores (not standardised), summed over the models of a comma-separated list, as in RL.
+        self.reward = RewardModels(cfg.reward_pretrain, device=self.device, normalize=False) if cfg.reward_pretrain else None
+        self.vllm = None
+        if cfg.use_vllm:
+            if self.device.type != "cuda":
+                raise ConfigError("use_vllm: vLLM generates on a GPU and this eval worker has none; drop --use_vllm")
+            from tasks.rl.vllm_engine import VLLMRolloutEngine  # GPU only: vllm is the gpu extra
+
+            positions = getattr(self.reference.config, "max_position_embeddings", None) or 4096
+            self.vllm = VLLMRolloutEngine(path, load_tokenizer(path), max_model_len=positions,
+                                          gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, seed=cfg.seed,
+                                          dtype="bfloat16")
+
+    def _engine(self, model, tokenizer):
+        if self.vllm is None:
+            return HFRolloutEngine(model, tokenizer, self.device)
+        self.vllm.load_named((name, param.data) for name, param in model.named_parameters())
+        return self.vllm
+
+    @torch.no_grad()
+    def generate_side(self, model_uri: str, prompts: list, rows: list[dict], labels: list | None) -> dict:
+        """Greedy responses, n samples per prompt and what the models say of them, for one side's model."""
+        cfg, n = self.cfg, self.cfg.n_samples_per_prompt
+        path = resolve_model(model_uri)
+        tokenizer = load_tokenizer(path)
+        model = self.reference if model_uri == self.baseline_uri else load_causal_lm(path).to(self.device).eval()
+        ids = [data.encode_prompt(tokenizer, p, cfg.apply_chat_template) for p in prompts]
+        engine = self._engine(model, tokenizer)
+        greedy = engine.generate(ids, cfg.generate_max_len, greedy=True).texts(tokenizer)
+        set_seed(cfg.seed)  # every side samples with the same seed
+        sampled = engine.generate(repeat(ids, n), cfg.generate_max_len, temperature=cfg.temperature).to("cpu")
+        out = {"greedy": greedy, "sampled": sampled.texts(tokenizer),
+               "kl_to_ref": (summed_logprobs(model, sampled) - summed_logprobs(self.reference, sampled)).tolist(),
+               "response_length": sampled.response_lengths().float().tolist(), "reward_mean": None, "episodes": None}
+        if self.reward is not None:
+            batch = build_reward_batch(sampled, tokenizer, repeat(prompts, n), repeat(labels, n) if labels is not None else None)
+            out["reward_mean"] = self.reward.score(batch).tolist()
+        if cfg.env_path:
+            out["episodes"] = self._episodes(engine, tokenizer, rows)
+        if model is not self.reference:
+            del model
+        return out
+
+    def _episodes(self, engine, tokenizer, rows: list[dict]) -> list[dict]:
+        """Greedy multi-turn episodes in the environment (--env_path), one per row: their summaries."""
+        cfg = self.cfg
+        limits = EpisodeLimits(cfg.max_turns, cfg.max_episode_tokens, cfg.generate_max_len, cfg.env_step_timeout)
+        runner = EpisodeRunner(engine, tokenizer, load_environment(cfg.env_path), limits, cfg.apply_chat_template, cfg.input_key)
+        try:
+            return runner.run(rows, greedy=True).summaries
+        finally:
+            runner.close()
