@@ -381,17 +381,20 @@ def planned_problems(dag, params, context) -> list[str]:
 
     running = {"prepare_data", "sft", *branch_for(params), "eval", "promote"}
 
+    def placeholder(task_id: str) -> str:  # what an upstream stage's output URI stands for here
+        return f"s3://validate/{task_id}/manifest.json"
+
     class PlannedXComs:
         """`ti` for the templates: an upstream that will run gives its output's placeholder; a skipped one, nothing."""
 
         def xcom_pull(self, task_ids=None, **_):
-            return f"s3://validate/{task_ids}/manifest.json" if task_ids in running else None
+            return placeholder(task_ids) if task_ids in running else None
 
     problems = []
     for op in dag.tasks:
         if not isinstance(op, RayJobOperator) or op.task_id not in running:
             continue
-        args = {k: f"s3://validate/{v.operator.task_id}/manifest.json" if isinstance(v, XComArg) else v for k, v in op.args.items()}
+        args = {k: placeholder(v.operator.task_id) if isinstance(v, XComArg) else v for k, v in op.args.items()}
         flags = op.render_template(args, {**context, "params": params, "ti": PlannedXComs()})
         why = check_stage(op.module, {"output": "s3://validate/output", "run_id": context["run_id"], **flags})
         if why:

@@ -40,6 +40,15 @@ def write_task(root, seed: int, task: str = "calculator") -> dict:
     return {name: str(root / f"{name}.jsonl") for name in splits} | {"base": str(root / "base")}
 
 
+def sft_model(ray_address, root, task: dict, seed: int, reuse: bool = False) -> str:
+    """The task's SFT model (400 steps on its traces) under root/sft; `reuse`: one already there is taken as is."""
+    sft = str(root / "sft")
+    if not (reuse and (root / "sft" / "manifest.json").exists()):
+        cli(ray_address, "tasks.sft", output=sft, pretrain=task["base"], dataset=task["sft"], max_steps=400, learning_rate=1e-3,
+            train_batch_size=64, max_len=64, seed=seed)
+    return sft
+
+
 def cli(ray_address, module, **values):
     done = run_cli(module, *flags(values), ray=ray_address)
     assert done.returncode == 0, f"{module} failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
@@ -60,9 +69,7 @@ def held_out(ray_address, root, arm: str, sft: str, policy: str, eval_rows: str,
 def test_calculator_rl_raises_success_over_a_zero_reward_control(seed, ray_address):
     root = SCRATCH / "agentic" / f"seed{seed}"
     task = write_task(root, seed)
-    sft = str(root / "sft")
-    cli(ray_address, "tasks.sft", output=sft, pretrain=task["base"], dataset=task["sft"], max_steps=400, learning_rate=1e-3,
-        train_batch_size=64, max_len=64, seed=seed)
+    sft = sft_model(ray_address, root, task, seed)
     results = {}
     for arm, env in (("calculator", "calculator"), ("control", str(REPO / "tests" / "rewards" / "zero_env.py"))):
         out = str(root / f"rl-{arm}")
@@ -106,10 +113,7 @@ def test_async_calculator_rl_with_stale_rollouts_and_correction_still_learns(ray
     against seed 0's control; the logs show the staleness (never past the bound: nothing dropped) and the mismatch."""
     root = SCRATCH / "agentic" / "seed0"
     task = write_task(root, 0)
-    sft = str(root / "sft")
-    if not (root / "sft" / "manifest.json").exists():
-        cli(ray_address, "tasks.sft", output=sft, pretrain=task["base"], dataset=task["sft"], max_steps=400, learning_rate=1e-3,
-            train_batch_size=64, max_len=64, seed=0)
+    sft = sft_model(ray_address, root, task, 0, reuse=True)
     runs = {}
     for arm, env, extra in (("async", "calculator", {"async_train": True, "max_staleness": 2, "partial_rollouts": True, "is_correction": "tis"}),
                             ("control", str(REPO / "tests" / "rewards" / "zero_env.py"), {})):
@@ -135,10 +139,7 @@ def test_at_staleness_4_the_correction_leaves_less_of_the_mismatch_than_none(ray
     smaller with tis, and all of it without."""
     root = SCRATCH / "agentic" / "seed0"
     task = write_task(root, 0)
-    sft = str(root / "sft")
-    if not (root / "sft" / "manifest.json").exists():
-        cli(ray_address, "tasks.sft", output=sft, pretrain=task["base"], dataset=task["sft"], max_steps=400, learning_rate=1e-3,
-            train_batch_size=64, max_len=64, seed=0)
+    sft = sft_model(ray_address, root, task, 0, reuse=True)
     logged = {}
     for correction in ("none", "tis"):
         out = root / f"rl-stale4-{correction}"
@@ -163,9 +164,7 @@ def test_guess_rl_solves_in_fewer_turns_than_a_zero_reward_control(seed, ray_add
     fewer turns. Measured: 4.58 -> 4.21 (seed 0) and 4.71 -> 4.44 (seed 1) greedy turns; a weak effect on this 1-layer model."""
     root = SCRATCH / "agentic" / f"guess-seed{seed}"
     task = write_task(root, seed, "guess")
-    sft = str(root / "sft")
-    cli(ray_address, "tasks.sft", output=sft, pretrain=task["base"], dataset=task["sft"], max_steps=400, learning_rate=1e-3,
-        train_batch_size=64, max_len=64, seed=seed)
+    sft = sft_model(ray_address, root, task, seed)
     limits = {"generate_max_len": GUESS_LIMITS.max_turn_tokens, "max_turns": GUESS_LIMITS.max_turns,
               "max_episode_tokens": GUESS_LIMITS.max_episode_tokens}
     results = {}

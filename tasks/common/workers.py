@@ -186,7 +186,7 @@ class Worker:
     def call_beside(self, method: str, *args, **kwargs):
         """`call` on a thread of its own, while the main queue runs something else: a weight update that must
         reach a rollout already running (--partial_rollouts). The method must be safe beside the others."""
-        return getattr(self, method)(*args, **kwargs)
+        return self.call(method, *args, **kwargs)
 
 
 class TrainingWorker(Worker):
