@@ -44,26 +44,51 @@ def dag_default_flags(stage: str, seed: int) -> dict:
     }[stage]
 
 
+#: The data, SFT and reward-model outputs this test session made, by seed folder: tests/test_learning.py runs
+#: its second seed on them rather than training them again.
+MODELS: dict = {}
+
+
+def run_stages(ray_address, root, seed: int, names: tuple[str, ...]) -> dict:
+    """The demo's stages `names` for one seed into `root` (local folders), each a plain process with the DAG's
+    default flags; returns every stage's output folder."""
+    out = {name: str(root / name) for name in ("data", "sft", "rm", "rl", "eval")}
+    stages = {
+        "data": ("tasks.data", {"output": out["data"]}),
+        "sft": ("tasks.sft", {"output": out["sft"], "pretrain": out["data"], "dataset": out["data"]}),
+        "rm": ("tasks.reward_model", {"output": out["rm"], "pretrain": out["sft"], "dataset": out["data"]}),
+        "rl": ("tasks.rl", {"output": out["rl"], "pretrain": out["sft"], "reward_pretrain": out["rm"], "prompt_data": out["data"],
+                            "pretrain_data": out["data"] if DEFAULTS["ptx_coef"] else ""}),
+        "eval": ("tasks.eval", {"output": out["eval"], "baseline": out["sft"], "policy": out["rl"], "reward_pretrain": out["rm"],
+                                "dataset": out["data"]}),
+    }
+    for name in names:
+        module, values = stages[name]
+        done = run_cli(module, *flags({**values, **dag_default_flags(module, seed)}), ray=ray_address)
+        assert done.returncode == 0, f"{module} (seed {seed}) failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+        if name == "rm":
+            MODELS[root] = {key: out[key] for key in ("data", "sft", "rm")}
+    return out
+
+
 def demo_table(ray_address, root) -> dict:
     """The demo's stages for one seed into `root`; the eval report's {baseline, policy} metrics."""
     shutil.rmtree(root, ignore_errors=True)
-    out = {name: str(root / name) for name in ("data", "sft", "rm", "rl", "eval")}
     seed = int(root.name.split("-")[0].removeprefix("seed"))
-    stages = [
-        ("tasks.data", {"output": out["data"]}),
-        ("tasks.sft", {"output": out["sft"], "pretrain": out["data"], "dataset": out["data"]}),
-        ("tasks.reward_model", {"output": out["rm"], "pretrain": out["sft"], "dataset": out["data"]}),
-        ("tasks.rl", {"output": out["rl"], "pretrain": out["sft"], "reward_pretrain": out["rm"], "prompt_data": out["data"],
-                      "pretrain_data": out["data"] if DEFAULTS["ptx_coef"] else ""}),
-        ("tasks.eval", {"output": out["eval"], "baseline": out["sft"], "policy": out["rl"], "reward_pretrain": out["rm"],
-                        "dataset": out["data"]}),
-    ]
-    for module, values in stages:
-        done = run_cli(module, *flags({**values, **dag_default_flags(module, seed)}), ray=ray_address)
-        assert done.returncode == 0, f"{module} (seed {seed}) failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+    out = run_stages(ray_address, root, seed, ("data", "sft", "rm", "rl", "eval"))
     path, _ = manifests.fetch(out["eval"], root / "fetched")
     metrics = json.loads((path / "report.json").read_text())["metrics"]
     return {side: metrics[side] for side in ("baseline", "policy")}
+
+
+def demo_models(ray_address, seed: int) -> dict:
+    """The demo's data, SFT and reward model for `seed` as local folders: the ones this session's demo table
+    made, or made now (about 8 minutes on 2 cores)."""
+    root = ROOT / f"seed{seed}"
+    if root not in MODELS:
+        shutil.rmtree(root, ignore_errors=True)
+        run_stages(ray_address, root, seed, ("data", "sft", "rm"))
+    return MODELS[root]
 
 
 @pytest.fixture(scope="module")
