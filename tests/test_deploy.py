@@ -195,6 +195,10 @@ def test_a_lock_made_from_other_ranges_is_stale(tmp_path):
     (tmp_path / "pyproject.toml").write_text(changed)
     assert lock.check(tmp_path / "pyproject.toml", locks) == [
         f"locks/{name}.txt: stale against pyproject.toml's dependencies; run `make lock` and commit locks/" for name in lock.SETS]
+    # A range in one extra stales only the sets that install it.
+    (tmp_path / "pyproject.toml").write_text((REPO / "pyproject.toml").read_text().replace('"liger-kernel>=0.8.5"', '"liger-kernel>=0.8.6"'))
+    assert lock.check(tmp_path / "pyproject.toml", locks) == [
+        "locks/gpu.txt: stale against pyproject.toml's dependencies; run `make lock` and commit locks/"]
     # Edits outside the dependency tables leave the locks current.
     (tmp_path / "pyproject.toml").write_text((REPO / "pyproject.toml").read_text().replace('addopts = "-ra"', 'addopts = "-ra -q"'))
     assert lock.check(tmp_path / "pyproject.toml", locks) == []

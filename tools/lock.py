@@ -8,8 +8,10 @@
 As Airflow does with its constraints files: a range in pyproject.toml says what may work, a lock says
 what was tested. Every install uses a lock as pip constraints (`pip install -c locks/<set>.txt …`), so two
 fresh machines on two different days install the same versions. Each lock's header records the sha256
-of pyproject.toml's dependency tables it was resolved from; `check` recomputes it, so a range changed
-without `make lock` fails CI in one line.
+of the dependency tables its set was resolved from (requires-python, dependencies and the set's extras);
+`check` recomputes it, so a range changed without `make lock` fails CI in one line, and only for the sets
+that read it. `generate` keeps every version a lock already has unless a range now excludes it (uv prefers
+the pins of the lock it rewrites), so adding one package to one set moves nothing else.
 
 The sets and where they are installed:
     dev      .[airflow,train,dev]   Python 3.11: `make install` (this machine, CI)
@@ -50,11 +52,13 @@ class LockError(Exception):
     pass
 
 
-def dependencies_digest(pyproject: Path = REPO / "pyproject.toml") -> str:
-    """sha256 of what a resolution reads from pyproject.toml: requires-python, dependencies and extras.
-    Other edits (pytest options, the description) leave the locks current."""
+def dependencies_digest(name: str, pyproject: Path = REPO / "pyproject.toml") -> str:
+    """sha256 of what set `name`'s resolution reads from pyproject.toml: requires-python, dependencies and
+    its extras. Other edits (another set's extra, pytest options, the description) leave its lock current."""
     project = tomllib.loads(pyproject.read_text())["project"]
-    tables = {key: project.get(key) for key in ("requires-python", "dependencies", "optional-dependencies")}
+    extras = project.get("optional-dependencies", {})
+    tables = {"requires-python": project.get("requires-python"), "dependencies": project.get("dependencies"),
+              "optional-dependencies": {extra: extras.get(extra) for extra in SETS[name]["extras"]}}
     return hashlib.sha256(json.dumps(tables, sort_keys=True).encode()).hexdigest()
 
 
@@ -73,11 +77,17 @@ def uv() -> str:
 
 
 def generate(names: list[str]) -> None:
-    digest = dependencies_digest()
+    import shutil
+    import tempfile
+
     LOCKS.mkdir(exist_ok=True)
     for name in names:
         spec = SETS[name]
-        cmd = [uv(), "pip", "compile", "pyproject.toml", *(f"--extra={e}" for e in spec["extras"]),
+        # uv reads the file it writes to as preferences: a copy of the current lock keeps its versions.
+        work = Path(tempfile.mkdtemp(prefix=f"lock-{name}-")) / "lock.txt"
+        if lock_path(name).exists():
+            shutil.copy(lock_path(name), work)
+        cmd = [uv(), "pip", "compile", "pyproject.toml", *(f"--extra={e}" for e in spec["extras"]), f"--output-file={work}",
                f"--python-version={spec['python']}", "--python-platform=x86_64-manylinux_2_28",
                # DeepSpeed ships an sdist whose setup.py imports torch: build its metadata with this venv's torch
                # instead of letting uv download a CUDA torch into an isolated build environment.
@@ -93,19 +103,21 @@ def generate(names: list[str]) -> None:
         done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env={**os.environ, "DS_BUILD_OPS": "0"})
         if done.returncode != 0:
             raise LockError(f"{name}: uv could not resolve .[{','.join(spec['extras'])}]: {done.stderr.strip()[-2000:]}")
+        resolved = "".join(line + "\n" for line in work.read_text().splitlines() if line and not line.startswith("#"))
+        shutil.rmtree(work.parent, ignore_errors=True)
         header = (f"# Lock of the `{name}` install set: .[{','.join(spec['extras'])}] on CPython {spec['python']}, Linux x86_64.\n"
                   f"# Made by `make lock` (tools/lock.py) on {date.today().isoformat()}; use as pip constraints:\n"
                   f"#   pip install -c locks/{name}.txt -e \".[{','.join(spec['extras'])}]\"\n"
-                  f"# pyproject-dependencies-sha256: {digest}\n")
-        lock_path(name).write_text(header + done.stdout)
-        print(f"locks/{name}.txt: {sum(1 for l in done.stdout.splitlines() if l and not l.startswith('#'))} pins")
+                  f"# pyproject-dependencies-sha256: {dependencies_digest(name)}\n")
+        lock_path(name).write_text(header + resolved)
+        print(f"locks/{name}.txt: {len(resolved.splitlines())} pins")
 
 
 def check(pyproject: Path = REPO / "pyproject.toml", locks: Path = LOCKS) -> list[str]:
     """One line per lock that is missing or was made from other dependency tables than pyproject.toml's."""
-    digest = dependencies_digest(pyproject)
     problems = []
     for name in SETS:
+        digest = dependencies_digest(name, pyproject)
         path = lock_path(name, locks)
         if not path.exists():
             problems.append(f"locks/{name}.txt: missing; run `make lock` and commit locks/")
