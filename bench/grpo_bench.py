@@ -199,21 +199,23 @@ def step_times(metrics_file: Path) -> list[float]:
     return [b - a for a, b in zip(stamps, stamps[1:])]
 
 
-def bench_sft(bench_dir: Path, steps: int = 12, batch: int = 8, seq: int = 2048, compile_blocks: bool = False) -> None:
-    name = "sft_compile" if compile_blocks else "sft"
+def bench_sft(bench_dir: Path, steps: int = 12, batch: int = 8, seq: int = 2048, compile_blocks: bool = False, liger: bool = True) -> None:
+    name = ("sft_compile" if compile_blocks else "sft") + ("" if liger else "_noliger")
     out = bench_dir / "out" / name
     run_stage("tasks.sft", {
         "pretrain": bench_dir / "model", "dataset": bench_dir / "sft.jsonl", "output": out, "max_steps": steps,
         "train_batch_size": batch, "micro_train_batch_size": batch, "max_len": seq, "learning_rate": 1e-5,
         "lr_warmup_steps": 0, "logging_steps": 1, "bf16": on_gpu(), "zero_stage": 2, "gradient_checkpointing": True,
-        "flash_attn": True, "torch_compile": compile_blocks,
+        "flash_attn": True, "torch_compile": compile_blocks, "use_liger_kernel": liger,
     }, bench_dir / f"{name}.log")
     seconds = steady_median(step_times(out / "metrics.jsonl"))
+    last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     tokens = batch * seq
     # 6 N per token for forward + backward, and 2 N more for the forward gradient checkpointing recomputes.
     flops = 8 * parameters(bench_dir) * tokens
     save(bench_dir, name, {"step_s": round(seconds, 4), "tokens_per_s": round(tokens / seconds), "mfu": round(flops / seconds / BF16_PEAK_FLOPS, 4),
                            "batch": batch, "seq_len": seq, "zero_stage": 2, "gradient_checkpointing": True, "torch_compile": compile_blocks,
+                           "liger": liger, "gpu_peak_gb": last.get("gpu_peak_gb"), "loss_last": last.get("loss"),
                            "attention": _attention_kernel(bench_dir / f"{name}.log")})
 
 
@@ -301,14 +303,15 @@ def grpo_args(bench_dir: Path, out: Path, steps: int, micro: int) -> dict:
 
 
 def bench_ours(bench_dir: Path, steps: int = 12, engine: str = "vllm", micro: int = 16, layout: str = "colocated",
-               lr: float = 1e-6) -> None:
+               lr: float = 1e-6, liger: bool = True) -> None:
     """layout: colocated (one GPU: vLLM inside the actor); async (two GPUs: the engine on its own,
     generating the next rollout while the actor trains, one step off-policy); or actor_ref_vllm (two
     GPUs, on-policy, KL on: actor and reference share one, the engine has the other)."""
-    name = f"ours_{engine}_m{micro}" + ("" if layout == "colocated" else f"_{layout}") + ("" if lr == 1e-6 else f"_lr{lr:g}")
+    name = (f"ours_{engine}_m{micro}" + ("" if layout == "colocated" else f"_{layout}") + ("" if lr == 1e-6 else f"_lr{lr:g}")
+            + ("" if liger else "_noliger"))
     out = bench_dir / "out" / name
     args = grpo_args(bench_dir, out, steps, micro)
-    args["actor_learning_rate"] = lr
+    args.update(actor_learning_rate=lr, use_liger_kernel=liger)
     if engine == "vllm" and layout == "colocated":
         args.update(vllm_num_engines=1, vllm_gpu_memory_utilization=0.3)
     elif engine == "vllm" and layout == "actor_ref_vllm":
@@ -351,7 +354,7 @@ def bench_ours(bench_dir: Path, steps: int = 12, engine: str = "vllm", micro: in
                 result[key] = [round(r[key], 4) for r in records]
     if "engine_logprob_max_diff" in records[-1]:
         result["engine_logprob_max_diff"] = [r["engine_logprob_max_diff"] for r in records]
-    save(bench_dir, name, {"micro_batch": micro, **result})
+    save(bench_dir, name, {"micro_batch": micro, "liger": liger, **result})
 
 
 # ---------------------------------------------------------------------------- eval
@@ -439,7 +442,7 @@ def report(bench_dir: Path, out: Path, command: str) -> None:
             versions[package] = None
     # Ours at its best micro-batch (sequences per forward/backward): the runs differ only in that.
     candidates = sorted((r["step_s"], name) for name, r in results.items()
-                        if name.startswith("ours_vllm") and "async" not in name and "agentic" not in name)
+                        if name.startswith("ours_vllm") and not any(k in name for k in ("async", "agentic", "noliger")))
     best = candidates[0][1] if candidates else "ours_vllm"
     ours, trl_hf, trl_vllm = get(best, "step_s"), get("trl_hf", "step_s"), get("trl_vllm", "step_s")
     summary = {
@@ -468,6 +471,11 @@ def report(bench_dir: Path, out: Path, command: str) -> None:
         "decode_floor_tokens_per_s_by_batch": {b: get("vllm", f"decode_floor_tokens_per_s_{b}") for b in (64, 256, 1024)},
         "sft_mfu": max((r["mfu"] for n, r in results.items() if n in ("sft", "sft_compile")), default=None),
         "sft_mfu_by_run": {n: results[n]["mfu"] for n in ("sft", "sft_compile") if n in results},
+        # Liger's kernels and chunked log-probs (the default on CUDA) against the eager kernels and full logits
+        "liger_on_off": {key: [get(on, field), get(off, field)] for key, on, off, field in (
+            ("sft_step_s", "sft", "sft_noliger", "step_s"), ("sft_gpu_peak_gb", "sft", "sft_noliger", "gpu_peak_gb"),
+            ("sft_loss_last", "sft", "sft_noliger", "loss_last"), ("grpo_step_s", "ours_vllm_m64", "ours_vllm_m64_noliger", "step_s"),
+            ("grpo_train_s", "ours_vllm_m64", "ours_vllm_m64_noliger", "time_train_s"))},
         "versions": versions,
         "runs": results,
     }
@@ -491,6 +499,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results.json")
     parser.add_argument("--command", default="bash bench/gpu/run.sh", help="recorded in results.json")
     parser.add_argument("--compile", action="store_true", help="sft, sft_profile: --torch_compile (each transformer block compiled)")
+    parser.add_argument("--no_liger", action="store_true", help="sft, ours: --use_liger_kernel false (the eager kernels and full logits)")
     a = parser.parse_args()
     a.dir.mkdir(parents=True, exist_ok=True)
     if a.what == "setup":
@@ -500,11 +509,11 @@ def main() -> None:
     elif a.what == "hf_generate":
         bench_hf_generate(a.dir)
     elif a.what == "sft":
-        bench_sft(a.dir, a.steps, compile_blocks=a.compile)
+        bench_sft(a.dir, a.steps, compile_blocks=a.compile, liger=not a.no_liger)
     elif a.what == "sft_profile":
         bench_sft_profile(a.dir, compile_blocks=a.compile)
     elif a.what == "ours":
-        bench_ours(a.dir, a.steps, engine=a.mode, micro=a.micro, layout=a.layout, lr=a.lr)
+        bench_ours(a.dir, a.steps, engine=a.mode, micro=a.micro, layout=a.layout, lr=a.lr, liger=not a.no_liger)
     elif a.what == "trl":
         bench_trl(a.dir, a.mode, a.steps)
     elif a.what == "eval":

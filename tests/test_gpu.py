@@ -2,10 +2,12 @@
 `bash bench/gpu/run.sh tests_stages`, see bench/gpu/README.md).
 
 - Every stage's CLI on the demo model with the GPU path's flags: bf16, ZeRO-2 and ZeRO-3,
-  --adam_offload, gradient checkpointing, --flash_attn (SDPA when flash-attn is missing, said in the
-  log), --packing_samples in SFT and the reward model, --torch_compile in SFT, and PPO with its rollouts
+  --adam_offload, gradient checkpointing, Liger's kernels (on by default on CUDA), --flash_attn (SDPA
+  when flash-attn is missing, said in the log), --packing_samples in SFT and the reward model,
+  --torch_compile in SFT, and PPO with its rollouts
   from a vLLM engine colocated with every model (sleep/wake), synced after each update and checked
   against the actor's log-probabilities.
+- Liger's kernels and the chunked log-probabilities against the eager path: loss and gradients.
 - The demo task's learning check on the GPU path, as tests/test_learning.py runs it on the CPU: GRPO
   (group_norm, KL off, one update per rollout) with the terse-style reward against the zero-reward
   control, the rollouts from vLLM. On-policy with the engine in the actor on one GPU and, when a second
@@ -122,6 +124,35 @@ def test_every_stage_runs_on_the_gpu_path(gpu_ray, data):
     print(f"ppo on the gpu: engine vs actor log-probability gap per step {gaps}")
     assert len(gaps) == 3 and max(gaps) < 0.25  # bf16 noise, not stale weights
     assert all("value_loss" in r for r in logged)
+
+
+def test_liger_kernels_give_the_eager_loss_and_gradients():
+    """The demo model loaded with Liger (its RMSNorm, SwiGLU and RoPE kernels, log-probs a chunk of tokens at a
+    time) against the same weights loaded eager, in float32 on the GPU: an SFT-style loss with an entropy term
+    at a sampling temperature, and every parameter's gradient."""
+    from tasks.common import data as batches
+    from tasks.common.models import load_causal_lm, sequence_logprobs, use_liger
+    from tasks.data import demo
+
+    assert use_liger(True), "liger-kernel is missing: the gpu extra installs it"
+    tok = demo.build_tokenizer()
+    path = ROOT / "liger-base"
+    demo.build_base_model(tok, seed=1).save_pretrained(path)
+    tok.save_pretrained(path)
+    ids, mask = batches.pad([batches.encode_prompt(tok, p) for p in ("3+4=7", "37+45=82", "1+1=2 is the sum")], tok.pad_token_id, side="left")
+    ids, mask = ids.cuda(), mask.cuda()
+    runs = []
+    for liger in (False, True):  # eager first: Liger's RoPE replaces the architecture's function for the process
+        model = load_causal_lm(str(path), liger=liger).cuda()
+        logprobs, entropy = sequence_logprobs(model, ids, mask, return_entropy=True, temperature=0.9)
+        loss = -(logprobs * mask[:, 1:]).sum() / mask[:, 1:].sum() - 0.01 * (entropy * mask[:, 1:]).mean()
+        loss.backward()
+        runs.append((loss.item(), {name: p.grad.float().cpu() for name, p in model.named_parameters()}))
+    (eager_loss, eager_grads), (liger_loss, liger_grads) = runs
+    print(f"liger: loss {liger_loss:.6f} against eager {eager_loss:.6f}")
+    assert abs(liger_loss - eager_loss) < 1e-4
+    for name, grad in eager_grads.items():
+        assert torch.allclose(liger_grads[name], grad, rtol=1e-3, atol=1e-5), name
 
 
 def learned(ray: str, data: str, sft: str, name: str, **values) -> dict:

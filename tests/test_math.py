@@ -359,6 +359,60 @@ def test_fused_token_logprobs_compiled_matches_eager_values_and_gradients():
     assert torch.allclose(grad_fused.float(), grad_eager.float(), atol=1e-2)  # bf16 gradients: 8 bits of mantissa
 
 
+def test_head_logprobs_a_chunk_at_a_time_equal_the_full_logits_values_and_gradients():
+    """head_logprobs (what a Liger-loaded model uses: no full logits) against token_logprobs(head(hidden)),
+    chunks that do not divide the tokens, a temperature, the entropy too; gradients to the hidden states and
+    the head's weight."""
+    from tasks.common.losses import head_logprobs
+
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 7, 8, requires_grad=True)
+    head = torch.nn.Linear(8, 37, bias=False)
+    labels = torch.randint(0, 37, (2, 7))
+    w1, w2 = torch.randn(2, 7), torch.randn(2, 7)
+
+    def full():
+        logits = head(hidden)
+        log_p = torch.log_softmax(logits.float() / 0.7, -1)
+        return token_logprobs(logits, labels, 0.7), -(log_p.exp() * log_p).sum(-1)
+
+    results = []
+    for fn in (full, lambda: head_logprobs(hidden, head, labels, 0.7, return_entropy=True, chunk_tokens=3)):
+        logprobs, entropy = fn()
+        grads = torch.autograd.grad((logprobs * w1 + entropy * w2).sum(), [hidden, head.weight])
+        results.append((logprobs, entropy, *grads))
+    for want, got in zip(*results):
+        assert got.shape == want.shape and torch.allclose(got, want, atol=1e-5)
+    with torch.no_grad():  # scoring passes (reference, old log-probs) take the same path without checkpointing
+        close(head_logprobs(hidden, head, labels, chunk_tokens=4), token_logprobs(head(hidden), labels))
+
+
+def test_a_model_that_takes_log_probs_a_chunk_at_a_time_gives_the_full_logits_numbers():
+    """sequence_logprobs and packed_logprobs of the demo model marked as with_liger marks it (the Liger kernels
+    themselves need CUDA: tests/test_gpu.py) against the same model's full-logits path: values, entropy and the
+    parameters' gradients."""
+    from tasks.common import data
+    from tasks.common.models import packed_logprobs
+    from tasks.data import demo
+
+    tok = demo.build_tokenizer()
+    model = demo.build_base_model(tok, seed=1)
+    sequences = [data.encode_prompt(tok, p) for p in ("3+4=7", "37+45=82", "1+1=")]
+    ids, mask = data.pad(sequences, tok.pad_token_id, side="left")
+    packed = data.pack(sequences)
+    runs = []
+    for chunked in (False, True):
+        model.chunked_logprobs = chunked
+        model.zero_grad()
+        logprobs, entropy = sequence_logprobs(model, ids, mask, return_entropy=True, temperature=0.8)
+        packed_lp = packed_logprobs(model, *packed)
+        ((logprobs * mask[:, 1:]).sum() + entropy.sum() + packed_lp.sum()).backward()
+        runs.append((logprobs, entropy, packed_lp, [p.grad.clone() for p in model.parameters()]))
+    for want, got in zip(runs[0][:3], runs[1][:3]):
+        assert torch.allclose(got, want, atol=1e-5)
+    assert all(torch.allclose(g, w, atol=1e-5) for w, g in zip(runs[0][3], runs[1][3]))
+
+
 # ---- sampling temperature -----------------------------------------------------------------------------
 
 class FixedLogits(torch.nn.Module):

@@ -11,5 +11,5 @@ cat /tmp/gpu-parts/part_* | tar -C /tmp -xf -
 pip install --quiet --no-index --no-deps --target "$site" /tmp/wheels/*.whl
 TORCH_CUDA_ARCH_LIST=9.0 DS_BUILD_OPS=0 PYTHONPATH="$site" pip install --quiet --no-index --no-deps --no-build-isolation \
   --target "$site" /tmp/wheels/deepspeed-*.tar.gz
-PYTHONPATH="$site" python -c "import ray, deepspeed, vllm, trl, datasets, boto3; print('ray', ray.__version__, 'deepspeed', deepspeed.__version__, 'vllm', vllm.__version__, 'trl', trl.__version__)"
+PYTHONPATH="$site" python -c "import ray, deepspeed, vllm, trl, datasets, boto3, liger_kernel; print('ray', ray.__version__, 'deepspeed', deepspeed.__version__, 'vllm', vllm.__version__, 'trl', trl.__version__)"
 touch "$site/.installed"

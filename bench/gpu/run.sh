@@ -4,6 +4,7 @@
 #   bash bench/gpu/run.sh setup vllm sft          # one device call
 #   bash bench/gpu/run.sh setup hf_generate       # our HF rollout engine: dynamic vs static cache + compiled decode
 #   bash bench/gpu/run.sh sft_compile sft_profile_compile   # SFT with --torch_compile, and its kernel profile
+#   bash bench/gpu/run.sh sft sft_noliger ours64 ours64_noliger   # Liger's kernels (the default on CUDA) on, then off
 #   bash bench/gpu/run.sh ours trl_vllm trl_hf report
 #   bash bench/gpu/run.sh tests_stages               # the gpu-marked tests; tests_learn: the learning check
 #
@@ -22,11 +23,14 @@ for phase in "$@"; do
     hf_generate) python bench/grpo_bench.py hf_generate --dir $dir ;;
     sft_profile) python bench/grpo_bench.py sft_profile --dir $dir ;;
     sft_profile_compile) python bench/grpo_bench.py sft_profile --dir $dir --compile ;;
-    sft|sft_compile|ours|ours32|ours64|ours_hf|ours_async|ours_2gpu_kl|ours_agentic|ours_agentic_separate|ours_agentic_async|eval_vllm|eval_hf|tests_stages|tests_learn)
+    sft|sft_noliger|sft_compile|ours|ours32|ours64|ours64_noliger|ours_hf|ours_async|ours_2gpu_kl|ours_agentic|ours_agentic_separate|ours_agentic_async|eval_vllm|eval_hf|tests_stages|tests_learn)
       if [ -z "$ray_up" ]; then start_ray && ray_up=1; fi
       case "$phase" in
         sft) python bench/grpo_bench.py sft --dir $dir ;;
         sft_compile) python bench/grpo_bench.py sft --dir $dir --compile ;;
+        # Liger's kernels are on by default on CUDA: the same runs with them off (eager kernels, full logits).
+        sft_noliger) python bench/grpo_bench.py sft --dir $dir --no_liger ;;
+        ours64_noliger) python bench/grpo_bench.py ours --dir $dir --mode vllm --micro 64 --no_liger ;;
         ours) python bench/grpo_bench.py ours --dir $dir --mode vllm ;;
         ours32) python bench/grpo_bench.py ours --dir $dir --mode vllm --micro 32 ;;
         ours64) python bench/grpo_bench.py ours --dir $dir --mode vllm --micro 64 ;;

@@ -63,6 +63,7 @@ class TrainingConfig(StageConfig):
     adam_offload: bool = field(default=False, metadata={"help": "keep Adam's state on the CPU (DeepSpeedCPUAdam; JIT-builds its op once)"})
     flash_attn: bool = field(default=False, metadata={"help": "FlashAttention-2 kernels; PyTorch's SDPA kernels (logged) when the flash-attn package or a GPU is missing"})
     torch_compile: bool = field(default=False, metadata={"help": "compile each transformer block with torch.compile: its norms, rotary and MLP elementwise ops fuse (GPU speed; the first steps pay the compile; not with ZeRO-3)"})
+    use_liger_kernel: bool = field(default=True, metadata={"help": "Liger's Triton kernels (RMSNorm, SwiGLU, RoPE) and log-probs taken from the last hidden states a chunk of tokens at a time, never the full logits; on CUDA with liger-kernel (the gpu extra), eager kernels on CPU; --torch_compile takes its place"})
     max_samples: int = field(default=0, metadata={"help": "use only the first this many rows of the training data (0: all)"})
     apply_chat_template: bool = field(default=False, metadata={"help": "wrap each prompt in the tokenizer's chat template as a user turn"})
     save_steps: int = field(default=0, metadata={"help": "write a resumable checkpoint every this many steps (0: never)"})

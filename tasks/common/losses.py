@@ -1,6 +1,7 @@
 """Loss functions shared by the stages: small, pure, tensor in, tensor out.
 
     loss = sft_loss(token_logprobs, loss_mask)
+    logprobs = head_logprobs(hidden, lm_head, labels)         # token_logprobs(lm_head(hidden), labels), a chunk at a time
     loss = bradley_terry_loss(chosen_scores, rejected_scores)
     loss, clip_frac = policy_loss(logprobs, old_logprobs, advantages, mask, clip_eps=0.2)
     loss, clip_frac = policy_loss(..., clip_eps_low=0.2, clip_eps_high=0.28, dual_clip=3.0,
@@ -20,6 +21,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 
 def masked_inputs(mask: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -78,6 +80,42 @@ def fused_token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature
 @functools.cache
 def _compiled_token_logprobs():
     return torch.compile(fused_token_logprobs, dynamic=True)
+
+
+def head_logprobs(hidden: torch.Tensor, head: Callable, labels: torch.Tensor, temperature: float = 1.0,
+                  return_entropy: bool = False, chunk_tokens: int = 1024):
+    """token_logprobs(head(hidden), labels, temperature) (and the distribution's entropy) without ever holding
+    the logits of more than `chunk_tokens` tokens: [..., H] hidden states, [...] labels -> [...].
+
+    The logits are the largest tensor of a causal LM's step (8 × 2048 tokens × a 152k vocabulary is 10 GB in
+    float32, and eager backward makes two more); here each chunk's logits are made, reduced to log-probs and
+    dropped, and the backward pass remakes them one chunk at a time (activation checkpointing), so the peak is
+    one chunk's. The same numbers as the full-logits path, to float rounding (tests/test_math.py)."""
+    shape = labels.shape
+    flat_hidden, flat_labels = hidden.reshape(-1, hidden.size(-1)), labels.reshape(-1)
+    checkpointed = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in _parameters(head)))
+    parts = []
+    for start in range(0, flat_labels.numel(), chunk_tokens):
+        args = (head, flat_hidden[start:start + chunk_tokens], flat_labels[start:start + chunk_tokens], temperature, return_entropy)
+        parts.append(torch.utils.checkpoint.checkpoint(_chunk_logprobs, *args, use_reentrant=False) if checkpointed
+                     else _chunk_logprobs(*args))
+    out = torch.cat(parts, dim=-1)
+    if not return_entropy:
+        return out.reshape(shape)
+    return out[0].reshape(shape), out[1].reshape(shape)
+
+
+def _parameters(head) -> list[torch.Tensor]:
+    return list(head.parameters()) if isinstance(head, torch.nn.Module) else []
+
+
+def _chunk_logprobs(head, hidden, labels, temperature: float, return_entropy: bool) -> torch.Tensor:
+    """One chunk of head_logprobs: [N, H] -> [N] log-probs, or [2, N] log-probs and entropies."""
+    log_p = F.log_softmax(tempered(head(hidden).float(), temperature), dim=-1)
+    logprobs = log_p.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    if not return_entropy:
+        return logprobs
+    return torch.stack([logprobs, -(log_p.exp() * log_p).sum(-1)])
 
 
 def sft_loss(logprobs: torch.Tensor, loss_mask: torch.Tensor, num_tokens: torch.Tensor | float | None = None) -> torch.Tensor:

@@ -182,6 +182,12 @@ class Worker:
         """Run one of this worker's methods by name (the group's fan-out goes through here)."""
         return getattr(self, method)(*args, **kwargs)
 
+    def gpu_peak_gb(self) -> float | None:
+        """The most GPU memory this worker's tensors have held so far (torch's allocator), None without CUDA."""
+        import torch
+
+        return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+
     @ray.method(concurrency_group="beside")
     def call_beside(self, method: str, *args, **kwargs):
         """`call` on a thread of its own, while the main queue runs something else: a weight update that must
@@ -339,15 +345,16 @@ def placed_group(worker_cls: type, num_nodes: int, gpus_per_node: int, name: str
 
 def train_steps(run, group: WorkerGroup, max_steps: int, logging_steps: int) -> dict:
     """The driver's loop of a one-group training stage (SFT, reward model, preference): resume from the
-    newest checkpoint, then `train_step` on every rank per step, logging rank 0's (global) statistics
-    and checkpointing every --save_steps. Returns the last step's statistics ({} when none ran)."""
+    newest checkpoint, then `train_step` on every rank per step, logging rank 0's (global) statistics (and on
+    CUDA the ranks' largest peak of GPU memory) and checkpointing every --save_steps. Returns the last step's statistics ({} when none ran)."""
     run.placements.append(group.placement)  # what the stage held, for its cost
     start = run.resume(lambda uri: group.run("load_state", uri))
     stats: dict = {}
     for step in range(start + 1, max_steps + 1):
         stats = group.run("train_step")[0]
         if step % logging_steps == 0 or step == max_steps:
-            run.tracker.log(step, stats)
+            peaks = [gb for gb in group.run("gpu_peak_gb") if gb is not None]
+            run.tracker.log(step, {**stats, **({"gpu_peak_gb": round(max(peaks), 2)} if peaks else {})})
         run.checkpoint(step, lambda local, uri: merge_uploads(group.run("save_state", uri)))
     return stats
 

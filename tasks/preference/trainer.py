@@ -15,7 +15,7 @@ import torch
 
 from tasks.common import data, lora
 from tasks.common.losses import dpo_loss, kto_kl_baseline, kto_loss, sft_loss
-from tasks.common.models import load_causal_lm, load_tokenizer, resolve_model, sequence_logprobs
+from tasks.common.models import kernels, load_causal_lm, load_tokenizer, resolve_model, sequence_logprobs
 from tasks.common.stage import StageRun
 from tasks.common.strategy import DeepSpeedStrategy
 from tasks.common.workers import TrainingWorker, placed_group, shard, train_steps
@@ -70,7 +70,7 @@ class PreferenceWorker(TrainingWorker):
         self.mismatched = [self.responses[(i + 1) % n] for i in range(n)]
         self.strategy = DeepSpeedStrategy.for_training(cfg, self.world_size)
         self.micro = self.strategy.micro_batch_size
-        model = lora.apply_lora(load_causal_lm(path, flash_attn=cfg.flash_attn), cfg)
+        model = lora.apply_lora(load_causal_lm(path, **kernels(cfg)), cfg)
         counts = lora.param_counts(model)  # before ZeRO-3 partitions the parameters
         self.engine = self.strategy.prepare(model, cfg.learning_rate, cfg.max_steps, cfg.lr_warmup_steps, lr_scheduler=cfg.lr_scheduler)
         self.sampler = data.BatchSampler(n, cfg.train_batch_size, cfg.seed)
@@ -88,7 +88,7 @@ class PreferenceWorker(TrainingWorker):
         no second copy of the weights; otherwise a model of its own."""
         if lora.enabled(cfg) and not cfg.ref_pretrain:
             return lora.FrozenBase(self.engine.module)
-        return self.strategy.frozen(load_causal_lm(resolve_model(cfg.ref_pretrain or cfg.pretrain), flash_attn=cfg.flash_attn))
+        return self.strategy.frozen(load_causal_lm(resolve_model(cfg.ref_pretrain or cfg.pretrain), **kernels(cfg)))
 
     def _columns(self) -> list[str]:
         return ["chosen", "rejected"] if self.cfg.method == "dpo" else ["completion", "mismatched"]

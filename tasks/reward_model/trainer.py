@@ -9,7 +9,7 @@ import torch
 
 from tasks.common import data, lora
 from tasks.common.losses import bradley_terry_loss
-from tasks.common.models import load_scalar_model, load_tokenizer, packed_scores, resolve_model, sequence_scores
+from tasks.common.models import kernels, load_scalar_model, load_tokenizer, packed_scores, resolve_model, sequence_scores
 from tasks.common.stage import StageRun
 from tasks.common.strategy import DeepSpeedStrategy
 from tasks.common.workers import TrainingWorker, placed_group, shard, train_steps
@@ -69,7 +69,7 @@ class RewardModelWorker(TrainingWorker):
         self.micro = self.strategy.micro_batch_size // 2
         self.cfg = cfg
         # With LoRA the score head trains in full beside the adapters (lora.apply_lora).
-        model = lora.apply_lora(load_scalar_model(path, flash_attn=cfg.flash_attn), cfg, scalar=True)
+        model = lora.apply_lora(load_scalar_model(path, **kernels(cfg)), cfg, scalar=True)
         counts = lora.param_counts(model)  # before ZeRO-3 partitions the parameters
         self.engine = self.strategy.prepare(model, cfg.learning_rate, cfg.max_steps, cfg.lr_warmup_steps, lr_scheduler=cfg.lr_scheduler)
         self.sampler = data.BatchSampler(len(self.chosen), cfg.train_batch_size, cfg.seed)

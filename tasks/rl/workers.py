@@ -14,7 +14,7 @@ import torch
 
 from tasks.common import data, lora
 from tasks.common.losses import importance_weights, kl_loss, logprob_mismatch, masked_mean, policy_loss, sft_loss, value_loss
-from tasks.common.models import load_causal_lm, load_scalar_model, load_tokenizer, resolve_model
+from tasks.common.models import kernels, load_causal_lm, load_scalar_model, load_tokenizer, resolve_model
 from tasks.common.rollout import HFRolloutEngine, Rollout
 from tasks.common.strategy import DeepSpeedStrategy
 from tasks.common.workers import TrainingWorker, Worker
@@ -62,7 +62,7 @@ class ActorWorker(_Trainer):
         self.strategy = DeepSpeedStrategy.for_training(cfg, self.world_size)
         # Sampling differs per rank; weights start identical (they are loaded, not drawn).
         torch.manual_seed(cfg.seed + self.rank)
-        model = lora.apply_lora(load_causal_lm(path, flash_attn=cfg.flash_attn), cfg)
+        model = lora.apply_lora(load_causal_lm(path, **kernels(cfg)), cfg)
         self.engine = self.strategy.prepare(model, cfg.actor_learning_rate, total_updates, cfg.lr_warmup_steps)
         self.micro = self.strategy.micro_batch_size
         if cfg.ptx_coef:  # PPO-ptx: supervised rows, drawn a micro-batch at a time (the sampler is checkpointed)
@@ -329,7 +329,7 @@ class CriticWorker(_Trainer):
         path = resolve_model(critic_uri)
         self.tokenizer = load_tokenizer(path)
         self.strategy = DeepSpeedStrategy.for_training(cfg, self.world_size)
-        model = lora.apply_lora(load_scalar_model(path, flash_attn=cfg.flash_attn), cfg, scalar=True)
+        model = lora.apply_lora(load_scalar_model(path, **kernels(cfg)), cfg, scalar=True)
         self.engine = self.strategy.prepare(model, cfg.critic_learning_rate, total_updates, cfg.lr_warmup_steps)
         self.micro = self.strategy.micro_batch_size
 
@@ -367,7 +367,7 @@ class ReferenceWorker(Worker):
     def setup(self, cfg: RLConfig) -> None:
         self.cfg = cfg
         self.strategy = DeepSpeedStrategy(zero_stage=0, bf16=cfg.bf16, seed=cfg.seed)
-        self.model = self.strategy.frozen(load_causal_lm(resolve_model(cfg.pretrain), flash_attn=cfg.flash_attn))
+        self.model = self.strategy.frozen(load_causal_lm(resolve_model(cfg.pretrain), **kernels(cfg)))
 
     @torch.no_grad()
     def logprobs(self, rollout: Rollout) -> torch.Tensor:

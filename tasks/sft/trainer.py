@@ -11,7 +11,7 @@ import torch
 
 from tasks.common import data, lora
 from tasks.common.losses import sft_loss
-from tasks.common.models import load_causal_lm, load_tokenizer, packed_logprobs, resolve_model, sequence_logprobs
+from tasks.common.models import kernels, load_causal_lm, load_tokenizer, packed_logprobs, resolve_model, sequence_logprobs
 from tasks.common.stage import StageRun
 from tasks.common.strategy import DeepSpeedStrategy
 from tasks.common.workers import TrainingWorker, placed_group, shard, train_steps
@@ -46,7 +46,7 @@ class SFTWorker(TrainingWorker):
         self.strategy = DeepSpeedStrategy.for_training(cfg, self.world_size)
         self.micro = self.strategy.micro_batch_size
         self.cfg = cfg
-        model = lora.apply_lora(load_causal_lm(path, flash_attn=cfg.flash_attn), cfg)
+        model = lora.apply_lora(load_causal_lm(path, **kernels(cfg)), cfg)
         counts = lora.param_counts(model)  # before ZeRO-3 partitions the parameters
         self.engine = self.strategy.prepare(model, cfg.learning_rate, cfg.max_steps, cfg.lr_warmup_steps, lr_scheduler=cfg.lr_scheduler)
         self.sampler = data.BatchSampler(len(self.ids), cfg.train_batch_size, cfg.seed)
