@@ -117,6 +117,9 @@ DEFAULTS = {
     "eval_metric_func": "",
     "eval_samples_per_prompt": 1,
     "eval_slice_key": "",
+    "eval_lm_eval_tasks": "",
+    "eval_lm_eval_include_path": "",
+    "eval_lm_eval_limit": 0,
     "eval_judge_url": "",
     "eval_judge_model": "judge",
     "checkpoints_per_stage": 5,
@@ -322,6 +325,21 @@ PARAMS = {
     "eval_slice_key": Param(
         DEFAULTS["eval_slice_key"], type=["null", "string"], title="Eval slice column", maxLength=200,
         description="A dataset column: every metric is also reported per value of it, with intervals. Empty: none.",
+    ),
+    "eval_lm_eval_tasks": Param(
+        DEFAULTS["eval_lm_eval_tasks"], type=["null", "string"], title="Eval lm-eval tasks", maxLength=1000,
+        description="lm-eval tasks, comma-separated (arc_easy,gsm8k: their data from the Hugging Face hub, so Ray nodes that "
+                    "reach it; or the team's own from the task folder below), run on the SFT model, the policy and the "
+                    "champion; each per-document metric is reported as lm_eval/<task>/<metric> and can be gated on. Empty: none.",
+    ),
+    "eval_lm_eval_include_path": Param(
+        DEFAULTS["eval_lm_eval_include_path"], type=["null", "string"], title="Eval lm-eval task folder", maxLength=1000,
+        description="A folder of lm-eval task YAMLs (s3:// prefix, or a path on the Ray nodes): the team's own tasks. Empty: "
+                    "lm-eval's tasks only.",
+    ),
+    "eval_lm_eval_limit": Param(
+        DEFAULTS["eval_lm_eval_limit"], type="integer", title="Eval lm-eval documents", minimum=0, maximum=1_000_000,
+        description="The first this many documents of each lm-eval task (0: all of them).",
     ),
     "checkpoints_per_stage": Param(
         DEFAULTS["checkpoints_per_stage"], type="integer", title="Checkpoints per stage", minimum=0, maximum=1000,
@@ -582,6 +600,9 @@ def build_pipeline(dag_id: str, schedule, description: str, allow_promotion: boo
             "slice_key": "{{ params.eval_slice_key or '' }}",
             "judge_url": "{{ params.eval_judge_url or '' }}",
             "judge_model": "{{ params.eval_judge_model }}",
+            "lm_eval_tasks": "{{ params.eval_lm_eval_tasks or '' }}",
+            "lm_eval_include_path": "{{ params.eval_lm_eval_include_path or '' }}",
+            "lm_eval_limit": "{{ params.eval_lm_eval_limit }}",
             "seed": "{{ params.seed }}",
             "apply_chat_template": "{{ params.apply_chat_template }}",
         }, inlets=["policy"], outlet="eval_report",

@@ -73,7 +73,8 @@ WIRING = {
         # the demo's own metrics for the demo's data
         "metric_func": "params.eval_metric_func or ('tasks/data/demo_metrics.py' if params.dataset == 'demo' else '')",
         "slice_key": "params.eval_slice_key or ''", "judge_url": "params.eval_judge_url or ''",
-        "judge_model": "params.eval_judge_model",
+        "judge_model": "params.eval_judge_model", "lm_eval_tasks": "params.eval_lm_eval_tasks or ''",
+        "lm_eval_include_path": "params.eval_lm_eval_include_path or ''", "lm_eval_limit": "params.eval_lm_eval_limit",
     }),
     "promote": ("tasks.promote", {
         "evaluation": "eval", "registry": REGISTRY, "gate": "{{ params.promotion_gate | tojson }}",
@@ -196,6 +197,7 @@ def test_params_form(dag):
         "input_key", "output_key", "chosen_key", "rejected_key", "label_key", "messages_key", "eval_fraction",
         "max_bad_fraction", "apply_chat_template", "lora_rank", "eval_metrics", "eval_metric_func", "eval_samples_per_prompt",
         "eval_slice_key", "eval_judge_url", "eval_judge_model", "generate_max_len", "environment", "max_turns", "max_episode_tokens",
+        "eval_lm_eval_tasks", "eval_lm_eval_include_path", "eval_lm_eval_limit",
     }
     assert set(params) == expected
     for name in expected:
@@ -204,7 +206,8 @@ def test_params_form(dag):
         # Flat fields, but the gate and the test-only fault injection, which the form edits as JSON.
         # The bucket and the column names may be left empty; the form sends an emptied field as null.
         optional = {"bucket", "input_key", "output_key", "chosen_key", "rejected_key", "label_key", "messages_key",
-                    "eval_metrics", "eval_metric_func", "eval_slice_key", "eval_judge_url", "environment"}
+                    "eval_metrics", "eval_metric_func", "eval_slice_key", "eval_judge_url", "environment", "eval_lm_eval_tasks",
+                    "eval_lm_eval_include_path"}
         assert p.schema.get("type") == "object" if name in ("promotion_gate", "fault_injection") else \
             p.schema.get("type") == ["null", "string"] if name in optional else \
             p.schema.get("type") in ("string", "integer", "number", "boolean"), name
@@ -394,7 +397,7 @@ def test_pipeline_end_to_end(method, airflow_db, s3_server, ray_head, dagbag):
 
     base = f"e2e-{method}/runs/rlhf_pipeline/{key_safe(dr.run_id)}"
     s3 = s3_server.client()
-    for task_id in [t for t in ORDER if t not in skipped and t not in ("choose_method", "champion")]:
+    for task_id in [t for t in ORDER if t not in skipped and t not in ("validate", "choose_method", "champion")]:  # no stage output
         body = s3.get_object(Bucket=s3_server.bucket, Key=f"{base}/{task_id}/manifest.json")["Body"].read()
         assert json.loads(body), task_id
     evaluated = json.loads(s3.get_object(Bucket=s3_server.bucket, Key=f"{base}/eval/manifest.json")["Body"].read())

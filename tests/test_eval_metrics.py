@@ -280,3 +280,60 @@ def test_the_default_gate_is_made_from_the_declared_metrics():
     ok, line = real_gain(report, "champion")
     assert not ok and line.startswith("FAIL: no declared metric gained beyond noise against the champion")
     check_rules({})  # {} is the default gate, not a malformed one
+
+
+# ---------------------------------------------------------------------------------------------- lm-eval tasks
+
+
+def test_lm_eval_sample_logs_become_one_score_per_document():
+    from tasks.eval.lm_eval_tasks import per_document_scores
+
+    samples = {
+        "sums": [{"doc_id": 1, "filter": "none", "metrics": ["exact_match"], "exact_match": 0.0},
+                 {"doc_id": 0, "filter": "none", "metrics": ["exact_match"], "exact_match": 1.0}],
+        # two filters of one task; a corpus-level metric's per-document value is a tuple, left to lm-eval's table
+        "gsm": [{"doc_id": 0, "filter": "strict-match", "metrics": ["exact_match", "bleu"], "exact_match": 1, "bleu": ("a", "b")},
+                {"doc_id": 0, "filter": "flexible", "metrics": ["exact_match"], "exact_match": 0},
+                {"doc_id": 1, "filter": "strict-match", "metrics": ["exact_match", "bleu"], "exact_match": True, "bleu": ("c", "d")}],
+    }
+    assert per_document_scores(samples) == {"lm_eval/sums/exact_match": [1.0, 0.0], "lm_eval/gsm/exact_match/strict-match": [1.0, 1.0],
+                                            "lm_eval/gsm/exact_match/flexible": [0.0]}
+
+
+def test_eval_stage_runs_a_teams_own_lm_eval_tasks(tmp_path, ray_driver):
+    """Two tasks of the team's own, as lm-eval YAML files over local data (no hub): a generated answer scored by
+    exact match and a multiple choice scored by log-likelihood. Each per-document metric is in the report with
+    its interval and delta, its mean is lm-eval's own aggregate, and an unknown task is refused in one line."""
+    from tasks.common import stage
+    from tasks.eval.config import EvalConfig
+    from tasks.eval.evaluate import evaluate
+    from tasks.eval.lm_eval_tasks import LmEvalError, task_manager
+    from tiny_chat import build_chat_model
+
+    model = build_chat_model(tmp_path / "model")
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    docs = [{"question": f"{i}+1=", "answer": str(i + 1), "choices": [str(i + 1), "x"], "gold": 0} for i in range(6)]
+    (tasks / "docs.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    data = f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {tasks / 'docs.jsonl'}\ntest_split: test\ndoc_to_text: '{{{{question}}}}'\n"
+    (tasks / "team_sums.yaml").write_text(
+        "task: team_sums\n" + data + "output_type: generate_until\ndoc_to_target: '{{answer}}'\n"
+        "generation_kwargs:\n  until: ['<|end|>']\n  max_gen_toks: 3\n  do_sample: false\nmetric_list:\n  - metric: exact_match\n")
+    (tasks / "team_choice.yaml").write_text(
+        "task: team_choice\n" + data + "output_type: multiple_choice\ndoc_to_choice: '{{choices}}'\ndoc_to_target: '{{gold}}'\n"
+        "metric_list:\n  - metric: acc\n")
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps({"prompt": f"q{i}?", "label": "a"}) + "\n" for i in range(2)))
+    out = tmp_path / "eval-out"
+    stage.run("eval", make_config(EvalConfig, {
+        "output": str(out), "baseline": model, "policy": model, "dataset": str(tmp_path / "eval.jsonl"), "generate_max_len": 2,
+        "bootstrap_resamples": 200, "lm_eval_tasks": "team_sums,team_choice", "lm_eval_include_path": str(tasks), "lm_eval_limit": 5}), evaluate)
+    report = json.loads((out / "report.json").read_text())
+    policy = report["metrics"]["policy"]
+    for name, task, key in (("lm_eval/team_sums/exact_match", "team_sums", "exact_match,none"), ("lm_eval/team_choice/acc", "team_choice", "acc,none")):
+        assert name in report["declared_metrics"] and name in report["verifiable_metrics"]  # 0/1: the hacking alarm reads it
+        assert policy[name] == round(report["lm_eval"]["policy"][task][key], 4)  # lm-eval's own aggregate over the 5 documents
+        assert report["comparisons"]["baseline"][name] == {"delta": 0.0, "interval": [0.0, 0.0]}  # one model both sides
+    with pytest.raises(LmEvalError, match="^lm_eval_tasks: 'team_nope' is not an lm-eval task nor in"):
+        task_manager(["team_nope"], str(tasks))
+    with pytest.raises(ConfigError, match="^lm_eval_include_path: names task files but --lm_eval_tasks names no task"):
+        make_config(EvalConfig, {"output": "o", "baseline": "b", "policy": "p", "dataset": "d", "lm_eval_include_path": str(tasks)})

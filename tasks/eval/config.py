@@ -31,6 +31,11 @@ class EvalConfig(EpisodeConfig, StageConfig):
     generate_max_len: int = field(default=16, metadata={"help": "new tokens per response"})
     temperature: float = field(default=1.0, metadata={"help": "sampling temperature for the sampled metrics"})
     num_shown_samples: int = field(default=8, metadata={"help": "generations shown side by side in the report"})
+    lm_eval_tasks: str = field(default="", metadata={"help": "lm-eval tasks, comma-separated (arc_easy,gsm8k: data from the Hugging Face hub; or a team's own from --lm_eval_include_path), run on each compared model; every per-document metric is reported as lm_eval/<task>/<metric> with intervals and deltas"})
+    lm_eval_include_path: str = field(default="", metadata={"help": "a folder (local or s3://) of lm-eval task YAMLs, a team's own tasks, added to lm-eval's"})
+    lm_eval_limit: int = field(default=0, metadata={"help": "the first this many documents of each lm-eval task (0: all)"})
+    lm_eval_num_fewshot: int = field(default=-1, metadata={"help": "few-shot examples per lm-eval prompt (-1: each task's own setting)"})
+    lm_eval_batch_size: int = field(default=16, metadata={"help": "sequences per forward pass in the lm-eval tasks"})
     use_vllm: bool = field(default=False, metadata={"help": "generate with one vLLM engine on the eval worker's GPU (the gpu extra), loaded with each compared model in turn; default: the transformers engine on the worker's device"})
     vllm_gpu_memory_utilization: float = field(default=0.5, metadata={"help": "with --use_vllm: the fraction of the GPU's memory vLLM may take (the compared models and reward model use the rest)"})
 
@@ -54,6 +59,11 @@ class EvalConfig(EpisodeConfig, StageConfig):
             raise ConfigError(str(e)) from None
         if not 0 < self.vllm_gpu_memory_utilization < 1:
             raise ConfigError(f"vllm_gpu_memory_utilization: {self.vllm_gpu_memory_utilization} is not a fraction; use e.g. 0.5")
+        if self.lm_eval_limit < 0 or self.lm_eval_num_fewshot < -1 or self.lm_eval_batch_size < 1:
+            raise ConfigError("lm_eval_limit must not be negative, lm_eval_num_fewshot at least -1 and lm_eval_batch_size at least 1; "
+                              f"got {self.lm_eval_limit}, {self.lm_eval_num_fewshot}, {self.lm_eval_batch_size}")
+        if self.lm_eval_include_path and not self.lm_eval_tasks:
+            raise ConfigError("lm_eval_include_path: names task files but --lm_eval_tasks names no task to run; add the tasks' names")
         bad = [k for k in self.ks() if not 0 < k <= self.n_samples_per_prompt]
         if bad:
             raise ConfigError(f"pass_k: {bad[0]} is not between 1 and n_samples_per_prompt ({self.n_samples_per_prompt})")

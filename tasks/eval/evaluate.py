@@ -6,7 +6,9 @@ Per policy, on the same prompts:
   response (`<name>`) and on `n_samples_per_prompt` samples at the configured temperature (`sampled_<name>`);
 - pass@k of every 0/1 sampled metric when there are several samples per prompt;
 - from the models, on the samples: `reward_mean` (the reward model's raw score), `kl_to_ref` (the summed
-  log-ratio to the baseline, k1) and `response_length` (tokens).
+  log-ratio to the baseline, k1) and `response_length` (tokens);
+- with --lm_eval_tasks, every per-document metric of those lm-eval tasks (`lm_eval/<task>/<metric>`, scored
+  on the tasks' own documents: tasks/eval/lm_eval_tasks.py), and lm-eval's own table under `lm_eval`.
 Every number gets a 95% paired-bootstrap interval over prompts (tasks/eval/stats.py), as does every change
 from the baseline and from the champion; the reward model also judges the policy against each pairwise
 (win rate, ties within --win_margin). The reward-hacking alarm goes off when the reward rose significantly
@@ -27,6 +29,7 @@ from tasks.common.registry import Registry
 from tasks.common.stage import StageRun
 from tasks.common.strategy import set_seed
 from tasks.common.workers import placed_group
+from tasks.eval import lm_eval_tasks
 from tasks.eval import metrics as metric_lib
 from tasks.eval import stats
 from tasks.eval.config import EvalConfig
@@ -83,6 +86,8 @@ def side_scores(side: dict, texts: list, labels, rows: list[dict], scorers, cfg:
     for name in ("kl_to_ref", "response_length", "reward_mean"):
         if side[name] is not None:
             scores[name] = stats.per_prompt(side[name], n)
+    if side["lm_eval"] is not None:  # one score per document of the lm-eval tasks, not per prompt
+        scores.update(side["lm_eval"][0])
     return scores
 
 
@@ -123,6 +128,8 @@ def slices(scores: dict[str, dict[str, list]], keys: list, cfg: EvalConfig) -> d
         for side, side_scores in scores.items():
             out[key][side] = {}
             for name, values in side_scores.items():
+                if name.startswith(lm_eval_tasks.PREFIX):
+                    continue  # scored on the lm-eval tasks' documents, which have no slice column
                 picked = [values[i] for i in index]
                 value = metric_lib.mean(picked)
                 if value is not None:
@@ -183,7 +190,7 @@ def evaluate(cfg: EvalConfig, run: StageRun) -> None:
     if champion:
         print(f"eval: champion v{champion['version']} is {champion['policy']}", flush=True)
         uris["champion"] = run.input("champion", champion["policy"])
-    scores, greedy = {}, {}
+    scores, greedy, lm_eval_tables = {}, {}, {}
     with placed_group(EvalWorker, 1, 1, "eval") as group:
         run.placements.append(group.placement)  # what the stage held, for its cost
         group.run("setup", cfg, uris["baseline"])
@@ -191,6 +198,8 @@ def evaluate(cfg: EvalConfig, run: StageRun) -> None:
             started = time.monotonic()
             out = group.run("generate_side", uri, texts, records, labels)[0]
             scores[side], greedy[side] = side_scores(out, texts, labels, records, scorers, cfg), out["greedy"]
+            if out["lm_eval"] is not None:
+                lm_eval_tables[side] = out["lm_eval"][1]
             print(f"eval: scored the {side} on {len(texts)} prompts ({cfg.n_samples_per_prompt} sample(s) each) in "
                   f"{time.monotonic() - started:.1f} s ({'vLLM' if cfg.use_vllm else 'transformers'} on the eval worker)", flush=True)
     declared = [m for m in scores["baseline"] if m not in MODEL_METRICS and not m.startswith("pass@")]
@@ -215,6 +224,8 @@ def evaluate(cfg: EvalConfig, run: StageRun) -> None:
         "samples": [{"prompt": shown(p), "label": l, "baseline": b, "policy": q}
                     for p, l, b, q in list(zip(texts, labels or [None] * len(texts), greedy["baseline"], greedy["policy"]))[:cfg.num_shown_samples]],
     }
+    if lm_eval_tables:
+        report["lm_eval"] = lm_eval_tables  # lm-eval's own aggregates (with its standard errors), per side and task
     if cfg.judge_url:
         llm = ChatJudge(cfg.judge_url, cfg.judge_model)
         for ref in [side for side in ("baseline", "champion") if side in greedy]:

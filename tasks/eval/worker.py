@@ -7,6 +7,7 @@ keeps the metrics, the intervals and the report (tasks/eval/evaluate.py).
         side["greedy"], side["sampled"]       # texts: one greedy response per prompt, n samples per prompt in a row
         side["kl_to_ref"], side["response_length"], side["reward_mean"]   # per sample; reward_mean None without a reward model
         side["episodes"]                      # with --env_path: one greedy episode's summary per prompt
+        side["lm_eval"]                       # with --lm_eval_tasks: (scores per document by metric, lm-eval's table)
 
 The worker takes a GPU when the cluster has one (a CPU otherwise), like the training stages' workers, and
 generates through the same rollout-engine slot as RL: the transformers engine on its device, or with
@@ -17,12 +18,13 @@ from __future__ import annotations
 
 import torch
 
-from tasks.common import data
-from tasks.common.config import ConfigError
+from tasks.common import data, storage
+from tasks.common.config import ConfigError, split_list
 from tasks.common.models import load_causal_lm, load_tokenizer, resolve_model, sequence_logprobs
 from tasks.common.rollout import HFRolloutEngine, Rollout
 from tasks.common.strategy import set_seed
 from tasks.common.workers import Worker
+from tasks.eval import lm_eval_tasks
 from tasks.eval.config import EvalConfig
 from tasks.rl.environment import EpisodeLimits, EpisodeRunner, load_environment
 from tasks.rl.rewards import RewardModels, build_reward_batch
@@ -54,6 +56,8 @@ class EvalWorker(Worker):
         self.reference = load_causal_lm(path).to(self.device).eval()
         # Raw scores (not standardised), summed over the models of a comma-separated list, as in RL.
         self.reward = RewardModels(cfg.reward_pretrain, device=self.device, normalize=False) if cfg.reward_pretrain else None
+        # lm-eval's registry (thousands of task files: seconds to scan) once, unknown task names refused before any side runs
+        self.lm_eval = lm_eval_tasks.task_manager(split_list(cfg.lm_eval_tasks), self._include_path()) if cfg.lm_eval_tasks else None
         self.vllm = None
         if cfg.use_vllm:
             if self.device.type != "cuda":
@@ -64,6 +68,15 @@ class EvalWorker(Worker):
             self.vllm = VLLMRolloutEngine(path, load_tokenizer(path), max_model_len=positions,
                                           gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, seed=cfg.seed,
                                           dtype="bfloat16")
+
+    def _include_path(self) -> str | None:
+        """--lm_eval_include_path as a folder on this node: an s3:// prefix is downloaded into the node's scratch."""
+        uri = self.cfg.lm_eval_include_path
+        if not uri or not storage.is_s3(uri):
+            return uri or None
+        import tempfile
+
+        return str(storage.download_dir(uri, tempfile.mkdtemp(prefix="lm_eval_tasks-", dir=self.scratch)))
 
     def _engine(self, model, tokenizer):
         if self.vllm is None:
@@ -85,12 +98,16 @@ class EvalWorker(Worker):
         sampled = engine.generate(repeat(ids, n), cfg.generate_max_len, temperature=cfg.temperature).to("cpu")
         out = {"greedy": greedy, "sampled": sampled.texts(tokenizer),
                "kl_to_ref": (summed_logprobs(model, sampled) - summed_logprobs(self.reference, sampled)).tolist(),
-               "response_length": sampled.response_lengths().float().tolist(), "reward_mean": None, "episodes": None}
+               "response_length": sampled.response_lengths().float().tolist(), "reward_mean": None, "episodes": None, "lm_eval": None}
         if self.reward is not None:
             batch = build_reward_batch(sampled, tokenizer, repeat(prompts, n), repeat(labels, n) if labels is not None else None)
             out["reward_mean"] = self.reward.score(batch).tolist()
         if cfg.env_path:
             out["episodes"] = self._episodes(engine, tokenizer, rows)
+        if self.lm_eval is not None:
+            out["lm_eval"] = lm_eval_tasks.run_tasks(
+                model, tokenizer, split_list(cfg.lm_eval_tasks), self.lm_eval, cfg.lm_eval_limit,
+                None if cfg.lm_eval_num_fewshot < 0 else cfg.lm_eval_num_fewshot, cfg.lm_eval_batch_size, cfg.seed)
         if model is not self.reference:
             del model
         return out
