@@ -137,21 +137,23 @@ def attn_implementation(flash_attn: bool) -> str:
 
 def with_liger(model):
     """`model` with Liger's RMSNorm, SwiGLU and RoPE kernels patched in (an architecture Liger does not know
-    is logged by Liger and left as it is); a causal LM also takes its log-probs a chunk at a time."""
+    is logged by Liger and left as it is)."""
     from liger_kernel.transformers import _apply_liger_kernel_to_instance
 
     # The fused linear cross-entropy is off: the stages never pass labels; head_logprobs does that part.
     _apply_liger_kernel_to_instance(model=model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
                                     fused_linear_cross_entropy=False)
-    model.chunked_logprobs = True  # read by _chunked_head
     return model
 
 
 def load_causal_lm(path: str, dtype: torch.dtype = torch.float32, flash_attn: bool = False, liger: bool = False):
+    """A causal LM; with `liger`, Liger's kernels and its log-probs taken a chunk of tokens at a time."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation(flash_attn))
-    return with_liger(model) if liger else model
+    if liger:
+        with_liger(model).chunked_logprobs = True  # read by _chunked_head
+    return model
 
 
 def compile_blocks(model) -> int:
@@ -243,7 +245,7 @@ def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tens
 
 
 def _chunked_head(model):
-    """(backbone, output head) of a causal LM loaded with Liger (with_liger), whose log-probs come from the last
+    """(backbone, output head) of a causal LM loaded with Liger (load_causal_lm), whose log-probs come from the last
     hidden states a chunk of tokens at a time; None for the full-logits path. The backbone is called directly, as
     token_values does (LoRA layers stay injected; a DeepSpeed engine's forward adds nothing below ZeRO-3). Under
     ZeRO-3 the head's weight lives in shards that only its own single forward gathers: the full-logits path."""

@@ -353,7 +353,7 @@ def train_steps(run, group: WorkerGroup, max_steps: int, logging_steps: int) -> 
     for step in range(start + 1, max_steps + 1):
         stats = group.run("train_step")[0]
         if step % logging_steps == 0 or step == max_steps:
-            peaks = [gb for gb in group.run("gpu_peak_gb") if gb is not None]
+            peaks = [gb for gb in group.run("gpu_peak_gb") if gb is not None] if group.placement.use_gpu else []
             run.tracker.log(step, {**stats, **({"gpu_peak_gb": round(max(peaks), 2)} if peaks else {})})
         run.checkpoint(step, lambda local, uri: merge_uploads(group.run("save_state", uri)))
     return stats
