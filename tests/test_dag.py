@@ -362,9 +362,9 @@ def test_a_refused_form_fails_the_validate_task_and_submits_no_ray_job(airflow_d
 @pytest.mark.e2e
 # The preference branches run under `make test-all`: their stages are covered by test_stages and
 # test_learning, and the branch wiring by the tests above; `make test` keeps its time for the live stack.
-# The rl branch runs end to end in make test through the live stack (tests/test_e2e.py) and dag.test()
-# (tests/test_byo_e2e.py), so this one is make test-all's too.
-@pytest.mark.parametrize("method", [pytest.param(m, marks=pytest.mark.slow) for m in ("rl", "dpo", "kto", "agentic")])
+# The rl branch runs end to end through the live stack (tests/test_e2e.py, make test) and through dag.test()
+# down to promote (tests/test_byo_e2e.py, make test-all), so it has no run of its own here.
+@pytest.mark.parametrize("method", [pytest.param(m, marks=pytest.mark.slow) for m in ("dpo", "kto", "agentic")])
 def test_pipeline_end_to_end(method, airflow_db, s3_server, ray_head, dagbag):
     """The whole DAG with dag.test() against the local Ray head and the S3 emulator, with tiny step counts,
     down each branch: the other branch's tasks are skipped, not failed. `agentic` is rl with the calculator

@@ -72,10 +72,16 @@ def run_stages(ray_address, root, seed: int, names: tuple[str, ...]) -> dict:
 
 
 def demo_table(ray_address, root) -> dict:
-    """The demo's stages for one seed into `root`; the eval report's {baseline, policy} metrics."""
-    shutil.rmtree(root, ignore_errors=True)
+    """The demo's stages for one seed into `root`; the eval report's {baseline, policy} metrics. The data, SFT
+    and reward model tests/test_learning.py already made in `root` this session are reused (the same flags)."""
     seed = int(root.name.split("-")[0].removeprefix("seed"))
-    out = run_stages(ray_address, root, seed, ("data", "sft", "rm", "rl", "eval"))
+    if root in MODELS:
+        shutil.rmtree(root / "rl", ignore_errors=True)
+        shutil.rmtree(root / "eval", ignore_errors=True)
+        out = run_stages(ray_address, root, seed, ("rl", "eval"))
+    else:
+        shutil.rmtree(root, ignore_errors=True)
+        out = run_stages(ray_address, root, seed, ("data", "sft", "rm", "rl", "eval"))
     path, _ = manifests.fetch(out["eval"], root / "fetched")
     metrics = json.loads((path / "report.json").read_text())["metrics"]
     return {side: metrics[side] for side in ("baseline", "policy")}
