@@ -117,6 +117,20 @@ def parameters(bench_dir: Path) -> int:
     return json.loads((bench_dir / "model_info.json").read_text())["parameters"]
 
 
+def standard_flops_per_token(bench_dir: Path, seq: int) -> float:
+    """Training FLOPs per token as PaLM's appendix B counts them: 6 N for the weight matmuls' forward and
+    backward, plus 12 · layers · hidden · seq for attention's two matmuls (the causal mask's skipped half and
+    gradient checkpointing's recomputed forward both not counted). N is the matmul weights: every parameter,
+    less the input embedding when the output projection is a separate matrix."""
+    shape = SHAPES[json.loads((bench_dir / "model_info.json").read_text())["shape"]]
+    matmul = parameters(bench_dir) - (0 if shape["tie_word_embeddings"] else shape["vocab_size"] * shape["hidden_size"])
+    return 6 * matmul + 12 * shape["num_hidden_layers"] * shape["hidden_size"] * seq
+
+
+def standard_mfu(bench_dir: Path, tokens: int, seq: int, seconds: float) -> float:
+    return round(standard_flops_per_token(bench_dir, seq) * tokens / seconds / BF16_PEAK_FLOPS, 4)
+
+
 # ---------------------------------------------------------------------------- vLLM alone
 
 def decode_floor(bench_dir: Path, batch: int) -> float:
@@ -214,6 +228,7 @@ def bench_sft(bench_dir: Path, steps: int = 12, batch: int = 8, seq: int = 2048,
     # 6 N per token for forward + backward, and 2 N more for the forward gradient checkpointing recomputes.
     flops = 8 * parameters(bench_dir) * tokens
     save(bench_dir, name, {"step_s": round(seconds, 4), "tokens_per_s": round(tokens / seconds), "mfu": round(flops / seconds / BF16_PEAK_FLOPS, 4),
+                           "mfu_standard": standard_mfu(bench_dir, tokens, seq, seconds),
                            "batch": batch, "seq_len": seq, "zero_stage": 2, "gradient_checkpointing": True, "torch_compile": compile_blocks,
                            "liger": liger, "gpu_peak_gb": last.get("gpu_peak_gb"), "loss_last": last.get("loss"),
                            "attention": _attention_kernel(bench_dir / f"{name}.log")})
@@ -303,15 +318,17 @@ def grpo_args(bench_dir: Path, out: Path, steps: int, micro: int) -> dict:
 
 
 def bench_ours(bench_dir: Path, steps: int = 12, engine: str = "vllm", micro: int = 16, layout: str = "colocated",
-               lr: float = 1e-6, liger: bool = True) -> None:
+               lr: float = 1e-6, liger: bool = True, lora_rank: int = 0) -> None:
     """layout: colocated (one GPU: vLLM inside the actor); async (two GPUs: the engine on its own,
     generating the next rollout while the actor trains, one step off-policy); or actor_ref_vllm (two
     GPUs, on-policy, KL on: actor and reference share one, the engine has the other)."""
     name = (f"ours_{engine}_m{micro}" + ("" if layout == "colocated" else f"_{layout}") + ("" if lr == 1e-6 else f"_lr{lr:g}")
-            + ("" if liger else "_noliger"))
+            + ("" if liger else "_noliger") + (f"_lora{lora_rank}" if lora_rank else ""))
     out = bench_dir / "out" / name
     args = grpo_args(bench_dir, out, steps, micro)
     args.update(actor_learning_rate=lr, use_liger_kernel=liger)
+    if lora_rank:  # adapters on every linear layer; the engine is synced the adapter alone
+        args.update(lora_rank=lora_rank, lora_alpha=2 * lora_rank, target_modules="all-linear")
     if engine == "vllm" and layout == "colocated":
         args.update(vllm_num_engines=1, vllm_gpu_memory_utilization=0.3)
     elif engine == "vllm" and layout == "actor_ref_vllm":
@@ -345,6 +362,8 @@ def bench_ours(bench_dir: Path, steps: int = 12, engine: str = "vllm", micro: in
               # forward+backward+recompute (8 N) in training; with KL, one more forward (2 N) each for the
               # old and the reference log-probabilities (without, the actor skips its scoring pass)
               "mfu": round((12 if layout == "actor_ref_vllm" else 8) * parameters(bench_dir) * train_tokens / step / BF16_PEAK_FLOPS, 4),
+              # the training phase alone, counted the standard way
+              "train_mfu_standard": standard_mfu(bench_dir, train_tokens, PROMPT_TOKENS + COMPLETION_TOKENS, split["time_train_s"]),
               "reward_first": records[0]["reward"], "reward_last": records[-1]["reward"],
               "reward_curve": [round(r["reward"], 4) for r in records], "steps": len(records), "learning_rate": lr}
     if layout.startswith("agentic"):
@@ -354,7 +373,7 @@ def bench_ours(bench_dir: Path, steps: int = 12, engine: str = "vllm", micro: in
                 result[key] = [round(r[key], 4) for r in records]
     if "engine_logprob_max_diff" in records[-1]:
         result["engine_logprob_max_diff"] = [r["engine_logprob_max_diff"] for r in records]
-    save(bench_dir, name, {"micro_batch": micro, "liger": liger, **result})
+    save(bench_dir, name, {"micro_batch": micro, "liger": liger, "lora_rank": lora_rank, **result})
 
 
 # ---------------------------------------------------------------------------- eval
@@ -442,7 +461,7 @@ def report(bench_dir: Path, out: Path, command: str) -> None:
             versions[package] = None
     # Ours at its best micro-batch (sequences per forward/backward): the runs differ only in that.
     candidates = sorted((r["step_s"], name) for name, r in results.items()
-                        if name.startswith("ours_vllm") and not any(k in name for k in ("async", "agentic", "noliger")))
+                        if name.startswith("ours_vllm") and not any(k in name for k in ("async", "agentic", "noliger", "lora")))
     best = candidates[0][1] if candidates else "ours_vllm"
     ours, trl_hf, trl_vllm = get(best, "step_s"), get("trl_hf", "step_s"), get("trl_vllm", "step_s")
     summary = {
@@ -471,17 +490,25 @@ def report(bench_dir: Path, out: Path, command: str) -> None:
         "decode_floor_tokens_per_s_by_batch": {b: get("vllm", f"decode_floor_tokens_per_s_{b}") for b in (64, 256, 1024)},
         "sft_mfu": max((r["mfu"] for n, r in results.items() if n in ("sft", "sft_compile")), default=None),
         "sft_mfu_by_run": {n: results[n]["mfu"] for n in ("sft", "sft_compile") if n in results},
+        # 6 N + attention, recomputation not counted (standard_flops_per_token); from step_s for runs recorded before it
+        "sft_mfu_standard_by_run": {n: r.get("mfu_standard") or standard_mfu(bench_dir, r["batch"] * r["seq_len"], r["seq_len"], r["step_s"])
+                                    for n, r in results.items() if n.startswith("sft") and "step_s" in r and "seq_len" in r},
+        "sft_mfu_standard": max((r.get("mfu_standard") or standard_mfu(bench_dir, r["batch"] * r["seq_len"], r["seq_len"], r["step_s"])
+                                 for n, r in results.items() if n in ("sft", "sft_compile")), default=None),
         # Liger's kernels and chunked log-probs (the default on CUDA) against the eager kernels and full logits
         "liger_on_off": {key: [get(on, field), get(off, field)] for key, on, off, field in (
             ("sft_step_s", "sft", "sft_noliger", "step_s"), ("sft_gpu_peak_gb", "sft", "sft_noliger", "gpu_peak_gb"),
             ("sft_loss_last", "sft", "sft_noliger", "loss_last"), ("grpo_step_s", "ours_vllm_m64", "ours_vllm_m64_noliger", "step_s"),
             ("grpo_train_s", "ours_vllm_m64", "ours_vllm_m64_noliger", "time_train_s"))},
+        # LoRA (rank 64, every linear layer, the adapter alone synced to vLLM) beside full fine-tuning, same work
+        "lora_vs_full": {key: [get("ours_vllm_m64_lora64", key), get("ours_vllm_m64", key)]
+                         for key in ("step_s", "time_generate_s", "time_train_s", "time_weight_sync_s")},
         "versions": versions,
         "runs": results,
     }
     out.write_text(json.dumps(summary, indent=2) + "\n")
     for key in ("grpo_step_s_ours", "grpo_step_s_trl_vllm", "grpo_step_s_trl", "rollout_tokens_per_s", "vllm_standalone_tokens_per_s",
-                "decode_floor_tokens_per_s", "sft_mfu"):
+                "decode_floor_tokens_per_s", "sft_mfu", "sft_mfu_standard"):
         print(f"{key:32} {summary[key]}")
 
 
@@ -500,6 +527,7 @@ def main() -> None:
     parser.add_argument("--command", default="bash bench/gpu/run.sh", help="recorded in results.json")
     parser.add_argument("--compile", action="store_true", help="sft, sft_profile: --torch_compile (each transformer block compiled)")
     parser.add_argument("--no_liger", action="store_true", help="sft, ours: --use_liger_kernel false (the eager kernels and full logits)")
+    parser.add_argument("--lora_rank", type=int, default=0, help="ours: LoRA adapters of this rank on every linear layer")
     a = parser.parse_args()
     a.dir.mkdir(parents=True, exist_ok=True)
     if a.what == "setup":
@@ -513,7 +541,7 @@ def main() -> None:
     elif a.what == "sft_profile":
         bench_sft_profile(a.dir, compile_blocks=a.compile)
     elif a.what == "ours":
-        bench_ours(a.dir, a.steps, engine=a.mode, micro=a.micro, layout=a.layout, lr=a.lr, liger=not a.no_liger)
+        bench_ours(a.dir, a.steps, engine=a.mode, micro=a.micro, layout=a.layout, lr=a.lr, liger=not a.no_liger, lora_rank=a.lora_rank)
     elif a.what == "trl":
         bench_trl(a.dir, a.mode, a.steps)
     elif a.what == "eval":

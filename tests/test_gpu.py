@@ -8,10 +8,13 @@
   from a vLLM engine colocated with every model (sleep/wake), synced after each update and checked
   against the actor's log-probabilities.
 - Liger's kernels and the chunked log-probabilities against the eager path: loss and gradients.
+- FlashAttention-2's varlen packing against SDPA per sequence: log-probabilities and gradients (when
+  flash-attn is installed: bench/gpu/flash_attn.sh builds it).
+- RL with LoRA and vLLM: the engine is synced the adapter alone and follows the trained policy.
 - The demo task's learning check on the GPU path, as tests/test_learning.py runs it on the CPU: GRPO
   (group_norm, KL off, one update per rollout) with the terse-style reward against the zero-reward
-  control, the rollouts from vLLM. On-policy with the engine in the actor on one GPU and, when a second
-  GPU is there, one step off-policy (--async_train) with the engine on the other.
+  control, the rollouts from vLLM. On-policy with the engine in the actor on one GPU, the same with LoRA
+  and, when a second GPU is there, one step off-policy (--async_train) with the engine on the other.
 
 Outputs go to local folders; the Ray head is RAY_ADDRESS's (bench/gpu/env.sh's start_ray) or one
 started here.
@@ -155,6 +158,65 @@ def test_liger_kernels_give_the_eager_loss_and_gradients():
         assert torch.allclose(liger_grads[name], grad, rtol=1e-3, atol=1e-5), name
 
 
+def test_flash_attn_packed_rows_give_each_sequences_own_logprobs_and_gradients():
+    """FlashAttention-2's varlen path (sequences packed in one row, boundaries from the restarting position ids,
+    no mask) against SDPA on the same sequences padded one per row, in bf16 on the GPU: the log-probabilities
+    of every real token, and the gradient of their sum."""
+    if importlib.util.find_spec("flash_attn") is None:
+        pytest.skip("flash-attn is not installed (bench/gpu/flash_attn.sh builds it)")
+    from tasks.common import data as batches
+    from tasks.common.models import load_causal_lm, packed_logprobs, sequence_logprobs
+    from tasks.data import demo
+
+    tok = demo.build_tokenizer()
+    path = ROOT / "flash-base"
+    demo.build_base_model(tok, seed=2).save_pretrained(path)
+    tok.save_pretrained(path)
+    seqs = [batches.encode_prompt(tok, p) for p in ("3+4=7", "37+45=82 is the sum", "1+1=2", "90+10=100")]
+    runs = []
+    for flash in (False, True):
+        model = load_causal_lm(str(path), dtype=torch.bfloat16, flash_attn=flash).cuda()
+        assert model.config._attn_implementation == ("flash_attention_2" if flash else "sdpa")
+        if flash:
+            ids, positions, index = batches.pack(seqs)
+            row = packed_logprobs(model, ids.cuda(), positions.cuda(), index.cuda())[0]
+            starts = [0] + [sum(len(s) for s in seqs[:k]) for k in range(1, len(seqs))]
+            per_seq = [row[start:start + len(s) - 1] for start, s in zip(starts, seqs)]  # each sequence's own tokens
+        else:
+            ids, mask = batches.pad(seqs, tok.pad_token_id)
+            logprobs = sequence_logprobs(model, ids.cuda(), mask.cuda())
+            per_seq = [logprobs[k, :len(s) - 1] for k, s in enumerate(seqs)]
+        total = torch.cat(per_seq).float().sum()
+        total.backward()
+        runs.append((torch.cat(per_seq).float().detach().cpu(), {n: p.grad.float().cpu() for n, p in model.named_parameters()}))
+    (sdpa, sdpa_grads), (flash, flash_grads) = runs
+    print(f"flash-attn varlen against sdpa: max log-prob gap {(flash - sdpa).abs().max().item():.4f}")
+    assert torch.allclose(flash, sdpa, atol=0.05)  # bf16 kernels of different accumulation orders
+    for name, grad in sdpa_grads.items():
+        assert torch.allclose(flash_grads[name], grad, rtol=0.05, atol=0.05 * grad.abs().max().item() + 1e-3), name
+
+
+def test_rl_with_lora_hands_vllm_the_adapter_alone_and_its_rollouts_follow_it(gpu_ray, data):
+    """LoRA with vLLM rollouts, colocated (and, with a second GPU, the engine on its own a step ahead): each
+    update hands the engine the adapter alone, and the engine's sampled log-probabilities stay the trained
+    policy's (the sync check, every step) while the policy moves well away from its base (the KL to the base,
+    the reference under LoRA), at a learning rate chosen to move it far in a few steps."""
+    sft = str(ROOT / "sft-lora")
+    cli(gpu_ray, "tasks.sft", output=sft, pretrain=data, dataset=data, max_steps=100, **GPU_FLAGS)
+    layouts = {"colocated": {"colocate_all_models": True, "vllm_gpu_memory_utilization": 0.2}}
+    if torch.cuda.device_count() >= 2:
+        layouts["separate"] = {"async_train": True, "vllm_gpu_memory_utilization": 0.3}
+    for name, layout in layouts.items():
+        out = str(ROOT / f"rl-lora-{name}")
+        cli(gpu_ray, "tasks.rl", output=out, pretrain=sft, prompt_data=data, **{**GRPO, **GPU_FLAGS, **STYLE, **layout,
+            "max_steps": 6, "lora_rank": 16, "lora_alpha": 32, "actor_learning_rate": 2e-3, "init_kl_coef": 0.001})
+        logged = metrics(out)
+        gaps, kl = [r["engine_logprob_max_diff"] for r in logged], [r["kl"] for r in logged]
+        print(f"rl with lora, {name}: engine vs actor gap per step {gaps}; kl to the base {kl}")
+        assert len(gaps) == 6 and max(gaps) < 0.25, (name, gaps)
+        assert kl[-1] > 0.05, (name, kl)  # far enough that an engine left on the base would show in the gaps
+
+
 def learned(ray: str, data: str, sft: str, name: str, **values) -> dict:
     rl, ev = str(ROOT / f"rl-{name}"), str(ROOT / f"eval-{name}")
     cli(ray, "tasks.rl", output=rl, pretrain=sft, prompt_data=data, **{**GRPO, **GPU_FLAGS, **values})
@@ -163,17 +225,31 @@ def learned(ray: str, data: str, sft: str, name: str, **values) -> dict:
     return json.loads((path / "report.json").read_text())["metrics"]["policy"]
 
 
-def test_demo_learns_on_the_gpu_path_on_policy_and_one_step_off(gpu_ray, data):
+COLOCATED = {"colocate_all_models": True, "vllm_gpu_memory_utilization": 0.3}
+ARMS = {  # each trained with the terse-style reward, and held against the same zero-reward control
+    "on-policy": COLOCATED,
+    # through the adapter synced to vLLM after each update, at a LoRA learning rate
+    "lora": {**COLOCATED, "lora_rank": 16, "lora_alpha": 32, "actor_learning_rate": 3e-4},
+    "off-policy": {"async_train": True},  # the actor on one GPU, the engine on the other, a step ahead
+}
+
+
+@pytest.fixture(scope="module")
+def learning_start(gpu_ray, data):
+    """The demo's SFT model for the learning check, and its zero-reward control's preferred-style rate."""
     sft = str(ROOT / "sft-learn")
     cli(gpu_ray, "tasks.sft", output=sft, pretrain=data, dataset=data, max_steps=500, **GPU_FLAGS)
-    colocated = {"colocate_all_models": True, "vllm_gpu_memory_utilization": 0.3}
-    control = learned(gpu_ray, data, sft, "control", **CONTROL, **colocated)
-    on_policy = learned(gpu_ray, data, sft, "on-policy", **STYLE, **colocated)
-    rates = {"control": control["sampled_preferred_style_rate"], "on-policy": on_policy["sampled_preferred_style_rate"]}
-    if torch.cuda.device_count() >= 2:  # actor on one GPU, the engine on the other, a step ahead
-        rates["off-policy"] = learned(gpu_ray, data, sft, "off-policy", **STYLE, async_train=True)["sampled_preferred_style_rate"]
-    print(f"preferred-style rate after 30 GRPO steps on the gpu: {rates}")
-    (ROOT / "learning.json").write_text(json.dumps(rates))
-    for name in ("on-policy", "off-policy"):
-        if name in rates:
-            assert rates[name] >= rates["control"] + 0.15, name
+    return sft, learned(gpu_ray, data, sft, "control", **CONTROL, **COLOCATED)["sampled_preferred_style_rate"]
+
+
+@pytest.mark.parametrize("arm", list(ARMS))
+def test_demo_learns_on_the_gpu_path(arm, gpu_ray, data, learning_start):
+    if arm == "off-policy" and torch.cuda.device_count() < 2:
+        pytest.skip("needs a second GPU for the engine")
+    sft, control = learning_start
+    rate = learned(gpu_ray, data, sft, arm, **STYLE, **ARMS[arm])["sampled_preferred_style_rate"]
+    print(f"preferred-style rate after 30 GRPO steps on the gpu, {arm}: {rate:.3f} against the control's {control:.3f}")
+    record = ROOT / "learning.json"
+    rates = json.loads(record.read_text()) if record.exists() else {}
+    record.write_text(json.dumps({**rates, "control": control, arm: rate}))
+    assert rate >= control + 0.15, arm

@@ -337,3 +337,28 @@ def test_frozen_base_is_the_base_model(tmp_path):
         assert torch.equal(reference, sequence_logprobs(base, ids, mask))
         assert not torch.allclose(reference, sequence_logprobs(model, ids, mask))
     assert model.training
+
+
+def test_adapter_weights_are_peft_files_that_load_with_the_trained_logits(tmp_path):
+    """What a vLLM engine is handed at each sync (lora.adapter_weights, saved to a folder): peft's own adapter
+    files, which PeftModel loads onto the base to give the trained model's logits."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tasks.rl.vllm_engine import lora_max_rank
+
+    path = build_chat_model(tmp_path / "m")
+    cfg = make_config(SFTConfig, {"output": "o", "pretrain": "m", "dataset": "d", **LORA})
+    model = lora.apply_lora(AutoModelForCausalLM.from_pretrained(path), cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.1)
+    adapter = lora.adapter_weights(model)
+    assert adapter.config["r"] == 4 and all(".lora_A.weight" in n or ".lora_B.weight" in n for n in adapter.tensors)
+    saved = adapter.save(tmp_path / "adapter")
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path), str(saved)).eval()
+    ids = torch.tensor(PROBES[:1])
+    with torch.no_grad():
+        assert torch.allclose(loaded(ids).logits, model(ids).logits, atol=1e-5)
+    assert [lora_max_rank(r) for r in (1, 4, 8, 9, 64, 300, 512)] == [1, 8, 8, 16, 64, 320, 512]

@@ -47,8 +47,12 @@ def test_vllm_flags_refused_in_one_line_when_they_cannot_apply():
         make_config(RLConfig, {**base, "async_train": True, "max_staleness": 0})
     with pytest.raises(ConfigError, match="^vllm_gpu_memory_utilization: 1.0 leaves the colocated trainer no memory"):
         make_config(RLConfig, {**base, "vllm_num_engines": 1, "vllm_gpu_memory_utilization": 1.0})
-    with pytest.raises(ConfigError, match="^lora_rank: vLLM engines take full weights"):
-        make_config(RLConfig, {**base, "vllm_num_engines": 1, "lora_rank": 8})
+    # With LoRA the engines are synced the adapter alone (tasks.rl.vllm_engine), up to vLLM's largest rank.
+    assert make_config(RLConfig, {**base, "vllm_num_engines": 1, "lora_rank": 8, "async_train": True}).lora_rank == 8
+    with pytest.raises(ConfigError, match="^lora_rank: vLLM's LoRA layers hold ranks up to 512, got 600"):
+        make_config(RLConfig, {**base, "vllm_num_engines": 1, "lora_rank": 600})
+    with pytest.raises(ConfigError, match="^async_train: .* vLLM engines with LoRA"):
+        make_config(RLConfig, {**base, "async_train": True, "lora_rank": 8})
     with pytest.raises(ConfigError, match="^vllm_enable_sleep: only applies to vLLM engines"):
         make_config(RLConfig, {**base, "vllm_enable_sleep": True})
 

@@ -5,6 +5,7 @@
 #   bash bench/gpu/run.sh setup hf_generate       # our HF rollout engine: dynamic vs static cache + compiled decode
 #   bash bench/gpu/run.sh sft_compile sft_profile_compile   # SFT with --torch_compile, and its kernel profile
 #   bash bench/gpu/run.sh sft sft_noliger ours64 ours64_noliger   # Liger's kernels (the default on CUDA) on, then off
+#   bash bench/gpu/run.sh ours64 ours64_lora       # LoRA (rank 64, the adapter alone synced to vLLM) beside full weights
 #   bash bench/gpu/run.sh ours trl_vllm trl_hf report
 #   bash bench/gpu/run.sh tests_stages               # the gpu-marked tests; tests_learn: the learning check
 #
@@ -23,7 +24,7 @@ for phase in "$@"; do
     hf_generate) python bench/grpo_bench.py hf_generate --dir $dir ;;
     sft_profile) python bench/grpo_bench.py sft_profile --dir $dir ;;
     sft_profile_compile) python bench/grpo_bench.py sft_profile --dir $dir --compile ;;
-    sft|sft_noliger|sft_compile|ours|ours32|ours64|ours64_noliger|ours_hf|ours_async|ours_2gpu_kl|ours_agentic|ours_agentic_separate|ours_agentic_async|eval_vllm|eval_hf|tests_stages|tests_learn)
+    sft|sft_noliger|sft_compile|ours|ours32|ours64|ours64_noliger|ours64_lora|ours_hf|ours_async|ours_2gpu_kl|ours_agentic|ours_agentic_separate|ours_agentic_async|eval_vllm|eval_hf|tests_stages|tests_learn)
       if [ -z "$ray_up" ]; then start_ray && ray_up=1; fi
       case "$phase" in
         sft) python bench/grpo_bench.py sft --dir $dir ;;
@@ -31,6 +32,8 @@ for phase in "$@"; do
         # Liger's kernels are on by default on CUDA: the same runs with them off (eager kernels, full logits).
         sft_noliger) python bench/grpo_bench.py sft --dir $dir --no_liger ;;
         ours64_noliger) python bench/grpo_bench.py ours --dir $dir --mode vllm --micro 64 --no_liger ;;
+        # LoRA rank 64 on every linear layer: vLLM generates through the adapter, synced alone after each update.
+        ours64_lora) python bench/grpo_bench.py ours --dir $dir --mode vllm --micro 64 --lora_rank 64 ;;
         ours) python bench/grpo_bench.py ours --dir $dir --mode vllm ;;
         ours32) python bench/grpo_bench.py ours --dir $dir --mode vllm --micro 32 ;;
         ours64) python bench/grpo_bench.py ours --dir $dir --mode vllm --micro 64 ;;
@@ -47,7 +50,7 @@ for phase in "$@"; do
         # The GPU tests (tests/test_gpu.py, tests/test_vllm_engine.py), on this Ray head; the learning
         # check's preferred-style rates land in results/gpu_learning.json.
         tests_stages) python -m pytest -m gpu -s -p no:cacheprovider tests/test_vllm_engine.py tests/test_gpu.py -k "${TESTS_K:-not learns}" ;;
-        tests_learn) python -m pytest -m gpu -s -p no:cacheprovider tests/test_gpu.py -k learns \
+        tests_learn) python -m pytest -m gpu -s -p no:cacheprovider tests/test_gpu.py -k "${TESTS_K:-learns}" \
                        && mkdir -p $dir/results && cp .scratch/test/gpu/learning.json $dir/results/gpu_learning.json ;;
       esac ;;
     trl_hf) python bench/grpo_bench.py trl --dir $dir --mode hf --steps 8 ;;

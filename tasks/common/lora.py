@@ -5,6 +5,7 @@
         ref = sequence_logprobs(engine.module, ids, mask)        # KL and of DPO/KTO, without a second copy
     save_peft(engine.module, trainable_state(engine.module, gather=zero3), out_dir, merge=False, base_uri=cfg.pretrain)
     path = merged_checkpoint(adapter_dir, base_path)             # what resolve_model does with an adapter output
+    adapter_weights(engine.module).save(dir)                     # the adapter now, for a vLLM engine (tasks.rl.vllm_engine)
 
 A stage trained with --lora_rank exports either the merged full checkpoint (--merge_lora) or the
 adapter alone (adapter_config.json + adapter_model.safetensors + tokenizer files) with the base's URI
@@ -24,6 +25,7 @@ import shutil
 import sys
 import tempfile
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -110,10 +112,10 @@ def adapters_disabled(model):
         model.train(was_training)
 
 
-def trainable_state(model, gather: bool = False) -> dict[str, torch.Tensor]:
+def trainable_state(model, gather: bool = False, every_rank: bool = False) -> dict[str, torch.Tensor]:
     """The trainable tensors (adapters, a scalar head) by state-dict name, on the CPU. `gather`: ZeRO-3
     holds each rank's shard only, so every rank must call; the whole tensors are gathered (just these,
-    never the frozen base) and rank 0 gets them, the others {}."""
+    never the frozen base) and rank 0 gets them, the others {} (or their own copy, `every_rank`)."""
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     if not gather:
         return {name: p.detach().cpu().clone() for name, p in named}
@@ -121,7 +123,40 @@ def trainable_state(model, gather: bool = False) -> dict[str, torch.Tensor]:
     import torch.distributed as dist
 
     with deepspeed.zero.GatheredParameters([p for _, p in named], modifier_rank=None):
-        return {name: p.detach().cpu().clone() for name, p in named} if dist.get_rank() == 0 else {}
+        return {name: p.detach().cpu().clone() for name, p in named} if every_rank or dist.get_rank() == 0 else {}
+
+
+@dataclass
+class AdapterWeights:
+    """A causal LM's adapter in memory, as peft's files hold it (adapter_config.json's dict, and the tensors
+    of adapter_model.safetensors by peft's names): what a vLLM rollout engine loads after each update, a few
+    MB where the full weights are GB."""
+    config: dict
+    tensors: dict[str, torch.Tensor]
+
+    def save(self, out_dir: str | Path) -> Path:
+        from safetensors.torch import save_file
+
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        save_file({name: t.contiguous() for name, t in self.tensors.items()}, str(out_dir / "adapter_model.safetensors"))
+        (out_dir / "adapter_config.json").write_text(json.dumps(self.config, default=_json_value))
+        return out_dir
+
+
+def _json_value(value):
+    return sorted(value) if isinstance(value, (set, frozenset)) else str(value)
+
+
+def adapter_weights(model, gather: bool = False, every_rank: bool = False) -> AdapterWeights | None:
+    """The peft model's adapter now (`trainable_state`'s gather rules: under ZeRO-3 every rank calls, and
+    only rank 0 gets it unless `every_rank`; None where nothing came)."""
+    from peft import get_peft_model_state_dict
+
+    state = trainable_state(model, gather, every_rank)
+    if not state:
+        return None
+    return AdapterWeights(model.peft_config["default"].to_dict(), get_peft_model_state_dict(model, state_dict=state, save_embedding_layers=False))
 
 
 def save_peft(model, state: dict[str, torch.Tensor], out_dir: str | Path, merge: bool, base_uri: str) -> None:

@@ -224,9 +224,9 @@ class RLConfig(EpisodeConfig, TrainingConfig):
             if self.async_train and self.colocate_all_models:
                 raise ConfigError("async_train: needs vLLM engines on GPUs of their own; drop --colocate_all_models, "
                                   "or drop --async_train")
-            if self.lora_rank:
-                raise ConfigError("lora_rank: vLLM engines take full weights and LoRA syncs are not built yet; "
-                                  "use --vllm_num_engines 0 with LoRA, or drop --lora_rank")
+            if self.lora_rank > 512:
+                raise ConfigError(f"lora_rank: vLLM's LoRA layers hold ranks up to 512, got {self.lora_rank}; "
+                                  "use 512 or less, or --vllm_num_engines 0")
             if not 0 < self.vllm_gpu_memory_utilization < 1:
                 raise ConfigError(f"vllm_gpu_memory_utilization: {self.vllm_gpu_memory_utilization} leaves the colocated trainer "
                                   "no memory; use a fraction such as 0.3")
@@ -235,9 +235,10 @@ class RLConfig(EpisodeConfig, TrainingConfig):
                                   ("vllm_enable_sleep", False)):
                 if getattr(self, name) != default:
                     raise ConfigError(f"{name}: only applies to vLLM engines; set --vllm_num_engines too, or drop it")
-        if self.async_train and (self.dynamic_filtering or self.lora_rank or self.max_staleness < 1):
-            raise ConfigError("async_train: needs a fixed rollout, full weights and --max_staleness of 1 or more; "
-                              "drop --dynamic_filtering and --lora_rank, or drop --async_train")
+        # The transformers engine of --async_train without vLLM loads full weights; vLLM engines take adapters.
+        if self.async_train and (self.dynamic_filtering or (self.lora_rank and not self.vllm_num_engines) or self.max_staleness < 1):
+            raise ConfigError("async_train: needs a fixed rollout, --max_staleness of 1 or more, and vLLM engines with LoRA; "
+                              "drop --dynamic_filtering, set --vllm_num_engines with --lora_rank, or drop --async_train")
         if self.partial_rollouts and not self.async_train:
             raise ConfigError("partial_rollouts: weights change under running rollouts only with --async_train; add it, "
                               "or drop --partial_rollouts")

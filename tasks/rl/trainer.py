@@ -150,16 +150,18 @@ class ActorGroupEngine:
 class EngineGroup(ActorGroupEngine):
     """Rollout engines on devices of their own (RolloutEngineWorker): vLLM engines on GPUs (--vllm_num_engines),
     fed after each update by the actor's rank 0 over NCCL, or one transformers engine (--async_train without
-    vLLM), fed the weights through Ray's object store. Calls on an engine run in order, so an update sent
+    vLLM), fed the weights through Ray's object store (with --lora_rank, vLLM engines are fed the adapter alone
+    that way). Calls on an engine run in order, so an update sent
     while rollouts are queued reaches only the rollouts started after it: with --async_train the controller
     keeps up to --max_staleness rollouts in flight, each token tagged with the weight version it used. With
     `partial` (--partial_rollouts) an update goes beside the queue and reaches running episodes at their next turn."""
 
-    def __init__(self, engines: WorkerGroup, actor: WorkerGroup, pad_token_id: int, vllm: bool, partial: bool = False):
+    def __init__(self, engines: WorkerGroup, actor: WorkerGroup, pad_token_id: int, vllm: bool, partial: bool = False,
+                 adapter: bool = False):
         super().__init__(actor, pad_token_id, vllm)
-        self.engines = engines
+        self.engines, self.adapter = engines, adapter
         self.send = engines.run_beside_async if partial else engines.run_async
-        if vllm:
+        if vllm and not adapter:
             host, port = actor.run("weight_channel_address")[0]
             world = 1 + engines.world_size
             gather([actor.run_async("open_weight_channel", host, port, world), engines.run_async("open_weight_channel", host, port, world)])
@@ -169,6 +171,10 @@ class EngineGroup(ActorGroupEngine):
         return time.time(), self.engines.scatter_async(method, shard(items, self.engines.world_size))
 
     def sync_weights(self, version: int) -> None:
+        if self.adapter:  # LoRA: the adapter alone (a few MB) through Ray's object store
+            adapter = self.actor.run_async("adapter_weights")  # every rank (ZeRO-3 gathers); rank 0's holds it
+            gather([*adapter, self.send("load_adapter", adapter[0], version)])
+            return
         if self.vllm:
             gather([self.actor.run_async("send_weights"), self.send("receive_weights", self.shapes, version)])
             return
@@ -236,7 +242,7 @@ class Controller:
         gather([self.groups[role].run_async("setup", *setup_args[role]) for role in roles])
         if cfg.separate_engines():
             self.engine = EngineGroup(self.groups["rollout"], self.groups["actor"], self.tokenizer.pad_token_id,
-                                      vllm=cfg.vllm_num_engines > 0, partial=cfg.partial_rollouts)
+                                      vllm=cfg.vllm_num_engines > 0, partial=cfg.partial_rollouts, adapter=cfg.lora_rank > 0)
         else:
             self.engine = ActorGroupEngine(self.groups["actor"], self.tokenizer.pad_token_id, vllm=cfg.vllm_num_engines > 0)
         self.reward: RewardSource | None = (RemoteRewardModels(self.groups["reward"]) if "reward" in self.groups

@@ -5,17 +5,24 @@ of their own (tasks.rl.workers.RolloutEngineWorker), fed over NCCL by a WeightCh
     engine = VLLMRolloutEngine(model_dir, tokenizer, max_model_len=512, gpu_memory_utilization=0.3, seed=0)
     rollout = engine.generate(prompt_ids, max_new_tokens=256, temperature=1.0)   # rollout.logprobs: vLLM's own
     engine.load_weights(actor.module, zero3=False)                              # after every update
+    engine.load_adapter(lora.adapter_weights(actor.module))                      # or, with --lora_rank, the adapter only
 
 The engine runs in its worker's process (VLLM_ENABLE_V1_MULTIPROCESSING=0, the external_launcher
 executor on the worker's torch.distributed world). Colocated, a weight sync is a device-to-device copy
 of each parameter into vLLM's model; under ZeRO-3 each parameter is gathered first, one at a time. On
 separate GPUs, the actor's rank 0 broadcasts each parameter over NCCL and the engines load it. With `enable_sleep` vLLM gives its weights and KV cache
 back while the actor trains (sleep level 1) and takes them again before the sync.
+
+With LoRA (`lora_rank`) the engine holds the frozen base and vLLM's LoRA layers; a sync hands it the adapter
+alone (peft's files, written to a local folder), registered under a new id each time (versioned: the
+previous one is removed), and every rollout after it generates through that adapter.
 """
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
+import tempfile
 
 import torch
 
@@ -58,11 +65,13 @@ class VLLMRolloutEngine:
 
     def __init__(self, model_path: str, tokenizer, max_model_len: int, gpu_memory_utilization: float, seed: int,
                  dtype: str = "bfloat16", enable_prefix_caching: bool = False, enable_sleep: bool = False,
-                 ignore_eos: bool = False):
+                 ignore_eos: bool = False, lora_rank: int = 0):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM
 
         self.tokenizer, self.ignore_eos, self.enable_sleep = tokenizer, ignore_eos, enable_sleep
+        # vLLM sizes its LoRA buffers by a rank from a fixed list; an adapter of a smaller rank fits.
+        lora = {"enable_lora": True, "max_loras": 1, "max_lora_rank": lora_max_rank(lora_rank)} if lora_rank else {}
         self.llm = LLM(
             model=model_path, skip_tokenizer_init=True, dtype=dtype, seed=seed,
             max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
@@ -74,9 +83,12 @@ class VLLMRolloutEngine:
             # The sampled tokens' log-probs after temperature (vLLM's default, raw_logprobs, is before it): the
             # actor scores rollouts at the sampling temperature too, so the sync check compares one distribution.
             logprobs_mode="processed_logprobs",
+            **lora,
         )
         self.model = _model_of(self.llm)
         self.asleep = False
+        # Before the first sync the adapter is peft's initial one, whose update B·A is zero: the base alone.
+        self.adapter, self.adapter_loads = None, 0
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
@@ -87,7 +99,7 @@ class VLLMRolloutEngine:
         self.wake_up()
         params = SamplingParams(temperature=0.0 if greedy else temperature, max_tokens=max_new_tokens, logprobs=0,
                                 stop_token_ids=[] if self.ignore_eos else stop_token_ids(self.tokenizer), ignore_eos=self.ignore_eos, detokenize=False)
-        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
+        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False, lora_request=self.adapter)
         responses = [list(o.outputs[0].token_ids) or [self.tokenizer.eos_token_id] for o in outputs]
         logprobs = [[step[token].logprob for token, step in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
                     for o in outputs]
@@ -116,6 +128,19 @@ class VLLMRolloutEngine:
         # Cached prompt KV was computed with the old weights.
         self.llm.reset_prefix_cache()
 
+    def load_adapter(self, adapter) -> None:
+        """Generate through `adapter` (tasks.common.lora.AdapterWeights) from now on, in place of the last one."""
+        from vllm.lora.request import LoRARequest
+
+        self.wake_up()
+        self.adapter_loads += 1
+        path = adapter.save(tempfile.mkdtemp(prefix=f"rlhf-vllm-adapter-{self.adapter_loads}-"))
+        if self.adapter is not None:  # first: vLLM holds max_loras (1) adapters
+            self.llm.llm_engine.remove_lora(self.adapter.lora_int_id)
+            shutil.rmtree(self.adapter.lora_path, ignore_errors=True)
+        self.adapter = LoRARequest(f"policy-{self.adapter_loads}", self.adapter_loads, str(path))
+        self.llm.llm_engine.add_lora(self.adapter)  # loaded now, not by the next rollout's first request
+
     def sleep(self) -> None:
         if self.enable_sleep and not self.asleep:
             self.llm.sleep(level=1)
@@ -125,6 +150,14 @@ class VLLMRolloutEngine:
         if self.asleep:
             self.llm.wake_up()
             self.asleep = False
+
+
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's max_lora_rank choices (vllm.config.lora)
+
+
+def lora_max_rank(rank: int) -> int:
+    """The smallest max_lora_rank vLLM takes that holds an adapter of `rank`."""
+    return next(r for r in LORA_RANKS if r >= rank)
 
 
 def to_rollout(prompt_ids: list[list[int]], responses: list[list[int]], logprobs: list[list[float]], pad_id: int) -> Rollout:

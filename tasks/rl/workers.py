@@ -91,9 +91,19 @@ class ActorWorker(_Trainer):
         return rollout.to("cpu")
 
     def sync_weights(self) -> None:
-        """Load the updated weights into this worker's vLLM engine (the HF engine uses them in place)."""
-        if hasattr(self.rollout_engine, "load_weights"):
-            self.rollout_engine.load_weights(self.engine.module, zero3=self.strategy.zero_stage == 3)
+        """Load the updated weights into this worker's vLLM engine (the HF engine uses them in place); with
+        LoRA, the adapter alone."""
+        if not hasattr(self.rollout_engine, "load_weights"):
+            return
+        zero3 = self.strategy.zero_stage == 3
+        if lora.enabled(self.cfg):
+            self.rollout_engine.load_adapter(lora.adapter_weights(self.engine.module, gather=zero3, every_rank=True))
+        else:
+            self.rollout_engine.load_weights(self.engine.module, zero3=zero3)
+
+    def adapter_weights(self) -> lora.AdapterWeights | None:
+        """Rank 0: the adapter now, for vLLM engines elsewhere (every rank enters the ZeRO-3 gathers)."""
+        return lora.adapter_weights(self.engine.module, gather=self.strategy.zero_stage == 3)
 
     # ---- feeding vLLM engines on other GPUs (RolloutEngineWorker): rank 0 broadcasts, every rank gathers
 
@@ -258,13 +268,16 @@ class RolloutEngineWorker(Worker):
         if not self.cfg.partial_rollouts:
             self._load(version, weights)
             return
-        weights = list(weights)
+        if not isinstance(weights, lora.AdapterWeights):
+            weights = list(weights)
         with self.lock:
             self.received = (version, weights)
 
     @torch.no_grad()
     def _load(self, version: int, weights) -> None:
-        if self.cfg.vllm_num_engines:
+        if isinstance(weights, lora.AdapterWeights):
+            self.engine.load_adapter(weights)
+        elif self.cfg.vllm_num_engines:
             self.engine.load_named(weights)
         else:
             # Parameters only (buffers such as rotary frequencies stay), so not strict; but every name must land.
@@ -285,6 +298,10 @@ class RolloutEngineWorker(Worker):
     def load_state(self, state: dict[str, torch.Tensor], version: int) -> None:
         """The actor's weights after `version` updates (ActorWorker.engine_state), for the transformers engine."""
         self._receive(version, state.items())
+
+    def load_adapter(self, adapter: lora.AdapterWeights, version: int) -> None:
+        """The actor's adapter after `version` updates (ActorWorker.adapter_weights), for a vLLM engine with LoRA."""
+        self._receive(version, adapter)
 
 
 def _episode_runner(cfg: RLConfig, engine, tokenizer, policy_version=None):
@@ -318,7 +335,8 @@ def _vllm_engine(cfg: RLConfig, path: str, tokenizer, seed: int):
     return VLLMRolloutEngine(
         path, tokenizer, max_model_len=min(max_len, positions) if positions else max_len,
         gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, seed=seed, dtype=str(_dtype(cfg)).removeprefix("torch."),
-        enable_prefix_caching=cfg.enable_prefix_caching, enable_sleep=cfg.vllm_enable_sleep, ignore_eos=cfg.ignore_eos)
+        enable_prefix_caching=cfg.enable_prefix_caching, enable_sleep=cfg.vllm_enable_sleep, ignore_eos=cfg.ignore_eos,
+        lora_rank=cfg.lora_rank)
 
 
 class CriticWorker(_Trainer):
