@@ -18,7 +18,8 @@ compare-and-swap; `champion` emits the champion Asset's event, and is skipped wh
 Each stage task: is cached (Param use_cache; see plugins.stage_cache), has a deadline (Param
 stage_deadline_minutes), takes pool_slots of the GPU pool equal to the GPUs it asks Ray for (at least
 one), writes resumable checkpoints (Param checkpoints_per_stage), and emits an Asset event carrying its
-manifest URI and metrics. Only the Airflow side is imported here (no torch; tasks' configs only inside `validate`).
+manifest URI and metrics. No torch is imported here: the form's stage fields come from the stage configs
+(tasks/<stage>/config.py, standard library and yaml), which `validate` also builds.
 """
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ from airflow.sdk import DAG, Asset, Param, chain, task
 
 from plugins.notifiers import WebhookNotifier
 from plugins.operators import OUTPUT_ROOT, RayJobOperator
+from tasks.promote.config import DEFAULT_GATE  # {}: the gate made from the metrics the run declares
+from tasks.promote.gate import RULE_KINDS
 
 #: A model's registry folder (champion.json, history/, candidates/), templated like the stages' output.
 REGISTRY = OUTPUT_ROOT + "/models/{{ params.model_name }}"
@@ -47,8 +50,6 @@ TRAINING_STAGES = ("sft", "reward_model", "rl", "dpo", "kto")
 #: Lineage in the Assets view: base model and data -> SFT -> reward model -> policy -> report -> champion.
 ASSETS = {name: Asset(name=f"rlhf_flow.{name}", uri=f"rlhf-flow://assets/{name}")
           for name in ("prepared_data", "sft_model", "reward_model", "policy", "eval_report", "champion")}
-# Same values as tasks.promote.config.DEFAULT_GATE (kept apart: the Airflow side does not import tasks).
-DEFAULT_GATE: dict = {}  # the default gate: made from the metrics the run declares
 
 
 def promotion_param(default: bool) -> Param:
@@ -72,306 +73,149 @@ def fixed_data(dataset: str) -> bool:
     return dataset in ("demo", "calculator", "guess") or (dataset.startswith("dataset:") and "@" in dataset)
 
 
-# The run form's defaults, in one place.
-DEFAULTS = {
-    "bucket": None,
-    "prefix": "rlhf-flow",
-    "dataset": "demo",
-    "input_key": "prompt",
-    "output_key": "",
-    "chosen_key": "chosen",
-    "rejected_key": "rejected",
-    "label_key": "",
-    "messages_key": "",
-    "eval_fraction": 0.1,
-    "max_bad_fraction": 0.05,
-    "base_model": "demo",
-    "apply_chat_template": False,
-    "lora_rank": 0,
-    "seed": 0,
-    "method": "rl",
-    "sft_steps": 500,
-    "sft_learning_rate": 1e-3,
-    "rm_steps": 100,
-    "rm_learning_rate": 3e-4,
-    "rl_steps": 30,
-    "actor_learning_rate": 3e-5,
-    "critic_learning_rate": 1e-4,
-    "init_kl_coef": 0.05,
-    "gae_lambda": 0.8,
-    "ptx_coef": 0.5,
-    "advantage_estimator": "gae",
-    "n_samples_per_prompt": 1,
-    "generate_max_len": 16,
-    "environment": "",
-    "max_turns": 4,
-    "max_episode_tokens": 64,
-    "colocate_all_models": True,
-    "preference_steps": 100,
-    "preference_learning_rate": 2e-5,
-    "dpo_beta": 0.5,
-    "kto_beta": 0.1,
-    "zero_stage": 2,
-    "eval_max_samples": 500,
-    "eval_metrics": "",
-    "eval_metric_func": "",
-    "eval_samples_per_prompt": 1,
-    "eval_slice_key": "",
-    "eval_lm_eval_tasks": "",
-    "eval_lm_eval_include_path": "",
-    "eval_lm_eval_limit": 0,
-    "eval_judge_url": "",
-    "eval_judge_model": "judge",
-    "checkpoints_per_stage": 5,
-    "use_cache": True,
-    "stage_deadline_minutes": 240,
-    "model_name": "demo-policy",
-    "allow_promotion": False,
-    "promotion_gate": DEFAULT_GATE,
-    "fault_injection": {},
+#: The form's fields that are stage flags: Param -> (stage, the stage config's field, title). The field
+#: (tasks/<stage>/config.py) is the one source of the Param's type, limits, description and (unless
+#: PIPELINE_DEFAULTS says otherwise) default, so the form refuses what the stage would.
+STAGE_PARAMS = {
+    "input_key": ("tasks.data", "input_key", "Prompt column"),
+    "output_key": ("tasks.data", "output_key", "SFT response column"),
+    "chosen_key": ("tasks.data", "chosen_key", "Chosen column"),
+    "rejected_key": ("tasks.data", "rejected_key", "Rejected column"),
+    "label_key": ("tasks.data", "label_key", "Label column"),
+    "messages_key": ("tasks.data", "messages_key", "Messages column"),
+    "eval_fraction": ("tasks.data", "eval_fraction", "Held-out fraction"),
+    "max_bad_fraction": ("tasks.data", "max_bad_fraction", "Max bad rows"),
+    # every training stage's (training_args below); seed and apply_chat_template eval's too
+    "apply_chat_template": ("tasks.sft", "apply_chat_template", "Apply chat template"),
+    "lora_rank": ("tasks.sft", "lora_rank", "LoRA rank"),
+    "seed": ("tasks.sft", "seed", "Seed"),
+    "zero_stage": ("tasks.sft", "zero_stage", "DeepSpeed ZeRO stage"),
+    "sft_steps": ("tasks.sft", "max_steps", "SFT steps"),
+    "sft_learning_rate": ("tasks.sft", "learning_rate", "SFT learning rate"),
+    "rm_steps": ("tasks.reward_model", "max_steps", "Reward model steps"),
+    "rm_learning_rate": ("tasks.reward_model", "learning_rate", "Reward model learning rate"),
+    "rl_steps": ("tasks.rl", "max_steps", "RL steps"),
+    "actor_learning_rate": ("tasks.rl", "actor_learning_rate", "Actor learning rate"),
+    "critic_learning_rate": ("tasks.rl", "critic_learning_rate", "Critic learning rate"),
+    "init_kl_coef": ("tasks.rl", "init_kl_coef", "Initial KL coefficient"),
+    "gae_lambda": ("tasks.rl", "lambd", "GAE lambda"),
+    "ptx_coef": ("tasks.rl", "ptx_coef", "PPO-ptx coefficient"),
+    "advantage_estimator": ("tasks.rl", "advantage_estimator", "Advantage estimator"),
+    "n_samples_per_prompt": ("tasks.rl", "n_samples_per_prompt", "Samples per prompt"),
+    "generate_max_len": ("tasks.rl", "generate_max_len", "New tokens per response"),  # eval's too
+    "environment": ("tasks.rl", "env_path", "Environment"),
+    "max_turns": ("tasks.rl", "max_turns", "Turns per episode"),
+    "max_episode_tokens": ("tasks.rl", "max_episode_tokens", "Tokens per episode"),
+    "colocate_all_models": ("tasks.rl", "colocate_all_models", "Colocate all RL models"),
+    "preference_steps": ("tasks.preference", "max_steps", "DPO/KTO steps"),
+    "preference_learning_rate": ("tasks.preference", "learning_rate", "DPO/KTO learning rate"),
+    "dpo_beta": ("tasks.preference", "beta", "DPO beta"),
+    "kto_beta": ("tasks.preference", "beta", "KTO beta"),
+    "eval_max_samples": ("tasks.eval", "max_samples", "Eval samples"),
+    "eval_metrics": ("tasks.eval", "metrics", "Eval metrics"),
+    "eval_metric_func": ("tasks.eval", "metric_func", "Eval metric file"),
+    "eval_samples_per_prompt": ("tasks.eval", "n_samples_per_prompt", "Eval samples per prompt"),
+    "eval_slice_key": ("tasks.eval", "slice_key", "Eval slice column"),
+    "eval_judge_url": ("tasks.eval", "judge_url", "Eval LLM judge URL"),
+    "eval_judge_model": ("tasks.eval", "judge_model", "Eval LLM judge model"),
+    "eval_lm_eval_tasks": ("tasks.eval", "lm_eval_tasks", "Eval lm-eval tasks"),
+    "eval_lm_eval_include_path": ("tasks.eval", "lm_eval_include_path", "Eval lm-eval task folder"),
+    "eval_lm_eval_limit": ("tasks.eval", "lm_eval_limit", "Eval lm-eval documents"),
 }
 
+#: Where the run starts from another default than the stage's own, and why. The stages keep the peers'
+#: defaults (OpenRLHF's λ 0.95, no PPO-ptx) for a team's own data; the form's are the demo's measured recipe.
+PIPELINE_DEFAULTS = {
+    "rm_steps": (100, "the demo's reward model: its run's claim (tests/test_e2e.py) holds with 100 steps on 2 cores"),
+    "rl_steps": (30, "the demo's RL recipe as measured on seeds 0, 1 and 2 (README, design notes)"),
+    "gae_lambda": (0.8, "the demo's style comes after the digits: with 0.95 the digit tokens carried much of its advantage noise"),
+    "ptx_coef": (0.5, "PPO-ptx on the run's SFT split: without it the demo's accuracy held on one seed of three"),
+    "colocate_all_models": (True, "one GPU per stage, as the pool slots count them (STAGE_GPUS); the local Ray head has 2 CPUs"),
+    "preference_learning_rate": (2e-5, "the DPO and KTO learning checks' rate (tests/test_learning.py)"),
+    "dpo_beta": (0.5, "the DPO learning check's β, with the NLL term below"),
+}
+
+#: The pipeline's own narrowing of a stage field's schema, and why.
+NARROWED = {
+    # The Ray nodes reach the built-in environments, S3, absolute paths and the shipped tasks/ folder only.
+    "environment": {"pattern": r"^$|^(calculator|guess|s3://\S+\.py|/\S+\.py|tasks/\S+\.py)$"},
+}
+
+
+def stage_param(name: str) -> Param:
+    """The Param `name` of the run form, made from its stage config's field (STAGE_PARAMS)."""
+    from tasks.common.config import param_schema
+    from tasks.validate import config_class
+
+    module, field_name, title = STAGE_PARAMS[name]
+    schema = {**param_schema(config_class(module), field_name), **NARROWED.get(name, {})}
+    default = PIPELINE_DEFAULTS[name][0] if name in PIPELINE_DEFAULTS else schema["default"]
+    schema.pop("default")
+    return Param(default, title=title, **schema)
+
+
+# The form's fields that are the pipeline's own (where the run goes, which data and model, which branch, the
+# cache, deadline, checkpoints, registry and gate). The stage-backed ones come from their configs above.
 PARAMS = {
     # null allowed: the UI's form sends an emptied field as null (Airflow's docs: optional = "null" in type).
     "bucket": Param(
-        DEFAULTS["bucket"], type=["null", "string"], title="Bucket",
+        None, type=["null", "string"], title="Bucket",
         description="S3 bucket that receives every artifact of the run. Empty: the bucket named in the rlhf_s3 "
                     "connection's extra (`bucket`), else rlhf-flow.",
         pattern=r"^$|^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$",
     ),
     "prefix": Param(
-        DEFAULTS["prefix"], type="string", title="Key prefix",
+        "rlhf-flow", type="string", title="Key prefix",
         description="Key prefix inside the bucket; runs go under <prefix>/runs/<dag_id>/<run_id>/.",
         pattern=r"^[A-Za-z0-9._\-/]*$", maxLength=200,
     ),
     "dataset": Param(
-        DEFAULTS["dataset"], type="string", title="Dataset", minLength=1,
+        "demo", type="string", title="Dataset", minLength=1,
         description="'demo' for the built-in synthetic preference dataset; a JSONL, Parquet or CSV file URI (s3://..., local "
                     "path), validated, split and registered as a version under <prefix>/datasets/<file name>/; or "
                     "dataset:<name> (its newest registered version) or dataset:<name>@<version>.",
     ),
-    # The column mapping of a user's dataset (ignored for 'demo'): a column name, or empty for none. null
-    # allowed: the UI's form sends an emptied field as null (as for bucket above).
-    **{name: Param(
-        DEFAULTS[name], type=["null", "string"], title=title, maxLength=200, description=description,
-    ) for name, title, description in (
-        ("input_key", "Prompt column", "Column holding the prompt (not read when a messages column is set)."),
-        ("output_key", "SFT response column", "Column holding the SFT response. Empty: the final assistant turn of the "
-                                              "messages column, else the chosen column."),
-        ("chosen_key", "Chosen column", "Column holding the preferred response of a pair. Empty, with the rejected "
-                                        "column: SFT-only data (no reward model, DPO or KTO data)."),
-        ("rejected_key", "Rejected column", "Column holding the other response of a pair (empty: no pairs)."),
-        ("label_key", "Label column", "Column holding a reference answer for exact-match evaluation (empty: none)."),
-        ("messages_key", "Messages column", "Column holding chat messages [{role, content}]: the turns before the final "
-                                            "assistant turn are the prompt, that turn the SFT response (empty: none)."),
-    )},
-    "eval_fraction": Param(
-        DEFAULTS["eval_fraction"], type="number", title="Held-out fraction", exclusiveMinimum=0, exclusiveMaximum=1,
-        description="Fraction of a user dataset's prompts held out for evaluation, chosen by a hash of the prompt and "
-                    "the seed (a prompt is never on both sides).",
-    ),
-    "max_bad_fraction": Param(
-        DEFAULTS["max_bad_fraction"], type="number", title="Max bad rows", minimum=0, maximum=1,
-        description="prepare_data fails when more than this fraction of a user dataset's rows fails validation "
-                    "(missing or empty fields, too long, duplicates, train/held-out overlap); fewer are left out and reported.",
-    ),
     "base_model": Param(
-        DEFAULTS["base_model"], type="string", title="Base model", minLength=1,
+        "demo", type="string", title="Base model", minLength=1,
         description="'demo' for a tiny model built offline, or a model URI / hub id.",
     ),
-    "apply_chat_template": Param(
-        DEFAULTS["apply_chat_template"], type="boolean", title="Apply chat template",
-        description="Render prompts with the base model's chat template (a chat-messages prompt always needs it) in "
-                    "every training stage and the evaluation.",
-    ),
-    "lora_rank": Param(
-        DEFAULTS["lora_rank"], type="integer", title="LoRA rank", minimum=0, maximum=1024,
-        description="Train LoRA adapters of this rank instead of every weight, in every training stage (0: full fine-tuning).",
-    ),
-    "seed": Param(
-        DEFAULTS["seed"], type="integer", title="Seed", minimum=0, maximum=2**31 - 1,
-        description="Random seed of every stage.",
-    ),
     "method": Param(
-        DEFAULTS["method"], type="string", title="Method", enum=["rl", "dpo", "kto"],
+        "rl", type="string", title="Method", enum=["rl", "dpo", "kto"],
         description="After SFT: rl (reward model, then RL with the advantage estimator below), or dpo / kto "
                     "(direct preference optimisation on the preference data, no reward model).",
     ),
-    "sft_steps": Param(
-        DEFAULTS["sft_steps"], type="integer", title="SFT steps", minimum=1, maximum=1_000_000,
-        description="Optimizer steps of supervised fine-tuning.",
-    ),
-    "sft_learning_rate": Param(
-        DEFAULTS["sft_learning_rate"], type="number", title="SFT learning rate", exclusiveMinimum=0, maximum=1,
-        description="Peak learning rate of supervised fine-tuning.",
-    ),
-    "rm_steps": Param(
-        DEFAULTS["rm_steps"], type="integer", title="Reward model steps", minimum=1, maximum=1_000_000,
-        description="Optimizer steps of reward model training.",
-    ),
-    "rm_learning_rate": Param(
-        DEFAULTS["rm_learning_rate"], type="number", title="Reward model learning rate", exclusiveMinimum=0, maximum=1,
-        description="Peak learning rate of reward model training.",
-    ),
-    "rl_steps": Param(
-        DEFAULTS["rl_steps"], type="integer", title="RL steps", minimum=1, maximum=1_000_000,
-        description="PPO iterations (rollout + update) of the RL stage.",
-    ),
-    "actor_learning_rate": Param(
-        DEFAULTS["actor_learning_rate"], type="number", title="Actor learning rate", exclusiveMinimum=0, maximum=1,
-        description="Learning rate of the policy (actor) in RL.",
-    ),
-    "critic_learning_rate": Param(
-        DEFAULTS["critic_learning_rate"], type="number", title="Critic learning rate", exclusiveMinimum=0, maximum=1,
-        description="Learning rate of the value model (critic) in RL.",
-    ),
-    "init_kl_coef": Param(
-        DEFAULTS["init_kl_coef"], type="number", title="Initial KL coefficient", minimum=0, maximum=10,
-        description="Weight of the KL penalty against the SFT reference policy at the start of RL.",
-    ),
-    "gae_lambda": Param(
-        DEFAULTS["gae_lambda"], type="number", title="GAE lambda", minimum=0, maximum=1,
-        description="λ of generalised advantage estimation in RL (lower: credit stays nearer the token that earned it).",
-    ),
-    "ptx_coef": Param(
-        DEFAULTS["ptx_coef"], type="number", title="PPO-ptx coefficient", minimum=0, maximum=100,
-        description="Weight of the SFT data's likelihood in the RL policy's loss (InstructGPT's PPO-ptx), which keeps what "
-                    "SFT taught while RL moves the style; 0 turns it off.",
-    ),
-    "advantage_estimator": Param(
-        DEFAULTS["advantage_estimator"], type="string", title="Advantage estimator",
-        enum=["gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo"],
-        description="gae: PPO with a critic; reinforce (REINFORCE++), reinforce_baseline, rloo, group_norm (GRPO), "
-                    "dr_grpo: critic-free. The group estimators need 2 or more samples per prompt.",
-    ),
-    "n_samples_per_prompt": Param(
-        DEFAULTS["n_samples_per_prompt"], type="integer", title="Samples per prompt", minimum=1, maximum=64,
-        description="Responses sampled per prompt in RL (a group, for the group estimators).",
-    ),
-    "generate_max_len": Param(
-        DEFAULTS["generate_max_len"], type="integer", title="New tokens per response", minimum=1, maximum=65_536,
-        description="Tokens a response may have in RL and eval; with an environment, tokens per model turn.",
-    ),
-    "environment": Param(
-        DEFAULTS["environment"], type=["null", "string"], title="Environment",
-        description="Agentic RL: empty for single responses scored by the reward model; 'calculator' or 'guess' (the built-in "
-                    "environments, with the datasets of those names), or a .py file URI (s3://...) defining class Environment "
-                    "with reset(row) and step(action). With one, RL trains on multi-turn episodes with the environment's "
-                    "rewards (no reward model is trained) and eval plays the same environment.",
-        pattern=r"^$|^(calculator|guess|s3://\S+\.py|/\S+\.py|tasks/\S+\.py)$",
-    ),
-    "max_turns": Param(
-        DEFAULTS["max_turns"], type="integer", title="Turns per episode", minimum=1, maximum=1000,
-        description="Model turns an episode may take (with an environment).",
-    ),
-    "max_episode_tokens": Param(
-        DEFAULTS["max_episode_tokens"], type="integer", title="Tokens per episode", minimum=1, maximum=1_000_000,
-        description="Model and observation tokens an episode may hold after its prompt (with an environment).",
-    ),
-    "colocate_all_models": Param(
-        DEFAULTS["colocate_all_models"], type="boolean", title="Colocate all RL models",
-        description="Actor, reference, critic and reward models share the actor's GPUs (one placement group). "
-                    "Off: each model group gets GPUs of its own (4 on the default sizes).",
-    ),
-    "preference_steps": Param(
-        DEFAULTS["preference_steps"], type="integer", title="DPO/KTO steps", minimum=1, maximum=1_000_000,
-        description="Optimizer steps of the dpo or kto stage.",
-    ),
-    "preference_learning_rate": Param(
-        DEFAULTS["preference_learning_rate"], type="number", title="DPO/KTO learning rate", exclusiveMinimum=0, maximum=1,
-        description="Learning rate of the dpo or kto stage.",
-    ),
-    "dpo_beta": Param(
-        DEFAULTS["dpo_beta"], type="number", title="DPO beta", exclusiveMinimum=0, maximum=100,
-        description="Strength of DPO's implicit KL constraint to the SFT reference.",
-    ),
-    "kto_beta": Param(
-        DEFAULTS["kto_beta"], type="number", title="KTO beta", exclusiveMinimum=0, maximum=100,
-        description="Strength of KTO's implicit KL constraint to the SFT reference.",
-    ),
-    "zero_stage": Param(
-        DEFAULTS["zero_stage"], type="integer", title="DeepSpeed ZeRO stage", enum=[0, 2, 3],
-        description="DeepSpeed ZeRO stage of every training stage (0: off, 2: shard optimizer + gradients, 3: also parameters).",
-    ),
-    "eval_max_samples": Param(
-        DEFAULTS["eval_max_samples"], type="integer", title="Eval samples", minimum=1, maximum=1_000_000,
-        description="Prompts scored by the evaluation (baseline SFT vs RL policy).",
-    ),
-    "eval_metrics": Param(
-        DEFAULTS["eval_metrics"], type=["null", "string"], title="Eval metrics", maxLength=500,
-        description="Built-in metrics, comma-separated: exact_match, math_verify, regex:<pattern> (last), json_valid, "
-                    "length. Empty: exact_match when the data has labels and no metric file is given.",
-    ),
-    "eval_metric_func": Param(
-        DEFAULTS["eval_metric_func"], type=["null", "string"], title="Eval metric file", maxLength=1000,
-        description="A .py file (s3:// URI, or a path in the project) defining metrics(prompts, responses, labels, rows) "
-                    "-> {name: [score per response]}. Empty: the demo's own metrics for the demo dataset, none otherwise.",
-    ),
-    "eval_samples_per_prompt": Param(
-        DEFAULTS["eval_samples_per_prompt"], type="integer", title="Eval samples per prompt", minimum=1, maximum=256,
-        description="Sampled responses per prompt for the sampled_* metrics; above 1, pass@1 and pass@n of every 0/1 metric.",
-    ),
-    "eval_judge_url": Param(
-        DEFAULTS["eval_judge_url"], type=["null", "string"], title="Eval LLM judge URL", maxLength=500,
-        pattern=r"^$|^https?://\S+$",
-        description="An OpenAI-compatible API (http://host:port/v1, e.g. vLLM's server) whose chat model judges the policy "
-                    "against the SFT model and the champion, both orders asked. Its key, if any: RLHF_JUDGE_API_KEY in the "
-                    "Ray nodes' environment. Empty: the reward model judges alone.",
-    ),
-    "eval_judge_model": Param(
-        DEFAULTS["eval_judge_model"], type="string", title="Eval LLM judge model", minLength=1, maxLength=200,
-        description="The model name the judge endpoint serves.",
-    ),
-    "eval_slice_key": Param(
-        DEFAULTS["eval_slice_key"], type=["null", "string"], title="Eval slice column", maxLength=200,
-        description="A dataset column: every metric is also reported per value of it, with intervals. Empty: none.",
-    ),
-    "eval_lm_eval_tasks": Param(
-        DEFAULTS["eval_lm_eval_tasks"], type=["null", "string"], title="Eval lm-eval tasks", maxLength=1000,
-        description="lm-eval tasks, comma-separated (arc_easy,gsm8k: their data from the Hugging Face hub, so Ray nodes that "
-                    "reach it; or the team's own from the task folder below), run on the SFT model, the policy and the "
-                    "champion; each per-document metric is reported as lm_eval/<task>/<metric> and can be gated on. Empty: none.",
-    ),
-    "eval_lm_eval_include_path": Param(
-        DEFAULTS["eval_lm_eval_include_path"], type=["null", "string"], title="Eval lm-eval task folder", maxLength=1000,
-        description="A folder of lm-eval task YAMLs (s3:// prefix, or a path on the Ray nodes): the team's own tasks. Empty: "
-                    "lm-eval's tasks only.",
-    ),
-    "eval_lm_eval_limit": Param(
-        DEFAULTS["eval_lm_eval_limit"], type="integer", title="Eval lm-eval documents", minimum=0, maximum=1_000_000,
-        description="The first this many documents of each lm-eval task (0: all of them).",
-    ),
+    **{name: stage_param(name) for name in STAGE_PARAMS},
     "checkpoints_per_stage": Param(
-        DEFAULTS["checkpoints_per_stage"], type="integer", title="Checkpoints per stage", minimum=0, maximum=1000,
+        5, type="integer", title="Checkpoints per stage", minimum=0, maximum=1000,
         description="Resumable checkpoints each training stage writes, evenly spaced (0: none). A rerun of a failed "
                     "stage resumes from its newest one.",
     ),
     "use_cache": Param(
-        DEFAULTS["use_cache"], type="boolean", title="Reuse cached stages",
+        True, type="boolean", title="Reuse cached stages",
         description="Skip a stage whose flags, input manifests and code match a completed stage under this prefix, "
                     "and use that stage's output (off: every stage runs).",
     ),
     "stage_deadline_minutes": Param(
-        DEFAULTS["stage_deadline_minutes"], type="number", title="Stage deadline (minutes)", minimum=0, maximum=100_000,
+        240, type="number", title="Stage deadline (minutes)", minimum=0, maximum=100_000,
         description="A stage's Ray job still running after this long is stopped and the task fails (0: no deadline).",
     ),
     "model_name": Param(
-        DEFAULTS["model_name"], type="string", title="Model name", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$",
+        "demo-policy", type="string", title="Model name", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$",
         description="Registry name: the champion lives at <prefix>/models/<name>/champion.json.",
     ),
-    "allow_promotion": promotion_param(DEFAULTS["allow_promotion"]),
+    "allow_promotion": promotion_param(False),
     "promotion_gate": Param(
-        DEFAULTS["promotion_gate"], type="object", title="Promotion gate",
+        DEFAULT_GATE, type="object", title="Promotion gate",
         description="Per metric: min / max (absolute), min_gain / max_drop (against the champion, or the SFT model "
                     "before the first champion), min_gain_lower (the 95% interval of the gain starts at or above it). "
                     "Must include a metric the reward model does not produce (not only reward_mean). Empty ({}): no "
                     "declared 0/1 metric drops more than 2 points, KL to the SFT model stays under 2, and one of them "
                     "gains beyond noise. A report whose reward-hacking alarm went off never passes.",
         additionalProperties={"type": "object", "minProperties": 1, "additionalProperties": False,
-                              "properties": {k: {"type": "number"} for k in ("min", "max", "min_gain", "max_drop", "min_gain_lower")}},
+                              "properties": {k: {"type": "number"} for k in RULE_KINDS}},
     ),
     "fault_injection": Param(
-        DEFAULTS["fault_injection"], type="object", title="Fault injection (testing)",
+        {}, type="object", title="Fault injection (testing)",
         description='Testing only: {"stage": "rl", "after_step": 12} fails that stage once, right after its checkpoint '
                     "of that step (a multiple of its checkpoint interval); its rerun resumes from there.",
         properties={"stage": {"type": "string", "enum": list(TRAINING_STAGES)}, "after_step": {"type": "integer", "minimum": 1}},
@@ -379,6 +223,8 @@ PARAMS = {
     ),
 }
 
+#: The run form's defaults by Param name.
+DEFAULTS = {name: param.value for name, param in PARAMS.items()}
 
 
 def branch_for(params) -> list[str]:

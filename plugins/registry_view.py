@@ -8,7 +8,7 @@ candidate with its metrics and cost (GPU-hours and wall time summed over the man
 lineage and its evaluation: the stages' ``gpu_hours`` / ``wall_time_s`` metrics where they recorded them).
 Nothing here writes: promote and roll back with the rlhf_registry DAG or ``python -m tasks.registry``.
 S3 through the connection ``rlhf_s3``; callers need read access to the rlhf_registry DAG's runs (Airflow's own auth).
-The Airflow side never imports tasks, so the lineage walk is repeated here (tasks.common.cost.lineage).
+The lineage walk is tasks.common.cost's (standard library only), reading manifests through that connection.
 """
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ import re
 
 from fastapi import FastAPI, Query
 from fastapi.responses import HTMLResponse
+
+from tasks.common import cost
 
 from plugins.reports import (bad, can_read_runs_of, check_location, check_prefix, check_served, list_pages, read_object,
                              served_buckets)
@@ -60,37 +62,17 @@ def _list(uri: str) -> list[str]:
     return sorted(f"s3://{bucket}/{k}" for k in list_pages(bucket, key.rstrip("/") + "/") if k.endswith(".json"))
 
 
-def _folder(value) -> str | None:
-    return value.rstrip("/").removesuffix("/manifest.json") if isinstance(value, str) and value.startswith("s3://") else None
-
-
-def lineage_cost(*uris: str) -> dict:
-    """GPU-hours and wall time over the stage manifests reachable from uris through ``inputs`` (not the
-    eval stage's ``champion``: another model's training)."""
-    total, seen, todo = {"wall_time_s": 0.0, "gpu_hours": 0.0, "stages": 0, "unknown": 0}, set(), [_folder(u) for u in uris]
-    while todo:
-        folder = todo.pop()
-        if not folder or folder in seen:
-            continue
-        seen.add(folder)
-        manifest = _json(f"{folder}/manifest.json")
-        if not manifest:
-            continue
-        metrics = manifest.get("metrics") or {}
-        total["stages"] += 1
-        total["wall_time_s"] += float(metrics.get("wall_time_s") or 0)
-        total["gpu_hours"] += float(metrics.get("gpu_hours") or 0)
-        total["unknown"] += "gpu_hours" not in metrics
-        todo += [_folder(v.strip()) for name, value in (manifest.get("inputs") or {}).items()
-                 if name != "champion" and isinstance(value, str) for v in value.split(",")]
-    return {**total, "wall_time_s": round(total["wall_time_s"], 1), "gpu_hours": round(total["gpu_hours"], 4)}
+def _manifest(folder: str) -> dict | None:
+    """A stage folder's manifest through the rlhf_s3 connection (None off S3 or where there is none)."""
+    return _json(f"{folder}/manifest.json") if folder.startswith("s3://") else None
 
 
 def listing(root: str) -> dict:
     candidates = [c for c in (_json(u) for u in _list(f"{root}/candidates")) if c]
     candidates = sorted(candidates, key=lambda c: c.get("judged_at", ""))[-MAX_CANDIDATES:]
     for c in candidates:
-        c["cost"] = lineage_cost(c.get("policy") or "", c.get("evaluation") or "")
+        # The evaluation's inputs name the policy: its lineage holds the policy's (tasks.common.registry does the same).
+        c["cost"] = cost.lineage_cost(c.get("evaluation") or c.get("policy") or "", read=_manifest)
     return {"registry": root, "champion": _json(f"{root}/champion.json"),
             "history": [h for h in (_json(u) for u in _list(f"{root}/history")) if h], "candidates": candidates}
 

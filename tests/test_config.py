@@ -21,7 +21,7 @@ def test_bare_bool_flag_means_true():
 @pytest.mark.parametrize("values, message", [
     ({"output": "o", "dataset": "d"}, "pretrain: missing; pass --pretrain <URI>"),
     ({"output": "o", "pretrain": "p", "dataset": "d", "max_steps": "ten"}, "max_steps: 'ten' is not a valid int"),
-    ({"output": "o", "pretrain": "p", "dataset": "d", "zero_stage": 5}, "zero_stage: 5 is not a ZeRO stage; use 0, 2 or 3"),
+    ({"output": "o", "pretrain": "p", "dataset": "d", "zero_stage": 5}, "zero_stage: 5 is not a choice; use 0, 1, 2 or 3"),
     ({"output": "o", "pretrain": "p", "dataset": "d", "bf16": "maybe"}, "bf16: 'maybe' is not a boolean; use true or false"),
     ({"pretrain": "p", "dataset": "d"}, "output: missing; pass --output s3://bucket/prefix/… or a local folder"),
 ])
@@ -33,7 +33,7 @@ def test_bad_values_give_one_line_naming_the_field(values, message):
 
 def test_rl_refuses_what_it_cannot_do():
     base = {"output": "o", "pretrain": "p", "reward_pretrain": "r", "prompt_data": "d"}
-    with pytest.raises(ConfigError, match="advantage_estimator: 'vtrace' is not available"):
+    with pytest.raises(ConfigError, match="advantage_estimator: 'vtrace' is not a choice; use gae, reinforce,"):
         make_config(RLConfig, {**base, "advantage_estimator": "vtrace"})
     with pytest.raises(ConfigError, match="train_batch_size: 48 must divide rollout_batch_size × n_samples_per_prompt = 128"):
         make_config(RLConfig, {**base, "train_batch_size": 48})
@@ -65,3 +65,31 @@ def test_rl_ptx_needs_data_and_a_weight():
     with pytest.raises(ConfigError, match=r"^ptx_coef: PPO-ptx needs both"):
         make_config(RLConfig, {**base, "pretrain_data": "d"})
     assert make_config(RLConfig, {**base, "pretrain_data": "d", "ptx_coef": 0.5}).ptx_coef == 0.5
+
+
+def test_a_fields_declared_limits_are_enforced_and_are_its_json_schema():
+    """A field's metadata (min, max, exclusive_min/max, choices, max_length, pattern) is checked before the stage's
+    own checks, in one line, and is the JSON schema the run form's Param is made from (plugins/pipeline.py)."""
+    from tasks.common.config import param_schema
+    from tasks.eval.config import EvalConfig
+    from tasks.data.config import PrepareDataConfig
+
+    base = {"output": "o", "pretrain": "p", "reward_pretrain": "r", "prompt_data": "d"}
+    for values, message in (
+        ({"lambd": 1.5}, "lambd: must be at most 1, got 1.5"),
+        ({"actor_learning_rate": 0.0}, "actor_learning_rate: must be positive, got 0.0"),
+        ({"max_steps": 0}, "max_steps: must be at least 1, got 0"),
+        ({"lora_rank": -1}, "lora_rank: must not be negative, got -1; use 0 (full fine-tuning) or a rank such as 8"),
+        ({"kl_estimator": "k4"}, "kl_estimator: 'k4' is not a choice; use k1, k2 or k3"),
+    ):
+        with pytest.raises(ConfigError) as error:
+            make_config(RLConfig, {**base, **values})
+        assert str(error.value) == message
+    with pytest.raises(ConfigError, match=r"^judge_url: 'ftp://x' is not of the form "):
+        make_config(EvalConfig, {"output": "o", "baseline": "b", "policy": "p", "dataset": "d", "judge_url": "ftp://x"})
+    assert param_schema(RLConfig, "lambd") == {"default": 0.95, "type": "number", "description": "GAE λ", "minimum": 0, "maximum": 1}
+    assert param_schema(RLConfig, "kl_estimator")["enum"] == ["k1", "k2", "k3"]
+    assert param_schema(PrepareDataConfig, "eval_fraction") | {"description": ""} == {
+        "default": 0.1, "type": "number", "description": "", "exclusiveMinimum": 0, "exclusiveMaximum": 1}
+    assert param_schema(PrepareDataConfig, "label_key")["type"] == ["null", "string"]  # may be empty: the form sends null
+    assert param_schema(EvalConfig, "judge_model")["type"] == "string"  # its pattern needs a character

@@ -243,7 +243,7 @@ def test_mapping_and_source_mistakes_are_one_line_config_errors(tmp_path, base_m
         make_config(PrepareDataConfig, {**base, "source": source, "datasets_root": ""})
     with pytest.raises(ConfigError, match="^rejected_key: empty while the other side of the pair is set"):
         make_config(PrepareDataConfig, {**base, "source": source, "rejected_key": ""})
-    with pytest.raises(ConfigError, match="^eval_fraction: 1.0 is not a fraction"):
+    with pytest.raises(ConfigError, match="^eval_fraction: must be below 1, got 1.0; use a fraction such as 0.1"):
         make_config(PrepareDataConfig, {**base, "source": source, "eval_fraction": 1})
 
 

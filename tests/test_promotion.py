@@ -41,13 +41,6 @@ def test_gate_refuses_rules_a_reward_hacked_policy_could_pass():
     check_rules(RULES)
 
 
-def test_the_dags_default_gate_is_the_stages():
-    from plugins.pipeline import DEFAULT_GATE as DAG_GATE
-    from tasks.promote.config import DEFAULT_GATE
-
-    assert DAG_GATE == DEFAULT_GATE  # two copies: the Airflow side does not import tasks
-
-
 @pytest.mark.parametrize("where", ["s3", "local"])
 def test_registry_promotion_is_a_compare_and_swap(where, s3_server, tmp_path):
     root = s3_server.uri(f"registry-{tmp_path.name}/models/m") if where == "s3" else str(tmp_path / "models" / "m")

@@ -133,7 +133,7 @@ def test_cli_refuses_bad_config_in_one_line(tmp_path):
         ", ".join(f for f in SFTConfig.__dataclass_fields__)
     done = run_cli("tasks.rl", "--output", str(tmp_path), "--pretrain", "x", "--reward_pretrain", "y", "--prompt_data", "z",
                    "--kl_estimator", "k9")
-    assert done.returncode == 2 and done.stderr.strip() == "error: kl_estimator: 'k9' is unknown; use k1, k2 or k3"
+    assert done.returncode == 2 and done.stderr.strip() == "error: kl_estimator: 'k9' is not a choice; use k1, k2 or k3"
 
 
 def test_missing_upstream_checkpoint_is_refused_naming_the_uri(s3_server, ray_address, tmp_path):

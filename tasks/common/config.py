@@ -10,11 +10,18 @@ Every dataclass field is a flag of the same name (`--learning_rate 5e-4`; a bool
 bare form `--bf16`), and a key of the YAML file. Unknown keys, wrong types and values that
 `validate()` refuses raise ConfigError with one line naming the field and the fix, before any
 work starts. This module imports neither torch nor airflow: the DAG side may use it.
+
+A field's metadata is the one place its limits are written: `min`, `max`, `exclusive_min` and
+`exclusive_max` (bounds the value must be strictly inside), `choices`, `max_length`, `pattern` (a regex the value must contain a match of, as
+JSON schema's), and `fix` (the advice added to a refusal). `validate()` enforces them before the stage's
+own cross-field checks, and `param_schema` turns them into the JSON schema of the run form's Param
+(plugins/pipeline.py), so the form refuses what the stage would.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -37,18 +44,20 @@ class StageConfig:
 
     output: str = field(default="", metadata={"help": "URI (s3://… or a local folder) the stage writes its output and manifest.json to"})
     run_id: str = field(default="local", metadata={"help": "pipeline run this output belongs to (recorded in the manifest)"})
-    seed: int = field(default=0, metadata={"help": "random seed for data order, initialisation and sampling"})
-    zero_stage: int = field(default=2, metadata={"help": "DeepSpeed ZeRO stage: 0, 2 or 3"})
+    seed: int = field(default=0, metadata={"help": "random seed for data order, initialisation and sampling", "min": 0, "max": 2**31 - 1})
+    zero_stage: int = field(default=2, metadata={"help": "DeepSpeed ZeRO stage: 0 (off), 1 (optimizer state sharded), 2 (also gradients) or 3 (also parameters)",
+                                                 "choices": (0, 1, 2, 3)})
     bf16: bool = field(default=False, metadata={"help": "train in bfloat16 (GPU); fp32 otherwise"})
     use_wandb: bool = field(default=False, metadata={"help": "log metrics to wandb as well (WANDB_MODE=offline works)"})
     wandb_project: str = field(default="rlhf-flow", metadata={"help": "wandb project name"})
 
     def validate(self) -> None:
-        """Refuse values no stage can use. Subclasses extend this and call super()."""
+        """Refuse values no stage can use: first every field's declared limits (its metadata), then the
+        checks that span fields. Subclasses extend this and call super()."""
+        for f in dataclasses.fields(self):
+            check_declared(f, getattr(self, f.name))
         if not self.output:
             raise ConfigError("output: missing; pass --output s3://bucket/prefix/… or a local folder")
-        if self.zero_stage not in (0, 1, 2, 3):
-            raise ConfigError(f"zero_stage: {self.zero_stage} is not a ZeRO stage; use 0, 2 or 3")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -58,22 +67,22 @@ class StageConfig:
 class TrainingConfig(StageConfig):
     """Fields every training stage shares (SFT, reward model, RL), named as in OpenRLHF."""
 
-    micro_train_batch_size: int = field(default=0, metadata={"help": "sequences per forward/backward on one worker; the rest of train_batch_size is gradient accumulation (0: the worker's whole share at once)"})
+    micro_train_batch_size: int = field(default=0, metadata={"help": "sequences per forward/backward on one worker; the rest of train_batch_size is gradient accumulation (0: the worker's whole share at once)", "min": 0})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations in backward: less memory, more compute"})
     adam_offload: bool = field(default=False, metadata={"help": "keep Adam's state on the CPU (DeepSpeedCPUAdam; JIT-builds its op once)"})
     flash_attn: bool = field(default=False, metadata={"help": "FlashAttention-2 kernels; PyTorch's SDPA kernels (logged) when the flash-attn package or a GPU is missing"})
     torch_compile: bool = field(default=False, metadata={"help": "compile each transformer block with torch.compile: its norms, rotary and MLP elementwise ops fuse (GPU speed; the first steps pay the compile; not with ZeRO-3)"})
     use_liger_kernel: bool = field(default=True, metadata={"help": "Liger's Triton kernels (RMSNorm, SwiGLU, RoPE) and log-probs taken from the last hidden states a chunk of tokens at a time, never the full logits; on CUDA with liger-kernel (the gpu extra), eager kernels on CPU; --torch_compile takes its place"})
-    max_samples: int = field(default=0, metadata={"help": "use only the first this many rows of the training data (0: all)"})
+    max_samples: int = field(default=0, metadata={"help": "use only the first this many rows of the training data (0: all)", "min": 0})
     apply_chat_template: bool = field(default=False, metadata={"help": "wrap each prompt in the tokenizer's chat template as a user turn"})
-    save_steps: int = field(default=0, metadata={"help": "write a resumable checkpoint every this many steps (0: never)"})
+    save_steps: int = field(default=0, metadata={"help": "write a resumable checkpoint every this many steps (0: never)", "min": 0})
     ckpt_path: str = field(default="", metadata={"help": "where checkpoints go (default <output>/checkpoints); each step_<n>/ has its own manifest"})
     load_checkpoint: bool = field(default=True, metadata={"help": "resume from the newest complete checkpoint under ckpt_path when one exists"})
-    max_ckpt_num: int = field(default=3, metadata={"help": "keep this many newest checkpoints (0: all)"})
-    fail_after_step: int = field(default=0, metadata={"help": "testing only: fail right after committing this step's checkpoint, unless the run resumed at or past it (fault injection for rerun tests)"})
+    max_ckpt_num: int = field(default=3, metadata={"help": "keep this many newest checkpoints (0: all)", "min": 0})
+    fail_after_step: int = field(default=0, metadata={"help": "testing only: fail right after committing this step's checkpoint, unless the run resumed at or past it (fault injection for rerun tests)", "min": 0})
     save_path: str = field(default="", metadata={"help": "also write the final HF model here (a folder or s3:// URI); the stage output stays --output"})
     # LoRA (tasks.common.lora): low-rank adapters through peft; the base weights stay frozen.
-    lora_rank: int = field(default=0, metadata={"help": "LoRA rank: train low-rank adapters (peft) instead of every weight; 0 trains the full model"})
+    lora_rank: int = field(default=0, metadata={"help": "LoRA rank: train low-rank adapters (peft) instead of every weight; 0 trains the full model", "min": 0, "max": 1024, "fix": "use 0 (full fine-tuning) or a rank such as 8"})
     lora_alpha: int = field(default=16, metadata={"help": "LoRA scaling: the adapters' update is multiplied by lora_alpha / lora_rank"})
     lora_dropout: float = field(default=0.0, metadata={"help": "dropout on the adapters' input, in [0, 1)"})
     target_modules: str = field(default="all-linear", metadata={"help": "modules LoRA adapts: all-linear (every linear layer but the output head) or comma-separated names such as q_proj,v_proj"})
@@ -81,9 +90,6 @@ class TrainingConfig(StageConfig):
 
     def validate(self) -> None:
         super().validate()
-        for name in ("micro_train_batch_size", "max_samples", "save_steps", "max_ckpt_num", "fail_after_step"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name}: must not be negative, got {getattr(self, name)}")
         if self.fail_after_step and (not self.save_steps or self.fail_after_step % self.save_steps):
             raise ConfigError(f"fail_after_step: {self.fail_after_step} is not a checkpoint step; use a multiple of --save_steps ({self.save_steps})")
         if self.torch_compile and self.zero_stage == 3:
@@ -91,8 +97,6 @@ class TrainingConfig(StageConfig):
         self.validate_lora()
 
     def validate_lora(self) -> None:
-        if self.lora_rank < 0:
-            raise ConfigError(f"lora_rank: must not be negative, got {self.lora_rank}; use 0 (full fine-tuning) or a rank such as 8")
         if not self.lora_rank:
             if self.merge_lora:
                 raise ConfigError("merge_lora: only applies to LoRA training; set --lora_rank too, or drop it")
@@ -104,6 +108,56 @@ class TrainingConfig(StageConfig):
         names = [n.strip() for n in self.target_modules.split(",")]
         if not all(names) or ("all-linear" in names and len(names) > 1):
             raise ConfigError(f"target_modules: {self.target_modules!r} is not a module list; use all-linear or comma-separated names such as q_proj,v_proj")
+
+
+def _number(value) -> str:
+    return f"{value:,}".replace(",", "") if isinstance(value, int) else f"{value:g}"
+
+
+def check_declared(f: dataclasses.Field, value: Any) -> None:
+    """Refuse `value` for field `f` when it breaks a limit the field's metadata declares (one line)."""
+    meta, name = f.metadata, f.name
+    fix = f"; {meta['fix']}" if "fix" in meta else ""
+    if value is None:
+        return
+    if "choices" in meta and value not in meta["choices"]:
+        choices = [str(c) for c in meta["choices"]]
+        raise ConfigError(f"{name}: {value!r} is not a choice; use {', '.join(choices[:-1])} or {choices[-1]}{fix}")
+    if "min" in meta and value < meta["min"]:
+        bound = "must not be negative" if meta["min"] == 0 else f"must be at least {_number(meta['min'])}"
+        raise ConfigError(f"{name}: {bound}, got {value}{fix}")
+    if "exclusive_min" in meta and not value > meta["exclusive_min"]:
+        bound = "must be positive" if meta["exclusive_min"] == 0 else f"must be above {_number(meta['exclusive_min'])}"
+        raise ConfigError(f"{name}: {bound}, got {value}{fix}")
+    if "max" in meta and value > meta["max"]:
+        raise ConfigError(f"{name}: must be at most {_number(meta['max'])}, got {value}{fix}")
+    if "exclusive_max" in meta and not value < meta["exclusive_max"]:
+        raise ConfigError(f"{name}: must be below {_number(meta['exclusive_max'])}, got {value}{fix}")
+    if "max_length" in meta and len(value) > meta["max_length"]:
+        raise ConfigError(f"{name}: {len(value)} characters, more than {meta['max_length']}{fix}")
+    if "pattern" in meta and not re.search(meta["pattern"], value):
+        raise ConfigError(f"{name}: {value!r} is not of the form {meta['pattern']}{fix}")
+
+
+#: JSON schema's keyword for each limit a field's metadata may declare.
+SCHEMA_KEYWORDS = {"min": "minimum", "max": "maximum", "exclusive_min": "exclusiveMinimum", "exclusive_max": "exclusiveMaximum", "choices": "enum",
+                   "max_length": "maxLength", "pattern": "pattern"}
+
+
+def param_schema(cls: type, name: str) -> dict[str, Any]:
+    """Field `name` of config class `cls` as a JSON schema (what an Airflow Param takes): its default, type,
+    declared limits and its help as the description. A string that may be empty also takes null, which the
+    UI's form sends for an emptied field (the DAG renders it as '')."""
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    kind = _field_type(cls, f)
+    json_type: Any = {bool: "boolean", int: "integer", float: "number", str: "string"}[kind]
+    if kind is str and "choices" not in f.metadata and re.search(f.metadata.get("pattern", ""), ""):
+        json_type = ["null", "string"]
+    schema = {"default": f.default, "type": json_type, "description": f.metadata.get("help", "")}
+    for key, keyword in SCHEMA_KEYWORDS.items():
+        if key in f.metadata:
+            schema[keyword] = list(f.metadata[key]) if key == "choices" else f.metadata[key]
+    return schema
 
 
 def split_list(value: str) -> list[str]:

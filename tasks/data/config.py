@@ -62,15 +62,15 @@ class PrepareDataConfig(StageConfig):
     base_model: str = field(default="demo", metadata={"help": "'demo' builds a tiny Llama offline; otherwise a model URI or hub id recorded for the next stages"})
     datasets_root: str = field(default="", metadata={"help": "where dataset versions are registered: <root>/<name>/<version>/ (the pipeline passes <bucket root>/datasets)"})
     dataset_name: str = field(default="", metadata={"help": "name to register a file source under (default: its file name without extension)"})
-    input_key: str = field(default="prompt", metadata={"help": "column holding the prompt (not read when --messages_key is set)"})
-    output_key: str = field(default="", metadata={"help": "column holding the SFT response (default: the final assistant turn of --messages_key, else --chosen_key)"})
-    chosen_key: str = field(default="chosen", metadata={"help": "column holding the preferred response ('' for SFT-only data)"})
-    rejected_key: str = field(default="rejected", metadata={"help": "column holding the other response ('' for SFT-only data)"})
-    label_key: str = field(default="", metadata={"help": "column holding a reference answer for exact-match eval ('' for none)"})
-    messages_key: str = field(default="", metadata={"help": "column holding chat messages [{role, content}]: the turns before the final assistant turn are the prompt, that turn the SFT response"})
-    eval_fraction: float = field(default=0.1, metadata={"help": "fraction of prompts held out (preference_eval, eval), chosen by a hash of the prompt and --seed"})
-    max_chars: int = field(default=16000, metadata={"help": "a row whose prompt plus longest response is longer (characters) is rejected"})
-    max_bad_fraction: float = field(default=0.05, metadata={"help": "fail when more than this fraction of the rows fails validation"})
+    input_key: str = field(default="prompt", metadata={"help": "column holding the prompt (not read when --messages_key is set)", "max_length": 200})
+    output_key: str = field(default="", metadata={"help": "column holding the SFT response (default: the final assistant turn of --messages_key, else --chosen_key)", "max_length": 200})
+    chosen_key: str = field(default="chosen", metadata={"help": "column holding the preferred response ('' for SFT-only data)", "max_length": 200})
+    rejected_key: str = field(default="rejected", metadata={"help": "column holding the other response ('' for SFT-only data)", "max_length": 200})
+    label_key: str = field(default="", metadata={"help": "column holding a reference answer for exact-match eval ('' for none)", "max_length": 200})
+    messages_key: str = field(default="", metadata={"help": "column holding chat messages [{role, content}]: the turns before the final assistant turn are the prompt, that turn the SFT response", "max_length": 200})
+    eval_fraction: float = field(default=0.1, metadata={"help": "fraction of prompts held out (preference_eval, eval), chosen by a hash of the prompt and --seed", "exclusive_min": 0, "exclusive_max": 1, "fix": "use a fraction such as 0.1"})
+    max_chars: int = field(default=16000, metadata={"help": "a row whose prompt plus longest response is longer (characters) is rejected", "min": 1})
+    max_bad_fraction: float = field(default=0.05, metadata={"help": "fail when more than this fraction of the rows fails validation", "min": 0, "max": 1})
 
     def validate(self) -> None:
         super().validate()
@@ -79,12 +79,6 @@ class PrepareDataConfig(StageConfig):
         kind = source_kind(self.source)
         if kind == "demo":
             return
-        if not 0 < self.eval_fraction < 1:
-            raise ConfigError(f"eval_fraction: {self.eval_fraction} is not a fraction; use a value between 0 and 1, e.g. 0.1")
-        if not 0 <= self.max_bad_fraction <= 1:
-            raise ConfigError(f"max_bad_fraction: {self.max_bad_fraction} is not a fraction; use a value from 0 to 1, e.g. 0.05")
-        if self.max_chars < 1:
-            raise ConfigError(f"max_chars: {self.max_chars} must be positive; pass e.g. --max_chars 16000")
         if self.dataset_name and not NAME.match(self.dataset_name):
             raise ConfigError(f"dataset_name: {self.dataset_name!r} is not a usable name; use letters, digits, '.', '_' and '-'")
         if kind == "file" and not storage.exists(self.source):

@@ -22,13 +22,9 @@ class EpisodeConfig:
     """Multi-turn episodes in an environment (tasks.rl.environment): the RL stage trains on them, eval scores them."""
 
     env_path: str = field(default="", metadata={"help": "environment of multi-turn episodes: 'calculator', 'guess', or a .py file (local or s3://) defining class Environment with reset(row) and step(action); in RL its rewards replace the reward model's", "aliases": ["agent_func_path"]})
-    max_turns: int = field(default=4, metadata={"help": "model turns per episode at most (with --env_path)"})
-    max_episode_tokens: int = field(default=64, metadata={"help": "model and observation tokens per episode after the prompt, at most (with --env_path); each turn is at most generate_max_len"})
-    env_step_timeout: float = field(default=30.0, metadata={"help": "seconds an environment's reset or step may take before its episode ends with reward 0 (with --env_path)"})
-
-    def validate_episodes(self) -> None:
-        if self.env_path and (self.max_turns < 1 or self.max_episode_tokens < 1 or not self.env_step_timeout > 0):
-            raise ConfigError("max_turns, max_episode_tokens and env_step_timeout: must be positive with --env_path")
+    max_turns: int = field(default=4, metadata={"help": "model turns per episode at most (with --env_path)", "min": 1, "max": 1000})
+    max_episode_tokens: int = field(default=64, metadata={"help": "model and observation tokens per episode after the prompt, at most (with --env_path); each turn is at most generate_max_len", "min": 1, "max": 1_000_000})
+    env_step_timeout: float = field(default=30.0, metadata={"help": "seconds an environment's reset or step may take before its episode ends with reward 0 (with --env_path)", "exclusive_min": 0})
 
 
 @dataclass
@@ -50,49 +46,49 @@ class RLConfig(EpisodeConfig, TrainingConfig):
     pretrain_data: str = field(default="", metadata={"help": "PPO-ptx (InstructGPT): supervised data whose likelihood the actor keeps while RL trains, a stage output URI (its pretrain_split) or a file; needs --ptx_coef"})
     pretrain_split: str = field(default="sft", metadata={"help": "split of a stage output's datasets holding the PPO-ptx data"})
     output_key: str = field(default="response", metadata={"help": "PPO-ptx data column holding the response (the prompt is input_key)"})
-    ptx_coef: float = field(default=0.0, metadata={"help": "weight of the PPO-ptx loss (the response tokens' mean NLL on --pretrain_data) beside the policy loss; 0 = off"})
-    max_steps: int = field(default=40, metadata={"help": "rollout + update iterations"})
-    rollout_batch_size: int = field(default=128, metadata={"help": "prompts per rollout"})
-    n_samples_per_prompt: int = field(default=1, metadata={"help": "responses sampled per prompt (a group, for the group estimators)"})
-    train_batch_size: int = field(default=64, metadata={"help": "sequences per optimizer step (a minibatch of the rollout)"})
-    max_epochs: int = field(default=2, metadata={"help": "passes over each rollout"})
-    prompt_max_len: int = field(default=256, metadata={"help": "longest prompt in tokens; longer prompts are cut from the left and counted"})
-    generate_max_len: int = field(default=16, metadata={"help": "new tokens per response"})
-    temperature: float = field(default=1.0, metadata={"help": "sampling temperature of rollouts"})
-    actor_learning_rate: float = field(default=3e-5, metadata={"help": "policy learning rate (AdamW)"})
-    critic_learning_rate: float = field(default=1e-4, metadata={"help": "critic learning rate (AdamW)"})
+    ptx_coef: float = field(default=0.0, metadata={"help": "weight of the PPO-ptx loss (the response tokens' mean NLL on --pretrain_data) beside the policy loss; 0 = off", "min": 0, "max": 100})
+    max_steps: int = field(default=40, metadata={"help": "rollout + update iterations", "min": 1, "max": 1_000_000})
+    rollout_batch_size: int = field(default=128, metadata={"help": "prompts per rollout", "min": 1})
+    n_samples_per_prompt: int = field(default=1, metadata={"help": "responses sampled per prompt (a group, for the group estimators)", "min": 1, "max": 1024})
+    train_batch_size: int = field(default=64, metadata={"help": "sequences per optimizer step (a minibatch of the rollout)", "min": 1})
+    max_epochs: int = field(default=2, metadata={"help": "passes over each rollout", "min": 1})
+    prompt_max_len: int = field(default=256, metadata={"help": "longest prompt in tokens; longer prompts are cut from the left and counted", "min": 1})
+    generate_max_len: int = field(default=16, metadata={"help": "new tokens per response", "min": 1, "max": 65_536})
+    temperature: float = field(default=1.0, metadata={"help": "sampling temperature of rollouts", "exclusive_min": 0})
+    actor_learning_rate: float = field(default=3e-5, metadata={"help": "policy learning rate (AdamW)", "exclusive_min": 0, "max": 1})
+    critic_learning_rate: float = field(default=1e-4, metadata={"help": "critic learning rate (AdamW)", "exclusive_min": 0, "max": 1})
     lr_warmup_steps: int = field(default=5, metadata={"help": "linear warmup in optimizer steps, then constant"})
-    advantage_estimator: str = field(default="gae", metadata={"help": "gae (with a critic), reinforce, reinforce_baseline, rloo, group_norm or dr_grpo"})
-    gamma: float = field(default=1.0, metadata={"help": "discount factor"})
-    lambd: float = field(default=0.95, metadata={"help": "GAE λ"})
-    eps_clip: float = field(default=0.2, metadata={"help": "PPO policy ratio clip ε"})
-    eps_clip_low: float = field(default=0.0, metadata={"help": "lower ratio clip ε (DAPO's clip-higher uses a larger upper one); 0 = eps_clip"})
-    eps_clip_high: float = field(default=0.0, metadata={"help": "upper ratio clip ε; 0 = eps_clip"})
+    advantage_estimator: str = field(default="gae", metadata={"help": "gae (with a critic), reinforce, reinforce_baseline, rloo, group_norm or dr_grpo", "choices": ADVANTAGE_ESTIMATORS})
+    gamma: float = field(default=1.0, metadata={"help": "discount factor", "min": 0, "max": 1})
+    lambd: float = field(default=0.95, metadata={"help": "GAE λ", "min": 0, "max": 1})
+    eps_clip: float = field(default=0.2, metadata={"help": "PPO policy ratio clip ε", "exclusive_min": 0})
+    eps_clip_low: float = field(default=0.0, metadata={"help": "lower ratio clip ε (DAPO's clip-higher uses a larger upper one); 0 = eps_clip", "min": 0})
+    eps_clip_high: float = field(default=0.0, metadata={"help": "upper ratio clip ε; 0 = eps_clip", "min": 0})
     dual_clip: float = field(default=0.0, metadata={"help": "dual-clip bound c > 1 on the loss of negative advantages; 0 = off"})
-    entropy_coef: float = field(default=0.0, metadata={"help": "weight of the entropy bonus in the policy loss"})
+    entropy_coef: float = field(default=0.0, metadata={"help": "weight of the entropy bonus in the policy loss", "min": 0})
     use_kl_loss: bool = field(default=False, metadata={"help": "put the KL to the reference in the loss (init_kl_coef × KL, estimator kl_estimator) instead of the reward"})
     value_clip: float = field(default=0.2, metadata={"help": "critic value clip (relative to the rollout's values)"})
-    init_kl_coef: float = field(default=0.05, metadata={"help": "β of the KL penalty to the reference, in the reward"})
+    init_kl_coef: float = field(default=0.05, metadata={"help": "β of the KL penalty to the reference, in the reward", "min": 0, "max": 10})
     kl_target: float = field(default=0.0, metadata={"help": "adaptive KL controller's target (summed KL per response); 0 keeps init_kl_coef fixed"})
-    kl_horizon: int = field(default=10000, metadata={"help": "adaptive KL controller's horizon, in samples"})
-    kl_estimator: str = field(default="k1", metadata={"help": "per-token KL estimator: k1, k2 or k3"})
+    kl_horizon: int = field(default=10000, metadata={"help": "adaptive KL controller's horizon, in samples", "min": 1})
+    kl_estimator: str = field(default="k1", metadata={"help": "per-token KL estimator: k1, k2 or k3", "choices": KL_ESTIMATORS})
     save_value_network: bool = field(default=False, metadata={"help": "also save the critic (HF format) under critic/ in the output"})
     normalize_reward: bool = field(default=True, metadata={"help": "standardise reward-model scores with the mean/std stored by its stage"})
-    logging_steps: int = field(default=1, metadata={"help": "log metrics every this many steps"})
+    logging_steps: int = field(default=1, metadata={"help": "log metrics every this many steps", "min": 1})
     num_episodes: int = field(default=0, metadata={"help": "passes over the prompts; when set, the stage runs num_episodes × ⌊prompts / rollout_batch_size⌋ steps instead of max_steps"})
     micro_rollout_batch_size: int = field(default=0, metadata={"help": "sequences per generate / inference call on one worker (0: its whole share at once)"})
     dynamic_filtering: bool = field(default=False, metadata={"help": "drop prompt groups whose rewards are all equal or whose mean is outside dynamic_filtering_reward_range, and refill from the prompts (DAPO)"})
     dynamic_filtering_reward_range: str = field(default="0 1", metadata={"help": "open interval (low high) a kept group's mean reward must lie in"})
     reward_clip_range: str = field(default="", metadata={"help": "clip shaped rewards to this range, 'low high' (empty: no clipping)"})
     # Where the models run: one worker group each, or colocated groups sharing one placement group.
-    actor_num_nodes: int = field(default=1, metadata={"help": "nodes of the actor (policy) group"})
-    actor_num_gpus_per_node: int = field(default=1, metadata={"help": "actor workers per node, one GPU each (one CPU on a CPU-only cluster)"})
-    critic_num_nodes: int = field(default=1, metadata={"help": "nodes of the critic group (gae only)"})
-    critic_num_gpus_per_node: int = field(default=1, metadata={"help": "critic workers per node"})
-    ref_num_nodes: int = field(default=1, metadata={"help": "nodes of the reference-model group"})
-    ref_num_gpus_per_node: int = field(default=1, metadata={"help": "reference workers per node"})
-    reward_num_nodes: int = field(default=1, metadata={"help": "nodes of the reward-model group (with --reward_pretrain)"})
-    reward_num_gpus_per_node: int = field(default=1, metadata={"help": "reward-model workers per node"})
+    actor_num_nodes: int = field(default=1, metadata={"help": "nodes of the actor (policy) group", "min": 1})
+    actor_num_gpus_per_node: int = field(default=1, metadata={"help": "actor workers per node, one GPU each (one CPU on a CPU-only cluster)", "min": 1})
+    critic_num_nodes: int = field(default=1, metadata={"help": "nodes of the critic group (gae only)", "min": 1})
+    critic_num_gpus_per_node: int = field(default=1, metadata={"help": "critic workers per node", "min": 1})
+    ref_num_nodes: int = field(default=1, metadata={"help": "nodes of the reference-model group", "min": 1})
+    ref_num_gpus_per_node: int = field(default=1, metadata={"help": "reference workers per node", "min": 1})
+    reward_num_nodes: int = field(default=1, metadata={"help": "nodes of the reward-model group (with --reward_pretrain)", "min": 1})
+    reward_num_gpus_per_node: int = field(default=1, metadata={"help": "reward-model workers per node", "min": 1})
     actor_resources: str = field(default="", metadata={"help": "custom Ray resources each actor bundle also asks for, a JSON object such as '{\"node_a\": 1}': the group goes only on nodes that advertise them (`ray start --resources`)"})
     critic_resources: str = field(default="", metadata={"help": "custom Ray resources of each critic bundle (JSON object)"})
     ref_resources: str = field(default="", metadata={"help": "custom Ray resources of each reference bundle (JSON object)"})
@@ -184,13 +180,6 @@ class RLConfig(EpisodeConfig, TrainingConfig):
 
     def validate(self) -> None:
         super().validate()
-        # First: the placement checks below ask uses_critic about it.
-        if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
-            raise ConfigError(f"advantage_estimator: {self.advantage_estimator!r} is not available; use one of {', '.join(ADVANTAGE_ESTIMATORS)}")
-        for role in ("actor", "critic", "ref", "reward"):
-            for part in ("num_nodes", "num_gpus_per_node"):
-                if getattr(self, f"{role}_{part}") < 1:
-                    raise ConfigError(f"{role}_{part}: must be at least 1, got {getattr(self, f'{role}_{part}')}")
         for role in ("actor", "critic", "ref", "reward"):
             self.resources(role)
         # A colocated group sits on the first member's bundles: its own resources would be ignored.
@@ -249,29 +238,17 @@ class RLConfig(EpisodeConfig, TrainingConfig):
         for name in ("pretrain", "prompt_data"):
             if not getattr(self, name):
                 raise ConfigError(f"{name}: missing; pass --{name} <URI>")
-        self.validate_episodes()
         if self.is_correction not in ("auto", *IS_CORRECTIONS) or not self.is_cap > 1:
             raise ConfigError(f"is_correction: use auto, {', '.join(IS_CORRECTIONS)} with an is_cap above 1; "
                               f"got {self.is_correction!r} and {self.is_cap}")
         if not (self.reward_pretrain or self.remote_rm_url or self.env_path):
             raise ConfigError("reward_pretrain: missing; pass --reward_pretrain <URI>, --remote_rm_url <file.py or URL> or --env_path <environment>")
-        if self.kl_estimator not in KL_ESTIMATORS:
-            raise ConfigError(f"kl_estimator: {self.kl_estimator!r} is unknown; use k1, k2 or k3")
         if self.advantage_estimator in GROUP_ESTIMATORS and self.n_samples_per_prompt < 2:
             raise ConfigError(f"n_samples_per_prompt: {self.advantage_estimator} compares samples of one prompt; use 2 or more")
-        for name in ("max_steps", "rollout_batch_size", "n_samples_per_prompt", "train_batch_size", "max_epochs", "prompt_max_len", "generate_max_len", "logging_steps", "kl_horizon"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name}: must be at least 1, got {getattr(self, name)}")
         if (self.rollout_batch_size * self.n_samples_per_prompt) % self.train_batch_size:
             raise ConfigError(f"train_batch_size: {self.train_batch_size} must divide rollout_batch_size × n_samples_per_prompt "
                               f"= {self.rollout_batch_size * self.n_samples_per_prompt}")
         if self.dual_clip and self.dual_clip <= 1:
             raise ConfigError(f"dual_clip: {self.dual_clip} must be greater than 1 (or 0 for off)")
-        if self.ptx_coef < 0 or bool(self.ptx_coef) != bool(self.pretrain_data):
+        if bool(self.ptx_coef) != bool(self.pretrain_data):
             raise ConfigError("ptx_coef: PPO-ptx needs both --pretrain_data <URI> and a positive --ptx_coef; set both, or neither")
-        for name in ("eps_clip_low", "eps_clip_high", "entropy_coef"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name}: must not be negative, got {getattr(self, name)}")
-        for name in ("actor_learning_rate", "critic_learning_rate", "temperature", "eps_clip"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}")

@@ -12,28 +12,21 @@ class SFTConfig(TrainingConfig):
     dataset_split: str = field(default="sft", metadata={"help": "which split of a stage output's datasets to train on"})
     input_key: str = field(default="prompt", metadata={"help": "dataset column holding the prompt"})
     output_key: str = field(default="response", metadata={"help": "dataset column holding the response"})
-    max_steps: int = field(default=500, metadata={"help": "optimizer steps"})
-    train_batch_size: int = field(default=128, metadata={"help": "sequences per optimizer step"})
-    learning_rate: float = field(default=1e-3, metadata={"help": "peak learning rate (AdamW)"})
+    max_steps: int = field(default=500, metadata={"help": "optimizer steps", "min": 1, "max": 1_000_000})
+    train_batch_size: int = field(default=128, metadata={"help": "sequences per optimizer step", "min": 1})
+    learning_rate: float = field(default=1e-3, metadata={"help": "peak learning rate (AdamW)", "exclusive_min": 0, "max": 1})
     lr_warmup_steps: int = field(default=20, metadata={"help": "linear warmup steps"})
-    lr_scheduler: str = field(default="constant", metadata={"help": "after warmup: constant, or cosine down to 0.1 of the peak"})
-    max_len: int = field(default=512, metadata={"help": "longest prompt+response in tokens; longer rows lose the start of their prompt (then the end of the response) and are counted"})
-    logging_steps: int = field(default=25, metadata={"help": "log metrics every this many steps"})
+    lr_scheduler: str = field(default="constant", metadata={"help": "after warmup: constant, or cosine down to 0.1 of the peak", "choices": LR_SCHEDULERS})
+    max_len: int = field(default=512, metadata={"help": "longest prompt+response in tokens; longer rows lose the start of their prompt (then the end of the response) and are counted", "min": 1})
+    logging_steps: int = field(default=25, metadata={"help": "log metrics every this many steps", "min": 1})
     packing_samples: bool = field(default=False, metadata={"help": "pack each micro-batch's rows into one sequence: no padding, and no token attends across rows"})
-    num_nodes: int = field(default=1, metadata={"help": "nodes of the data-parallel worker group"})
-    num_gpus_per_node: int = field(default=1, metadata={"help": "workers per node, one GPU each (one CPU on a CPU-only cluster)"})
+    num_nodes: int = field(default=1, metadata={"help": "nodes of the data-parallel worker group", "min": 1})
+    num_gpus_per_node: int = field(default=1, metadata={"help": "workers per node, one GPU each (one CPU on a CPU-only cluster)", "min": 1})
 
     def validate(self) -> None:
         super().validate()
         for name in ("pretrain", "dataset"):
             if not getattr(self, name):
                 raise ConfigError(f"{name}: missing; pass --{name} <URI>")
-        for name in ("max_steps", "train_batch_size", "max_len", "logging_steps", "num_nodes", "num_gpus_per_node"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name}: must be at least 1, got {getattr(self, name)}")
-        if self.lr_scheduler not in LR_SCHEDULERS:
-            raise ConfigError(f"lr_scheduler: {self.lr_scheduler!r} is unknown; use {' or '.join(LR_SCHEDULERS)}")
-        if not self.learning_rate > 0:
-            raise ConfigError(f"learning_rate: must be positive, got {self.learning_rate}")
         check_batch("train_batch_size", self.train_batch_size, self.micro_train_batch_size, self.num_nodes * self.num_gpus_per_node,
                     "num_nodes × num_gpus_per_node")
