@@ -17,12 +17,12 @@ stage's output, so downstream stages read the earlier run's artifacts and their 
 """
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 from importlib import metadata
-from pathlib import Path
 from typing import Any, Mapping
+
+from tasks.common import manifest as manifests
 
 #: Flags that say where the output goes and which run it belongs to, not what is computed.
 NOT_IN_KEY = frozenset({"output", "run_id"})
@@ -32,20 +32,15 @@ def is_manifest_uri(value: Any) -> bool:
     return isinstance(value, str) and value.startswith("s3://") and value.endswith("/manifest.json")
 
 
-@functools.lru_cache(maxsize=8)
 def code_digest(working_dir: str | None) -> str:
-    """sha256 over the stage code a job runs: tasks/**/*.py and pyproject.toml under ``working_dir``."""
+    """sha256 over the stage code a job runs (tasks.common.manifest.code_digest of ``working_dir``, the digest
+    each stage records), or the installed rlhf-flow version when no code is shipped."""
     if not working_dir:
         try:
             return "rlhf-flow==" + metadata.version("rlhf-flow")
         except metadata.PackageNotFoundError:
             return "unknown"
-    root = Path(working_dir)
-    digest = hashlib.sha256()
-    for path in sorted([*root.glob("tasks/**/*.py"), root / "pyproject.toml"]):
-        if path.is_file() and "__pycache__" not in path.parts:
-            digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
-    return digest.hexdigest()
+    return manifests.code_digest(working_dir)
 
 
 def cache_key(module: str, args: Mapping[str, str], input_digests: Mapping[str, str], code: str) -> str:

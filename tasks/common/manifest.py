@@ -82,18 +82,20 @@ def code_version() -> str:
         return "unknown"
 
 
-@functools.lru_cache(maxsize=1)
-def code_digest() -> str:
-    """sha256 over the stage code: every tasks/**/*.py and pyproject.toml beside this package (a checkout,
-    a Ray job's working_dir or an install), as plugins/stage_cache.py's code_digest defines it.
+@functools.lru_cache(maxsize=8)
+def code_digest(root: str | Path = REPO) -> str:
+    """sha256 over the stage code under `root`: every tasks/**/*.py and pyproject.toml (default: beside this
+    package, a checkout, a Ray job's working_dir or an install). The stage records it in its manifest, and the
+    Airflow side keys its stage cache on it for the working_dir it ships (plugins/stage_cache.py).
 
     Unlike code_version (git HEAD), it changes with uncommitted edits, which tasks.reproduce must see.
-    Computed once per process, at the first call (StageRun makes it when the stage starts), so a file
+    Computed once per process and root, at the first call (StageRun makes it when the stage starts), so a file
     edited while the stage runs is not taken for the code that ran."""
+    root = Path(root)
     digest = hashlib.sha256()
-    for path in sorted([*REPO.glob("tasks/**/*.py"), REPO / "pyproject.toml"]):
+    for path in sorted([*root.glob("tasks/**/*.py"), root / "pyproject.toml"]):
         if path.is_file() and "__pycache__" not in path.parts:
-            digest.update(path.relative_to(REPO).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+            digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()
 
 
