@@ -17,6 +17,8 @@ from typing import Any
 import aiohttp
 from airflow.sdk import BaseHook
 
+from tasks.common import names
+
 LIVE_STATUSES = frozenset({"PENDING", "RUNNING"})
 TERMINAL_STATUSES = frozenset({"SUCCEEDED", "FAILED", "STOPPED"})
 
@@ -40,7 +42,7 @@ class RayJobHook(BaseHook):
     """
 
     conn_name_attr = "ray_conn_id"
-    default_conn_name = "rlhf_ray"
+    default_conn_name = names.RAY_CONN
     conn_type = "http"
     hook_name = "Ray Jobs API"
 

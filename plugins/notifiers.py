@@ -25,8 +25,10 @@ from typing import Any
 
 from airflow.sdk import BaseNotifier
 
+from tasks.common import names
+
 EVENTS = ("nightly_failure", "decision")
-AWS_CONN_ID = "rlhf_s3"
+AWS_CONN_ID = names.S3_CONN
 TIMEOUT_S = 10
 
 
@@ -85,7 +87,7 @@ class WebhookNotifier(BaseNotifier):
 
     template_fields = ("url", "manifest")
 
-    def __init__(self, event: str, url: str = "", conn_id: str = "rlhf_webhook",
+    def __init__(self, event: str, url: str = "", conn_id: str = names.WEBHOOK_CONN,
                  manifest: str | None = None, read=_read_s3_json):
         """``manifest``: the promote stage's manifest URI (default: the XCom of the task it is the callback of)."""
         super().__init__()

@@ -25,6 +25,7 @@ from plugins import stage_cache
 from plugins.hooks import LIVE_STATUSES, TERMINAL_STATUSES, RayJobHook
 from plugins.links import RAY_JOB_URL_KEY, WANDB_URL_KEY, RayJobLink, WandbRunLink
 from plugins.triggers import RayJobTrigger, job_event
+from tasks.common import names
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
@@ -239,8 +240,8 @@ class RayJobOperator(BaseOperator):
         module: str,
         args: dict[str, Any] | None = None,
         output_root: str = OUTPUT_ROOT,
-        ray_conn_id: str = "rlhf_ray",
-        aws_conn_id: str | None = "rlhf_s3",
+        ray_conn_id: str = names.RAY_CONN,
+        aws_conn_id: str | None = names.S3_CONN,
         entrypoint_num_cpus: float = 1,
         entrypoint_num_gpus: float = 0,
         working_dir: str | None = None,

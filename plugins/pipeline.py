@@ -30,6 +30,7 @@ from airflow.sdk import DAG, Asset, Param, chain, task
 
 from plugins.notifiers import WebhookNotifier
 from plugins.operators import OUTPUT_ROOT, RayJobOperator
+from tasks.common import names
 from tasks.promote.config import DEFAULT_GATE  # {}: the gate made from the metrics the run declares
 from tasks.promote.gate import RULE_KINDS
 
@@ -43,7 +44,6 @@ DATASET_FLAGS = ("input_key", "output_key", "chosen_key", "rejected_key", "label
                  "max_bad_fraction")
 
 #: The Airflow pool of GPUs (created by `make up` with --include-deferred: deferred stages hold their GPUs).
-GPU_POOL = "rlhf_gpus"
 #: GPUs each stage asks Ray for with the DAG's layout (the RL models colocated on the actor's GPU).
 STAGE_GPUS = {"prepare_data": 0, "sft": 1, "reward_model": 1, "rl": 1, "dpo": 1, "kto": 1, "eval": 1, "promote": 0}
 TRAINING_STAGES = ("sft", "reward_model", "rl", "dpo", "kto")
@@ -272,7 +272,7 @@ def missing_inputs(params, render) -> list[str]:
     a template into this run's value). Local paths and hub ids live on the Ray nodes: their stage checks them."""
     from airflow.providers.amazon.aws.hooks.s3 import S3Hook
 
-    hook = S3Hook(aws_conn_id="rlhf_s3")
+    hook = S3Hook(aws_conn_id=names.S3_CONN)
     wanted = {name: params.get(name) or "" for name in ("dataset", "base_model", "environment", "eval_metric_func")}
     if wanted["dataset"].startswith("dataset:"):
         name = wanted["dataset"].removeprefix("dataset:").split("@")[0]
@@ -309,7 +309,7 @@ def stage(task_id: str, module: str, args: dict, inlets: list[str] = (), outlet:
         task_id=task_id,
         module=module,
         args=args,
-        pool=GPU_POOL,
+        pool=names.GPU_POOL,
         pool_slots=max(1, STAGE_GPUS[task_id]),
         inlets=[ASSETS[name] for name in inlets],
         outlets=[ASSETS[outlet]] if outlet else [],
@@ -470,7 +470,7 @@ def build_pipeline(dag_id: str, schedule, description: str, allow_promotion: boo
             from airflow.providers.amazon.aws.hooks.s3 import S3Hook
             from airflow.sdk.exceptions import AirflowSkipException
 
-            record = json.loads(S3Hook(aws_conn_id="rlhf_s3").read_key(decision_manifest))
+            record = json.loads(S3Hook(aws_conn_id=names.S3_CONN).read_key(decision_manifest))
             if not record["metrics"].get("promoted"):
                 raise AirflowSkipException(record.get("decision", "not promoted"))
             outlet_events[ASSETS["champion"]].extra = {"champion": record["champion"], "decision": record["decision"],

@@ -19,17 +19,16 @@ import re
 from fastapi import FastAPI, Query
 from fastapi.responses import HTMLResponse
 
-from tasks.common import cost
-
 from plugins.reports import (bad, can_read_runs_of, check_location, check_prefix, check_served, list_pages, read_object,
                              served_buckets)
+from tasks.common import cost, names
 
 MODEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")  # the model_name Param's pattern
 MAX_CANDIDATES = 100  # newest shown; each costs a few manifest reads
 
 app = FastAPI(title="rlhf-flow registry", docs_url=None, redoc_url=None, openapi_url=None)
 # The registry is what the rlhf_registry DAG manages (promotions, rollbacks): reading it is reading that DAG's runs.
-can_read_runs = can_read_runs_of("rlhf_registry")
+can_read_runs = can_read_runs_of(names.REGISTRY_DAG)
 
 
 def registry_root(bucket: str, prefix: str, model_name: str) -> str:

@@ -25,9 +25,10 @@ from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.responses import HTMLResponse, Response
 
 from plugins.operators import key_safe, output_uri_for
+from tasks.common import names
 
-AWS_CONN_ID = "rlhf_s3"
-DEFAULTS = {"bucket": "rlhf-flow", "prefix": "rlhf-flow", "dag_id": "rlhf_pipeline"}
+AWS_CONN_ID = names.S3_CONN
+DEFAULTS = {"bucket": "rlhf-flow", "prefix": "rlhf-flow", "dag_id": names.PIPELINE_DAG}
 # The DAG's Params' patterns for bucket and prefix; dag and run ids as Airflow allows them.
 BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
 PREFIX = re.compile(r"^[A-Za-z0-9._\-/]{0,200}$")

@@ -128,10 +128,9 @@ def test_dag_settings(dag, dagbag):
 
 
 def test_stage_tasks_share_the_gpu_pool_cache_deadline_and_lineage(dag):
-    from plugins.pipeline import GPU_POOL, STAGE_GPUS
-    from tools.stack import GPU_POOL as STACK_POOL
+    from plugins.pipeline import STAGE_GPUS
+    from tasks.common.names import GPU_POOL  # the pool tools/stack.py creates
 
-    assert GPU_POOL == STACK_POOL
     for task_id, gpus in STAGE_GPUS.items():
         task = dag.get_task(task_id)
         assert task.pool == GPU_POOL and task.pool_slots == max(1, gpus), task_id

@@ -49,6 +49,8 @@ from typing import Any, Callable, Iterable
 import psutil
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run as a script: the project's shared names (standard library only)
+from tasks.common import names  # noqa: E402
 # The interpreter running this file is the environment the stack runs from (make uses .venv/bin/python).
 BIN = Path(sys.executable).parent
 
@@ -60,8 +62,6 @@ RAY_WORKER_PORTS = range(10002, 20000)
 AIRFLOW_PROCS = ("airflow-api-server", "airflow-scheduler", "airflow-dag-processor", "airflow-triggerer")
 COMPONENTS = {"s3": ("s3",), "ray": ("ray",), "airflow": AIRFLOW_PROCS}
 ORDER = ("s3", "ray", "airflow")
-# The Airflow pool every stage takes GPU slots from (plugins/pipeline.py GPU_POOL; a test keeps them equal).
-GPU_POOL = "rlhf_gpus"
 
 START_TIMEOUT = {"s3": 30.0, "ray": 120.0, "airflow": 180.0}
 
@@ -403,8 +403,8 @@ def stack_env(
         "AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "10",
         "AIRFLOW__SCHEDULER__ENABLE_HEALTH_CHECK": "False",
         # Connections come from the environment, never from the UI or the database.
-        "AIRFLOW_CONN_RLHF_S3": conn_s3(s3, bucket, keys=(key_id, secret)),
-        "AIRFLOW_CONN_RLHF_RAY": conn_ray(dashboard_port),
+        names.conn_env(names.S3_CONN): conn_s3(s3, bucket, keys=(key_id, secret)),
+        names.conn_env(names.RAY_CONN): conn_ray(dashboard_port),
     }
     return env
 
@@ -958,7 +958,7 @@ def up(cfg: Config, components: Iterable[str] = ORDER) -> None:
             cfg.airflow_home.mkdir(parents=True, exist_ok=True)
             run_logged(cfg, "airflow-db-migrate", [str(BIN / "airflow"), "db", "migrate"], env, timeout=300)
             # include_deferred: a stage waiting on its Ray job in the triggerer still holds its GPUs.
-            run_logged(cfg, "airflow-pool", [str(BIN / "airflow"), "pools", "set", GPU_POOL, str(gpu_slots()),
+            run_logged(cfg, "airflow-pool", [str(BIN / "airflow"), "pools", "set", names.GPU_POOL, str(gpu_slots()),
                                              "GPUs the Ray stages hold", "--include-deferred"], env, timeout=300)
             cmds = airflow_commands()
             started["airflow"] = {n: launch(cfg, n, cmds[n], env) for n in missing}

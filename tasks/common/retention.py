@@ -33,10 +33,10 @@ import time
 from collections import defaultdict
 from typing import Iterable
 
-from tasks.common import cost, storage
+from tasks.common import cost, names, storage
 from tasks.common.config import ConfigError
 
-PIPELINE_DAGS = ("rlhf_pipeline", "rlhf_nightly")
+PIPELINE_DAGS = names.PIPELINE_DAGS
 MANIFEST = "manifest.json"
 
 
