@@ -10,6 +10,7 @@ from airflow.sdk import DAG, Param, task
 
 from plugins.operators import RayJobOperator
 from plugins.pipeline import REGISTRY
+from tasks.common import names
 
 MOVE = {"registry": REGISTRY, "expected_version": "{{ params.expected_version }}",
         "by": "{{ params.requested_by or 'rlhf_registry' }} via {{ dag.dag_id }} run {{ run_id }}", "reason": "{{ params.reason }}"}
@@ -24,10 +25,10 @@ with DAG(
     tags=["rlhf", "registry"],
     params={
         "action": Param("list", type="string", enum=["list", "promote", "rollback"], title="Action"),
-        "bucket": Param(None, type=["null", "string"], title="Bucket", pattern=r"^$|^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$",
+        "bucket": Param(None, type=["null", "string"], title="Bucket", pattern="^$|" + names.BUCKET_PATTERN,
                         description="Empty: the bucket of the rlhf_s3 connection (extra.bucket)."),
         "prefix": Param("rlhf-flow", type="string", title="Key prefix", pattern=r"^[A-Za-z0-9._\-/]*$", maxLength=200),
-        "model_name": Param("demo-policy", type="string", title="Model name", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"),
+        "model_name": Param("demo-policy", type="string", title="Model name", pattern=names.NAME_PATTERN),
         "expected_version": Param(0, type="integer", minimum=0, title="Champion version you saw",
                                   description="The move is refused if the champion is no longer at this version (0: none yet)."),
         "candidate": Param("", type="string", title="Candidate run id (promote)",

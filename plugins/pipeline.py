@@ -162,7 +162,7 @@ PARAMS = {
         None, type=["null", "string"], title="Bucket",
         description="S3 bucket that receives every artifact of the run. Empty: the bucket named in the rlhf_s3 "
                     "connection's extra (`bucket`), else rlhf-flow.",
-        pattern=r"^$|^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$",
+        pattern="^$|" + names.BUCKET_PATTERN,
     ),
     "prefix": Param(
         "rlhf-flow", type="string", title="Key prefix",
@@ -200,7 +200,7 @@ PARAMS = {
         description="A stage's Ray job still running after this long is stopped and the task fails (0: no deadline).",
     ),
     "model_name": Param(
-        "demo-policy", type="string", title="Model name", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$",
+        "demo-policy", type="string", title="Model name", pattern=names.NAME_PATTERN,
         description="Registry name: the champion lives at <prefix>/models/<name>/champion.json.",
     ),
     "allow_promotion": promotion_param(False),

@@ -23,7 +23,7 @@ from plugins.reports import (bad, can_read_runs_of, check_location, check_prefix
                              served_buckets)
 from tasks.common import cost, names
 
-MODEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")  # the model_name Param's pattern
+MODEL = re.compile(names.NAME_PATTERN)  # the model_name Param's pattern
 MAX_CANDIDATES = 100  # newest shown; each costs a few manifest reads
 
 app = FastAPI(title="rlhf-flow registry", docs_url=None, redoc_url=None, openapi_url=None)

@@ -30,7 +30,7 @@ from tasks.common import names
 AWS_CONN_ID = names.S3_CONN
 DEFAULTS = {"bucket": "rlhf-flow", "prefix": "rlhf-flow", "dag_id": names.PIPELINE_DAG}
 # The DAG's Params' patterns for bucket and prefix; dag and run ids as Airflow allows them.
-BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
+BUCKET = re.compile(names.BUCKET_PATTERN)
 PREFIX = re.compile(r"^[A-Za-z0-9._\-/]{0,200}$")
 DAG_ID = re.compile(r"^[A-Za-z0-9_.\-]{1,250}$")
 RUN_ID = re.compile(r"^[A-Za-z0-9_.:+\-]{1,250}$")

@@ -17,3 +17,8 @@ PIPELINE_DAGS = (PIPELINE_DAG, NIGHTLY_DAG)  # the DAGs whose runs write stage o
 def conn_env(conn_id: str) -> str:
     """The environment variable Airflow reads connection `conn_id` from."""
     return f"AIRFLOW_CONN_{conn_id.upper()}"
+
+# What a bucket and a registered name (a model's registry entry, a dataset) may be: the run form's Params,
+# the views and the stages check these same patterns.
+BUCKET_PATTERN = r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$"  # S3's bucket naming rules, lower case
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"      # letters, digits, '.', '_' and '-'; no '/' or '..'

@@ -12,12 +12,12 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from tasks.common import storage
+from tasks.common import names, storage
 from tasks.common.config import ConfigError, StageConfig
 
 FILE_FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".csv": "csv"}
 DATASET_PREFIX = "dataset:"
-NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+NAME = re.compile(names.NAME_PATTERN)
 MAPPING_KEYS = ("input_key", "output_key", "chosen_key", "rejected_key", "label_key", "messages_key")
 
 
