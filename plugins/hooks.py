@@ -147,6 +147,23 @@ class RayJobHook(BaseHook):
                 self.log.info("Ray has no job agent yet (cluster starting?); retrying the submission")
                 time.sleep(1.0)
 
+    def cluster_resources(self) -> dict[str, float]:
+        """The total resources of the cluster's live nodes ({"CPU": 2.0, "GPU": 8.0, …}), from the dashboard's state API."""
+        import requests
+
+        try:
+            response = requests.get(f"{self.address}/api/v0/nodes", params={"detail": "1"}, timeout=self.http_timeout)
+            response.raise_for_status()
+            nodes = response.json()["data"]["result"]["result"]
+        except (requests.RequestException, ValueError, KeyError, TypeError) as e:
+            raise self._unreachable(e) from None
+        total: dict[str, float] = {}
+        for node in nodes:
+            if node.get("state") == "ALIVE":
+                for name, amount in (node.get("resources_total") or {}).items():
+                    total[name] = total.get(name, 0.0) + float(amount)
+        return total
+
     def get_job_info(self, submission_id: str):
         """Ray's ``JobDetails`` for the job, or None when Ray does not know the id."""
         client = self.get_conn()

@@ -28,6 +28,7 @@ from datetime import timedelta
 
 from airflow.sdk import DAG, Asset, Param, chain, task
 
+from plugins.hooks import RayJobHook, RayUnreachableError
 from plugins.notifiers import WebhookNotifier
 from plugins.operators import OUTPUT_ROOT, RayJobOperator
 from tasks.common import names
@@ -235,13 +236,15 @@ def branch_for(params) -> list[str]:
     return [params["method"]]
 
 
-def planned_problems(dag, params, context) -> list[str]:
+def planned_problems(dag, params, context, cluster: dict[str, float] | None = None) -> list[str]:
     """Each stage on this run's path with the flags its operator would submit (an upstream stage's output as a
     placeholder URI), checked by the stage's own config (tasks.validate: standard library and yaml, no model
-    loaded): one line per stage that would refuse them."""
+    loaded): one line per stage that would refuse them, and, given the Ray cluster's total resources, per
+    stage whose worker groups it could never place."""
     from airflow.sdk.definitions.xcom_arg import XComArg
 
-    from tasks.validate import check_stage
+    from tasks.common.config import ConfigError
+    from tasks.validate import oversized, stage_config
 
     running = {"prepare_data", "sft", *branch_for(params), "eval", "promote"}
 
@@ -254,16 +257,17 @@ def planned_problems(dag, params, context) -> list[str]:
         def xcom_pull(self, task_ids=None, **_):
             return placeholder(task_ids) if task_ids in running else None
 
-    problems = []
+    problems, configs = [], {}
     for op in dag.tasks:
         if not isinstance(op, RayJobOperator) or op.task_id not in running:
             continue
         args = {k: placeholder(v.operator.task_id) if isinstance(v, XComArg) else v for k, v in op.args.items()}
         flags = op.render_template(args, {**context, "params": params, "ti": PlannedXComs()})
-        why = check_stage(op.module, {"output": "s3://validate/output", "run_id": context["run_id"], **flags})
-        if why:
-            problems.append(f"{op.task_id}: {why}")
-    return problems
+        try:
+            configs[op.task_id] = stage_config(op.module, {"output": "s3://validate/output", "run_id": context["run_id"], **flags})
+        except ConfigError as e:
+            problems.append(f"{op.task_id}: {e}")
+    return problems + (oversized(configs, cluster) if cluster is not None else [])
 
 
 def missing_inputs(params, render) -> list[str]:
@@ -352,7 +356,11 @@ def build_pipeline(dag_id: str, schedule, description: str, allow_promotion: boo
 
             context = {**context, "dag": dag, "params": params}
             problems = missing_inputs(params, lambda template: dag.get_task("prepare_data").render_template(template, context))
-            problems += planned_problems(dag, params, context)
+            try:
+                cluster = RayJobHook().cluster_resources()
+            except RayUnreachableError as e:  # every stage would fail to submit: say so now
+                cluster, problems = None, problems + [f"ray: {e}"]
+            problems += planned_problems(dag, params, context, cluster)
             if problems:
                 raise AirflowFailException("this run's Params would fail its stages; fix them and trigger again:\n" + "\n".join(problems))
 

@@ -3,6 +3,7 @@
     from tasks.validate import check_stage
     check_stage("tasks.rl", {"pretrain": "s3://b/run/sft", "advantage_estimator": "group_norm", ...})
     # -> None, or "rl: n_samples_per_prompt: group_norm needs 2 or more samples per prompt; …" (one line)
+    oversized({"rl": stage_config("tasks.rl", flags)}, {"CPU": 2.0})   # -> ["rl: its worker groups need 4 CPUs …"]
 
 The configs (tasks/<stage>/config.py) need the standard library and yaml only, so the Airflow side runs this
 in its first task (plugins/pipeline.py's `validate`) with the flags each stage operator would submit: a form
@@ -33,10 +34,26 @@ def config_class(module: str) -> type:
     return getattr(importlib.import_module(path), name)
 
 
+def stage_config(module: str, flags: dict[str, Any]):
+    """The stage's config built from these flags (as its CLI gets them: strings); ConfigError as the stage
+    would raise it."""
+    return make_config(config_class(module), {k: v for k, v in flags.items() if v is not None})
+
+
 def check_stage(module: str, flags: dict[str, Any]) -> str | None:
-    """The stage's own one-line refusal of these flags (as its CLI gets them: strings), or None."""
+    """The stage's own one-line refusal of these flags, or None."""
     try:
-        make_config(config_class(module), {k: v for k, v in flags.items() if v is not None})
+        stage_config(module, flags)
     except ConfigError as e:
         return str(e)
     return None
+
+
+def oversized(configs: dict[str, Any], cluster: dict[str, float]) -> list[str]:
+    """One line per stage config (by task) whose worker groups need more devices at once than the Ray cluster has
+    in all (`cluster`: its total resources, e.g. {"CPU": 2.0}): Ray would wait for them forever. GPUs on a
+    cluster that has them, else CPUs, as the stages place their workers."""
+    kind = "GPU" if cluster.get("GPU") else "CPU"
+    have = cluster.get(kind, 0)
+    return [f"{task}: its worker groups need {cfg.devices_needed()} {kind}s at once and the Ray cluster has {have:g}; "
+            "colocate them (colocate_all_models) or use fewer workers" for task, cfg in configs.items() if cfg.devices_needed() > have]

@@ -343,6 +343,20 @@ def test_the_first_task_checks_every_stage_on_the_runs_path_with_the_stages_own_
     assert [p.split(": ")[:2] for p in problems] == [["rl", "n_samples_per_prompt"], ["eval", "metrics"], ["promote", "gate"]], problems
     # The dpo branch does not run rl, so rl's estimator is nobody's problem there.
     assert [p.split(":")[0] for p in planned_problems(dag, {**bad, "method": "dpo"}, context)] == ["eval", "promote"]
+    # A layout the Ray cluster could never place: every RL model on a worker of its own needs 4 devices at once.
+    apart = {**defaults, "colocate_all_models": False}
+    assert planned_problems(dag, apart, context, {"CPU": 2.0}) == [
+        "rl: its worker groups need 4 CPUs at once and the Ray cluster has 2; colocate them (colocate_all_models) or use fewer workers"]
+    assert planned_problems(dag, apart, context, {"CPU": 64.0, "GPU": 4.0}) == []
+    assert planned_problems(dag, defaults, context, {"CPU": 2.0}) == []  # colocated: one device
+
+
+def test_the_hook_reads_the_ray_clusters_total_resources(ray_head):
+    from plugins.hooks import RayJobHook, RayUnreachableError
+
+    assert RayJobHook(address=ray_head).cluster_resources()["CPU"] >= 1
+    with pytest.raises(RayUnreachableError, match="^Ray Jobs API at http://127.0.0.1:9 is unreachable"):
+        RayJobHook(address="http://127.0.0.1:9", http_timeout=5).cluster_resources()
 
 
 def test_the_first_task_names_the_runs_s3_inputs_that_are_not_there(dag, s3_server, monkeypatch):

@@ -8,7 +8,6 @@ from tasks.common.data import BatchSampler, encode_prompt
 from tasks.common.workers import forwarded_env, shard
 from tasks.data import demo
 from tasks.rl.config import RLConfig
-from tasks.rl.trainer import plan_placements
 
 RL = {"output": "o", "pretrain": "p", "reward_pretrain": "r", "prompt_data": "d"}
 
@@ -42,12 +41,19 @@ def test_batch_split_over_workers_and_micro_batches():
     ({"colocate_all_models": True}, [["actor", "ref", "critic", "reward"]]),
 ])
 def test_placement_plan_follows_the_colocation_flags(flags, expected):
-    assert plan_placements(make_config(RLConfig, {**RL, **flags}), ["actor", "ref", "critic", "reward"]) == expected
+    cfg = make_config(RLConfig, {**RL, **flags})
+    assert cfg.roles() == ["actor", "ref", "critic", "reward"]
+    assert cfg.placement_plan() == expected
+    assert cfg.devices_needed() == len(expected)  # one worker per group here
 
 
 def test_placement_plan_without_critic_or_reward_models():
-    cfg = make_config(RLConfig, {**RL, "colocate_critic_reward": True})
-    assert plan_placements(cfg, ["actor", "ref"]) == [["actor"], ["ref"]]
+    cfg = make_config(RLConfig, {**RL, "colocate_critic_reward": True, "advantage_estimator": "rloo", "n_samples_per_prompt": 2,
+                                 "remote_rm_url": "r.py"})
+    assert cfg.roles() == ["actor", "ref"]
+    assert cfg.placement_plan() == [["actor"], ["ref"]]
+    assert make_config(RLConfig, {**RL, "actor_num_gpus_per_node": 2, "colocate_actor_ref": True, "ref_num_gpus_per_node": 2}
+                       ).devices_needed() == 2 + 1 + 1  # actor and ref share 2; critic and reward 1 each
 
 
 def test_rl_config_refuses_layouts_and_flags_that_cannot_apply():

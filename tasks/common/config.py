@@ -59,6 +59,11 @@ class StageConfig:
         if not self.output:
             raise ConfigError("output: missing; pass --output s3://bucket/prefix/… or a local folder")
 
+    def devices_needed(self) -> int:
+        """Devices (GPUs, or CPUs on a CPU-only cluster) the stage's worker group holds at once: one per worker
+        (num_nodes × num_gpus_per_node, where the stage has them); RL counts its groups (tasks.rl.config)."""
+        return getattr(self, "num_nodes", 1) * getattr(self, "num_gpus_per_node", 1)
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

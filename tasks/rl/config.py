@@ -142,6 +142,27 @@ class RLConfig(EpisodeConfig, TrainingConfig):
         return (["actor"] + (["ref"] if ref else []) + (["critic"] if uses_critic(self.advantage_estimator) else [])
                 + ([] if self.remote_rm_url or self.env_path else ["reward"]))
 
+    def placement_plan(self) -> list[list[str]]:
+        """Which of roles() share a placement group: [[actor, ref], [critic, reward]] etc., each list one group."""
+        roles = self.roles()
+        if self.colocate_all_models:
+            return [roles]
+        together = [mates for flag, mates in ((self.colocate_actor_ref, {"actor", "ref"}), (self.colocate_critic_reward, {"critic", "reward"}))
+                    if flag]
+        plan, placed = [], set()
+        for role in roles:
+            if role in placed:
+                continue
+            mates = next((s for s in together if role in s), {role})
+            plan.append([r for r in roles if r in mates])
+            placed.update(mates)
+        return plan
+
+    def devices_needed(self) -> int:
+        """Devices (GPUs, or CPUs on a CPU-only cluster) the run holds at once: a bundle per worker of each placement
+        group, and the rollout engines of their own."""
+        return sum(self.group_size(members[0]) for members in self.placement_plan()) + (self.rollout_engines() if self.separate_engines() else 0)
+
     def group_size(self, role: str) -> int:
         return getattr(self, f"{role}_num_nodes") * getattr(self, f"{role}_num_gpus_per_node")
 

@@ -62,32 +62,12 @@ def load_prompts(cfg: RLConfig, run: StageRun, tokenizer) -> Prompts:
     return Prompts([p[-cfg.prompt_max_len:] for p in ids], texts, labels, truncated, rows.to_list() if cfg.env_path else None)
 
 
-def plan_placements(cfg: RLConfig, roles: list[str]) -> list[list[str]]:
-    """Which roles share a placement group: [[actor, ref], [critic, reward]] etc., each list one group."""
-    if cfg.colocate_all_models:
-        return [roles]
-    together = []
-    if cfg.colocate_actor_ref:
-        together.append({"actor", "ref"})
-    if cfg.colocate_critic_reward:
-        together.append({"critic", "reward"})
-    plan, placed = [], set()
-    for role in roles:
-        if role in placed:
-            continue
-        mates = next((s for s in together if role in s), {role})
-        plan.append([r for r in roles if r in mates])
-        placed.update(mates)
-    return plan
-
-
 def check_fits(cfg: RLConfig, layout: list[list[str]]) -> None:
     """Refuse at once a layout that needs more devices than the whole cluster has (Ray would wait)."""
     import ray
 
     kind = "GPU" if cluster_has_gpus() else "CPU"
-    need = sum(cfg.group_size(members[0]) for members in layout) + (cfg.rollout_engines() if cfg.separate_engines() else 0)
-    have = ray.cluster_resources().get(kind, 0)
+    need, have = cfg.devices_needed(), ray.cluster_resources().get(kind, 0)
     if need > have:
         groups = ", ".join(f"[{' + '.join(m)}] × {cfg.group_size(m[0])}" for m in layout)
         raise ConfigError(f"colocate_all_models: the worker groups {groups} need {need} {kind}s but the cluster has {have:g}; "
@@ -219,7 +199,7 @@ class Controller:
             run.input("reward_pretrain", cfg.reward_pretrain)
         else:
             run.input("remote_rm_url", cfg.remote_rm_url)
-        self.layout = plan_placements(cfg, roles)
+        self.layout = cfg.placement_plan()
         check_fits(cfg, self.layout)
         classes = {"actor": ActorWorker, "ref": ReferenceWorker, "critic": CriticWorker, "reward": RewardWorker}
         self.placements, self.groups = [], {}
