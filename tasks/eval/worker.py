@@ -26,7 +26,7 @@ from tasks.common.strategy import set_seed
 from tasks.common.workers import Worker
 from tasks.eval import lm_eval_tasks
 from tasks.eval.config import EvalConfig
-from tasks.rl.environment import EpisodeLimits, EpisodeRunner, load_environment
+from tasks.rl.environment import episode_runner
 from tasks.rl.rewards import RewardModels, build_reward_batch
 
 
@@ -114,9 +114,7 @@ class EvalWorker(Worker):
 
     def _episodes(self, engine, tokenizer, rows: list[dict]) -> list[dict]:
         """Greedy multi-turn episodes in the environment (--env_path), one per row: their summaries."""
-        cfg = self.cfg
-        limits = EpisodeLimits(cfg.max_turns, cfg.max_episode_tokens, cfg.generate_max_len, cfg.env_step_timeout)
-        runner = EpisodeRunner(engine, tokenizer, load_environment(cfg.env_path), limits, cfg.apply_chat_template, cfg.input_key)
+        runner = episode_runner(self.cfg, engine, tokenizer)
         try:
             return runner.run(rows, greedy=True).summaries
         finally:

@@ -201,6 +201,14 @@ def _observation_frame(tokenizer, role: str) -> str:
     return _FRAMES[key]
 
 
+def episode_runner(cfg, engine, tokenizer, policy_version=None) -> "EpisodeRunner":
+    """The runner of a stage config's episodes (tasks.rl.config.EpisodeConfig's fields, with generate_max_len,
+    apply_chat_template, input_key and, in RL, prompt_max_len): its environment, its limits, on `engine`."""
+    limits = EpisodeLimits(cfg.max_turns, cfg.max_episode_tokens, cfg.generate_max_len, cfg.env_step_timeout,
+                           getattr(cfg, "prompt_max_len", 0))
+    return EpisodeRunner(engine, tokenizer, load_environment(cfg.env_path), limits, cfg.apply_chat_template, cfg.input_key, policy_version)
+
+
 class EpisodeRunner:
     """Runs a batch of episodes. The engine generates one turn for every episode ready for one, in one batched
     `generate`; the environments step on an event loop of the runner's own (async steps awaited, sync ones in

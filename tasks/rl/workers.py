@@ -308,10 +308,9 @@ def _episode_runner(cfg: RLConfig, engine, tokenizer, policy_version=None):
     """Multi-turn episodes on `engine`, one environment per episode (--env_path); None without one."""
     if not cfg.env_path:
         return None
-    from tasks.rl.environment import EpisodeLimits, EpisodeRunner, load_environment
+    from tasks.rl.environment import episode_runner
 
-    limits = EpisodeLimits(cfg.max_turns, cfg.max_episode_tokens, cfg.generate_max_len, cfg.env_step_timeout, cfg.prompt_max_len)
-    return EpisodeRunner(engine, tokenizer, load_environment(cfg.env_path), limits, cfg.apply_chat_template, cfg.input_key, policy_version)
+    return episode_runner(cfg, engine, tokenizer, policy_version)
 
 
 def _run_episodes(runner, rows: list[dict], cfg: RLConfig):
