@@ -7,6 +7,7 @@
 #   make demo      install + up + one run of the rlhf_pipeline DAG, followed to its report
 #   make test      lock check, then the test suite without slow and GPU tests; `make test-all` adds the slow ones
 #   make test-fast the unit tests only (no stack, no Ray head, no DeepSpeed op builds): the edit loop
+#   make lint      ruff check (every test target runs it first)
 #   make clean     down + remove .scratch (every stack's state, the DeepSpeed op cache, test scratch)
 
 SHELL := /bin/bash
@@ -21,7 +22,7 @@ XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
 PIP_VERSION := 26.3
 LOCK := locks/dev.txt
 
-.PHONY: install lock check-lock up down status demo test test-all test-fast clean
+.PHONY: install lock check-lock up down status demo test test-all test-fast lint clean
 
 install: $(STAMP)
 
@@ -61,14 +62,18 @@ demo: up
 # in one, the rest spread over the others. Worth it with cores to spare: on 2 cores two training tests at once
 # oversubscribe them (each trains on 2 threads; measured with some other load too: the demo run took 1,715 s
 # beside the other worker, 451 s alone), so the default is one process.
-test: check-lock install
+test: check-lock install lint
 	$(PY) -m pytest $(XDIST) -m "not slow and not gpu" $(PYTEST_ARGS)
 
-test-all: check-lock install
+test-all: check-lock install lint
 	$(PY) -m pytest $(XDIST) -m "not gpu" $(PYTEST_ARGS)
 
-test-fast: install
+test-fast: install lint
 	$(PY) -m pytest $(XDIST) -m "not slow and not gpu and not e2e and not ray" $(PYTEST_ARGS)
+
+# pyflakes' checks, pycodestyle's errors and warnings, import order (pyproject.toml's tool.ruff); seconds.
+lint: install
+	$(BIN)/ruff check --no-cache .
 
 # Stops every stack under .scratch (the developer's, and any test stack or Ray head a killed test run
 # left behind), then removes the folder.

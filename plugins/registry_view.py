@@ -19,8 +19,7 @@ import re
 from fastapi import FastAPI, Query
 from fastapi.responses import HTMLResponse
 
-from plugins.reports import (bad, can_read_runs_of, check_location, check_prefix, check_served, list_pages, read_object,
-                             served_buckets)
+from plugins.reports import bad, can_read_runs_of, check_location, check_prefix, check_served, list_pages, read_object, served_buckets
 from tasks.common import cost, names
 
 MODEL = re.compile(names.NAME_PATTERN)  # the model_name Param's pattern

@@ -20,8 +20,7 @@ from tasks.data import agentic
 from tasks.data.demo import build_base_model
 from tasks.rl.advantages import discounted_returns, gae
 from tasks.rl.config import RLConfig
-from tasks.rl.environment import (EnvError, EpisodeLimits, EpisodeRunner, check_environment, load_environment,
-                                  observation_ids)
+from tasks.rl.environment import EnvError, EpisodeLimits, EpisodeRunner, check_environment, load_environment, observation_ids
 from tasks.rl.envs import calculator, guess
 from tasks.rl.experience import response_logprobs
 from tasks.rl.trainer import fresh_groups

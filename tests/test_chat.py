@@ -17,9 +17,9 @@ from tasks.common import data
 from tasks.common.config import ConfigError, make_config
 from tasks.common.rollout import HFRolloutEngine, Rollout, response_mask
 from tasks.data import demo
-from tiny_chat import CHARACTERS, SPECIAL_TOKENS, build_chat_model, build_tokenizer, chat_rows
 
 from conftest import REPO
+from tiny_chat import CHARACTERS, SPECIAL_TOKENS, build_chat_model, build_tokenizer, chat_rows
 
 BOS, USER, ASSISTANT, SYSTEM, END, EOS, PAD = 1, 4, 5, 6, 7, 2, 0
 CONVERSATION = [{"role": "system", "content": "Add."}, {"role": "user", "content": "1+2"},

@@ -71,8 +71,8 @@ def test_a_fields_declared_limits_are_enforced_and_are_its_json_schema():
     """A field's metadata (min, max, exclusive_min/max, choices, max_length, pattern) is checked before the stage's
     own checks, in one line, and is the JSON schema the run form's Param is made from (plugins/pipeline.py)."""
     from tasks.common.config import param_schema
-    from tasks.eval.config import EvalConfig
     from tasks.data.config import PrepareDataConfig
+    from tasks.eval.config import EvalConfig
 
     base = {"output": "o", "pretrain": "p", "reward_pretrain": "r", "prompt_data": "d"}
     for values, message in (

@@ -50,7 +50,7 @@ def test_training_logprobs_match_generation_with_left_padded_prompts():
         out = model.generate(input_ids=rollout.sequences[:, :rollout.prompt_width], attention_mask=rollout.attention_mask[:, :rollout.prompt_width],
                              max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True,
                              pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-        gen_logprobs = torch.stack([torch.log_softmax(l.float(), -1) for l in out.logits], 1)
+        gen_logprobs = torch.stack([torch.log_softmax(step.float(), -1) for step in out.logits], 1)
         gen_logprobs = gen_logprobs.gather(-1, out.sequences[:, rollout.prompt_width:].unsqueeze(-1)).squeeze(-1)
         train_logprobs = sequence_logprobs(model, rollout.sequences, rollout.attention_mask)[:, rollout.prompt_width - 1:]
     mask = rollout.response_mask.bool()

@@ -18,6 +18,7 @@ from tasks.common.config import ConfigError, make_config, parse_config
 from tasks.data import ingest, versions
 from tasks.data.__main__ import prepare
 from tasks.data.config import PrepareDataConfig
+
 from tiny_chat import chat_rows
 
 REPO = Path(__file__).resolve().parents[1]

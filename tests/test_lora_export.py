@@ -14,9 +14,8 @@ import os
 import pytest
 import torch
 
-from tasks.common import lora
+from tasks.common import lora, stage
 from tasks.common import manifest as manifests
-from tasks.common import stage
 from tasks.common.config import ConfigError, make_config
 from tasks.common.models import resolve_model, sequence_logprobs
 from tasks.preference.config import PreferenceConfig

@@ -4,11 +4,30 @@ import math
 import pytest
 import torch
 
-from tasks.common.losses import (aggregate, bradley_terry_loss, fused_token_logprobs, kl_loss, logprob_mismatch, masked_mean,
-                                 policy_loss, sft_loss, token_logprobs, value_loss)
+from tasks.common.losses import (
+    aggregate,
+    bradley_terry_loss,
+    fused_token_logprobs,
+    kl_loss,
+    logprob_mismatch,
+    masked_mean,
+    policy_loss,
+    sft_loss,
+    token_logprobs,
+    value_loss,
+)
 from tasks.common.models import sequence_logprobs
-from tasks.rl.advantages import (compute_advantages, discounted_returns, gae, group_keep_mask, kl_estimate,
-                                 kl_penalized_rewards, shape_scores, uses_critic, whiten)
+from tasks.rl.advantages import (
+    compute_advantages,
+    discounted_returns,
+    gae,
+    group_keep_mask,
+    kl_estimate,
+    kl_penalized_rewards,
+    shape_scores,
+    uses_critic,
+    whiten,
+)
 from tasks.rl.kl_controller import AdaptiveKLController, FixedKLController, make_kl_controller
 
 T = torch.tensor

@@ -27,7 +27,6 @@ from conftest import REPO, SCRATCH, _stack, _stack_port
 from test_stack import LOOPBACK_IPS, _listening
 from test_stages import flags, metrics_of, run_cli
 
-
 # `ray start` for a joining node, except that it keeps 127.0.0.1 as given: stock `ray start` turns a
 # loopback --address / --node-ip-address into the machine's outward address (a real second machine
 # needs that; here the head listens on 127.0.0.1 only, and so must this node: checked in two_nodes).

@@ -24,12 +24,12 @@ from plugins.operators import (
     RayJobOperator,
     build_entrypoint,
     cleared_by_user,
-    unknown_conf,
     failure_message,
     key_safe,
     output_uri_for,
     render_flags,
     submission_id_for,
+    unknown_conf,
 )
 from plugins.triggers import RayJobTrigger, split_new_lines
 

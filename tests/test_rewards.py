@@ -4,14 +4,14 @@ import re
 import pytest
 import torch
 
-from conftest import REPO, free_port
-from json_server import JSONServer
 from tasks.common.data import encode_prompt, encode_response, pad
 from tasks.common.models import load_scalar_model, sequence_scores
 from tasks.common.rollout import Rollout, response_mask
 from tasks.data import demo
-from tasks.rl.rewards import (RewardBatch, RewardEndpoint, RewardError, RewardFunction, RewardModels, SummedRewards,
-                              build_reward_batch, make_reward_source)
+from tasks.rl.rewards import RewardBatch, RewardEndpoint, RewardError, RewardFunction, RewardModels, SummedRewards, build_reward_batch, make_reward_source
+
+from conftest import REPO, free_port
+from json_server import JSONServer
 
 DEMO_REWARD = str(REPO / "tasks" / "data" / "demo_reward.py")
 

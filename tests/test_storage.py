@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_port
 from tasks.common import manifest as mf
 from tasks.common import storage
 from tasks.common.storage import NotFoundError, StorageError
+
+from conftest import free_port
 
 BIG = 11 * 1024 * 1024  # above the 8 MB multipart threshold
 

@@ -82,10 +82,10 @@ def test_vllm_engine_generates_and_follows_the_trained_weights(tmp_path):
     """The engine samples from the weights it is given: after loading perturbed weights its
     log-probabilities match the perturbed model's own (bf16 tolerance), not the original's."""
     from tasks.common.models import load_causal_lm, load_tokenizer
+    from tasks.common.strategy import init_distributed
     from tasks.data import demo
     from tasks.rl.experience import response_logprobs
     from tasks.rl.vllm_engine import VLLMRolloutEngine
-    from tasks.common.strategy import init_distributed
 
     tokenizer = demo.build_tokenizer()
     demo.build_base_model(tokenizer).save_pretrained(tmp_path / "m")

@@ -22,9 +22,9 @@ import sys
 import threading
 from pathlib import Path
 
+from moto.core import DEFAULT_ACCOUNT_ID
 from moto.s3.models import s3_backends
 from moto.server import DomainDispatcherApplication, create_backend_app
-from moto.core import DEFAULT_ACCOUNT_ID
 
 REGION = "us-east-1"
 CHANGING = ("PUT", "POST", "DELETE")

@@ -51,6 +51,7 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script: the project's shared names (standard library only)
 from tasks.common import names  # noqa: E402
+
 # The interpreter running this file is the environment the stack runs from (make uses .venv/bin/python).
 BIN = Path(sys.executable).parent
 

@@ -30,7 +30,6 @@ from typing import Any
 
 import yaml
 
-
 LR_SCHEDULERS = ("constant", "cosine")  # what tasks.common.strategy.lr_multiplier implements
 
 

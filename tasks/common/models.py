@@ -28,9 +28,8 @@ from pathlib import Path
 
 import torch
 
-from tasks.common import lora
+from tasks.common import lora, storage
 from tasks.common import manifest as manifests
-from tasks.common import storage
 from tasks.common.losses import head_logprobs, last_token_index, tempered, token_logprobs
 
 logger = logging.getLogger(__name__)

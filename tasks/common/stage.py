@@ -22,14 +22,12 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from tasks.common import cost
+from tasks.common import cost, storage
 from tasks.common import manifest as manifests
-from tasks.common import storage
 from tasks.common.checkpoint import CheckpointStore
 from tasks.common.config import ConfigError, StageConfig, parse_config, split_list
 from tasks.common.storage import StorageError
 from tasks.common.tracking import MetricsTracker
-
 
 
 class InjectedFailure(RuntimeError):

@@ -29,9 +29,8 @@ from tasks.common.registry import Registry
 from tasks.common.stage import StageRun
 from tasks.common.strategy import set_seed
 from tasks.common.workers import placed_group
-from tasks.eval import lm_eval_tasks
+from tasks.eval import lm_eval_tasks, stats
 from tasks.eval import metrics as metric_lib
-from tasks.eval import stats
 from tasks.eval.config import EvalConfig
 from tasks.eval.judge import ChatJudge
 from tasks.eval.report import write_report
@@ -221,8 +220,8 @@ def evaluate(cfg: EvalConfig, run: StageRun) -> None:
         "inputs": dict(run.inputs),
         # What producing the candidate took: wall time and GPU-hours over its lineage (SFT, RM, RL, ...).
         "cost": lineage_cost(cfg.policy),
-        "samples": [{"prompt": shown(p), "label": l, "baseline": b, "policy": q}
-                    for p, l, b, q in list(zip(texts, labels or [None] * len(texts), greedy["baseline"], greedy["policy"]))[:cfg.num_shown_samples]],
+        "samples": [{"prompt": shown(p), "label": label, "baseline": b, "policy": q}
+                    for p, label, b, q in list(zip(texts, labels or [None] * len(texts), greedy["baseline"], greedy["policy"]))[:cfg.num_shown_samples]],
     }
     if lm_eval_tables:
         report["lm_eval"] = lm_eval_tables  # lm-eval's own aggregates (with its standard errors), per side and task

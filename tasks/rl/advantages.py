@@ -19,8 +19,10 @@ import torch
 
 from tasks.common.losses import kl_estimate, last_token_index, masked_mean
 from tasks.rl.config import ADVANTAGE_ESTIMATORS as ESTIMATORS
-from tasks.rl.config import GROUP_ESTIMATORS  # need n ≥ 2 samples per prompt
-from tasks.rl.config import uses_critic
+from tasks.rl.config import (
+    GROUP_ESTIMATORS,  # need n ≥ 2 samples per prompt
+    uses_critic,
+)
 
 __all__ = [
     "ESTIMATORS", "compute_advantages", "discounted_returns", "gae", "group_keep_mask", "kl_estimate",

@@ -21,9 +21,8 @@ from pathlib import Path
 
 import torch
 
-from tasks.common import data, lora
+from tasks.common import data, lora, storage
 from tasks.common import manifest as manifests
-from tasks.common import storage
 from tasks.common.config import ConfigError, split_list
 from tasks.common.models import load_tokenizer, resolve_model
 from tasks.common.rollout import Rollout, concat_rollouts
