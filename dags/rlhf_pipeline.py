@@ -4,7 +4,8 @@ prepare_data -> sft -> (reward_model -> rl | dpo | kto) -> eval -> promote -> ch
 job; see plugins/pipeline.py. A manual run judges its policy with the promotion gate but promotes it
 only when the `allow_promotion` Param is set.
 """
-from plugins.pipeline import DEFAULTS, PARAMS, build_pipeline  # noqa: F401  (the run form, for tests and docs)
+from plugins.form import DEFAULTS, PARAMS  # noqa: F401  (the run form, for tests and docs)
+from plugins.pipeline import build_pipeline
 
 dag = build_pipeline(
     dag_id="rlhf_pipeline",

@@ -28,12 +28,11 @@ from datetime import timedelta
 
 from airflow.sdk import DAG, Asset, Param, chain, task
 
+from plugins.form import PARAMS, promotion_param
 from plugins.hooks import RayJobHook, RayUnreachableError
 from plugins.notifiers import WebhookNotifier
 from plugins.operators import OUTPUT_ROOT, RayJobOperator
 from tasks.common import names
-from tasks.promote.config import DEFAULT_GATE  # {}: the gate made from the metrics the run declares
-from tasks.promote.gate import RULE_KINDS
 
 #: A model's registry folder (champion.json, history/, candidates/), templated like the stages' output.
 REGISTRY = OUTPUT_ROOT + "/models/{{ params.model_name }}"
@@ -44,19 +43,11 @@ DATASETS_ROOT = OUTPUT_ROOT + "/datasets"
 DATASET_FLAGS = ("input_key", "output_key", "chosen_key", "rejected_key", "label_key", "messages_key", "eval_fraction",
                  "max_bad_fraction")
 
-#: The Airflow pool of GPUs (created by `make up` with --include-deferred: deferred stages hold their GPUs).
 #: GPUs each stage asks Ray for with the DAG's layout (the RL models colocated on the actor's GPU).
 STAGE_GPUS = {"prepare_data": 0, "sft": 1, "reward_model": 1, "rl": 1, "dpo": 1, "kto": 1, "eval": 1, "promote": 0}
-TRAINING_STAGES = ("sft", "reward_model", "rl", "dpo", "kto")
 #: Lineage in the Assets view: base model and data -> SFT -> reward model -> policy -> report -> champion.
 ASSETS = {name: Asset(name=f"rlhf_flow.{name}", uri=f"rlhf-flow://assets/{name}")
           for name in ("prepared_data", "sft_model", "reward_model", "policy", "eval_report", "champion")}
-
-
-def promotion_param(default: bool) -> Param:
-    """The allow_promotion Param: its default differs between the manual and the nightly DAG."""
-    return Param(default, type="boolean", title="Allow promotion",
-                 description="Promote the policy to champion when it passes the gate. Off: the gate judges and records it only.")
 
 
 def save_steps(steps: int, checkpoints: int) -> int:
@@ -72,160 +63,6 @@ def fail_after(stage: str, fault: dict) -> int:
 def fixed_data(dataset: str) -> bool:
     """Whether the dataset Param names the same data every time: a built-in task, or a pinned dataset:<name>@<version>."""
     return dataset in ("demo", "calculator", "guess") or (dataset.startswith("dataset:") and "@" in dataset)
-
-
-#: The form's fields that are stage flags: Param -> (stage, the stage config's field, title). The field
-#: (tasks/<stage>/config.py) is the one source of the Param's type, limits, description and (unless
-#: PIPELINE_DEFAULTS says otherwise) default, so the form refuses what the stage would.
-STAGE_PARAMS = {
-    "input_key": ("tasks.data", "input_key", "Prompt column"),
-    "output_key": ("tasks.data", "output_key", "SFT response column"),
-    "chosen_key": ("tasks.data", "chosen_key", "Chosen column"),
-    "rejected_key": ("tasks.data", "rejected_key", "Rejected column"),
-    "label_key": ("tasks.data", "label_key", "Label column"),
-    "messages_key": ("tasks.data", "messages_key", "Messages column"),
-    "eval_fraction": ("tasks.data", "eval_fraction", "Held-out fraction"),
-    "max_bad_fraction": ("tasks.data", "max_bad_fraction", "Max bad rows"),
-    # every training stage's (training_args below); seed and apply_chat_template eval's too
-    "apply_chat_template": ("tasks.sft", "apply_chat_template", "Apply chat template"),
-    "lora_rank": ("tasks.sft", "lora_rank", "LoRA rank"),
-    "seed": ("tasks.sft", "seed", "Seed"),
-    "zero_stage": ("tasks.sft", "zero_stage", "DeepSpeed ZeRO stage"),
-    "sft_steps": ("tasks.sft", "max_steps", "SFT steps"),
-    "sft_learning_rate": ("tasks.sft", "learning_rate", "SFT learning rate"),
-    "rm_steps": ("tasks.reward_model", "max_steps", "Reward model steps"),
-    "rm_learning_rate": ("tasks.reward_model", "learning_rate", "Reward model learning rate"),
-    "rl_steps": ("tasks.rl", "max_steps", "RL steps"),
-    "actor_learning_rate": ("tasks.rl", "actor_learning_rate", "Actor learning rate"),
-    "critic_learning_rate": ("tasks.rl", "critic_learning_rate", "Critic learning rate"),
-    "init_kl_coef": ("tasks.rl", "init_kl_coef", "Initial KL coefficient"),
-    "gae_lambda": ("tasks.rl", "lambd", "GAE lambda"),
-    "ptx_coef": ("tasks.rl", "ptx_coef", "PPO-ptx coefficient"),
-    "advantage_estimator": ("tasks.rl", "advantage_estimator", "Advantage estimator"),
-    "n_samples_per_prompt": ("tasks.rl", "n_samples_per_prompt", "Samples per prompt"),
-    "generate_max_len": ("tasks.rl", "generate_max_len", "New tokens per response"),  # eval's too
-    "environment": ("tasks.rl", "env_path", "Environment"),
-    "max_turns": ("tasks.rl", "max_turns", "Turns per episode"),
-    "max_episode_tokens": ("tasks.rl", "max_episode_tokens", "Tokens per episode"),
-    "colocate_all_models": ("tasks.rl", "colocate_all_models", "Colocate all RL models"),
-    "preference_steps": ("tasks.preference", "max_steps", "DPO/KTO steps"),
-    "preference_learning_rate": ("tasks.preference", "learning_rate", "DPO/KTO learning rate"),
-    "dpo_beta": ("tasks.preference", "beta", "DPO beta"),
-    "kto_beta": ("tasks.preference", "beta", "KTO beta"),
-    "eval_max_samples": ("tasks.eval", "max_samples", "Eval samples"),
-    "eval_metrics": ("tasks.eval", "metrics", "Eval metrics"),
-    "eval_metric_func": ("tasks.eval", "metric_func", "Eval metric file"),
-    "eval_samples_per_prompt": ("tasks.eval", "n_samples_per_prompt", "Eval samples per prompt"),
-    "eval_slice_key": ("tasks.eval", "slice_key", "Eval slice column"),
-    "eval_judge_url": ("tasks.eval", "judge_url", "Eval LLM judge URL"),
-    "eval_judge_model": ("tasks.eval", "judge_model", "Eval LLM judge model"),
-    "eval_lm_eval_tasks": ("tasks.eval", "lm_eval_tasks", "Eval lm-eval tasks"),
-    "eval_lm_eval_include_path": ("tasks.eval", "lm_eval_include_path", "Eval lm-eval task folder"),
-    "eval_lm_eval_limit": ("tasks.eval", "lm_eval_limit", "Eval lm-eval documents"),
-}
-
-#: Where the run starts from another default than the stage's own, and why. The stages keep the peers'
-#: defaults (OpenRLHF's λ 0.95, no PPO-ptx) for a team's own data; the form's are the demo's measured recipe.
-PIPELINE_DEFAULTS = {
-    "rm_steps": (100, "the demo's reward model: its run's claim (tests/test_e2e.py) holds with 100 steps on 2 cores"),
-    "rl_steps": (30, "the demo's RL recipe as measured on seeds 0, 1 and 2 (README, design notes)"),
-    "gae_lambda": (0.8, "the demo's style comes after the digits: with 0.95 the digit tokens carried much of its advantage noise"),
-    "ptx_coef": (0.5, "PPO-ptx on the run's SFT split: without it the demo's accuracy held on one seed of three"),
-    "colocate_all_models": (True, "one GPU per stage, as the pool slots count them (STAGE_GPUS); the local Ray head has 2 CPUs"),
-    "preference_learning_rate": (2e-5, "the DPO and KTO learning checks' rate (tests/test_learning.py)"),
-    "dpo_beta": (0.5, "the DPO learning check's β, with the NLL term below"),
-}
-
-#: The pipeline's own narrowing of a stage field's schema, and why.
-NARROWED = {
-    # The Ray nodes reach the built-in environments, S3, absolute paths and the shipped tasks/ folder only.
-    "environment": {"pattern": r"^$|^(calculator|guess|s3://\S+\.py|/\S+\.py|tasks/\S+\.py)$"},
-}
-
-
-def stage_param(name: str) -> Param:
-    """The Param `name` of the run form, made from its stage config's field (STAGE_PARAMS)."""
-    from tasks.common.config import param_schema
-    from tasks.validate import config_class
-
-    module, field_name, title = STAGE_PARAMS[name]
-    schema = {**param_schema(config_class(module), field_name), **NARROWED.get(name, {})}
-    default = PIPELINE_DEFAULTS[name][0] if name in PIPELINE_DEFAULTS else schema["default"]
-    schema.pop("default")
-    return Param(default, title=title, **schema)
-
-
-# The form's fields that are the pipeline's own (where the run goes, which data and model, which branch, the
-# cache, deadline, checkpoints, registry and gate). The stage-backed ones come from their configs above.
-PARAMS = {
-    # null allowed: the UI's form sends an emptied field as null (Airflow's docs: optional = "null" in type).
-    "bucket": Param(
-        None, type=["null", "string"], title="Bucket",
-        description="S3 bucket that receives every artifact of the run. Empty: the bucket named in the rlhf_s3 "
-                    "connection's extra (`bucket`), else rlhf-flow.",
-        pattern="^$|" + names.BUCKET_PATTERN,
-    ),
-    "prefix": Param(
-        "rlhf-flow", type="string", title="Key prefix",
-        description="Key prefix inside the bucket; runs go under <prefix>/runs/<dag_id>/<run_id>/.",
-        pattern=r"^[A-Za-z0-9._\-/]*$", maxLength=200,
-    ),
-    "dataset": Param(
-        "demo", type="string", title="Dataset", minLength=1,
-        description="'demo' for the built-in synthetic preference dataset; a JSONL, Parquet or CSV file URI (s3://..., local "
-                    "path), validated, split and registered as a version under <prefix>/datasets/<file name>/; or "
-                    "dataset:<name> (its newest registered version) or dataset:<name>@<version>.",
-    ),
-    "base_model": Param(
-        "demo", type="string", title="Base model", minLength=1,
-        description="'demo' for a tiny model built offline, or a model URI / hub id.",
-    ),
-    "method": Param(
-        "rl", type="string", title="Method", enum=["rl", "dpo", "kto"],
-        description="After SFT: rl (reward model, then RL with the advantage estimator below), or dpo / kto "
-                    "(direct preference optimisation on the preference data, no reward model).",
-    ),
-    **{name: stage_param(name) for name in STAGE_PARAMS},
-    "checkpoints_per_stage": Param(
-        5, type="integer", title="Checkpoints per stage", minimum=0, maximum=1000,
-        description="Resumable checkpoints each training stage writes, evenly spaced (0: none). A rerun of a failed "
-                    "stage resumes from its newest one.",
-    ),
-    "use_cache": Param(
-        True, type="boolean", title="Reuse cached stages",
-        description="Skip a stage whose flags, input manifests and code match a completed stage under this prefix, "
-                    "and use that stage's output (off: every stage runs).",
-    ),
-    "stage_deadline_minutes": Param(
-        240, type="number", title="Stage deadline (minutes)", minimum=0, maximum=100_000,
-        description="A stage's Ray job still running after this long is stopped and the task fails (0: no deadline).",
-    ),
-    "model_name": Param(
-        "demo-policy", type="string", title="Model name", pattern=names.NAME_PATTERN,
-        description="Registry name: the champion lives at <prefix>/models/<name>/champion.json.",
-    ),
-    "allow_promotion": promotion_param(False),
-    "promotion_gate": Param(
-        DEFAULT_GATE, type="object", title="Promotion gate",
-        description="Per metric: min / max (absolute), min_gain / max_drop (against the champion, or the SFT model "
-                    "before the first champion), min_gain_lower (the 95% interval of the gain starts at or above it). "
-                    "Must include a metric the reward model does not produce (not only reward_mean). Empty ({}): no "
-                    "declared 0/1 metric drops more than 2 points, KL to the SFT model stays under 2, and one of them "
-                    "gains beyond noise. A report whose reward-hacking alarm went off never passes.",
-        additionalProperties={"type": "object", "minProperties": 1, "additionalProperties": False,
-                              "properties": {k: {"type": "number"} for k in RULE_KINDS}},
-    ),
-    "fault_injection": Param(
-        {}, type="object", title="Fault injection (testing)",
-        description='Testing only: {"stage": "rl", "after_step": 12} fails that stage once, right after its checkpoint '
-                    "of that step (a multiple of its checkpoint interval); its rerun resumes from there.",
-        properties={"stage": {"type": "string", "enum": list(TRAINING_STAGES)}, "after_step": {"type": "integer", "minimum": 1}},
-        additionalProperties=False,
-    ),
-}
-
-#: The run form's defaults by Param name.
-DEFAULTS = {name: param.value for name, param in PARAMS.items()}
 
 
 def branch_for(params) -> list[str]:

@@ -69,7 +69,7 @@ def test_rl_ptx_needs_data_and_a_weight():
 
 def test_a_fields_declared_limits_are_enforced_and_are_its_json_schema():
     """A field's metadata (min, max, exclusive_min/max, choices, max_length, pattern) is checked before the stage's
-    own checks, in one line, and is the JSON schema the run form's Param is made from (plugins/pipeline.py)."""
+    own checks, in one line, and is the JSON schema the run form's Param is made from (plugins/form.py)."""
     from tasks.common.config import param_schema
     from tasks.data.config import PrepareDataConfig
     from tasks.eval.config import EvalConfig

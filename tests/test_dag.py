@@ -258,14 +258,14 @@ def test_params_refuse_bad_values(dag, name, value):
 
 
 def test_the_form_refuses_what_its_stage_would_and_starts_where_the_stage_does_unless_said_why():
-    """Every Param made from a stage field (plugins/pipeline.py STAGE_PARAMS) carries that field's limits, so a
+    """Every Param made from a stage field (plugins/form.py STAGE_PARAMS) carries that field's limits, so a
     value just past one is refused by the form and by the stage alike; its default is the stage's, but where
     PIPELINE_DEFAULTS gives the pipeline's own with a reason."""
     import dataclasses
 
     from airflow.sdk.exceptions import ParamValidationError
 
-    from plugins import pipeline
+    from plugins import form as pipeline
     from tasks.common.config import ConfigError, make_config
     from tasks.validate import config_class
 

@@ -2,7 +2,7 @@
 tests/test_e2e.py's run of the DAG itself).
 
 Each seed runs the demo's stages as plain processes, with the flags the rlhf_pipeline DAG passes at its Param
-defaults (plugins/pipeline.py DEFAULTS): prepare_data → SFT → reward model → RL (PPO) → eval, every stage
+defaults (plugins/form.py DEFAULTS): prepare_data → SFT → reward model → RL (PPO) → eval, every stage
 on that seed. The claim (tasks/data/demo.py's verdict): the preferred style up 30 points or more, held-out
 greedy accuracy down 3 points at most. Seed 0's eval table must then equal the session's DAG run of the
 demo (tests/conftest.py's demo_run: the same seed and flags through Airflow and Ray jobs, from nothing),
@@ -14,7 +14,7 @@ import shutil
 
 import pytest
 
-from plugins.pipeline import DEFAULTS
+from plugins.form import DEFAULTS
 from tasks.common import manifest as manifests
 from tasks.data import demo
 

@@ -352,8 +352,9 @@ def test_the_pipeline_flags_parse_in_every_stage_config():
     import jinja2
     from airflow.sdk.definitions.xcom_arg import XComArg
 
+    from plugins.form import DEFAULTS
     from plugins.operators import render_flags
-    from plugins.pipeline import DEFAULTS, build_pipeline, fail_after, fixed_data, save_steps
+    from plugins.pipeline import build_pipeline, fail_after, fixed_data, save_steps
     from tasks.eval.config import EvalConfig
     from tasks.preference.config import PreferenceConfig
     from tasks.reward_model.config import RewardModelConfig

@@ -15,7 +15,7 @@ A field's metadata is the one place its limits are written: `min`, `max`, `exclu
 `exclusive_max` (bounds the value must be strictly inside), `choices`, `max_length`, `pattern` (a regex the value must contain a match of, as
 JSON schema's), and `fix` (the advice added to a refusal). `validate()` enforces them before the stage's
 own cross-field checks, and `param_schema` turns them into the JSON schema of the run form's Param
-(plugins/pipeline.py), so the form refuses what the stage would.
+(plugins/form.py), so the form refuses what the stage would.
 """
 from __future__ import annotations
 
