@@ -1,9 +1,9 @@
 """A whole run's flags checked before any stage runs: each stage's config built and validated, nothing loaded.
 
-    from tasks.validate import check_stage
-    check_stage("tasks.rl", {"pretrain": "s3://b/run/sft", "advantage_estimator": "group_norm", ...})
-    # -> None, or "rl: n_samples_per_prompt: group_norm needs 2 or more samples per prompt; …" (one line)
-    oversized({"rl": stage_config("tasks.rl", flags)}, {"CPU": 2.0})   # -> ["rl: its worker groups need 4 CPUs …"]
+    from tasks.validate import oversized, stage_config
+    cfg = stage_config("tasks.rl", {"pretrain": "s3://b/run/sft", "advantage_estimator": "group_norm", ...})
+    # -> RLConfig, or ConfigError "n_samples_per_prompt: group_norm compares samples of one prompt; …" (one line)
+    oversized({"rl": cfg}, {"CPU": 2.0})   # -> ["rl: its worker groups need 4 CPUs …"], or []
 
 The configs (tasks/<stage>/config.py) need the standard library and yaml only, so the Airflow side runs this
 in its first task (plugins/pipeline.py's `validate`) with the flags each stage operator would submit: a form
@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from tasks.common.config import ConfigError, make_config
+from tasks.common.config import make_config
 
 STAGE_CONFIGS = {  # a stage's module -> its config class
     "tasks.data": "tasks.data.config:PrepareDataConfig",
@@ -38,15 +38,6 @@ def stage_config(module: str, flags: dict[str, Any]):
     """The stage's config built from these flags (as its CLI gets them: strings); ConfigError as the stage
     would raise it."""
     return make_config(config_class(module), {k: v for k, v in flags.items() if v is not None})
-
-
-def check_stage(module: str, flags: dict[str, Any]) -> str | None:
-    """The stage's own one-line refusal of these flags, or None."""
-    try:
-        stage_config(module, flags)
-    except ConfigError as e:
-        return str(e)
-    return None
 
 
 def oversized(configs: dict[str, Any], cluster: dict[str, float]) -> list[str]:

@@ -12,10 +12,10 @@ bare form `--bf16`), and a key of the YAML file. Unknown keys, wrong types and v
 work starts. This module imports neither torch nor airflow: the DAG side may use it.
 
 A field's metadata is the one place its limits are written: `min`, `max`, `exclusive_min` and
-`exclusive_max` (bounds the value must be strictly inside), `choices`, `max_length`, `pattern` (a regex the value must contain a match of, as
-JSON schema's), and `fix` (the advice added to a refusal). `validate()` enforces them before the stage's
-own cross-field checks, and `param_schema` turns them into the JSON schema of the run form's Param
-(plugins/form.py), so the form refuses what the stage would.
+`exclusive_max` (bounds the value must be strictly inside), `choices`, `max_length`, `pattern` (a regex
+the value must contain a match of, as JSON schema's), and `fix` (advice added to a refusal). `validate()`
+enforces them before the stage's own cross-field checks, and `param_schema` turns them into the JSON
+schema of the run form's Param (plugins/form.py), so the form refuses what the stage would.
 """
 from __future__ import annotations
 
@@ -115,7 +115,7 @@ class TrainingConfig(StageConfig):
 
 
 def _number(value) -> str:
-    return f"{value:,}".replace(",", "") if isinstance(value, int) else f"{value:g}"
+    return str(value) if isinstance(value, int) else f"{value:g}"
 
 
 def check_declared(f: dataclasses.Field, value: Any) -> None:
