@@ -3,9 +3,10 @@
 #
 #   here:        bash bench/gpu/flash_attn.sh fetch     # the sdist (8 MB) into .scratch/gpu/flash-attn/
 #   device call: bash bench/gpu/flash_attn.sh build     # carry [".scratch/gpu/flash-attn"]; starts in the background
-#   device call: bash bench/gpu/flash_attn.sh collect   # waits for it, installs into /tmp/site, sends the wheel
-#                                                       # back in 15 MB parts ($OUT/fa_*); a later session carries
-#                                                       # them and runs `… flash_attn.sh install` (no build)
+#   device call: bash bench/gpu/flash_attn.sh collect   # waits for it, installs into /tmp/site, sends the wheel's
+#                                                       # first four 15 MB parts back ($OUT/fa_*); `send 1`, `send 2`
+#                                                       # the rest; a later session carries them and runs
+#                                                       # `… flash_attn.sh install` (no build)
 #
 # The build is for sm90 only (FLASH_ATTN_CUDA_ARCHS=90) and for head dims 32, 64 and 128 (the demo model's,
 # Qwen2-0.5B's and Qwen2.5-1.5B's): half of the 72 kernel files, about 7 minutes on 16 cores where the whole
@@ -17,7 +18,7 @@ version=2.8.3
 here=.scratch/gpu/flash-attn
 sdist=flash_attn-$version.tar.gz
 build=/tmp/fa-build
-case "${1:?usage: flash_attn.sh fetch|build|collect|install}" in
+case "${1:?usage: flash_attn.sh fetch|build|collect|send <n>|install}" in
   fetch)
     mkdir -p $here
     url=$(curl -fsS https://pypi.org/simple/flash-attn/ | grep -o "https://[^\"#]*/$sdist" | head -1)
@@ -64,13 +65,19 @@ EOF
     echo $! > $build/pid
     echo "building in the background: $build/log" ;;
   collect)
-    out="${OUT:-/tmp/out}"
     for _ in $(seq 1 "${WAIT_S:-540}"); do [ -f $build/done ] && break; sleep 1; done
     [ -f $build/done ] || { echo "not built yet:"; tail -5 $build/log; exit 1; }
     wheel=$(ls $build/wheel/flash_attn-*.whl)
     ls -la "$wheel"
     pip install --quiet --no-index --no-deps --target /tmp/site "$wheel"
-    mkdir -p "$out" && split -b 15M "$wheel" "$out/fa_$(basename "$wheel" .whl)." && ls -la "$out" ;;
+    rm -rf /tmp/fa-parts && mkdir -p /tmp/fa-parts && split -b 15M "$wheel" "/tmp/fa-parts/fa_$(basename "$wheel" .whl)."
+    ls /tmp/fa-parts | wc -l
+    bash "$0" send 0 ;;
+  send)
+    # A call brings back 64 MiB at most: four 15 MB parts a call (send 0, send 1, …).
+    out="${OUT:-/tmp/out}"; mkdir -p "$out"
+    ls /tmp/fa-parts/* | sed -n "$((4 * ${2:-0} + 1)),$((4 * ${2:-0} + 4))p" | xargs -r cp -t "$out"
+    ls -la "$out" ;;
   install)
     # The wheel's parts, carried back as .scratch/gpu/flash-attn/fa_<wheel name>.aa …
     first=$(ls $here/fa_*.aa)
@@ -78,5 +85,5 @@ EOF
     cat $here/fa_"$name".* > /tmp/"$name".whl
     pip install --quiet --no-index --no-deps --target /tmp/site /tmp/"$name".whl
     PYTHONPATH=/tmp/site python -c "import flash_attn; print('flash_attn', flash_attn.__version__)" ;;
-  *) echo "unknown verb $1"; exit 2 ;;
+  *) echo "unknown verb $1; use fetch, build, collect, send <n> or install"; exit 2 ;;
 esac
