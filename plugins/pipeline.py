@@ -18,8 +18,8 @@ compare-and-swap; `champion` emits the champion Asset's event, and is skipped wh
 Each stage task: is cached (Param use_cache; see plugins.stage_cache), has a deadline (Param
 stage_deadline_minutes), takes pool_slots of the GPU pool equal to the GPUs it asks Ray for (at least
 one), writes resumable checkpoints (Param checkpoints_per_stage), and emits an Asset event carrying its
-manifest URI and metrics. No torch is imported here: the form's stage fields come from the stage configs
-(tasks/<stage>/config.py, standard library and yaml), which `validate` also builds.
+manifest URI and metrics. The run form (the Params) is plugins/form.py. No torch is imported here: the
+stage configs (tasks/<stage>/config.py, standard library and yaml) are, by the form and by `validate`.
 """
 from __future__ import annotations
 
