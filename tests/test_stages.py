@@ -75,7 +75,8 @@ def test_every_stage_commits_a_manifest_with_its_lineage(chain):
     assert "critic/model.safetensors" in manifests.read_manifest(chain["rl"])["files"]  # --save_value_network
     # Each stage's cost: what it held (its driver's CPU plus a CPU per worker bundle here; no GPU) and GPU-hours.
     held = {name: {k: manifests.read_manifest(uri)["metrics"][k] for k in ("gpus", "cpus", "gpu_hours")} for name, uri in chain.items()}
-    cpus = {"prepare_data": 1, "sft": 2, "reward_model": 3, "rl": 3, "eval": 1}  # RL: [actor+ref] and [critic+reward]
+    # RL: [actor+ref] and [critic+reward]; eval: its worker's bundle (tasks/eval/worker.py)
+    cpus = {"prepare_data": 1, "sft": 2, "reward_model": 3, "rl": 3, "eval": 2}
     assert held == {name: {"gpus": 0, "cpus": n, "gpu_hours": 0.0} for name, n in cpus.items()}
 
 
