@@ -165,8 +165,8 @@ def bench_hf_generate(bench_dir: Path, batch: int = 64) -> None:
     """HFRolloutEngine's tokens/s at `batch` prompts, dynamic cache against static cache (compiled decode)."""
     import torch
 
-    from tasks.common.models import load_causal_lm, load_tokenizer
-    from tasks.common.rollout import HFRolloutEngine
+    from tasks.common.nn.models import load_causal_lm, load_tokenizer
+    from tasks.common.nn.rollout import HFRolloutEngine
 
     model = load_causal_lm(str(bench_dir / "model")).to("cuda", torch.bfloat16)
     model.generation_config.eos_token_id = None  # EOS ignored: every completion is COMPLETION_TOKENS long
@@ -257,9 +257,9 @@ def bench_sft_profile(bench_dir: Path, batch: int = 8, seq: int = 2048, steps: i
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from tasks.common.losses import sft_loss
-    from tasks.common.models import load_causal_lm
-    from tasks.common.strategy import DeepSpeedStrategy
+    from tasks.common.nn.losses import sft_loss
+    from tasks.common.nn.models import load_causal_lm
+    from tasks.common.nn.strategy import DeepSpeedStrategy
     from tasks.sft.trainer import micro_batch_logprobs
 
     strategy = DeepSpeedStrategy(zero_stage=2, bf16=on_gpu(), micro_batch_size=batch, gradient_checkpointing=True,

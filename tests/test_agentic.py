@@ -12,10 +12,10 @@ import time
 import pytest
 import torch
 
-from tasks.common import data
+from tasks.common.nn import data
 from tasks.common.config import ConfigError, parse_config
-from tasks.common.losses import importance_weights, logprob_mismatch, policy_loss
-from tasks.common.rollout import HFRolloutEngine, Rollout
+from tasks.common.nn.losses import importance_weights, logprob_mismatch, policy_loss
+from tasks.common.nn.rollout import HFRolloutEngine, Rollout
 from tasks.data import agentic
 from tasks.data.demo import build_base_model
 from tasks.rl.advantages import discounted_returns, gae
@@ -465,7 +465,7 @@ def test_weights_sent_beside_a_running_rollout_reach_its_next_turn(partial, ray_
     without, they wait in the queue and the whole episode is version 0, the next rollout version 1."""
     import ray
 
-    from tasks.common.workers import Placement, WorkerGroup
+    from tasks.common.nn.workers import Placement, WorkerGroup
     from tasks.rl.workers import RolloutEngineWorker
 
     model, tokenizer = tiny

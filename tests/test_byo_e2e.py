@@ -12,7 +12,7 @@ Checked: prepare_data validated the rows (the rows exported twice counted as dup
 the data as a version under <prefix>/datasets/<name>/<version>/ and listed it; SFT, the reward model and RL
 trained LoRA adapters with the chat template (their configs and manifests say so, each adapter names the
 output it sits on, and RL placed no reference model); the exports load with plain transformers: the RL
-policy (merged through tasks.common.models.resolve_model) generates from a chat-templated prompt, and the
+policy (merged through tasks.common.nn.models.resolve_model) generates from a chat-templated prompt, and the
 reward model loads as AutoModelForSequenceClassification(num_labels=1), with its trained head and reward
 statistics, and scores a templated conversation. About 100 s on 2 CPU cores (the DAG run: about 85 s).
 """
@@ -209,8 +209,8 @@ def test_the_rl_policy_loads_with_transformers_and_answers_a_chat(byo_run, manif
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tasks.common.data import encode_prompt
-    from tasks.common.models import resolve_model
+    from tasks.common.nn.data import encode_prompt
+    from tasks.common.nn.models import resolve_model
 
     path = resolve_model(byo_run["uris"]["rl"])  # the adapter merged into its base, a plain checkpoint
     assert {"config.json", "model.safetensors", "tokenizer_config.json"} <= set(os.listdir(path))
@@ -244,7 +244,7 @@ def test_the_reward_model_loads_as_a_sequence_classifier(byo_run, manifest_of):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from tasks.common import manifest as manifests
-    from tasks.common.models import resolve_model
+    from tasks.common.nn.models import resolve_model
 
     path = resolve_model(byo_run["uris"]["reward_model"])
     model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1).eval()
@@ -273,7 +273,7 @@ def test_a_plain_model_folder_on_s3_resolves_to_a_local_copy(s3_server, tmp_path
     fetches it anew when what is under the URI changes."""
     from transformers import AutoConfig
 
-    from tasks.common.models import resolve_model
+    from tasks.common.nn.models import resolve_model
 
     monkeypatch.setenv("RLHF_CACHE_DIR", str(tmp_path / "cache"))
     s3, prefix = s3_server.client(), f"byo-folder-{uuid.uuid4().hex[:8]}/model"

@@ -13,9 +13,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tasks.common import data
+from tasks.common.nn import data
 from tasks.common.config import ConfigError, make_config
-from tasks.common.rollout import HFRolloutEngine, Rollout, response_mask
+from tasks.common.nn.rollout import HFRolloutEngine, Rollout, response_mask
 from tasks.data import demo
 
 from conftest import REPO

@@ -1,12 +1,12 @@
-"""--torch_compile: each transformer block compiled (tasks.common.models.compile_blocks) gives the eager
+"""--torch_compile: each transformer block compiled (tasks.common.nn.models.compile_blocks) gives the eager
 model's loss and gradients, under gradient checkpointing as the GPU path trains (CPU, tiny model, no Ray;
 inductor compiles for the CPU here, about 20 s)."""
 import pytest
 import torch
 
 from tasks.common.config import ConfigError, make_config
-from tasks.common.losses import sft_loss
-from tasks.common.models import compile_blocks
+from tasks.common.nn.losses import sft_loss
+from tasks.common.nn.models import compile_blocks
 from tasks.data import demo
 from tasks.sft.config import SFTConfig
 from tasks.sft.trainer import micro_batch_logprobs

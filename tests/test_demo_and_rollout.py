@@ -1,8 +1,8 @@
 import torch
 
-from tasks.common.data import encode_prompt
-from tasks.common.models import sequence_logprobs
-from tasks.common.rollout import HFRolloutEngine, response_mask
+from tasks.common.nn.data import encode_prompt
+from tasks.common.nn.models import sequence_logprobs
+from tasks.common.nn.rollout import HFRolloutEngine, response_mask
 from tasks.data import demo
 
 
@@ -60,7 +60,7 @@ def test_training_logprobs_match_generation_with_left_padded_prompts():
 def test_static_cache_engine_matches_the_default_one_with_bucketed_prompt_widths():
     """The static-cache path (compiled decode on CUDA; not compiled here) left-pads prompts to a bucket
     multiple and still decodes the same greedy tokens as the dynamic cache."""
-    from tasks.common.rollout import STATIC_PROMPT_BUCKET
+    from tasks.common.nn.rollout import STATIC_PROMPT_BUCKET
 
     tok = demo.build_tokenizer()
     model = demo.build_base_model(tok, seed=6).eval()  # seed 6: the last two rows stop at EOS, the others run on

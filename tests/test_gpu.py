@@ -133,8 +133,8 @@ def test_liger_kernels_give_the_eager_loss_and_gradients():
     """The demo model loaded with Liger (its RMSNorm, SwiGLU and RoPE kernels, log-probs a chunk of tokens at a
     time) against the same weights loaded eager, in float32 on the GPU: an SFT-style loss with an entropy term
     at a sampling temperature, and every parameter's gradient."""
-    from tasks.common import data as batches
-    from tasks.common.models import load_causal_lm, sequence_logprobs, use_liger
+    from tasks.common.nn import data as batches
+    from tasks.common.nn.models import load_causal_lm, sequence_logprobs, use_liger
     from tasks.data import demo
 
     assert use_liger(True), "liger-kernel is missing: the gpu extra installs it"
@@ -164,8 +164,8 @@ def test_flash_attn_packed_rows_give_each_sequences_own_logprobs_and_gradients()
     of every real token, and the gradient of their sum."""
     if importlib.util.find_spec("flash_attn") is None:
         pytest.skip("flash-attn is not installed (bench/gpu/flash_attn.sh builds it)")
-    from tasks.common import data as batches
-    from tasks.common.models import load_causal_lm, packed_logprobs, sequence_logprobs
+    from tasks.common.nn import data as batches
+    from tasks.common.nn.models import load_causal_lm, packed_logprobs, sequence_logprobs
     from tasks.data import demo
 
     tok = demo.build_tokenizer()

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tasks.common import data, stage
+from tasks.common import stage
+from tasks.common.nn import data
 from tasks.common import manifest as manifests
 from tasks.common.config import ConfigError, make_config, parse_config
 from tasks.data import ingest, versions

@@ -119,7 +119,7 @@ def test_exports_load_with_the_auto_classes_and_give_the_trained_answers(trained
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-    from tasks.common import data
+    from tasks.common.nn import data
     from tasks.data.demo import extract_answer
 
     sft, rm = (download(trained["live"], trained[name], "model/", ROOT / f"export-{name}") for name in ("sft", "rm"))

@@ -14,10 +14,11 @@ import os
 import pytest
 import torch
 
-from tasks.common import lora, stage
+from tasks.common import stage
+from tasks.common.nn import lora
 from tasks.common import manifest as manifests
 from tasks.common.config import ConfigError, make_config
-from tasks.common.models import resolve_model, sequence_logprobs
+from tasks.common.nn.models import resolve_model, sequence_logprobs
 from tasks.preference.config import PreferenceConfig
 from tasks.reward_model.config import RewardModelConfig
 from tasks.rl.config import RLConfig
@@ -253,7 +254,7 @@ def test_reward_model_export_loads_as_a_sequence_classifier_with_its_statistics(
     std are the statistics the stage stored), and has those statistics in config.json."""
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
-    from tasks.common.models import load_tokenizer
+    from tasks.common.nn.models import load_tokenizer
 
     out = reward_model(env, "rm_merged", merge_lora=True) if merge else rm_adapter
     m = manifests.read_manifest(out)

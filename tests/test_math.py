@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from tasks.common.losses import (
+from tasks.common.nn.losses import (
     aggregate,
     bradley_terry_loss,
     fused_token_logprobs,
@@ -16,7 +16,7 @@ from tasks.common.losses import (
     token_logprobs,
     value_loss,
 )
-from tasks.common.models import sequence_logprobs
+from tasks.common.nn.models import sequence_logprobs
 from tasks.rl.advantages import (
     compute_advantages,
     discounted_returns,
@@ -346,7 +346,7 @@ def test_fixed_kl_controller():
 
 
 def test_lr_multiplier_warmup_then_constant_or_cosine():
-    from tasks.common.strategy import lr_multiplier
+    from tasks.common.nn.strategy import lr_multiplier
 
     # warmup 4: (step + 1) / 4
     assert [lr_multiplier(s, 100, 4) for s in range(5)] == [0.25, 0.5, 0.75, 1.0, 1.0]
@@ -382,7 +382,7 @@ def test_head_logprobs_a_chunk_at_a_time_equal_the_full_logits_values_and_gradie
     """head_logprobs (what a Liger-loaded model uses: no full logits) against token_logprobs(head(hidden)),
     chunks that do not divide the tokens, a temperature, the entropy too; gradients to the hidden states and
     the head's weight."""
-    from tasks.common.losses import head_logprobs
+    from tasks.common.nn.losses import head_logprobs
 
     torch.manual_seed(0)
     hidden = torch.randn(2, 7, 8, requires_grad=True)
@@ -410,8 +410,8 @@ def test_a_model_that_takes_log_probs_a_chunk_at_a_time_gives_the_full_logits_nu
     """sequence_logprobs and packed_logprobs of the demo model marked as load_causal_lm marks a Liger model (the Liger kernels
     themselves need CUDA: tests/test_gpu.py) against the same model's full-logits path: values, entropy and the
     parameters' gradients."""
-    from tasks.common import data
-    from tasks.common.models import packed_logprobs
+    from tasks.common.nn import data
+    from tasks.common.nn.models import packed_logprobs
     from tasks.data import demo
 
     tok = demo.build_tokenizer()
@@ -481,8 +481,8 @@ def test_fused_token_logprobs_compiled_applies_the_temperature():
 def test_actor_logprobs_at_the_temperature_are_those_generate_sampled_from():
     """HF generate's processed scores (logits / temperature) give the sampled tokens the log-probs that
     response_logprobs computes at that temperature; untempered ones differ."""
-    from tasks.common.data import encode_prompt
-    from tasks.common.rollout import HFRolloutEngine
+    from tasks.common.nn.data import encode_prompt
+    from tasks.common.nn.rollout import HFRolloutEngine
     from tasks.data import demo
     from tasks.rl.experience import response_logprobs
 

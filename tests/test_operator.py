@@ -283,6 +283,23 @@ def test_plugins_import_no_torch():
     assert r.returncode == 0, r.stdout + r.stderr
 
 
+def test_stage_library_common_part_needs_no_torch():
+    """Every module directly in tasks/common (the part both sides import) loads without torch and its kin; the
+    torch side lives in tasks/common/nn."""
+    import tasks.common
+
+    common = Path(tasks.common.__file__).parent
+    modules = sorted(p.stem for p in common.glob("*.py") if p.stem != "__init__")
+    assert {"config", "manifest", "names", "storage"} <= set(modules)
+    code = (
+        "import importlib, sys; [importlib.import_module('tasks.common.' + m) for m in sys.argv[1:]]; "
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'deepspeed', 'peft', 'vllm', 'ray')]; "
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
+    r = subprocess.run([sys.executable, "-c", code, *modules], capture_output=True, text=True, env=os.environ.copy())
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
 def test_trigger_serializes_and_rebuilds():
     trig = RayJobTrigger(address="http://127.0.0.1:8265", submission_id="airflow-x--r--t", poll_interval=1.5, log_offset=7,
                          not_before=1.8e9)

@@ -3,10 +3,10 @@ log-probabilities, scores, losses and gradients as the same rows padded, because
 rows (CPU, tiny model, no Ray)."""
 import torch
 
-from tasks.common import data
+from tasks.common.nn import data
 from tasks.common.config import make_config
-from tasks.common.losses import bradley_terry_loss, sft_loss
-from tasks.common.models import load_scalar_model
+from tasks.common.nn.losses import bradley_terry_loss, sft_loss
+from tasks.common.nn.models import load_scalar_model
 from tasks.data import demo
 from tasks.reward_model.config import RewardModelConfig
 from tasks.reward_model.trainer import pair_scores

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tasks.common.losses import DPO_LOSS_TYPES, bradley_terry_loss, dpo_loss, kto_kl_baseline, kto_loss
+from tasks.common.nn.losses import DPO_LOSS_TYPES, bradley_terry_loss, dpo_loss, kto_kl_baseline, kto_loss
 
 T = torch.tensor
 

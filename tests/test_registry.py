@@ -138,7 +138,7 @@ def test_cli_list_promote_rollback_and_one_line_errors(s3_server, tmp_path, caps
 
 
 def test_cost_fields_and_bad_input():
-    class Placement:  # what tasks.common.workers.Placement exposes
+    class Placement:  # what tasks.common.nn.workers.Placement exposes
         size, use_gpu = 4, True
 
     held = cost.held_resources([Placement(), (2, False)], driver_cpus=1)

@@ -4,9 +4,9 @@ import re
 import pytest
 import torch
 
-from tasks.common.data import encode_prompt, encode_response, pad
-from tasks.common.models import load_scalar_model, sequence_scores
-from tasks.common.rollout import Rollout, response_mask
+from tasks.common.nn.data import encode_prompt, encode_response, pad
+from tasks.common.nn.models import load_scalar_model, sequence_scores
+from tasks.common.nn.rollout import Rollout, response_mask
 from tasks.data import demo
 from tasks.rl.rewards import RewardBatch, RewardEndpoint, RewardError, RewardFunction, RewardModels, SummedRewards, build_reward_batch, make_reward_source
 

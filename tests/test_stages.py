@@ -17,7 +17,7 @@ import pytest
 from tasks.common import manifest as manifests
 from tasks.common import stage, storage
 from tasks.common.config import make_config
-from tasks.common.models import resolve_model
+from tasks.common.nn.models import resolve_model
 from tasks.data.__main__ import prepare
 from tasks.data.config import PrepareDataConfig
 from tasks.sft.config import SFTConfig
@@ -304,7 +304,8 @@ def test_rl_refuses_what_cannot_run_here_in_one_line(chain, ray_address, tmp_pat
     done = run_cli("tasks.rl", *base, ray=ray_address)  # four separate groups of one CPU each on a 2-CPU cluster
     assert done.returncode == 2
     line = done.stderr.strip().splitlines()[-1]
-    assert line.startswith("error: colocate_all_models: the worker groups [actor] × 1, [ref] × 1, [critic] × 1, [reward] × 1 need 4 CPUs")
+    assert line.startswith("error: colocate_all_models: its worker groups need 4 CPUs at once and the Ray cluster has 2;")
+    assert line.endswith("(worker groups: [actor] × 1, [ref] × 1, [critic] × 1, [reward] × 1)")
     done = run_cli("tasks.rl", *base, "--vllm_tensor_parallel_size", "2")
     assert done.stderr.strip() == ("error: vllm_tensor_parallel_size: only applies to vLLM engines; set --vllm_num_engines too, "
                                    "or drop it")

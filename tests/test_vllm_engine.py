@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from tasks.common.config import ConfigError, make_config
-from tasks.common.losses import logprob_mismatch
-from tasks.common.rollout import concat_rollouts
+from tasks.common.nn.losses import logprob_mismatch
+from tasks.common.nn.rollout import concat_rollouts
 from tasks.rl.config import RLConfig
 from tasks.rl.vllm_engine import to_rollout
 
@@ -81,8 +81,8 @@ def test_the_actor_scores_a_rollout_only_when_the_update_needs_it():
 def test_vllm_engine_generates_and_follows_the_trained_weights(tmp_path):
     """The engine samples from the weights it is given: after loading perturbed weights its
     log-probabilities match the perturbed model's own (bf16 tolerance), not the original's."""
-    from tasks.common.models import load_causal_lm, load_tokenizer
-    from tasks.common.strategy import init_distributed
+    from tasks.common.nn.models import load_causal_lm, load_tokenizer
+    from tasks.common.nn.strategy import init_distributed
     from tasks.data import demo
     from tasks.rl.experience import response_logprobs
     from tasks.rl.vllm_engine import VLLMRolloutEngine

@@ -4,8 +4,8 @@ import pytest
 
 from tasks.common.checkpoint import CheckpointStore
 from tasks.common.config import ConfigError, check_batch, make_config, micro_batches
-from tasks.common.data import BatchSampler, encode_prompt
-from tasks.common.workers import forwarded_env, shard
+from tasks.common.nn.data import BatchSampler, encode_prompt
+from tasks.common.nn.workers import forwarded_env, shard
 from tasks.data import demo
 from tasks.rl.config import RLConfig
 
@@ -109,7 +109,7 @@ def test_chat_template_wraps_the_prompt_or_is_refused_in_one_line():
 def test_gradient_checkpointing_is_switched_on_for_training():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from tasks.common.strategy import DeepSpeedStrategy
+    from tasks.common.nn.strategy import DeepSpeedStrategy
 
     model = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=2))
@@ -123,7 +123,7 @@ def test_adam_offload_keeps_the_optimizer_on_the_cpu():
     from deepspeed.ops.adam import DeepSpeedCPUAdam
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from tasks.common.strategy import DeepSpeedStrategy
+    from tasks.common.nn.strategy import DeepSpeedStrategy
 
     model = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=2))

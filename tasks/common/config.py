@@ -30,7 +30,7 @@ from typing import Any
 
 import yaml
 
-LR_SCHEDULERS = ("constant", "cosine")  # what tasks.common.strategy.lr_multiplier implements
+LR_SCHEDULERS = ("constant", "cosine")  # what tasks.common.nn.strategy.lr_multiplier implements
 
 
 class ConfigError(ValueError):
@@ -85,7 +85,7 @@ class TrainingConfig(StageConfig):
     max_ckpt_num: int = field(default=3, metadata={"help": "keep this many newest checkpoints (0: all)", "min": 0})
     fail_after_step: int = field(default=0, metadata={"help": "testing only: fail right after committing this step's checkpoint, unless the run resumed at or past it (fault injection for rerun tests)", "min": 0})
     save_path: str = field(default="", metadata={"help": "also write the final HF model here (a folder or s3:// URI); the stage output stays --output"})
-    # LoRA (tasks.common.lora): low-rank adapters through peft; the base weights stay frozen.
+    # LoRA (tasks.common.nn.lora): low-rank adapters through peft; the base weights stay frozen.
     lora_rank: int = field(default=0, metadata={"help": "LoRA rank: train low-rank adapters (peft) instead of every weight; 0 trains the full model", "min": 0, "max": 1024, "fix": "use 0 (full fine-tuning) or a rank such as 8"})
     lora_alpha: int = field(default=16, metadata={"help": "LoRA scaling: the adapters' update is multiplied by lora_alpha / lora_rank"})
     lora_dropout: float = field(default=0.0, metadata={"help": "dropout on the adapters' input, in [0, 1)"})

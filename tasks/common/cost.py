@@ -8,7 +8,7 @@
     cost.lineage_cost("s3://b/p/runs/d/r/eval/manifest.json")
     # {"wall_time_s": …, "gpu_hours": …, "stages": 5, "unknown": 0}   summed over the manifest and its inputs
 
-A placement is anything with ``size`` (bundles) and ``use_gpu`` (tasks.common.workers.Placement), or a
+A placement is anything with ``size`` (bundles) and ``use_gpu`` (tasks.common.nn.workers.Placement), or a
 ``(bundles, use_gpu)`` pair. A bundle is one GPU and one CPU on a GPU cluster, one CPU on a CPU-only one
 (workers.Placement.create), so that is what each bundle counts for. Colocated groups share one placement:
 pass it once, or it is counted twice. The driver holds what the Ray job reserved for its entrypoint

@@ -6,7 +6,7 @@
     listing(root, "chat")                                    # {"name", "versions": [{version, uri, created_at, …}, …]}
 
 Layout: ``<root>/<name>/<version>/`` holds data/<split>.jsonl and manifest.json (a manifest like a stage
-output's, so tasks.common.data.load_rows reads a version directly), and ``<root>/<name>/versions.json``
+output's, so tasks.common.nn.data.load_rows reads a version directly), and ``<root>/<name>/versions.json``
 lists the versions in the order they were registered: the last is the newest. A version's id is derived
 from its content (tasks.data.ingest.version_id), so registering the same data twice finds the first one.
 Both writes are compare-and-swaps (storage.write_if): of two concurrent registrations one commits the

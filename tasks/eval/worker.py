@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import torch
 
-from tasks.common import data, storage
+from tasks.common import storage
+from tasks.common.nn import data
 from tasks.common.config import ConfigError, split_list
-from tasks.common.models import load_causal_lm, load_tokenizer, resolve_model, sequence_logprobs
-from tasks.common.rollout import HFRolloutEngine, Rollout
-from tasks.common.strategy import set_seed
-from tasks.common.workers import Worker
+from tasks.common.nn.models import load_causal_lm, load_tokenizer, resolve_model, sequence_logprobs
+from tasks.common.nn.rollout import HFRolloutEngine, Rollout
+from tasks.common.nn.strategy import set_seed
+from tasks.common.nn.workers import Worker
 from tasks.eval import lm_eval_tasks
 from tasks.eval.config import EvalConfig
 from tasks.rl.environment import episode_runner

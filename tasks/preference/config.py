@@ -3,7 +3,7 @@ from dataclasses import dataclass, field
 from tasks.common.config import LR_SCHEDULERS, ConfigError, TrainingConfig, check_batch
 
 METHODS = ("dpo", "kto")
-DPO_LOSS_TYPES = ("sigmoid", "ipo")  # tasks.common.losses.dpo_loss
+DPO_LOSS_TYPES = ("sigmoid", "ipo")  # tasks.common.nn.losses.dpo_loss
 
 
 @dataclass

@@ -17,7 +17,7 @@ import warnings
 
 import torch
 
-from tasks.common.losses import kl_estimate, last_token_index, masked_mean
+from tasks.common.nn.losses import kl_estimate, last_token_index, masked_mean
 from tasks.rl.config import ADVANTAGE_ESTIMATORS as ESTIMATORS
 from tasks.rl.config import (
     GROUP_ESTIMATORS,  # need n ≥ 2 samples per prompt

@@ -3,7 +3,7 @@ from dataclasses import dataclass, field
 
 from tasks.common.config import ConfigError, TrainingConfig, check_batch
 
-IS_CORRECTIONS = ("tis", "mis", "none")  # tasks.common.losses.importance_weights
+IS_CORRECTIONS = ("tis", "mis", "none")  # tasks.common.nn.losses.importance_weights
 
 ADVANTAGE_ESTIMATORS = ("gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo")  # tasks.rl.advantages
 GROUP_ESTIMATORS = ("reinforce_baseline", "rloo", "group_norm", "dr_grpo")

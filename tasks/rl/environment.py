@@ -36,9 +36,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tasks.common import data, user_code
+from tasks.common import user_code
+from tasks.common.nn import data
 from tasks.common.config import ConfigError
-from tasks.common.rollout import Rollout
+from tasks.common.nn.rollout import Rollout
 
 BUILT_IN = {"calculator": "tasks.rl.envs.calculator", "guess": "tasks.rl.envs.guess"}
 FAILURES = ("error", "timeout", "malformed")  # why an environment ended an episode early

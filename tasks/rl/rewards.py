@@ -96,7 +96,7 @@ class RewardModels(RewardSource):
 
     def __init__(self, paths: Sequence[str] | str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                  normalize: bool = True, batch_size: int = 256):
-        from tasks.common.models import load_scalar_model, resolve_model
+        from tasks.common.nn.models import load_scalar_model, resolve_model
 
         if isinstance(paths, str):
             paths = split_list(paths)
@@ -115,7 +115,7 @@ class RewardModels(RewardSource):
 
     @torch.no_grad()
     def score(self, batch: RewardBatch) -> torch.Tensor:
-        from tasks.common.models import sequence_scores
+        from tasks.common.nn.models import sequence_scores
 
         seqs, mask = batch.sequences.to(self.device), batch.attention_mask.to(self.device)
         total = torch.zeros(seqs.size(0), dtype=torch.float32, device=self.device)
@@ -226,7 +226,7 @@ def make_reward_source(reward_pretrain: str, remote_rm_url: str, device: torch.d
 
 
 def build_reward_batch(rollout, tokenizer, prompts_text: Sequence[str], labels: Sequence[str | None] | None = None) -> RewardBatch:
-    """A RewardBatch for a tasks.common.rollout.Rollout whose row i answers prompts_text[i]."""
+    """A RewardBatch for a tasks.common.nn.rollout.Rollout whose row i answers prompts_text[i]."""
     n = rollout.sequences.size(0)
     labels = [None] * n if labels is None else list(labels)
     if len(prompts_text) != n or len(labels) != n:

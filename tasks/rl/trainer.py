@@ -21,13 +21,14 @@ from pathlib import Path
 
 import torch
 
-from tasks.common import data, lora, storage
+from tasks.common import storage
+from tasks.common.nn import data, lora
 from tasks.common import manifest as manifests
 from tasks.common.config import ConfigError, split_list
-from tasks.common.models import load_tokenizer, resolve_model
-from tasks.common.rollout import Rollout, concat_rollouts
+from tasks.common.nn.models import load_tokenizer, resolve_model
+from tasks.common.nn.rollout import Rollout, concat_rollouts
 from tasks.common.stage import StageRun
-from tasks.common.workers import Placement, WorkerGroup, cluster_has_gpus, connect_ray, merge_uploads, shard
+from tasks.common.nn.workers import Placement, WorkerGroup, cluster_has_gpus, connect_ray, merge_uploads, shard
 from tasks.rl.advantages import group_keep_mask
 from tasks.rl.config import RLConfig
 from tasks.rl.environment import check_environment, episode_stats, load_environment
@@ -35,6 +36,7 @@ from tasks.rl.experience import Experience, make_experience
 from tasks.rl.kl_controller import make_kl_controller
 from tasks.rl.rewards import RewardBatch, RewardSource, build_reward_batch, make_reward_source
 from tasks.rl.workers import ActorWorker, CriticWorker, ReferenceWorker, RewardWorker, RolloutEngineWorker
+from tasks.validate import oversized
 
 MAX_FILTER_ROUNDS = 8  # rollouts drawn per step before dynamic filtering gives up
 
@@ -62,15 +64,13 @@ def load_prompts(cfg: RLConfig, run: StageRun, tokenizer) -> Prompts:
 
 
 def check_fits(cfg: RLConfig, layout: list[list[str]]) -> None:
-    """Refuse at once a layout that needs more devices than the whole cluster has (Ray would wait)."""
+    """Refuse at once a layout that needs more devices than the whole cluster has (Ray would wait): the validate
+    task's check (tasks.validate.oversized), again here for a stage started from its CLI."""
     import ray
 
-    kind = "GPU" if cluster_has_gpus() else "CPU"
-    need, have = cfg.devices_needed(), ray.cluster_resources().get(kind, 0)
-    if need > have:
+    for problem in oversized({"colocate_all_models": cfg}, ray.cluster_resources()):
         groups = ", ".join(f"[{' + '.join(m)}] × {cfg.group_size(m[0])}" for m in layout)
-        raise ConfigError(f"colocate_all_models: the worker groups {groups} need {need} {kind}s but the cluster has {have:g}; "
-                          "colocate them (--colocate_all_models, --colocate_actor_ref, --colocate_critic_reward) or use fewer workers")
+        raise ConfigError(f"{problem} (worker groups: {groups})")
 
 
 class RemoteRewardModels(RewardSource):

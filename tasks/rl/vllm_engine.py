@@ -26,8 +26,8 @@ import tempfile
 
 import torch
 
-from tasks.common.data import pad, stop_token_ids
-from tasks.common.rollout import Rollout
+from tasks.common.nn.data import pad, stop_token_ids
+from tasks.common.nn.rollout import Rollout
 
 
 def _model_of(llm):
@@ -129,7 +129,7 @@ class VLLMRolloutEngine:
         self.llm.reset_prefix_cache()
 
     def load_adapter(self, adapter) -> None:
-        """Generate through `adapter` (tasks.common.lora.AdapterWeights) from now on, in place of the last one."""
+        """Generate through `adapter` (tasks.common.nn.lora.AdapterWeights) from now on, in place of the last one."""
         from vllm.lora.request import LoRARequest
 
         self.wake_up()

@@ -1,6 +1,6 @@
 """The RL stage's Ray worker roles: actor (policy + its rollout engine), critic, reference, reward.
 
-Each role is a tasks.common.workers.Worker, placed as a WorkerGroup by the controller
+Each role is a tasks.common.nn.workers.Worker, placed as a WorkerGroup by the controller
 (tasks.rl.trainer). With --lora_rank the actor trains adapters and is its own reference (its base
 with the adapters off, `reference_logprobs`): no ReferenceWorker is placed. Tensors travel between
 the controller and the workers on the CPU; a worker moves them to its device. Every method that takes part in a collective (training steps, ZeRO-3
@@ -12,12 +12,12 @@ import threading
 
 import torch
 
-from tasks.common import data, lora
-from tasks.common.losses import importance_weights, kl_loss, logprob_mismatch, masked_mean, policy_loss, sft_loss, value_loss
-from tasks.common.models import kernels, load_causal_lm, load_scalar_model, load_tokenizer, resolve_model
-from tasks.common.rollout import HFRolloutEngine, Rollout
-from tasks.common.strategy import DeepSpeedStrategy
-from tasks.common.workers import TrainingWorker, Worker
+from tasks.common.nn import data, lora
+from tasks.common.nn.losses import importance_weights, kl_loss, logprob_mismatch, masked_mean, policy_loss, sft_loss, value_loss
+from tasks.common.nn.models import kernels, load_causal_lm, load_scalar_model, load_tokenizer, resolve_model
+from tasks.common.nn.rollout import HFRolloutEngine, Rollout
+from tasks.common.nn.strategy import DeepSpeedStrategy
+from tasks.common.nn.workers import TrainingWorker, Worker
 from tasks.rl.config import RLConfig
 from tasks.rl.experience import Experience, response_logprobs, response_values
 from tasks.rl.rewards import RewardBatch, RewardModels

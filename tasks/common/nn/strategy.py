@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tasks.common import lora
-from tasks.common.models import compile_blocks
+from tasks.common.nn import lora
+from tasks.common.nn.models import compile_blocks
 
 
 def set_seed(seed: int) -> None:
@@ -45,7 +45,7 @@ def lr_multiplier(step: int, total_steps: int, warmup_steps: int, schedule: str 
 def init_distributed(rank: int = 0, world_size: int = 1, init_method: str | None = None) -> None:
     """Join (or, alone, create) the torch.distributed world this process belongs to.
 
-    A worker group passes its rank, size and rendezvous (tasks.common.workers); a process on its
+    A worker group passes its rank, size and rendezvous (tasks.common.nn.workers); a process on its
     own is a world of one, joined through a fresh file: torch's TCP store would listen on every
     interface whatever MASTER_ADDR says. DeepSpeed then adopts the group.
     """
@@ -175,7 +175,7 @@ class DeepSpeedStrategy:
         """Save an HF-format checkpoint from rank 0, gathering ZeRO-3 shards first (every rank must call).
 
         A LoRA (peft) model saves its adapter, whose config names `base_uri` as its base, or with
-        `merge_lora` the full model with the adapter merged in (tasks.common.lora.save_peft)."""
+        `merge_lora` the full model with the adapter merged in (tasks.common.nn.lora.save_peft)."""
         import torch.distributed as dist
 
         out_dir = Path(out_dir)

@@ -33,7 +33,7 @@ import torch
 from tasks.common import manifest as manifests
 from tasks.common.config import ConfigError
 
-SCALAR_HEAD = "score"  # the head of AutoModelForSequenceClassification, as tasks.common.models.token_values uses it
+SCALAR_HEAD = "score"  # the head of AutoModelForSequenceClassification, as tasks.common.nn.models.token_values uses it
 MERGE_MARKER = ".rlhf-merged.json"  # what a cached merge was made from
 
 

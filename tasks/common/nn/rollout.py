@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tasks.common.data import pad, stop_token_ids
+from tasks.common.nn.data import pad, stop_token_ids
 
 # Static-cache prompt widths round up to this: each (batch, cache length) shape compiles its own decode.
 STATIC_PROMPT_BUCKET = 64

@@ -18,7 +18,7 @@ from pathlib import Path
 from tasks.common import manifest as manifests
 from tasks.common import storage
 from tasks.common.config import ConfigError
-from tasks.common.models import is_stage_output
+from tasks.common.nn.models import is_stage_output
 
 _FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
@@ -177,7 +177,7 @@ def fit(prompt: list[int], responses: list[list[int]], max_len: int) -> tuple[li
 
 def pack(sequences: list[list[int]]):
     """Several sequences as one row (sequence packing): (ids [1, T], position_ids [1, T] restarting at 0
-    for each sequence, sequence index [T]), for tasks.common.models.packed_logprobs. No padding."""
+    for each sequence, sequence index [T]), for tasks.common.nn.models.packed_logprobs. No padding."""
     import torch
 
     ids = torch.tensor([[t for seq in sequences for t in seq]], dtype=torch.long)

@@ -164,7 +164,7 @@ class Worker:
     def __init__(self, rank: int, world_size: int, init_method: str, num_threads: int):
         import torch
 
-        from tasks.common.strategy import init_distributed
+        from tasks.common.nn.strategy import init_distributed
 
         self.rank, self.world_size = rank, world_size
         self.scratch = use_node_scratch()

@@ -10,7 +10,7 @@ its manifest's `model` entry and fetched with every file's size and sha256 check
 is used as it is, and a plain checkpoint on S3 (config.json, no manifest.json: a team's own base model)
 is downloaded once per node; anything else is passed to transformers as a hub id. A stage output holding a LoRA
 adapter (its manifest names the `base_model`) resolves to a full checkpoint: the base with the
-adapter merged in (tasks.common.lora.merged_checkpoint), made once per node and cached.
+adapter merged in (tasks.common.nn.lora.merged_checkpoint), made once per node and cached.
 
 The training stages load their models with `kernels(cfg)`: FlashAttention-2 when asked for, and on CUDA
 Liger's Triton kernels (RMSNorm, SwiGLU, RoPE) with log-probabilities taken from the last hidden states a
@@ -28,9 +28,10 @@ from pathlib import Path
 
 import torch
 
-from tasks.common import lora, storage
+from tasks.common import storage
+from tasks.common.nn import lora
 from tasks.common import manifest as manifests
-from tasks.common.losses import head_logprobs, last_token_index, tempered, token_logprobs
+from tasks.common.nn.losses import head_logprobs, last_token_index, tempered, token_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -187,7 +188,7 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def packed_logprobs(model, input_ids: torch.Tensor, position_ids: torch.Tensor, sequence_index: torch.Tensor) -> torch.Tensor:
-    """sequence_logprobs of a packed row (tasks.common.data.pack): [1, T] -> [1, T-1]. No token attends
+    """sequence_logprobs of a packed row (tasks.common.nn.data.pack): [1, T] -> [1, T-1]. No token attends
     across sequences: FlashAttention-2 reads the boundaries from the restarting position ids (varlen);
     the other kernels get a block-diagonal causal mask. A sequence's last position predicts the next
     sequence's first token: callers mask it out (a prompt token, never in the loss)."""
@@ -211,7 +212,7 @@ def packed_attention_mask(config, sequence_index: torch.Tensor, device) -> torch
 
 
 def packed_scores(model, input_ids: torch.Tensor, position_ids: torch.Tensor, sequence_index: torch.Tensor) -> torch.Tensor:
-    """sequence_scores of a packed row (tasks.common.data.pack): [1, T] -> [number of sequences], the scalar
+    """sequence_scores of a packed row (tasks.common.nn.data.pack): [1, T] -> [number of sequences], the scalar
     head at each sequence's last token, with no token attending across sequences."""
     model = lora.unwrap(model)
     backbone = getattr(model, model.base_model_prefix)
