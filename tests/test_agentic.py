@@ -12,8 +12,8 @@ import time
 import pytest
 import torch
 
-from tasks.common.nn import data
 from tasks.common.config import ConfigError, parse_config
+from tasks.common.nn import data
 from tasks.common.nn.losses import importance_weights, logprob_mismatch, policy_loss
 from tasks.common.nn.rollout import HFRolloutEngine, Rollout
 from tasks.data import agentic

@@ -13,8 +13,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tasks.common.nn import data
 from tasks.common.config import ConfigError, make_config
+from tasks.common.nn import data
 from tasks.common.nn.rollout import HFRolloutEngine, Rollout, response_mask
 from tasks.data import demo
 

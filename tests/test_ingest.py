@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from tasks.common import stage
-from tasks.common.nn import data
 from tasks.common import manifest as manifests
+from tasks.common import stage
 from tasks.common.config import ConfigError, make_config, parse_config
+from tasks.common.nn import data
 from tasks.data import ingest, versions
 from tasks.data.__main__ import prepare
 from tasks.data.config import PrepareDataConfig

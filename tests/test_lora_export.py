@@ -14,10 +14,10 @@ import os
 import pytest
 import torch
 
-from tasks.common import stage
-from tasks.common.nn import lora
 from tasks.common import manifest as manifests
+from tasks.common import stage
 from tasks.common.config import ConfigError, make_config
+from tasks.common.nn import lora
 from tasks.common.nn.models import resolve_model, sequence_logprobs
 from tasks.preference.config import PreferenceConfig
 from tasks.reward_model.config import RewardModelConfig

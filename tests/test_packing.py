@@ -3,8 +3,8 @@ log-probabilities, scores, losses and gradients as the same rows padded, because
 rows (CPU, tiny model, no Ray)."""
 import torch
 
-from tasks.common.nn import data
 from tasks.common.config import make_config
+from tasks.common.nn import data
 from tasks.common.nn.losses import bradley_terry_loss, sft_loss
 from tasks.common.nn.models import load_scalar_model
 from tasks.data import demo

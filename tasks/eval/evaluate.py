@@ -23,12 +23,12 @@ from __future__ import annotations
 import json
 import time
 
-from tasks.common.nn import data
 from tasks.common.cost import lineage_cost
-from tasks.common.registry import Registry
-from tasks.common.stage import StageRun
+from tasks.common.nn import data
 from tasks.common.nn.strategy import set_seed
 from tasks.common.nn.workers import placed_group
+from tasks.common.registry import Registry
+from tasks.common.stage import StageRun
 from tasks.eval import lm_eval_tasks, stats
 from tasks.eval import metrics as metric_lib
 from tasks.eval.config import EvalConfig

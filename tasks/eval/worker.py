@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 
 from tasks.common import storage
-from tasks.common.nn import data
 from tasks.common.config import ConfigError, split_list
+from tasks.common.nn import data
 from tasks.common.nn.models import load_causal_lm, load_tokenizer, resolve_model, sequence_logprobs
 from tasks.common.nn.rollout import HFRolloutEngine, Rollout
 from tasks.common.nn.strategy import set_seed

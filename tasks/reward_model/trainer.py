@@ -10,9 +10,9 @@ import torch
 from tasks.common.nn import data, lora
 from tasks.common.nn.losses import bradley_terry_loss
 from tasks.common.nn.models import kernels, load_scalar_model, load_tokenizer, packed_scores, resolve_model, sequence_scores
-from tasks.common.stage import StageRun
 from tasks.common.nn.strategy import DeepSpeedStrategy
 from tasks.common.nn.workers import TrainingWorker, placed_group, shard, train_steps
+from tasks.common.stage import StageRun
 from tasks.reward_model.config import RewardModelConfig
 
 

@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 import torch
 
 from tasks.common import user_code
-from tasks.common.nn import data
 from tasks.common.config import ConfigError
+from tasks.common.nn import data
 from tasks.common.nn.rollout import Rollout
 
 BUILT_IN = {"calculator": "tasks.rl.envs.calculator", "guess": "tasks.rl.envs.guess"}

@@ -21,14 +21,14 @@ from pathlib import Path
 
 import torch
 
-from tasks.common import storage
-from tasks.common.nn import data, lora
 from tasks.common import manifest as manifests
+from tasks.common import storage
 from tasks.common.config import ConfigError, split_list
+from tasks.common.nn import data, lora
 from tasks.common.nn.models import load_tokenizer, resolve_model
 from tasks.common.nn.rollout import Rollout, concat_rollouts
-from tasks.common.stage import StageRun
 from tasks.common.nn.workers import Placement, WorkerGroup, cluster_has_gpus, connect_ray, merge_uploads, shard
+from tasks.common.stage import StageRun
 from tasks.rl.advantages import group_keep_mask
 from tasks.rl.config import RLConfig
 from tasks.rl.environment import check_environment, episode_stats, load_environment

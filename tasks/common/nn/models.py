@@ -28,9 +28,9 @@ from pathlib import Path
 
 import torch
 
+from tasks.common import manifest as manifests
 from tasks.common import storage
 from tasks.common.nn import lora
-from tasks.common import manifest as manifests
 from tasks.common.nn.losses import head_logprobs, last_token_index, tempered, token_logprobs
 
 logger = logging.getLogger(__name__)
