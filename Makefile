@@ -2,7 +2,7 @@
 #
 #   make install   .venv with the whole stack, pinned by locks/dev.txt (instant when nothing changed)
 #   make lock      re-resolve locks/*.txt from pyproject.toml's ranges (tools/lock.py); commit the result
-#   make up        S3 emulator + Ray head + Airflow on 127.0.0.1 (tools/stack.py; idempotent)
+#   make up        S3 emulator + Ray head + Airflow on 127.0.0.1 (python -m tools.stack; idempotent)
 #   make down      stop them (S3 objects stay in .scratch/s3-data); `make status` shows them
 #   make demo      install + up + one run of the rlhf_pipeline DAG, followed to its report
 #   make test      lock check, then the test suite without slow and GPU tests; `make test-all` adds the slow ones
@@ -47,13 +47,13 @@ check-lock:
 	@$(PYTHON) tools/lock.py check
 
 up: install
-	$(PY) tools/stack.py up
+	$(PY) -m tools.stack up
 
 down:
-	@if [ -x $(PY) ]; then $(PY) tools/stack.py down; fi
+	@if [ -x $(PY) ]; then $(PY) -m tools.stack down; fi
 
 status:
-	@if [ -x $(PY) ]; then $(PY) tools/stack.py status; else echo "no $(VENV): run make install"; fi
+	@if [ -x $(PY) ]; then $(PY) -m tools.stack status; else echo "no $(VENV): run make install"; fi
 
 demo: up
 	$(PY) tools/demo.py
@@ -80,7 +80,7 @@ lint: install
 clean:
 	@if [ -x $(PY) ] && [ -d .scratch ]; then \
 	  for pids in $$(find .scratch -type d -name pids 2>/dev/null); do \
-	    RLHF_SCRATCH="$$(dirname "$$pids")" $(PY) tools/stack.py down || true; \
+	    RLHF_SCRATCH="$$(dirname "$$pids")" $(PY) -m tools.stack down || true; \
 	  done; \
 	fi
 	@# Ray temp dirs that long scratch paths moved to /tmp (see tools/STACK.md)

@@ -25,6 +25,7 @@ from typing import Any
 
 from airflow.sdk import BaseNotifier
 
+from plugins.s3 import S3Store
 from tasks.common import names
 
 EVENTS = ("nightly_failure", "decision")
@@ -65,10 +66,7 @@ def post_json(url: str, payload: dict) -> int:
 
 
 def _read_s3_json(uri: str) -> dict:
-    from airflow.providers.amazon.aws.hooks.s3 import S3Hook
-
-    bucket, _, key = uri.removeprefix("s3://").partition("/")
-    return json.loads(S3Hook(aws_conn_id=AWS_CONN_ID).read_key(key, bucket))
+    return S3Store(AWS_CONN_ID).read_json(uri)
 
 
 def decision_payload(manifest_uri: str, read=_read_s3_json) -> dict:

@@ -1,19 +1,15 @@
 """RayJobOperator: run one pipeline stage (``python -m tasks.<stage>``) as a Ray job, deferrably.
 
-The operator never imports ``tasks`` (nor torch): it ships the project's code to Ray as the job's
+The operator never imports the stages (nor torch): it ships the project's code to Ray as the job's
 ``working_dir`` and passes every input as a flag. What it returns (and pushes to XCom) is the stage's
-manifest URI, never data.
+manifest URI, never data. Here is the job's lifecycle; the contract with the stage process (ids, flags,
+error line) is plugins/stage_cli.py, the cache plugins/stage_cache.py, S3 access plugins/s3.py.
 """
 from __future__ import annotations
 
-import difflib
 import functools
-import hashlib
-import json
 import re
-import shlex
 import time
-from collections.abc import Iterable, Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -21,9 +17,11 @@ from typing import TYPE_CHECKING, Any
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
-from plugins import stage_cache
 from plugins.hooks import LIVE_STATUSES, TERMINAL_STATUSES, RayJobHook
 from plugins.links import RAY_JOB_URL_KEY, WANDB_URL_KEY, RayJobLink, WandbRunLink
+from plugins.s3 import S3Store
+from plugins.stage_cache import StageCache
+from plugins.stage_cli import INPUT_ERROR_EXIT, build_entrypoint, failure_message, output_uri_for, submission_id_for, unknown_conf
 from plugins.triggers import RayJobTrigger, job_event
 from tasks.common import names
 
@@ -51,120 +49,10 @@ SUBMISSION_ID_KEY = "ray_submission_id"
 #: ... and the cache key of the work that job was submitted for (the code may change before it ends).
 CACHE_KEY_KEY = "cache_key"
 
-#: What a stage prints as its last line when it stops on something only its input can fix (bad config,
-#: missing or corrupt data: tasks/common/stage.py), and the exit status it then has. Such a failure would
-#: fail again the same way, so it is not retried.
-STAGE_ERROR_PREFIX = "error: "
-INPUT_ERROR_EXIT = 2
-
 #: How long the trigger holds back a job's end event after the task deferred: the scheduler learns of the
 #: deferral when the worker process exits, and an event that arrives first gets the task marked for retry
 #: (see RayJobTrigger's not_before).
 DEFER_SETTLE_S = 10.0
-
-_FLAG_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
-_MAX_SUBMISSION_ID = 120
-
-
-def key_safe(value: str) -> str:
-    """An object-key-safe form: characters outside [A-Za-z0-9._-] become '_'."""
-    return re.sub(r"[^A-Za-z0-9._-]", "_", value)
-
-
-def ray_safe(value: str) -> str:
-    """A submission-id-safe form: characters outside [A-Za-z0-9_-] become '_'."""
-    return re.sub(r"[^A-Za-z0-9_-]", "_", value)
-
-
-def submission_id_for(dag_id: str, run_id: str, task_id: str, map_index: int = -1) -> str:
-    """The deterministic Ray submission id of a task instance (before any attempt suffix).
-
-    ``airflow-<dag_id>--<run_id>--<task_id>[--m<map_index>]``, sanitized for Ray and URLs. Too long
-    an id keeps its head and gains a short hash of the full one, so it stays unique and deterministic.
-    """
-    parts = [dag_id, run_id, task_id] + ([f"m{map_index}"] if map_index is not None and map_index >= 0 else [])
-    raw = "airflow-" + "--".join(parts)
-    sid = ray_safe(raw)
-    if len(sid) > _MAX_SUBMISSION_ID:
-        digest = hashlib.sha1(raw.encode()).hexdigest()[:10]
-        sid = f"{sid[: _MAX_SUBMISSION_ID - 11]}-{digest}"
-    return sid
-
-
-def output_uri_for(output_root: str, dag_id: str, run_id: str, task_id: str, map_index: int = -1) -> str:
-    """``{output_root}/runs/{dag_id}/{run_id}/{task_id}`` with the run id made key-safe."""
-    uri = f"{output_root.rstrip('/')}/runs/{dag_id}/{key_safe(run_id)}/{task_id}"
-    if map_index is not None and map_index >= 0:
-        uri += f"/{map_index}"
-    return uri
-
-
-def render_flag_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (dict, list, tuple)):
-        return json.dumps(value, sort_keys=True)
-    return str(value)
-
-
-def render_flags(args: Mapping[str, Any] | None) -> list[str]:
-    """``{key: value}`` -> ``["--key", "value", ...]``: None dropped, bools as true/false, lists/dicts as JSON."""
-    out: list[str] = []
-    for key, value in (args or {}).items():
-        if not isinstance(key, str) or not _FLAG_NAME.match(key):
-            raise ValueError(f"Bad flag name {key!r}: use letters, digits, '_' and '-'")
-        if value is None:
-            continue
-        out += [f"--{key}", render_flag_value(value)]
-    return out
-
-
-def build_entrypoint(module: str, output: str, run_id: str, args: Mapping[str, Any] | None, python: str = "python") -> str:
-    """``python -m <module> --output <output> --run_id <run_id> --flag value ...``, shell-quoted."""
-    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*", module or ""):
-        raise ValueError(f"Bad module name {module!r}")
-    argv = [python, "-m", module, "--output", output, "--run_id", run_id, *render_flags(args)]
-    return shlex.join(argv)
-
-
-def stage_cause(log: str) -> str | None:
-    """The one-line cause a stage printed before exiting (``error: …``, tasks/common/stage.py), if any."""
-    for line in reversed(log.splitlines()):
-        if line.startswith(STAGE_ERROR_PREFIX):
-            return line[len(STAGE_ERROR_PREFIX):].strip()
-    return None
-
-
-def failure_message(event: Mapping[str, Any], submission_id: str | None = None) -> str:
-    """One line of cause, then the last lines of the driver log. The line is the stage's own cause when it
-    printed one (with the job's id and status after it), else the job's status and Ray's message."""
-    sid = event.get("submission_id") or submission_id
-    tail = event.get("log_tail") or ""
-    cause = stage_cause(tail)
-    if cause:
-        exit_code = event.get("exit_code")
-        headline = f"{cause} (Ray job {sid} {event.get('status')}" + (f", exit code {exit_code})" if exit_code is not None else ")")
-    else:
-        message = " ".join(str(event.get("message") or "").split())
-        if len(message) > 300:
-            message = message[:297] + "..."
-        headline = f"Ray job {sid} {event.get('status')}" + (f": {message}" if message else "")
-    return f"{headline}\n--- last lines of the driver log ---\n{tail or '(empty driver log)'}"
-
-
-def unknown_conf(conf: Mapping[str, Any], known: Iterable[str]) -> str | None:
-    """A one-line refusal naming the run conf's keys that are not Params of the DAG (a typo would otherwise
-    run the default silently), each with the closest Param name; None when every key is known."""
-    known = sorted(known)
-    bad = sorted(k for k in conf if k not in known)
-    if not bad:
-        return None
-    named = []
-    for key in bad:
-        close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
-        named.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-    return (f"conf key{'s' if len(bad) > 1 else ''} {', '.join(named)} {'are' if len(bad) > 1 else 'is'} not "
-            "Params of this DAG: fix the name and trigger again (the trigger form lists every Param)")
 
 
 def cleared_by_user(try_number: int, max_tries: int, retries: int) -> bool:
@@ -296,89 +184,41 @@ class RayJobOperator(BaseOperator):
     def entrypoint(self, context: Context) -> str:
         return build_entrypoint(self.module, self.output_uri(context), context["run_id"], self.args, self.python)
 
+    def code_dir(self) -> str | None:
+        """The folder shipped to Ray as the job's working_dir (its code is part of the cache key)."""
+        return self.working_dir or default_working_dir()
+
     def runtime_env(self) -> dict[str, Any]:
         env: dict[str, Any] = {"env_vars": {**DEFAULT_ENV_VARS, **{k: str(v) for k, v in self.env_vars.items()}}}
-        working_dir = self.working_dir or default_working_dir()
+        working_dir = self.code_dir()
         if working_dir:
             env["working_dir"] = str(working_dir)
             env["excludes"] = list(WORKING_DIR_EXCLUDES)
         return env
 
-    # ------------------------------------------------------------------ S3 (manifests, cache index, logs)
+    # ------------------------------------------------------------------ S3 and the cache
 
-    def _s3(self, action: str, uri: str, fn, *args, **kwargs):
-        """Call an S3Hook method (by name, or a function given the hook); a failure becomes one line naming
-        the URI, not a botocore traceback."""
-        from airflow.providers.amazon.aws.hooks.s3 import S3Hook
+    @property
+    def s3(self) -> S3Store:
+        """A store on this task's S3 connection, made per use (a new S3Hook each time, as the connection is
+        the one of the process the task runs in)."""
+        return S3Store(self.aws_conn_id)
 
-        try:
-            hook = S3Hook(aws_conn_id=self.aws_conn_id)
-            return fn(hook, *args, **kwargs) if callable(fn) else getattr(hook, fn)(*args, **kwargs)
-        except Exception as exc:  # botocore's errors have no common base worth naming here
-            cause = " ".join(str(exc).split())[:300] or type(exc).__name__
-            raise AirflowException(f"S3 ({self.aws_conn_id}): cannot {action} {uri}: {cause}") from exc
-
-    def manifest_exists(self, manifest_uri: str) -> bool:
-        return self._s3("check", manifest_uri, "check_for_key", manifest_uri)
-
-    def read_json(self, uri: str) -> dict:
-        return json.loads(self._s3("read", uri, "read_key", uri))
-
-    def write_text(self, uri: str, text: str) -> None:
-        self._s3("write", uri, "load_string", text, uri, replace=True)
-
-    # ------------------------------------------------------------------ cache
-
-    def cache_on(self) -> bool:
-        return as_bool(self.cache)
-
-    def cache_key(self) -> str:
-        args = {k: render_flag_value(v) for k, v in self.args.items() if v is not None}
-        inputs = {k: hashlib.sha256(self._s3("read", v, "read_key", v).encode()).hexdigest()
-                  for k, v in args.items() if stage_cache.is_manifest_uri(v)}
-        code = stage_cache.code_digest(self.working_dir or default_working_dir())
-        return stage_cache.cache_key(self.module, args, inputs, code)
-
-    def cache_lookup(self, key: str) -> str | None:
-        """The manifest a completed run with this key produced, if it is still there and its files still
-        are what it committed (a changed one makes the lookup a miss: the stage is computed again)."""
-        index = stage_cache.index_uri(self.output_root, key)
-        if not self.manifest_exists(index):
-            return None
-        manifest = self.read_json(index).get("manifest", "")
-        if not manifest or not self.manifest_exists(manifest):
-            return None
-        problems = self.output_problems(manifest)
-        if problems:
-            self.log.warning("Cache entry %s points at %s, whose files changed since they were committed (%s): "
-                             "not reusing it", key, manifest, "; ".join(problems[:3]))
-            return None
-        return manifest
-
-    def output_problems(self, manifest: str) -> list[str]:
-        """How a committed output's folder differs from its manifest (sizes and S3's ETags; see
-        stage_cache.mismatches); empty when it is whole."""
-        files = self.read_json(manifest).get("files")
-        if not isinstance(files, dict):  # not a stage manifest: nothing to check against
-            return []
-        folder = manifest.removesuffix("manifest.json")
-        bucket, prefix = folder.removeprefix("s3://").split("/", 1)
-        listing = self._s3("list", folder, lambda hook: list(hook.iter_file_metadata(prefix, bucket)))
-        stored = {obj["Key"][len(prefix):]: (obj["Size"], obj.get("ETag", "")) for obj in listing}
-        return stage_cache.mismatches(files, stored)
+    def stage_cache(self) -> StageCache:
+        return StageCache(self.s3, self.output_root, self.log)
 
     # ------------------------------------------------------------------ results
 
     def finish(self, context: Context, manifest: str, submission_id: str | None, cache_hit: bool = False) -> str:
         """What every successful end does: index the result, emit the outlet events, push the links."""
-        record = self.read_json(manifest)
+        record = self.s3.read_json(manifest)
         if not cache_hit:  # indexed even with the cache off: a later run that allows reuse finds it
             dag_id, run_id, task_id, _ = self._ids(context)
             state = context.get("task_state_store")
-            key = (state.get(CACHE_KEY_KEY) if state else None) or self.cache_key()
-            self.write_text(stage_cache.index_uri(self.output_root, key), json.dumps(
-                {"manifest": manifest, "dag_id": dag_id, "run_id": run_id, "task_id": task_id,
-                 "module": self.module, "submission_id": submission_id}, indent=2))
+            cache = self.stage_cache()
+            key = (state.get(CACHE_KEY_KEY) if state else None) or cache.key(self.module, self.args, self.code_dir())
+            cache.record(key, {"manifest": manifest, "dag_id": dag_id, "run_id": run_id, "task_id": task_id,
+                               "module": self.module, "submission_id": submission_id})
             self.log.info("Cached as %s", key)
         metrics = {k: v for k, v in (record.get("metrics") or {}).items()
                    if isinstance(v, (int, float)) and not isinstance(v, bool)}
@@ -386,7 +226,7 @@ class RayJobOperator(BaseOperator):
             context["outlet_events"][outlet].extra = {"manifest": manifest, "metrics": metrics,
                                                       "cache_hit": cache_hit, "stage": record.get("stage")}
         if "wandb.json" in (record.get("files") or {}):
-            url = self.read_json(manifest.removesuffix("manifest.json") + "wandb.json").get("url")
+            url = self.s3.read_json(manifest.removesuffix("manifest.json") + "wandb.json").get("url")
             if url:
                 context["ti"].xcom_push(key=WANDB_URL_KEY, value=url)
         return manifest
@@ -395,7 +235,7 @@ class RayJobOperator(BaseOperator):
         """Keep the job's driver log beside the stage's manifest (logs/<submission id>.log), best effort."""
         uri = f"{output}/logs/{submission_id}.log"
         try:
-            self.write_text(uri, hook.get_job_logs(submission_id))
+            self.s3.write_text(uri, hook.get_job_logs(submission_id))
             self.log.info("Driver log stored at %s", uri)
         except Exception as exc:
             self.log.warning("Could not store the driver log of %s: %s", submission_id, exc)
@@ -465,9 +305,9 @@ class RayJobOperator(BaseOperator):
     def _whole_result(self, manifest: str) -> bool | None:
         """True when this task's own output is committed and whole; None when it has no manifest; False
         when its files changed since (then it is computed again, the stage's commit moving the old aside)."""
-        if not self.manifest_exists(manifest):
+        if not self.s3.exists(manifest):
             return None
-        problems = self.output_problems(manifest)
+        problems = self.stage_cache().output_problems(manifest)
         if problems:
             self.log.warning("The committed output at %s changed since it was written (%s): computing it again",
                              manifest, "; ".join(problems[:3]))
@@ -493,12 +333,13 @@ class RayJobOperator(BaseOperator):
         base = self.base_submission_id(context)
         hook = RayJobHook(self.ray_conn_id)
 
-        key = self.cache_key()
+        cache = self.stage_cache()
+        key = cache.key(self.module, self.args, self.code_dir())
         if recompute:
             self.log.info("Cleared by a user (try %s starts a new budget): computing the stage again, "
                           "neither the cache nor an earlier result is reused", try_number)
-        elif self.cache_on():
-            hit = self.cache_lookup(key)
+        elif as_bool(self.cache):
+            hit = cache.lookup(key)
             if hit:
                 self.log.info("Cache hit: key %s was computed by %s; not running the stage", key, hit)
                 return self.finish(context, hit, None, cache_hit=True)
@@ -590,7 +431,7 @@ class RayJobOperator(BaseOperator):
         if status not in ("MISSING", "UNREACHABLE"):
             self.store_driver_log(RayJobHook(self.ray_conn_id), sid, self.output_uri(context))
         if status == "SUCCEEDED":
-            if not self.manifest_exists(manifest):
+            if not self.s3.exists(manifest):
                 raise AirflowException(f"Ray job {sid} succeeded but wrote no manifest at {manifest}")
             self.log.info("Ray job %s SUCCEEDED; manifest: %s", sid, manifest)
             return self.finish(context, manifest, sid)

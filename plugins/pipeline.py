@@ -23,7 +23,6 @@ stage configs (tasks/<stage>/config.py, standard library and yaml) are, by the f
 """
 from __future__ import annotations
 
-import json
 from datetime import timedelta
 
 from airflow.sdk import DAG, Asset, Param, chain, task
@@ -32,6 +31,7 @@ from plugins.form import PARAMS, promotion_param
 from plugins.hooks import RayJobHook, RayUnreachableError
 from plugins.notifiers import WebhookNotifier
 from plugins.operators import OUTPUT_ROOT, RayJobOperator
+from plugins.s3 import S3Error, S3Store
 from tasks.common import names
 
 #: A model's registry folder (champion.json, history/, candidates/), templated like the stages' output.
@@ -111,9 +111,7 @@ def missing_inputs(params, render) -> list[str]:
     """The run's own inputs on S3 that are not there: a dataset, base model, environment or metric file given as an
     s3:// URI, and a registered dataset (dataset:<name>) with no version under the datasets root (`render` turns
     a template into this run's value). Local paths and hub ids live on the Ray nodes: their stage checks them."""
-    from airflow.providers.amazon.aws.hooks.s3 import S3Hook
-
-    hook = S3Hook(aws_conn_id=names.S3_CONN)
+    store = S3Store(names.S3_CONN)
     wanted = {name: params.get(name) or "" for name in ("dataset", "base_model", "environment", "eval_metric_func")}
     if wanted["dataset"].startswith("dataset:"):
         name = wanted["dataset"].removeprefix("dataset:").split("@")[0]
@@ -124,10 +122,10 @@ def missing_inputs(params, render) -> list[str]:
             continue
         bucket, _, key = uri.removeprefix("s3://").partition("/")
         try:
-            found = hook.check_for_key(key, bucket) if key and not key.endswith("/") and "." in key.rsplit("/", 1)[-1] \
-                else bool(hook.list_keys(bucket, prefix=key.rstrip("/") + "/" if key else "", max_items=1))
-        except Exception as exc:  # a missing bucket, no access: the same answer, with botocore's cause
-            found, uri = False, f"{uri} ({' '.join(str(exc).split())[:200]})"
+            found = store.exists(uri) if key and not key.endswith("/") and "." in key.rsplit("/", 1)[-1] \
+                else bool(store.objects(f"s3://{bucket}/" + (key.rstrip("/") + "/" if key else ""), limit=1))
+        except S3Error as exc:  # a missing bucket, no access: the same answer, with botocore's cause
+            found, uri = False, f"{uri} ({' '.join(str(exc.__cause__).split())[:200]})"
         if not found:
             problems.append(f"{name}: {uri} does not exist; upload it or fix the URI")
     return problems
@@ -312,10 +310,9 @@ def build_pipeline(dag_id: str, schedule, description: str, allow_promotion: boo
         @task(task_id="champion", outlets=[ASSETS["champion"]])
         def champion(decision_manifest: str, outlet_events=None) -> str:
             """Emit the champion Asset's event when `promote` promoted; skipped otherwise."""
-            from airflow.providers.amazon.aws.hooks.s3 import S3Hook
             from airflow.sdk.exceptions import AirflowSkipException
 
-            record = json.loads(S3Hook(aws_conn_id=names.S3_CONN).read_key(decision_manifest))
+            record = S3Store(names.S3_CONN).read_json(decision_manifest)
             if not record["metrics"].get("promoted"):
                 raise AirflowSkipException(record.get("decision", "not promoted"))
             outlet_events[ASSETS["champion"]].extra = {"champion": record["champion"], "decision": record["decision"],

@@ -20,6 +20,7 @@ from fastapi import FastAPI, Query
 from fastapi.responses import HTMLResponse
 
 from plugins.reports import bad, can_read_runs_of, check_location, check_prefix, check_served, list_pages, read_object, served_buckets
+from plugins.s3 import split_uri
 from tasks.common import cost, names
 
 MODEL = re.compile(names.NAME_PATTERN)  # the model_name Param's pattern
@@ -56,7 +57,7 @@ def _json(uri: str) -> dict | None:
 
 
 def _list(uri: str) -> list[str]:
-    bucket, _, key = uri.removeprefix("s3://").partition("/")
+    bucket, key = split_uri(uri)
     return sorted(f"s3://{bucket}/{k}" for k in list_pages(bucket, key.rstrip("/") + "/") if k.endswith(".json"))
 
 

@@ -4,9 +4,9 @@
     GET /rlhf-flow/dags/<dag_id>/runs/<run_id>/report.html                    a run's report (also
         report.json, report.md, chart_<name>.svg), read from the eval stage's output in S3
 
-S3 through the Airflow connection ``rlhf_s3`` (the amazon provider's S3Hook). A report belongs to a run
+S3 through the Airflow connection ``rlhf_s3`` (plugins/s3.py). A report belongs to a run
 that exists in Airflow: it is found through the manifest URI the run's eval task returned (XCom), else
-through the operator's layout (``plugins.operators.output_uri_for``) under the run's own bucket and prefix
+through the operator's layout (``plugins.stage_cli.output_uri_for``) under the run's own bucket and prefix
 Params. The list reads only a served bucket (the connection's extra ``bucket``, the pipeline's default, and
 ``buckets``, the others runs may name) under a prefix the DAG's runs use. Callers need read access to the
 DAG's runs, checked by Airflow's own auth manager for that DAG (the UI's session cookie, or a Bearer
@@ -24,7 +24,8 @@ from airflow.api_fastapi.core_api.security import DagAccessEntity, GetUserDep, r
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.responses import HTMLResponse, Response
 
-from plugins.operators import key_safe, output_uri_for
+from plugins.s3 import S3Error, S3Store, split_uri
+from plugins.stage_cli import key_safe, output_uri_for
 from tasks.common import names
 
 AWS_CONN_ID = names.S3_CONN
@@ -67,19 +68,10 @@ def check_run_id(run_id: str) -> str:
     return run_id
 
 
-def _connection_extra() -> dict:
-    from airflow.providers.amazon.aws.hooks.s3 import S3Hook
-
-    try:
-        return S3Hook(aws_conn_id=AWS_CONN_ID).get_connection(AWS_CONN_ID).extra_dejson
-    except Exception:  # no such connection: the operator then writes to the default bucket
-        return {}
-
-
 def served_buckets() -> tuple[str, list[str]]:
     """(the default bucket, every bucket the views read): the rlhf_s3 connection's extra ``bucket`` (the
     pipeline's default, as for the operator) and ``buckets`` (a list, or names separated by commas)."""
-    extra = _connection_extra()
+    extra = S3Store(AWS_CONN_ID).connection_extra()  # none: the operator then writes to the default bucket
     default = extra.get("bucket") or DEFAULTS["bucket"]
     others = extra.get("buckets") or []
     others = others.split(",") if isinstance(others, str) else list(others)
@@ -129,30 +121,22 @@ def run_location(dag_id: str, run_id: str) -> str:
     return check_location(bucket, str(confs[0].get("prefix") or DEFAULTS["prefix"]), dag_id)
 
 
-def _s3():
-    from airflow.providers.amazon.aws.hooks.s3 import S3Hook  # lazily: every Airflow process loads the plugin
-
-    return S3Hook(aws_conn_id=AWS_CONN_ID).get_conn()
-
-
-def _split(uri: str) -> tuple[str, str]:
-    bucket, _, key = uri.removeprefix("s3://").partition("/")
-    return bucket, key
+def _s3_failed(e: S3Error, failed: str) -> HTTPException:
+    """A view's answer to an S3 failure, one line: 502 when S3 answered with an error or was not reached. Any
+    other failure is no answer of S3's: raised as is (a 500)."""
+    if e.code is not None:
+        return HTTPException(502, f"S3 (connection {AWS_CONN_ID}): {failed}: {e.__cause__}")
+    if e.unreachable:
+        return HTTPException(502, f"S3 (connection {AWS_CONN_ID}) is unreachable: {e.__cause__}")
+    raise e
 
 
 def read_object(uri: str) -> bytes | None:
     """The object's bytes, None when it (or its bucket) does not exist; 502 with one line otherwise."""
-    from botocore.exceptions import BotoCoreError, ClientError
-
-    bucket, key = _split(uri)
     try:
-        return _s3().get_object(Bucket=bucket, Key=key)["Body"].read()
-    except ClientError as e:
-        if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "NoSuchBucket", "404"):
-            return None
-        raise HTTPException(502, f"S3 (connection {AWS_CONN_ID}): reading {uri} failed: {e}") from None
-    except BotoCoreError as e:
-        raise HTTPException(502, f"S3 (connection {AWS_CONN_ID}) is unreachable: {e}") from None
+        return S3Store(AWS_CONN_ID).read(uri, missing_ok=True)
+    except S3Error as e:
+        raise _s3_failed(e, f"reading {uri} failed") from None
 
 
 def eval_output(dag_id: str, run_id: str) -> str | None:
@@ -174,24 +158,19 @@ def eval_output(dag_id: str, run_id: str) -> str | None:
 def list_pages(bucket: str, prefix: str, field: str = "Contents") -> list[str]:
     """The keys under ``prefix`` ("Contents"), or its sub-folders ("CommonPrefixes"); a missing bucket is a
     one-line 404, any other failure a one-line 502."""
-    from botocore.exceptions import BotoCoreError, ClientError
-
-    delimiter = {"Delimiter": "/"} if field == "CommonPrefixes" else {}
+    store, uri = S3Store(AWS_CONN_ID), f"s3://{bucket}/{prefix}"
     try:
-        pages = _s3().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix, **delimiter)
-        return [item["Prefix" if field == "CommonPrefixes" else "Key"] for page in pages for item in page.get(field, [])]
-    except ClientError as e:
-        if e.response.get("Error", {}).get("Code") == "NoSuchBucket":
+        return store.folders(uri) if field == "CommonPrefixes" else [obj["Key"] for obj in store.objects(uri)]
+    except S3Error as e:
+        if e.code == "NoSuchBucket":
             raise HTTPException(404, f"bucket: {bucket!r} does not exist: create it or fix the {AWS_CONN_ID} "
                                      "connection's extra") from None
-        raise HTTPException(502, f"S3 (connection {AWS_CONN_ID}): listing s3://{bucket}/{prefix} failed: {e}") from None
-    except BotoCoreError as e:
-        raise HTTPException(502, f"S3 (connection {AWS_CONN_ID}) is unreachable: {e}") from None
+        raise _s3_failed(e, f"listing s3://{bucket}/{prefix} failed") from None
 
 
 def list_runs(root: str, dag_id: str) -> list[dict]:
     """Every run under <root>/runs/<dag_id>/ whose eval stage committed its manifest, newest first."""
-    bucket, key = _split(f"{root}/runs/{dag_id}/")
+    bucket, key = split_uri(f"{root}/runs/{dag_id}/")
     runs = []
     for folder in list_pages(bucket, key, "CommonPrefixes"):
         raw = read_object(f"s3://{bucket}/{folder}eval/manifest.json")  # the manifest commits the report
@@ -260,7 +239,7 @@ def report_file(dag_id: str, run_id: str, name: str) -> Response:
         raise bad("name", name, f"is not a report file: use one of {', '.join(FILES)} or chart_<name>.svg")
     folder = eval_output(dag_id, run_id)  # None too when Airflow has no such run: run_location says so
     if folder:
-        check_served(_split(folder)[0])
+        check_served(split_uri(folder)[0])
     else:
         folder = output_uri_for(run_location(dag_id, run_id), dag_id, key_safe(run_id), "eval")
     uri = f"{folder}/{name}"

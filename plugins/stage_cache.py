@@ -14,6 +14,12 @@ A stage's cache key is the sha256 of the canonical JSON of:
 The index is one object per key, ``<output_root>/cache/<key>.json``, holding the URI of the manifest
 that key produced; it is written after a stage succeeds. A hit returns that manifest's URI as the
 stage's output, so downstream stages read the earlier run's artifacts and their own keys match too.
+A hit also needs the output's files to still be what its manifest committed (:func:`mismatches`).
+
+    cache = StageCache(S3Store(conn_id), "s3://bucket/prefix", log)
+    key = cache.key("tasks.sft", {"pretrain": "s3://…/manifest.json", "max_steps": 30}, working_dir)
+    cache.lookup(key)                       # the manifest URI of an earlier, still whole run, or None
+    cache.record(key, {"manifest": uri, …})  # after a stage succeeded
 """
 from __future__ import annotations
 
@@ -22,6 +28,8 @@ import json
 from importlib import metadata
 from typing import Any, Mapping
 
+from plugins.s3 import S3Store, split_uri
+from plugins.stage_cli import render_flag_value
 from tasks.common import manifest as manifests
 
 #: Flags that say where the output goes and which run it belongs to, not what is computed.
@@ -77,3 +85,52 @@ def mismatches(files: Mapping[str, Mapping[str, Any]], stored: Mapping[str, tupl
         elif entry.get("etag") and entry["etag"] != etag:
             problems.append(f"{rel} changed since it was committed (ETag {etag}, the manifest says {entry['etag']})")
     return problems
+
+
+class StageCache:
+    """The cache index under ``output_root``, and the check that a committed output is still whole, read and
+    written through ``store``. Warnings go to ``log`` (the operator's: they belong in the task log)."""
+
+    def __init__(self, store: S3Store, output_root: str, log: Any) -> None:
+        self.store = store
+        self.output_root = output_root
+        self.log = log
+
+    def key(self, module: str, args: Mapping[str, Any], working_dir: str | None) -> str:
+        """The key of running ``module`` with ``args`` (the operator's {flag: value}, rendered as the
+        entrypoint renders them) on the code of ``working_dir``; a manifest input counts by its bytes."""
+        flags = {k: render_flag_value(v) for k, v in args.items() if v is not None}
+        inputs = {k: hashlib.sha256(self.store.read_text(v).encode()).hexdigest()
+                  for k, v in flags.items() if is_manifest_uri(v)}
+        return cache_key(module, flags, inputs, code_digest(working_dir))
+
+    def lookup(self, key: str) -> str | None:
+        """The manifest a completed run with this key produced, if it is still there and its files still
+        are what it committed (a changed one makes the lookup a miss: the stage is computed again)."""
+        index = index_uri(self.output_root, key)
+        if not self.store.exists(index):
+            return None
+        manifest = self.store.read_json(index).get("manifest", "")
+        if not manifest or not self.store.exists(manifest):
+            return None
+        problems = self.output_problems(manifest)
+        if problems:
+            self.log.warning("Cache entry %s points at %s, whose files changed since they were committed (%s): "
+                             "not reusing it", key, manifest, "; ".join(problems[:3]))
+            return None
+        return manifest
+
+    def record(self, key: str, entry: Mapping[str, Any]) -> None:
+        """Index a completed run under its key (``entry`` holds its ``manifest`` and who produced it)."""
+        self.store.write_text(index_uri(self.output_root, key), json.dumps(entry, indent=2))
+
+    def output_problems(self, manifest: str) -> list[str]:
+        """How a committed output's folder differs from its manifest (sizes and S3's ETags; see
+        mismatches); empty when it is whole."""
+        files = self.store.read_json(manifest).get("files")
+        if not isinstance(files, dict):  # not a stage manifest: nothing to check against
+            return []
+        folder = manifest.removesuffix("manifest.json")
+        prefix = split_uri(folder)[1]
+        stored = {obj["Key"][len(prefix):]: (obj["Size"], obj.get("ETag", "")) for obj in self.store.objects(folder)}
+        return mismatches(files, stored)

@@ -28,7 +28,7 @@ os.environ["WANDB_CACHE_DIR"] = str(SCRATCH / "wandb-cache")
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".scratch" / "torch_extensions"))
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(REPO / ".scratch" / "torchinductor"))  # torch.compile's kernels
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-os.environ["RAY_AUTH_MODE"] = "disabled"  # as tools/stack.py's stack: a stray ~/.ray/auth_token must not turn tokens on
+os.environ["RAY_AUTH_MODE"] = "disabled"  # as tools/stack's stack: a stray ~/.ray/auth_token must not turn tokens on
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
@@ -112,22 +112,27 @@ def s3_server():
 
 
 # ---------------------------------------------------------------------------------------------------
-# The local stack, started by the same code as `make up` (tools/stack.py): a bare Ray head for tests that
+# The local stack, started by the same code as `make up` (tools/stack): a bare Ray head for tests that
 # run Airflow in-process, and the whole stack for end-to-end tests.
 
 import subprocess  # noqa: E402
 import time  # noqa: E402
 
-from tools import stack as _stack  # noqa: E402
+from tools.stack.api import AirflowAPI  # noqa: E402
+from tools.stack.config import RAY_WORKER_PORTS, Config, StackError, _all_procs, airflow_login, conn_ray, conn_s3, process_env  # noqa: E402
+from tools.stack.health import wait_healthy  # noqa: E402
+from tools.stack.processes import live_pids, pid_file, remove_scratch, running, start_ray, stop_process  # noqa: E402
+from tools.stack.s3 import s3_client  # noqa: E402
 
-STACK_PY = REPO / "tools" / "stack.py"
+# `make up`'s command line; run it with cwd=REPO (tools.stack is found from the repo root).
+STACK_CMD = [sys.executable, "-m", "tools.stack"]
 
 
 def _stack_port() -> int:
     """A free port that Ray will accept (outside its worker port range)."""
     while True:
         port = free_port()
-        if port not in _stack.RAY_WORKER_PORTS:
+        if port not in RAY_WORKER_PORTS:
             return port
 
 
@@ -136,8 +141,8 @@ def _clear_stale(parent: Path, keep: Path) -> None:
     if not parent.is_dir():
         return
     for d in parent.iterdir():
-        if d.is_dir() and d != keep and not _stack.live_pids(d):
-            _stack.remove_scratch(d)
+        if d.is_dir() and d != keep and not live_pids(d):
+            remove_scratch(d)
 
 
 RAY_GCS_ADDRESS = ""
@@ -176,7 +181,7 @@ def ray_head(s3_server):
     parent = SCRATCH / "ray-head"
     scratch = parent / str(os.getpid())  # one per session: concurrent sessions never share a head
     _clear_stale(parent, scratch)
-    cfg = _stack.Config(
+    cfg = Config(
         scratch=scratch,
         airflow_port=_stack_port(),
         s3_port=int(s3_server.endpoint.rsplit(":", 1)[1]),
@@ -186,24 +191,24 @@ def ray_head(s3_server):
         ray_agent_port=_stack_port(),
         bucket=s3_server.bucket,
     )
-    env = _stack.process_env(cfg)
+    env = process_env(cfg)
     # Same caches as the in-process tests (set at the top of this file).
     for key in ("HF_HOME", "WANDB_DIR", "WANDB_CACHE_DIR", "TORCH_EXTENSIONS_DIR", "TORCHINDUCTOR_CACHE_DIR"):
         env[key] = os.environ[key]
-    proc = _stack.start_ray(cfg, env)
+    proc = start_ray(cfg, env)
     try:
-        _stack.wait_healthy(cfg, "ray", {"ray": proc}, timeout=120)
-    except _stack.StackError as e:
-        _stack.stop_process(proc.pid)
+        wait_healthy(cfg, "ray", {"ray": proc}, timeout=120)
+    except StackError as e:
+        stop_process(proc.pid)
         pytest.fail(f"ray_head: {e}", pytrace=False)
     global RAY_GCS_ADDRESS
     RAY_GCS_ADDRESS = f"127.0.0.1:{cfg.ray_port}"
     saved = {k: os.environ.get(k) for k in ("AIRFLOW_CONN_RLHF_RAY", "AIRFLOW_CONN_RLHF_S3")}
-    os.environ["AIRFLOW_CONN_RLHF_RAY"] = _stack.conn_ray(cfg.dashboard_port)
-    os.environ["AIRFLOW_CONN_RLHF_S3"] = _stack.conn_s3(s3_server.endpoint, s3_server.bucket)
+    os.environ["AIRFLOW_CONN_RLHF_RAY"] = conn_ray(cfg.dashboard_port)
+    os.environ["AIRFLOW_CONN_RLHF_S3"] = conn_s3(s3_server.endpoint, s3_server.bucket)
     yield cfg.dashboard_url
-    _stack.stop_process(proc.pid)
-    _stack.pid_file(cfg, "ray").unlink(missing_ok=True)
+    stop_process(proc.pid)
+    pid_file(cfg, "ray").unlink(missing_ok=True)
     for key, value in saved.items():
         if value is None:
             os.environ.pop(key, None)
@@ -212,18 +217,18 @@ def ray_head(s3_server):
 
 
 class LiveStack:
-    """A running stack started by `tools/stack.py up` (what `make up` runs), on its own scratch and ports."""
+    """A running stack started by `python -m tools.stack up` (what `make up` runs), on its own scratch and ports."""
 
-    def __init__(self, cfg: "_stack.Config", env: dict):
+    def __init__(self, cfg: Config, env: dict):
         self.cfg = cfg
-        self.env = env  # the environment tools/stack.py runs with (RLHF_* chosen here)
+        self.env = env  # the environment tools.stack runs with (RLHF_* chosen here)
         self.scratch = cfg.scratch
         self.airflow_url = cfg.airflow_url
-        self.username, self.password = _stack.airflow_login(cfg.scratch)
+        self.username, self.password = airflow_login(cfg.scratch)
         self.s3_endpoint = cfg.s3_endpoint
         self.bucket = cfg.bucket
         self.ray_dashboard = cfg.dashboard_url
-        self.api = _stack.AirflowAPI(cfg.airflow_url, self.username, self.password)
+        self.api = AirflowAPI(cfg.airflow_url, self.username, self.password)
 
     def token(self) -> str:
         """A JWT for ``Authorization: Bearer …`` (POST /auth/token)."""
@@ -235,22 +240,22 @@ class LiveStack:
 
     def s3(self):
         """A boto3 S3 client for the stack's emulator."""
-        return _stack.s3_client(self.cfg)
+        return s3_client(self.cfg)
 
     def stack(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-        """Run ``tools/stack.py <args>`` against this stack."""
+        """Run ``python -m tools.stack <args>`` against this stack."""
         return subprocess.run(
-            [sys.executable, str(STACK_PY), *args], env=self.env, capture_output=True, text=True, timeout=timeout
+            [*STACK_CMD, *args], env=self.env, cwd=REPO, capture_output=True, text=True, timeout=timeout
         )
 
     def pids(self) -> dict:
         """{process name: pid} of the stack's running processes."""
-        return {n: p.pid for n in _stack._all_procs() if (p := _stack.running(self.cfg, n)) is not None}
+        return {n: p.pid for n in _all_procs() if (p := running(self.cfg, n)) is not None}
 
     def stage_env(self) -> dict:
         """The environment of a stage run as a plain process against this stack: its S3 emulator and its Ray
         head (RAY_ADDRESS), nothing of the in-process fixtures' S3 or Ray."""
-        env = _stack.process_env(self.cfg, {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "RAY_", "RLHF_"))})
+        env = process_env(self.cfg, {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "RAY_", "RLHF_"))})
         env["RAY_ADDRESS"] = f"127.0.0.1:{self.cfg.ray_port}"
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
         return env
@@ -276,7 +281,7 @@ def stack_subprocess_env(scratch: Path, **ports: int) -> dict:
 
 @pytest.fixture(scope="session")
 def live_stack():
-    """The whole stack, started exactly as `make up` does (`tools/stack.py up` in a subprocess), but in
+    """The whole stack, started exactly as `make up` does (`python -m tools.stack up` in a subprocess), but in
     <repo>/.scratch/test-stack/<pid> on free ports, so it never meets a developer's stack or another test
     session's. Yields a LiveStack (airflow_url, username, password, s3_endpoint, bucket, ray_dashboard,
     token(), rest(), s3(), stack(), pids()); teardown runs `down`.
@@ -291,23 +296,23 @@ def live_stack():
     env = stack_subprocess_env(scratch, **ports)
     t0 = time.monotonic()
     up = subprocess.run(
-        [sys.executable, str(STACK_PY), "up"], env=env, capture_output=True, text=True, timeout=600
+        [*STACK_CMD, "up"], env=env, cwd=REPO, capture_output=True, text=True, timeout=600
     )
-    cfg = _stack.Config.load(scratch) or _stack.Config.from_env(env)
+    cfg = Config.load(scratch) or Config.from_env(env)
     if up.returncode != 0:
-        subprocess.run([sys.executable, str(STACK_PY), "down"], env=env,
+        subprocess.run([*STACK_CMD, "down"], env=env, cwd=REPO,
                        capture_output=True, timeout=300)  # fmt: skip
-        pytest.fail(f"live_stack: `stack.py up` failed:\n{up.stdout}\n{up.stderr}", pytrace=False)
+        pytest.fail(f"live_stack: `python -m tools.stack up` failed:\n{up.stdout}\n{up.stderr}", pytrace=False)
     live = LiveStack(cfg, env)
     live.up_seconds = time.monotonic() - t0
     live.up_output = up.stdout
     yield live
     down = subprocess.run(
-        [sys.executable, str(STACK_PY), "down"], env=env, capture_output=True, text=True,
+        [*STACK_CMD, "down"], env=env, cwd=REPO, capture_output=True, text=True,
         timeout=300,
     )  # fmt: skip
     if down.returncode != 0:
-        print(f"live_stack teardown: `stack.py down` failed:\n{down.stdout}\n{down.stderr}", file=sys.stderr)
+        print(f"live_stack teardown: `python -m tools.stack down` failed:\n{down.stdout}\n{down.stderr}", file=sys.stderr)
 
 
 class DemoRun:

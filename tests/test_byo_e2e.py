@@ -65,7 +65,7 @@ def byo_run(s3_server, ray_head, tmp_path_factory):
     from airflow.dag_processing.bundles.manager import DagBundlesManager
     from airflow.dag_processing.dagbag import DagBag, sync_bag_to_db
 
-    from plugins.operators import key_safe
+    from plugins.stage_cli import key_safe
 
     root = tmp_path_factory.mktemp("byo")
     saved = os.environ.get("RLHF_CACHE_DIR")

@@ -129,7 +129,7 @@ def test_dag_settings(dag, dagbag):
 
 def test_stage_tasks_share_the_gpu_pool_cache_deadline_and_lineage(dag):
     from plugins.pipeline import STAGE_GPUS
-    from tasks.common.names import GPU_POOL  # the pool tools/stack.py creates
+    from tasks.common.names import GPU_POOL  # the pool tools/stack creates
 
     for task_id, gpus in STAGE_GPUS.items():
         task = dag.get_task(task_id)
@@ -331,7 +331,7 @@ def test_the_first_task_checks_every_stage_on_the_runs_path_with_the_stages_own_
     from airflow.sdk.execution_time.context import ConnectionAccessor
 
     from plugins.pipeline import planned_problems
-    from tools.stack import conn_s3
+    from tools.stack.config import conn_s3
 
     monkeypatch.setenv("AIRFLOW_CONN_RLHF_S3", conn_s3("http://127.0.0.1:9"))  # the templates read its bucket; nothing connects
     defaults = dag.params.dump()
@@ -363,7 +363,7 @@ def test_the_first_task_names_the_runs_s3_inputs_that_are_not_there(dag, s3_serv
     from airflow.sdk.execution_time.context import ConnectionAccessor
 
     from plugins.pipeline import missing_inputs
-    from tools.stack import conn_s3
+    from tools.stack.config import conn_s3
 
     monkeypatch.setenv("AIRFLOW_CONN_RLHF_S3", conn_s3(s3_server.endpoint))
     s3_server.client().put_object(Bucket=s3_server.bucket, Key="inputs/data.jsonl", Body=b'{"prompt": "1+1="}\n')
@@ -387,7 +387,7 @@ def test_a_refused_form_fails_the_validate_task_and_submits_no_ray_job(airflow_d
     from airflow.dag_processing.bundles.manager import DagBundlesManager
     from airflow.dag_processing.dagbag import sync_bag_to_db
 
-    from plugins.operators import submission_id_for
+    from plugins.stage_cli import submission_id_for
 
     DagBundlesManager().sync_bundles_to_db()
     sync_bag_to_db(dagbag, "dags-folder", None)
@@ -416,7 +416,7 @@ def test_pipeline_end_to_end(method, airflow_db, s3_server, ray_head, dagbag):
     from airflow.dag_processing.bundles.manager import DagBundlesManager
     from airflow.dag_processing.dagbag import sync_bag_to_db
 
-    from plugins.operators import key_safe
+    from plugins.stage_cli import key_safe
 
     DagBundlesManager().sync_bundles_to_db()
     sync_bag_to_db(dagbag, "dags-folder", None)

@@ -13,7 +13,7 @@ import urllib.request
 
 import pytest
 
-from plugins.operators import submission_id_for
+from plugins.stage_cli import submission_id_for
 from tasks.data import demo
 
 pytestmark = pytest.mark.e2e
@@ -71,10 +71,10 @@ def test_no_secret_reaches_rays_api_or_logs(demo_run):
     """The stack's S3 secret (its own, made per stack) is in no actor's or job's runtime_env as Ray's
     dashboard serves them (no authentication there) and in no Ray, Airflow or stack log: the workers take
     their credentials from their node."""
-    from tools import stack
+    from tools.stack.config import s3_keys
 
     live = demo_run.live
-    secret = stack.s3_keys(live.scratch)[1].encode()
+    secret = s3_keys(live.scratch)[1].encode()
     with urllib.request.urlopen(f"{live.ray_dashboard}/api/v0/actors?detail=1&limit=10000", timeout=60) as response:
         actors = response.read()
     # The RL stage's worker actors are listed with their runtime_env (it carries their forwarded settings).

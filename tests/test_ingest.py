@@ -354,8 +354,8 @@ def test_the_pipeline_flags_parse_in_every_stage_config():
     from airflow.sdk.definitions.xcom_arg import XComArg
 
     from plugins.form import DEFAULTS
-    from plugins.operators import render_flags
     from plugins.pipeline import build_pipeline, fail_after, fixed_data, save_steps
+    from plugins.stage_cli import render_flags
     from tasks.eval.config import EvalConfig
     from tasks.preference.config import PreferenceConfig
     from tasks.reward_model.config import RewardModelConfig

@@ -22,8 +22,11 @@ from tasks.common.config import ConfigError, make_config
 from tasks.data.__main__ import prepare
 from tasks.data.config import PrepareDataConfig
 from tasks.rl.config import RLConfig
+from tools.stack.config import Config, process_env
+from tools.stack.health import http_get, wait_healthy
+from tools.stack.processes import launch, live_pids, log_file, ray_command, remove_scratch, stop_process, tail
 
-from conftest import REPO, SCRATCH, _stack, _stack_port
+from conftest import REPO, SCRATCH, _stack_port
 from test_stack import LOOPBACK_IPS, _listening
 from test_stages import flags, metrics_of, run_cli
 
@@ -35,13 +38,13 @@ JOIN_ON_LOOPBACK = ("import sys; import ray._private.services as services; servi
 
 
 def _nodes(dashboard: str) -> list[dict]:
-    status, body = _stack.http_get(f"{dashboard}/api/v0/nodes?detail=1", timeout=5)
+    status, body = http_get(f"{dashboard}/api/v0/nodes?detail=1", timeout=5)
     assert status == 200, body[:300]
     return [n for n in json.loads(body)["data"]["result"]["result"] if n.get("state") == "ALIVE"]
 
 
 def _temp_dir(cfg) -> None:
-    """Ray's --temp-dir for a node, linked from its scratch folder when it had to move to /tmp (as stack.start_ray does)."""
+    """Ray's --temp-dir for a node, linked from its scratch folder when it had to move to /tmp (as tools.stack.processes.start_ray does)."""
     cfg.ray_temp_dir.mkdir(parents=True, exist_ok=True)
     cfg.scratch.mkdir(parents=True, exist_ok=True)
     if cfg.ray_temp_dir != cfg.scratch / "ray":
@@ -55,11 +58,11 @@ def two_nodes(s3_server):
     parent = SCRATCH / "multinode"
     root = parent / str(os.getpid())
     for d in parent.iterdir() if parent.is_dir() else []:  # earlier sessions' folders, once their Ray is gone
-        if d != root and not _stack.live_pids(d / "head"):
+        if d != root and not live_pids(d / "head"):
             for sub in ("head", "ray_b"):
-                _stack.remove_scratch(d / sub)
+                remove_scratch(d / sub)
             shutil.rmtree(d, ignore_errors=True)
-    head = _stack.Config(scratch=root / "head", airflow_port=_stack_port(), s3_port=int(s3_server.endpoint.rsplit(":", 1)[1]),
+    head = Config(scratch=root / "head", airflow_port=_stack_port(), s3_port=int(s3_server.endpoint.rsplit(":", 1)[1]),
                          ray_port=_stack_port(), dashboard_port=_stack_port(), ray_client_port=_stack_port(),
                          ray_agent_port=_stack_port(), bucket=s3_server.bucket)
     scratch = {name: root / name for name in ("node_a", "node_b", "driver_tmp")}
@@ -67,7 +70,7 @@ def two_nodes(s3_server):
         folder.mkdir(parents=True, exist_ok=True)
 
     def node_env(name: str) -> dict:
-        env = _stack.process_env(head)  # S3 endpoint and keys, offline flags, loopback-only Ray
+        env = process_env(head)  # S3 endpoint and keys, offline flags, loopback-only Ray
         for key in ("HF_HOME", "WANDB_DIR", "WANDB_CACHE_DIR", "TORCH_EXTENSIONS_DIR"):
             env[key] = os.environ[key]
         env.update(RLHF_NODE_SCRATCH=str(scratch[name]), TMPDIR=str(scratch[name]))
@@ -77,21 +80,21 @@ def two_nodes(s3_server):
         return env
 
     _temp_dir(head)
-    procs = {"ray-head": _stack.launch(head, "ray-head", _stack.ray_command(head) + ["--resources", json.dumps({"node_a": 100})],
+    procs = {"ray-head": launch(head, "ray-head", ray_command(head) + ["--resources", json.dumps({"node_a": 100})],
                                        node_env("node_a"))}
-    second = _stack.Config(scratch=root / "ray_b")  # only for its own short --temp-dir
+    second = Config(scratch=root / "ray_b")  # only for its own short --temp-dir
     _temp_dir(second)
     address = f"127.0.0.1:{head.ray_port}"
     try:
-        _stack.wait_healthy(head, "ray", {"ray": procs["ray-head"]}, timeout=120)
-        procs["ray-node-b"] = _stack.launch(head, "ray-node-b", [
+        wait_healthy(head, "ray", {"ray": procs["ray-head"]}, timeout=120)
+        procs["ray-node-b"] = launch(head, "ray-node-b", [
             sys.executable, "-c", JOIN_ON_LOOPBACK, "start", "--block", "--address", address, "--node-ip-address", "127.0.0.1",
             "--temp-dir", str(second.ray_temp_dir), "--num-cpus", "2", "--resources", json.dumps({"node_b": 100}),
             "--dashboard-agent-listen-port", str(_stack_port()), "--disable-usage-stats"], node_env("node_b"))
         deadline = time.monotonic() + 60
         while len(nodes := _nodes(head.dashboard_url)) < 2:
-            assert procs["ray-node-b"].poll() is None, f"second node exited:\n{_stack.tail(_stack.log_file(head, 'ray-node-b'), 30)}"
-            assert time.monotonic() < deadline, f"second node did not join:\n{_stack.tail(_stack.log_file(head, 'ray-node-b'), 30)}"
+            assert procs["ray-node-b"].poll() is None, f"second node exited:\n{tail(log_file(head, 'ray-node-b'), 30)}"
+            assert time.monotonic() < deadline, f"second node did not join:\n{tail(log_file(head, 'ray-node-b'), 30)}"
             time.sleep(1)
         exposed = [s for proc in procs.values() for s in _listening(proc.pid) if s[0] not in LOOPBACK_IPS]
         assert not exposed, f"listening beyond 127.0.0.1: {exposed}"
@@ -102,9 +105,9 @@ def two_nodes(s3_server):
     finally:
         for name in ("ray-node-b", "ray-head"):  # only the processes started here, by pid
             if name in procs:
-                _stack.stop_process(procs[name].pid)
+                stop_process(procs[name].pid)
         for sub in ("head", "ray_b"):
-            _stack.remove_scratch(root / sub)
+            remove_scratch(root / sub)
         shutil.rmtree(root, ignore_errors=True)
 
 

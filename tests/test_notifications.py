@@ -37,7 +37,7 @@ def receiver():
 
 @pytest.fixture
 def connections(s3_server, receiver, monkeypatch):
-    from tools.stack import conn_s3
+    from tools.stack.config import conn_s3
 
     monkeypatch.setenv("AIRFLOW_CONN_RLHF_S3", conn_s3(s3_server.endpoint))
     monkeypatch.setenv("AIRFLOW_CONN_RLHF_WEBHOOK", json.dumps({"conn_type": "http", "host": f"{receiver[0]}/hooks/rlhf"}))

@@ -9,7 +9,7 @@ import urllib.request
 
 import pytest
 
-from plugins.operators import key_safe, submission_id_for
+from plugins.stage_cli import key_safe, submission_id_for
 
 pytestmark = pytest.mark.e2e
 
@@ -74,10 +74,10 @@ def test_a_failed_stage_reruns_alone_from_its_checkpoint_across_restarts(demo_ru
 
     # Restart the scheduler and the triggerer while RL's job runs: the run carries on with that job.
     running_job(live, dag_id, run_id, "rl")
-    from tools import stack
+    from tools.stack.processes import stop_process
 
     for name in ("airflow-scheduler", "airflow-triggerer"):
-        stack.stop_process(live.pids()[name])
+        stop_process(live.pids()[name])
     up = live.stack("up")
     assert up.returncode == 0, up.stdout + up.stderr
 

@@ -20,17 +20,8 @@ from pathlib import Path
 import pytest
 
 from plugins.hooks import RayJobHook, RayUnreachableError
-from plugins.operators import (
-    RayJobOperator,
-    build_entrypoint,
-    cleared_by_user,
-    failure_message,
-    key_safe,
-    output_uri_for,
-    render_flags,
-    submission_id_for,
-    unknown_conf,
-)
+from plugins.operators import RayJobOperator, cleared_by_user
+from plugins.stage_cli import build_entrypoint, failure_message, key_safe, output_uri_for, render_flags, submission_id_for, unknown_conf
 from plugins.triggers import RayJobTrigger, split_new_lines
 
 REPO = Path(__file__).resolve().parents[1]
@@ -351,7 +342,7 @@ def test_unreachable_s3_is_one_line_naming_the_uri(monkeypatch):
                   "config_kwargs": {"retries": {"total_max_attempts": 1}}}}))
     op = RayJobOperator(task_id="t", module="m", aws_conn_id="dead_s3")
     with pytest.raises(AirflowException) as err:
-        op.manifest_exists("s3://b/runs/x/sft/manifest.json")
+        op.s3.exists("s3://b/runs/x/sft/manifest.json")
     message = str(err.value)
     assert "\n" not in message and "cannot check s3://b/runs/x/sft/manifest.json" in message, message
     assert "s3cr3t-pw" not in message and "AKIDEXAMPLE" not in message

@@ -155,7 +155,7 @@ def test_ui_view_lists_what_the_cli_lists(s3_server, tmp_path, monkeypatch):
     from fastapi import HTTPException
 
     from plugins import registry_view
-    from tools.stack import conn_s3
+    from tools.stack.config import conn_s3
 
     monkeypatch.setenv("AIRFLOW_CONN_RLHF_S3", conn_s3(s3_server.endpoint))
     root = s3_server.uri(f"reg-{tmp_path.name}")

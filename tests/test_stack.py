@@ -1,4 +1,4 @@
-"""The local stack (tools/stack.py, what `make up` / `make down` run): healthy, idempotent, loopback-only,
+"""The local stack (tools/stack, what `make up` / `make down` run): healthy, idempotent, loopback-only,
 and S3 kept across down/up. The unit tests at the top start nothing."""
 from __future__ import annotations
 
@@ -13,9 +13,12 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tools import stack
+from tools.stack.config import Config, StackError, airflow_login, stack_env
+from tools.stack.health import airflow_health
+from tools.stack.processes import remove_scratch, running
+from tools.stack.s3 import s3_client
 
-from conftest import REPO, STACK_PY, _stack_port, stack_subprocess_env
+from conftest import REPO, STACK_CMD, _stack_port, stack_subprocess_env
 
 LOOPBACK_IPS = {"127.0.0.1", "::ffff:127.0.0.1", "::1"}
 
@@ -24,7 +27,7 @@ LOOPBACK_IPS = {"127.0.0.1", "::ffff:127.0.0.1", "::1"}
 
 
 def test_stack_env_is_loopback_complete_and_stable(tmp_path):
-    env = stack.stack_env(tmp_path, airflow_port=38080, s3_port=39000, ray_port=36379, dashboard_port=38265)
+    env = stack_env(tmp_path, airflow_port=38080, s3_port=39000, ray_port=36379, dashboard_port=38265)
     for key in (
         "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL_S3", "HF_HUB_OFFLINE",
         "TRANSFORMERS_OFFLINE", "HF_HOME", "WANDB_MODE", "WANDB_DIR", "WANDB_CACHE_DIR", "TORCH_EXTENSIONS_DIR",
@@ -43,27 +46,27 @@ def test_stack_env_is_loopback_complete_and_stable(tmp_path):
         "conn_type": "http", "host": "127.0.0.1", "port": 38265, "schema": "http",
     }  # fmt: skip
     # Secrets and the login are generated once and reused.
-    again = stack.stack_env(tmp_path, airflow_port=38080, s3_port=39000, ray_port=36379, dashboard_port=38265)
+    again = stack_env(tmp_path, airflow_port=38080, s3_port=39000, ray_port=36379, dashboard_port=38265)
     assert again == env
-    user, password = stack.airflow_login(tmp_path)
+    user, password = airflow_login(tmp_path)
     assert user == "admin" and len(password) >= 12
     assert json.loads(Path(env["AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE"]).read_text()) == {user: password}
 
 
 def test_ports_inside_rays_worker_range_are_refused(tmp_path):
-    with pytest.raises(stack.StackError, match="worker port range"):
-        stack.Config(scratch=tmp_path, dashboard_port=18265).check_ports()
-    with pytest.raises(stack.StackError, match="both"):
-        stack.Config(scratch=tmp_path, s3_port=8080).check_ports()
+    with pytest.raises(StackError, match="worker port range"):
+        Config(scratch=tmp_path, dashboard_port=18265).check_ports()
+    with pytest.raises(StackError, match="both"):
+        Config(scratch=tmp_path, s3_port=8080).check_ports()
 
 
 def test_status_and_down_of_a_stack_never_started(tmp_path):
     env = stack_subprocess_env(tmp_path / "never")
     for cmd in (["status"], ["down"]):
-        out = subprocess.run([sys.executable, str(STACK_PY), *cmd], env=env, capture_output=True, text=True, timeout=60)
+        out = subprocess.run([*STACK_CMD, *cmd], env=env, cwd=REPO, capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
     assert "stopped" in subprocess.run(
-        [sys.executable, str(STACK_PY), "status"], env=env, capture_output=True, text=True, timeout=60
+        [*STACK_CMD, "status"], env=env, cwd=REPO, capture_output=True, text=True, timeout=60
     ).stdout
 
 
@@ -72,7 +75,7 @@ def test_status_and_down_of_a_stack_never_started(tmp_path):
 
 @pytest.mark.e2e
 def test_up_is_healthy(live_stack):
-    health = stack.airflow_health(live_stack.cfg)
+    health = airflow_health(live_stack.cfg)
     for component in ("metadatabase", "scheduler", "triggerer", "dag_processor"):
         assert health[component] == "healthy", health
     with urllib.request.urlopen(f"{live_stack.ray_dashboard}/api/version", timeout=10) as r:
@@ -129,19 +132,19 @@ def test_s3_objects_survive_the_emulator_being_killed():
     its ETag (a manifest's record) and content type; `down` and `up` keep it too (S3 alone, own scratch)."""
     parent = REPO / ".scratch" / "test-stack"
     scratch = parent / f"{os.getpid()}-s3"
-    stack.remove_scratch(scratch)
+    remove_scratch(scratch)
     env = stack_subprocess_env(scratch, s3_port=_stack_port())
 
     def run(*args):
-        out = subprocess.run([sys.executable, str(STACK_PY), *args], env=env, capture_output=True, text=True,
+        out = subprocess.run([*STACK_CMD, *args], env=env, cwd=REPO, capture_output=True, text=True,
                              timeout=120)  # fmt: skip
         assert out.returncode == 0, out.stdout + out.stderr
         return out.stdout
 
     try:
         run("up", "s3")
-        cfg = stack.Config.load(scratch)
-        s3 = stack.s3_client(cfg)
+        cfg = Config.load(scratch)
+        s3 = s3_client(cfg)
         key = "runs/rlhf_pipeline/manual__x/sft/manifest.json"
         s3.put_object(Bucket=cfg.bucket, Key=key, Body=b'{"stage": "sft"}', ContentType="application/json")
         s3.put_object(Bucket=cfg.bucket, Key="runs/gone", Body=b"deleted before the crash")
@@ -154,11 +157,11 @@ def test_s3_objects_survive_the_emulator_being_killed():
         before = {b: {o["Key"]: o["ETag"] for o in s3.list_objects_v2(Bucket=b)["Contents"]} for b in (cfg.bucket, "another")}
         assert before["another"]["model/weights.bin"].endswith('-2"')
 
-        proc = stack.running(cfg, "s3")
+        proc = running(cfg, "s3")
         proc.kill()  # SIGKILL: no handler, no shutdown path runs
         proc.wait(30)
         run("up", "s3")
-        s3 = stack.s3_client(cfg)
+        s3 = s3_client(cfg)
         after = {b: {o["Key"]: o["ETag"] for o in s3.list_objects_v2(Bucket=b)["Contents"]} for b in (cfg.bucket, "another")}
         assert after == before
         obj = s3.get_object(Bucket=cfg.bucket, Key=key)
@@ -167,10 +170,10 @@ def test_s3_objects_survive_the_emulator_being_killed():
 
         run("down", "s3")
         run("up", "s3")
-        assert stack.s3_client(cfg).get_object(Bucket="another", Key="dir/")["Body"].read() == b""
+        assert s3_client(cfg).get_object(Bucket="another", Key="dir/")["Body"].read() == b""
     finally:
-        subprocess.run([sys.executable, str(STACK_PY), "down"], env=env, capture_output=True, timeout=120)
-        stack.remove_scratch(scratch)
+        subprocess.run([*STACK_CMD, "down"], env=env, cwd=REPO, capture_output=True, timeout=120)
+        remove_scratch(scratch)
 
 
 @pytest.mark.e2e
@@ -197,17 +200,17 @@ def test_ray_head_jobs_reach_s3_with_the_nodes_environment(ray_head, s3_server):
 def test_two_ups_at_once_leave_one_whole_stack():
     """`up` takes the stack's lock: a second `up` started at the same moment waits, then finds S3 running."""
     scratch = REPO / ".scratch" / "test-stack" / f"{os.getpid()}-lock"
-    stack.remove_scratch(scratch)
+    remove_scratch(scratch)
     env = stack_subprocess_env(scratch, s3_port=_stack_port())
     try:
-        procs = [subprocess.Popen([sys.executable, str(STACK_PY), "up", "s3"], env=env, stdout=subprocess.PIPE,
+        procs = [subprocess.Popen([*STACK_CMD, "up", "s3"], env=env, cwd=REPO, stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True) for _ in range(2)]
         outs = [p.communicate(timeout=120)[0] for p in procs]
         assert [p.returncode for p in procs] == [0, 0], outs
         assert sum("s3       started" in o for o in outs) == 1 and sum("already running" in o for o in outs) == 1, outs
-        cfg = stack.Config.load(scratch)
+        cfg = Config.load(scratch)
         s3_procs = [p for p in psutil.process_iter(["cmdline"]) if str(cfg.s3_data) in " ".join(p.info["cmdline"] or [])]
-        assert len(s3_procs) == 1 and stack.running(cfg, "s3").pid == s3_procs[0].pid
+        assert len(s3_procs) == 1 and running(cfg, "s3").pid == s3_procs[0].pid
     finally:
-        subprocess.run([sys.executable, str(STACK_PY), "down"], env=env, capture_output=True, timeout=120)
-        stack.remove_scratch(scratch)
+        subprocess.run([*STACK_CMD, "down"], env=env, cwd=REPO, capture_output=True, timeout=120)
+        remove_scratch(scratch)

@@ -29,7 +29,7 @@ class OneDagAuthManager(SimpleAuthManager):
 def tokens(airflow_db, s3_server, monkeypatch):
     from airflow.api_fastapi.app import init_auth_manager, purge_cached_app
 
-    from tools.stack import conn_s3
+    from tools.stack.config import conn_s3
 
     monkeypatch.setenv("AIRFLOW__CORE__AUTH_MANAGER", f"{__name__}.OneDagAuthManager")
     monkeypatch.setenv("AIRFLOW__API_AUTH__JWT_SECRET", "test-views-auth-" * 4)  # 64 bytes: HS512 wants no less

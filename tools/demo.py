@@ -21,8 +21,11 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tasks.data import demo  # noqa: E402
-from tools import stack  # noqa: E402
-from tools.stack import AirflowAPI, APIError, q  # noqa: E402
+from tools.stack.api import AirflowAPI, APIError, q  # noqa: E402
+from tools.stack.config import Config, StackError, airflow_login  # noqa: E402
+from tools.stack.health import healthy_airflow  # noqa: E402
+from tools.stack.processes import current_config, reserialize  # noqa: E402
+from tools.stack.s3 import s3_client  # noqa: E402
 
 FINAL_RUN_STATES = {"success", "failed"}
 
@@ -31,7 +34,7 @@ def log(t0: float, msg: str) -> None:
     print(f"[{time.monotonic() - t0:7.1f}s] {msg}", flush=True)
 
 
-def wait_for_dag(api: AirflowAPI, cfg: stack.Config, dag_id: str, t0: float, timeout: float = 180) -> dict:
+def wait_for_dag(api: AirflowAPI, cfg: Config, dag_id: str, t0: float, timeout: float = 180) -> dict:
     """The DAG's record; if the API does not know it yet, reserialize the DAG folder and wait for it."""
     deadline = time.monotonic() + timeout
     reserialized = False
@@ -44,8 +47,8 @@ def wait_for_dag(api: AirflowAPI, cfg: stack.Config, dag_id: str, t0: float, tim
         if not reserialized:
             log(t0, f"DAG {dag_id} not visible yet: reserializing {cfg.dags_folder}")
             try:
-                stack.reserialize(cfg)
-            except stack.StackError as e:
+                reserialize(cfg)
+            except StackError as e:
                 log(t0, f"reserialize failed: {e}")
             reserialized = True
             continue
@@ -154,8 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     conf = json.loads(args.conf)
 
-    cfg = stack.current_config()
-    ok, detail = stack.healthy_airflow(cfg)
+    cfg = current_config()
+    ok, detail = healthy_airflow(cfg)
     if not ok:
         print(f"demo: Airflow at {cfg.airflow_url} is not healthy ({detail}): run `make up` first", file=sys.stderr)
         return 2
@@ -191,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(args.poll)
         state = api.get(f"/api/v2/dags/{q(dag_id)}/dagRuns/{q(run_id)}")["state"]
     wall = time.monotonic() - t0
-    user, password = stack.airflow_login(cfg.scratch)
+    user, password = airflow_login(cfg.scratch)
 
     if state != "success":
         failed = [ti for ti in tis if ti.get("state") == "failed"]
@@ -211,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     bucket, key = split_s3(manifest_uri)
     stage_dir = key.rsplit("/", 1)[0]
-    s3 = stack.s3_client(cfg)
+    s3 = s3_client(cfg)
     code = 0
     try:
         report = s3.get_object(Bucket=bucket, Key=f"{stage_dir}/report.md")["Body"].read().decode()

@@ -62,7 +62,7 @@ def forwarded_env(environ: dict[str, str]) -> dict[str, str]:
 
 def connect_ray() -> None:
     """Join the Ray cluster this process belongs to: the job's (RAY_ADDRESS, which Ray sets for a
-    job's driver), the local stack's (RLHF_RAY_PORT, from `tools/stack.py env`), or a new local one."""
+    job's driver), the local stack's (RLHF_RAY_PORT, from `python -m tools.stack env`), or a new local one."""
     if ray.is_initialized():
         return
     address = os.environ.get("RAY_ADDRESS", "")
