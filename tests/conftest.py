@@ -317,7 +317,7 @@ def live_stack():
 
 class DemoRun:
     """The demo as `make demo` runs it (tools/demo.py on the live stack: the rlhf_pipeline DAG at its Param
-    defaults, triggered through the REST API), once per session: tests/test_e2e.py checks it, the learning
+    defaults, triggered through the REST API), once per session: tests/e2e/test_e2e.py checks it, the learning
     checks start from its SFT and reward model, the nightly and browser tests reuse its cached stages."""
 
     def __init__(self, live: LiveStack, run: dict, stdout: str):

@@ -26,7 +26,7 @@ CHARACTERS = list("0123456789+=") + sorted(set(WORDY_SUFFIX))
 SPLIT_SIZES = {"train": 8500, "val": 500, "test": 1000}
 
 _ANSWER = re.compile(r"^\s*(\d{3})(?!\d)")
-# What the demo's RL run must show against its SFT start, on every seed (tests/test_e2e.py, tests/test_demo_claim.py,
+# What the demo's RL run must show against its SFT start, on every seed (tests/e2e/test_e2e.py, tests/e2e/test_demo_claim.py,
 # and the verdict `make demo` prints): the preferred style up by this much, held-out greedy accuracy down by no
 # more than this.
 MIN_STYLE_GAIN = 0.30

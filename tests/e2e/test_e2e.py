@@ -4,7 +4,7 @@
 With the SFT data half terse, the RL policy must prefer the terse style far more often than the SFT
 policy while its held-out answer accuracy holds: the demo's claim (tasks/data/demo.py's verdict, +30 points
 of style, accuracy down 3 points at most), which `make demo` prints as its last line and which
-tests/test_demo_claim.py checks on seeds 0, 1 and 2 under `make test-all`.
+tests/e2e/test_demo_claim.py checks on seeds 0, 1 and 2 under `make test-all`.
 """
 import json
 import urllib.error

@@ -15,7 +15,7 @@ import pytest
 from conftest import SCRATCH
 
 # make test-all: a browser drives the trigger form through a whole run (90 s); make test triggers runs
-# through the REST API (tests/test_e2e.py)
+# through the REST API (tests/e2e/test_e2e.py)
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 CHROMIUM = os.environ.get("RLHF_CHROMIUM", "/usr/bin/chromium")

@@ -105,7 +105,7 @@ def test_chat_template_wraps_the_prompt_or_is_refused_in_one_line():
     assert encode_prompt(tokenizer, "1+2", chat_template=True) == tokenizer.encode("1+2=", add_special_tokens=False)
 
 
-@pytest.mark.slow  # 65 s (DeepSpeed in this process); make test runs SFT with --gradient_checkpointing (tests/test_stages.py)
+@pytest.mark.slow  # 65 s (DeepSpeed in this process); make test runs SFT with --gradient_checkpointing (tests/e2e/test_stages.py)
 def test_gradient_checkpointing_is_switched_on_for_training():
     from transformers import LlamaConfig, LlamaForCausalLM
 

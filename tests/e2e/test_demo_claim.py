@@ -1,5 +1,5 @@
 """The demo's claim on every seed, and the same numbers twice (`make test-all`; `make test` holds seed 0 through
-tests/test_e2e.py's run of the DAG itself).
+tests/e2e/test_e2e.py's run of the DAG itself).
 
 Each seed runs the demo's stages as plain processes, with the flags the rlhf_pipeline DAG passes at its Param
 defaults (plugins/form.py DEFAULTS): prepare_data → SFT → reward model → RL (PPO) → eval, every stage
@@ -7,7 +7,7 @@ on that seed. The claim (tasks/data/demo.py's verdict): the preferred style up 3
 greedy accuracy down 3 points at most. Seed 0's eval table must then equal the session's DAG run of the
 demo (tests/conftest.py's demo_run: the same seed and flags through Airflow and Ray jobs, from nothing),
 number for number: the same commit, lock and seed give the same result, by either route. About 5 minutes
-a seed on 2 cores; seed 1 reuses the data, SFT and reward model tests/test_learning.py made for it.
+a seed on 2 cores; seed 1 reuses the data, SFT and reward model tests/e2e/test_learning.py made for it.
 """
 import json
 import shutil
@@ -45,7 +45,7 @@ def dag_default_flags(stage: str, seed: int) -> dict:
     }[stage]
 
 
-#: The data, SFT and reward-model outputs this test session made, by seed folder: tests/test_learning.py runs
+#: The data, SFT and reward-model outputs this test session made, by seed folder: tests/e2e/test_learning.py runs
 #: its second seed on them rather than training them again.
 MODELS: dict = {}
 
@@ -74,7 +74,7 @@ def run_stages(ray_address, root, seed: int, names: tuple[str, ...]) -> dict:
 
 def demo_table(ray_address, root) -> dict:
     """The demo's stages for one seed into `root`; the eval report's {baseline, policy} metrics. The data, SFT
-    and reward model tests/test_learning.py already made in `root` this session are reused (the same flags)."""
+    and reward model tests/e2e/test_learning.py already made in `root` this session are reused (the same flags)."""
     seed = int(root.name.split("-")[0].removeprefix("seed"))
     if root in MODELS:
         shutil.rmtree(root / "rl", ignore_errors=True)

@@ -221,7 +221,7 @@ def test_zero3_lora_sft_exports_a_merged_checkpoint_the_auto_class_loads(env, tm
     assert model.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False).shape[1] == ids.shape[1] + 3
 
 
-@pytest.mark.slow  # 23 s; make test resumes a stage from its checkpoint in tests/test_operations.py
+@pytest.mark.slow  # 23 s; make test resumes a stage from its checkpoint in tests/e2e/test_operations.py
 def test_lora_sft_resumes_from_its_checkpoint(env, tmp_path):
     """DeepSpeed's checkpoint of a peft model restores it: a longer rerun goes on from the last step."""
     out = str(env["root"] / "sft_resume")
@@ -275,7 +275,7 @@ def test_reward_model_export_loads_as_a_sequence_classifier_with_its_statistics(
 # ------------------------------------------------------------------ RL and DPO
 
 
-@pytest.mark.slow  # 23 s; make test runs RL with LoRA in tests/test_byo_e2e.py
+@pytest.mark.slow  # 23 s; make test runs RL with LoRA in tests/e2e/test_byo_e2e.py
 def test_rl_with_lora_takes_its_reference_from_the_actors_base(env, sft_adapter, rm_adapter, tmp_path):
     """No reference group is placed; the KL is exactly 0 before the first update (the adapters start at
     zero, and the reference is the same weights with them off) and not after. Policy and critic start

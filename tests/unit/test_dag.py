@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DAGS = REPO / "dags"
 ORDER = ["validate", "prepare_data", "sft", "choose_method", "reward_model", "rl", "dpo", "kto", "eval", "promote", "champion"]
 BRANCHES = {"rl": ["reward_model", "rl"], "dpo": ["dpo"], "kto": ["kto"]}
@@ -406,8 +406,8 @@ def test_a_refused_form_fails_the_validate_task_and_submits_no_ray_job(airflow_d
 @pytest.mark.e2e
 # The preference branches run under `make test-all`: their stages are covered by test_stages and
 # test_learning, and the branch wiring by the tests above; `make test` keeps its time for the live stack.
-# The rl branch runs end to end through the live stack (tests/test_e2e.py, make test) and through dag.test()
-# down to promote (tests/test_byo_e2e.py, make test-all), so it has no run of its own here.
+# The rl branch runs end to end through the live stack (tests/e2e/test_e2e.py, make test) and through dag.test()
+# down to promote (tests/e2e/test_byo_e2e.py, make test-all), so it has no run of its own here.
 @pytest.mark.parametrize("method", [pytest.param(m, marks=pytest.mark.slow) for m in ("dpo", "kto", "agentic")])
 def test_pipeline_end_to_end(method, airflow_db, s3_server, ray_head, dagbag):
     """The whole DAG with dag.test() against the local Ray head and the S3 emulator, with tiny step counts,

@@ -1,7 +1,7 @@
 """Learning checks: each advantage estimator learns on the demo task, measured against a zero-reward control.
 
 They start from the demo's SFT and reward models on two seeds: seed 0's are the demo run's (the session's one
-`make demo` run on the live stack, tests/conftest.py's demo_run), seed 1's are tests/test_demo_claim.py's (made
+`make demo` run on the live stack, tests/conftest.py's demo_run), seed 1's are tests/e2e/test_demo_claim.py's (made
 there, or here when that module did not run), so nothing is trained twice. Each estimator then runs RL three
 times on each seed with the same flags: with the reward model (which prefers the terse style), with the
 exact-match reward function, and with a zero reward (the control, which isolates what the steps and the KL pull
@@ -13,7 +13,7 @@ evaluation (500 prompts, T = 1 samples), on each seed:
   - exact match:  sampled accuracy (the mean exact-match reward of sampled answers) above the control.
 These run under `make test-all` (1 to 4 minutes an arm), as do DPO and KTO (the DAG's other
 branches), held to the PPO path's bounds against the SFT start: style +25 points, accuracy within 5 points.
-`make test` keeps the demo run's own check (tests/test_e2e.py) and the exports' check below.
+`make test` keeps the demo run's own check (tests/e2e/test_e2e.py) and the exports' check below.
 """
 import json
 
@@ -76,7 +76,7 @@ def policy_metrics(trained, ray_address, estimator: str, reward: str, seed: int)
     return json.loads((path / "report.json").read_text())["metrics"]["policy"]
 
 
-@pytest.mark.slow  # 3 to 12 minutes each; make test keeps the demo run's own check (tests/test_e2e.py)
+@pytest.mark.slow  # 3 to 12 minutes each; make test keeps the demo run's own check (tests/e2e/test_e2e.py)
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("estimator", ["gae", "group_norm", "rloo", "reinforce_baseline"])
 def test_estimator_learns_from_a_reward_model_and_from_a_reward_function(estimator, seed, trained, ray_address):

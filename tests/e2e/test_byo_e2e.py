@@ -32,7 +32,7 @@ from tiny_chat import CHAT_TEMPLATE, build_chat_model, chat_rows
 
 pytestmark = pytest.mark.e2e
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DAGS = REPO / "dags"
 DATASET = "support-chat"  # the file's name: what prepare_data registers the data under
 SYSTEMS = ("Add.", "Add the two numbers.")

@@ -5,7 +5,7 @@ with manifest.json, HF-format checkpoints, metrics, reports), not learning; the 
 checks learning on the demo's real settings.
 
 The chain (every stage by its CLI, about 100 s) and the tests on it run under `make test-all`; `make test`
-runs every stage through the DAG on the live stack (tests/test_e2e.py) and keeps the refusals that need no chain.
+runs every stage through the DAG on the live stack (tests/e2e/test_e2e.py) and keeps the refusals that need no chain.
 """
 import json
 import os
@@ -255,7 +255,7 @@ def test_checkpoint_flags(chain, s3_server, ray_address, tmp_path):
     assert str(AutoConfig.from_pretrained(resolve_model(out)).dtype).endswith("bfloat16")
 
 
-@pytest.mark.slow  # 200 s; a resumed RL stage also runs in make test (tests/test_operations.py, from its step-6 checkpoint)
+@pytest.mark.slow  # 200 s; a resumed RL stage also runs in make test (tests/e2e/test_operations.py, from its step-6 checkpoint)
 def test_rl_run_killed_after_a_checkpoint_resumes_to_the_same_metrics(chain, s3_server, ray_address, tmp_path):
     import signal
     import time

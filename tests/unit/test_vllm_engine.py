@@ -41,7 +41,7 @@ def test_vllm_flags_refused_in_one_line_when_they_cannot_apply():
     assert make_config(RLConfig, {**base, "vllm_num_engines": 2}).separate_engines()  # two engines on GPUs of their own
     with pytest.raises(ConfigError, match="^async_train: needs vLLM engines on GPUs of their own"):
         make_config(RLConfig, {**base, "vllm_num_engines": 1, "colocate_all_models": True, "async_train": True})
-    # Without vLLM, --async_train places one transformers engine of its own (tests/test_agentic_learning.py runs it).
+    # Without vLLM, --async_train places one transformers engine of its own (tests/e2e/test_agentic_learning.py runs it).
     assert make_config(RLConfig, {**base, "async_train": True}).separate_engines()
     with pytest.raises(ConfigError, match="^async_train: needs a fixed rollout"):
         make_config(RLConfig, {**base, "async_train": True, "max_staleness": 0})

@@ -66,7 +66,7 @@ def held_out(ray_address, root, arm: str, sft: str, policy: str, eval_rows: str,
 
 
 # make test-all, both seeds (about 3 minutes a seed); make test keeps the episode contract below and the demo
-# run's own learning claim (tests/test_e2e.py)
+# run's own learning claim (tests/e2e/test_e2e.py)
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1])
 def test_calculator_rl_raises_success_over_a_zero_reward_control(seed, ray_address):

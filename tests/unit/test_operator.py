@@ -24,7 +24,7 @@ from plugins.operators import RayJobOperator, cleared_by_user
 from plugins.stage_cli import build_entrypoint, failure_message, key_safe, output_uri_for, render_flags, submission_id_for, unknown_conf
 from plugins.triggers import RayJobTrigger, split_new_lines
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 STAGE_MODULE = '''\
 """A throwaway pipeline stage: prints, optionally sleeps or fails, writes a file and manifest.json."""
@@ -457,7 +457,7 @@ def test_an_attempt_that_finds_its_job_succeeded_returns_without_a_second_job(en
     assert "already SUCCEEDED and its manifest exists: not rerunning" in text
     assert xcom_return(dr, "job") == f"{output}/manifest.json"
     assert len(jobs_with_prefix(env["ray"], sid)) == 1
-    # A user's clear computes it again: tests/test_operations.py clears a succeeded task through the REST API.
+    # A user's clear computes it again: tests/e2e/test_operations.py clears a succeeded task through the REST API.
 
 
 def test_a_committed_output_whose_files_changed_is_computed_again(env, capfd):

@@ -22,7 +22,7 @@ from tasks.data.config import PrepareDataConfig
 
 from tiny_chat import chat_rows
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SPLITS = {"sft", "preference", "style_pairs", "unpaired", "preference_eval", "prompts", "eval"}
 
 

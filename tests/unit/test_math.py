@@ -408,7 +408,7 @@ def test_head_logprobs_a_chunk_at_a_time_equal_the_full_logits_values_and_gradie
 
 def test_a_model_that_takes_log_probs_a_chunk_at_a_time_gives_the_full_logits_numbers():
     """sequence_logprobs and packed_logprobs of the demo model marked as load_causal_lm marks a Liger model (the Liger kernels
-    themselves need CUDA: tests/test_gpu.py) against the same model's full-logits path: values, entropy and the
+    themselves need CUDA: tests/e2e/test_gpu.py) against the same model's full-logits path: values, entropy and the
     parameters' gradients."""
     from tasks.common.nn import data
     from tasks.common.nn.models import packed_logprobs

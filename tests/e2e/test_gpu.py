@@ -11,7 +11,7 @@
 - FlashAttention-2's varlen packing against SDPA per sequence: log-probabilities and gradients (when
   flash-attn is installed: bench/gpu/flash_attn.sh builds it).
 - RL with LoRA and vLLM: the engine is synced the adapter alone and follows the trained policy.
-- The demo task's learning check on the GPU path, as tests/test_learning.py runs it on the CPU: GRPO
+- The demo task's learning check on the GPU path, as tests/e2e/test_learning.py runs it on the CPU: GRPO
   (group_norm, KL off, one update per rollout) with the terse-style reward against the zero-reward
   control, the rollouts from vLLM. On-policy with the engine in the actor on one GPU, the same with LoRA
   and, when a second GPU is there, one step off-policy (--async_train) with the engine on the other.

@@ -201,7 +201,7 @@ def test_modules_import_without_torch_or_airflow():
     code = ("import sys; import tasks.common.storage, tasks.common.manifest; "
             "bad = [m for m in ('torch', 'airflow', 'transformers') if m in sys.modules]; "
             "assert not bad, bad")
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])
 
 
 def committed(s3, prefix, tmp_path, **extra):
