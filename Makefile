@@ -7,7 +7,7 @@
 #   make demo      install + up + one run of the rlhf_pipeline DAG, followed to its report
 #   make test      lock check, then the test suite without slow and GPU tests; `make test-all` adds the slow ones
 #   make test-fast the unit tests only (no stack, no Ray head, no DeepSpeed op builds): the edit loop
-#   make lint      ruff check (every test target runs it first)
+#   make lint      ruff check and ruff format --check (every test target runs it first)
 #   make clean     down + remove .scratch (every stack's state, the DeepSpeed op cache, test scratch)
 
 SHELL := /bin/bash
@@ -74,6 +74,7 @@ test-fast: install lint
 # pyflakes' checks, pycodestyle's errors and warnings, import order (pyproject.toml's tool.ruff); seconds.
 lint: install
 	$(BIN)/ruff check --no-cache .
+	$(BIN)/ruff format --check --no-cache .
 
 # Stops every stack under .scratch (the developer's, and any test stack or Ray head a killed test run
 # left behind), then removes the folder.

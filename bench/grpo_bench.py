@@ -17,6 +17,7 @@ step; no reference model (KL off, TRL's default β = 0); gradient checkpointing;
 function. Step times are medians over the steps after the first two (start-up and compilation).
 bench/gpu/run.sh runs the lot on the GPU machine; bench/RESULTS.md says what came out.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,16 +32,32 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-BF16_PEAK_FLOPS = 790e12   # the H200's measured dense bf16 rate (../shared GPU notes), the MFU denominator
-HBM_BYTES_PER_S = 4.3e12   # the H200's memory bandwidth: the decode floor reads every weight once per step
+BF16_PEAK_FLOPS = 790e12  # the H200's measured dense bf16 rate (../shared GPU notes), the MFU denominator
+HBM_BYTES_PER_S = 4.3e12  # the H200's memory bandwidth: the decode floor reads every weight once per step
 PROMPT_TOKENS, COMPLETION_TOKENS, GROUP, PROMPTS_PER_STEP = 128, 256, 8, 8
 SHAPES = {
     # Qwen2-0.5B's shape: 494 M parameters, tied embeddings.
-    "qwen2-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                       num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True, rope_theta=1e6),
+    "qwen2-0.5b": dict(
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        rope_theta=1e6,
+    ),
     # For a dry run of every path on a CPU.
-    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, rope_theta=1e6),
+    "tiny": dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        rope_theta=1e6,
+    ),
 }
 REWARD_FILE = Path(__file__).with_name("reward.py")
 AGENTIC_ENV = Path(__file__).with_name("agentic_env.py")
@@ -69,6 +86,7 @@ def steady_median(times: list[float], skip: int = 2) -> float:
 
 # ---------------------------------------------------------------------------- setup
 
+
 def build_tokenizer(vocab_size: int):
     """A byte-level BPE tokenizer without merges (Qwen2's class, which AutoTokenizer picks for a qwen2
     config anyway): every character is one token, so a prompt of n letters is n tokens. Ids past the
@@ -79,8 +97,9 @@ def build_tokenizer(vocab_size: int):
     vocab = {symbol: i for i, symbol in enumerate(bytes_to_unicode().values())}
     vocab.update({"<eos>": len(vocab), "<pad>": len(vocab) + 1})
     vocab.update({f"<x{i}>": i for i in range(len(vocab), vocab_size)})
-    return Qwen2Tokenizer(vocab=vocab, merges=[], eos_token="<eos>", pad_token="<pad>", unk_token=None, bos_token=None,
-                          padding_side="left", model_max_length=4096)
+    return Qwen2Tokenizer(
+        vocab=vocab, merges=[], eos_token="<eos>", pad_token="<pad>", unk_token=None, bos_token=None, padding_side="left", model_max_length=4096
+    )
 
 
 def setup(bench_dir: Path, shape: str) -> None:
@@ -89,8 +108,7 @@ def setup(bench_dir: Path, shape: str) -> None:
 
     cfg = SHAPES[shape]
     tokenizer = build_tokenizer(cfg["vocab_size"])
-    config = Qwen2Config(**cfg, max_position_embeddings=4096, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                         bos_token_id=None)
+    config = Qwen2Config(**cfg, max_position_embeddings=4096, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config).to(torch.bfloat16)
     model.generation_config.eos_token_id, model.generation_config.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
@@ -133,6 +151,7 @@ def standard_mfu(bench_dir: Path, tokens: int, seq: int, seconds: float) -> floa
 
 # ---------------------------------------------------------------------------- vLLM alone
 
+
 def decode_floor(bench_dir: Path, batch: int) -> float:
     """Tokens/s if each decode step cost only reading the bf16 weights once from HBM."""
     return batch / (2 * parameters(bench_dir) / HBM_BYTES_PER_S)
@@ -142,8 +161,14 @@ def bench_vllm(bench_dir: Path, batches=(64, 256, 1024)) -> None:
     from vllm import LLM, SamplingParams
 
     t0 = time.time()
-    llm = LLM(model=str(bench_dir / "model"), skip_tokenizer_init=True, dtype="bfloat16", gpu_memory_utilization=0.5,
-              max_model_len=PROMPT_TOKENS + COMPLETION_TOKENS, seed=0)
+    llm = LLM(
+        model=str(bench_dir / "model"),
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        gpu_memory_utilization=0.5,
+        max_model_len=PROMPT_TOKENS + COMPLETION_TOKENS,
+        seed=0,
+    )
     startup = time.time() - t0
     rng = random.Random(1)
     vocab = llm.llm_engine.model_config.hf_config.vocab_size
@@ -197,6 +222,7 @@ def bench_hf_generate(bench_dir: Path, batch: int = 64) -> None:
 
 # ---------------------------------------------------------------------------- our stages
 
+
 def run_stage(module: str, args: dict, log: Path) -> None:
     argv = [sys.executable, "-m", module] + [x for k, v in args.items() for x in ((f"--{k}", str(v)) if v is not True else (f"--{k}",))]
     print(" ".join(argv), flush=True)
@@ -216,22 +242,52 @@ def step_times(metrics_file: Path) -> list[float]:
 def bench_sft(bench_dir: Path, steps: int = 12, batch: int = 8, seq: int = 2048, compile_blocks: bool = False, liger: bool = True) -> None:
     name = ("sft_compile" if compile_blocks else "sft") + ("" if liger else "_noliger")
     out = bench_dir / "out" / name
-    run_stage("tasks.sft", {
-        "pretrain": bench_dir / "model", "dataset": bench_dir / "sft.jsonl", "output": out, "max_steps": steps,
-        "train_batch_size": batch, "micro_train_batch_size": batch, "max_len": seq, "learning_rate": 1e-5,
-        "lr_warmup_steps": 0, "logging_steps": 1, "bf16": on_gpu(), "zero_stage": 2, "gradient_checkpointing": True,
-        "flash_attn": True, "torch_compile": compile_blocks, "use_liger_kernel": liger,
-    }, bench_dir / f"{name}.log")
+    run_stage(
+        "tasks.sft",
+        {
+            "pretrain": bench_dir / "model",
+            "dataset": bench_dir / "sft.jsonl",
+            "output": out,
+            "max_steps": steps,
+            "train_batch_size": batch,
+            "micro_train_batch_size": batch,
+            "max_len": seq,
+            "learning_rate": 1e-5,
+            "lr_warmup_steps": 0,
+            "logging_steps": 1,
+            "bf16": on_gpu(),
+            "zero_stage": 2,
+            "gradient_checkpointing": True,
+            "flash_attn": True,
+            "torch_compile": compile_blocks,
+            "use_liger_kernel": liger,
+        },
+        bench_dir / f"{name}.log",
+    )
     seconds = steady_median(step_times(out / "metrics.jsonl"))
     last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     tokens = batch * seq
     # 6 N per token for forward + backward, and 2 N more for the forward gradient checkpointing recomputes.
     flops = 8 * parameters(bench_dir) * tokens
-    save(bench_dir, name, {"step_s": round(seconds, 4), "tokens_per_s": round(tokens / seconds), "mfu": round(flops / seconds / BF16_PEAK_FLOPS, 4),
-                           "mfu_standard": standard_mfu(bench_dir, tokens, seq, seconds),
-                           "batch": batch, "seq_len": seq, "zero_stage": 2, "gradient_checkpointing": True, "torch_compile": compile_blocks,
-                           "liger": liger, "gpu_peak_gb": last.get("gpu_peak_gb"), "loss_last": last.get("loss"),
-                           "attention": _attention_kernel(bench_dir / f"{name}.log")})
+    save(
+        bench_dir,
+        name,
+        {
+            "step_s": round(seconds, 4),
+            "tokens_per_s": round(tokens / seconds),
+            "mfu": round(flops / seconds / BF16_PEAK_FLOPS, 4),
+            "mfu_standard": standard_mfu(bench_dir, tokens, seq, seconds),
+            "batch": batch,
+            "seq_len": seq,
+            "zero_stage": 2,
+            "gradient_checkpointing": True,
+            "torch_compile": compile_blocks,
+            "liger": liger,
+            "gpu_peak_gb": last.get("gpu_peak_gb"),
+            "loss_last": last.get("loss"),
+            "attention": _attention_kernel(bench_dir / f"{name}.log"),
+        },
+    )
 
 
 KERNEL_KINDS = (  # (kind, substrings of a CUDA kernel's name), first match wins
@@ -262,8 +318,7 @@ def bench_sft_profile(bench_dir: Path, batch: int = 8, seq: int = 2048, steps: i
     from tasks.common.nn.strategy import DeepSpeedStrategy
     from tasks.sft.trainer import micro_batch_logprobs
 
-    strategy = DeepSpeedStrategy(zero_stage=2, bf16=on_gpu(), micro_batch_size=batch, gradient_checkpointing=True,
-                                 torch_compile=compile_blocks)
+    strategy = DeepSpeedStrategy(zero_stage=2, bf16=on_gpu(), micro_batch_size=batch, gradient_checkpointing=True, torch_compile=compile_blocks)
     engine = strategy.prepare(load_causal_lm(str(bench_dir / "model"), flash_attn=True), 1e-5, 100)
     engine.train()
     rng = random.Random(0)
@@ -292,12 +347,22 @@ def bench_sft_profile(bench_dir: Path, batch: int = 8, seq: int = 2048, steps: i
         by_kind[kernel_kind(e.key)] = by_kind.get(kernel_kind(e.key), 0.0) + e.self_device_time_total / 1e6 / steps
     busy = sum(by_kind.values())
     top = sorted(events, key=lambda e: -e.self_device_time_total)[:12]
-    save(bench_dir, "sft_profile_compile" if compile_blocks else "sft_profile", {
-        "step_s_profiled": round(step_s, 4), "kernel_s_per_step": round(busy, 4), "idle_s_per_step": round(step_s - busy, 4),
-        "kernel_s_by_kind": {k: round(v, 4) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
-        "top_kernels_ms_per_step": {e.key[:100]: round(e.self_device_time_total / 1e3 / steps, 2) for e in top},
-        "batch": batch, "seq_len": seq, "zero_stage": 2, "gradient_checkpointing": True, "torch_compile": compile_blocks,
-    })
+    save(
+        bench_dir,
+        "sft_profile_compile" if compile_blocks else "sft_profile",
+        {
+            "step_s_profiled": round(step_s, 4),
+            "kernel_s_per_step": round(busy, 4),
+            "idle_s_per_step": round(step_s - busy, 4),
+            "kernel_s_by_kind": {k: round(v, 4) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
+            "top_kernels_ms_per_step": {e.key[:100]: round(e.self_device_time_total / 1e3 / steps, 2) for e in top},
+            "batch": batch,
+            "seq_len": seq,
+            "zero_stage": 2,
+            "gradient_checkpointing": True,
+            "torch_compile": compile_blocks,
+        },
+    )
 
 
 def _attention_kernel(log: Path) -> str:
@@ -306,24 +371,47 @@ def _attention_kernel(log: Path) -> str:
 
 def grpo_args(bench_dir: Path, out: Path, steps: int, micro: int) -> dict:
     return {
-        "pretrain": bench_dir / "model", "prompt_data": bench_dir / "prompts.jsonl", "remote_rm_url": REWARD_FILE,
-        "output": out, "max_steps": steps, "advantage_estimator": "group_norm", "n_samples_per_prompt": GROUP,
-        "rollout_batch_size": PROMPTS_PER_STEP, "train_batch_size": PROMPTS_PER_STEP * GROUP, "micro_train_batch_size": micro,
-        "max_epochs": 1, "prompt_max_len": PROMPT_TOKENS, "generate_max_len": COMPLETION_TOKENS, "ignore_eos": True,
-        "init_kl_coef": 0.0, "actor_learning_rate": 1e-6, "lr_warmup_steps": 0, "bf16": on_gpu(), "zero_stage": 2,
-        "gradient_checkpointing": True, "flash_attn": True, "colocate_all_models": True, "logging_steps": 1,
+        "pretrain": bench_dir / "model",
+        "prompt_data": bench_dir / "prompts.jsonl",
+        "remote_rm_url": REWARD_FILE,
+        "output": out,
+        "max_steps": steps,
+        "advantage_estimator": "group_norm",
+        "n_samples_per_prompt": GROUP,
+        "rollout_batch_size": PROMPTS_PER_STEP,
+        "train_batch_size": PROMPTS_PER_STEP * GROUP,
+        "micro_train_batch_size": micro,
+        "max_epochs": 1,
+        "prompt_max_len": PROMPT_TOKENS,
+        "generate_max_len": COMPLETION_TOKENS,
+        "ignore_eos": True,
+        "init_kl_coef": 0.0,
+        "actor_learning_rate": 1e-6,
+        "lr_warmup_steps": 0,
+        "bf16": on_gpu(),
+        "zero_stage": 2,
+        "gradient_checkpointing": True,
+        "flash_attn": True,
+        "colocate_all_models": True,
+        "logging_steps": 1,
         # Log-probabilities in chunks too: a 64 × 384 × 152k float32 logits tensor at once is 14 GiB.
         "micro_rollout_batch_size": micro,
     }
 
 
-def bench_ours(bench_dir: Path, steps: int = 12, engine: str = "vllm", micro: int = 16, layout: str = "colocated",
-               lr: float = 1e-6, liger: bool = True, lora_rank: int = 0) -> None:
+def bench_ours(
+    bench_dir: Path, steps: int = 12, engine: str = "vllm", micro: int = 16, layout: str = "colocated", lr: float = 1e-6, liger: bool = True, lora_rank: int = 0
+) -> None:
     """layout: colocated (one GPU: vLLM inside the actor); async (two GPUs: the engine on its own,
     generating the next rollout while the actor trains, one step off-policy); or actor_ref_vllm (two
     GPUs, on-policy, KL on: actor and reference share one, the engine has the other)."""
-    name = (f"ours_{engine}_m{micro}" + ("" if layout == "colocated" else f"_{layout}") + ("" if lr == 1e-6 else f"_lr{lr:g}")
-            + ("" if liger else "_noliger") + (f"_lora{lora_rank}" if lora_rank else ""))
+    name = (
+        f"ours_{engine}_m{micro}"
+        + ("" if layout == "colocated" else f"_{layout}")
+        + ("" if lr == 1e-6 else f"_lr{lr:g}")
+        + ("" if liger else "_noliger")
+        + (f"_lora{lora_rank}" if lora_rank else "")
+    )
     out = bench_dir / "out" / name
     args = grpo_args(bench_dir, out, steps, micro)
     args.update(actor_learning_rate=lr, use_liger_kernel=liger)
@@ -332,14 +420,19 @@ def bench_ours(bench_dir: Path, steps: int = 12, engine: str = "vllm", micro: in
     if engine == "vllm" and layout == "colocated":
         args.update(vllm_num_engines=1, vllm_gpu_memory_utilization=0.3)
     elif engine == "vllm" and layout == "actor_ref_vllm":
-        args.update(vllm_num_engines=1, vllm_gpu_memory_utilization=0.6, colocate_all_models=False, colocate_actor_ref=True,
-                    init_kl_coef=0.01)
+        args.update(vllm_num_engines=1, vllm_gpu_memory_utilization=0.6, colocate_all_models=False, colocate_actor_ref=True, init_kl_coef=0.01)
     elif engine == "vllm" and layout.startswith("agentic"):
         # Multi-turn episodes in a tool loop: AGENTIC_TURNS turns of AGENTIC_TURN_TOKENS tokens, the same tokens a step as above;
         # colocated on one GPU (agentic), or the engine on a GPU of its own, on-policy (agentic_separate) or generating the
         # next rollout while the actor trains, new weights reaching running episodes (agentic_async).
-        args.update(vllm_num_engines=1, vllm_gpu_memory_utilization=0.3, env_path=AGENTIC_ENV, max_turns=AGENTIC_TURNS,
-                    generate_max_len=AGENTIC_TURN_TOKENS, max_episode_tokens=AGENTIC_TURNS * (AGENTIC_TURN_TOKENS + 16))
+        args.update(
+            vllm_num_engines=1,
+            vllm_gpu_memory_utilization=0.3,
+            env_path=AGENTIC_ENV,
+            max_turns=AGENTIC_TURNS,
+            generate_max_len=AGENTIC_TURN_TOKENS,
+            max_episode_tokens=AGENTIC_TURNS * (AGENTIC_TURN_TOKENS + 16),
+        )
         args.pop("remote_rm_url")
         if layout != "agentic":
             args.update(colocate_all_models=False, vllm_gpu_memory_utilization=0.6)
@@ -350,22 +443,31 @@ def bench_ours(bench_dir: Path, steps: int = 12, engine: str = "vllm", micro: in
     run_stage("tasks.rl", args, bench_dir / f"{name}.log")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     tail = records[2:] or records
-    split = {key: round(statistics.median(r[key] for r in tail), 4)
-             for key in ("time_step_s", "time_generate_s", "time_reward_s", "time_inference_s", "time_train_s", "time_weight_sync_s")}
+    split = {
+        key: round(statistics.median(r[key] for r in tail), 4)
+        for key in ("time_step_s", "time_generate_s", "time_reward_s", "time_inference_s", "time_train_s", "time_weight_sync_s")
+    }
     step = split["time_step_s"]
     tokens = PROMPTS_PER_STEP * GROUP * COMPLETION_TOKENS
     train_tokens = PROMPTS_PER_STEP * GROUP * (PROMPT_TOKENS + COMPLETION_TOKENS)
     # Async, generation overlaps training: what the step waits for it is no rate.
     rate = None if layout.endswith("async") else round(tokens / split["time_generate_s"])
-    result = {"step_s": step, **split, "rollout_tokens_per_s": rate,
-              "train_tokens_per_s": round(train_tokens / split["time_train_s"]),
-              # forward+backward+recompute (8 N) in training; with KL, one more forward (2 N) each for the
-              # old and the reference log-probabilities (without, the actor skips its scoring pass)
-              "mfu": round((12 if layout == "actor_ref_vllm" else 8) * parameters(bench_dir) * train_tokens / step / BF16_PEAK_FLOPS, 4),
-              # the training phase alone, counted the standard way
-              "train_mfu_standard": standard_mfu(bench_dir, train_tokens, PROMPT_TOKENS + COMPLETION_TOKENS, split["time_train_s"]),
-              "reward_first": records[0]["reward"], "reward_last": records[-1]["reward"],
-              "reward_curve": [round(r["reward"], 4) for r in records], "steps": len(records), "learning_rate": lr}
+    result = {
+        "step_s": step,
+        **split,
+        "rollout_tokens_per_s": rate,
+        "train_tokens_per_s": round(train_tokens / split["time_train_s"]),
+        # forward+backward+recompute (8 N) in training; with KL, one more forward (2 N) each for the
+        # old and the reference log-probabilities (without, the actor skips its scoring pass)
+        "mfu": round((12 if layout == "actor_ref_vllm" else 8) * parameters(bench_dir) * train_tokens / step / BF16_PEAK_FLOPS, 4),
+        # the training phase alone, counted the standard way
+        "train_mfu_standard": standard_mfu(bench_dir, train_tokens, PROMPT_TOKENS + COMPLETION_TOKENS, split["time_train_s"]),
+        "reward_first": records[0]["reward"],
+        "reward_last": records[-1]["reward"],
+        "reward_curve": [round(r["reward"], 4) for r in records],
+        "steps": len(records),
+        "learning_rate": lr,
+    }
     if layout.startswith("agentic"):
         result.update({key: round(statistics.median(r[key] for r in tail), 4) for key in ("episodes_per_s", "turns_per_episode", "time_env_s")})
         for key in ("staleness", "partial_fraction", "mismatch_kl"):
@@ -391,16 +493,37 @@ def bench_eval(bench_dir: Path, engine: str) -> None:
     name = f"eval_{engine}"
     log = bench_dir / f"{name}.log"
     started = time.time()
-    run_stage("tasks.eval", {"output": bench_dir / "out" / name, "baseline": bench_dir / "model", "policy": bench_dir / "model",
-                             "dataset": data, "max_samples": EVAL_PROMPTS, "generate_max_len": COMPLETION_TOKENS, "metrics": "length",
-                             "bootstrap_resamples": 200, "use_vllm": engine == "vllm"}, log)
+    run_stage(
+        "tasks.eval",
+        {
+            "output": bench_dir / "out" / name,
+            "baseline": bench_dir / "model",
+            "policy": bench_dir / "model",
+            "dataset": data,
+            "max_samples": EVAL_PROMPTS,
+            "generate_max_len": COMPLETION_TOKENS,
+            "metrics": "length",
+            "bootstrap_resamples": 200,
+            "use_vllm": engine == "vllm",
+        },
+        log,
+    )
     sides = [float(m) for m in re.findall(r"scored the \w+ on \d+ prompts .* in ([0-9.]+) s", log.read_text())]
-    save(bench_dir, name, {"prompts": EVAL_PROMPTS, "new_tokens": COMPLETION_TOKENS, "side_s": sides,
-                           "stage_s": round(time.time() - started, 1),
-                           "tokens_per_s": round(2 * EVAL_PROMPTS * COMPLETION_TOKENS / sides[-1]) if sides else None})
+    save(
+        bench_dir,
+        name,
+        {
+            "prompts": EVAL_PROMPTS,
+            "new_tokens": COMPLETION_TOKENS,
+            "side_s": sides,
+            "stage_s": round(time.time() - started, 1),
+            "tokens_per_s": round(2 * EVAL_PROMPTS * COMPLETION_TOKENS / sides[-1]) if sides else None,
+        },
+    )
 
 
 # ---------------------------------------------------------------------------- TRL
+
 
 def bench_trl(bench_dir: Path, mode: str, steps: int = 12) -> None:
     import importlib.util
@@ -425,25 +548,40 @@ def bench_trl(bench_dir: Path, mode: str, steps: int = 12) -> None:
     dataset = load_dataset("json", data_files=str(bench_dir / "prompts.jsonl"), split="train")
     vllm = mode == "vllm"
     args = GRPOConfig(
-        output_dir=str(bench_dir / "out" / f"trl_{mode}"), max_steps=steps, per_device_train_batch_size=PROMPTS_PER_STEP * GROUP,
-        gradient_accumulation_steps=1, num_generations=GROUP, max_completion_length=COMPLETION_TOKENS, learning_rate=1e-6,
-        bf16=on_gpu(), use_cpu=not on_gpu(), beta=0.0, gradient_checkpointing=True, logging_steps=1, report_to=[], save_strategy="no", seed=0,
-        use_vllm=vllm, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3,
+        output_dir=str(bench_dir / "out" / f"trl_{mode}"),
+        max_steps=steps,
+        per_device_train_batch_size=PROMPTS_PER_STEP * GROUP,
+        gradient_accumulation_steps=1,
+        num_generations=GROUP,
+        max_completion_length=COMPLETION_TOKENS,
+        learning_rate=1e-6,
+        bf16=on_gpu(),
+        use_cpu=not on_gpu(),
+        beta=0.0,
+        gradient_checkpointing=True,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        seed=0,
+        use_vllm=vllm,
+        vllm_mode="colocate",
+        vllm_gpu_memory_utilization=0.3,
         generation_kwargs={"ignore_eos": True} if vllm else {"min_new_tokens": COMPLETION_TOKENS},
     )
     clock = StepClock()
     start = time.time()
-    trainer = GRPOTrainer(model=str(bench_dir / "model"), reward_funcs=reward.trl_reward, args=args, train_dataset=dataset,
-                          processing_class=tokenizer, callbacks=[clock])
+    trainer = GRPOTrainer(
+        model=str(bench_dir / "model"), reward_funcs=reward.trl_reward, args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=[clock]
+    )
     clock.stamps.append(time.time())
     setup_s = clock.stamps[0] - start
     trainer.train()
     times = [b - a for a, b in zip(clock.stamps, clock.stamps[1:])]
-    save(bench_dir, f"trl_{mode}", {"step_s": round(steady_median(times), 4), "setup_s": round(setup_s, 1),
-                                    "steps": len(times), "trl": trl.__version__})
+    save(bench_dir, f"trl_{mode}", {"step_s": round(steady_median(times), 4), "setup_s": round(setup_s, 1), "steps": len(times), "trl": trl.__version__})
 
 
 # ---------------------------------------------------------------------------- report
+
 
 def report(bench_dir: Path, out: Path, command: str) -> None:
     import torch
@@ -460,8 +598,11 @@ def report(bench_dir: Path, out: Path, command: str) -> None:
         except Exception:  # noqa: BLE001 - absent is a fact to record
             versions[package] = None
     # Ours at its best micro-batch (sequences per forward/backward): the runs differ only in that.
-    candidates = sorted((r["step_s"], name) for name, r in results.items()
-                        if name.startswith("ours_vllm") and not any(k in name for k in ("async", "agentic", "noliger", "lora")))
+    candidates = sorted(
+        (r["step_s"], name)
+        for name, r in results.items()
+        if name.startswith("ours_vllm") and not any(k in name for k in ("async", "agentic", "noliger", "lora"))
+    )
     best = candidates[0][1] if candidates else "ours_vllm"
     ours, trl_hf, trl_vllm = get(best, "step_s"), get("trl_hf", "step_s"), get("trl_vllm", "step_s")
     summary = {
@@ -469,9 +610,17 @@ def report(bench_dir: Path, out: Path, command: str) -> None:
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
         "command": command,
         "model": json.loads((bench_dir / "model_info.json").read_text()),
-        "work": {"prompts_per_step": PROMPTS_PER_STEP, "group": GROUP, "prompt_tokens": PROMPT_TOKENS,
-                 "completion_tokens": COMPLETION_TOKENS, "updates_per_step": 1, "kl": "off (beta 0)"},
-        "grpo_step_s_ours": ours, "grpo_step_s_trl": trl_hf, "grpo_step_s_trl_vllm": trl_vllm,
+        "work": {
+            "prompts_per_step": PROMPTS_PER_STEP,
+            "group": GROUP,
+            "prompt_tokens": PROMPT_TOKENS,
+            "completion_tokens": COMPLETION_TOKENS,
+            "updates_per_step": 1,
+            "kl": "off (beta 0)",
+        },
+        "grpo_step_s_ours": ours,
+        "grpo_step_s_trl": trl_hf,
+        "grpo_step_s_trl_vllm": trl_vllm,
         "speedup_vs_trl_vllm": round(trl_vllm / ours, 3) if ours and trl_vllm else None,
         "speedup_vs_trl_hf": round(trl_hf / ours, 3) if ours and trl_hf else None,
         "grpo_ours_run": best,
@@ -479,36 +628,65 @@ def report(bench_dir: Path, out: Path, command: str) -> None:
         "grpo_step_s_ours_2gpu_async": min((r["step_s"] for n, r in results.items() if "async" in n and "agentic" not in n), default=None),
         # agentic_<key> (colocated, one GPU), agentic_separate_<key> and agentic_async_<key> (the engine on a second GPU)
         **{f"eval_{engine}_{key}": get(f"eval_{engine}", key) for engine in ("vllm", "hf") for key in ("side_s", "stage_s", "tokens_per_s")},
-        **{"agentic_" + n.split("_agentic")[1].lstrip("_") + ("_" if n.split("_agentic")[1] else "") + key: r.get(key)
-           for n, r in results.items() if "_agentic" in n
-           for key in ("step_s", "episodes_per_s", "turns_per_episode", "time_generate_s", "time_train_s", "time_weight_sync_s")},
+        **{
+            "agentic_" + n.split("_agentic")[1].lstrip("_") + ("_" if n.split("_agentic")[1] else "") + key: r.get(key)
+            for n, r in results.items()
+            if "_agentic" in n
+            for key in ("step_s", "episodes_per_s", "turns_per_episode", "time_generate_s", "time_train_s", "time_weight_sync_s")
+        },
         "vllm_standalone_tokens_per_s": get("vllm", "tokens_per_s_64"),
-        "hf_generate_tokens_per_s": {"dynamic": get("hf_generate", "tokens_per_s_dynamic"),
-                                     "static_compiled": get("hf_generate", "tokens_per_s_static_compiled")},
+        "hf_generate_tokens_per_s": {
+            "dynamic": get("hf_generate", "tokens_per_s_dynamic"),
+            "static_compiled": get("hf_generate", "tokens_per_s_static_compiled"),
+        },
         "vllm_standalone_tokens_per_s_by_batch": {b: get("vllm", f"tokens_per_s_{b}") for b in (64, 256, 1024)},
         "decode_floor_tokens_per_s": get("vllm", "decode_floor_tokens_per_s_64"),
         "decode_floor_tokens_per_s_by_batch": {b: get("vllm", f"decode_floor_tokens_per_s_{b}") for b in (64, 256, 1024)},
         "sft_mfu": max((r["mfu"] for n, r in results.items() if n in ("sft", "sft_compile")), default=None),
         "sft_mfu_by_run": {n: results[n]["mfu"] for n in ("sft", "sft_compile") if n in results},
         # 6 N + attention, recomputation not counted (standard_flops_per_token); from step_s for runs recorded before it
-        "sft_mfu_standard_by_run": {n: r.get("mfu_standard") or standard_mfu(bench_dir, r["batch"] * r["seq_len"], r["seq_len"], r["step_s"])
-                                    for n, r in results.items() if n.startswith("sft") and "step_s" in r and "seq_len" in r},
-        "sft_mfu_standard": max((r.get("mfu_standard") or standard_mfu(bench_dir, r["batch"] * r["seq_len"], r["seq_len"], r["step_s"])
-                                 for n, r in results.items() if n in ("sft", "sft_compile")), default=None),
+        "sft_mfu_standard_by_run": {
+            n: r.get("mfu_standard") or standard_mfu(bench_dir, r["batch"] * r["seq_len"], r["seq_len"], r["step_s"])
+            for n, r in results.items()
+            if n.startswith("sft") and "step_s" in r and "seq_len" in r
+        },
+        "sft_mfu_standard": max(
+            (
+                r.get("mfu_standard") or standard_mfu(bench_dir, r["batch"] * r["seq_len"], r["seq_len"], r["step_s"])
+                for n, r in results.items()
+                if n in ("sft", "sft_compile")
+            ),
+            default=None,
+        ),
         # Liger's kernels and chunked log-probs (the default on CUDA) against the eager kernels and full logits
-        "liger_on_off": {key: [get(on, field), get(off, field)] for key, on, off, field in (
-            ("sft_step_s", "sft", "sft_noliger", "step_s"), ("sft_gpu_peak_gb", "sft", "sft_noliger", "gpu_peak_gb"),
-            ("sft_loss_last", "sft", "sft_noliger", "loss_last"), ("grpo_step_s", "ours_vllm_m64", "ours_vllm_m64_noliger", "step_s"),
-            ("grpo_train_s", "ours_vllm_m64", "ours_vllm_m64_noliger", "time_train_s"))},
+        "liger_on_off": {
+            key: [get(on, field), get(off, field)]
+            for key, on, off, field in (
+                ("sft_step_s", "sft", "sft_noliger", "step_s"),
+                ("sft_gpu_peak_gb", "sft", "sft_noliger", "gpu_peak_gb"),
+                ("sft_loss_last", "sft", "sft_noliger", "loss_last"),
+                ("grpo_step_s", "ours_vllm_m64", "ours_vllm_m64_noliger", "step_s"),
+                ("grpo_train_s", "ours_vllm_m64", "ours_vllm_m64_noliger", "time_train_s"),
+            )
+        },
         # LoRA (rank 64, every linear layer, the adapter alone synced to vLLM) beside full fine-tuning, same work
-        "lora_vs_full": {key: [get("ours_vllm_m64_lora64", key), get("ours_vllm_m64", key)]
-                         for key in ("step_s", "time_generate_s", "time_train_s", "time_weight_sync_s")},
+        "lora_vs_full": {
+            key: [get("ours_vllm_m64_lora64", key), get("ours_vllm_m64", key)] for key in ("step_s", "time_generate_s", "time_train_s", "time_weight_sync_s")
+        },
         "versions": versions,
         "runs": results,
     }
     out.write_text(json.dumps(summary, indent=2) + "\n")
-    for key in ("grpo_step_s_ours", "grpo_step_s_trl_vllm", "grpo_step_s_trl", "rollout_tokens_per_s", "vllm_standalone_tokens_per_s",
-                "decode_floor_tokens_per_s", "sft_mfu", "sft_mfu_standard"):
+    for key in (
+        "grpo_step_s_ours",
+        "grpo_step_s_trl_vllm",
+        "grpo_step_s_trl",
+        "rollout_tokens_per_s",
+        "vllm_standalone_tokens_per_s",
+        "decode_floor_tokens_per_s",
+        "sft_mfu",
+        "sft_mfu_standard",
+    ):
         print(f"{key:32} {summary[key]}")
 
 
@@ -520,8 +698,12 @@ def main() -> None:
     parser.add_argument("--mode", default="vllm", choices=["hf", "vllm"], help="trl: generate with HF generate or vLLM colocate; ours: engine")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--micro", type=int, default=16, help="ours: sequences per forward/backward and per log-probability pass")
-    parser.add_argument("--layout", default="colocated", choices=["colocated", "async", "actor_ref_vllm", "agentic", "agentic_separate", "agentic_async"],
-                        help="ours: one GPU; two with async rollouts; two with actor+ref on one and vLLM on the other")
+    parser.add_argument(
+        "--layout",
+        default="colocated",
+        choices=["colocated", "async", "actor_ref_vllm", "agentic", "agentic_separate", "agentic_async"],
+        help="ours: one GPU; two with async rollouts; two with actor+ref on one and vLLM on the other",
+    )
     parser.add_argument("--lr", type=float, default=1e-6, help="ours: actor learning rate (a learning check uses a larger one)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results.json")
     parser.add_argument("--command", default="bash bench/gpu/run.sh", help="recorded in results.json")

@@ -4,6 +4,7 @@ a group, so group-normalised advantages are not all zero.
 
 Ours calls reward_func (tasks.rl's --remote_rm_url contract); TRL calls trl_reward.
 """
+
 import re
 
 import torch
@@ -17,7 +18,7 @@ def even_fraction(text: str) -> float:
 
 
 def reward_func(queries, prompts, labels):
-    return torch.tensor([even_fraction(q[len(p):]) for q, p in zip(queries, prompts)])
+    return torch.tensor([even_fraction(q[len(p) :]) for q, p in zip(queries, prompts)])
 
 
 def trl_reward(completions, **kwargs):

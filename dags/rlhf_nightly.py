@@ -9,6 +9,7 @@ gate passes (`promotion_gate` Param); a rejected candidate is kept and recorded 
 Its data: RLHF_NIGHTLY_DATASET in the scheduler's and DAG processor's environment, typically
 `dataset:<name>` so each night trains on the newest registered version of that dataset; 'demo' without it.
 """
+
 import os
 from datetime import timedelta
 

@@ -4,6 +4,7 @@ prepare_data -> sft -> (reward_model -> rl | dpo | kto) -> eval -> promote -> ch
 job; see plugins/pipeline.py. A manual run judges its policy with the promotion gate but promotes it
 only when the `allow_promotion` Param is set.
 """
+
 from plugins.form import DEFAULTS, PARAMS  # noqa: F401  (the run form, for tests and docs)
 from plugins.pipeline import build_pipeline
 

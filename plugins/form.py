@@ -8,6 +8,7 @@ PIPELINE_DEFAULTS holds where the run starts elsewhere than the stage, with the 
 pipeline's own: where the run goes, which data and model, which branch, the cache, deadline, checkpoints,
 registry and gate. The graph that uses them is plugins/pipeline.py.
 """
+
 from __future__ import annotations
 
 from airflow.sdk import Param
@@ -24,8 +25,12 @@ TRAINING_STAGES = ("sft", "reward_model", "rl", "dpo", "kto")
 
 def promotion_param(default: bool) -> Param:
     """The allow_promotion Param: its default differs between the manual and the nightly DAG."""
-    return Param(default, type="boolean", title="Allow promotion",
-                 description="Promote the policy to champion when it passes the gate. Off: the gate judges and records it only.")
+    return Param(
+        default,
+        type="boolean",
+        title="Allow promotion",
+        description="Promote the policy to champion when it passes the gate. Off: the gate judges and records it only.",
+    )
 
 
 #: The form's fields that are stage flags: Param -> (stage, the stage config's field, title). The field
@@ -111,65 +116,93 @@ def stage_param(name: str) -> Param:
 PARAMS = {
     # null allowed: the UI's form sends an emptied field as null (Airflow's docs: optional = "null" in type).
     "bucket": Param(
-        None, type=["null", "string"], title="Bucket",
-        description="S3 bucket that receives every artifact of the run. Empty: the bucket named in the rlhf_s3 "
-                    "connection's extra (`bucket`), else rlhf-flow.",
+        None,
+        type=["null", "string"],
+        title="Bucket",
+        description="S3 bucket that receives every artifact of the run. Empty: the bucket named in the rlhf_s3 connection's extra (`bucket`), else rlhf-flow.",
         pattern="^$|" + names.BUCKET_PATTERN,
     ),
     "prefix": Param(
-        "rlhf-flow", type="string", title="Key prefix",
+        "rlhf-flow",
+        type="string",
+        title="Key prefix",
         description="Key prefix inside the bucket; runs go under <prefix>/runs/<dag_id>/<run_id>/.",
-        pattern=r"^[A-Za-z0-9._\-/]*$", maxLength=200,
+        pattern=r"^[A-Za-z0-9._\-/]*$",
+        maxLength=200,
     ),
     "dataset": Param(
-        "demo", type="string", title="Dataset", minLength=1,
+        "demo",
+        type="string",
+        title="Dataset",
+        minLength=1,
         description="'demo' for the built-in synthetic preference dataset; a JSONL, Parquet or CSV file URI (s3://..., local "
-                    "path), validated, split and registered as a version under <prefix>/datasets/<file name>/; or "
-                    "dataset:<name> (its newest registered version) or dataset:<name>@<version>.",
+        "path), validated, split and registered as a version under <prefix>/datasets/<file name>/; or "
+        "dataset:<name> (its newest registered version) or dataset:<name>@<version>.",
     ),
     "base_model": Param(
-        "demo", type="string", title="Base model", minLength=1,
+        "demo",
+        type="string",
+        title="Base model",
+        minLength=1,
         description="'demo' for a tiny model built offline, or a model URI / hub id.",
     ),
     "method": Param(
-        "rl", type="string", title="Method", enum=["rl", "dpo", "kto"],
+        "rl",
+        type="string",
+        title="Method",
+        enum=["rl", "dpo", "kto"],
         description="After SFT: rl (reward model, then RL with the advantage estimator below), or dpo / kto "
-                    "(direct preference optimisation on the preference data, no reward model).",
+        "(direct preference optimisation on the preference data, no reward model).",
     ),
     **{name: stage_param(name) for name in STAGE_PARAMS},
     "checkpoints_per_stage": Param(
-        5, type="integer", title="Checkpoints per stage", minimum=0, maximum=1000,
-        description="Resumable checkpoints each training stage writes, evenly spaced (0: none). A rerun of a failed "
-                    "stage resumes from its newest one.",
+        5,
+        type="integer",
+        title="Checkpoints per stage",
+        minimum=0,
+        maximum=1000,
+        description="Resumable checkpoints each training stage writes, evenly spaced (0: none). A rerun of a failed stage resumes from its newest one.",
     ),
     "use_cache": Param(
-        True, type="boolean", title="Reuse cached stages",
+        True,
+        type="boolean",
+        title="Reuse cached stages",
         description="Skip a stage whose flags, input manifests and code match a completed stage under this prefix, "
-                    "and use that stage's output (off: every stage runs).",
+        "and use that stage's output (off: every stage runs).",
     ),
     "stage_deadline_minutes": Param(
-        240, type="number", title="Stage deadline (minutes)", minimum=0, maximum=100_000,
+        240,
+        type="number",
+        title="Stage deadline (minutes)",
+        minimum=0,
+        maximum=100_000,
         description="A stage's Ray job still running after this long is stopped and the task fails (0: no deadline).",
     ),
     "model_name": Param(
-        "demo-policy", type="string", title="Model name", pattern=names.NAME_PATTERN,
+        "demo-policy",
+        type="string",
+        title="Model name",
+        pattern=names.NAME_PATTERN,
         description="Registry name: the champion lives at <prefix>/models/<name>/champion.json.",
     ),
     "allow_promotion": promotion_param(False),
     "promotion_gate": Param(
-        DEFAULT_GATE, type="object", title="Promotion gate",
+        DEFAULT_GATE,
+        type="object",
+        title="Promotion gate",
         description="Per metric: min / max (absolute), min_gain / max_drop (against the champion, or the SFT model "
-                    "before the first champion), min_gain_lower (the 95% interval of the gain starts at or above it). "
-                    "Must include a metric the reward model does not produce (not only reward_mean). Empty ({}): no "
-                    "declared 0/1 metric drops more than 2 points, KL to the SFT model stays under 2, and one of them "
-                    "gains beyond noise. A report whose reward-hacking alarm went off never passes.",
-        additionalProperties={"type": "object", "minProperties": 1, "additionalProperties": False,
-                              "properties": {k: {"type": "number"} for k in RULE_KINDS}},
+        "before the first champion), min_gain_lower (the 95% interval of the gain starts at or above it). "
+        "Must include a metric the reward model does not produce (not only reward_mean). Empty ({}): no "
+        "declared 0/1 metric drops more than 2 points, KL to the SFT model stays under 2, and one of them "
+        "gains beyond noise. A report whose reward-hacking alarm went off never passes.",
+        additionalProperties={"type": "object", "minProperties": 1, "additionalProperties": False, "properties": {k: {"type": "number"} for k in RULE_KINDS}},
     ),
     "fault_injection": Param(
-        {}, type="object", title="Fault injection (testing)",
+        {},
+        type="object",
+        title="Fault injection (testing)",
         description='Testing only: {"stage": "rl", "after_step": 12} fails that stage once, right after its checkpoint '
-                    "of that step (a multiple of its checkpoint interval); its rerun resumes from there.",
+        "of that step (a multiple of its checkpoint interval); its rerun resumes from there.",
         properties={"stage": {"type": "string", "enum": list(TRAINING_STAGES)}, "after_step": {"type": "integer", "minimum": 1}},
         additionalProperties=False,
     ),

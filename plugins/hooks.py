@@ -8,6 +8,7 @@ The dashboard address comes from an Airflow connection (default ``rlhf_ray``) of
 host, port and schema (``http`` or ``https``); ``host`` may also be a full URL. Any failure to reach
 Ray is raised as :class:`RayUnreachableError`, whose message is one line naming the address.
 """
+
 from __future__ import annotations
 
 import asyncio

@@ -10,6 +10,7 @@ result under the link's own XCom key (``_link_RayJobLink``); the API server then
 (its deserialized operator carries only name -> XCom key). ``get_link`` therefore runs where the SDK's
 ``XCom.get_value`` works, and returns "" (a greyed-out button) when the operator pushed nothing.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING

@@ -16,6 +16,7 @@ The webhook: ``url`` (templated, e.g. "{{ params.webhook_url }}") when set, else
 without a webhook still runs. A failed POST raises, and Airflow logs it beside the task (a callback never
 changes a task's state).
 """
+
 from __future__ import annotations
 
 import json
@@ -54,8 +55,7 @@ def post_json(url: str, payload: dict) -> int:
     """POST payload as JSON; returns the HTTP status, raises with one line on anything but 2xx."""
     if not url.startswith(("http://", "https://")):
         raise ValueError(f"url: {url[:80]!r} is not an http(s) URL; set the webhook Param or the rlhf_webhook connection's host")
-    request = urllib.request.Request(url, data=json.dumps(payload, default=str).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(url, data=json.dumps(payload, default=str).encode(), method="POST", headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
             return response.status
@@ -75,9 +75,17 @@ def decision_payload(manifest_uri: str, read=_read_s3_json) -> dict:
     m = manifest.get("metrics") or {}
     event = "promotion" if m.get("promoted") else "passed_not_promoted" if m.get("passed") else "rejection"
     record = read(manifest["candidate"]) if manifest.get("candidate") else {}
-    return {"event": event, "decision": manifest.get("decision"), "champion_version": m.get("champion_version"),
-            "metrics": record.get("metrics") or {}, "gate": record.get("gate") or {}, "reasons": record.get("reasons") or [],
-            "against": record.get("against"), "policy": record.get("policy"), "promote_manifest": manifest_uri}
+    return {
+        "event": event,
+        "decision": manifest.get("decision"),
+        "champion_version": m.get("champion_version"),
+        "metrics": record.get("metrics") or {},
+        "gate": record.get("gate") or {},
+        "reasons": record.get("reasons") or [],
+        "against": record.get("against"),
+        "policy": record.get("policy"),
+        "promote_manifest": manifest_uri,
+    }
 
 
 class WebhookNotifier(BaseNotifier):
@@ -85,8 +93,7 @@ class WebhookNotifier(BaseNotifier):
 
     template_fields = ("url", "manifest")
 
-    def __init__(self, event: str, url: str = "", conn_id: str = names.WEBHOOK_CONN,
-                 manifest: str | None = None, read=_read_s3_json):
+    def __init__(self, event: str, url: str = "", conn_id: str = names.WEBHOOK_CONN, manifest: str | None = None, read=_read_s3_json):
         """``manifest``: the promote stage's manifest URI (default: the XCom of the task it is the callback of)."""
         super().__init__()
         if event not in EVENTS:
@@ -104,11 +111,15 @@ class WebhookNotifier(BaseNotifier):
             ti = context.get("ti") or context.get("task_instance")
             failed = getattr(ti, "task_id", None)
             reason = context.get("reason") or str(context.get("exception") or "") or "a task failed"
-            return {**base, "event": "nightly_failure", "failed_task": failed, "reason": reason,
-                    "text": f"{dag_id} run {run_id} FAILED" + (f" at {failed}" if failed else "") + f": {reason}"[:300]}
+            return {
+                **base,
+                "event": "nightly_failure",
+                "failed_task": failed,
+                "reason": reason,
+                "text": f"{dag_id} run {run_id} FAILED" + (f" at {failed}" if failed else "") + f": {reason}"[:300],
+            }
         if not str(self.manifest).startswith("s3://"):
-            raise ValueError(f"manifest: {str(self.manifest)[:80]!r} is not the promote stage's manifest URI; "
-                             "attach the decision notifier to the promote task")
+            raise ValueError(f"manifest: {str(self.manifest)[:80]!r} is not the promote stage's manifest URI; attach the decision notifier to the promote task")
         decision = decision_payload(self.manifest, self.read)
         shown = ", ".join(f"{k} {v:.3f}" for k, v in sorted(decision["metrics"].items()) if isinstance(v, (int, float)))
         return {**base, **decision, "text": f"{dag_id} run {run_id}: {decision['decision']} ({shown})"}

@@ -5,6 +5,7 @@ The operator never imports the stages (nor torch): it ships the project's code t
 manifest URI, never data. Here is the job's lifecycle; the contract with the stage process (ids, flags,
 error line) is plugins/stage_cli.py, the cache plugins/stage_cache.py, S3 access plugins/s3.py.
 """
+
 from __future__ import annotations
 
 import functools
@@ -153,10 +154,7 @@ class RayJobOperator(BaseOperator):
         self.env_vars = dict(env_vars or {})
         bad = sorted(k for k in self.env_vars if _SECRET_ENV.search(k))
         if bad:
-            raise ValueError(
-                f"env_vars {bad} look like credentials: never ship secrets in a Ray runtime_env; "
-                "give the Ray nodes their own access instead"
-            )
+            raise ValueError(f"env_vars {bad} look like credentials: never ship secrets in a Ray runtime_env; give the Ray nodes their own access instead")
         self.poll_interval = poll_interval
         self.follow_before_defer = follow_before_defer
         self.python = python
@@ -217,14 +215,13 @@ class RayJobOperator(BaseOperator):
             state = context.get("task_state_store")
             cache = self.stage_cache()
             key = (state.get(CACHE_KEY_KEY) if state else None) or cache.key(self.module, self.args, self.code_dir())
-            cache.record(key, {"manifest": manifest, "dag_id": dag_id, "run_id": run_id, "task_id": task_id,
-                               "module": self.module, "submission_id": submission_id})
+            cache.record(
+                key, {"manifest": manifest, "dag_id": dag_id, "run_id": run_id, "task_id": task_id, "module": self.module, "submission_id": submission_id}
+            )
             self.log.info("Cached as %s", key)
-        metrics = {k: v for k, v in (record.get("metrics") or {}).items()
-                   if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        metrics = {k: v for k, v in (record.get("metrics") or {}).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         for outlet in self.outlets or []:
-            context["outlet_events"][outlet].extra = {"manifest": manifest, "metrics": metrics,
-                                                      "cache_hit": cache_hit, "stage": record.get("stage")}
+            context["outlet_events"][outlet].extra = {"manifest": manifest, "metrics": metrics, "cache_hit": cache_hit, "stage": record.get("stage")}
         if "wandb.json" in (record.get("files") or {}):
             url = self.s3.read_json(manifest.removesuffix("manifest.json") + "wandb.json").get("url")
             if url:
@@ -253,8 +250,7 @@ class RayJobOperator(BaseOperator):
 
     # ------------------------------------------------------------------ execution
 
-    def _find_job(self, hook: RayJobHook, base: str, try_number: int, manifest: str, stored: str | None = None,
-                  recompute: bool = False) -> tuple[str, str]:
+    def _find_job(self, hook: RayJobHook, base: str, try_number: int, manifest: str, stored: str | None = None, recompute: bool = False) -> tuple[str, str]:
         """Decide what this attempt does. Returns (action, submission_id); action in submit/reattach/done.
 
         ``stored`` is the id an earlier attempt kept in the task state store; it is looked at first. With
@@ -277,9 +273,12 @@ class RayJobOperator(BaseOperator):
             return "reattach", base
         if status == "SUCCEEDED" and result():
             return "done", base
-        self.log.info("Earlier job %s ended %s%s", base, status,
-                      "" if status != "SUCCEEDED" else " (its result is recomputed)" if recompute or result() is False
-                      else " without a manifest")
+        self.log.info(
+            "Earlier job %s ended %s%s",
+            base,
+            status,
+            "" if status != "SUCCEEDED" else " (its result is recomputed)" if recompute or result() is False else " without a manifest",
+        )
 
         # The base job ended without a result: later attempts run under "{base}-try{n}". Look at those too,
         # so a retry after a worker crash finds the job an earlier retry left running.
@@ -309,8 +308,7 @@ class RayJobOperator(BaseOperator):
             return None
         problems = self.stage_cache().output_problems(manifest)
         if problems:
-            self.log.warning("The committed output at %s changed since it was written (%s): computing it again",
-                             manifest, "; ".join(problems[:3]))
+            self.log.warning("The committed output at %s changed since it was written (%s): computing it again", manifest, "; ".join(problems[:3]))
         return not problems
 
     def check_conf(self, context: Context) -> None:
@@ -336,8 +334,9 @@ class RayJobOperator(BaseOperator):
         cache = self.stage_cache()
         key = cache.key(self.module, self.args, self.code_dir())
         if recompute:
-            self.log.info("Cleared by a user (try %s starts a new budget): computing the stage again, "
-                          "neither the cache nor an earlier result is reused", try_number)
+            self.log.info(
+                "Cleared by a user (try %s starts a new budget): computing the stage again, neither the cache nor an earlier result is reused", try_number
+            )
         elif as_bool(self.cache):
             hit = cache.lookup(key)
             if hit:
@@ -346,14 +345,15 @@ class RayJobOperator(BaseOperator):
             self.log.info("Cache miss: key %s", key)
 
         state = context.get("task_state_store")
-        action, sid = self._find_job(hook, base, try_number, manifest, state.get(SUBMISSION_ID_KEY) if state else None,
-                                     recompute=recompute)
+        action, sid = self._find_job(hook, base, try_number, manifest, state.get(SUBMISSION_ID_KEY) if state else None, recompute=recompute)
         self.submission_id = sid
         context["ti"].xcom_push(key=RAY_JOB_URL_KEY, value=hook.dashboard_url(sid))
         if action == "done":
             self.log.info(
                 "Ray job %s already SUCCEEDED and its manifest exists: not rerunning. Manifest: %s; dashboard: %s",
-                sid, manifest, hook.dashboard_url(sid),
+                sid,
+                manifest,
+                hook.dashboard_url(sid),
             )
             return self.finish(context, manifest, sid)
         if action == "reattach":
@@ -396,8 +396,9 @@ class RayJobOperator(BaseOperator):
         if ended is not None:
             return self.execute_complete(context, ended)
         self.defer(
-            trigger=RayJobTrigger(address=hook.address, submission_id=sid, poll_interval=self.poll_interval,
-                                  deadline_s=self.deadline_s(), not_before=time.time() + DEFER_SETTLE_S),
+            trigger=RayJobTrigger(
+                address=hook.address, submission_id=sid, poll_interval=self.poll_interval, deadline_s=self.deadline_s(), not_before=time.time() + DEFER_SETTLE_S
+            ),
             method_name="execute_complete",
             timeout=self.execution_timeout if isinstance(self.execution_timeout, timedelta) else None,
         )
@@ -416,8 +417,7 @@ class RayJobOperator(BaseOperator):
                 logs = hook.get_job_logs(sid)
                 for line in logs.splitlines():
                     self.log.info("[ray %s] %s", sid, line)
-                return job_event(sid, status, str(getattr(info, "message", "") or ""), logs,
-                                 getattr(info, "driver_exit_code", None))
+                return job_event(sid, status, str(getattr(info, "message", "") or ""), logs, getattr(info, "driver_exit_code", None))
             time.sleep(min(self.poll_interval, max(0.0, until - time.monotonic())))
         return None
 
@@ -439,7 +439,8 @@ class RayJobOperator(BaseOperator):
             # Not retried: a retry would only run into the same deadline again.
             raise AirflowFailException(
                 f"Ray job {sid} ran past the stage deadline of {self.deadline_minutes} minutes and was stopped: "
-                f"{event.get('message')} (raise the deadline Param to allow longer stages)")
+                f"{event.get('message')} (raise the deadline Param to allow longer stages)"
+            )
         if status == "FAILED" and event.get("exit_code") == INPUT_ERROR_EXIT:
             # The stage refused its input (config, data, verification): a retry would fail the same way.
             raise AirflowFailException(failure_message(event, sid))

@@ -21,6 +21,7 @@ one), writes resumable checkpoints (Param checkpoints_per_stage), and emits an A
 manifest URI and metrics. The run form (the Params) is plugins/form.py. No torch is imported here: the
 stage configs (tasks/<stage>/config.py, standard library and yaml) are, by the form and by `validate`.
 """
+
 from __future__ import annotations
 
 from datetime import timedelta
@@ -40,14 +41,15 @@ REGISTRY = OUTPUT_ROOT + "/models/{{ params.model_name }}"
 #: Where prepare_data registers dataset versions: <root>/<name>/<version>/ (tasks/data/versions.py).
 DATASETS_ROOT = OUTPUT_ROOT + "/datasets"
 #: prepare_data's flags that come from the Params of the same name (the column mapping and the checks).
-DATASET_FLAGS = ("input_key", "output_key", "chosen_key", "rejected_key", "label_key", "messages_key", "eval_fraction",
-                 "max_bad_fraction")
+DATASET_FLAGS = ("input_key", "output_key", "chosen_key", "rejected_key", "label_key", "messages_key", "eval_fraction", "max_bad_fraction")
 
 #: GPUs each stage asks Ray for with the DAG's layout (the RL models colocated on the actor's GPU).
 STAGE_GPUS = {"prepare_data": 0, "sft": 1, "reward_model": 1, "rl": 1, "dpo": 1, "kto": 1, "eval": 1, "promote": 0}
 #: Lineage in the Assets view: base model and data -> SFT -> reward model -> policy -> report -> champion.
-ASSETS = {name: Asset(name=f"rlhf_flow.{name}", uri=f"rlhf-flow://assets/{name}")
-          for name in ("prepared_data", "sft_model", "reward_model", "policy", "eval_report", "champion")}
+ASSETS = {
+    name: Asset(name=f"rlhf_flow.{name}", uri=f"rlhf-flow://assets/{name}")
+    for name in ("prepared_data", "sft_model", "reward_model", "policy", "eval_report", "champion")
+}
 
 
 def save_steps(steps: int, checkpoints: int) -> int:
@@ -122,8 +124,11 @@ def missing_inputs(params, render) -> list[str]:
             continue
         bucket, _, key = uri.removeprefix("s3://").partition("/")
         try:
-            found = store.exists(uri) if key and not key.endswith("/") and "." in key.rsplit("/", 1)[-1] \
+            found = (
+                store.exists(uri)
+                if key and not key.endswith("/") and "." in key.rsplit("/", 1)[-1]
                 else bool(store.objects(f"s3://{bucket}/" + (key.rstrip("/") + "/" if key else ""), limit=1))
+            )
         except S3Error as exc:  # a missing bucket, no access: the same answer, with botocore's cause
             found, uri = False, f"{uri} ({' '.join(str(exc.__cause__).split())[:200]})"
         if not found:
@@ -156,8 +161,9 @@ def stage(task_id: str, module: str, args: dict, inlets: list[str] = (), outlet:
     )
 
 
-def build_pipeline(dag_id: str, schedule, description: str, allow_promotion: bool, doc_md: str | None = None,
-                   tags: tuple[str, ...] = (), dataset: str | None = None) -> DAG:
+def build_pipeline(
+    dag_id: str, schedule, description: str, allow_promotion: bool, doc_md: str | None = None, tags: tuple[str, ...] = (), dataset: str | None = None
+) -> DAG:
     """The pipeline DAG; `allow_promotion` is the default of the Param of that name, `dataset` (when given)
     the default of the dataset Param: a scheduled run takes no form, so its data comes from here."""
     params = {**PARAMS, "allow_promotion": promotion_param(allow_promotion)}
@@ -183,6 +189,7 @@ def build_pipeline(dag_id: str, schedule, description: str, allow_promotion: boo
             "cache": "{{ params.use_cache }}",
         },
     ) as dag:
+
         @task(task_id="validate", retries=0)
         def validate(params=None, dag=None, **context) -> None:
             """The whole run's flags, checked by each stage's own config before any Ray job: a form the stages
@@ -199,61 +206,85 @@ def build_pipeline(dag_id: str, schedule, description: str, allow_promotion: boo
             if problems:
                 raise AirflowFailException("this run's Params would fail its stages; fix them and trigger again:\n" + "\n".join(problems))
 
-        prepare_data = stage("prepare_data", "tasks.data", {
-            "source": "{{ params.dataset }}",
-            "base_model": "{{ params.base_model }}",
-            "seed": "{{ params.seed }}",
-            "datasets_root": DATASETS_ROOT,
-            **{name: ("{{ params.%s or '' }}" if name.endswith("_key") else "{{ params.%s }}") % name for name in DATASET_FLAGS},
-        }, outlet="prepared_data",
+        prepare_data = stage(
+            "prepare_data",
+            "tasks.data",
+            {
+                "source": "{{ params.dataset }}",
+                "base_model": "{{ params.base_model }}",
+                "seed": "{{ params.seed }}",
+                "datasets_root": DATASETS_ROOT,
+                **{name: ("{{ params.%s or '' }}" if name.endswith("_key") else "{{ params.%s }}") % name for name in DATASET_FLAGS},
+            },
+            outlet="prepared_data",
             # A file's content or dataset:<name>'s newest version may change under the same flags: only the demo
             # and a pinned version are the same data whenever the flags are.
-            cache="{{ params.use_cache and fixed_data(params.dataset) }}")
-        sft = stage("sft", "tasks.sft", {
-            "pretrain": prepare_data.output,
-            "dataset": prepare_data.output,
-            "max_steps": "{{ params.sft_steps }}",
-            "learning_rate": "{{ params.sft_learning_rate }}",
-            **training_args("sft", "sft_steps"),
-        }, inlets=["prepared_data"], outlet="sft_model")
+            cache="{{ params.use_cache and fixed_data(params.dataset) }}",
+        )
+        sft = stage(
+            "sft",
+            "tasks.sft",
+            {
+                "pretrain": prepare_data.output,
+                "dataset": prepare_data.output,
+                "max_steps": "{{ params.sft_steps }}",
+                "learning_rate": "{{ params.sft_learning_rate }}",
+                **training_args("sft", "sft_steps"),
+            },
+            inlets=["prepared_data"],
+            outlet="sft_model",
+        )
 
         @task.branch(task_id="choose_method")
         def choose_method(params=None) -> list[str]:
             return branch_for(params)
 
         method = choose_method()
-        reward_model = stage("reward_model", "tasks.reward_model", {
-            "pretrain": sft.output,
-            "dataset": prepare_data.output,
-            "max_steps": "{{ params.rm_steps }}",
-            "learning_rate": "{{ params.rm_learning_rate }}",
-            **training_args("reward_model", "rm_steps"),
-        }, inlets=["sft_model", "prepared_data"], outlet="reward_model")
+        reward_model = stage(
+            "reward_model",
+            "tasks.reward_model",
+            {
+                "pretrain": sft.output,
+                "dataset": prepare_data.output,
+                "max_steps": "{{ params.rm_steps }}",
+                "learning_rate": "{{ params.rm_learning_rate }}",
+                **training_args("reward_model", "rm_steps"),
+            },
+            inlets=["sft_model", "prepared_data"],
+            outlet="reward_model",
+        )
         # With an environment: RL's episodes and eval's play the same one, within the same limits.
         episode_args = {
             "env_path": "{{ params.environment or '' }}",
             "max_turns": "{{ params.max_turns }}",
             "max_episode_tokens": "{{ params.max_episode_tokens }}",
         }
-        rl = stage("rl", "tasks.rl", {
-            "pretrain": sft.output,
-            "reward_pretrain": "{{ ti.xcom_pull(task_ids='reward_model') or '' }}",  # none with an environment
-            "prompt_data": prepare_data.output,
-            "generate_max_len": "{{ params.generate_max_len }}",
-            **episode_args,
-            "max_steps": "{{ params.rl_steps }}",
-            "actor_learning_rate": "{{ params.actor_learning_rate }}",
-            "critic_learning_rate": "{{ params.critic_learning_rate }}",
-            "init_kl_coef": "{{ params.init_kl_coef }}",
-            "lambd": "{{ params.gae_lambda }}",
-            # PPO-ptx on the run's own SFT split: the demo's accuracy held on every seed only with it (README's design notes).
-            "ptx_coef": "{{ params.ptx_coef }}",
-            "pretrain_data": "{{ ti.xcom_pull(task_ids='prepare_data') if params.ptx_coef else '' }}",
-            "advantage_estimator": "{{ params.advantage_estimator }}",
-            "n_samples_per_prompt": "{{ params.n_samples_per_prompt }}",
-            "colocate_all_models": "{{ params.colocate_all_models }}",
-            **training_args("rl", "rl_steps"),
-        }, inlets=["sft_model", "reward_model"], outlet="policy", trigger_rule="none_failed_min_one_success")
+        rl = stage(
+            "rl",
+            "tasks.rl",
+            {
+                "pretrain": sft.output,
+                "reward_pretrain": "{{ ti.xcom_pull(task_ids='reward_model') or '' }}",  # none with an environment
+                "prompt_data": prepare_data.output,
+                "generate_max_len": "{{ params.generate_max_len }}",
+                **episode_args,
+                "max_steps": "{{ params.rl_steps }}",
+                "actor_learning_rate": "{{ params.actor_learning_rate }}",
+                "critic_learning_rate": "{{ params.critic_learning_rate }}",
+                "init_kl_coef": "{{ params.init_kl_coef }}",
+                "lambd": "{{ params.gae_lambda }}",
+                # PPO-ptx on the run's own SFT split: the demo's accuracy held on every seed only with it (README's design notes).
+                "ptx_coef": "{{ params.ptx_coef }}",
+                "pretrain_data": "{{ ti.xcom_pull(task_ids='prepare_data') if params.ptx_coef else '' }}",
+                "advantage_estimator": "{{ params.advantage_estimator }}",
+                "n_samples_per_prompt": "{{ params.n_samples_per_prompt }}",
+                "colocate_all_models": "{{ params.colocate_all_models }}",
+                **training_args("rl", "rl_steps"),
+            },
+            inlets=["sft_model", "reward_model"],
+            outlet="policy",
+            trigger_rule="none_failed_min_one_success",
+        )
         # DPO on the demo's style pairs (right answers both sides) with an NLL term on the chosen side, which
         # keeps the answers' likelihood from sliding (without it, accuracy fell 25 points for 27 of style);
         # KTO on the unpaired thumbs-up/down split.
@@ -263,49 +294,82 @@ def build_pipeline(dag_id: str, schedule, description: str, allow_promotion: boo
             "max_steps": "{{ params.preference_steps }}",
             "learning_rate": "{{ params.preference_learning_rate }}",
         }
-        dpo = stage("dpo", "tasks.preference", {
-            **preference_args, **training_args("dpo", "preference_steps"),
-            "method": "dpo", "dataset_split": "style_pairs", "beta": "{{ params.dpo_beta }}", "nll_loss_coef": 0.5,
-        }, inlets=["sft_model", "prepared_data"], outlet="policy")
+        dpo = stage(
+            "dpo",
+            "tasks.preference",
+            {
+                **preference_args,
+                **training_args("dpo", "preference_steps"),
+                "method": "dpo",
+                "dataset_split": "style_pairs",
+                "beta": "{{ params.dpo_beta }}",
+                "nll_loss_coef": 0.5,
+            },
+            inlets=["sft_model", "prepared_data"],
+            outlet="policy",
+        )
         # Thumbs-down examples weigh less: pushing their (right) answers down costs accuracy (measured: weight 1
         # lost 29 points of accuracy for 39 of style; 0.3 gained 14 and 38).
-        kto = stage("kto", "tasks.preference", {
-            **preference_args, **training_args("kto", "preference_steps"),
-            "method": "kto", "dataset_split": "unpaired", "beta": "{{ params.kto_beta }}", "undesirable_weight": 0.3,
-        }, inlets=["sft_model", "prepared_data"], outlet="policy")
-        eval_ = stage("eval", "tasks.eval", {
-            "baseline": sft.output,
-            "policy": "{{ ti.xcom_pull(task_ids='rl') or ti.xcom_pull(task_ids='dpo') or ti.xcom_pull(task_ids='kto') }}",
-            "reward_pretrain": "{{ ti.xcom_pull(task_ids='reward_model') or '' }}",
-            "dataset": prepare_data.output,
-            "registry": REGISTRY,
-            "max_samples": "{{ params.eval_max_samples }}",
-            "generate_max_len": "{{ params.generate_max_len }}",
-            **episode_args,
-            # The demo's own metrics (answer and style) when the data is the demo's; else what the form declares.
-            "metrics": "{{ params.eval_metrics or '' }}",
-            "metric_func": "{{ params.eval_metric_func or ('tasks/data/demo_metrics.py' if params.dataset == 'demo' else '') }}",
-            "n_samples_per_prompt": "{{ params.eval_samples_per_prompt }}",
-            "slice_key": "{{ params.eval_slice_key or '' }}",
-            "judge_url": "{{ params.eval_judge_url or '' }}",
-            "judge_model": "{{ params.eval_judge_model }}",
-            "lm_eval_tasks": "{{ params.eval_lm_eval_tasks or '' }}",
-            "lm_eval_include_path": "{{ params.eval_lm_eval_include_path or '' }}",
-            "lm_eval_limit": "{{ params.eval_lm_eval_limit }}",
-            "seed": "{{ params.seed }}",
-            "apply_chat_template": "{{ params.apply_chat_template }}",
-        }, inlets=["policy"], outlet="eval_report",
+        kto = stage(
+            "kto",
+            "tasks.preference",
+            {
+                **preference_args,
+                **training_args("kto", "preference_steps"),
+                "method": "kto",
+                "dataset_split": "unpaired",
+                "beta": "{{ params.kto_beta }}",
+                "undesirable_weight": 0.3,
+            },
+            inlets=["sft_model", "prepared_data"],
+            outlet="policy",
+        )
+        eval_ = stage(
+            "eval",
+            "tasks.eval",
+            {
+                "baseline": sft.output,
+                "policy": "{{ ti.xcom_pull(task_ids='rl') or ti.xcom_pull(task_ids='dpo') or ti.xcom_pull(task_ids='kto') }}",
+                "reward_pretrain": "{{ ti.xcom_pull(task_ids='reward_model') or '' }}",
+                "dataset": prepare_data.output,
+                "registry": REGISTRY,
+                "max_samples": "{{ params.eval_max_samples }}",
+                "generate_max_len": "{{ params.generate_max_len }}",
+                **episode_args,
+                # The demo's own metrics (answer and style) when the data is the demo's; else what the form declares.
+                "metrics": "{{ params.eval_metrics or '' }}",
+                "metric_func": "{{ params.eval_metric_func or ('tasks/data/demo_metrics.py' if params.dataset == 'demo' else '') }}",
+                "n_samples_per_prompt": "{{ params.eval_samples_per_prompt }}",
+                "slice_key": "{{ params.eval_slice_key or '' }}",
+                "judge_url": "{{ params.eval_judge_url or '' }}",
+                "judge_model": "{{ params.eval_judge_model }}",
+                "lm_eval_tasks": "{{ params.eval_lm_eval_tasks or '' }}",
+                "lm_eval_include_path": "{{ params.eval_lm_eval_include_path or '' }}",
+                "lm_eval_limit": "{{ params.eval_lm_eval_limit }}",
+                "seed": "{{ params.seed }}",
+                "apply_chat_template": "{{ params.apply_chat_template }}",
+            },
+            inlets=["policy"],
+            outlet="eval_report",
             # Runs after whichever branch ran (the skipped branch's XComs are empty). Never cached: it also
             # scores the registry's current champion.
-            trigger_rule="none_failed_min_one_success", cache=False)
-        promote = stage("promote", "tasks.promote", {
-            "evaluation": eval_.output,
-            "registry": REGISTRY,
-            "gate": "{{ params.promotion_gate | tojson }}",
-            "allow_promotion": "{{ params.allow_promotion }}",
-            "promoted_by": "{{ dag.dag_id }} run {{ run_id }}",
-        }, inlets=["eval_report"], cache=False,
-            on_success_callback=WebhookNotifier("decision"))  # promotion or rejection, with the gate's metrics
+            trigger_rule="none_failed_min_one_success",
+            cache=False,
+        )
+        promote = stage(
+            "promote",
+            "tasks.promote",
+            {
+                "evaluation": eval_.output,
+                "registry": REGISTRY,
+                "gate": "{{ params.promotion_gate | tojson }}",
+                "allow_promotion": "{{ params.allow_promotion }}",
+                "promoted_by": "{{ dag.dag_id }} run {{ run_id }}",
+            },
+            inlets=["eval_report"],
+            cache=False,
+            on_success_callback=WebhookNotifier("decision"),
+        )  # promotion or rejection, with the gate's metrics
 
         @task(task_id="champion", outlets=[ASSETS["champion"]])
         def champion(decision_manifest: str, outlet_events=None) -> str:
@@ -315,8 +379,7 @@ def build_pipeline(dag_id: str, schedule, description: str, allow_promotion: boo
             record = S3Store(names.S3_CONN).read_json(decision_manifest)
             if not record["metrics"].get("promoted"):
                 raise AirflowSkipException(record.get("decision", "not promoted"))
-            outlet_events[ASSETS["champion"]].extra = {"champion": record["champion"], "decision": record["decision"],
-                                                       "promotion": decision_manifest}
+            outlet_events[ASSETS["champion"]].extra = {"champion": record["champion"], "decision": record["decision"], "promotion": decision_manifest}
             return record["champion"]
 
         chain(validate(), prepare_data, sft, method, [reward_model, dpo, kto])

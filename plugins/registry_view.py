@@ -10,6 +10,7 @@ Nothing here writes: promote and roll back with the rlhf_registry DAG or ``pytho
 S3 through the connection ``rlhf_s3``; callers need read access to the rlhf_registry DAG's runs (Airflow's own auth).
 The lineage walk is tasks.common.cost's (standard library only), reading manifests through that connection.
 """
+
 from __future__ import annotations
 
 import html
@@ -72,8 +73,12 @@ def listing(root: str) -> dict:
     for c in candidates:
         # The evaluation's inputs name the policy: its lineage holds the policy's (tasks.common.registry does the same).
         c["cost"] = cost.lineage_cost(c.get("evaluation") or c.get("policy") or "", read=_manifest)
-    return {"registry": root, "champion": _json(f"{root}/champion.json"),
-            "history": [h for h in (_json(u) for u in _list(f"{root}/history")) if h], "candidates": candidates}
+    return {
+        "registry": root,
+        "champion": _json(f"{root}/champion.json"),
+        "history": [h for h in (_json(u) for u in _list(f"{root}/history")) if h],
+        "candidates": candidates,
+    }
 
 
 @app.get("/api", dependencies=[can_read_runs])
@@ -94,11 +99,14 @@ def registry_page(bucket: str | None = Query(None), prefix: str = Query("rlhf-fl
         f"<tr><td>v{h['version']}</td><td>{e(str(h.get('promoted_at')))}</td><td>{e(str(h.get('action', 'promote')))}"
         f"{' to v' + str(h['rolled_back_to']) if 'rolled_back_to' in h else ''}</td><td>{e(str(h.get('promoted_by')))}</td>"
         f"<td>{e(str(h.get('run_id', '')))}</td><td>{e(_metrics(h.get('metrics')))}</td><td>{e(str(h.get('reason', '')))}</td></tr>"
-        for h in reversed(data["history"]))
+        for h in reversed(data["history"])
+    )
     cands = "".join(
         f"<tr><td>{e(str(c.get('run_id')))}</td><td>{'promoted' if c.get('promoted') else 'passed' if c.get('passed') else 'rejected'}"
         f"</td><td>{e(_metrics(c.get('metrics')))}</td><td>{c['cost']['gpu_hours']:.3f}</td><td>{c['cost']['wall_time_s']:.0f}</td>"
-        f"<td>{e(str(c.get('decision', '')))}</td></tr>" for c in reversed(data["candidates"]))
+        f"<td>{e(str(c.get('decision', '')))}</td></tr>"
+        for c in reversed(data["candidates"])
+    )
     head = f"v{champ['version']}: {e(champ['policy'])}" if champ else "none yet"
     return HTMLResponse(
         f"<!doctype html><meta charset=utf-8><title>Registry {e(model_name)}</title>"
@@ -107,4 +115,5 @@ def registry_page(bucket: str | None = Query(None), prefix: str = Query("rlhf-fl
         "<h2>History</h2><table><tr><th>version</th><th>when</th><th>action</th><th>by</th><th>run</th><th>metrics</th><th>reason</th></tr>"
         f"{rows}</table><h2>Candidates</h2><table><tr><th>run</th><th>verdict</th><th>metrics</th><th>GPU-h</th><th>wall s</th>"
         f"<th>decision</th></tr>{cands}</table>",
-        headers={"Content-Security-Policy": "default-src 'none'; style-src 'unsafe-inline'; frame-ancestors 'self'"})
+        headers={"Content-Security-Policy": "default-src 'none'; style-src 'unsafe-inline'; frame-ancestors 'self'"},
+    )

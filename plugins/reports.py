@@ -13,6 +13,7 @@ DAG's runs, checked by Airflow's own auth manager for that DAG (the UI's session
 token). Every name that reaches a key is validated first: a run id becomes its key-safe form, file names
 come from a fixed set.
 """
+
 from __future__ import annotations
 
 import html
@@ -81,8 +82,9 @@ def served_buckets() -> tuple[str, list[str]]:
 def check_served(bucket: str) -> None:
     served = served_buckets()[1]
     if bucket not in served:
-        raise HTTPException(403, f"bucket: {bucket[:80]!r} is not served here: add it to the extra 'buckets' of "
-                                 f"the {AWS_CONN_ID} connection (served: {', '.join(served)})")
+        raise HTTPException(
+            403, f"bucket: {bucket[:80]!r} is not served here: add it to the extra 'buckets' of the {AWS_CONN_ID} connection (served: {', '.join(served)})"
+        )
 
 
 def run_confs(dag_id: str | None, run_id: str | None = None) -> list[dict]:
@@ -107,8 +109,7 @@ def check_prefix(prefix: str, dag_id: str | None) -> None:
     used = {DEFAULTS["prefix"]} | {str(c["prefix"]).strip("/") for c in run_confs(dag_id) if c.get("prefix")}
     if prefix.strip("/") not in used:
         whose = f"of DAG {dag_id!r} " if dag_id else ""
-        raise HTTPException(404, f"prefix: no run {whose}writes under {prefix[:80]!r} "
-                                 f"(runs use: {', '.join(sorted(used)[:20])})")
+        raise HTTPException(404, f"prefix: no run {whose}writes under {prefix[:80]!r} (runs use: {', '.join(sorted(used)[:20])})")
 
 
 def run_location(dag_id: str, run_id: str) -> str:
@@ -148,8 +149,9 @@ def eval_output(dag_id: str, run_id: str) -> str | None:
     from airflow.utils.session import create_session
 
     with create_session() as session:
-        value = session.scalar(XComModel.get_many(key="return_value", run_id=run_id, dag_ids=dag_id, task_ids="eval",
-                                                  map_indexes=-1).with_only_columns(XComModel.value))
+        value = session.scalar(
+            XComModel.get_many(key="return_value", run_id=run_id, dag_ids=dag_id, task_ids="eval", map_indexes=-1).with_only_columns(XComModel.value)
+        )
     if isinstance(value, str) and value.startswith("s3://") and value.endswith("/manifest.json"):
         return value.removesuffix("/manifest.json")
     return None
@@ -163,8 +165,7 @@ def list_pages(bucket: str, prefix: str, field: str = "Contents") -> list[str]:
         return store.folders(uri) if field == "CommonPrefixes" else [obj["Key"] for obj in store.objects(uri)]
     except S3Error as e:
         if e.code == "NoSuchBucket":
-            raise HTTPException(404, f"bucket: {bucket!r} does not exist: create it or fix the {AWS_CONN_ID} "
-                                     "connection's extra") from None
+            raise HTTPException(404, f"bucket: {bucket!r} does not exist: create it or fix the {AWS_CONN_ID} connection's extra") from None
         raise _s3_failed(e, f"listing s3://{bucket}/{prefix} failed") from None
 
 
@@ -180,8 +181,14 @@ def list_runs(root: str, dag_id: str) -> list[dict]:
             manifest = json.loads(raw)
         except ValueError:
             continue
-        runs.append({"run": folder[len(key):].rstrip("/"), "created_at": manifest.get("created_at", ""),
-                     "run_id": manifest.get("run_id", ""), "metrics": manifest.get("metrics", {})})
+        runs.append(
+            {
+                "run": folder[len(key) :].rstrip("/"),
+                "created_at": manifest.get("created_at", ""),
+                "run_id": manifest.get("run_id", ""),
+                "metrics": manifest.get("metrics", {}),
+            }
+        )
     return sorted(runs, key=lambda r: r["created_at"], reverse=True)
 
 
@@ -189,9 +196,11 @@ def can_read_runs_of(dag_id: str | None = None):
     """A dependency: the caller may read the runs of `dag_id` or, without one, of the DAG the request names (its
     path's or query's `dag_id`, else the default DAG), as Airflow's auth manager decides for that DAG. Airflow's
     own `requires_access_dag` asks about "any DAG" when the request names none, which lets in a user of another."""
+
     def check(request: Request, user: GetUserDep) -> None:
         named = dag_id or request.path_params.get("dag_id") or request.query_params.get("dag_id") or DEFAULTS["dag_id"]
         requires_access_dag("GET", DagAccessEntity.RUN, param_dag_id=named)(request, user)
+
     return Depends(check)
 
 
@@ -201,8 +210,7 @@ can_read_runs = can_read_runs_of()
 
 
 @app.get("/", response_class=HTMLResponse, dependencies=[can_read_runs])
-def index(request: Request, bucket: str | None = Query(None), prefix: str = Query(DEFAULTS["prefix"]),
-          dag_id: str = Query(DEFAULTS["dag_id"])) -> HTMLResponse:
+def index(request: Request, bucket: str | None = Query(None), prefix: str = Query(DEFAULTS["prefix"]), dag_id: str = Query(DEFAULTS["dag_id"])) -> HTMLResponse:
     bucket = bucket or served_buckets()[0]
     root = check_location(bucket, prefix, dag_id)
     check_served(bucket)
@@ -215,18 +223,29 @@ def index(request: Request, bucket: str | None = Query(None), prefix: str = Quer
         run_id = r["run_id"] if RUN_ID.match(r["run_id"] or "") else r["run"]
         base = f"{e(request.scope.get('root_path', ''))}/dags/{e(dag_id)}/runs/{quote(run_id, safe='')}"
         m = r["metrics"]
-        cells = "".join(f'<td class="num">{m[k]:.3f}</td>' if isinstance(m.get(k), (int, float)) else "<td></td>"
-                        for k in ("policy_accuracy", "policy_sampled_preferred_style_rate", "policy_kl_to_ref"))
-        rows.append(f'<tr><td><a class="report" href="{base}/report.html">{e(r["run_id"] or r["run"])}</a></td>'
-                    f"<td>{e(r['created_at'])}</td>{cells}"
-                    f'<td><a href="{base}/report.json">json</a> <a href="{base}/report.md">md</a></td></tr>')
-    body = ("<table><tr><th>run</th><th>evaluated at</th><th>policy accuracy</th><th>policy style rate</th>"
-            "<th>policy KL</th><th>files</th></tr>" + "".join(rows) + "</table>") if rows else \
-        f"<p>No evaluated runs under <code>{e(root)}/runs/{e(dag_id)}/</code> yet.</p>"
-    page = (f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>rlhf-flow reports</title><style>'
-            "body{font-family:sans-serif;margin:24px}td,th{border:1px solid #ccc;padding:4px 10px}table{border-collapse:collapse}"
-            f".num{{text-align:right}}</style></head><body><h1>Evaluation reports</h1><p><code>{e(root)}/runs/{e(dag_id)}/</code> "
-            f"({len(runs)} evaluated runs)</p>{body}</body></html>")
+        cells = "".join(
+            f'<td class="num">{m[k]:.3f}</td>' if isinstance(m.get(k), (int, float)) else "<td></td>"
+            for k in ("policy_accuracy", "policy_sampled_preferred_style_rate", "policy_kl_to_ref")
+        )
+        rows.append(
+            f'<tr><td><a class="report" href="{base}/report.html">{e(r["run_id"] or r["run"])}</a></td>'
+            f"<td>{e(r['created_at'])}</td>{cells}"
+            f'<td><a href="{base}/report.json">json</a> <a href="{base}/report.md">md</a></td></tr>'
+        )
+    body = (
+        (
+            "<table><tr><th>run</th><th>evaluated at</th><th>policy accuracy</th><th>policy style rate</th>"
+            "<th>policy KL</th><th>files</th></tr>" + "".join(rows) + "</table>"
+        )
+        if rows
+        else f"<p>No evaluated runs under <code>{e(root)}/runs/{e(dag_id)}/</code> yet.</p>"
+    )
+    page = (
+        f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>rlhf-flow reports</title><style>'
+        "body{font-family:sans-serif;margin:24px}td,th{border:1px solid #ccc;padding:4px 10px}table{border-collapse:collapse}"
+        f".num{{text-align:right}}</style></head><body><h1>Evaluation reports</h1><p><code>{e(root)}/runs/{e(dag_id)}/</code> "
+        f"({len(runs)} evaluated runs)</p>{body}</body></html>"
+    )
     return HTMLResponse(page, headers={"Content-Security-Policy": CSP})
 
 

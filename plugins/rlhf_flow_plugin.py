@@ -12,6 +12,7 @@ installed ``plugins`` package (``plugins.links``, ``plugins.reports``), like the
 - The report view: the FastAPI app at /rlhf-flow, in the UI's Browse menu ("RLHF reports") and as a
   "Report" tab on every DAG run (the UI fills in {DAG_ID} and {RUN_ID}).
 """
+
 from __future__ import annotations
 
 from airflow.sdk.plugins_manager import AirflowPlugin
@@ -27,13 +28,12 @@ REGISTRY_PREFIX = "/rlhf-registry"
 class RlhfFlowPlugin(AirflowPlugin):
     name = "rlhf_flow"
     operator_extra_links = [RayJobLink(), WandbRunLink()]
-    fastapi_apps = [{"app": reports_app, "url_prefix": URL_PREFIX, "name": "rlhf-flow reports"},
-                    {"app": registry_app, "url_prefix": REGISTRY_PREFIX, "name": "rlhf-flow registry"}]
+    fastapi_apps = [
+        {"app": reports_app, "url_prefix": URL_PREFIX, "name": "rlhf-flow reports"},
+        {"app": registry_app, "url_prefix": REGISTRY_PREFIX, "name": "rlhf-flow registry"},
+    ]
     external_views = [
-        {"name": "RLHF reports", "href": f"{URL_PREFIX}/", "destination": "nav", "category": "browse",
-         "url_route": "rlhf-reports"},
-        {"name": "RLHF registry", "href": f"{REGISTRY_PREFIX}/", "destination": "nav", "category": "browse",
-         "url_route": "rlhf-registry"},
-        {"name": "Report", "href": f"{URL_PREFIX}/dags/{{DAG_ID}}/runs/{{RUN_ID}}/report.html", "destination": "dag_run",
-         "url_route": "rlhf-report"},
+        {"name": "RLHF reports", "href": f"{URL_PREFIX}/", "destination": "nav", "category": "browse", "url_route": "rlhf-reports"},
+        {"name": "RLHF registry", "href": f"{REGISTRY_PREFIX}/", "destination": "nav", "category": "browse", "url_route": "rlhf-registry"},
+        {"name": "Report", "href": f"{URL_PREFIX}/dags/{{DAG_ID}}/runs/{{RUN_ID}}/report.html", "destination": "dag_run", "url_route": "rlhf-report"},
     ]

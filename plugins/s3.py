@@ -20,6 +20,7 @@ with answers of its own (the views' HTTP statuses) builds them from these.
 Each store makes its S3Hook on first use; callers make a store per use, as the connection may change
 between uses. The amazon provider and botocore are imported lazily: every Airflow process loads the plugins.
 """
+
 from __future__ import annotations
 
 import functools
@@ -70,8 +71,7 @@ class S3Store:
 
             cause = " ".join(str(exc).split())[:300] or type(exc).__name__
             code = exc.response.get("Error", {}).get("Code", "") if isinstance(exc, ClientError) else None
-            raise S3Error(f"S3 ({self.aws_conn_id}): cannot {action} {uri}: {cause}", code,
-                          isinstance(exc, BotoCoreError)) from exc
+            raise S3Error(f"S3 ({self.aws_conn_id}): cannot {action} {uri}: {cause}", code, isinstance(exc, BotoCoreError)) from exc
 
     # ------------------------------------------------------------------ objects
 

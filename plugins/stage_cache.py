@@ -21,6 +21,7 @@ A hit also needs the output's files to still be what its manifest committed (:fu
     cache.lookup(key)                       # the manifest URI of an earlier, still whole run, or None
     cache.record(key, {"manifest": uri, …})  # after a stage succeeded
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -100,8 +101,7 @@ class StageCache:
         """The key of running ``module`` with ``args`` (the operator's {flag: value}, rendered as the
         entrypoint renders them) on the code of ``working_dir``; a manifest input counts by its bytes."""
         flags = {k: render_flag_value(v) for k, v in args.items() if v is not None}
-        inputs = {k: hashlib.sha256(self.store.read_text(v).encode()).hexdigest()
-                  for k, v in flags.items() if is_manifest_uri(v)}
+        inputs = {k: hashlib.sha256(self.store.read_text(v).encode()).hexdigest() for k, v in flags.items() if is_manifest_uri(v)}
         return cache_key(module, flags, inputs, code_digest(working_dir))
 
     def lookup(self, key: str) -> str | None:
@@ -115,8 +115,9 @@ class StageCache:
             return None
         problems = self.output_problems(manifest)
         if problems:
-            self.log.warning("Cache entry %s points at %s, whose files changed since they were committed (%s): "
-                             "not reusing it", key, manifest, "; ".join(problems[:3]))
+            self.log.warning(
+                "Cache entry %s points at %s, whose files changed since they were committed (%s): not reusing it", key, manifest, "; ".join(problems[:3])
+            )
             return None
         return manifest
 
@@ -132,5 +133,5 @@ class StageCache:
             return []
         folder = manifest.removesuffix("manifest.json")
         prefix = split_uri(folder)[1]
-        stored = {obj["Key"][len(prefix):]: (obj["Size"], obj.get("ETag", "")) for obj in self.store.objects(folder)}
+        stored = {obj["Key"][len(prefix) :]: (obj["Size"], obj.get("ETag", "")) for obj in self.store.objects(folder)}
         return mismatches(files, stored)

@@ -10,6 +10,7 @@ the line and exit status a stage stops with when its input is at fault (the stag
     build_entrypoint("tasks.sft", output_uri_for(root, dag_id, run_id, "sft"), run_id, {"max_steps": 30})
     failure_message(event)  # a failed job's error: the stage's own cause first, then the driver log's tail
 """
+
 from __future__ import annotations
 
 import difflib
@@ -95,7 +96,7 @@ def stage_cause(log: str) -> str | None:
     """The one-line cause a stage printed before exiting (``error: …``, tasks/common/stage.py), if any."""
     for line in reversed(log.splitlines()):
         if line.startswith(STAGE_ERROR_PREFIX):
-            return line[len(STAGE_ERROR_PREFIX):].strip()
+            return line[len(STAGE_ERROR_PREFIX) :].strip()
     return None
 
 
@@ -127,5 +128,7 @@ def unknown_conf(conf: Mapping[str, Any], known: Iterable[str]) -> str | None:
     for key in bad:
         close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
         named.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-    return (f"conf key{'s' if len(bad) > 1 else ''} {', '.join(named)} {'are' if len(bad) > 1 else 'is'} not "
-            "Params of this DAG: fix the name and trigger again (the trigger form lists every Param)")
+    return (
+        f"conf key{'s' if len(bad) > 1 else ''} {', '.join(named)} {'are' if len(bad) > 1 else 'is'} not "
+        "Params of this DAG: fix the name and trigger again (the trigger form lists every Param)"
+    )

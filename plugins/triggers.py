@@ -1,4 +1,5 @@
 """RayJobTrigger: waits for a Ray job in the triggerer and streams its driver log into the task log."""
+
 from __future__ import annotations
 
 import asyncio
@@ -40,8 +41,7 @@ def log_tail(logs: str, n: int = LOG_TAIL_LINES) -> str:
 
 def job_event(submission_id: str, status: str, message: str, logs: str, exit_code: int | None = None) -> dict[str, Any]:
     """What the operator's ``execute_complete`` gets when a job ended, from the trigger or from the worker."""
-    return {"status": status, "submission_id": submission_id, "message": message, "log_tail": log_tail(logs),
-            "exit_code": exit_code}
+    return {"status": status, "submission_id": submission_id, "message": message, "log_tail": log_tail(logs), "exit_code": exit_code}
 
 
 class RayJobTrigger(BaseTrigger):
@@ -120,15 +120,15 @@ class RayJobTrigger(BaseTrigger):
         last_status = None
         self.log.info(
             "Following Ray job %s at %s (dashboard: %s)",
-            self.submission_id, self.address, hook.dashboard_url(self.submission_id),
+            self.submission_id,
+            self.address,
+            hook.dashboard_url(self.submission_id),
         )
         while True:
             try:
                 info = await hook.get_status(self.submission_id)
                 if info is None:
-                    yield await self._event(
-                        "MISSING", f"Ray at {self.address} does not know job {self.submission_id}", logs
-                    )
+                    yield await self._event("MISSING", f"Ray at {self.address} does not know job {self.submission_id}", logs)
                     return
                 status = str(info.get("status") or "UNKNOWN")
                 terminal = status in TERMINAL_STATUSES

@@ -8,6 +8,7 @@ machines with the same package versions. With them, any x86-64 CPU with AVX2 is 
 paths this one takes (confirmed here only: no other CPU kind was at hand). A variable already set wins.
 GPU kernels are not affected.
 """
+
 import os
 import platform
 

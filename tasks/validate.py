@@ -9,6 +9,7 @@ The configs (tasks/<stage>/config.py) need the standard library and yaml only, s
 in its first task (plugins/pipeline.py's `validate`) with the flags each stage operator would submit: a form
 the stages would refuse fails there, before any Ray job.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -46,5 +47,9 @@ def oversized(configs: dict[str, Any], cluster: dict[str, float]) -> list[str]:
     cluster that has them, else CPUs, as the stages place their workers."""
     kind = "GPU" if cluster.get("GPU") else "CPU"
     have = cluster.get(kind, 0)
-    return [f"{task}: its worker groups need {cfg.devices_needed()} {kind}s at once and the Ray cluster has {have:g}; "
-            "colocate them (colocate_all_models) or use fewer workers" for task, cfg in configs.items() if cfg.devices_needed() > have]
+    return [
+        f"{task}: its worker groups need {cfg.devices_needed()} {kind}s at once and the Ray cluster has {have:g}; "
+        "colocate them (colocate_all_models) or use fewer workers"
+        for task, cfg in configs.items()
+        if cfg.devices_needed() > have
+    ]

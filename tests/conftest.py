@@ -3,6 +3,7 @@
 The environment is fixed here, at import time, because Airflow reads AIRFLOW_HOME on its first
 import and transformers reads HF_HUB_OFFLINE on its first import.
 """
+
 import json
 import os
 import socket
@@ -66,8 +67,10 @@ def pytest_collection_finish(session):
     if getattr(session.config.option, "loadgroup", False) and os.environ.get("PYTEST_XDIST_WORKER"):
         loose = [item.nodeid for item in session.items if item.get_closest_marker("xdist_group") and "@" not in item.nodeid]
         if loose:
-            raise pytest.UsageError(f"pytest-xdist did not group {loose[0]} with the other stack tests (a pytest/xdist version "
-                                    "pair that breaks --dist loadgroup); install from locks/dev.txt, or run with TEST_WORKERS=0")
+            raise pytest.UsageError(
+                f"pytest-xdist did not group {loose[0]} with the other stack tests (a pytest/xdist version "
+                "pair that breaks --dist loadgroup); install from locks/dev.txt, or run with TEST_WORKERS=0"
+            )
 
 
 def free_port() -> int:
@@ -244,9 +247,7 @@ class LiveStack:
 
     def stack(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
         """Run ``python -m tools.stack <args>`` against this stack."""
-        return subprocess.run(
-            [*STACK_CMD, *args], env=self.env, cwd=REPO, capture_output=True, text=True, timeout=timeout
-        )
+        return subprocess.run([*STACK_CMD, *args], env=self.env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
     def pids(self) -> dict:
         """{process name: pid} of the stack's running processes."""
@@ -289,15 +290,10 @@ def live_stack():
     parent = REPO / ".scratch" / "test-stack"
     scratch = parent / str(os.getpid())
     _clear_stale(parent, scratch)
-    ports = {
-        k: _stack_port()
-        for k in ("airflow_port", "s3_port", "ray_port", "dashboard_port", "ray_client_port", "ray_agent_port")
-    }
+    ports = {k: _stack_port() for k in ("airflow_port", "s3_port", "ray_port", "dashboard_port", "ray_client_port", "ray_agent_port")}
     env = stack_subprocess_env(scratch, **ports)
     t0 = time.monotonic()
-    up = subprocess.run(
-        [*STACK_CMD, "up"], env=env, cwd=REPO, capture_output=True, text=True, timeout=600
-    )
+    up = subprocess.run([*STACK_CMD, "up"], env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
     cfg = Config.load(scratch) or Config.from_env(env)
     if up.returncode != 0:
         subprocess.run([*STACK_CMD, "down"], env=env, cwd=REPO,
@@ -339,8 +335,9 @@ class DemoRun:
 
 @pytest.fixture(scope="session")
 def demo_run(live_stack) -> DemoRun:
-    done = subprocess.run([sys.executable, str(REPO / "tools" / "demo.py"), "--timeout", "2400"], env=live_stack.env,
-                          capture_output=True, text=True, timeout=2700)
+    done = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "demo.py"), "--timeout", "2400"], env=live_stack.env, capture_output=True, text=True, timeout=2700
+    )
     print(done.stdout[-6000:])
     assert done.returncode == 0, f"demo failed:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
     runs = live_stack.rest("GET", "/api/v2/dags/rlhf_pipeline/dagRuns", order_by="-run_after", limit=1)["dag_runs"]

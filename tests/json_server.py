@@ -4,6 +4,7 @@
     with JSONServer([(503, {"error": "warming up"}), (200, lambda body: {"rewards": [1.0]})], path="/score") as server:
         ...  # server.url; server.requests: (path, headers, body) of each request, in order
 """
+
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer

@@ -5,6 +5,7 @@ like to the pipeline, small enough for CPU tests.
     path = build_chat_model(tmp_path / "chat-model")
     tokenizer = AutoTokenizer.from_pretrained(path)   # tokenizer.chat_template is set
 """
+
 from __future__ import annotations
 
 import string
@@ -32,8 +33,13 @@ def build_tokenizer(max_length: int = 256):
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.decoder = decoders.Fuse()
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=core, bos_token="<bos>", eos_token="<|end|>", pad_token="<pad>", unk_token="<unk>",
-        padding_side="left", model_max_length=max_length,
+        tokenizer_object=core,
+        bos_token="<bos>",
+        eos_token="<|end|>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        padding_side="left",
+        model_max_length=max_length,
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
@@ -46,10 +52,16 @@ def build_chat_model(out_dir: str | Path, seed: int = 0, hidden_size: int = 64, 
 
     tokenizer = build_tokenizer()
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=4,
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
         max_position_embeddings=tokenizer.model_max_length,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
@@ -72,12 +84,13 @@ def chat_rows(n: int = 48, seed: int = 0) -> list[dict]:
     for i in range(n):
         a, b = rng.randrange(10), rng.randrange(10)
         answer = str(a + b)
-        rows.append({
-            "messages": [{"role": "system", "content": "Add."}, {"role": "user", "content": f"{a}+{b}"},
-                         {"role": "assistant", "content": answer}],
-            "chosen": answer,
-            "rejected": f"{answer}, I think",
-            "label": answer,
-            "id": i,
-        })
+        rows.append(
+            {
+                "messages": [{"role": "system", "content": "Add."}, {"role": "user", "content": f"{a}+{b}"}, {"role": "assistant", "content": answer}],
+                "chosen": answer,
+                "rejected": f"{answer}, I think",
+                "label": answer,
+                "id": i,
+            }
+        )
     return rows

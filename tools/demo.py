@@ -9,6 +9,7 @@ the evaluation report fetched from S3, where the artifacts are, and how to open 
 
 It talks to the stack in $RLHF_SCRATCH (default <repo>/.scratch), the one `make up` started.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,9 +57,7 @@ def wait_for_dag(api: AirflowAPI, cfg: Config, dag_id: str, t0: float, timeout: 
             errors = api.get("/api/v2/importErrors", limit=20).get("import_errors", [])
             msg = f"DAG {dag_id} did not appear within {timeout:.0f}s (DAG folder {cfg.dags_folder})"
             for err in errors:
-                msg += f"\n  import error in {err.get('filename')}:\n    " + str(err.get("stack_trace", "")).strip()[
-                    -2000:
-                ].replace("\n", "\n    ")
+                msg += f"\n  import error in {err.get('filename')}:\n    " + str(err.get("stack_trace", "")).strip()[-2000:].replace("\n", "\n    ")
             raise SystemExit(msg)
         time.sleep(2)
 
@@ -79,8 +78,21 @@ def task_instances(api: AirflowAPI, dag_id: str, run_id: str) -> list[dict]:
 
 # Context Airflow attaches to every structured log entry: the same on every line of one task's log.
 LOG_CONTEXT = {
-    "ti_id", "map_index", "run_id", "task_id", "dag_id", "try_number", "logger", "filename", "lineno",
-    "bundle_name", "bundle_version", "event", "timestamp", "level", "error_detail",
+    "ti_id",
+    "map_index",
+    "run_id",
+    "task_id",
+    "dag_id",
+    "try_number",
+    "logger",
+    "filename",
+    "lineno",
+    "bundle_name",
+    "bundle_version",
+    "event",
+    "timestamp",
+    "level",
+    "error_detail",
 }
 
 

@@ -23,6 +23,7 @@ CPU sets take the CPU build of torch that lies in /opt/wheels on this kind of ma
 the CUDA build, whose nvidia-* wheels are gigabytes); locks/pins-<kind>.txt hold the few versions chosen
 by hand, each with its reason.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,8 +58,11 @@ def dependencies_digest(name: str, pyproject: Path = REPO / "pyproject.toml") ->
     its extras. Other edits (another set's extra, pytest options, the description) leave its lock current."""
     project = tomllib.loads(pyproject.read_text())["project"]
     extras = project.get("optional-dependencies", {})
-    tables = {"requires-python": project.get("requires-python"), "dependencies": project.get("dependencies"),
-              "optional-dependencies": {extra: extras.get(extra) for extra in SETS[name]["extras"]}}
+    tables = {
+        "requires-python": project.get("requires-python"),
+        "dependencies": project.get("dependencies"),
+        "optional-dependencies": {extra: extras.get(extra) for extra in SETS[name]["extras"]},
+    }
     return hashlib.sha256(json.dumps(tables, sort_keys=True).encode()).hexdigest()
 
 
@@ -87,28 +91,40 @@ def generate(names: list[str]) -> None:
         work = Path(tempfile.mkdtemp(prefix=f"lock-{name}-")) / "lock.txt"
         if lock_path(name).exists():
             shutil.copy(lock_path(name), work)
-        cmd = [uv(), "pip", "compile", "pyproject.toml", *(f"--extra={e}" for e in spec["extras"]), f"--output-file={work}",
-               f"--python-version={spec['python']}", "--python-platform=x86_64-manylinux_2_28",
-               # DeepSpeed ships an sdist whose setup.py imports torch: build its metadata with this venv's torch
-               # instead of letting uv download a CUDA torch into an isolated build environment.
-               "--no-build-isolation-package=deepspeed", f"--python={sys.executable}",
-               "--no-header", "--no-annotate", "--quiet"]
+        cmd = [
+            uv(),
+            "pip",
+            "compile",
+            "pyproject.toml",
+            *(f"--extra={e}" for e in spec["extras"]),
+            f"--output-file={work}",
+            f"--python-version={spec['python']}",
+            "--python-platform=x86_64-manylinux_2_28",
+            # DeepSpeed ships an sdist whose setup.py imports torch: build its metadata with this venv's torch
+            # instead of letting uv download a CUDA torch into an isolated build environment.
+            "--no-build-isolation-package=deepspeed",
+            f"--python={sys.executable}",
+            "--no-header",
+            "--no-annotate",
+            "--quiet",
+        ]
         if spec["pins"]:
             cmd.append(f"--constraint=locks/{spec['pins']}")
         if spec["pins"] == "pins-cpu.txt":
             if not CPU_WHEELS.is_dir():
-                raise LockError(f"{name}: the CPU torch wheel folder {CPU_WHEELS} is missing; run `make lock` on the "
-                                "development machine image, which has it")
+                raise LockError(f"{name}: the CPU torch wheel folder {CPU_WHEELS} is missing; run `make lock` on the development machine image, which has it")
             cmd.append(f"--find-links={CPU_WHEELS}")
         done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env={**os.environ, "DS_BUILD_OPS": "0"})
         if done.returncode != 0:
             raise LockError(f"{name}: uv could not resolve .[{','.join(spec['extras'])}]: {done.stderr.strip()[-2000:]}")
         resolved = "".join(line + "\n" for line in work.read_text().splitlines() if line and not line.startswith("#"))
         shutil.rmtree(work.parent, ignore_errors=True)
-        header = (f"# Lock of the `{name}` install set: .[{','.join(spec['extras'])}] on CPython {spec['python']}, Linux x86_64.\n"
-                  f"# Made by `make lock` (tools/lock.py) on {date.today().isoformat()}; use as pip constraints:\n"
-                  f"#   pip install -c locks/{name}.txt -e \".[{','.join(spec['extras'])}]\"\n"
-                  f"# pyproject-dependencies-sha256: {dependencies_digest(name)}\n")
+        header = (
+            f"# Lock of the `{name}` install set: .[{','.join(spec['extras'])}] on CPython {spec['python']}, Linux x86_64.\n"
+            f"# Made by `make lock` (tools/lock.py) on {date.today().isoformat()}; use as pip constraints:\n"
+            f'#   pip install -c locks/{name}.txt -e ".[{",".join(spec["extras"])}]"\n'
+            f"# pyproject-dependencies-sha256: {dependencies_digest(name)}\n"
+        )
         lock_path(name).write_text(header + resolved)
         print(f"locks/{name}.txt: {len(resolved.splitlines())} pins")
 

@@ -12,6 +12,7 @@ store to use beyond one machine.
 
 Only the standard library and moto (the dev extra) are imported.
 """
+
 from __future__ import annotations
 
 import argparse

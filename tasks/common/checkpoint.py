@@ -11,6 +11,7 @@ What goes inside is the stage's business (DeepSpeed states per model, the contro
 Ray worker saves its part on its own node and uploads it itself (nodes share no filesystem); the
 driver commits the manifest listing every rank's files once all of them are up.
 """
+
 from __future__ import annotations
 
 import re
@@ -50,14 +51,13 @@ class CheckpointStore:
         storage.delete(storage.join(uri, manifests.MANIFEST))
         return uri
 
-    def commit(self, local_dir: str | Path, step: int, run_id: str, config: dict, metrics: dict | None = None,
-               uploaded: dict | None = None) -> str:
+    def commit(self, local_dir: str | Path, step: int, run_id: str, config: dict, metrics: dict | None = None, uploaded: dict | None = None) -> str:
         """Upload one checkpoint (manifest last, also listing the `uploaded` files workers put there),
         then delete the oldest beyond `keep`."""
         manifest = manifests.build_manifest("checkpoint", run_id, config, {}, metrics or {}, step=step)
         committed = manifests.commit(local_dir, self.uri(step), manifest, uploaded=uploaded)
         if self.keep:
-            for old in self.steps()[:-self.keep]:
+            for old in self.steps()[: -self.keep]:
                 self.delete(old)
         return committed["uri"]
 

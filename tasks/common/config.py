@@ -17,6 +17,7 @@ the value must contain a match of, as JSON schema's), and `fix` (advice added to
 enforces them before the stage's own cross-field checks, and `param_schema` turns them into the JSON
 schema of the run form's Param (plugins/form.py), so the form refuses what the stage would.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,8 +45,10 @@ class StageConfig:
     output: str = field(default="", metadata={"help": "URI (s3://… or a local folder) the stage writes its output and manifest.json to"})
     run_id: str = field(default="local", metadata={"help": "pipeline run this output belongs to (recorded in the manifest)"})
     seed: int = field(default=0, metadata={"help": "random seed for data order, initialisation and sampling", "min": 0, "max": 2**31 - 1})
-    zero_stage: int = field(default=2, metadata={"help": "DeepSpeed ZeRO stage: 0 (off), 1 (optimizer state sharded), 2 (also gradients) or 3 (also parameters)",
-                                                 "choices": (0, 1, 2, 3)})
+    zero_stage: int = field(
+        default=2,
+        metadata={"help": "DeepSpeed ZeRO stage: 0 (off), 1 (optimizer state sharded), 2 (also gradients) or 3 (also parameters)", "choices": (0, 1, 2, 3)},
+    )
     bf16: bool = field(default=False, metadata={"help": "train in bfloat16 (GPU); fp32 otherwise"})
     use_wandb: bool = field(default=False, metadata={"help": "log metrics to wandb as well (WANDB_MODE=offline works)"})
     wandb_project: str = field(default="rlhf-flow", metadata={"help": "wandb project name"})
@@ -71,33 +74,75 @@ class StageConfig:
 class TrainingConfig(StageConfig):
     """Fields every training stage shares (SFT, reward model, RL), named as in OpenRLHF."""
 
-    micro_train_batch_size: int = field(default=0, metadata={"help": "sequences per forward/backward on one worker; the rest of train_batch_size is gradient accumulation (0: the worker's whole share at once)", "min": 0})
+    micro_train_batch_size: int = field(
+        default=0,
+        metadata={
+            "help": "sequences per forward/backward on one worker; the rest of train_batch_size is gradient accumulation (0: the worker's whole share at once)",
+            "min": 0,
+        },
+    )
     gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations in backward: less memory, more compute"})
     adam_offload: bool = field(default=False, metadata={"help": "keep Adam's state on the CPU (DeepSpeedCPUAdam; JIT-builds its op once)"})
-    flash_attn: bool = field(default=False, metadata={"help": "FlashAttention-2 kernels; PyTorch's SDPA kernels (logged) when the flash-attn package or a GPU is missing"})
-    torch_compile: bool = field(default=False, metadata={"help": "compile each transformer block with torch.compile: its norms, rotary and MLP elementwise ops fuse (GPU speed; the first steps pay the compile; not with ZeRO-3)"})
-    use_liger_kernel: bool = field(default=True, metadata={"help": "Liger's Triton kernels (RMSNorm, SwiGLU, RoPE) and log-probs taken from the last hidden states a chunk of tokens at a time, never the full logits; on CUDA with liger-kernel (the gpu extra), eager kernels on CPU; --torch_compile takes its place"})
+    flash_attn: bool = field(
+        default=False, metadata={"help": "FlashAttention-2 kernels; PyTorch's SDPA kernels (logged) when the flash-attn package or a GPU is missing"}
+    )
+    torch_compile: bool = field(
+        default=False,
+        metadata={
+            "help": "compile each transformer block with torch.compile: its norms, rotary and MLP elementwise ops fuse (GPU speed; the first steps pay the compile; not with ZeRO-3)"
+        },
+    )
+    use_liger_kernel: bool = field(
+        default=True,
+        metadata={
+            "help": "Liger's Triton kernels (RMSNorm, SwiGLU, RoPE) and log-probs taken from the last hidden states a chunk of tokens at a time, never the full logits; on CUDA with liger-kernel (the gpu extra), eager kernels on CPU; --torch_compile takes its place"
+        },
+    )
     max_samples: int = field(default=0, metadata={"help": "use only the first this many rows of the training data (0: all)", "min": 0})
     apply_chat_template: bool = field(default=False, metadata={"help": "wrap each prompt in the tokenizer's chat template as a user turn"})
     save_steps: int = field(default=0, metadata={"help": "write a resumable checkpoint every this many steps (0: never)", "min": 0})
     ckpt_path: str = field(default="", metadata={"help": "where checkpoints go (default <output>/checkpoints); each step_<n>/ has its own manifest"})
     load_checkpoint: bool = field(default=True, metadata={"help": "resume from the newest complete checkpoint under ckpt_path when one exists"})
     max_ckpt_num: int = field(default=3, metadata={"help": "keep this many newest checkpoints (0: all)", "min": 0})
-    fail_after_step: int = field(default=0, metadata={"help": "testing only: fail right after committing this step's checkpoint, unless the run resumed at or past it (fault injection for rerun tests)", "min": 0})
+    fail_after_step: int = field(
+        default=0,
+        metadata={
+            "help": "testing only: fail right after committing this step's checkpoint, unless the run resumed at or past it (fault injection for rerun tests)",
+            "min": 0,
+        },
+    )
     save_path: str = field(default="", metadata={"help": "also write the final HF model here (a folder or s3:// URI); the stage output stays --output"})
     # LoRA (tasks.common.nn.lora): low-rank adapters through peft; the base weights stay frozen.
-    lora_rank: int = field(default=0, metadata={"help": "LoRA rank: train low-rank adapters (peft) instead of every weight; 0 trains the full model", "min": 0, "max": 1024, "fix": "use 0 (full fine-tuning) or a rank such as 8"})
+    lora_rank: int = field(
+        default=0,
+        metadata={
+            "help": "LoRA rank: train low-rank adapters (peft) instead of every weight; 0 trains the full model",
+            "min": 0,
+            "max": 1024,
+            "fix": "use 0 (full fine-tuning) or a rank such as 8",
+        },
+    )
     lora_alpha: int = field(default=16, metadata={"help": "LoRA scaling: the adapters' update is multiplied by lora_alpha / lora_rank"})
     lora_dropout: float = field(default=0.0, metadata={"help": "dropout on the adapters' input, in [0, 1)"})
-    target_modules: str = field(default="all-linear", metadata={"help": "modules LoRA adapts: all-linear (every linear layer but the output head) or comma-separated names such as q_proj,v_proj"})
-    merge_lora: bool = field(default=False, metadata={"help": "with LoRA, export model/ as the merged full checkpoint; otherwise the adapter alone, with the base's URI in the manifest (loading it merges)"})
+    target_modules: str = field(
+        default="all-linear",
+        metadata={"help": "modules LoRA adapts: all-linear (every linear layer but the output head) or comma-separated names such as q_proj,v_proj"},
+    )
+    merge_lora: bool = field(
+        default=False,
+        metadata={
+            "help": "with LoRA, export model/ as the merged full checkpoint; otherwise the adapter alone, with the base's URI in the manifest (loading it merges)"
+        },
+    )
 
     def validate(self) -> None:
         super().validate()
         if self.fail_after_step and (not self.save_steps or self.fail_after_step % self.save_steps):
             raise ConfigError(f"fail_after_step: {self.fail_after_step} is not a checkpoint step; use a multiple of --save_steps ({self.save_steps})")
         if self.torch_compile and self.zero_stage == 3:
-            raise ConfigError("torch_compile: ZeRO-3 gathers each block's weights through hooks a compiled block does not run; use --zero_stage 2 or drop --torch_compile")
+            raise ConfigError(
+                "torch_compile: ZeRO-3 gathers each block's weights through hooks a compiled block does not run; use --zero_stage 2 or drop --torch_compile"
+            )
         self.validate_lora()
 
     def validate_lora(self) -> None:
@@ -144,8 +189,15 @@ def check_declared(f: dataclasses.Field, value: Any) -> None:
 
 
 #: JSON schema's keyword for each limit a field's metadata may declare.
-SCHEMA_KEYWORDS = {"min": "minimum", "max": "maximum", "exclusive_min": "exclusiveMinimum", "exclusive_max": "exclusiveMaximum", "choices": "enum",
-                   "max_length": "maxLength", "pattern": "pattern"}
+SCHEMA_KEYWORDS = {
+    "min": "minimum",
+    "max": "maximum",
+    "exclusive_min": "exclusiveMinimum",
+    "exclusive_max": "exclusiveMaximum",
+    "choices": "enum",
+    "max_length": "maxLength",
+    "pattern": "pattern",
+}
 
 
 def param_schema(cls: type, name: str) -> dict[str, Any]:

@@ -6,6 +6,7 @@ Connection failures, timeouts, HTTP 429 and 5xx are retried with exponential bac
 error, a reply that is not JSON, or the last failed attempt raises ``error`` with one line naming ``who``
 (the flag) and the URL. Headers may carry a credential; it is never part of a message.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,8 +22,7 @@ class _Retry(Exception):
 
 
 def _post_once(url: str, payload: bytes, headers: dict, timeout: float, who: str, error: type[Exception]) -> Any:
-    request = urllib.request.Request(url, data=payload, method="POST",
-                                     headers={"Content-Type": "application/json", "Accept": "application/json", **headers})
+    request = urllib.request.Request(url, data=payload, method="POST", headers={"Content-Type": "application/json", "Accept": "application/json", **headers})
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             body = response.read()
@@ -42,8 +42,9 @@ def _post_once(url: str, payload: bytes, headers: dict, timeout: float, who: str
         raise error(f"{who}: {url} answered with no JSON: {snippet!r}") from None
 
 
-def post_json(url: str, payload: Any, who: str, error: type[Exception], headers: dict | None = None,
-              timeout: float = 30, retries: int = 3, backoff: float = 1.0) -> Any:
+def post_json(
+    url: str, payload: Any, who: str, error: type[Exception], headers: dict | None = None, timeout: float = 30, retries: int = 3, backoff: float = 1.0
+) -> Any:
     """The decoded JSON reply to POSTing ``payload`` as JSON to ``url``."""
     body = json.dumps(payload).encode()
     attempts = retries + 1
@@ -53,5 +54,5 @@ def post_json(url: str, payload: Any, who: str, error: type[Exception], headers:
         except _Retry as e:
             last = str(e)
             if attempt + 1 < attempts:
-                time.sleep(backoff * 2 ** attempt)
+                time.sleep(backoff * 2**attempt)
     raise error(f"{who}: {url} failed after {attempts} attempts: {last}")

@@ -17,6 +17,7 @@ directory without it: ``read_manifest`` refuses one, and ``fetch`` verifies ever
 
 Works the same on local paths (``commit("out/sft", "/data/run1/sft", m)``). No torch, no airflow here.
 """
+
 from __future__ import annotations
 
 import functools
@@ -41,12 +42,25 @@ FORMAT = "rlhf-flow/manifest/v1"
 MANIFEST = "manifest.json"
 #: Where set_aside moves an output that a stage is about to replace (inside the output's folder).
 SUPERSEDED = "superseded"
-RESERVED = ("format", "stage", "run_id", "created_at", "config", "config_hash", "inputs", "input_manifests",
-            "metrics", "code_version", "code_digest", "versions", "files", "uri")
+RESERVED = (
+    "format",
+    "stage",
+    "run_id",
+    "created_at",
+    "config",
+    "config_hash",
+    "inputs",
+    "input_manifests",
+    "metrics",
+    "code_version",
+    "code_digest",
+    "versions",
+    "files",
+    "uri",
+)
 # Versions recorded for reproducibility, the packages that decide a stage's numbers; read from package
 # metadata so nothing heavy is imported.
-TRACKED_PACKAGES = ("torch", "transformers", "tokenizers", "accelerate", "peft", "deepspeed", "numpy", "safetensors",
-                    "ray", "datasets", "vllm")
+TRACKED_PACKAGES = ("torch", "transformers", "tokenizers", "accelerate", "peft", "deepspeed", "numpy", "safetensors", "ray", "datasets", "vllm")
 # Written by `make install` and the images (tools/lock.py): which lock the environment was installed from.
 LOCK_RECORD = "rlhf-flow-lock.json"
 # The CPU code paths tasks/__init__.py pins; recorded because they change floats as much as a version does.
@@ -70,8 +84,7 @@ def code_version() -> str:
     # Only ask git when this file sits in a checkout: an installed copy could be inside another repo.
     if (REPO / ".git").exists():
         try:
-            out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                                 timeout=10)
+            out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
             if out.returncode == 0 and out.stdout.strip():
                 return out.stdout.strip()
         except (OSError, subprocess.SubprocessError):
@@ -117,8 +130,7 @@ def package_versions() -> dict[str, str]:
     return versions
 
 
-def build_manifest(stage: str, run_id: str, config: dict, inputs: dict, metrics: dict,
-                   input_manifests: dict | None = None, **extra: Any) -> dict:
+def build_manifest(stage: str, run_id: str, config: dict, inputs: dict, metrics: dict, input_manifests: dict | None = None, **extra: Any) -> dict:
     """A manifest for ``commit``; ``extra`` adds stage fields such as ``model="model"``.
 
     ``input_manifests`` ({input stage folder URI: sha256 of its manifest.json bytes}, see
@@ -214,8 +226,7 @@ def commit(local_dir: str | os.PathLike, uri: str, manifest: dict, uploaded: dic
     for rel, entry in (uploaded or {}).items():
         _check_relpath(rel, uri)
         if files.setdefault(rel, entry) != entry:
-            raise StorageError(f"{storage.join(uri, rel)} was written twice with different contents: "
-                               "give each writer its own file names", uri)
+            raise StorageError(f"{storage.join(uri, rel)} was written twice with different contents: give each writer its own file names", uri)
     # The store's own checksum of each file (S3's ETag), so a reuse can check the files without reading
     # them. A local folder's "ETag" is the sha256 itself (storage.list_files).
     etags = {rel: etag for rel, _, etag in storage.list_files(uri, etags=True)} if storage.is_s3(uri) else {}
@@ -237,8 +248,10 @@ def set_aside(uri: str) -> str | None:
     aside = storage.join(uri, SUPERSEDED, datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ"))
     files = old.get("files") if isinstance(old, dict) and isinstance(old.get("files"), dict) else {}
     present = {rel for rel, _ in storage.list_files(uri)}
-    storage.parallel_map(lambda rel: storage.copy(storage.join(uri, rel), storage.join(aside, rel)),
-                         [rel for rel in files if rel in present and not rel.startswith(SUPERSEDED + "/")])
+    storage.parallel_map(
+        lambda rel: storage.copy(storage.join(uri, rel), storage.join(aside, rel)),
+        [rel for rel in files if rel in present and not rel.startswith(SUPERSEDED + "/")],
+    )
     storage.copy(marker, storage.join(aside, MANIFEST))  # last: it vouches for the copies above
     storage.delete(marker)  # readers now see "unfinished" while new files land
     print(f"set aside the output committed at {uri} to {aside}", flush=True)
@@ -251,8 +264,10 @@ def repair_hint(directory: str) -> str:
     if not found:
         return "commit that output again (rerun the stage that wrote it)"
     dag_id, run, task_id = found.groups()
-    return (f"clear task {task_id} of run {run} of DAG {dag_id} (Airflow UI: Clear, or `airflow tasks clear "
-            f"{dag_id} -t '^{task_id}$'`): a cleared stage is computed again; a new run recomputes it by itself")
+    return (
+        f"clear task {task_id} of run {run} of DAG {dag_id} (Airflow UI: Clear, or `airflow tasks clear "
+        f"{dag_id} -t '^{task_id}$'`): a cleared stage is computed again; a new run recomputes it by itself"
+    )
 
 
 # ---------------------------------------------------------------- reading
@@ -270,21 +285,17 @@ def read_manifest(uri: str) -> dict:
     try:
         m = storage.read_json(storage.join(directory, MANIFEST))
     except NotFoundError:
-        raise NotFoundError(f"no manifest.json at {directory}: the stage writing it did not finish "
-                            "(rerun it) or the URI is wrong", directory) from None
+        raise NotFoundError(f"no manifest.json at {directory}: the stage writing it did not finish (rerun it) or the URI is wrong", directory) from None
     if not isinstance(m, dict) or m.get("format") != FORMAT:
         got = m.get("format") if isinstance(m, dict) else type(m).__name__
-        raise StorageError(f"{storage.join(directory, MANIFEST)} is not a {FORMAT} manifest (format={got!r}): "
-                           "recommit the stage with this code", directory)
+        raise StorageError(f"{storage.join(directory, MANIFEST)} is not a {FORMAT} manifest (format={got!r}): recommit the stage with this code", directory)
     files = m.get("files")
     if not isinstance(files, dict):
         raise StorageError(f"manifest at {directory} has no 'files' table: recommit the stage", directory)
     for rel, entry in files.items():
         _check_relpath(rel, directory)
-        if not (isinstance(entry, dict) and isinstance(entry.get("size"), int)
-                and isinstance(entry.get("sha256"), str)):
-            raise StorageError(f"manifest at {directory} has a bad entry for {rel!r}: recommit the stage",
-                               directory)
+        if not (isinstance(entry, dict) and isinstance(entry.get("size"), int) and isinstance(entry.get("sha256"), str)):
+            raise StorageError(f"manifest at {directory} has a bad entry for {rel!r}: recommit the stage", directory)
     m["uri"] = directory
     return m
 
@@ -301,24 +312,21 @@ def resolve(manifest: dict, key: str) -> str:
     else:
         for part in key.split("."):
             if not isinstance(value, dict) or part not in value:
-                raise StorageError(f"manifest at {where} has no field {key!r}: check the stage that wrote it",
-                                   where)
+                raise StorageError(f"manifest at {where} has no field {key!r}: check the stage that wrote it", where)
             value = value[part]
     if not isinstance(value, str):
         raise StorageError(f"manifest field {key!r} at {where} is not a path: {value!r}", where)
     if storage.is_s3(value) or value.startswith("file://") or os.path.isabs(value):
         return value
     if "uri" not in manifest:
-        raise StorageError(f"manifest has no 'uri' to resolve {key!r}={value!r} against: "
-                           "load it with read_manifest()")
+        raise StorageError(f"manifest has no 'uri' to resolve {key!r}={value!r} against: load it with read_manifest()")
     return storage.join(manifest["uri"], value)
 
 
 def local_cache_dir(uri: str) -> Path:
     """A stable folder for fetches of ``uri`` under $RLHF_CACHE_DIR (default: the system temp dir)."""
     uri = _dir_uri(uri)
-    root = os.environ.get("RLHF_CACHE_DIR") or os.path.join(
-        tempfile.gettempdir(), f"rlhf-flow-cache-{os.getuid() if hasattr(os, 'getuid') else 'user'}")
+    root = os.environ.get("RLHF_CACHE_DIR") or os.path.join(tempfile.gettempdir(), f"rlhf-flow-cache-{os.getuid() if hasattr(os, 'getuid') else 'user'}")
     slug = re.sub(r"[^A-Za-z0-9._-]+", "_", uri).strip("_")[-80:]  # readable, bounded length
     path = Path(root) / f"{slug}-{hashlib.sha256(uri.encode()).hexdigest()[:12]}"
     path.mkdir(parents=True, exist_ok=True)
@@ -364,8 +372,7 @@ def fetch(uri: str, local_dir: str | os.PathLike, subdir: str | None = None) -> 
         prefix = subdir.strip("/") + "/"
         selected = {rel: e for rel, e in files.items() if rel.startswith(prefix)}
         if not selected:
-            raise NotFoundError(f"manifest at {directory} lists no files under {subdir!r}: "
-                                "check the subdir or the stage that wrote it", directory)
+            raise NotFoundError(f"manifest at {directory} lists no files under {subdir!r}: check the subdir or the stage that wrote it", directory)
     local = storage.local_path(local_dir)
     local.mkdir(parents=True, exist_ok=True)
     cache_manifest = local / MANIFEST
@@ -376,8 +383,7 @@ def fetch(uri: str, local_dir: str | os.PathLike, subdir: str | None = None) -> 
         except (OSError, ValueError, AttributeError):
             cached = {}
         # Files verified earlier that the remote manifest still agrees with, and still present.
-        kept = {rel: e for rel, e in files.items()
-                if cached.get(rel) == e and _local_size(local / rel) == e["size"]}
+        kept = {rel: e for rel, e in files.items() if cached.get(rel) == e and _local_size(local / rel) == e["size"]}
         todo = [rel for rel in selected if rel not in kept]
 
         def get(rel: str) -> None:
@@ -388,20 +394,24 @@ def fetch(uri: str, local_dir: str | os.PathLike, subdir: str | None = None) -> 
             try:
                 storage.download_file(src, target)
             except NotFoundError:
-                raise NotFoundError(f"missing {src}: listed in {directory}/{MANIFEST} but not in storage; "
-                                    f"{repair_hint(directory)}", src) from None
+                raise NotFoundError(f"missing {src}: listed in {directory}/{MANIFEST} but not in storage; {repair_hint(directory)}", src) from None
             size = _local_size(target)
             if size != expected["size"]:
                 target.unlink(missing_ok=True)
-                raise StorageError(f"size mismatch for {src}: got {size} bytes, manifest says "
-                                   f"{expected['size']}; the object is truncated or overwritten: {repair_hint(directory)}",
-                                   src)
+                raise StorageError(
+                    f"size mismatch for {src}: got {size} bytes, manifest says "
+                    f"{expected['size']}; the object is truncated or overwritten: {repair_hint(directory)}",
+                    src,
+                )
             sha = file_sha256(target)
             if sha != expected["sha256"]:
                 target.unlink(missing_ok=True)
-                raise StorageError(f"sha256 mismatch for {src}: got {sha[:16]}..., manifest says "
-                                   f"{expected['sha256'][:16]}...; the object is corrupted or overwritten: "
-                                   f"{repair_hint(directory)}", src)
+                raise StorageError(
+                    f"sha256 mismatch for {src}: got {sha[:16]}..., manifest says "
+                    f"{expected['sha256'][:16]}...; the object is corrupted or overwritten: "
+                    f"{repair_hint(directory)}",
+                    src,
+                )
 
         if todo:
             # Until the new set is verified the local marker must not vouch for anything.

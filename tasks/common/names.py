@@ -5,10 +5,10 @@ DAGs use, and the DAG ids the registry and retention act on. Standard library on
     S3Hook(aws_conn_id=names.S3_CONN)
 """
 
-S3_CONN = "rlhf_s3"            # the S3 the Airflow side reads manifests and reports from (extra: bucket, buckets)
-RAY_CONN = "rlhf_ray"          # the Ray dashboard, where stage jobs are submitted
+S3_CONN = "rlhf_s3"  # the S3 the Airflow side reads manifests and reports from (extra: bucket, buckets)
+RAY_CONN = "rlhf_ray"  # the Ray dashboard, where stage jobs are submitted
 WEBHOOK_CONN = "rlhf_webhook"  # where notifications go
-GPU_POOL = "rlhf_gpus"         # the Airflow pool every stage takes GPU slots from
+GPU_POOL = "rlhf_gpus"  # the Airflow pool every stage takes GPU slots from
 
 PIPELINE_DAG, NIGHTLY_DAG, REGISTRY_DAG = "rlhf_pipeline", "rlhf_nightly", "rlhf_registry"
 PIPELINE_DAGS = (PIPELINE_DAG, NIGHTLY_DAG)  # the DAGs whose runs write stage outputs
@@ -18,7 +18,8 @@ def conn_env(conn_id: str) -> str:
     """The environment variable Airflow reads connection `conn_id` from."""
     return f"AIRFLOW_CONN_{conn_id.upper()}"
 
+
 # What a bucket and a registered name (a model's registry entry, a dataset) may be: the run form's Params,
 # the views and the stages check these same patterns.
 BUCKET_PATTERN = r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$"  # S3's bucket naming rules, lower case
-NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"      # letters, digits, '.', '_' and '-'; no '/' or '..'
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"  # letters, digits, '.', '_' and '-'; no '/' or '..'

@@ -20,6 +20,7 @@ Manual moves are the same compare-and-swap, naming the version the caller saw (t
 A rollback never rewrites history: it is a new version whose entry copies the earlier champion's
 (policy, evaluation, metrics) and says ``action: rollback`` and ``rolled_back_to``.
 """
+
 from __future__ import annotations
 
 import json
@@ -74,25 +75,33 @@ class Registry:
         if version != expected_version:
             raise StaleChampion(
                 f"{self.champion_uri} is at version {version}, not the version {expected_version} this promotion judged against: "
-                "evaluate against the current champion and promote again", self.champion_uri)
+                "evaluate against the current champion and promote again",
+                self.champion_uri,
+            )
         return current, etag
 
     def _swap(self, entry: dict[str, Any], expected_version: int, promoted_by: str) -> dict:
         current, etag = self._check_expected(expected_version)
         version = expected_version
-        new = {**entry, "version": version + 1, "promoted_at": _now(), "promoted_by": promoted_by,
-               "previous": current["policy"] if current else None, "previous_version": version}
+        new = {
+            **entry,
+            "version": version + 1,
+            "promoted_at": _now(),
+            "promoted_by": promoted_by,
+            "previous": current["policy"] if current else None,
+            "previous_version": version,
+        }
         try:
             storage.write_if(self.champion_uri, (json.dumps(new, indent=2, sort_keys=True) + "\n").encode(), etag)
         except storage.PreconditionFailed:
-            raise StaleChampion(f"{self.champion_uri} changed while promoting (another promoter won): "
-                                "evaluate against the new champion and promote again", self.champion_uri) from None
+            raise StaleChampion(
+                f"{self.champion_uri} changed while promoting (another promoter won): evaluate against the new champion and promote again", self.champion_uri
+            ) from None
         # Only the CAS winner gets here, so history entries are never contended.
         storage.write_json(self.history_uri(new["version"]), new)
         return new
 
-    def promote_candidate(self, run_id: str, expected_version: int, promoted_by: str, override_gate: bool = False,
-                          reason: str = "") -> dict:
+    def promote_candidate(self, run_id: str, expected_version: int, promoted_by: str, override_gate: bool = False, reason: str = "") -> dict:
         """Manually make a judged candidate (candidates/<run_id>.json) the champion. One that failed its gate
         needs ``override_gate`` (recorded in the history with the reason)."""
         if not promoted_by:
@@ -101,14 +110,11 @@ class Registry:
             record = storage.read_json(self.candidate_uri(run_id))
         except storage.NotFoundError:
             known = ", ".join(c["run_id"] for c in self.candidates()[-5:]) or "none"
-            raise ConfigError(f"candidate: no candidate {run_id!r} in {self.root}/candidates; "
-                              f"pass a judged run id (newest: {known})") from None
+            raise ConfigError(f"candidate: no candidate {run_id!r} in {self.root}/candidates; pass a judged run id (newest: {known})") from None
         if not record.get("passed") and not override_gate:
-            raise ConfigError(f"candidate: {run_id!r} failed its gate ({record.get('decision')}); "
-                              "pass --override_gate true with --reason to promote it anyway")
+            raise ConfigError(f"candidate: {run_id!r} failed its gate ({record.get('decision')}); pass --override_gate true with --reason to promote it anyway")
         entry = {k: record[k] for k in ("policy", "evaluation", "run_id", "metrics", "gate", "reasons") if k in record}
-        return self._swap({**entry, "action": "manual promote", "reason": reason, "override_gate": bool(override_gate)},
-                          expected_version, promoted_by)
+        return self._swap({**entry, "action": "manual promote", "reason": reason, "override_gate": bool(override_gate)}, expected_version, promoted_by)
 
     def rollback(self, to_version: int, expected_version: int, promoted_by: str, reason: str = "") -> dict:
         """Make the champion of ``to_version`` (any earlier version) the champion again, as a new version."""
@@ -116,16 +122,18 @@ class Registry:
             raise ConfigError("by: missing; pass --by <who> (recorded in the history)")
         self._check_expected(expected_version)  # a stale view is refused before its other arguments are judged
         if isinstance(to_version, bool) or not isinstance(to_version, int) or not 1 <= to_version < expected_version:
-            raise ConfigError(f"to_version: {to_version!r} is not an earlier champion of version {expected_version}; "
-                              f"pass one of 1..{expected_version - 1} (python -m tasks.registry list shows them)")
+            raise ConfigError(
+                f"to_version: {to_version!r} is not an earlier champion of version {expected_version}; "
+                f"pass one of 1..{expected_version - 1} (python -m tasks.registry list shows them)"
+            )
         try:
             earlier = storage.read_json(self.history_uri(to_version))
         except storage.NotFoundError:
             raise ConfigError(f"to_version: no history entry {self.history_uri(to_version)}; pass a version the listing shows") from None
-        entry = {k: v for k, v in earlier.items()
-                 if k not in ("version", "promoted_at", "promoted_by", "previous", "previous_version", "reason", "override_gate")}
-        return self._swap({**entry, "action": "rollback", "rolled_back_to": to_version, "reason": reason},
-                          expected_version, promoted_by)
+        entry = {
+            k: v for k, v in earlier.items() if k not in ("version", "promoted_at", "promoted_by", "previous", "previous_version", "reason", "override_gate")
+        }
+        return self._swap({**entry, "action": "rollback", "rolled_back_to": to_version, "reason": reason}, expected_version, promoted_by)
 
     def history(self) -> list[dict]:
         """Every promotion, oldest first."""

@@ -27,6 +27,7 @@ In-stage checkpoints are pruned by the stages themselves: ``--max_ckpt_num`` kee
 (tasks.common.checkpoint.CheckpointStore). Deletion removes each folder's manifest.json first, so a
 reader sees an uncommitted folder, never a half-deleted committed one.
 """
+
 from __future__ import annotations
 
 import time
@@ -55,8 +56,7 @@ def _objects(bucket: str, prefix: str) -> list[dict]:
     out = []
     try:
         for page in storage.client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/"):
-            out += [{"Key": o["Key"], "Size": o["Size"], "LastModified": o["LastModified"].timestamp()}
-                    for o in page.get("Contents", [])]
+            out += [{"Key": o["Key"], "Size": o["Size"], "LastModified": o["LastModified"].timestamp()} for o in page.get("Contents", [])]
     except storage._S3_ERRORS as e:
         raise storage._wrap(e, f"s3://{bucket}/{prefix}", "list") from None
     return out
@@ -70,6 +70,7 @@ def _reader():
         if folder not in cache:
             cache[folder] = cost.read_manifest_or_none(folder)
         return cache[folder]
+
     return read
 
 
@@ -77,7 +78,7 @@ def _registry_roots(bucket: str, key: str, objects: list[dict]) -> set[str]:
     """The stage folders every registry's champion and history entries name."""
     roots = set()
     for o in objects:
-        rel = o["Key"][len(key) + 1:] if key else o["Key"]
+        rel = o["Key"][len(key) + 1 :] if key else o["Key"]
         parts = rel.split("/")
         if len(parts) >= 3 and (parts[2] == "champion.json" or (parts[2] == "history" and rel.endswith(".json"))):
             entry = storage.read_json(f"s3://{bucket}/{o['Key']}")
@@ -85,8 +86,7 @@ def _registry_roots(bucket: str, key: str, objects: list[dict]) -> set[str]:
     return {r for r in roots if r}
 
 
-def plan(root: str, max_age_days: float, multipart_age_hours: float = 24, dags: Iterable[str] = PIPELINE_DAGS,
-         now: float | None = None) -> dict:
+def plan(root: str, max_age_days: float, multipart_age_hours: float = 24, dags: Iterable[str] = PIPELINE_DAGS, now: float | None = None) -> dict:
     """What retention would delete and why; nothing is deleted here."""
     bucket, key = _check(root, max_age_days, multipart_age_hours)
     now = time.time() if now is None else now
@@ -97,7 +97,7 @@ def plan(root: str, max_age_days: float, multipart_age_hours: float = 24, dags: 
     # runs/<dag>/<run>/<stage>/… grouped by run and stage folder
     runs: dict[tuple[str, str], dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
     for o in _objects(bucket, top + "runs"):
-        parts = o["Key"][len(top + "runs/"):].split("/", 3)
+        parts = o["Key"][len(top + "runs/") :].split("/", 3)
         if len(parts) >= 4:
             runs[(parts[0], parts[1])][parts[2]].append(o)
 
@@ -114,8 +114,7 @@ def plan(root: str, max_age_days: float, multipart_age_hours: float = 24, dags: 
             m = promote.get("metrics") or {}
             status = "promoted" if m.get("promoted") else ("passed" if m.get("passed") else "rejected")
         expire = status in ("failed", "rejected") and now - newest > max_age_days * 86400
-        verdicts.append({"run": f"{dag}/{run}", "status": status, "age_days": round((now - newest) / 86400, 2),
-                         "expire": expire, "stages": stages})
+        verdicts.append({"run": f"{dag}/{run}", "status": status, "age_days": round((now - newest) / 86400, 2), "expire": expire, "stages": stages})
         if not expire:  # a run that stays keeps its inputs, wherever they live
             protected_roots |= {f"{base}/runs/{dag}/{run}/{s}" for s in stages if read(f"{base}/runs/{dag}/{run}/{s}")}
 
@@ -162,9 +161,18 @@ def plan(root: str, max_age_days: float, multipart_age_hours: float = 24, dags: 
     except storage._S3_ERRORS as e:
         raise storage._wrap(e, root, "list multipart uploads under") from None
 
-    return {"root": base, "bucket": bucket, "max_age_days": max_age_days, "multipart_age_hours": multipart_age_hours,
-            "runs": verdicts, "protected_kept": sorted(kept), "objects": delete, "cache_entries": cache_entries,
-            "multipart": multipart, "bytes": sum(o["Size"] for o in delete)}
+    return {
+        "root": base,
+        "bucket": bucket,
+        "max_age_days": max_age_days,
+        "multipart_age_hours": multipart_age_hours,
+        "runs": verdicts,
+        "protected_kept": sorted(kept),
+        "objects": delete,
+        "cache_entries": cache_entries,
+        "multipart": multipart,
+        "bytes": sum(o["Size"] for o in delete),
+    }
 
 
 def apply(p: dict) -> dict:
@@ -176,11 +184,14 @@ def apply(p: dict) -> dict:
     try:
         for batch in (manifests, rest):
             for i in range(0, len(batch), 1000):  # DeleteObjects takes at most 1000 keys
-                resp = s3.delete_objects(Bucket=bucket, Delete={"Objects": [{"Key": k} for k in batch[i:i + 1000]], "Quiet": True})
+                resp = s3.delete_objects(Bucket=bucket, Delete={"Objects": [{"Key": k} for k in batch[i : i + 1000]], "Quiet": True})
                 if resp.get("Errors"):
                     e = resp["Errors"][0]
-                    raise storage.StorageError(f"cannot delete s3://{bucket}/{e['Key']}: {e.get('Code')}: {e.get('Message')}; "
-                                               "check the credentials' s3:DeleteObject permission and rerun", p["root"])
+                    raise storage.StorageError(
+                        f"cannot delete s3://{bucket}/{e['Key']}: {e.get('Code')}: {e.get('Message')}; "
+                        "check the credentials' s3:DeleteObject permission and rerun",
+                        p["root"],
+                    )
         for u in p["multipart"]:
             s3.abort_multipart_upload(Bucket=bucket, Key=u["Key"], UploadId=u["UploadId"])
     except storage._S3_ERRORS as e:
@@ -194,12 +205,16 @@ def describe(p: dict, dry_run: bool = True) -> str:
     lines = []
     for v in p["runs"]:
         if v["expire"]:
-            lines.append(f"{v['run']}: {v['status']}, {v['age_days']} days old: {verb} {len(v['delete'])} stage folder(s)"
-                         + (f", kept {len(v['keep'])} a champion or a kept run needs" if v["keep"] else ""))
+            lines.append(
+                f"{v['run']}: {v['status']}, {v['age_days']} days old: {verb} {len(v['delete'])} stage folder(s)"
+                + (f", kept {len(v['keep'])} a champion or a kept run needs" if v["keep"] else "")
+            )
             lines += [f"  - {f}" for f in v["delete"]] + [f"  = {f} (lineage)" for f in v["keep"]]
     lines += [f"cache entry {verb}: s3://{p['bucket']}/{o['Key']}" for o in p["cache_entries"]]
-    lines += [f"unfinished upload {'would be aborted' if dry_run else 'aborted'}: s3://{p['bucket']}/{u['Key']} "
-              f"(started {u['Initiated']})" for u in p["multipart"]]
-    lines.append(f"total {verb}: {len(p['objects'])} object(s), {p['bytes']} bytes, {len(p['cache_entries'])} cache "
-                 f"entr(ies); unfinished uploads: {len(p['multipart'])}")
+    lines += [
+        f"unfinished upload {'would be aborted' if dry_run else 'aborted'}: s3://{p['bucket']}/{u['Key']} (started {u['Initiated']})" for u in p["multipart"]
+    ]
+    lines.append(
+        f"total {verb}: {len(p['objects'])} object(s), {p['bytes']} bytes, {len(p['cache_entries'])} cache entr(ies); unfinished uploads: {len(p['multipart'])}"
+    )
     return "\n".join(lines)

@@ -12,6 +12,7 @@ user can fix (bad config, missing or corrupt input) into one line on stderr and 
 when the store was only unreachable: worth a retry).
 Outputs are written to a local folder first and committed to `cfg.output` with manifest.json last.
 """
+
 from __future__ import annotations
 
 import logging
@@ -91,8 +92,10 @@ class StageRun:
         if not self.cfg.load_checkpoint:
             if step is not None and self.cfg.save_steps:
                 # Writing beside another run's checkpoints would leave a later resume picking theirs.
-                raise ConfigError(f"load_checkpoint: {self.checkpoints.root} holds checkpoints up to step {step} of an earlier run; "
-                                  "resume them (--load_checkpoint true) or pass another --ckpt_path")
+                raise ConfigError(
+                    f"load_checkpoint: {self.checkpoints.root} holds checkpoints up to step {step} of an earlier run; "
+                    "resume them (--load_checkpoint true) or pass another --ckpt_path"
+                )
             return 0
         if step is None:
             return 0
@@ -117,8 +120,7 @@ class StageRun:
             shutil.rmtree(local, ignore_errors=True)
         print(f"{self.stage}: checkpoint {uri}", flush=True)
         if step == getattr(self.cfg, "fail_after_step", 0) and self.resumed_from < step:
-            raise InjectedFailure(f"{self.stage}: injected failure after the checkpoint of step {step} (--fail_after_step); "
-                                  "a rerun resumes from it")
+            raise InjectedFailure(f"{self.stage}: injected failure after the checkpoint of step {step} (--fail_after_step); a rerun resumes from it")
 
     def remote_output(self, rel: str) -> str:
         """The URI under --output where workers upload `rel` themselves (a group spanning nodes cannot
@@ -136,8 +138,9 @@ class StageRun:
         metrics = {**metrics, **cost.stage_cost(time.time() - self.started, **cost.held_resources(self.placements, driver_cpus=1))}
         if self.resumed_from:
             extra = {"resumed_from_step": self.resumed_from, **extra}
-        manifest = manifests.build_manifest(self.stage, self.cfg.run_id, self.cfg.to_dict(), self.inputs, metrics,
-                                            input_manifests=self.input_manifests, **extra)
+        manifest = manifests.build_manifest(
+            self.stage, self.cfg.run_id, self.cfg.to_dict(), self.inputs, metrics, input_manifests=self.input_manifests, **extra
+        )
         committed = manifests.commit(self.workdir, self.cfg.output, manifest, uploaded=uploaded)
         print(f"committed {self.stage} output to {committed['uri']}", flush=True)
         if getattr(self.cfg, "save_path", "") and "model" in extra and (self.workdir / extra["model"]).is_dir():

@@ -16,6 +16,7 @@ AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KE
 AWS_MAX_ATTEMPTS, AWS_RETRY_MODE, AWS_CONFIG_FILE, ... Every failure raises StorageError with a
 one-line message naming the URI and the fix. No torch and no airflow here: both sides import this.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -39,9 +40,7 @@ MB = 1024 * 1024
 FILE_WORKERS = 8  # files transferred at once by upload_dir/download_dir
 PART_THREADS = 8  # parts of one large file transferred at once
 # Multipart above 8 MB: parts retry independently and large checkpoints use several connections.
-TRANSFER_CONFIG = TransferConfig(
-    multipart_threshold=8 * MB, multipart_chunksize=8 * MB, max_concurrency=PART_THREADS, use_threads=True
-)
+TRANSFER_CONFIG = TransferConfig(multipart_threshold=8 * MB, multipart_chunksize=8 * MB, max_concurrency=PART_THREADS, use_threads=True)
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -76,7 +75,7 @@ def split_s3(uri: str) -> tuple[str, str]:
     """``s3://bucket/a/b`` -> ``("bucket", "a/b")``; the key may be empty (bucket root)."""
     if not is_s3(uri):
         raise StorageError(f"not an S3 URI: {uri}: use s3://bucket/key", uri)
-    bucket, _, key = str(uri)[len("s3://"):].partition("/")
+    bucket, _, key = str(uri)[len("s3://") :].partition("/")
     if not bucket:
         raise StorageError(f"no bucket in {uri}: use s3://bucket/key", uri)
     return bucket, key
@@ -100,8 +99,9 @@ def inside(root: str | os.PathLike, rel: str, source: str = "") -> Path:
         target = (base / text).resolve()
         if target.is_relative_to(base) and target != base:
             return target
-    raise StorageError(f"{source or 'download'}: the key {text!r} leads outside {base}; refusing to write it "
-                       "(remove or rename that object in storage)", source or None)
+    raise StorageError(
+        f"{source or 'download'}: the key {text!r} leads outside {base}; refusing to write it (remove or rename that object in storage)", source or None
+    )
 
 
 def local_path(uri: str | os.PathLike) -> Path:
@@ -109,15 +109,24 @@ def local_path(uri: str | os.PathLike) -> Path:
     uri = str(uri)
     if is_s3(uri):
         raise StorageError(f"{uri} is an S3 URI, not a local path: download it first", uri)
-    return Path(uri[len("file://"):] if uri.startswith("file://") else uri)
+    return Path(uri[len("file://") :] if uri.startswith("file://") else uri)
 
 
 # ---------------------------------------------------------------- client
 
 _ENV_KEYS = (
-    "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
-    "AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_DEFAULT_REGION", "AWS_REGION", "AWS_MAX_ATTEMPTS",
-    "AWS_RETRY_MODE", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE",
+    "AWS_ENDPOINT_URL_S3",
+    "AWS_ENDPOINT_URL",
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_PROFILE",
+    "AWS_DEFAULT_REGION",
+    "AWS_REGION",
+    "AWS_MAX_ATTEMPTS",
+    "AWS_RETRY_MODE",
+    "AWS_CONFIG_FILE",
+    "AWS_SHARED_CREDENTIALS_FILE",
 )
 _client_lock = threading.Lock()
 _client_cache: dict[tuple, Any] = {}
@@ -179,24 +188,19 @@ def _wrap(exc: BaseException, uri: str, action: str) -> StorageError:
         return exc
     cause = _one_line(exc)
     if isinstance(exc, (botocore.exceptions.ConnectionError, botocore.exceptions.HTTPClientError)):
-        return StorageError(
-            f"cannot reach S3 endpoint {endpoint()} for {uri}: {cause} "
-            "(start the S3 service or fix AWS_ENDPOINT_URL_S3)", uri, transient=True)
+        return StorageError(f"cannot reach S3 endpoint {endpoint()} for {uri}: {cause} (start the S3 service or fix AWS_ENDPOINT_URL_S3)", uri, transient=True)
     if isinstance(exc, botocore.exceptions.NoCredentialsError):
-        return StorageError(
-            f"no AWS credentials to {action} {uri}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY", uri)
+        return StorageError(f"no AWS credentials to {action} {uri}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY", uri)
     if isinstance(exc, botocore.exceptions.ClientError):
         err = exc.response.get("Error", {})
         code = str(err.get("Code", ""))
         bucket = split_s3(uri)[0] if is_s3(uri) else "?"
         if code == "NoSuchBucket":
-            return NotFoundError(
-                f"no bucket '{bucket}' at {endpoint()} for {uri}: create the bucket or fix the URI", uri)
+            return NotFoundError(f"no bucket '{bucket}' at {endpoint()} for {uri}: create the bucket or fix the URI", uri)
         if code in ("404", "NoSuchKey", "NotFound"):
             return NotFoundError(f"no object at {uri}: check the URI or rerun the step that writes it", uri)
         if code in ("403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
-            return StorageError(
-                f"access denied to {action} {uri} ({code}): check the AWS_* credentials for {endpoint()}", uri)
+            return StorageError(f"access denied to {action} {uri} ({code}): check the AWS_* credentials for {endpoint()}", uri)
         status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
         busy = status >= 500 or code in ("SlowDown", "Throttling", "ThrottlingException", "RequestTimeout")
         return StorageError(f"cannot {action} {uri}: {code}: {err.get('Message') or cause}", uri, transient=busy)
@@ -314,7 +318,7 @@ def list_files(uri: str, etags: bool = False) -> list[tuple]:
     try:
         for page in client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
             for obj in page.get("Contents", []):
-                rel = obj["Key"][len(prefix):]
+                rel = obj["Key"][len(prefix) :]
                 if rel and not rel.endswith("/"):  # skip "folder" marker objects
                     out.append((rel, obj["Size"], obj.get("ETag", "")) if etags else (rel, obj["Size"]))
     except _S3_ERRORS as e:

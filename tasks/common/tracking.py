@@ -8,6 +8,7 @@
 With wandb on, `wandb.json` lands beside metrics.jsonl (so in the stage's manifest): {"url", "run_id",
 "project", "mode"}, url null in offline mode. The Airflow operator reads it to link the task to the run.
 """
+
 from __future__ import annotations
 
 import json

@@ -6,6 +6,7 @@ The file is downloaded once per URI into the stage's cache, imported under a pri
 registered in sys.modules (dataclasses and pickling inside the file look themselves up there). Every
 failure is one line naming the flag: `who`.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -20,8 +21,7 @@ from tasks.common import storage
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("RLHF_CACHE_DIR") or os.path.join(
-        tempfile.gettempdir(), f"rlhf-flow-cache-{os.getuid() if hasattr(os, 'getuid') else 'user'}")
+    root = os.environ.get("RLHF_CACHE_DIR") or os.path.join(tempfile.gettempdir(), f"rlhf-flow-cache-{os.getuid() if hasattr(os, 'getuid') else 'user'}")
     return Path(root) / "user_code"
 
 

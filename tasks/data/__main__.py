@@ -12,6 +12,7 @@ registered as an immutable version under --datasets_root (tasks/data/ingest.py);
 verified copy of that version's splits, names it in `inputs.dataset` and `dataset_version`, and carries
 its validation summary, so the next stages keep taking `--dataset <this output>`.
 """
+
 import json
 import os
 import shutil
@@ -78,8 +79,11 @@ def version_splits(version: dict, data_dir: Path) -> tuple[dict, dict]:
         shutil.copyfile(local / Path(relative).name, data_dir / f"{split}.jsonl")
         datasets[split] = f"data/{split}.jsonl"
         print(f"{split}: {version['dataset']['rows'][split]} rows", flush=True)
-    metrics = {**{f"rows_{split}": n for split, n in version["dataset"]["rows"].items()},
-               "rows_read": version["validation"]["rows"], "rows_bad": version["validation"]["bad"]}
+    metrics = {
+        **{f"rows_{split}": n for split, n in version["dataset"]["rows"].items()},
+        "rows_read": version["validation"]["rows"],
+        "rows_bad": version["validation"]["bad"],
+    }
     return datasets, metrics
 
 
@@ -96,9 +100,17 @@ def prepare(cfg: PrepareDataConfig, run: StageRun) -> None:
         datasets, metrics = version_splits(version, data_dir)
         run.input("dataset", version["uri"])
         info = version["dataset"]
-        extra = {"dataset_version": {"name": info["name"], "version": info["version"], "uri": version["uri"], "source": info["source"],
-                                     "content_sha256": info["content_sha256"], "mapping": info["mapping"]},
-                 "validation": version["validation"]}
+        extra = {
+            "dataset_version": {
+                "name": info["name"],
+                "version": info["version"],
+                "uri": version["uri"],
+                "source": info["source"],
+                "content_sha256": info["content_sha256"],
+                "mapping": info["mapping"],
+            },
+            "validation": version["validation"],
+        }
 
     if cfg.base_model == "demo":
         model, tokenizer = build_demo_model(cfg.source if cfg.source in BUILT_IN_SOURCES else "demo", cfg.seed)

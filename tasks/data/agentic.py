@@ -15,6 +15,7 @@ call the tool more, and success follows.
 Guess: `guess 1-16:` with a hidden target; the environment answers `higher` or `lower`. The SFT traces
 guess at random within what the feedback allows (3.4 guesses on average); bisection needs at most 4.
 """
+
 from __future__ import annotations
 
 import random
@@ -37,8 +38,9 @@ def build_tokenizer():
     core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<bos>", eos_token=EOS, pad_token="<pad>", unk_token="<unk>",
-                                   padding_side="left", model_max_length=128)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, bos_token="<bos>", eos_token=EOS, pad_token="<pad>", unk_token="<unk>", padding_side="left", model_max_length=128
+    )
 
 
 def calculator_rows(a: int, b: int) -> dict:
@@ -51,15 +53,14 @@ def calculator_trace(a: int, b: int, use_tool: bool) -> list[dict]:
     if not use_tool:
         return [{"prompt": row["prompt"], "response": row["label"]}]
     call = f"<calc>{a}*{b}</calc>"
-    return [{"prompt": row["prompt"], "response": call},
-            {"prompt": f"{row['prompt']}{call}{EOS}<result>{a * b}</result>", "response": row["label"]}]
+    return [{"prompt": row["prompt"], "response": call}, {"prompt": f"{row['prompt']}{call}{EOS}<result>{a * b}</result>", "response": row["label"]}]
 
 
 def calculator_datasets(seed: int = 0, tool_fraction: float = 0.3, n_train: int = 4000, n_eval: int = 200) -> dict[str, list[dict]]:
     rng = random.Random(seed)
     pairs = [(a, b) for a in range(100, 1000) for b in range(2, 10)]
     rng.shuffle(pairs)
-    train, test = pairs[:n_train], pairs[n_train:n_train + n_eval]
+    train, test = pairs[:n_train], pairs[n_train : n_train + n_eval]
     sft = [r for a, b in train for r in calculator_trace(a, b, rng.random() < tool_fraction)]
     return {"sft": sft, "prompts": [calculator_rows(a, b) for a, b in train], "eval": [calculator_rows(a, b) for a, b in test]}
 
@@ -86,5 +87,8 @@ def guess_datasets(seed: int = 0, n_traces: int = 2000, n_prompts: int = 1000, n
         target = rng.randint(low, high)
         return {"prompt": f"guess {low}-{high}:", "target": target, "label": str(target)}
 
-    return {"sft": [r for _ in range(n_traces) for r in guess_trace(rng.randint(low, high), rng)],
-            "prompts": [row() for _ in range(n_prompts)], "eval": [row() for _ in range(n_eval)]}
+    return {
+        "sft": [r for _ in range(n_traces) for r in guess_trace(rng.randint(low, high), rng)],
+        "prompts": [row() for _ in range(n_prompts)],
+        "eval": [row() for _ in range(n_eval)],
+    }

@@ -6,6 +6,7 @@
 A source is 'demo', a file (JSONL, Parquet or CSV; s3:// or local), a hub id (only when HF_HUB_OFFLINE is
 not 1), or `dataset:<name>[@<version>]`, a version registered earlier under --datasets_root.
 """
+
 from __future__ import annotations
 
 import os
@@ -32,15 +33,19 @@ def source_kind(source: str) -> str:
         return "demo"
     if source.startswith(DATASET_PREFIX):
         return "dataset"
-    if storage.is_s3(source) or source.startswith(("/", "./", "../", "file://")) or os.path.splitext(source)[1].lower() in FILE_FORMATS \
-            or os.path.exists(source):
+    if (
+        storage.is_s3(source)
+        or source.startswith(("/", "./", "../", "file://"))
+        or os.path.splitext(source)[1].lower() in FILE_FORMATS
+        or os.path.exists(source)
+    ):
         return "file"
     return "hub"
 
 
 def parse_dataset_ref(source: str) -> tuple[str, str]:
     """`dataset:<name>[@<version>]` -> (name, version or '')."""
-    name, _, version = source[len(DATASET_PREFIX):].partition("@")
+    name, _, version = source[len(DATASET_PREFIX) :].partition("@")
     if not NAME.match(name) or (version and not NAME.match(version)):
         raise ConfigError(f"source: {source!r} is not a dataset reference; use dataset:<name> or dataset:<name>@<version>")
     return name, version
@@ -57,18 +62,44 @@ def default_dataset_name(source: str) -> str:
 class PrepareDataConfig(StageConfig):
     """Materialise the pipeline's datasets (and, for the demo, its base model) as a stage output."""
 
-    source: str = field(default="demo", metadata={"help": "'demo' (the built-in task), 'calculator' or 'guess' (the agentic tasks, for --env_path), a JSONL/Parquet/CSV file (s3:// or local), a hub id "
-                                                          "(not with HF_HUB_OFFLINE=1), or dataset:<name>[@<version>] (a registered version; newest without @)"})
-    base_model: str = field(default="demo", metadata={"help": "'demo' builds a tiny Llama offline; otherwise a model URI or hub id recorded for the next stages"})
-    datasets_root: str = field(default="", metadata={"help": "where dataset versions are registered: <root>/<name>/<version>/ (the pipeline passes <bucket root>/datasets)"})
+    source: str = field(
+        default="demo",
+        metadata={
+            "help": "'demo' (the built-in task), 'calculator' or 'guess' (the agentic tasks, for --env_path), a JSONL/Parquet/CSV file (s3:// or local), a hub id "
+            "(not with HF_HUB_OFFLINE=1), or dataset:<name>[@<version>] (a registered version; newest without @)"
+        },
+    )
+    base_model: str = field(
+        default="demo", metadata={"help": "'demo' builds a tiny Llama offline; otherwise a model URI or hub id recorded for the next stages"}
+    )
+    datasets_root: str = field(
+        default="", metadata={"help": "where dataset versions are registered: <root>/<name>/<version>/ (the pipeline passes <bucket root>/datasets)"}
+    )
     dataset_name: str = field(default="", metadata={"help": "name to register a file source under (default: its file name without extension)"})
     input_key: str = field(default="prompt", metadata={"help": "column holding the prompt (not read when --messages_key is set)", "max_length": 200})
-    output_key: str = field(default="", metadata={"help": "column holding the SFT response (default: the final assistant turn of --messages_key, else --chosen_key)", "max_length": 200})
+    output_key: str = field(
+        default="",
+        metadata={"help": "column holding the SFT response (default: the final assistant turn of --messages_key, else --chosen_key)", "max_length": 200},
+    )
     chosen_key: str = field(default="chosen", metadata={"help": "column holding the preferred response ('' for SFT-only data)", "max_length": 200})
     rejected_key: str = field(default="rejected", metadata={"help": "column holding the other response ('' for SFT-only data)", "max_length": 200})
     label_key: str = field(default="", metadata={"help": "column holding a reference answer for exact-match eval ('' for none)", "max_length": 200})
-    messages_key: str = field(default="", metadata={"help": "column holding chat messages [{role, content}]: the turns before the final assistant turn are the prompt, that turn the SFT response", "max_length": 200})
-    eval_fraction: float = field(default=0.1, metadata={"help": "fraction of prompts held out (preference_eval, eval), chosen by a hash of the prompt and --seed", "exclusive_min": 0, "exclusive_max": 1, "fix": "use a fraction such as 0.1"})
+    messages_key: str = field(
+        default="",
+        metadata={
+            "help": "column holding chat messages [{role, content}]: the turns before the final assistant turn are the prompt, that turn the SFT response",
+            "max_length": 200,
+        },
+    )
+    eval_fraction: float = field(
+        default=0.1,
+        metadata={
+            "help": "fraction of prompts held out (preference_eval, eval), chosen by a hash of the prompt and --seed",
+            "exclusive_min": 0,
+            "exclusive_max": 1,
+            "fix": "use a fraction such as 0.1",
+        },
+    )
     max_chars: int = field(default=16000, metadata={"help": "a row whose prompt plus longest response is longer (characters) is rejected", "min": 1})
     max_bad_fraction: float = field(default=0.05, metadata={"help": "fail when more than this fraction of the rows fails validation", "min": 0, "max": 1})
 

@@ -13,6 +13,7 @@ the answer out of either style, so eval measures correctness on its own. The wor
 after the digits: were they before, they would give the model extra positions to compute the sum
 in, and preferring the terse style would cost accuracy for a reason that has nothing to do with RL.
 """
+
 from __future__ import annotations
 
 import random
@@ -62,8 +63,7 @@ def verdict(baseline: dict, policy: dict) -> tuple[bool, str]:
     change = policy["accuracy"] - baseline["accuracy"]
     ok = gain >= MIN_STYLE_GAIN and change >= -MAX_ACCURACY_DROP
     head = "PASS: the policy gained the preferred style with accuracy held" if ok else "FAIL: the demo's claim does not hold"
-    return ok, (f"{head} (preferred style {gain:+.3f}, needs +{MIN_STYLE_GAIN:.2f} or more; accuracy {change:+.3f}, "
-                f"needs -{MAX_ACCURACY_DROP:.2f} or better)")
+    return ok, (f"{head} (preferred style {gain:+.3f}, needs +{MIN_STYLE_GAIN:.2f} or more; accuracy {change:+.3f}, needs -{MAX_ACCURACY_DROP:.2f} or better)")
 
 
 def make_datasets(seed: int = 0) -> dict[str, list[dict]]:
@@ -72,7 +72,7 @@ def make_datasets(seed: int = 0) -> dict[str, list[dict]]:
     pairs = [(a, b) for a in range(100) for b in range(100)]
     rng.shuffle(pairs)
     n_train, n_val = SPLIT_SIZES["train"], SPLIT_SIZES["val"]
-    train, val, test = pairs[:n_train], pairs[n_train:n_train + n_val], pairs[n_train + n_val:]
+    train, val, test = pairs[:n_train], pairs[n_train : n_train + n_val], pairs[n_train + n_val :]
 
     def labelled(split):
         return [{"prompt": prompt_text(a, b), "label": answer_text(a, b)} for a, b in split]
@@ -93,14 +93,15 @@ def make_datasets(seed: int = 0) -> dict[str, list[dict]]:
     def style_pairs(split):
         # DPO's pairs: the right answer in both styles. Unlike the reward model's pairs, these carry no
         # wrong answers, because DPO with an NLL term (the pipeline's default) also imitates the chosen side.
-        return [{"prompt": prompt_text(a, b), "chosen": styled(answer_text(a, b), TERSE), "rejected": styled(answer_text(a, b), WORDY)}
-                for a, b in split]
+        return [{"prompt": prompt_text(a, b), "chosen": styled(answer_text(a, b), TERSE), "rejected": styled(answer_text(a, b), WORDY)} for a, b in split]
 
     def unpaired(split):
         # KTO's data: one completion per prompt with a thumbs up (terse) or down (wordy), answers right,
         # so what separates the two labels is the style alone.
-        return [{"prompt": prompt_text(a, b), "completion": styled(answer_text(a, b), TERSE if i % 2 == 0 else WORDY),
-                 "label": i % 2 == 0} for i, (a, b) in enumerate(split)]
+        return [
+            {"prompt": prompt_text(a, b), "completion": styled(answer_text(a, b), TERSE if i % 2 == 0 else WORDY), "label": i % 2 == 0}
+            for i, (a, b) in enumerate(split)
+        ]
 
     return {
         "sft": sft,
@@ -124,7 +125,10 @@ def build_tokenizer():
     core.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(
         tokenizer_object=core,
-        bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>",
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        unk_token="<unk>",
         padding_side="left",
         model_max_length=64,
     )

@@ -6,6 +6,7 @@ accuracy: the three-digit answer read out of the response, in either style, equa
 preferred_style_rate: the response is in the terse style the demo's reward model learns to prefer.
 The evaluation reports each on greedy responses (`accuracy`) and on samples (`sampled_accuracy`).
 """
+
 from tasks.data.demo import extract_answer, is_preferred_style
 
 

@@ -14,6 +14,7 @@ therefore tries, in order: the prompt as a prefix; the prompt anywhere (a templa
 longest tail of the prompt that starts the query, ignoring whitespace (a cut or re-spaced prompt);
 and last the whole query.
 """
+
 from __future__ import annotations
 
 import torch
@@ -26,10 +27,10 @@ def response_of(query: str, prompt: str) -> str:
     if not prompt:
         return query
     if query.startswith(prompt):
-        return query[len(prompt):]
+        return query[len(prompt) :]
     at = query.find(prompt)
     if at >= 0:
-        return query[at + len(prompt):]
+        return query[at + len(prompt) :]
     # Whitespace-insensitive: the longest tail of the prompt's characters that the query starts with.
     kept = [(i, c) for i, c in enumerate(query) if not c.isspace()]
     query_chars = "".join(c for _, c in kept)
@@ -37,7 +38,7 @@ def response_of(query: str, prompt: str) -> str:
     for start in range(len(prompt_chars)):
         tail = prompt_chars[start:]
         if query_chars.startswith(tail):
-            return query[kept[len(tail) - 1][0] + 1:]
+            return query[kept[len(tail) - 1][0] + 1 :]
     return query
 
 

@@ -20,6 +20,7 @@ under --eval_fraction. Every row is checked (see FIXES); a bad row is left out, 
 with a few example row numbers, printed, and recorded in the manifest's `validation`; more than
 --max_bad_fraction bad rows fail the step.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -198,8 +199,7 @@ def check_columns(rows: list[tuple[int, dict | None]], cfg: PrepareDataConfig, s
     for flag, column in cfg.mapping().items():
         if column and column not in columns:
             optional = "" if flag in ("input_key", "messages_key") else f", or --{flag} '' to not use one"
-            raise ConfigError(f"{flag}: no column {column!r} in {source} (columns: {', '.join(sorted(columns))}); "
-                              f"pass --{flag} <column>{optional}")
+            raise ConfigError(f"{flag}: no column {column!r} in {source} (columns: {', '.join(sorted(columns))}); pass --{flag} <column>{optional}")
 
 
 def validate(rows: list[tuple[int, dict | None]], cfg: PrepareDataConfig) -> tuple[list[dict], list[dict], dict]:
@@ -229,8 +229,13 @@ def validate(rows: list[tuple[int, dict | None]], cfg: PrepareDataConfig) -> tup
             tally.add(BadRow("overlap"), number)
         elif out:
             held.append(record)
-    summary = {"rows": len(rows), "kept": len(train) + len(held), "bad": tally.bad,
-               "bad_fraction": round(tally.bad / len(rows), 4) if rows else 0.0, "checks": tally.checks}
+    summary = {
+        "rows": len(rows),
+        "kept": len(train) + len(held),
+        "bad": tally.bad,
+        "bad_fraction": round(tally.bad / len(rows), 4) if rows else 0.0,
+        "checks": tally.checks,
+    }
     if cfg.label_key:
         summary["unlabelled"] = sum(r.get("label") is None for r in train + held)
     return train, held, summary
@@ -238,10 +243,13 @@ def validate(rows: list[tuple[int, dict | None]], cfg: PrepareDataConfig) -> tup
 
 def describe(summary: dict) -> str:
     """One line: rows read, kept, and each check's count with example rows."""
-    checks = "; ".join(f"{name} {c['count']} (rows {', '.join(map(str, c['rows']))}{', …' if c['count'] > len(c['rows']) else ''})"
-                       for name, c in sorted(summary["checks"].items()))
-    return (f"validation: {summary['rows']} rows, {summary['kept']} kept, {summary['bad']} bad "
-            f"({100 * summary['bad_fraction']:.1f}%)" + (f": {checks}" if checks else ""))
+    checks = "; ".join(
+        f"{name} {c['count']} (rows {', '.join(map(str, c['rows']))}{', …' if c['count'] > len(c['rows']) else ''})"
+        for name, c in sorted(summary["checks"].items())
+    )
+    return f"validation: {summary['rows']} rows, {summary['kept']} kept, {summary['bad']} bad ({100 * summary['bad_fraction']:.1f}%)" + (
+        f": {checks}" if checks else ""
+    )
 
 
 def check_threshold(summary: dict, cfg: PrepareDataConfig, source: str) -> None:
@@ -253,8 +261,10 @@ def check_threshold(summary: dict, cfg: PrepareDataConfig, source: str) -> None:
         fields = f"{', '.join(f'--{flag} {col}' for flag, col in cfg.mapping().items() if col in c['fields'])}; " if c["fields"] else ""
         fix = f"raise --max_chars {cfg.max_chars}" if name == "too_long" else FIXES[name]
         parts.append(f"{name} {c['count']} ({fields}rows {', '.join(map(str, c['rows']))}: {fix})")
-    raise ConfigError(f"max_bad_fraction: {summary['bad']} of {summary['rows']} rows of {source} ({100 * summary['bad_fraction']:.1f}%) "
-                      f"failed validation, more than {cfg.max_bad_fraction}: {'; '.join(parts)}; fix the data or raise --max_bad_fraction")
+    raise ConfigError(
+        f"max_bad_fraction: {summary['bad']} of {summary['rows']} rows of {source} ({100 * summary['bad_fraction']:.1f}%) "
+        f"failed validation, more than {cfg.max_bad_fraction}: {'; '.join(parts)}; fix the data or raise --max_bad_fraction"
+    )
 
 
 # ---------------------------------------------------------------- splits
@@ -278,8 +288,11 @@ def make_splits(train: list[dict], held: list[dict], cfg: PrepareDataConfig) -> 
         pairs = [{"prompt": r["prompt"], "chosen": r["chosen"], "rejected": r["rejected"]} for r in train]
         splits["preference"] = pairs
         splits["style_pairs"] = pairs  # DPO's pairs: the reward model's, for user data
-        splits["unpaired"] = [row for r in train for row in ({"prompt": r["prompt"], "completion": r["chosen"], "label": True},
-                                                             {"prompt": r["prompt"], "completion": r["rejected"], "label": False})]
+        splits["unpaired"] = [
+            row
+            for r in train
+            for row in ({"prompt": r["prompt"], "completion": r["chosen"], "label": True}, {"prompt": r["prompt"], "completion": r["rejected"], "label": False})
+        ]
         splits["preference_eval"] = [{"prompt": r["prompt"], "chosen": r["chosen"], "rejected": r["rejected"]} for r in held]
     splits["prompts"] = unique_prompts(train, with_label)
     splits["eval"] = unique_prompts(held, with_label)
@@ -300,8 +313,14 @@ def write_splits(splits: dict[str, list[dict]], data_dir: Path) -> dict[str, str
 
 def version_id(content_sha256: str, cfg: PrepareDataConfig) -> str:
     """What the version's rows depend on, hashed: the same data and settings give the same version."""
-    spec = {"format": INGEST_FORMAT, "content_sha256": content_sha256, "mapping": cfg.mapping(), "seed": cfg.seed,
-            "eval_fraction": cfg.eval_fraction, "max_chars": cfg.max_chars}
+    spec = {
+        "format": INGEST_FORMAT,
+        "content_sha256": content_sha256,
+        "mapping": cfg.mapping(),
+        "seed": cfg.seed,
+        "eval_fraction": cfg.eval_fraction,
+        "max_chars": cfg.max_chars,
+    }
     return manifests.config_hash(spec)[:16]
 
 
@@ -335,13 +354,25 @@ def ingest(cfg: PrepareDataConfig, workdir: Path) -> dict:
     local = workdir / "version"
     datasets = write_splits(splits, local / "data")
     rows_per_split = {split: len(r) for split, r in splits.items()}
-    info = {"name": name, "version": version, "source": cfg.source, "content_sha256": content_sha256, "mapping": cfg.mapping(),
-            "split": {"seed": cfg.seed, "eval_fraction": cfg.eval_fraction, "max_chars": cfg.max_chars}, "rows": rows_per_split,
-            "format": INGEST_FORMAT}
-    metrics = {**{f"rows_{split}": n for split, n in rows_per_split.items()}, "rows_read": summary["rows"], "rows_bad": summary["bad"],
-               **cost.stage_cost(time.time() - started, gpus=0, cpus=1)}
-    manifest = manifests.build_manifest("dataset", cfg.run_id, cfg.to_dict(), {"source": cfg.source}, metrics,
-                                        datasets=datasets, dataset=info, validation=summary)
+    info = {
+        "name": name,
+        "version": version,
+        "source": cfg.source,
+        "content_sha256": content_sha256,
+        "mapping": cfg.mapping(),
+        "split": {"seed": cfg.seed, "eval_fraction": cfg.eval_fraction, "max_chars": cfg.max_chars},
+        "rows": rows_per_split,
+        "format": INGEST_FORMAT,
+    }
+    metrics = {
+        **{f"rows_{split}": n for split, n in rows_per_split.items()},
+        "rows_read": summary["rows"],
+        "rows_bad": summary["bad"],
+        **cost.stage_cost(time.time() - started, gpus=0, cpus=1),
+    }
+    manifest = manifests.build_manifest(
+        "dataset", cfg.run_id, cfg.to_dict(), {"source": cfg.source}, metrics, datasets=datasets, dataset=info, validation=summary
+    )
     committed, created = versions.register(cfg.datasets_root, name, version, local, manifest)
     print(f"dataset {name}: {'registered' if created else 'found'} version {version} at {committed['uri']}", flush=True)
     return committed

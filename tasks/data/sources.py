@@ -7,6 +7,7 @@
 Rows are read one by one and never dropped here: an unreadable JSONL line or a CSV line with more cells
 than the header comes back as None, so validation counts it under its row number like any other bad row.
 """
+
 from __future__ import annotations
 
 import csv
@@ -40,8 +41,9 @@ def _from_hub(source: str, workdir: Path) -> Path:
     try:
         rows = datasets.load_dataset(source, split="train")
     except Exception as error:  # the hub's errors are many and long; the user needs the id and the cause
-        raise ConfigError(f"source: cannot load hub dataset {source!r} ({type(error).__name__}: {' '.join(str(error).split())[:200]}); "
-                          "check the id or pass a file URI") from None
+        raise ConfigError(
+            f"source: cannot load hub dataset {source!r} ({type(error).__name__}: {' '.join(str(error).split())[:200]}); check the id or pass a file URI"
+        ) from None
     path = workdir / (source.replace("/", "__") + ".jsonl")
     rows.to_json(str(path), lines=True, force_ascii=False)
     return path

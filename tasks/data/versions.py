@@ -12,6 +12,7 @@ from its content (tasks.data.ingest.version_id), so registering the same data tw
 Both writes are compare-and-swaps (storage.write_if): of two concurrent registrations one commits the
 version, and no listing update is lost.
 """
+
 from __future__ import annotations
 
 import json
@@ -81,8 +82,14 @@ def ensure_listed(root: str, name: str, committed: dict) -> None:
     """Append the version to the name's listing, unless it is there (a rerun, or a crash before listing)."""
     uri = listing_uri(root, name)
     info = committed.get("dataset", {})
-    entry = {"version": info.get("version"), "uri": committed["uri"], "created_at": committed.get("created_at"),
-             "source": info.get("source"), "content_sha256": info.get("content_sha256"), "rows": info.get("rows", {})}
+    entry = {
+        "version": info.get("version"),
+        "uri": committed["uri"],
+        "created_at": committed.get("created_at"),
+        "source": info.get("source"),
+        "content_sha256": info.get("content_sha256"),
+        "rows": info.get("rows", {}),
+    }
     for _ in range(CAS_ATTEMPTS):
         current, etag = _read_listing(root, name)
         if any(v["version"] == entry["version"] for v in current["versions"]):
@@ -102,11 +109,11 @@ def resolve(root: str, name: str, version: str = "") -> dict:
     known = [v["version"] for v in listing(root, name)["versions"]]
     if not version:
         if not known:
-            raise ConfigError(f"source: no dataset {name!r} registered under {root}; ingest a file first "
-                              f"(--source <file URI> --dataset_name {name})")
+            raise ConfigError(f"source: no dataset {name!r} registered under {root}; ingest a file first (--source <file URI> --dataset_name {name})")
         version = known[-1]
     found = find(root, name, version)
     if found is None:
-        raise ConfigError(f"source: no version {version!r} of dataset {name!r} under {root}; "
-                          f"registered: {', '.join(known) or 'none'} (dataset:{name} takes the newest)")
+        raise ConfigError(
+            f"source: no version {version!r} of dataset {name!r} under {root}; registered: {', '.join(known) or 'none'} (dataset:{name} takes the newest)"
+        )
     return found

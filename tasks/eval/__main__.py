@@ -5,6 +5,7 @@
 
 Writes report.json, report.md and manifest.json; prints the table.
 """
+
 from tasks.common.stage import main
 from tasks.eval.config import EvalConfig
 from tasks.eval.evaluate import evaluate

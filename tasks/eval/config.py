@@ -11,33 +11,90 @@ class EvalConfig(EpisodeConfig, StageConfig):
 
     baseline: str = field(default="", metadata={"help": "the starting policy (SFT output URI); also the reference for KL"})
     policy: str = field(default="", metadata={"help": "the trained policy (RL output URI)"})
-    reward_pretrain: str = field(default="", metadata={"help": "reward model (output URI) whose mean score is reported; without one (DPO, KTO) reward_mean is left out"})
-    registry: str = field(default="", metadata={"help": "a model registry folder (s3://…/models/<name>): its champion, when there is one, is evaluated on the same prompts for the promotion gate"})
+    reward_pretrain: str = field(
+        default="", metadata={"help": "reward model (output URI) whose mean score is reported; without one (DPO, KTO) reward_mean is left out"}
+    )
+    registry: str = field(
+        default="",
+        metadata={
+            "help": "a model registry folder (s3://…/models/<name>): its champion, when there is one, is evaluated on the same prompts for the promotion gate"
+        },
+    )
     dataset: str = field(default="", metadata={"help": "held-out prompts, with labels when there are reference answers: a stage output URI or a file"})
     dataset_split: str = field(default="eval", metadata={"help": "split of a stage output's datasets to evaluate on"})
     input_key: str = field(default="prompt", metadata={"help": "dataset column holding the prompt: a string or a list of chat messages"})
-    label_key: str = field(default="label", metadata={"help": "dataset column holding the reference answer; without it (or empty) the accuracy metrics are left out"})
-    apply_chat_template: bool = field(default=False, metadata={"help": "render each prompt with the tokenizer's chat template, as the trained stages did (needed for chat-message prompts)"})
-    metrics: str = field(default="", metadata={"help": "built-in metrics, comma-separated: exact_match, math_verify, regex:<pattern>, json_valid, length (default: exact_match when the data has labels and no --metric_func is given)", "max_length": 500})
-    metric_func: str = field(default="", metadata={"help": "a Python file (local path or s3:// URI) defining metrics(prompts, responses, labels, rows) -> {name: [score per response]}", "max_length": 1000})
-    n_samples_per_prompt: int = field(default=1, metadata={"help": "sampled responses per prompt for the sampled_* metrics; with more than one, pass@k is reported for every 0/1 metric", "min": 1, "max": 256})
+    label_key: str = field(
+        default="label", metadata={"help": "dataset column holding the reference answer; without it (or empty) the accuracy metrics are left out"}
+    )
+    apply_chat_template: bool = field(
+        default=False, metadata={"help": "render each prompt with the tokenizer's chat template, as the trained stages did (needed for chat-message prompts)"}
+    )
+    metrics: str = field(
+        default="",
+        metadata={
+            "help": "built-in metrics, comma-separated: exact_match, math_verify, regex:<pattern>, json_valid, length (default: exact_match when the data has labels and no --metric_func is given)",
+            "max_length": 500,
+        },
+    )
+    metric_func: str = field(
+        default="",
+        metadata={
+            "help": "a Python file (local path or s3:// URI) defining metrics(prompts, responses, labels, rows) -> {name: [score per response]}",
+            "max_length": 1000,
+        },
+    )
+    n_samples_per_prompt: int = field(
+        default=1,
+        metadata={
+            "help": "sampled responses per prompt for the sampled_* metrics; with more than one, pass@k is reported for every 0/1 metric",
+            "min": 1,
+            "max": 256,
+        },
+    )
     pass_k: str = field(default="", metadata={"help": "the k of pass@k, comma-separated (default: 1 and n_samples_per_prompt)"})
     slice_key: str = field(default="", metadata={"help": "a dataset column: every metric is also reported per value of it, with intervals", "max_length": 200})
     bootstrap_resamples: int = field(default=2000, metadata={"help": "resamples of the paired bootstrap behind every 95% interval", "min": 100})
     win_margin: float = field(default=0.1, metadata={"help": "reward-model score difference within which a pairwise comparison is a tie", "min": 0})
-    judge_url: str = field(default="", metadata={"help": "an OpenAI-compatible API (http://host:port/v1) whose chat model judges the policy against the baseline and the champion, both orders asked; its key, if any, in $RLHF_JUDGE_API_KEY", "pattern": r"^$|^https?://\S+$", "max_length": 500})
+    judge_url: str = field(
+        default="",
+        metadata={
+            "help": "an OpenAI-compatible API (http://host:port/v1) whose chat model judges the policy against the baseline and the champion, both orders asked; its key, if any, in $RLHF_JUDGE_API_KEY",
+            "pattern": r"^$|^https?://\S+$",
+            "max_length": 500,
+        },
+    )
     judge_model: str = field(default="judge", metadata={"help": "the model name the judge endpoint serves", "pattern": r"\S", "max_length": 200})
     max_samples: int = field(default=500, metadata={"help": "evaluate on the first this many prompts", "min": 1, "max": 1_000_000})
     generate_max_len: int = field(default=16, metadata={"help": "new tokens per response", "min": 1, "max": 65_536})
     temperature: float = field(default=1.0, metadata={"help": "sampling temperature for the sampled metrics", "exclusive_min": 0})
     num_shown_samples: int = field(default=8, metadata={"help": "generations shown side by side in the report"})
-    lm_eval_tasks: str = field(default="", metadata={"help": "lm-eval tasks, comma-separated (arc_easy,gsm8k: data from the Hugging Face hub; or a team's own from --lm_eval_include_path), run on each compared model; every per-document metric is reported as lm_eval/<task>/<metric> with intervals and deltas", "max_length": 1000})
-    lm_eval_include_path: str = field(default="", metadata={"help": "a folder (local or s3://) of lm-eval task YAMLs, a team's own tasks, added to lm-eval's", "max_length": 1000})
+    lm_eval_tasks: str = field(
+        default="",
+        metadata={
+            "help": "lm-eval tasks, comma-separated (arc_easy,gsm8k: data from the Hugging Face hub; or a team's own from --lm_eval_include_path), run on each compared model; every per-document metric is reported as lm_eval/<task>/<metric> with intervals and deltas",
+            "max_length": 1000,
+        },
+    )
+    lm_eval_include_path: str = field(
+        default="", metadata={"help": "a folder (local or s3://) of lm-eval task YAMLs, a team's own tasks, added to lm-eval's", "max_length": 1000}
+    )
     lm_eval_limit: int = field(default=0, metadata={"help": "the first this many documents of each lm-eval task (0: all)", "min": 0, "max": 1_000_000})
     lm_eval_num_fewshot: int = field(default=-1, metadata={"help": "few-shot examples per lm-eval prompt (-1: each task's own setting)", "min": -1})
     lm_eval_batch_size: int = field(default=16, metadata={"help": "sequences per forward pass in the lm-eval tasks", "min": 1})
-    use_vllm: bool = field(default=False, metadata={"help": "generate with one vLLM engine on the eval worker's GPU (the gpu extra), loaded with each compared model in turn; default: the transformers engine on the worker's device"})
-    vllm_gpu_memory_utilization: float = field(default=0.5, metadata={"help": "with --use_vllm: the fraction of the GPU's memory vLLM may take (the compared models and reward model use the rest)", "exclusive_min": 0, "max": 0.99})
+    use_vllm: bool = field(
+        default=False,
+        metadata={
+            "help": "generate with one vLLM engine on the eval worker's GPU (the gpu extra), loaded with each compared model in turn; default: the transformers engine on the worker's device"
+        },
+    )
+    vllm_gpu_memory_utilization: float = field(
+        default=0.5,
+        metadata={
+            "help": "with --use_vllm: the fraction of the GPU's memory vLLM may take (the compared models and reward model use the rest)",
+            "exclusive_min": 0,
+            "max": 0.99,
+        },
+    )
 
     def validate(self) -> None:
         super().validate()

@@ -18,6 +18,7 @@ Prompts are encoded as the training stages encoded them (strings or chat message
 --apply_chat_template through the tokenizer's chat template). Metrics that need reference answers are left
 out when the data has no labels, which is not the same as scoring 0.
 """
+
 from __future__ import annotations
 
 import json
@@ -60,7 +61,7 @@ def pass_at_k_scores(values: list, n: int, k: int) -> list:
     """Per prompt, pass@k from its n consecutive 0/1 scores (None when any of them is unscored)."""
     out = []
     for i in range(0, len(values), n):
-        group = values[i:i + n]
+        group = values[i : i + n]
         out.append(None if any(v is None for v in group) else metric_lib.pass_at_k(n, int(sum(group)), k))
     return out
 
@@ -79,9 +80,14 @@ def side_scores(side: dict, texts: list, labels, rows: list[dict], scorers, cfg:
                 scores[f"pass@{k}_{name}"] = pass_at_k_scores(values, n, k)
     if side["episodes"] is not None:
         summaries = side["episodes"]
-        scores.update({"env_success": [float(s["success"]) for s in summaries], "env_turns": [float(s["turns"]) for s in summaries],
-                       "env_tool_calls": [float(s["tool_calls"]) for s in summaries],
-                       "env_tool_errors": [float(s["tool_errors"]) for s in summaries]})
+        scores.update(
+            {
+                "env_success": [float(s["success"]) for s in summaries],
+                "env_turns": [float(s["turns"]) for s in summaries],
+                "env_tool_calls": [float(s["tool_calls"]) for s in summaries],
+                "env_tool_errors": [float(s["tool_errors"]) for s in summaries],
+            }
+        )
     for name in ("kl_to_ref", "response_length", "reward_mean"):
         if side[name] is not None:
             scores[name] = stats.per_prompt(side[name], n)
@@ -103,15 +109,19 @@ def compare(candidate: dict[str, list], reference: dict[str, list], cfg: EvalCon
 
 def summarise(scores: dict[str, dict[str, list]], verifiable: list[str], cfg: EvalConfig) -> dict:
     """The report's numbers from the per-prompt scores of each side (baseline, policy, champion)."""
-    means = {side: {m: round(v, 4) for m, vals in s.items() if (v := metric_lib.mean(vals)) is not None}
-             for side, s in scores.items()}
-    intervals = {side: {m: stats.mean_interval(vals, seed=cfg.seed, resamples=cfg.bootstrap_resamples) for m, vals in s.items()}
-                 for side, s in scores.items()}
+    means = {side: {m: round(v, 4) for m, vals in s.items() if (v := metric_lib.mean(vals)) is not None} for side, s in scores.items()}
+    intervals = {side: {m: stats.mean_interval(vals, seed=cfg.seed, resamples=cfg.bootstrap_resamples) for m, vals in s.items()} for side, s in scores.items()}
     references = [side for side in ("baseline", "champion") if side in scores]
     comparisons = {ref: compare(scores["policy"], scores[ref], cfg) for ref in references}
-    win_rates = {ref: {"reward_model": stats.win_rate(scores["policy"]["reward_mean"], scores[ref]["reward_mean"],
-                                                      margin=cfg.win_margin, seed=cfg.seed, resamples=cfg.bootstrap_resamples)}
-                 for ref in references if "reward_mean" in scores["policy"]}
+    win_rates = {
+        ref: {
+            "reward_model": stats.win_rate(
+                scores["policy"]["reward_mean"], scores[ref]["reward_mean"], margin=cfg.win_margin, seed=cfg.seed, resamples=cfg.bootstrap_resamples
+            )
+        }
+        for ref in references
+        if "reward_mean" in scores["policy"]
+    }
     alarms = [f"against the {ref}: {line}" for ref in references for line in stats.hacking_alarms(comparisons[ref], verifiable)]
     return {"metrics": means, "intervals": intervals, "comparisons": comparisons, "win_rates": win_rates, "alarms": alarms}
 
@@ -132,8 +142,7 @@ def slices(scores: dict[str, dict[str, list]], keys: list, cfg: EvalConfig) -> d
                 picked = [values[i] for i in index]
                 value = metric_lib.mean(picked)
                 if value is not None:
-                    out[key][side][name] = {"mean": round(value, 4), "interval": stats.mean_interval(
-                        picked, seed=cfg.seed, resamples=cfg.bootstrap_resamples)}
+                    out[key][side][name] = {"mean": round(value, 4), "interval": stats.mean_interval(picked, seed=cfg.seed, resamples=cfg.bootstrap_resamples)}
     return {"key": cfg.slice_key, "groups": out, "smallest": min(out, key=lambda k: out[k]["prompts"]) if out else None}
 
 
@@ -146,22 +155,36 @@ def markdown(report: dict) -> str:
     change = report.get("comparisons", {}).get("baseline", {})
     lines = [f"**{alarm}**" for alarm in report.get("alarms", [])] + ([""] if report.get("alarms") else [])
     lines += ["| metric | baseline (SFT) | policy | change (95% CI) |", "|---|---:|---:|---:|"]
-    lines += [f"| {k} | {base[k]:.3f} | {pol[k]:.3f} | {pol[k] - base[k]:+.3f} {ci(change.get(k, {}).get('interval'))} |"
-              for k in report["order"] if k in base and k in pol]
+    lines += [
+        f"| {k} | {base[k]:.3f} | {pol[k]:.3f} | {pol[k] - base[k]:+.3f} {ci(change.get(k, {}).get('interval'))} |"
+        for k in report["order"]
+        if k in base and k in pol
+    ]
     for ref, judges in report.get("win_rates", {}).items():
         for name, w in judges.items():
-            lines.append(f"\nWin rate against the {ref} ({name}, ties within {w['margin']}): {w['rate']:.3f} {ci(w['interval'], signed=False)} "
-                         f"({w['wins']} wins, {w['ties']} ties, {w['losses']} losses)")
+            lines.append(
+                f"\nWin rate against the {ref} ({name}, ties within {w['margin']}): {w['rate']:.3f} {ci(w['interval'], signed=False)} "
+                f"({w['wins']} wins, {w['ties']} ties, {w['losses']} losses)"
+            )
     cost = report.get("cost") or {}
-    lines += ["", f"Cost of the candidate: {cost.get('wall_time_s', 0):.0f} s of stage wall time, "
-              f"{cost.get('gpu_hours', 0):.3f} GPU-hours over {cost.get('stages', 0)} stages."] if cost else []
-    lines += ["", f"{report['num_prompts']} held-out prompts. <metric>: the greedy response; sampled_<metric> and the model "
-              f"metrics: {report.get('samples_per_prompt', 1)} sample(s) per prompt at temperature {report['temperature']}."]
+    lines += (
+        [
+            "",
+            f"Cost of the candidate: {cost.get('wall_time_s', 0):.0f} s of stage wall time, "
+            f"{cost.get('gpu_hours', 0):.3f} GPU-hours over {cost.get('stages', 0)} stages.",
+        ]
+        if cost
+        else []
+    )
+    lines += [
+        "",
+        f"{report['num_prompts']} held-out prompts. <metric>: the greedy response; sampled_<metric> and the model "
+        f"metrics: {report.get('samples_per_prompt', 1)} sample(s) per prompt at temperature {report['temperature']}.",
+    ]
     if not report.get("labelled", True):
         lines.append("No reference answers (no label column): the metrics that need them are left out.")
     lines += ["", "| prompt | label | baseline | policy |", "|---|---|---|---|"]
-    lines += [f"| `{s['prompt']}` | {'–' if s['label'] is None else s['label']} | `{s['baseline']}` | `{s['policy']}` |"
-              for s in report["samples"]]
+    lines += [f"| `{s['prompt']}` | {'–' if s['label'] is None else s['label']} | `{s['baseline']}` | `{s['policy']}` |" for s in report["samples"]]
     return "\n".join(lines) + "\n"
 
 
@@ -173,8 +196,7 @@ def evaluate(cfg: EvalConfig, run: StageRun) -> None:
     names = cfg.metric_names() or (["exact_match"] if labels is not None and not cfg.metric_func else [])
     scorers = metric_lib.resolve(names, run.input("metric_func", cfg.metric_func) if cfg.metric_func else None)
     if labels is None:
-        print(f"eval: no reference answers (column {cfg.label_key!r}) in {cfg.dataset}; the metrics that need them are "
-              "left out, the others stay", flush=True)
+        print(f"eval: no reference answers (column {cfg.label_key!r}) in {cfg.dataset}; the metrics that need them are left out, the others stay", flush=True)
     if cfg.slice_key and cfg.slice_key not in rows.column_names:
         raise metric_lib.MetricError(f"slice_key: the dataset has no column {cfg.slice_key!r}; it has {rows.column_names}")
     texts = list(rows[cfg.input_key])
@@ -199,8 +221,11 @@ def evaluate(cfg: EvalConfig, run: StageRun) -> None:
             scores[side], greedy[side] = side_scores(out, texts, labels, records, scorers, cfg), out["greedy"]
             if out["lm_eval"] is not None:
                 lm_eval_tables[side] = out["lm_eval"][1]
-            print(f"eval: scored the {side} on {len(texts)} prompts ({cfg.n_samples_per_prompt} sample(s) each) in "
-                  f"{time.monotonic() - started:.1f} s ({'vLLM' if cfg.use_vllm else 'transformers'} on the eval worker)", flush=True)
+            print(
+                f"eval: scored the {side} on {len(texts)} prompts ({cfg.n_samples_per_prompt} sample(s) each) in "
+                f"{time.monotonic() - started:.1f} s ({'vLLM' if cfg.use_vllm else 'transformers'} on the eval worker)",
+                flush=True,
+            )
     declared = [m for m in scores["baseline"] if m not in MODEL_METRICS and not m.startswith("pass@")]
     verifiable = [m for m in declared if metric_lib.is_success_metric(scores["baseline"][m])]
     summary = summarise(scores, verifiable, cfg)
@@ -220,8 +245,10 @@ def evaluate(cfg: EvalConfig, run: StageRun) -> None:
         "inputs": dict(run.inputs),
         # What producing the candidate took: wall time and GPU-hours over its lineage (SFT, RM, RL, ...).
         "cost": lineage_cost(cfg.policy),
-        "samples": [{"prompt": shown(p), "label": label, "baseline": b, "policy": q}
-                    for p, label, b, q in list(zip(texts, labels or [None] * len(texts), greedy["baseline"], greedy["policy"]))[:cfg.num_shown_samples]],
+        "samples": [
+            {"prompt": shown(p), "label": label, "baseline": b, "policy": q}
+            for p, label, b, q in list(zip(texts, labels or [None] * len(texts), greedy["baseline"], greedy["policy"]))[: cfg.num_shown_samples]
+        ],
     }
     if lm_eval_tables:
         report["lm_eval"] = lm_eval_tables  # lm-eval's own aggregates (with its standard errors), per side and task
@@ -230,9 +257,11 @@ def evaluate(cfg: EvalConfig, run: StageRun) -> None:
         for ref in [side for side in ("baseline", "champion") if side in greedy]:
             outcomes = llm.compare([shown(t) for t in texts], greedy["policy"], greedy[ref])
             report["win_rates"].setdefault(ref, {})[f"llm_judge {cfg.judge_model}"] = stats.win_rate(
-                outcomes, [0.5] * len(outcomes), margin=0.0, seed=cfg.seed, resamples=cfg.bootstrap_resamples)
-            print(f"eval: the judge {cfg.judge_model} at {cfg.judge_url} compared the policy with the {ref} on {len(outcomes)} "
-                  "prompts, both orders", flush=True)
+                outcomes, [0.5] * len(outcomes), margin=0.0, seed=cfg.seed, resamples=cfg.bootstrap_resamples
+            )
+            print(
+                f"eval: the judge {cfg.judge_model} at {cfg.judge_url} compared the policy with the {ref} on {len(outcomes)} prompts, both orders", flush=True
+            )
     if cfg.slice_key:
         report["slices"] = slices(scores, list(rows[cfg.slice_key]), cfg)
     for alarm in report["alarms"]:
@@ -243,5 +272,4 @@ def evaluate(cfg: EvalConfig, run: StageRun) -> None:
     # report.html and chart_*.svg: the same report with the policy's training curves, readable as files
     write_report(run.workdir, report, policy_uri=cfg.policy, run_id=cfg.run_id)
     print(table, flush=True)
-    run.commit(metrics={f"{side}_{k}": v for side in ("baseline", "policy") for k, v in report["metrics"][side].items()},
-               report="report.json")
+    run.commit(metrics={f"{side}_{k}": v for side in ("baseline", "policy") for k, v in report["metrics"][side].items()}, report="report.json")

@@ -8,6 +8,7 @@ cancels out: a prompt's outcome is the mean of the two verdicts from the candida
 0 worse, 0.5 a tie), so 0.5 also when the two orders disagree. The key, when the endpoint needs one,
 comes from $RLHF_JUDGE_API_KEY, never from a flag.
 """
+
 from __future__ import annotations
 
 import os
@@ -19,8 +20,9 @@ from tasks.common import http_json
 from tasks.common.config import ConfigError
 
 API_KEY_ENV = "RLHF_JUDGE_API_KEY"
-INSTRUCTIONS = ("You compare two responses to the same prompt and say which one is better: more correct, more helpful, "
-                "clearer. Answer with exactly one word: A, B or tie.")
+INSTRUCTIONS = (
+    "You compare two responses to the same prompt and say which one is better: more correct, more helpful, clearer. Answer with exactly one word: A, B or tie."
+)
 _VERDICT = re.compile(r"\b(A|B|tie)\b", re.I)
 
 
@@ -49,11 +51,21 @@ class ChatJudge:
 
     def ask(self, prompt: str, first: str, second: str) -> float:
         """The first response's score (1, 0 or 0.5) in the judge's eyes."""
-        reply = http_json.post_json(self.url, {
-            "model": self.model, "temperature": 0, "max_tokens": 8,
-            "messages": [{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": question(prompt, first, second)}],
-        }, who="judge_url", error=JudgeError, headers=self.headers, timeout=self.timeout, retries=self.retries,
-           backoff=self.backoff)
+        reply = http_json.post_json(
+            self.url,
+            {
+                "model": self.model,
+                "temperature": 0,
+                "max_tokens": 8,
+                "messages": [{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": question(prompt, first, second)}],
+            },
+            who="judge_url",
+            error=JudgeError,
+            headers=self.headers,
+            timeout=self.timeout,
+            retries=self.retries,
+            backoff=self.backoff,
+        )
         try:
             return verdict(reply["choices"][0]["message"]["content"])
         except (KeyError, IndexError, TypeError):
@@ -61,6 +73,7 @@ class ChatJudge:
 
     def compare(self, prompts: Sequence[str], candidate: Sequence[str], reference: Sequence[str]) -> list[float]:
         """Per prompt, the candidate's outcome against the reference, both orders asked (see the module)."""
+
         def both_orders(i: int) -> float:
             return (self.ask(prompts[i], candidate[i], reference[i]) + 1.0 - self.ask(prompts[i], reference[i], candidate[i])) / 2
 

@@ -13,6 +13,7 @@ task metric gets the stage's paired intervals and deltas against the baseline an
 reward-hacking alarm when it is a 0/1 metric, and can be named in a promotion gate. A corpus-level metric
 (BLEU, TER, …) has no per-document score: it is in lm-eval's aggregate table only.
 """
+
 from __future__ import annotations
 
 PREFIX = "lm_eval/"
@@ -40,8 +41,9 @@ def task_manager(tasks: list[str], include_path: str | None):
     unknown = [name for name in tasks if name not in manager.all_tasks]
     if unknown:
         where = f" nor in {include_path}" if include_path else ""
-        raise LmEvalError(f"lm_eval_tasks: {unknown[0]!r} is not an lm-eval task{where}; `lm-eval ls tasks` lists them, "
-                          "or put its YAML in --lm_eval_include_path")
+        raise LmEvalError(
+            f"lm_eval_tasks: {unknown[0]!r} is not an lm-eval task{where}; `lm-eval ls tasks` lists them, or put its YAML in --lm_eval_include_path"
+        )
     return manager
 
 
@@ -58,13 +60,24 @@ def per_document_scores(samples: dict[str, list[dict]]) -> dict[str, list[float]
     return scores
 
 
-def run_tasks(model, tokenizer, tasks: list[str], manager, limit: int = 0, num_fewshot: int | None = None,
-              batch_size: int = 16, seed: int = 0) -> tuple[dict[str, list[float]], dict]:
+def run_tasks(
+    model, tokenizer, tasks: list[str], manager, limit: int = 0, num_fewshot: int | None = None, batch_size: int = 16, seed: int = 0
+) -> tuple[dict[str, list[float]], dict]:
     """`tasks` on the loaded `model`: (per-document scores by metric name, lm-eval's aggregate results by task)."""
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
 
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
-    out = simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit or None, num_fewshot=num_fewshot,
-                          log_samples=True, random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed)
+    out = simple_evaluate(
+        model=lm,
+        tasks=tasks,
+        task_manager=manager,
+        limit=limit or None,
+        num_fewshot=num_fewshot,
+        log_samples=True,
+        random_seed=seed,
+        numpy_random_seed=seed,
+        torch_random_seed=seed,
+        fewshot_random_seed=seed,
+    )
     return per_document_scores(out["samples"]), out["results"]

@@ -18,6 +18,7 @@ as 0. Metrics needing labels are left out when the data has none.
 
 A metric whose scores are all 0 or 1 is a success metric: pass@k is reported for it (:func:`pass_at_k`).
 """
+
 from __future__ import annotations
 
 import json
@@ -99,7 +100,7 @@ UNLABELLED = {"json_valid": json_valid, "length": length}
 def builtin(name: str) -> Scorer:
     """The scorer of one built-in metric name."""
     if name.startswith("regex:"):
-        pattern = name[len("regex:"):]
+        pattern = name[len("regex:") :]
         try:
             re.compile(pattern)
         except re.error as exc:
@@ -109,8 +110,9 @@ def builtin(name: str) -> Scorer:
         return lambda prompts, responses, labels, rows: {name: LABELLED[name](responses, labels)} if labels else {}
     if name in UNLABELLED:
         return lambda prompts, responses, labels, rows: {name: UNLABELLED[name](responses)}
-    raise MetricError(f"metrics: unknown metric {name!r}; use exact_match, math_verify, regex:<pattern>, json_valid or "
-                      "length, or a metric file (--metric_func)")
+    raise MetricError(
+        f"metrics: unknown metric {name!r}; use exact_match, math_verify, regex:<pattern>, json_valid or length, or a metric file (--metric_func)"
+    )
 
 
 def resolve(names: Sequence[str], metric_file: str | None = None) -> list[Scorer]:
@@ -118,13 +120,13 @@ def resolve(names: Sequence[str], metric_file: str | None = None) -> list[Scorer
     file:// or s3:// URI of a .py file)."""
     scorers = [builtin(n) for n in names]
     if metric_file:
-        scorers.append(user_code.load_function(metric_file, "metrics", who="metric_func", error=MetricError,
-                                               signature="prompts, responses, labels, rows"))
+        scorers.append(user_code.load_function(metric_file, "metrics", who="metric_func", error=MetricError, signature="prompts, responses, labels, rows"))
     return scorers
 
 
-def score(scorers: Sequence[Scorer], prompts: Sequence[Any], responses: Sequence[str],
-          labels: Sequence[str | None] | None, rows: Sequence[dict]) -> dict[str, Scores]:
+def score(
+    scorers: Sequence[Scorer], prompts: Sequence[Any], responses: Sequence[str], labels: Sequence[str | None] | None, rows: Sequence[dict]
+) -> dict[str, Scores]:
     """{metric name: one score (float or None) per response}, checked: one score per response, numbers only."""
     out: dict[str, Scores] = {}
     for scorer in scorers:

@@ -8,6 +8,7 @@ lists (verified against the manifest's size and sha256 like every other read). C
 drawn here in plain Python, so the report opens from S3, a laptop or the Airflow UI with nothing else
 loaded. No torch here: the unit tests build reports from hand-made metrics.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -30,8 +31,7 @@ CHARTS = {
 }
 COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e")
 # The metrics table's rows when the report gives no order (older reports); any other metric follows.
-ORDER = ("accuracy", "preferred_style_rate", "sampled_accuracy", "sampled_preferred_style_rate", "reward_mean", "kl_to_ref",
-         "response_length")
+ORDER = ("accuracy", "preferred_style_rate", "sampled_accuracy", "sampled_preferred_style_rate", "reward_mean", "kl_to_ref", "response_length")
 
 
 # ---------------------------------------------------------------- reading the curves
@@ -66,8 +66,7 @@ def training_metrics(policy_uri: str) -> tuple[list[dict], str | None]:
     stage output (a hub id, a plain folder) or its stage wrote no metrics.jsonl."""
     if not policy_uri:
         return [], None
-    is_output = storage.is_s3(policy_uri) or policy_uri.endswith(manifests.MANIFEST) or (
-        (storage.local_path(policy_uri) / manifests.MANIFEST).is_file())
+    is_output = storage.is_s3(policy_uri) or policy_uri.endswith(manifests.MANIFEST) or ((storage.local_path(policy_uri) / manifests.MANIFEST).is_file())
     if not is_output:
         return [], None
     m = manifests.read_manifest(policy_uri)
@@ -109,11 +108,13 @@ def svg_line_chart(title: str, lines: dict[str, list[tuple[float, float]]], widt
     left, right, top, bottom = 64, 16, 34, 44
     pw, ph = width - left - right, height - top - bottom
     points = [p for pts in lines.values() for p in pts]
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
-           f'role="img" aria-label="{html.escape(title)}" font-family="sans-serif" font-size="11">',
-           f"<title>{html.escape(title)}</title>",
-           f'<rect width="{width}" height="{height}" fill="#fff"/>',
-           f'<text x="{width / 2}" y="18" text-anchor="middle" font-size="14" font-weight="bold">{html.escape(title)}</text>']
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
+        f'role="img" aria-label="{html.escape(title)}" font-family="sans-serif" font-size="11">',
+        f"<title>{html.escape(title)}</title>",
+        f'<rect width="{width}" height="{height}" fill="#fff"/>',
+        f'<text x="{width / 2}" y="18" text-anchor="middle" font-size="14" font-weight="bold">{html.escape(title)}</text>',
+    ]
     if not points:
         out += [f'<text x="{width / 2}" y="{height / 2}" text-anchor="middle" fill="#666">no data</text>', "</svg>"]
         return "\n".join(out)
@@ -123,11 +124,15 @@ def svg_line_chart(title: str, lines: dict[str, list[tuple[float, float]]], widt
     sx = lambda x: left + (x - x0) / (x1 - x0) * pw  # noqa: E731
     sy = lambda y: top + ph - (y - y0) / (y1 - y0) * ph  # noqa: E731
     for t in yt:
-        out.append(f'<line x1="{left}" x2="{left + pw}" y1="{sy(t):.1f}" y2="{sy(t):.1f}" stroke="#e5e5e5"/>'
-                   f'<text x="{left - 6}" y="{sy(t) + 4:.1f}" text-anchor="end">{_fmt(t)}</text>')
+        out.append(
+            f'<line x1="{left}" x2="{left + pw}" y1="{sy(t):.1f}" y2="{sy(t):.1f}" stroke="#e5e5e5"/>'
+            f'<text x="{left - 6}" y="{sy(t) + 4:.1f}" text-anchor="end">{_fmt(t)}</text>'
+        )
     for t in xt:
-        out.append(f'<line x1="{sx(t):.1f}" x2="{sx(t):.1f}" y1="{top + ph}" y2="{top + ph + 4}" stroke="#333"/>'
-                   f'<text x="{sx(t):.1f}" y="{top + ph + 16}" text-anchor="middle">{_fmt(t)}</text>')
+        out.append(
+            f'<line x1="{sx(t):.1f}" x2="{sx(t):.1f}" y1="{top + ph}" y2="{top + ph + 4}" stroke="#333"/>'
+            f'<text x="{sx(t):.1f}" y="{top + ph + 16}" text-anchor="middle">{_fmt(t)}</text>'
+        )
     out.append(f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="none" stroke="#333"/>')
     out.append(f'<text x="{left + pw / 2}" y="{height - 8}" text-anchor="middle">step</text>')
     for i, (name, pts) in enumerate(lines.items()):
@@ -136,11 +141,12 @@ def svg_line_chart(title: str, lines: dict[str, list[tuple[float, float]]], widt
         if len(pts) == 1:  # one logged step: a dot, a one-point polyline draws nothing
             out.append(f'<circle cx="{sx(pts[0][0]):.1f}" cy="{sy(pts[0][1]):.1f}" r="3" fill="{color}"/>')
         else:
-            out.append(f'<polyline class="series" data-name="{html.escape(name)}" points="{coords}" fill="none" '
-                       f'stroke="{color}" stroke-width="1.8"/>')
+            out.append(f'<polyline class="series" data-name="{html.escape(name)}" points="{coords}" fill="none" stroke="{color}" stroke-width="1.8"/>')
         lx = left + 8 + i * 130
-        out.append(f'<line x1="{lx}" x2="{lx + 16}" y1="{top + 10}" y2="{top + 10}" stroke="{color}" stroke-width="3"/>'
-                   f'<text x="{lx + 20}" y="{top + 14}">{html.escape(name)}</text>')
+        out.append(
+            f'<line x1="{lx}" x2="{lx + 16}" y1="{top + 10}" y2="{top + 10}" stroke="{color}" stroke-width="3"/>'
+            f'<text x="{lx + 20}" y="{top + 14}">{html.escape(name)}</text>'
+        )
     out.append("</svg>")
     return "\n".join(out)
 
@@ -186,25 +192,24 @@ def metrics_table(report: dict) -> str:
     head = "".join(f"<th>{html.escape(s)}</th>" for s in sides)
     rows = [f'<table id="metrics"><tr><th>metric</th>{head}<th>change (policy − baseline)</th></tr>']
     for k in names:
-        cells = "".join(f'<td class="num">{_num(report["metrics"][s].get(k, "–"))}{_interval(intervals.get(s, {}).get(k))}</td>'
-                        for s in sides)
+        cells = "".join(f'<td class="num">{_num(report["metrics"][s].get(k, "–"))}{_interval(intervals.get(s, {}).get(k))}</td>' for s in sides)
         change = ""
         if isinstance(base.get(k), (int, float)) and isinstance(pol.get(k), (int, float)):
             d = pol[k] - base[k]
-            change = (f'<span class="{"up" if d > 0 else "down" if d < 0 else ""}">{d:+.3f}</span>'
-                      f'{_interval(change_ci.get(k, {}).get("interval"))}')
+            change = f'<span class="{"up" if d > 0 else "down" if d < 0 else ""}">{d:+.3f}</span>{_interval(change_ci.get(k, {}).get("interval"))}'
         rows.append(f'<tr><td>{html.escape(k)}</td>{cells}<td class="num">{change}</td></tr>')
     return "\n".join(rows) + "</table>"
 
 
 def win_rates_table(report: dict) -> str:
-    rows = ['<table id="win-rates"><tr><th>policy against</th><th>judge</th><th>win rate</th><th>wins</th><th>ties</th>'
-            "<th>losses</th></tr>"]
+    rows = ['<table id="win-rates"><tr><th>policy against</th><th>judge</th><th>win rate</th><th>wins</th><th>ties</th><th>losses</th></tr>']
     for ref, judges in report.get("win_rates", {}).items():
         for judge, w in judges.items():
-            rows.append(f"<tr><td>{html.escape(ref)}</td><td>{html.escape(judge)} (ties within {w['margin']})</td>"
-                        f'<td class="num">{w["rate"]:.3f}{_interval(w.get("interval"))}</td><td class="num">{w["wins"]}</td>'
-                        f'<td class="num">{w["ties"]}</td><td class="num">{w["losses"]}</td></tr>')
+            rows.append(
+                f"<tr><td>{html.escape(ref)}</td><td>{html.escape(judge)} (ties within {w['margin']})</td>"
+                f'<td class="num">{w["rate"]:.3f}{_interval(w.get("interval"))}</td><td class="num">{w["wins"]}</td>'
+                f'<td class="num">{w["ties"]}</td><td class="num">{w["losses"]}</td></tr>'
+            )
     return "\n".join(rows) + "</table>"
 
 
@@ -214,44 +219,62 @@ def slices_table(report: dict) -> str:
     head = "".join(f"<th>{html.escape(n)} (policy)</th>" for n in names)
     rows = [f'<table id="slices"><tr><th>{html.escape(sliced["key"])}</th><th>prompts</th>{head}</tr>']
     for value, group in sliced["groups"].items():
-        cells = "".join(f'<td class="num">{_num(group["policy"][n]["mean"])}{_interval(group["policy"][n]["interval"])}</td>'
-                        if n in group.get("policy", {}) else "<td>–</td>" for n in names)
+        cells = "".join(
+            f'<td class="num">{_num(group["policy"][n]["mean"])}{_interval(group["policy"][n]["interval"])}</td>'
+            if n in group.get("policy", {})
+            else "<td>–</td>"
+            for n in names
+        )
         rows.append(f'<tr><td>{html.escape(value)}</td><td class="num">{group["prompts"]}</td>{cells}</tr>')
     return "\n".join(rows) + "</table>"
 
 
 def render_html(report: dict, chart_svgs: dict[str, str], metrics_uri: str | None, run_id: str = "") -> str:
     e = html.escape
-    parts = ["<!doctype html>", '<html lang="en"><head><meta charset="utf-8">',
-             f"<title>rlhf-flow evaluation {e(run_id)}</title><style>{_CSS}</style></head><body>",
-             f"<h1>Evaluation{' of ' + e(run_id) if run_id else ''}</h1>"]
+    parts = [
+        "<!doctype html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        f"<title>rlhf-flow evaluation {e(run_id)}</title><style>{_CSS}</style></head><body>",
+        f"<h1>Evaluation{' of ' + e(run_id) if run_id else ''}</h1>",
+    ]
     parts += [f'<p class="alarm">{e(alarm)}</p>' for alarm in report.get("alarms", [])]
-    parts += [f'<p class="note">{report.get("num_prompts", "?")} held-out prompts. &lt;metric&gt;: the greedy response; '
-              f'sampled_&lt;metric&gt; and the model metrics: {report.get("samples_per_prompt", 1)} sample(s) per prompt at '
-              f'temperature {e(str(report.get("temperature", "?")))}. Intervals: 95%, paired bootstrap over prompts.'
-              f'{"" if report.get("labelled", True) else " No reference answers (no label column): the metrics that need them are left out."}</p>',
-              "<h2>Metrics</h2>", metrics_table(report)]
+    parts += [
+        f'<p class="note">{report.get("num_prompts", "?")} held-out prompts. &lt;metric&gt;: the greedy response; '
+        f"sampled_&lt;metric&gt; and the model metrics: {report.get('samples_per_prompt', 1)} sample(s) per prompt at "
+        f"temperature {e(str(report.get('temperature', '?')))}. Intervals: 95%, paired bootstrap over prompts."
+        f"{'' if report.get('labelled', True) else ' No reference answers (no label column): the metrics that need them are left out.'}</p>",
+        "<h2>Metrics</h2>",
+        metrics_table(report),
+    ]
     if report.get("win_rates"):
         parts += ["<h2>Win rates</h2>", win_rates_table(report)]
     if report.get("slices"):
-        parts += [f"<h2>By {e(report['slices']['key'])}</h2>", slices_table(report),
-                  f'<p class="note">Smallest slice: {e(str(report["slices"]["smallest"]))}.</p>']
+        parts += [
+            f"<h2>By {e(report['slices']['key'])}</h2>",
+            slices_table(report),
+            f'<p class="note">Smallest slice: {e(str(report["slices"]["smallest"]))}.</p>',
+        ]
     parts.append("<h2>Training curves of the policy</h2>")
     if chart_svgs:
         parts.append(f'<p class="note">From <code>{e(metrics_uri or "")}</code>, per logged step.</p>')
         parts.append('<div class="charts">' + "".join(f'<figure id="chart-{e(n)}">{s}</figure>' for n, s in chart_svgs.items()) + "</div>")
     else:
-        parts.append('<p class="note">None: the policy is not a stage output with a metrics.jsonl (a hub id or plain folder), '
-                     "or its stage logged no reward, KL or loss.</p>")
+        parts.append(
+            '<p class="note">None: the policy is not a stage output with a metrics.jsonl (a hub id or plain folder), '
+            "or its stage logged no reward, KL or loss.</p>"
+        )
     if report.get("samples"):
         parts.append("<h2>Samples (greedy)</h2><table><tr><th>prompt</th><th>label</th><th>baseline</th><th>policy</th></tr>")
-        parts += [f"<tr><td><code>{e(str(s['prompt']))}</code></td><td>{e('–' if s['label'] is None else str(s['label']))}</td>"
-                  f"<td><code>{e(str(s['baseline']))}</code></td><td><code>{e(str(s['policy']))}</code></td></tr>"
-                  for s in report["samples"]]
+        parts += [
+            f"<tr><td><code>{e(str(s['prompt']))}</code></td><td>{e('–' if s['label'] is None else str(s['label']))}</td>"
+            f"<td><code>{e(str(s['baseline']))}</code></td><td><code>{e(str(s['policy']))}</code></td></tr>"
+            for s in report["samples"]
+        ]
         parts.append("</table>")
     if report.get("inputs"):
-        parts.append("<h2>Inputs</h2><table>" + "".join(
-            f"<tr><td>{e(k)}</td><td><code>{e(str(v))}</code></td></tr>" for k, v in report["inputs"].items()) + "</table>")
+        parts.append(
+            "<h2>Inputs</h2><table>" + "".join(f"<tr><td>{e(k)}</td><td><code>{e(str(v))}</code></td></tr>" for k, v in report["inputs"].items()) + "</table>"
+        )
     parts.append("</body></html>")
     return "\n".join(parts) + "\n"
 

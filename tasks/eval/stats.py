@@ -8,6 +8,7 @@ Everything resamples prompts, not responses: a prompt's samples stay together (t
 score), and a delta is taken per prompt before resampling, so the two policies are compared on the same
 prompts in every resample (a paired bootstrap). Percentile intervals, seeded, so a report is repeatable.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -25,7 +26,7 @@ def per_prompt(values: Sequence[float | None], samples_per_prompt: int) -> list[
         raise ValueError(f"{len(values)} scores are not {n} per prompt")
     out = []
     for i in range(0, len(values), n):
-        scored = [v for v in values[i:i + n] if v is not None]
+        scored = [v for v in values[i : i + n] if v is not None]
         out.append(sum(scored) / len(scored) if scored else None)
     return out
 
@@ -38,15 +39,15 @@ def _interval(values: np.ndarray, seed: int, resamples: int, level: float) -> li
     return [round(float(lo), 4), round(float(hi), 4)]
 
 
-def mean_interval(values: Sequence[float | None], seed: int = 0, resamples: int = RESAMPLES,
-                  level: float = LEVEL) -> list[float] | None:
+def mean_interval(values: Sequence[float | None], seed: int = 0, resamples: int = RESAMPLES, level: float = LEVEL) -> list[float] | None:
     """The bootstrap interval of the mean of the scored values (None when fewer than two are scored)."""
     scored = np.array([v for v in values if v is not None], dtype=float)
     return _interval(scored, seed, resamples, level) if len(scored) > 1 else None
 
 
-def delta_interval(candidate: Sequence[float | None], reference: Sequence[float | None], seed: int = 0,
-                   resamples: int = RESAMPLES, level: float = LEVEL) -> tuple[float | None, list[float] | None]:
+def delta_interval(
+    candidate: Sequence[float | None], reference: Sequence[float | None], seed: int = 0, resamples: int = RESAMPLES, level: float = LEVEL
+) -> tuple[float | None, list[float] | None]:
     """(mean of candidate - reference, its paired bootstrap interval) over the prompts both score."""
     if len(candidate) != len(reference):
         raise ValueError(f"paired scores differ in length: {len(candidate)} and {len(reference)}")
@@ -63,8 +64,9 @@ def significant(interval: Sequence[float] | None) -> int:
     return 1 if interval[0] > 0 else -1 if interval[1] < 0 else 0
 
 
-def win_rate(candidate: Sequence[float], reference: Sequence[float], margin: float = 0.0, seed: int = 0,
-             resamples: int = RESAMPLES, level: float = LEVEL) -> dict:
+def win_rate(
+    candidate: Sequence[float], reference: Sequence[float], margin: float = 0.0, seed: int = 0, resamples: int = RESAMPLES, level: float = LEVEL
+) -> dict:
     """Per prompt, the candidate wins when its score beats the reference's by more than ``margin``, loses
     when it trails by more, and ties otherwise. ``rate`` = (wins + ties / 2) / prompts, with its interval."""
     if len(candidate) != len(reference) or not len(candidate):
@@ -72,7 +74,9 @@ def win_rate(candidate: Sequence[float], reference: Sequence[float], margin: flo
     diff = np.asarray(candidate, dtype=float) - np.asarray(reference, dtype=float)
     outcome = np.where(diff > margin, 1.0, np.where(diff < -margin, 0.0, 0.5))
     return {
-        "wins": int((outcome == 1.0).sum()), "ties": int((outcome == 0.5).sum()), "losses": int((outcome == 0.0).sum()),
+        "wins": int((outcome == 1.0).sum()),
+        "ties": int((outcome == 0.5).sum()),
+        "losses": int((outcome == 0.0).sum()),
         "rate": round(float(outcome.mean()), 4),
         "interval": _interval(outcome, seed, resamples, level) if len(outcome) > 1 else None,
         "margin": margin,
@@ -89,7 +93,9 @@ def hacking_alarms(comparison: dict, verifiable: Sequence[str], reward: str = "r
     for metric in verifiable:
         fall = comparison.get(metric)
         if fall and significant(fall.get("interval")) < 0:
-            lines.append(f"reward hacking suspected: {reward} rose {rise['delta']:+.4f} (95% CI {rise['interval'][0]:+.4f} to "
-                         f"{rise['interval'][1]:+.4f}) while {metric} fell {fall['delta']:+.4f} (95% CI "
-                         f"{fall['interval'][0]:+.4f} to {fall['interval'][1]:+.4f})")
+            lines.append(
+                f"reward hacking suspected: {reward} rose {rise['delta']:+.4f} (95% CI {rise['interval'][0]:+.4f} to "
+                f"{rise['interval'][1]:+.4f}) while {metric} fell {fall['delta']:+.4f} (95% CI "
+                f"{fall['interval'][0]:+.4f} to {fall['interval'][1]:+.4f})"
+            )
     return lines

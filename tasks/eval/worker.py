@@ -14,6 +14,7 @@ generates through the same rollout-engine slot as RL: the transformers engine on
 --use_vllm one vLLM engine on its GPU that is loaded with each model's weights in turn (the models
 compared share the baseline's architecture). Models are fetched on the worker's own node.
 """
+
 from __future__ import annotations
 
 import torch
@@ -42,9 +43,9 @@ def summed_logprobs(model, rollout: Rollout, batch_size: int = 256) -> torch.Ten
     device = next(model.parameters()).device
     out = []
     for i in range(0, rollout.sequences.size(0), batch_size):
-        seqs, mask = rollout.sequences[i:i + batch_size].to(device), rollout.attention_mask[i:i + batch_size].to(device)
-        logprobs = sequence_logprobs(model, seqs, mask)[:, rollout.prompt_width - 1:]
-        out.append((logprobs * rollout.response_mask[i:i + batch_size].to(device)).sum(-1).cpu())
+        seqs, mask = rollout.sequences[i : i + batch_size].to(device), rollout.attention_mask[i : i + batch_size].to(device)
+        logprobs = sequence_logprobs(model, seqs, mask)[:, rollout.prompt_width - 1 :]
+        out.append((logprobs * rollout.response_mask[i : i + batch_size].to(device)).sum(-1).cpu())
     return torch.cat(out)
 
 
@@ -66,9 +67,9 @@ class EvalWorker(Worker):
             from tasks.rl.vllm_engine import VLLMRolloutEngine  # GPU only: vllm is the gpu extra
 
             positions = getattr(self.reference.config, "max_position_embeddings", None) or 4096
-            self.vllm = VLLMRolloutEngine(path, load_tokenizer(path), max_model_len=positions,
-                                          gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, seed=cfg.seed,
-                                          dtype="bfloat16")
+            self.vllm = VLLMRolloutEngine(
+                path, load_tokenizer(path), max_model_len=positions, gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, seed=cfg.seed, dtype="bfloat16"
+            )
 
     def _include_path(self) -> str | None:
         """--lm_eval_include_path as a folder on this node: an s3:// prefix is downloaded into the node's scratch."""
@@ -97,9 +98,15 @@ class EvalWorker(Worker):
         greedy = engine.generate(ids, cfg.generate_max_len, greedy=True).texts(tokenizer)
         set_seed(cfg.seed)  # every side samples with the same seed
         sampled = engine.generate(repeat(ids, n), cfg.generate_max_len, temperature=cfg.temperature).to("cpu")
-        out = {"greedy": greedy, "sampled": sampled.texts(tokenizer),
-               "kl_to_ref": (summed_logprobs(model, sampled) - summed_logprobs(self.reference, sampled)).tolist(),
-               "response_length": sampled.response_lengths().float().tolist(), "reward_mean": None, "episodes": None, "lm_eval": None}
+        out = {
+            "greedy": greedy,
+            "sampled": sampled.texts(tokenizer),
+            "kl_to_ref": (summed_logprobs(model, sampled) - summed_logprobs(self.reference, sampled)).tolist(),
+            "response_length": sampled.response_lengths().float().tolist(),
+            "reward_mean": None,
+            "episodes": None,
+            "lm_eval": None,
+        }
         if self.reward is not None:
             batch = build_reward_batch(sampled, tokenizer, repeat(prompts, n), repeat(labels, n) if labels is not None else None)
             out["reward_mean"] = self.reward.score(batch).tolist()
@@ -107,8 +114,15 @@ class EvalWorker(Worker):
             out["episodes"] = self._episodes(engine, tokenizer, rows)
         if self.lm_eval is not None:
             out["lm_eval"] = lm_eval_tasks.run_tasks(
-                model, tokenizer, split_list(cfg.lm_eval_tasks), self.lm_eval, cfg.lm_eval_limit,
-                None if cfg.lm_eval_num_fewshot < 0 else cfg.lm_eval_num_fewshot, cfg.lm_eval_batch_size, cfg.seed)
+                model,
+                tokenizer,
+                split_list(cfg.lm_eval_tasks),
+                self.lm_eval,
+                cfg.lm_eval_limit,
+                None if cfg.lm_eval_num_fewshot < 0 else cfg.lm_eval_num_fewshot,
+                cfg.lm_eval_batch_size,
+                cfg.seed,
+            )
         if model is not self.reference:
             del model
         return out

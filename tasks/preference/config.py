@@ -25,9 +25,14 @@ class PreferenceConfig(TrainingConfig):
     beta: float = field(default=0.1, metadata={"help": "strength of the implicit KL constraint to the reference", "exclusive_min": 0, "max": 100})
     loss_type: str = field(default="sigmoid", metadata={"help": "dpo: sigmoid (DPO) or ipo", "choices": DPO_LOSS_TYPES})
     label_smoothing: float = field(default=0.0, metadata={"help": "dpo: assumed label noise ε of conservative DPO, in [0, 0.5)"})
-    nll_loss_coef: float = field(default=0.0, metadata={"help": "dpo: add this times the chosen responses' NLL (token mean) to the loss, which keeps their likelihood from sliding (RPO)", "min": 0})
+    nll_loss_coef: float = field(
+        default=0.0,
+        metadata={"help": "dpo: add this times the chosen responses' NLL (token mean) to the loss, which keeps their likelihood from sliding (RPO)", "min": 0},
+    )
     reference_free: bool = field(default=False, metadata={"help": "dpo: no reference model (its log-probabilities are taken as 0)"})
-    ref_offload: bool = field(default=False, metadata={"help": "compute the reference log-probabilities of the whole dataset once, then free the reference model"})
+    ref_offload: bool = field(
+        default=False, metadata={"help": "compute the reference log-probabilities of the whole dataset once, then free the reference model"}
+    )
     desirable_weight: float = field(default=1.0, metadata={"help": "kto: weight of desirable examples' loss", "exclusive_min": 0})
     undesirable_weight: float = field(default=1.0, metadata={"help": "kto: weight of undesirable examples' loss", "exclusive_min": 0})
     max_steps: int = field(default=100, metadata={"help": "optimizer steps", "min": 1, "max": 1_000_000})
@@ -35,7 +40,13 @@ class PreferenceConfig(TrainingConfig):
     learning_rate: float = field(default=5e-5, metadata={"help": "peak learning rate (AdamW)", "exclusive_min": 0, "max": 1})
     lr_warmup_steps: int = field(default=10, metadata={"help": "linear warmup steps"})
     lr_scheduler: str = field(default="constant", metadata={"help": "after warmup: constant, or cosine down to 0.1 of the peak", "choices": LR_SCHEDULERS})
-    max_len: int = field(default=512, metadata={"help": "longest prompt+response in tokens; longer ones lose the start of their prompt (then the end of the response) and are counted", "min": 1})
+    max_len: int = field(
+        default=512,
+        metadata={
+            "help": "longest prompt+response in tokens; longer ones lose the start of their prompt (then the end of the response) and are counted",
+            "min": 1,
+        },
+    )
     logging_steps: int = field(default=10, metadata={"help": "log metrics every this many steps", "min": 1})
     num_nodes: int = field(default=1, metadata={"help": "nodes of the data-parallel worker group", "min": 1})
     num_gpus_per_node: int = field(default=1, metadata={"help": "workers per node, one GPU each (one CPU on a CPU-only cluster)", "min": 1})
@@ -57,5 +68,6 @@ class PreferenceConfig(TrainingConfig):
             raise ConfigError(f"label_smoothing: {self.label_smoothing} must be in [0, 0.5)")
         if self.reference_free and self.ref_offload:
             raise ConfigError("ref_offload: there is no reference to offload with --reference_free; drop one of them")
-        check_batch("train_batch_size", self.train_batch_size, self.micro_train_batch_size, self.num_nodes * self.num_gpus_per_node,
-                    "num_nodes × num_gpus_per_node")
+        check_batch(
+            "train_batch_size", self.train_batch_size, self.micro_train_batch_size, self.num_nodes * self.num_gpus_per_node, "num_nodes × num_gpus_per_node"
+        )

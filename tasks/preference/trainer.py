@@ -9,6 +9,7 @@ KTO's KL baseline z0 pairs each prompt with the next example's completion ("mism
 i+1 mod N, so it can be precomputed too) and averages the policy/reference log-ratio over the
 global batch.
 """
+
 from __future__ import annotations
 
 import torch
@@ -35,8 +36,11 @@ def tokenize(rows, tokenizer, cfg: PreferenceConfig) -> tuple[list[list[int]], l
     prompts, responses, truncated = [], [], 0
     columns = keys(cfg)[1:2] if cfg.method == "kto" else keys(cfg)[1:]
     for row in zip(*(rows[k] for k in [cfg.prompt_key, *columns])):
-        p, outs, cut = data.fit(data.encode_prompt(tokenizer, row[0], cfg.apply_chat_template),
-                                [data.encode_response(tokenizer, text, cfg.apply_chat_template) for text in row[1:]], cfg.max_len)
+        p, outs, cut = data.fit(
+            data.encode_prompt(tokenizer, row[0], cfg.apply_chat_template),
+            [data.encode_response(tokenizer, text, cfg.apply_chat_template) for text in row[1:]],
+            cfg.max_len,
+        )
         prompts.append(p)
         responses.append(outs)
         truncated += cut
@@ -45,8 +49,9 @@ def tokenize(rows, tokenizer, cfg: PreferenceConfig) -> tuple[list[list[int]], l
 
 @torch.no_grad()
 def _no_grad_logps(model, prompts, responses, pad_id, device, batch_size=256) -> torch.Tensor:
-    return torch.cat([summed_logps(model, prompts[i:i + batch_size], responses[i:i + batch_size], pad_id, device)
-                      for i in range(0, len(prompts), batch_size)])
+    return torch.cat(
+        [summed_logps(model, prompts[i : i + batch_size], responses[i : i + batch_size], pad_id, device) for i in range(0, len(prompts), batch_size)]
+    )
 
 
 def summed_logps(model, prompts: list[list[int]], responses: list[list[int]], pad_id: int, device) -> torch.Tensor:
@@ -120,34 +125,54 @@ class PreferenceWorker(TrainingWorker):
         """One optimizer step on this worker's share of the next global batch; global means of the statistics."""
         cfg = self.cfg
         batch = shard(self.sampler.next(), self.world_size)[self.rank]
-        chunks = [batch[i:i + self.micro] for i in range(0, len(batch), self.micro)]
+        chunks = [batch[i : i + self.micro] for i in range(0, len(batch), self.micro)]
         z0 = None
         if cfg.method == "kto":
             policy = _no_grad_logps(self.engine.module, *self._sequences(batch, "mismatched"), self.tokenizer.pad_token_id, self.strategy.device)
             # mean over the world first, then the clamp (kto_kl_baseline): clamping per worker biases z0 up
-            z0 = kto_kl_baseline(policy, self._reference_logps(batch, "mismatched"),
-                                 reduce_mean=lambda local: self.strategy.all_reduce(local, op="mean"))
+            z0 = kto_kl_baseline(policy, self._reference_logps(batch, "mismatched"), reduce_mean=lambda local: self.strategy.all_reduce(local, op="mean"))
         sums: dict[str, torch.Tensor] = {}
         for chunk in chunks:
             if cfg.method == "dpo":
                 chosen, rejected = self._policy_logps(chunk, ["chosen", "rejected"])
                 loss, chosen_rewards, rejected_rewards = dpo_loss(
-                    chosen, rejected, self._reference_logps(chunk, "chosen"), self._reference_logps(chunk, "rejected"),
-                    beta=cfg.beta, loss_type=cfg.loss_type, label_smoothing=cfg.label_smoothing, reference_free=cfg.reference_free)
+                    chosen,
+                    rejected,
+                    self._reference_logps(chunk, "chosen"),
+                    self._reference_logps(chunk, "rejected"),
+                    beta=cfg.beta,
+                    loss_type=cfg.loss_type,
+                    label_smoothing=cfg.label_smoothing,
+                    reference_free=cfg.reference_free,
+                )
                 if cfg.nll_loss_coef:
                     tokens = sum(len(self.responses[i][0]) for i in chunk)
                     loss = loss + cfg.nll_loss_coef * sft_loss(chosen, torch.ones_like(chosen), tokens)
-                stats = {"loss": loss.detach(), "reward_accuracy": (chosen_rewards > rejected_rewards).float().mean(),
-                         "margin": (chosen_rewards - rejected_rewards).mean(), "chosen_reward": chosen_rewards.mean(),
-                         "rejected_reward": rejected_rewards.mean()}
+                stats = {
+                    "loss": loss.detach(),
+                    "reward_accuracy": (chosen_rewards > rejected_rewards).float().mean(),
+                    "margin": (chosen_rewards - rejected_rewards).mean(),
+                    "chosen_reward": chosen_rewards.mean(),
+                    "rejected_reward": rejected_rewards.mean(),
+                }
             else:
                 (logps,) = self._policy_logps(chunk, ["completion"])
                 desirable = self.desirable[chunk].to(self.strategy.device)
-                loss, rewards = kto_loss(logps, self._reference_logps(chunk, "completion"), desirable, z0, beta=cfg.beta,
-                                         desirable_weight=cfg.desirable_weight, undesirable_weight=cfg.undesirable_weight)
-                stats = {"loss": loss.detach(), "kl": z0,
-                         # reward separation: mean over the desirable minus mean over the undesirable (0 if one is absent)
-                         "margin": _mean(rewards[desirable]) - _mean(rewards[~desirable])}
+                loss, rewards = kto_loss(
+                    logps,
+                    self._reference_logps(chunk, "completion"),
+                    desirable,
+                    z0,
+                    beta=cfg.beta,
+                    desirable_weight=cfg.desirable_weight,
+                    undesirable_weight=cfg.undesirable_weight,
+                )
+                stats = {
+                    "loss": loss.detach(),
+                    "kl": z0,
+                    # reward separation: mean over the desirable minus mean over the undesirable (0 if one is absent)
+                    "margin": _mean(rewards[desirable]) - _mean(rewards[~desirable]),
+                }
             self.engine.backward(loss)
             self.engine.step()
             for key, value in stats.items():
@@ -170,10 +195,22 @@ def train(cfg: PreferenceConfig, run: StageRun) -> None:
         run.input("ref_pretrain", cfg.ref_pretrain)
     with placed_group(PreferenceWorker, cfg.num_nodes, cfg.num_gpus_per_node, "preference") as group:
         info = group.run("setup", cfg)[0]
-        print(f"preference ({cfg.method}): {info['examples']} examples, {info['truncated']} sequences cut to {cfg.max_len} tokens, "
-              f"{group.world_size} worker(s)", flush=True)
+        print(
+            f"preference ({cfg.method}): {info['examples']} examples, {info['truncated']} sequences cut to {cfg.max_len} tokens, {group.world_size} worker(s)",
+            flush=True,
+        )
         stats = train_steps(run, group, cfg.max_steps, cfg.logging_steps)
         group.run("save_model", str(run.workdir / "model"))
-    run.commit(metrics={**{k: round(v, 5) for k, v in stats.items()}, "method": cfg.method, "steps": cfg.max_steps,
-                        "examples": info["examples"], "truncated": info["truncated"], "workers": group.world_size,
-                        "trainable_params": info["trainable_params"]}, model="model", **lora.manifest_fields(cfg))
+    run.commit(
+        metrics={
+            **{k: round(v, 5) for k, v in stats.items()},
+            "method": cfg.method,
+            "steps": cfg.max_steps,
+            "examples": info["examples"],
+            "truncated": info["truncated"],
+            "workers": group.world_size,
+            "trainable_params": info["trainable_params"],
+        },
+        model="model",
+        **lora.manifest_fields(cfg),
+    )

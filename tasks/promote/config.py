@@ -14,7 +14,12 @@ class PromoteConfig(StageConfig):
 
     evaluation: str = field(default="", metadata={"help": "the eval stage's output URI (its report holds candidate, baseline and champion metrics)"})
     registry: str = field(default="", metadata={"help": "the model's registry folder, e.g. s3://bucket/prefix/models/<name>"})
-    gate: str = field(default=json.dumps(DEFAULT_GATE), metadata={"help": 'JSON rules per metric: {"accuracy": {"max_drop": 0.02}, ...} (min, max, min_gain, max_drop, min_gain_lower); {}: no declared 0/1 metric drops over 2 points, KL under 2, and one gains beyond noise'})
+    gate: str = field(
+        default=json.dumps(DEFAULT_GATE),
+        metadata={
+            "help": 'JSON rules per metric: {"accuracy": {"max_drop": 0.02}, ...} (min, max, min_gain, max_drop, min_gain_lower); {}: no declared 0/1 metric drops over 2 points, KL under 2, and one gains beyond noise'
+        },
+    )
     allow_promotion: bool = field(default=True, metadata={"help": "false: judge and record the candidate, never promote (manual runs)"})
     promoted_by: str = field(default="", metadata={"help": "who or what promotes (recorded in the history)"})
 

@@ -15,6 +15,7 @@ An empty gate ({}, the default) is made from the metrics the run declared (the e
 ``verifiable_metrics``, its 0/1 metrics): none may drop more than 2 points (``default_rules``), KL to the
 SFT model stays under 2 nats, and at least one of them must gain beyond noise (``real_gain``).
 """
+
 from __future__ import annotations
 
 from tasks.common.config import ConfigError
@@ -42,12 +43,10 @@ def check_rules(rules: dict) -> None:
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ConfigError(f"gate: {metric}.{kind} must be a number, got {value!r}")
     if not set(rules) - set(REWARD_METRICS):
-        raise ConfigError(f"gate: needs at least one metric the reward model does not produce (not only {list(REWARD_METRICS)}), "
-                          "such as accuracy or kl_to_ref")
+        raise ConfigError(f"gate: needs at least one metric the reward model does not produce (not only {list(REWARD_METRICS)}), such as accuracy or kl_to_ref")
 
 
-def judge(candidate: dict, reference: dict, rules: dict, comparison: dict | None = None,
-          alarms: list[str] | tuple = ()) -> tuple[bool, list[str]]:
+def judge(candidate: dict, reference: dict, rules: dict, comparison: dict | None = None, alarms: list[str] | tuple = ()) -> tuple[bool, list[str]]:
     """(passed, one line per rule saying how it went). A metric missing on either side fails its rule, as
     does an interval rule without the interval; every alarm fails the gate."""
     reasons, passed = [], True

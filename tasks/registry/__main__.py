@@ -13,6 +13,7 @@ the first word, and ``--output``/``--run_id`` (what RayJobOperator always passes
 manifest holding its result at ``--output``, so the manual DAG (dags/rlhf_registry.py) runs it as a stage.
 Bad input: one line on stderr naming the flag, exit status 2. S3 from the environment (tasks.common.storage).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -69,21 +70,33 @@ def parser() -> argparse.ArgumentParser:
 
 def _table(listing: dict) -> str:
     champ = listing["champion"]
-    lines = [f"registry {listing['registry']}",
-             f"champion: v{champ['version']} {champ['policy']} ({champ.get('action', 'promote')} by {champ['promoted_by']} "
-             f"at {champ['promoted_at']})" if champ else "champion: none yet (expected_version 0)", "", "history:"]
+    lines = [
+        f"registry {listing['registry']}",
+        f"champion: v{champ['version']} {champ['policy']} ({champ.get('action', 'promote')} by {champ['promoted_by']} at {champ['promoted_at']})"
+        if champ
+        else "champion: none yet (expected_version 0)",
+        "",
+        "history:",
+    ]
     for h in listing["history"]:
         what = h.get("action", "promote") + (f" to v{h['rolled_back_to']}" if "rolled_back_to" in h else "")
-        lines.append(f"  v{h['version']}  {h['promoted_at']}  {what:<16} by {h['promoted_by']:<28} run {h.get('run_id', '-')}"
-                     + (f"  reason: {h['reason']}" if h.get("reason") else ""))
+        lines.append(
+            f"  v{h['version']}  {h['promoted_at']}  {what:<16} by {h['promoted_by']:<28} run {h.get('run_id', '-')}"
+            + (f"  reason: {h['reason']}" if h.get("reason") else "")
+        )
     lines += ["", "candidates (newest last):"]
     for c in listing["candidates"]:
         m, cost = c.get("metrics") or {}, c.get("cost") or {}
         shown = "  ".join(f"{k}={v:.3f}" for k, v in sorted(m.items()) if isinstance(v, (int, float)))
-        spent = (f"{cost['gpu_hours']:.3f} GPU-h, {cost['wall_time_s']:.0f} s over {cost['stages']} stage(s)"
-                 + (f" ({cost['unknown']} without cost)" if cost.get("unknown") else "")) if cost else "cost unknown"
-        lines.append(f"  {c['run_id']}  {'PROMOTED' if c.get('promoted') else 'passed' if c.get('passed') else 'rejected'}"
-                     f"  {shown}  [{spent}]")
+        spent = (
+            (
+                f"{cost['gpu_hours']:.3f} GPU-h, {cost['wall_time_s']:.0f} s over {cost['stages']} stage(s)"
+                + (f" ({cost['unknown']} without cost)" if cost.get("unknown") else "")
+            )
+            if cost
+            else "cost unknown"
+        )
+        lines.append(f"  {c['run_id']}  {'PROMOTED' if c.get('promoted') else 'passed' if c.get('passed') else 'rejected'}  {shown}  [{spent}]")
     return "\n".join(lines)
 
 
@@ -92,7 +105,7 @@ def run(argv: list[str]) -> dict:
     argv = list(argv)
     if "--action" in argv[:-1] and (not argv or argv[0] not in COMMANDS):
         i = argv.index("--action")
-        argv = [argv[i + 1], *argv[:i], *argv[i + 2:]]
+        argv = [argv[i + 1], *argv[:i], *argv[i + 2 :]]
     args = parser().parse_args(argv)
     if args.command == "retention":
         dags = [d for d in args.dags.split(",") if d]
@@ -125,11 +138,18 @@ def _commit(args, result: dict, text: str) -> None:
             json.dump(result, f, indent=2, default=str)
         metrics = {"champion_version": result["version"]} if "version" in result else {}
         if args.command == "retention":
-            metrics = {"objects": len(result["plan"]["objects"]), "bytes": result["plan"]["bytes"],
-                       "multipart": len(result["plan"]["multipart"]), "dry_run": int(args.dry_run)}
+            metrics = {
+                "objects": len(result["plan"]["objects"]),
+                "bytes": result["plan"]["bytes"],
+                "multipart": len(result["plan"]["multipart"]),
+                "dry_run": int(args.dry_run),
+            }
         config = {k: v for k, v in vars(args).items() if k not in ("output", "run_id")}
-        manifests.commit(local, args.output, manifests.build_manifest(
-            f"registry_{args.command}", args.run_id, config, {}, metrics, result="result.json", summary=text[-2000:]))
+        manifests.commit(
+            local,
+            args.output,
+            manifests.build_manifest(f"registry_{args.command}", args.run_id, config, {}, metrics, result="result.json", summary=text[-2000:]),
+        )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -31,6 +31,7 @@ failed (one line on stderr, like every stage). No airflow here; torch only once 
 Run it where the stage itself would run: it places the stage's Ray workers like the stage does
 (RAY_ADDRESS, or as a Ray job whose entrypoint is this command).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -81,9 +82,9 @@ STAGES = {
 # Stages whose rerun would change shared state rather than recompute an output.
 NOT_REPRODUCIBLE = {
     "promote": "it records a candidate in the model registry and may promote it (a compare-and-swap on "
-               "champion.json); rerun its gate by hand with python -m tasks.promote --allow_promotion false",
+    "champion.json); rerun its gate by hand with python -m tasks.promote --allow_promotion false",
     "registry_": "it is a registry command (promote, rollback, retention) that changes the registry; "
-                 "run python -m tasks.registry list to see the registry's state instead",
+    "run python -m tasks.registry list to see the registry's state instead",
 }
 
 # Config fields the rerun must not copy from the original: {field: value}.
@@ -110,8 +111,9 @@ def stage_code(stage: str) -> tuple[type, Callable]:
         raise ReproduceError(f"stage: {stage} is not reproducible: {why}")
     entry = STAGES.get(stage)
     if entry is None:
-        raise ReproduceError(f"stage: {stage!r} has no entry in tasks.reproduce.STAGES; add its package, "
-                             f"config class and work function there (known: {', '.join(STAGES)})")
+        raise ReproduceError(
+            f"stage: {stage!r} has no entry in tasks.reproduce.STAGES; add its package, config class and work function there (known: {', '.join(STAGES)})"
+        )
     module = importlib.import_module(f"{entry.package}.__main__")
     return getattr(module, entry.config), getattr(module, entry.work)
 
@@ -126,8 +128,9 @@ def load_manifest(uri: str) -> dict:
         if key not in m:
             raise ReproduceError(f"{key}: missing from the manifest at {m['uri']}; it was not written by a stage")
     if m.get("config_hash") and manifests.config_hash(m["config"]) != m["config_hash"]:
-        raise ReproduceError(f"config: the config in {m['uri']}/manifest.json does not match its config_hash; "
-                             "the manifest was edited, reproduce an untouched one")
+        raise ReproduceError(
+            f"config: the config in {m['uri']}/manifest.json does not match its config_hash; the manifest was edited, reproduce an untouched one"
+        )
     return m
 
 
@@ -152,13 +155,13 @@ def check_output(manifest: dict, output: str) -> None:
     if not output:
         raise ReproduceError("output: missing; pass --output <new URI> (s3://… or a local folder)")
     if same_uri(output, manifest["uri"]):
-        raise ReproduceError(f"output: {output} is the original's folder; pass another --output, "
-                             "the original stays as the reference")
+        raise ReproduceError(f"output: {output} is the original's folder; pass another --output, the original stays as the reference")
     local = None if storage.is_s3(output) else storage.local_path(output)
     empty_dir = local is not None and local.is_dir() and not any(local.iterdir())
     if storage.exists(output) and not empty_dir:
-        raise ReproduceError(f"output: {output} already holds files (an earlier rerun's output or checkpoints "
-                             "it would resume from); pass an empty --output or delete it")
+        raise ReproduceError(
+            f"output: {output} already holds files (an earlier rerun's output or checkpoints it would resume from); pass an empty --output or delete it"
+        )
 
 
 # ---------------------------------------------------------------- inputs and code
@@ -177,12 +180,13 @@ def check_input(name: str, uri: str, digests: dict | None) -> str:
     if recorded:
         now = manifests.manifest_digest(uri)
         if now is None:
-            raise ReproduceError(f"inputs.{name}: {uri} has no manifest.json any more; restore it, or reproduce "
-                                 "the stage that wrote it to that URI first")
+            raise ReproduceError(f"inputs.{name}: {uri} has no manifest.json any more; restore it, or reproduce the stage that wrote it to that URI first")
         if now != recorded:
-            raise ReproduceError(f"inputs.{name}: {uri}/manifest.json changed since the original run (sha256 "
-                                 f"{recorded[:12]}… then, {now[:12]}… now): the rerun would read other data; "
-                                 "restore the original input")
+            raise ReproduceError(
+                f"inputs.{name}: {uri}/manifest.json changed since the original run (sha256 "
+                f"{recorded[:12]}… then, {now[:12]}… now): the rerun would read other data; "
+                "restore the original input"
+            )
         return "same manifest sha256"
     if not stored(uri):
         return "not checked (hub id or endpoint)"
@@ -202,8 +206,9 @@ def check_inputs(manifest: dict, cfg) -> dict[str, str]:
         # Inputs without a config field of their name, or with an empty one, are derived by the
         # stage (rl's critic from the first reward model, eval's champion from the registry).
         if isinstance(named, str) and named and named != uri:
-            raise ReproduceError(f"inputs.{name}: the manifest records {uri} but its config names {named}; "
-                                 "the manifest is inconsistent, rerun the pipeline instead")
+            raise ReproduceError(
+                f"inputs.{name}: the manifest records {uri} but its config names {named}; the manifest is inconsistent, rerun the pipeline instead"
+            )
         for part in split_list(uri) if isinstance(uri, str) else []:
             checked[f"{name}: {part}"] = check_input(name, part, digests)
     return checked
@@ -217,14 +222,20 @@ def check_code(manifest: dict, allow_change: bool) -> list[str]:
     recorded, current = manifest.get("code_version") or "unknown", manifests.code_version()
     then, now = manifest.get("code_digest"), manifests.code_digest()
     if recorded == "unknown" and not allow_change:
-        raise ReproduceError(f"code_version: the manifest records no code version, so this checkout ({current}) "
-                             "cannot be matched to it; pass --allow_code_change to rerun with it anyway")
+        raise ReproduceError(
+            f"code_version: the manifest records no code version, so this checkout ({current}) "
+            "cannot be matched to it; pass --allow_code_change to rerun with it anyway"
+        )
     if recorded != current and not allow_change:
-        raise ReproduceError(f"code_version: the manifest records {recorded}, this checkout is {current}; check out "
-                             f"{recorded} (or set RLHF_CODE_VERSION) or pass --allow_code_change")
+        raise ReproduceError(
+            f"code_version: the manifest records {recorded}, this checkout is {current}; check out "
+            f"{recorded} (or set RLHF_CODE_VERSION) or pass --allow_code_change"
+        )
     if then and then != now and not allow_change:
-        raise ReproduceError(f"code_digest: tasks/ differs from the code that ran (sha256 {then[:12]}… then, {now[:12]}… "
-                             f"now) though both are version {current}: uncommitted edits? restore them or pass --allow_code_change")
+        raise ReproduceError(
+            f"code_digest: tasks/ differs from the code that ran (sha256 {then[:12]}… then, {now[:12]}… "
+            f"now) though both are version {current}: uncommitted edits? restore them or pass --allow_code_change"
+        )
     notes = [f"code {current} instead of the recorded {recorded} (--allow_code_change)"] if recorded != current else []
     notes += [f"tasks/ code digest {now[:12]}… instead of the recorded {then[:12]}… (--allow_code_change)"] if then and then != now else []
     notes += [] if then else ["the manifest records no code digest (written before it was): uncommitted edits go unseen"]
@@ -333,8 +344,7 @@ def preflight(uri: str, output: str, allow_code_change: bool = False):
     for change in version_changes(manifest):
         print(f"reproduce: note: {change} since the original run; floats may differ", flush=True)
     if manifest.get("resumed_from_step"):
-        print(f"reproduce: note: the original resumed from its step {manifest['resumed_from_step']} checkpoint; "
-              "this rerun starts from scratch", flush=True)
+        print(f"reproduce: note: the original resumed from its step {manifest['resumed_from_step']} checkpoint; this rerun starts from scratch", flush=True)
     return manifest, cfg, work
 
 
@@ -348,8 +358,7 @@ def run_stage(stage: str, cfg, work: Callable) -> dict:
     return manifests.read_manifest(cfg.output)
 
 
-def reproduce(uri: str, output: str, check: bool = False, rtol: float = DEFAULT_RTOL,
-              allow_code_change: bool = False) -> tuple[dict, list, bool, str]:
+def reproduce(uri: str, output: str, check: bool = False, rtol: float = DEFAULT_RTOL, allow_code_change: bool = False) -> tuple[dict, list, bool, str]:
     """Rerun the stage committed at `uri` into `output`. Returns (new manifest, comparison rows,
     matches, one-line summary); without `check` the rows are empty and matches is True."""
     manifest, cfg, work = preflight(uri, output, allow_code_change)

@@ -3,6 +3,7 @@
 The statistics are written into the model's config (`reward_mean`, `reward_std`), so whoever loads
 the checkpoint with AutoModelForSequenceClassification gets them too.
 """
+
 from __future__ import annotations
 
 import torch
@@ -22,8 +23,11 @@ def tokenize_pairs(rows, tokenizer, cfg: RewardModelConfig) -> tuple[list[list[i
     at the last token, the response's closing one, which must stay."""
     chosen, rejected, truncated = [], [], 0
     for prompt, good, bad in zip(rows[cfg.prompt_key], rows[cfg.chosen_key], rows[cfg.rejected_key]):
-        p, (c, r), cut = data.fit(data.encode_prompt(tokenizer, prompt, cfg.apply_chat_template),
-                                  [data.encode_response(tokenizer, text, cfg.apply_chat_template) for text in (good, bad)], cfg.max_len)
+        p, (c, r), cut = data.fit(
+            data.encode_prompt(tokenizer, prompt, cfg.apply_chat_template),
+            [data.encode_response(tokenizer, text, cfg.apply_chat_template) for text in (good, bad)],
+            cfg.max_len,
+        )
         chosen.append(p + c)
         rejected.append(p + r)
         truncated += cut
@@ -39,7 +43,7 @@ def pair_scores(model, chosen, rejected, pad_id, device, packed: bool = False) -
     else:
         ids, mask = data.pad(chosen + rejected, pad_id)
         scores = sequence_scores(model, ids.to(device), mask.to(device))
-    return scores[:len(chosen)], scores[len(chosen):]
+    return scores[: len(chosen)], scores[len(chosen) :]
 
 
 @torch.no_grad()
@@ -47,7 +51,7 @@ def evaluate_pairs(model, chosen, rejected, pad_id, device, batch_size=256) -> t
     """Scores of held-out pairs: (chosen sequences', rejected sequences')."""
     chosen_scores, rejected_scores = [], []
     for i in range(0, len(chosen), batch_size):
-        c, r = pair_scores(model, chosen[i:i + batch_size], rejected[i:i + batch_size], pad_id, device)
+        c, r = pair_scores(model, chosen[i : i + batch_size], rejected[i : i + batch_size], pad_id, device)
         chosen_scores += c.float().tolist()
         rejected_scores += r.float().tolist()
     return chosen_scores, rejected_scores
@@ -81,10 +85,16 @@ class RewardModelWorker(TrainingWorker):
         Every micro-batch holds the same number of pairs, so the mean of their losses is the batch's."""
         batch = shard(self.sampler.next(), self.world_size)[self.rank]
         sums = torch.zeros(3, device=self.strategy.device)  # loss, wins, margin, summed over micro-batches
-        chunks = [batch[i:i + self.micro] for i in range(0, len(batch), self.micro)]
+        chunks = [batch[i : i + self.micro] for i in range(0, len(batch), self.micro)]
         for chunk in chunks:
-            c, r = pair_scores(self.engine, [self.chosen[i] for i in chunk], [self.rejected[i] for i in chunk],
-                               self.tokenizer.pad_token_id, self.strategy.device, self.cfg.packing_samples)
+            c, r = pair_scores(
+                self.engine,
+                [self.chosen[i] for i in chunk],
+                [self.rejected[i] for i in chunk],
+                self.tokenizer.pad_token_id,
+                self.strategy.device,
+                self.cfg.packing_samples,
+            )
             loss = bradley_terry_loss(c, r)
             self.engine.backward(loss)
             self.engine.step()
@@ -108,8 +118,11 @@ def train(cfg: RewardModelConfig, run: StageRun) -> None:
     run.input("pretrain", cfg.pretrain)
     with placed_group(RewardModelWorker, cfg.num_nodes, cfg.num_gpus_per_node, "reward_model") as group:
         info = group.run("setup", cfg)[0]
-        print(f"reward_model: {info['pairs']} pairs, {info['eval_pairs']} held out, {info['truncated']} sequences truncated "
-              f"({info['eval_truncated']} held out) to {cfg.max_len} tokens, {group.world_size} worker(s)", flush=True)
+        print(
+            f"reward_model: {info['pairs']} pairs, {info['eval_pairs']} held out, {info['truncated']} sequences truncated "
+            f"({info['eval_truncated']} held out) to {cfg.max_len} tokens, {group.world_size} worker(s)",
+            flush=True,
+        )
         stats = train_steps(run, group, cfg.max_steps, cfg.logging_steps)
         shares = group.run("score_held_out")
         chosen = torch.tensor([s for c, _ in shares for s in c])
@@ -120,9 +133,17 @@ def train(cfg: RewardModelConfig, run: StageRun) -> None:
         run.tracker.log(cfg.max_steps, {"eval_pairwise_accuracy": accuracy, "reward_mean": reward_mean, "reward_std": reward_std})
         group.run("save_model", str(run.workdir / "model"), reward_mean, reward_std)
     run.commit(
-        metrics={"train_loss": round(stats["loss"], 5) if stats else None, "eval_pairwise_accuracy": round(accuracy, 4),
-                 "reward_mean": reward_mean, "reward_std": reward_std, "truncated": info["truncated"],
-                 "eval_truncated": info["eval_truncated"], "workers": group.world_size, "trainable_params": info["trainable_params"]},
+        metrics={
+            "train_loss": round(stats["loss"], 5) if stats else None,
+            "eval_pairwise_accuracy": round(accuracy, 4),
+            "reward_mean": reward_mean,
+            "reward_std": reward_std,
+            "truncated": info["truncated"],
+            "eval_truncated": info["eval_truncated"],
+            "workers": group.world_size,
+            "trainable_params": info["trainable_params"],
+        },
         # An adapter output keeps the statistics in its manifest; loading it writes them into the merged config.json.
-        model="model", **lora.manifest_fields(cfg, reward_mean=reward_mean, reward_std=reward_std),
+        model="model",
+        **lora.manifest_fields(cfg, reward_mean=reward_mean, reward_std=reward_std),
     )

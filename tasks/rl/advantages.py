@@ -11,6 +11,7 @@
 
 Groups: with n samples per prompt, rows [k·n, (k+1)·n) are the samples of prompt k.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -25,8 +26,16 @@ from tasks.rl.config import (
 )
 
 __all__ = [
-    "ESTIMATORS", "compute_advantages", "discounted_returns", "gae", "group_keep_mask", "kl_estimate",
-    "kl_penalized_rewards", "shape_scores", "uses_critic", "whiten",
+    "ESTIMATORS",
+    "compute_advantages",
+    "discounted_returns",
+    "gae",
+    "group_keep_mask",
+    "kl_estimate",
+    "kl_penalized_rewards",
+    "shape_scores",
+    "uses_critic",
+    "whiten",
 ]
 
 WHITENED_ESTIMATORS = ("gae", "reinforce", "reinforce_baseline")  # OpenRLHF normalises these advantages
@@ -44,9 +53,7 @@ def kl_penalized_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Ten
     return rewards
 
 
-def gae(
-    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0, lambd: float = 0.95
-) -> tuple[torch.Tensor, torch.Tensor]:
+def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0, lambd: float = 0.95) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation over response tokens; returns (advantages, returns).
 
     δ_t = r_t + γV_{t+1} - V_t,  A_t = Σ_l (γλ)^l δ_{t+l}  (Schulman et al. 2016, eqs. 11-16),

@@ -21,10 +21,26 @@ def uses_critic(estimator: str) -> bool:
 class EpisodeConfig:
     """Multi-turn episodes in an environment (tasks.rl.environment): the RL stage trains on them, eval scores them."""
 
-    env_path: str = field(default="", metadata={"help": "environment of multi-turn episodes: 'calculator', 'guess', or a .py file (local or s3://) defining class Environment with reset(row) and step(action); in RL its rewards replace the reward model's", "aliases": ["agent_func_path"]})
+    env_path: str = field(
+        default="",
+        metadata={
+            "help": "environment of multi-turn episodes: 'calculator', 'guess', or a .py file (local or s3://) defining class Environment with reset(row) and step(action); in RL its rewards replace the reward model's",
+            "aliases": ["agent_func_path"],
+        },
+    )
     max_turns: int = field(default=4, metadata={"help": "model turns per episode at most (with --env_path)", "min": 1, "max": 1000})
-    max_episode_tokens: int = field(default=64, metadata={"help": "model and observation tokens per episode after the prompt, at most (with --env_path); each turn is at most generate_max_len", "min": 1, "max": 1_000_000})
-    env_step_timeout: float = field(default=30.0, metadata={"help": "seconds an environment's reset or step may take before its episode ends with reward 0 (with --env_path)", "exclusive_min": 0})
+    max_episode_tokens: int = field(
+        default=64,
+        metadata={
+            "help": "model and observation tokens per episode after the prompt, at most (with --env_path); each turn is at most generate_max_len",
+            "min": 1,
+            "max": 1_000_000,
+        },
+    )
+    env_step_timeout: float = field(
+        default=30.0,
+        metadata={"help": "seconds an environment's reset or step may take before its episode ends with reward 0 (with --env_path)", "exclusive_min": 0},
+    )
 
 
 @dataclass
@@ -36,17 +52,36 @@ class RLConfig(EpisodeConfig, TrainingConfig):
     """
 
     pretrain: str = field(default="", metadata={"help": "policy to start from (SFT output URI); also the frozen reference"})
-    reward_pretrain: str = field(default="", metadata={"help": "reward model URI, or several comma-separated (scores summed); the critic starts from the first"})
-    remote_rm_url: str = field(default="", metadata={"help": "reward function file (.py defining reward_func(queries, prompts, labels)) or an http(s):// reward endpoint; wins over --reward_pretrain"})
+    reward_pretrain: str = field(
+        default="", metadata={"help": "reward model URI, or several comma-separated (scores summed); the critic starts from the first"}
+    )
+    remote_rm_url: str = field(
+        default="",
+        metadata={
+            "help": "reward function file (.py defining reward_func(queries, prompts, labels)) or an http(s):// reward endpoint; wins over --reward_pretrain"
+        },
+    )
     critic_pretrain: str = field(default="", metadata={"help": "critic to start from; default: the first reward model, else the policy"})
     prompt_data: str = field(default="", metadata={"help": "prompts: a stage output URI (its 'prompts' split) or a file"})
     prompt_split: str = field(default="prompts", metadata={"help": "split of a stage output's datasets holding the prompts"})
     input_key: str = field(default="prompt", metadata={"help": "dataset column holding the prompt"})
     label_key: str = field(default="", metadata={"help": "dataset column passed to a reward function or endpoint as labels"})
-    pretrain_data: str = field(default="", metadata={"help": "PPO-ptx (InstructGPT): supervised data whose likelihood the actor keeps while RL trains, a stage output URI (its pretrain_split) or a file; needs --ptx_coef"})
+    pretrain_data: str = field(
+        default="",
+        metadata={
+            "help": "PPO-ptx (InstructGPT): supervised data whose likelihood the actor keeps while RL trains, a stage output URI (its pretrain_split) or a file; needs --ptx_coef"
+        },
+    )
     pretrain_split: str = field(default="sft", metadata={"help": "split of a stage output's datasets holding the PPO-ptx data"})
     output_key: str = field(default="response", metadata={"help": "PPO-ptx data column holding the response (the prompt is input_key)"})
-    ptx_coef: float = field(default=0.0, metadata={"help": "weight of the PPO-ptx loss (the response tokens' mean NLL on --pretrain_data) beside the policy loss; 0 = off", "min": 0, "max": 100})
+    ptx_coef: float = field(
+        default=0.0,
+        metadata={
+            "help": "weight of the PPO-ptx loss (the response tokens' mean NLL on --pretrain_data) beside the policy loss; 0 = off",
+            "min": 0,
+            "max": 100,
+        },
+    )
     max_steps: int = field(default=40, metadata={"help": "rollout + update iterations", "min": 1, "max": 1_000_000})
     rollout_batch_size: int = field(default=128, metadata={"help": "prompts per rollout", "min": 1})
     n_samples_per_prompt: int = field(default=1, metadata={"help": "responses sampled per prompt (a group, for the group estimators)", "min": 1, "max": 1024})
@@ -58,7 +93,9 @@ class RLConfig(EpisodeConfig, TrainingConfig):
     actor_learning_rate: float = field(default=3e-5, metadata={"help": "policy learning rate (AdamW)", "exclusive_min": 0, "max": 1})
     critic_learning_rate: float = field(default=1e-4, metadata={"help": "critic learning rate (AdamW)", "exclusive_min": 0, "max": 1})
     lr_warmup_steps: int = field(default=5, metadata={"help": "linear warmup in optimizer steps, then constant"})
-    advantage_estimator: str = field(default="gae", metadata={"help": "gae (with a critic), reinforce, reinforce_baseline, rloo, group_norm or dr_grpo", "choices": ADVANTAGE_ESTIMATORS})
+    advantage_estimator: str = field(
+        default="gae", metadata={"help": "gae (with a critic), reinforce, reinforce_baseline, rloo, group_norm or dr_grpo", "choices": ADVANTAGE_ESTIMATORS}
+    )
     gamma: float = field(default=1.0, metadata={"help": "discount factor", "min": 0, "max": 1})
     lambd: float = field(default=0.95, metadata={"help": "GAE λ", "min": 0, "max": 1})
     eps_clip: float = field(default=0.2, metadata={"help": "PPO policy ratio clip ε", "exclusive_min": 0})
@@ -66,7 +103,9 @@ class RLConfig(EpisodeConfig, TrainingConfig):
     eps_clip_high: float = field(default=0.0, metadata={"help": "upper ratio clip ε; 0 = eps_clip", "min": 0})
     dual_clip: float = field(default=0.0, metadata={"help": "dual-clip bound c > 1 on the loss of negative advantages; 0 = off"})
     entropy_coef: float = field(default=0.0, metadata={"help": "weight of the entropy bonus in the policy loss", "min": 0})
-    use_kl_loss: bool = field(default=False, metadata={"help": "put the KL to the reference in the loss (init_kl_coef × KL, estimator kl_estimator) instead of the reward"})
+    use_kl_loss: bool = field(
+        default=False, metadata={"help": "put the KL to the reference in the loss (init_kl_coef × KL, estimator kl_estimator) instead of the reward"}
+    )
     value_clip: float = field(default=0.2, metadata={"help": "critic value clip (relative to the rollout's values)"})
     init_kl_coef: float = field(default=0.05, metadata={"help": "β of the KL penalty to the reference, in the reward", "min": 0, "max": 10})
     kl_target: float = field(default=0.0, metadata={"help": "adaptive KL controller's target (summed KL per response); 0 keeps init_kl_coef fixed"})
@@ -75,9 +114,17 @@ class RLConfig(EpisodeConfig, TrainingConfig):
     save_value_network: bool = field(default=False, metadata={"help": "also save the critic (HF format) under critic/ in the output"})
     normalize_reward: bool = field(default=True, metadata={"help": "standardise reward-model scores with the mean/std stored by its stage"})
     logging_steps: int = field(default=1, metadata={"help": "log metrics every this many steps", "min": 1})
-    num_episodes: int = field(default=0, metadata={"help": "passes over the prompts; when set, the stage runs num_episodes × ⌊prompts / rollout_batch_size⌋ steps instead of max_steps"})
+    num_episodes: int = field(
+        default=0,
+        metadata={"help": "passes over the prompts; when set, the stage runs num_episodes × ⌊prompts / rollout_batch_size⌋ steps instead of max_steps"},
+    )
     micro_rollout_batch_size: int = field(default=0, metadata={"help": "sequences per generate / inference call on one worker (0: its whole share at once)"})
-    dynamic_filtering: bool = field(default=False, metadata={"help": "drop prompt groups whose rewards are all equal or whose mean is outside dynamic_filtering_reward_range, and refill from the prompts (DAPO)"})
+    dynamic_filtering: bool = field(
+        default=False,
+        metadata={
+            "help": "drop prompt groups whose rewards are all equal or whose mean is outside dynamic_filtering_reward_range, and refill from the prompts (DAPO)"
+        },
+    )
     dynamic_filtering_reward_range: str = field(default="0 1", metadata={"help": "open interval (low high) a kept group's mean reward must lie in"})
     reward_clip_range: str = field(default="", metadata={"help": "clip shaped rewards to this range, 'low high' (empty: no clipping)"})
     # Where the models run: one worker group each, or colocated groups sharing one placement group.
@@ -89,7 +136,12 @@ class RLConfig(EpisodeConfig, TrainingConfig):
     ref_num_gpus_per_node: int = field(default=1, metadata={"help": "reference workers per node", "min": 1})
     reward_num_nodes: int = field(default=1, metadata={"help": "nodes of the reward-model group (with --reward_pretrain)", "min": 1})
     reward_num_gpus_per_node: int = field(default=1, metadata={"help": "reward-model workers per node", "min": 1})
-    actor_resources: str = field(default="", metadata={"help": "custom Ray resources each actor bundle also asks for, a JSON object such as '{\"node_a\": 1}': the group goes only on nodes that advertise them (`ray start --resources`)"})
+    actor_resources: str = field(
+        default="",
+        metadata={
+            "help": "custom Ray resources each actor bundle also asks for, a JSON object such as '{\"node_a\": 1}': the group goes only on nodes that advertise them (`ray start --resources`)"
+        },
+    )
     critic_resources: str = field(default="", metadata={"help": "custom Ray resources of each critic bundle (JSON object)"})
     ref_resources: str = field(default="", metadata={"help": "custom Ray resources of each reference bundle (JSON object)"})
     reward_resources: str = field(default="", metadata={"help": "custom Ray resources of each reward-model bundle (JSON object)"})
@@ -98,13 +150,38 @@ class RLConfig(EpisodeConfig, TrainingConfig):
     colocate_all_models: bool = field(default=False, metadata={"help": "every model shares the actor's GPUs (fractions of one placement group)"})
     vllm_num_engines: int = field(default=0, metadata={"help": "vLLM rollout engines (GPU only); 0 generates with transformers in the actor workers"})
     vllm_tensor_parallel_size: int = field(default=1, metadata={"help": "GPUs per vLLM engine"})
-    vllm_gpu_memory_utilization: float = field(default=0.4, metadata={"help": "fraction of its GPU's memory a vLLM engine may take; the rest is the colocated trainer's"})
+    vllm_gpu_memory_utilization: float = field(
+        default=0.4, metadata={"help": "fraction of its GPU's memory a vLLM engine may take; the rest is the colocated trainer's"}
+    )
     enable_prefix_caching: bool = field(default=False, metadata={"help": "vLLM's prefix cache (shared prompt prefixes computed once)"})
-    vllm_enable_sleep: bool = field(default=False, metadata={"help": "vLLM gives its weights and KV cache back while the actor trains (sleep level 1), and takes them again for the next rollout"})
-    async_train: bool = field(default=False, metadata={"help": "rollout engines of their own generate the next rollouts while the actor trains: the vLLM engines on GPUs of their own, or without vLLM one transformers engine on a device of its own; see --max_staleness"})
-    max_staleness: int = field(default=1, metadata={"help": "with --async_train: rollouts kept generating ahead of the trainer, so a trained sample's weights are at most this many updates old (1: one step off-policy)"})
-    partial_rollouts: bool = field(default=False, metadata={"help": "with --async_train: an update reaches the episodes already running at their next turn (each token tagged with the weight version that generated it), instead of the rollouts started after it"})
-    is_correction: str = field(default="auto", metadata={"help": "off-policy correction of the policy loss by the engine's log-probabilities of the sampled tokens: tis (truncated importance weights), mis (tokens whose weight leaves [1/is_cap, is_cap] masked) or none; auto: tis with --async_train, else none"})
+    vllm_enable_sleep: bool = field(
+        default=False,
+        metadata={"help": "vLLM gives its weights and KV cache back while the actor trains (sleep level 1), and takes them again for the next rollout"},
+    )
+    async_train: bool = field(
+        default=False,
+        metadata={
+            "help": "rollout engines of their own generate the next rollouts while the actor trains: the vLLM engines on GPUs of their own, or without vLLM one transformers engine on a device of its own; see --max_staleness"
+        },
+    )
+    max_staleness: int = field(
+        default=1,
+        metadata={
+            "help": "with --async_train: rollouts kept generating ahead of the trainer, so a trained sample's weights are at most this many updates old (1: one step off-policy)"
+        },
+    )
+    partial_rollouts: bool = field(
+        default=False,
+        metadata={
+            "help": "with --async_train: an update reaches the episodes already running at their next turn (each token tagged with the weight version that generated it), instead of the rollouts started after it"
+        },
+    )
+    is_correction: str = field(
+        default="auto",
+        metadata={
+            "help": "off-policy correction of the policy loss by the engine's log-probabilities of the sampled tokens: tis (truncated importance weights), mis (tokens whose weight leaves [1/is_cap, is_cap] masked) or none; auto: tis with --async_train, else none"
+        },
+    )
     is_cap: float = field(default=2.0, metadata={"help": "the importance weight's cap (tis) or band (mis)"})
     ignore_eos: bool = field(default=False, metadata={"help": "benchmarks: every response is generate_max_len tokens, EOS or not"})
 
@@ -139,16 +216,19 @@ class RLConfig(EpisodeConfig, TrainingConfig):
         (with LoRA it is: its base with the adapters off), a critic only for gae, reward models unless a
         function, an endpoint or an environment scores."""
         ref = self.uses_kl() and not self.lora_rank
-        return (["actor"] + (["ref"] if ref else []) + (["critic"] if uses_critic(self.advantage_estimator) else [])
-                + ([] if self.remote_rm_url or self.env_path else ["reward"]))
+        return (
+            ["actor"]
+            + (["ref"] if ref else [])
+            + (["critic"] if uses_critic(self.advantage_estimator) else [])
+            + ([] if self.remote_rm_url or self.env_path else ["reward"])
+        )
 
     def placement_plan(self) -> list[list[str]]:
         """Which of roles() share a placement group: [[actor, ref], [critic, reward]] etc., each list one group."""
         roles = self.roles()
         if self.colocate_all_models:
             return [roles]
-        together = [mates for flag, mates in ((self.colocate_actor_ref, {"actor", "ref"}), (self.colocate_critic_reward, {"critic", "reward"}))
-                    if flag]
+        together = [mates for flag, mates in ((self.colocate_actor_ref, {"actor", "ref"}), (self.colocate_critic_reward, {"critic", "reward"})) if flag]
         plan, placed = [], set()
         for role in roles:
             if role in placed:
@@ -204,24 +284,30 @@ class RLConfig(EpisodeConfig, TrainingConfig):
         for role in ("actor", "critic", "ref", "reward"):
             self.resources(role)
         # A colocated group sits on the first member's bundles: its own resources would be ignored.
-        shared = [("colocate_all_models", "actor", role) for role in ("critic", "ref", "reward")] if self.colocate_all_models else \
-            [(flag, a, b) for flag, a, b in (("colocate_actor_ref", "actor", "ref"), ("colocate_critic_reward", "critic", "reward"))
-             if getattr(self, flag)]
+        shared = (
+            [("colocate_all_models", "actor", role) for role in ("critic", "ref", "reward")]
+            if self.colocate_all_models
+            else [
+                (flag, a, b) for flag, a, b in (("colocate_actor_ref", "actor", "ref"), ("colocate_critic_reward", "critic", "reward")) if getattr(self, flag)
+            ]
+        )
         for flag, a, b in shared:
             if b in self.roles() and a in self.roles() and self.resources(b) and self.resources(b) != self.resources(a):
-                raise ConfigError(f"{b}_resources: with --{flag} the {b} group sits on the {a}'s bundles; "
-                                  f"set --{a}_resources instead, or drop --{b}_resources")
+                raise ConfigError(f"{b}_resources: with --{flag} the {b} group sits on the {a}'s bundles; set --{a}_resources instead, or drop --{b}_resources")
         if self.colocate_all_models:
             for role in self.roles()[1:]:
                 if self.group_size(role) != self.group_size("actor"):
-                    raise ConfigError(f"{role}_num_gpus_per_node: colocate_all_models needs every group the actor's size "
-                                      f"({self.group_size('actor')}), got {self.group_size(role)}")
+                    raise ConfigError(
+                        f"{role}_num_gpus_per_node: colocate_all_models needs every group the actor's size "
+                        f"({self.group_size('actor')}), got {self.group_size(role)}"
+                    )
         for flag, a, b in (("colocate_actor_ref", "actor", "ref"), ("colocate_critic_reward", "critic", "reward")):
             if getattr(self, flag) and {a, b} <= set(self.roles()) and self.group_size(a) != self.group_size(b):
                 raise ConfigError(f"{b}_num_gpus_per_node: {flag} needs the {b} group the {a}'s size ({self.group_size(a)}), got {self.group_size(b)}")
         for role in [r for r in ("actor", "critic") if r in self.roles()]:
-            check_batch("train_batch_size", self.train_batch_size, self.micro_train_batch_size, self.group_size(role),
-                        f"{role}_num_nodes × {role}_num_gpus_per_node")
+            check_batch(
+                "train_batch_size", self.train_batch_size, self.micro_train_batch_size, self.group_size(role), f"{role}_num_nodes × {role}_num_gpus_per_node"
+            )
         if self.vllm_num_engines < 0 or self.micro_rollout_batch_size < 0 or self.num_episodes < 0:
             raise ConfigError("vllm_num_engines, micro_rollout_batch_size and num_episodes must not be negative")
         if self.vllm_num_engines:
@@ -229,29 +315,35 @@ class RLConfig(EpisodeConfig, TrainingConfig):
                 raise ConfigError("vllm_tensor_parallel_size: engines of one GPU each only, so far; use 1")
             # Colocated, the engines live inside the actor workers, one per rank, on its GPU.
             if self.colocate_all_models and self.vllm_num_engines != self.group_size("actor"):
-                raise ConfigError(f"vllm_num_engines: with --colocate_all_models each actor worker hosts one vLLM engine on its "
-                                  f"GPU; use --vllm_num_engines {self.group_size('actor')} (the actor's size)")
+                raise ConfigError(
+                    f"vllm_num_engines: with --colocate_all_models each actor worker hosts one vLLM engine on its "
+                    f"GPU; use --vllm_num_engines {self.group_size('actor')} (the actor's size)"
+                )
             if self.async_train and self.colocate_all_models:
-                raise ConfigError("async_train: needs vLLM engines on GPUs of their own; drop --colocate_all_models, "
-                                  "or drop --async_train")
+                raise ConfigError("async_train: needs vLLM engines on GPUs of their own; drop --colocate_all_models, or drop --async_train")
             if self.lora_rank > 512:
-                raise ConfigError(f"lora_rank: vLLM's LoRA layers hold ranks up to 512, got {self.lora_rank}; "
-                                  "use 512 or less, or --vllm_num_engines 0")
+                raise ConfigError(f"lora_rank: vLLM's LoRA layers hold ranks up to 512, got {self.lora_rank}; use 512 or less, or --vllm_num_engines 0")
             if not 0 < self.vllm_gpu_memory_utilization < 1:
-                raise ConfigError(f"vllm_gpu_memory_utilization: {self.vllm_gpu_memory_utilization} leaves the colocated trainer "
-                                  "no memory; use a fraction such as 0.3")
+                raise ConfigError(
+                    f"vllm_gpu_memory_utilization: {self.vllm_gpu_memory_utilization} leaves the colocated trainer no memory; use a fraction such as 0.3"
+                )
         else:
-            for name, default in (("vllm_tensor_parallel_size", 1), ("vllm_gpu_memory_utilization", 0.4), ("enable_prefix_caching", False),
-                                  ("vllm_enable_sleep", False)):
+            for name, default in (
+                ("vllm_tensor_parallel_size", 1),
+                ("vllm_gpu_memory_utilization", 0.4),
+                ("enable_prefix_caching", False),
+                ("vllm_enable_sleep", False),
+            ):
                 if getattr(self, name) != default:
                     raise ConfigError(f"{name}: only applies to vLLM engines; set --vllm_num_engines too, or drop it")
         # The transformers engine of --async_train without vLLM loads full weights; vLLM engines take adapters.
         if self.async_train and (self.dynamic_filtering or (self.lora_rank and not self.vllm_num_engines) or self.max_staleness < 1):
-            raise ConfigError("async_train: needs a fixed rollout, --max_staleness of 1 or more, and vLLM engines with LoRA; "
-                              "drop --dynamic_filtering, set --vllm_num_engines with --lora_rank, or drop --async_train")
+            raise ConfigError(
+                "async_train: needs a fixed rollout, --max_staleness of 1 or more, and vLLM engines with LoRA; "
+                "drop --dynamic_filtering, set --vllm_num_engines with --lora_rank, or drop --async_train"
+            )
         if self.partial_rollouts and not self.async_train:
-            raise ConfigError("partial_rollouts: weights change under running rollouts only with --async_train; add it, "
-                              "or drop --partial_rollouts")
+            raise ConfigError("partial_rollouts: weights change under running rollouts only with --async_train; add it, or drop --partial_rollouts")
         dynamic_range = self.interval("dynamic_filtering_reward_range")
         if self.dynamic_filtering and (dynamic_range is None or self.n_samples_per_prompt < 2):
             raise ConfigError("dynamic_filtering: needs n_samples_per_prompt of 2 or more and a dynamic_filtering_reward_range 'low high'")
@@ -260,15 +352,16 @@ class RLConfig(EpisodeConfig, TrainingConfig):
             if not getattr(self, name):
                 raise ConfigError(f"{name}: missing; pass --{name} <URI>")
         if self.is_correction not in ("auto", *IS_CORRECTIONS) or not self.is_cap > 1:
-            raise ConfigError(f"is_correction: use auto, {', '.join(IS_CORRECTIONS)} with an is_cap above 1; "
-                              f"got {self.is_correction!r} and {self.is_cap}")
+            raise ConfigError(f"is_correction: use auto, {', '.join(IS_CORRECTIONS)} with an is_cap above 1; got {self.is_correction!r} and {self.is_cap}")
         if not (self.reward_pretrain or self.remote_rm_url or self.env_path):
             raise ConfigError("reward_pretrain: missing; pass --reward_pretrain <URI>, --remote_rm_url <file.py or URL> or --env_path <environment>")
         if self.advantage_estimator in GROUP_ESTIMATORS and self.n_samples_per_prompt < 2:
             raise ConfigError(f"n_samples_per_prompt: {self.advantage_estimator} compares samples of one prompt; use 2 or more")
         if (self.rollout_batch_size * self.n_samples_per_prompt) % self.train_batch_size:
-            raise ConfigError(f"train_batch_size: {self.train_batch_size} must divide rollout_batch_size × n_samples_per_prompt "
-                              f"= {self.rollout_batch_size * self.n_samples_per_prompt}")
+            raise ConfigError(
+                f"train_batch_size: {self.train_batch_size} must divide rollout_batch_size × n_samples_per_prompt "
+                f"= {self.rollout_batch_size * self.n_samples_per_prompt}"
+            )
         if self.dual_clip and self.dual_clip <= 1:
             raise ConfigError(f"dual_clip: {self.dual_clip} must be greater than 1 (or 0 for off)")
         if bool(self.ptx_coef) != bool(self.pretrain_data):

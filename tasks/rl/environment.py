@@ -23,6 +23,7 @@ Token in, token out: the trajectory is the token ids the engine produced, never 
 observation is tokenized once and appended the way the chat template formats a tool (or user) turn,
 found by rendering one (`observation_ids`), or as plain text without a template.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -71,8 +72,7 @@ def load_environment(spec: str) -> EnvironmentFile:
         module = user_code.load_module(spec, "env_path", EnvError, purpose="env")
     env = getattr(module, "Environment", None)
     if not isinstance(env, type) or not all(callable(getattr(env, m, None)) for m in ("reset", "step")):
-        raise EnvError(f"env_path: {spec} defines no class Environment with reset(row) and step(action); "
-                       "define both (see the README's Agentic RL section)")
+        raise EnvError(f"env_path: {spec} defines no class Environment with reset(row) and step(action); define both (see the README's Agentic RL section)")
     return EnvironmentFile(spec, env, getattr(module, "TOOLS", None))
 
 
@@ -102,20 +102,23 @@ def check_environment(env: EnvironmentFile, row: dict, timeout: float) -> None:
             raise outcome["error"]
         first = outcome["first"]
     except Exception as e:
-        raise EnvError(f"env_path: {env.spec}: reset failed on the first prompt row ({type(e).__name__}: {e}); "
-                       "fix Environment.reset for rows like it") from None
+        raise EnvError(
+            f"env_path: {env.spec}: reset failed on the first prompt row ({type(e).__name__}: {e}); fix Environment.reset for rows like it"
+        ) from None
     if not (first is None or isinstance(first, (str, list))):
-        raise EnvError(f"env_path: {env.spec}: reset returned {type(first).__name__}; return the first observation "
-                       "(a string or chat messages) or None for the row's prompt")
+        raise EnvError(
+            f"env_path: {env.spec}: reset returned {type(first).__name__}; return the first observation "
+            "(a string or chat messages) or None for the row's prompt"
+        )
 
 
 @dataclass
 class EpisodeLimits:
     max_turns: int = 4
     max_episode_tokens: int = 64  # model and observation tokens after the prompt
-    max_turn_tokens: int = 16     # new tokens per model turn (the stage's generate_max_len)
-    step_timeout: float = 30.0    # seconds an environment's reset or step may take
-    max_prompt_tokens: int = 0    # a longer first observation keeps its last tokens (the stage's prompt_max_len; 0: all)
+    max_turn_tokens: int = 16  # new tokens per model turn (the stage's generate_max_len)
+    step_timeout: float = 30.0  # seconds an environment's reset or step may take
+    max_prompt_tokens: int = 0  # a longer first observation keeps its last tokens (the stage's prompt_max_len; 0: all)
 
 
 @dataclass
@@ -125,7 +128,7 @@ class Episode:
     tokens: list[int] = field(default_factory=list)
     model_mask: list[int] = field(default_factory=list)  # 1: the model's token (trained on), 0: an observation's
     logprobs: list[float] = field(default_factory=list)  # the engine's log-probability of each model token (0 elsewhere)
-    versions: list[int] = field(default_factory=list)    # the weight version each token was generated under
+    versions: list[int] = field(default_factory=list)  # the weight version each token was generated under
     reward: float = 0.0
     turns: int = 0
     tool_calls: int = 0
@@ -146,25 +149,34 @@ class Episode:
 class Episodes:
     rollout: Rollout
     rewards: torch.Tensor
-    summaries: list[dict]    # episode_summary of each: what episode_stats counts, small enough to ship between workers
+    summaries: list[dict]  # episode_summary of each: what episode_stats counts, small enough to ship between workers
     stats: dict[str, float]  # episode_stats of this batch
     episodes: list[Episode]
 
 
 def episode_summary(e: Episode) -> dict:
-    return {"turns": e.turns, "tool_calls": e.tool_calls, "tool_errors": e.tool_errors, "failure": e.failure,
-            "success": e.success if e.success is not None else e.reward > 0}
+    return {
+        "turns": e.turns,
+        "tool_calls": e.tool_calls,
+        "tool_errors": e.tool_errors,
+        "failure": e.failure,
+        "success": e.success if e.success is not None else e.reward > 0,
+    }
 
 
 def episode_stats(summaries: list[dict], seconds: float, waited: float) -> dict[str, float]:
     """Per-episode means, failures counted by reason, episodes/s over `seconds` and the time spent waiting on environments."""
     n = max(1, len(summaries))
     failures = Counter(s["failure"] for s in summaries if s["failure"])
-    return {"episodes_per_s": len(summaries) / max(seconds, 1e-9), "turns_per_episode": sum(s["turns"] for s in summaries) / n,
-            "tool_calls_per_episode": sum(s["tool_calls"] for s in summaries) / n,
-            "tool_errors_per_episode": sum(s["tool_errors"] for s in summaries) / n,
-            "success_rate": sum(bool(s["success"]) for s in summaries) / n, "time_env_s": waited,
-            **{f"env_{reason}s": failures[reason] for reason in FAILURES}}
+    return {
+        "episodes_per_s": len(summaries) / max(seconds, 1e-9),
+        "turns_per_episode": sum(s["turns"] for s in summaries) / n,
+        "tool_calls_per_episode": sum(s["tool_calls"] for s in summaries) / n,
+        "tool_errors_per_episode": sum(s["tool_errors"] for s in summaries) / n,
+        "success_rate": sum(bool(s["success"]) for s in summaries) / n,
+        "time_env_s": waited,
+        **{f"env_{reason}s": failures[reason] for reason in FAILURES},
+    }
 
 
 def observation_ids(tokenizer, text: str, chat_template: bool, role: str = "tool") -> list[int]:
@@ -187,26 +199,26 @@ def _observation_frame(tokenizer, role: str) -> str:
         messages = [{"role": "user", "content": "1"}, {"role": "assistant", "content": answer}]
         for who in (role, "user"):  # a template that knows no tool role gets the observation as a user turn
             try:
-                text = tokenizer.apply_chat_template(messages + [{"role": who, "content": _OBS_PROBE}],
-                                                     add_generation_prompt=True, tokenize=False)
+                text = tokenizer.apply_chat_template(messages + [{"role": who, "content": _OBS_PROBE}], add_generation_prompt=True, tokenize=False)
             except Exception:
                 continue
             if _OBS_PROBE in text:
                 break
         else:
-            raise EnvError(f"env_path: the chat template of {tokenizer.name_or_path} renders no tool or user turn "
-                           "after an assistant turn; use a model whose template can, or drop --apply_chat_template")
-        after = text[text.index(answer) + len(answer):]
+            raise EnvError(
+                f"env_path: the chat template of {tokenizer.name_or_path} renders no tool or user turn "
+                "after an assistant turn; use a model whose template can, or drop --apply_chat_template"
+            )
+        after = text[text.index(answer) + len(answer) :]
         closing = tokenizer.decode(data.turn_end_ids(tokenizer))  # generated by the model, not part of the observation
-        _FRAMES[key] = after[len(closing):] if after.startswith(closing) else after
+        _FRAMES[key] = after[len(closing) :] if after.startswith(closing) else after
     return _FRAMES[key]
 
 
 def episode_runner(cfg, engine, tokenizer, policy_version=None) -> "EpisodeRunner":
     """The runner of a stage config's episodes (tasks.rl.config.EpisodeConfig's fields, with generate_max_len,
     apply_chat_template, input_key and, in RL, prompt_max_len): its environment, its limits, on `engine`."""
-    limits = EpisodeLimits(cfg.max_turns, cfg.max_episode_tokens, cfg.generate_max_len, cfg.env_step_timeout,
-                           getattr(cfg, "prompt_max_len", 0))
+    limits = EpisodeLimits(cfg.max_turns, cfg.max_episode_tokens, cfg.generate_max_len, cfg.env_step_timeout, getattr(cfg, "prompt_max_len", 0))
     return EpisodeRunner(engine, tokenizer, load_environment(cfg.env_path), limits, cfg.apply_chat_template, cfg.input_key, policy_version)
 
 
@@ -221,8 +233,7 @@ class EpisodeRunner:
     `policy_version`, when given, is called before each generate: it may load newer weights into the engine
     (--partial_rollouts) and says which version the turn generates with; each token is tagged with it."""
 
-    def __init__(self, engine, tokenizer, make_env, limits: EpisodeLimits, chat_template: bool = False, input_key: str = "prompt",
-                 policy_version=None):
+    def __init__(self, engine, tokenizer, make_env, limits: EpisodeLimits, chat_template: bool = False, input_key: str = "prompt", policy_version=None):
         self.engine, self.tokenizer, self.make_env, self.limits = engine, tokenizer, make_env, limits
         self.chat_template, self.input_key, self.policy_version = chat_template, input_key, policy_version
         self.overlap = bool(getattr(engine, "overlap_turns", False))
@@ -265,12 +276,10 @@ class EpisodeRunner:
         episodes = []
         for env, row, reset in zip(envs, rows, resets):
             first = env if reset is None else self._outcome(reset)
-            failure = failure_reason(first) if isinstance(first, BaseException) else \
-                None if first is None or isinstance(first, (str, list)) else "malformed"
+            failure = failure_reason(first) if isinstance(first, BaseException) else None if first is None or isinstance(first, (str, list)) else "malformed"
             prompt = row.get(self.input_key, "") if failure or first is None else first
             ids = data.encode_prompt(self.tokenizer, prompt, self.chat_template, tools=getattr(self.make_env, "tools", None))
-            episode = Episode(ids[-self.limits.max_prompt_tokens:] if self.limits.max_prompt_tokens else ids,
-                              None if isinstance(env, Exception) else env)
+            episode = Episode(ids[-self.limits.max_prompt_tokens :] if self.limits.max_prompt_tokens else ids, None if isinstance(env, Exception) else env)
             if failure:
                 self._fail(episode, failure)
             episodes.append(episode)
@@ -323,8 +332,13 @@ class EpisodeRunner:
         if not (isinstance(result, tuple) and len(result) == 4):
             return self._fail(episode, "malformed")
         observation, reward, done, info = result
-        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward) \
-                or not (observation is None or isinstance(observation, str)) or not (info is None or isinstance(info, dict)):
+        if (
+            isinstance(reward, bool)
+            or not isinstance(reward, (int, float))
+            or not math.isfinite(reward)
+            or not (observation is None or isinstance(observation, str))
+            or not (info is None or isinstance(info, dict))
+        ):
             return self._fail(episode, "malformed")
         info = info or {}
         episode.reward += float(reward)
@@ -357,11 +371,18 @@ class EpisodeRunner:
             model_mask[i, :n] = torch.tensor(e.model_mask, dtype=torch.long)
             logprobs[i, :n] = torch.tensor(e.logprobs, dtype=torch.float32)
             versions[i, :n] = torch.tensor(e.versions, dtype=torch.long)
-        rollout = Rollout(torch.cat([prompts, responses], 1), torch.cat([p_mask, attention], 1), model_mask, prompts.size(1),
-                          logprobs if behaviour_logprobs else None, versions if self.policy_version else None)
+        rollout = Rollout(
+            torch.cat([prompts, responses], 1),
+            torch.cat([p_mask, attention], 1),
+            model_mask,
+            prompts.size(1),
+            logprobs if behaviour_logprobs else None,
+            versions if self.policy_version else None,
+        )
         summaries = [episode_summary(e) for e in episodes]
-        return Episodes(rollout, torch.tensor([e.reward for e in episodes], dtype=torch.float32), summaries,
-                        episode_stats(summaries, seconds, waited), episodes)
+        return Episodes(
+            rollout, torch.tensor([e.reward for e in episodes], dtype=torch.float32), summaries, episode_stats(summaries, seconds, waited), episodes
+        )
 
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)

@@ -1,5 +1,6 @@
 """Experience making: a rollout batch, scored by the actor, reference, critic and reward (in their
 worker groups), turned into advantages here, in the controller."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -40,17 +41,18 @@ def response_logprobs(model, rollout_sequences, attention_mask, prompt_width, re
     """Log-probabilities of the response tokens only, at the sampling temperature: [B, R]."""
     out = sequence_logprobs(model, rollout_sequences, attention_mask, return_entropy=return_entropy, temperature=temperature)
     if return_entropy:
-        return out[0][:, prompt_width - 1:], out[1][:, prompt_width - 1:]
-    return out[:, prompt_width - 1:]
+        return out[0][:, prompt_width - 1 :], out[1][:, prompt_width - 1 :]
+    return out[:, prompt_width - 1 :]
 
 
 def response_values(critic, sequences, attention_mask, prompt_width):
     """V(state before each response token): [B, R]."""
-    return token_values(critic, sequences, attention_mask)[:, prompt_width - 1:-1]
+    return token_values(critic, sequences, attention_mask)[:, prompt_width - 1 : -1]
 
 
-def make_experience(rollout: Rollout, logprobs: torch.Tensor | None, ref_logprobs: torch.Tensor | None, values: torch.Tensor | None,
-                    scores: torch.Tensor, cfg, kl_coef: float) -> Experience:
+def make_experience(
+    rollout: Rollout, logprobs: torch.Tensor | None, ref_logprobs: torch.Tensor | None, values: torch.Tensor | None, scores: torch.Tensor, cfg, kl_coef: float
+) -> Experience:
     """One scored rollout batch with its advantages; `values` is None for critic-free estimators, and
     `logprobs` None when the actor scored nothing (no KL, one update: RLConfig.needs_old_logprobs).
     Advantages are computed on the whole batch (whitening is batch-wide), never per worker."""
@@ -60,9 +62,30 @@ def make_experience(rollout: Rollout, logprobs: torch.Tensor | None, ref_logprob
     else:
         kl = kl_estimate(logprobs, ref_logprobs, cfg.kl_estimator) * action_mask
     reward_kl_coef = 0.0 if cfg.use_kl_loss else kl_coef  # with --use_kl_loss the KL is in the loss instead
-    advantages, returns = compute_advantages(cfg.advantage_estimator, scores, kl, action_mask, values,
-                                             cfg.n_samples_per_prompt, reward_kl_coef, cfg.gamma, cfg.lambd,
-                                             reward_clip=cfg.interval("reward_clip_range"))
+    advantages, returns = compute_advantages(
+        cfg.advantage_estimator,
+        scores,
+        kl,
+        action_mask,
+        values,
+        cfg.n_samples_per_prompt,
+        reward_kl_coef,
+        cfg.gamma,
+        cfg.lambd,
+        reward_clip=cfg.interval("reward_clip_range"),
+    )
     values = values if values is not None else torch.zeros_like(advantages)
-    return Experience(rollout.sequences, rollout.attention_mask, action_mask, rollout.prompt_width, logprobs, ref_logprobs,
-                      values, advantages, returns, scores, kl, behaviour_logprobs=rollout.logprobs)
+    return Experience(
+        rollout.sequences,
+        rollout.attention_mask,
+        action_mask,
+        rollout.prompt_width,
+        logprobs,
+        ref_logprobs,
+        values,
+        advantages,
+        returns,
+        scores,
+        kl,
+        behaviour_logprobs=rollout.logprobs,
+    )

@@ -7,6 +7,7 @@
 
 Both controllers keep β as a plain float in `.value`.
 """
+
 from __future__ import annotations
 
 from typing import Any

@@ -21,6 +21,7 @@ Sources:
 Every failure a user can fix raises RewardError (a ConfigError, so a stage's `main` prints it as
 one line) naming the reward source.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -43,12 +44,12 @@ class RewardError(ConfigError):
 class RewardBatch:
     """What a reward source may look at, for B prompt+response sequences."""
 
-    sequences: torch.Tensor        # [B, T] token ids: prompts left-padded, responses right-padded
-    attention_mask: torch.Tensor   # [B, T]
-    queries: list[str]             # prompt + response, decoded with special tokens skipped
-    prompts: list[str]             # the prompts as the dataset gave them
-    responses: list[str]           # the responses, decoded up to the first EOS
-    labels: list[str | None]       # the dataset's label per prompt (None without one)
+    sequences: torch.Tensor  # [B, T] token ids: prompts left-padded, responses right-padded
+    attention_mask: torch.Tensor  # [B, T]
+    queries: list[str]  # prompt + response, decoded with special tokens skipped
+    prompts: list[str]  # the prompts as the dataset gave them
+    responses: list[str]  # the responses, decoded up to the first EOS
+    labels: list[str | None]  # the dataset's label per prompt (None without one)
 
     def __len__(self) -> int:
         return self.sequences.size(0)
@@ -77,8 +78,9 @@ def _as_rewards(values: Any, n: int, who: str, device: torch.device) -> torch.Te
         rewards = torch.as_tensor(values).detach().to(torch.float32)
     except (TypeError, ValueError, RuntimeError):
         kinds = sorted({type(v).__name__ for v in values}) if isinstance(values, (list, tuple)) else [type(values).__name__]
-        raise RewardError(f"{who} returned a {type(values).__name__} of {', '.join(kinds)}, not numbers; "
-                          f"return a torch tensor or a list of {n} floats") from None
+        raise RewardError(
+            f"{who} returned a {type(values).__name__} of {', '.join(kinds)}, not numbers; return a torch tensor or a list of {n} floats"
+        ) from None
     if rewards.dim() == 2 and rewards.size(-1) == 1:
         rewards = rewards.squeeze(-1)
     if rewards.dim() != 1 or rewards.numel() != n:
@@ -94,8 +96,9 @@ def _as_rewards(values: Any, n: int, who: str, device: torch.device) -> torch.Te
 class RewardModels(RewardSource):
     """One or several frozen reward models; the reward is the sum of their (optionally standardised) scores."""
 
-    def __init__(self, paths: Sequence[str] | str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 normalize: bool = True, batch_size: int = 256):
+    def __init__(
+        self, paths: Sequence[str] | str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, normalize: bool = True, batch_size: int = 256
+    ):
         from tasks.common.nn.models import load_scalar_model, resolve_model
 
         if isinstance(paths, str):
@@ -122,10 +125,13 @@ class RewardModels(RewardSource):
         for path, model, (mean, std) in zip(self.paths, self.models, self.stats):
             vocab = model.get_input_embeddings().num_embeddings
             if seqs.numel() and int(seqs.max()) >= vocab:
-                raise RewardError(f"reward_pretrain: {path} has {vocab} token embeddings but the sequences hold id {int(seqs.max())}; "
-                                  "reward models must share the policy's tokenizer")
-            scores = torch.cat([sequence_scores(model, seqs[i:i + self.batch_size], mask[i:i + self.batch_size]).float()
-                                for i in range(0, seqs.size(0), self.batch_size)])
+                raise RewardError(
+                    f"reward_pretrain: {path} has {vocab} token embeddings but the sequences hold id {int(seqs.max())}; "
+                    "reward models must share the policy's tokenizer"
+                )
+            scores = torch.cat(
+                [sequence_scores(model, seqs[i : i + self.batch_size], mask[i : i + self.batch_size]).float() for i in range(0, seqs.size(0), self.batch_size)]
+            )
             if self.normalize:
                 scores = (scores - mean) / max(std, 1e-6)
             total += scores
@@ -146,8 +152,7 @@ class RewardFunction(RewardSource):
         self._func = self._load()
 
     def _load(self):
-        return user_code.load_function(self.path, "reward_func", who="remote_rm_url", error=RewardError,
-                                       signature="queries, prompts, labels")
+        return user_code.load_function(self.path, "reward_func", who="remote_rm_url", error=RewardError, signature="queries, prompts, labels")
 
     def __getstate__(self):  # a module does not pickle (Ray actors): reload from the path instead
         return {"path": self.path}
@@ -179,10 +184,9 @@ class RewardEndpoint(RewardSource):
 
     def score(self, batch: RewardBatch) -> torch.Tensor:
         payload = {"query": list(batch.queries), "prompts": list(batch.prompts), "labels": list(batch.labels)}
-        reply = http_json.post_json(self.url, payload, who="remote_rm_url", error=RewardError, timeout=self.timeout,
-                               retries=self.retries, backoff=self.backoff)
+        reply = http_json.post_json(self.url, payload, who="remote_rm_url", error=RewardError, timeout=self.timeout, retries=self.retries, backoff=self.backoff)
         if isinstance(reply, dict) and not any(k in reply for k in ("rewards", "scores")):
-            raise RewardError(f"remote_rm_url: {self.url} answered JSON with keys {sorted(reply)}; expected {{\"rewards\": [...]}}")
+            raise RewardError(f'remote_rm_url: {self.url} answered JSON with keys {sorted(reply)}; expected {{"rewards": [...]}}')
         return _as_rewards(reply, len(batch.queries), f"remote_rm_url: {self.url}", batch.sequences.device)
 
     def __repr__(self) -> str:
@@ -213,9 +217,15 @@ def _remote_source(url: str, timeout: float, retries: int) -> RewardSource:
     raise RewardError(f"remote_rm_url: {url} is neither a .py file nor an http(s):// URL")
 
 
-def make_reward_source(reward_pretrain: str, remote_rm_url: str, device: torch.device | str = "cpu",
-                       dtype: torch.dtype = torch.float32, normalize: bool = True,
-                       timeout: float = 30, retries: int = 3) -> RewardSource:
+def make_reward_source(
+    reward_pretrain: str,
+    remote_rm_url: str,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    normalize: bool = True,
+    timeout: float = 30,
+    retries: int = 3,
+) -> RewardSource:
     """remote_rm_url when set (a .py file or an http(s):// URL; a comma list sums), else the reward models."""
     if remote_rm_url and remote_rm_url.strip():
         sources = [_remote_source(url, timeout, retries) for url in split_list(remote_rm_url)]
@@ -231,10 +241,21 @@ def build_reward_batch(rollout, tokenizer, prompts_text: Sequence[str], labels: 
     labels = [None] * n if labels is None else list(labels)
     if len(prompts_text) != n or len(labels) != n:
         raise ValueError(f"build_reward_batch: {n} sequences but {len(prompts_text)} prompts and {len(labels)} labels")
-    queries = [tokenizer.decode([t for t, m in zip(ids, mask) if m], skip_special_tokens=True)
-               for ids, mask in zip(rollout.sequences.tolist(), rollout.attention_mask.tolist())]
+    queries = [
+        tokenizer.decode([t for t, m in zip(ids, mask) if m], skip_special_tokens=True)
+        for ids, mask in zip(rollout.sequences.tolist(), rollout.attention_mask.tolist())
+    ]
     return RewardBatch(rollout.sequences, rollout.attention_mask, queries, list(prompts_text), rollout.texts(tokenizer), labels)
 
 
-__all__ = ["RewardBatch", "RewardSource", "RewardModels", "RewardFunction", "RewardEndpoint", "SummedRewards",
-           "RewardError", "make_reward_source", "build_reward_batch"]
+__all__ = [
+    "RewardBatch",
+    "RewardSource",
+    "RewardModels",
+    "RewardFunction",
+    "RewardEndpoint",
+    "SummedRewards",
+    "RewardError",
+    "make_reward_source",
+    "build_reward_batch",
+]

@@ -10,6 +10,7 @@ with KL off there is no reference at all. This driver holds no model: it samples
 over the groups' ranks, computes advantages on the whole batch (tasks.rl.advantages), plans the
 minibatches, logs, and checkpoints.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -60,7 +61,7 @@ def load_prompts(cfg: RLConfig, run: StageRun, tokenizer) -> Prompts:
     labels = [None if v is None else str(v) for v in rows[cfg.label_key]] if cfg.label_key else [None] * len(texts)
     ids = [data.encode_prompt(tokenizer, text, cfg.apply_chat_template) for text in texts]
     truncated = sum(len(p) > cfg.prompt_max_len for p in ids)
-    return Prompts([p[-cfg.prompt_max_len:] for p in ids], texts, labels, truncated, rows.to_list() if cfg.env_path else None)
+    return Prompts([p[-cfg.prompt_max_len :] for p in ids], texts, labels, truncated, rows.to_list() if cfg.env_path else None)
 
 
 def check_fits(cfg: RLConfig, layout: list[list[str]]) -> None:
@@ -135,8 +136,7 @@ class EngineGroup(ActorGroupEngine):
     keeps up to --max_staleness rollouts in flight, each token tagged with the weight version it used. With
     `partial` (--partial_rollouts) an update goes beside the queue and reaches running episodes at their next turn."""
 
-    def __init__(self, engines: WorkerGroup, actor: WorkerGroup, pad_token_id: int, vllm: bool, partial: bool = False,
-                 adapter: bool = False):
+    def __init__(self, engines: WorkerGroup, actor: WorkerGroup, pad_token_id: int, vllm: bool, partial: bool = False, adapter: bool = False):
         super().__init__(actor, pad_token_id, vllm)
         self.engines, self.adapter = engines, adapter
         self.send = engines.run_beside_async if partial else engines.run_async
@@ -168,8 +168,10 @@ class Controller:
         self.cfg, self.run = cfg, run
         connect_ray()
         if cfg.vllm_num_engines and not cluster_has_gpus():
-            raise ConfigError("vllm_num_engines: vLLM engines need GPUs and the vllm package, and this Ray cluster has no GPUs; "
-                              "use --vllm_num_engines 0 (transformers generate in the actor workers)")
+            raise ConfigError(
+                "vllm_num_engines: vLLM engines need GPUs and the vllm package, and this Ray cluster has no GPUs; "
+                "use --vllm_num_engines 0 (transformers generate in the actor workers)"
+            )
         self.tokenizer = load_tokenizer(resolve_model(run.input("pretrain", cfg.pretrain)))
         self.prompts = load_prompts(cfg, run, self.tokenizer)
         if cfg.env_path:  # a file that does not load or reset fails here, before any worker starts
@@ -203,8 +205,11 @@ class Controller:
         classes = {"actor": ActorWorker, "ref": ReferenceWorker, "critic": CriticWorker, "reward": RewardWorker}
         self.placements, self.groups = [], {}
         for members in self.layout:
-            self.placements.append(Placement.create(getattr(cfg, f"{members[0]}_num_nodes"), getattr(cfg, f"{members[0]}_num_gpus_per_node"),
-                                                    members[0], resources=cfg.resources(members[0])))
+            self.placements.append(
+                Placement.create(
+                    getattr(cfg, f"{members[0]}_num_nodes"), getattr(cfg, f"{members[0]}_num_gpus_per_node"), members[0], resources=cfg.resources(members[0])
+                )
+            )
         run.placements.extend(self.placements)  # what the stage held, for its cost
         self._check_outputs_reachable()
         for members, placement in zip(self.layout, self.placements):
@@ -220,15 +225,24 @@ class Controller:
             setup_args["rollout"] = (cfg,)
         gather([self.groups[role].run_async("setup", *setup_args[role]) for role in roles])
         if cfg.separate_engines():
-            self.engine = EngineGroup(self.groups["rollout"], self.groups["actor"], self.tokenizer.pad_token_id,
-                                      vllm=cfg.vllm_num_engines > 0, partial=cfg.partial_rollouts, adapter=cfg.lora_rank > 0)
+            self.engine = EngineGroup(
+                self.groups["rollout"],
+                self.groups["actor"],
+                self.tokenizer.pad_token_id,
+                vllm=cfg.vllm_num_engines > 0,
+                partial=cfg.partial_rollouts,
+                adapter=cfg.lora_rank > 0,
+            )
         else:
             self.engine = ActorGroupEngine(self.groups["actor"], self.tokenizer.pad_token_id, vllm=cfg.vllm_num_engines > 0)
-        self.reward: RewardSource | None = (RemoteRewardModels(self.groups["reward"]) if "reward" in self.groups
-                                            else None if cfg.env_path else make_reward_source("", cfg.remote_rm_url))
+        self.reward: RewardSource | None = (
+            RemoteRewardModels(self.groups["reward"]) if "reward" in self.groups else None if cfg.env_path else make_reward_source("", cfg.remote_rm_url)
+        )
         layout = ", ".join(f"[{' + '.join(m)}] × {self.groups[m[0]].world_size}" for m in self.layout)
-        print(f"rl: {len(self.prompts.ids)} prompts ({self.prompts.truncated} cut to {cfg.prompt_max_len} tokens), "
-              f"{self.steps} steps; placement groups {layout}", flush=True)
+        print(
+            f"rl: {len(self.prompts.ids)} prompts ({self.prompts.truncated} cut to {cfg.prompt_max_len} tokens), {self.steps} steps; placement groups {layout}",
+            flush=True,
+        )
         where = ", ".join(f"{role} on node(s) {sorted({n[:8] for n in g.nodes})} via {g.rendezvous}" for role, g in self.groups.items())
         print(f"rl: driver on node {self.groups['actor'].driver_node[:8]}; {where}", flush=True)
         if not cfg.uses_kl():
@@ -248,8 +262,7 @@ class Controller:
             value = getattr(self.cfg, name)
             if value and not storage.is_s3(value):
                 self.shutdown()
-                raise ConfigError(f"{name}: {value} is a folder on the driver's node, which workers on other nodes "
-                                  "cannot write to; pass an s3:// URI")
+                raise ConfigError(f"{name}: {value} is a folder on the driver's node, which workers on other nodes cannot write to; pass an s3:// URI")
 
     # ------------------------------------------------------------------ one step
 
@@ -263,8 +276,10 @@ class Controller:
         while have < cfg.rollout_batch_size:
             rounds += 1
             if rounds > MAX_FILTER_ROUNDS:
-                raise ConfigError(f"dynamic_filtering: only {have} of {cfg.rollout_batch_size} prompt groups kept after "
-                                  f"{MAX_FILTER_ROUNDS} rollouts; widen --dynamic_filtering_reward_range or drop --dynamic_filtering")
+                raise ConfigError(
+                    f"dynamic_filtering: only {have} of {cfg.rollout_batch_size} prompt groups kept after "
+                    f"{MAX_FILTER_ROUNDS} rollouts; widen --dynamic_filtering_reward_range or drop --dynamic_filtering"
+                )
             index, handle = self._next_rollout()
             rollout, scores = self._finish_and_score(index, handle, step, timing)
             generated += len(index) // n
@@ -321,8 +336,10 @@ class Controller:
         if keep.all():
             return out, index
         if not keep.any():
-            raise RuntimeError(f"rl: every sample of step {step}'s rollout is more than --max_staleness {self.cfg.max_staleness} "
-                               "updates old; the engines fell behind the trainer")
+            raise RuntimeError(
+                f"rl: every sample of step {step}'s rollout is more than --max_staleness {self.cfg.max_staleness} "
+                "updates old; the engines fell behind the trainer"
+            )
         rows = keep.nonzero().squeeze(-1)
         return Generated(out.rollout.select(rows), None if out.rewards is None else out.rewards[rows], out.stats), [index[i] for i in rows.tolist()]
 
@@ -348,8 +365,11 @@ class Controller:
         # LoRA: the actor returns (log-probabilities, reference ones); KL off: no reference at all.
         own_reference = "ref" not in self.groups and self.cfg.uses_kl()
         actor_method = ("reference_logprobs" if own_reference else "logprobs") if self.cfg.needs_old_logprobs() else None
-        calls = {role: (method, [rollout.select(r) for r in shard(rows, self.groups[role].world_size)], ())
-                 for role, method in (("actor", actor_method), ("ref", "logprobs"), ("critic", "values")) if method and role in self.groups}
+        calls = {
+            role: (method, [rollout.select(r) for r in shard(rows, self.groups[role].world_size)], ())
+            for role, method in (("actor", actor_method), ("ref", "logprobs"), ("critic", "values"))
+            if method and role in self.groups
+        }
         parts = self.in_waves(calls)
         if own_reference:
             parts["actor"], parts["ref"] = zip(*parts["actor"])
@@ -358,8 +378,7 @@ class Controller:
 
     def minibatch_plan(self, n: int) -> list[torch.Tensor]:
         """Row indices of each minibatch: max_epochs shuffled passes in train_batch_size pieces."""
-        return [index for _ in range(self.cfg.max_epochs)
-                for index in torch.randperm(n, generator=self.generator).split(self.cfg.train_batch_size)]
+        return [index for _ in range(self.cfg.max_epochs) for index in torch.randperm(n, generator=self.generator).split(self.cfg.train_batch_size)]
 
     def step(self, step: int) -> Experience:
         cfg = self.cfg
@@ -372,8 +391,11 @@ class Controller:
         t2 = time.time()
         plan = self.minibatch_plan(exp.sequences.size(0))
         # Each rank gets its share of every minibatch; actor and critic train at once unless colocated.
-        calls = {role: ("train", per_rank(exp, plan, self.groups[role].world_size), args)
-                 for role, args in (("actor", (kl_coef,)), ("critic", ())) if role in self.groups}
+        calls = {
+            role: ("train", per_rank(exp, plan, self.groups[role].world_size), args)
+            for role, args in (("actor", (kl_coef,)), ("critic", ()))
+            if role in self.groups
+        }
         stats = {k: v for ranks in self.in_waves(calls).values() for k, v in ranks[0].items()}
         t3 = time.time()
         self.engine.sync_weights(step)
@@ -381,11 +403,22 @@ class Controller:
         sequence_kl = exp.kl.sum(-1).mean().item()
         self.kl_ctl.update(sequence_kl, n_steps=exp.sequences.size(0))
         if step % cfg.logging_steps == 0 or step == self.steps:
-            self.run.tracker.log(step, {
-                "reward": scores.mean().item(), "reward_std": scores.std().item(), "kl": sequence_kl, "kl_coef": kl_coef, **stats,
-                "response_length": exp.action_mask.sum(-1).float().mean().item(),
-                **timing, "time_inference_s": t2 - t1, "time_train_s": t3 - t2, "time_weight_sync_s": t4 - t3, "time_step_s": t4 - t0,
-            })
+            self.run.tracker.log(
+                step,
+                {
+                    "reward": scores.mean().item(),
+                    "reward_std": scores.std().item(),
+                    "kl": sequence_kl,
+                    "kl_coef": kl_coef,
+                    **stats,
+                    "response_length": exp.action_mask.sum(-1).float().mean().item(),
+                    **timing,
+                    "time_inference_s": t2 - t1,
+                    "time_train_s": t3 - t2,
+                    "time_weight_sync_s": t4 - t3,
+                    "time_step_s": t4 - t0,
+                },
+            )
         return exp
 
     # ------------------------------------------------------------------ state
@@ -403,8 +436,10 @@ class Controller:
         for role, ranks in futures.items():
             uploaded.update(merge_uploads(ray.get(ranks), prefix=role))
         (local / "controller").mkdir()
-        torch.save({"sampler": self.sampler.state_dict(), "generator": self.generator.get_state(), "kl": self.kl_ctl.state_dict()},
-                   local / "controller" / "controller.pt")
+        torch.save(
+            {"sampler": self.sampler.state_dict(), "generator": self.generator.get_state(), "kl": self.kl_ctl.state_dict()},
+            local / "controller" / "controller.pt",
+        )
         return uploaded
 
     def load_state(self, uri: str) -> None:
@@ -434,8 +469,12 @@ def fresh_groups(rollout: Rollout, updates: int, n: int, max_staleness: int) -> 
     newest = rollout.versions.masked_fill(rollout.response_mask == 0, -1).max(-1).values
     behind = updates - oldest
     keep = (behind <= max_staleness).view(-1, n).all(-1).repeat_interleave(n)
-    return keep, {"staleness": behind.max().item(), "staleness_mean": behind.float().mean().item(),
-                  "partial_fraction": (newest > oldest).float().mean().item(), "dropped_stale": int((~keep).sum())}
+    return keep, {
+        "staleness": behind.max().item(),
+        "staleness_mean": behind.float().mean().item(),
+        "partial_fraction": (newest > oldest).float().mean().item(),
+        "dropped_stale": int((~keep).sum()),
+    }
 
 
 def gather(futures: list) -> list:
@@ -455,8 +494,11 @@ def per_rank(exp: Experience, plan: list[torch.Tensor], world_size: int) -> list
 
 
 def select_batch(batch: RewardBatch, rows: list[int]) -> RewardBatch:
-    return RewardBatch(batch.sequences[rows], batch.attention_mask[rows],
-                       *([field[i] for i in rows] for field in (batch.queries, batch.prompts, batch.responses, batch.labels)))
+    return RewardBatch(
+        batch.sequences[rows],
+        batch.attention_mask[rows],
+        *([field[i] for i in rows] for field in (batch.queries, batch.prompts, batch.responses, batch.labels)),
+    )
 
 
 def train(cfg: RLConfig, run: StageRun) -> None:
@@ -484,8 +526,17 @@ def train(cfg: RLConfig, run: StageRun) -> None:
         controller.shutdown()
     final = {"final_reward": exp.scores.mean().item(), "final_kl": exp.kl.sum(-1).mean().item()} if exp is not None else {}
     groups = controller.groups
-    run.commit(metrics={**final, "steps": controller.steps, "truncated": controller.prompts.truncated,
-                        "actor_workers": groups["actor"].world_size, "ref_workers": groups["ref"].world_size if "ref" in groups else 0},
-               uploaded=uploaded, model="model", **lora.manifest_fields(cfg))
+    run.commit(
+        metrics={
+            **final,
+            "steps": controller.steps,
+            "truncated": controller.prompts.truncated,
+            "actor_workers": groups["actor"].world_size,
+            "ref_workers": groups["ref"].world_size if "ref" in groups else 0,
+        },
+        uploaded=uploaded,
+        model="model",
+        **lora.manifest_fields(cfg),
+    )
     if cfg.save_path:
         print(f"rl: final model also written to {cfg.save_path}", flush=True)

@@ -17,6 +17,7 @@ With LoRA (`lora_rank`) the engine holds the frozen base and vLLM's LoRA layers;
 alone (peft's files, written to a local folder), registered under a new id each time (versioned: the
 previous one is removed), and every rollout after it generates through that adapter.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -63,9 +64,19 @@ class VLLMRolloutEngine:
     # others' environment steps run; vLLM's batches are not reproducible bit for bit anyway.
     overlap_turns = True
 
-    def __init__(self, model_path: str, tokenizer, max_model_len: int, gpu_memory_utilization: float, seed: int,
-                 dtype: str = "bfloat16", enable_prefix_caching: bool = False, enable_sleep: bool = False,
-                 ignore_eos: bool = False, lora_rank: int = 0):
+    def __init__(
+        self,
+        model_path: str,
+        tokenizer,
+        max_model_len: int,
+        gpu_memory_utilization: float,
+        seed: int,
+        dtype: str = "bfloat16",
+        enable_prefix_caching: bool = False,
+        enable_sleep: bool = False,
+        ignore_eos: bool = False,
+        lora_rank: int = 0,
+    ):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM
 
@@ -73,9 +84,14 @@ class VLLMRolloutEngine:
         # vLLM sizes its LoRA buffers by a rank from a fixed list; an adapter of a smaller rank fits.
         lora = {"enable_lora": True, "max_loras": 1, "max_lora_rank": lora_max_rank(lora_rank)} if lora_rank else {}
         self.llm = LLM(
-            model=model_path, skip_tokenizer_init=True, dtype=dtype, seed=seed,
-            max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
-            enable_prefix_caching=enable_prefix_caching, enable_sleep_mode=enable_sleep,
+            model=model_path,
+            skip_tokenizer_init=True,
+            dtype=dtype,
+            seed=seed,
+            max_model_len=max_model_len,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enable_prefix_caching=enable_prefix_caching,
+            enable_sleep_mode=enable_sleep,
             distributed_executor_backend="external_launcher",
             # vLLM's memory profiler sizes activations by this; its default (tens of thousands of tokens)
             # reserves memory the colocated trainer needs. Prefill beyond it is chunked.
@@ -91,18 +107,22 @@ class VLLMRolloutEngine:
         self.adapter, self.adapter_loads = None, 0
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
-                 greedy: bool = False, batch_size: int = 0) -> Rollout:
+    def generate(self, prompt_ids: list[list[int]], max_new_tokens: int, temperature: float = 1.0, greedy: bool = False, batch_size: int = 0) -> Rollout:
         """Every prompt at once (vLLM schedules its own batches; batch_size is the HF engine's knob)."""
         from vllm import SamplingParams
 
         self.wake_up()
-        params = SamplingParams(temperature=0.0 if greedy else temperature, max_tokens=max_new_tokens, logprobs=0,
-                                stop_token_ids=[] if self.ignore_eos else stop_token_ids(self.tokenizer), ignore_eos=self.ignore_eos, detokenize=False)
+        params = SamplingParams(
+            temperature=0.0 if greedy else temperature,
+            max_tokens=max_new_tokens,
+            logprobs=0,
+            stop_token_ids=[] if self.ignore_eos else stop_token_ids(self.tokenizer),
+            ignore_eos=self.ignore_eos,
+            detokenize=False,
+        )
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False, lora_request=self.adapter)
         responses = [list(o.outputs[0].token_ids) or [self.tokenizer.eos_token_id] for o in outputs]
-        logprobs = [[step[token].logprob for token, step in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
-                    for o in outputs]
+        logprobs = [[step[token].logprob for token, step in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outputs]
         if self.enable_sleep:
             self.sleep()
         return to_rollout(prompt_ids, responses, logprobs, self.tokenizer.pad_token_id)
@@ -167,7 +187,7 @@ def to_rollout(prompt_ids: list[list[int]], responses: list[list[int]], logprobs
     r_ids, r_mask = pad(responses, pad_id)
     r_logprobs = torch.zeros(r_ids.shape, dtype=torch.float32)
     for row, values in enumerate(logprobs):
-        r_logprobs[row, :len(values)] = torch.tensor(values, dtype=torch.float32)
+        r_logprobs[row, : len(values)] = torch.tensor(values, dtype=torch.float32)
     return Rollout(torch.cat([p_ids, r_ids], 1), torch.cat([p_mask, r_mask], 1), r_mask, p_ids.size(1), logprobs=r_logprobs)
 
 

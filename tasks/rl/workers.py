@@ -6,6 +6,7 @@ with the adapters off, `reference_logprobs`): no ReferenceWorker is placed. Tens
 the controller and the workers on the CPU; a worker moves them to its device. Every method that takes part in a collective (training steps, ZeRO-3
 gathers) runs on every rank of its group.
 """
+
 from __future__ import annotations
 
 import threading
@@ -69,16 +70,18 @@ class ActorWorker(_Trainer):
             from tasks.sft.trainer import tokenize_rows
 
             rows = data.load_rows(cfg.pretrain_data, cfg.pretrain_split, [cfg.input_key, cfg.output_key], 0)
-            self.ptx_ids, self.ptx_masks, _ = tokenize_rows(rows, self.tokenizer, cfg.input_key, cfg.output_key, cfg.apply_chat_template,
-                                                       cfg.prompt_max_len + cfg.generate_max_len)
+            self.ptx_ids, self.ptx_masks, _ = tokenize_rows(
+                rows, self.tokenizer, cfg.input_key, cfg.output_key, cfg.apply_chat_template, cfg.prompt_max_len + cfg.generate_max_len
+            )
             self.sampler = data.BatchSampler(len(self.ptx_ids), self.micro, cfg.seed + self.rank)
         if cfg.vllm_num_engines and not cfg.separate_engines():
             self.rollout_engine = _vllm_engine(cfg, path, self.tokenizer, seed=cfg.seed + self.rank)
         else:
             # Static cache (compiled decode) on CUDA, not under ZeRO-3: it gathers parameters through hooks
             # each forward, which a compiled decode cannot hold.
-            self.rollout_engine = HFRolloutEngine(self.engine.module, self.tokenizer, self.strategy.device,
-                                                  static_cache=self.strategy.device.type == "cuda" and self.strategy.zero_stage != 3)
+            self.rollout_engine = HFRolloutEngine(
+                self.engine.module, self.tokenizer, self.strategy.device, static_cache=self.strategy.device.type == "cuda" and self.strategy.zero_stage != 3
+            )
         self.channel = None
         self.episodes = _episode_runner(cfg, self.rollout_engine, self.tokenizer)
 
@@ -86,8 +89,9 @@ class ActorWorker(_Trainer):
         return _run_episodes(self.episodes, rows, self.cfg)
 
     def generate(self, prompts: list[list[int]]) -> Rollout:
-        rollout = self.rollout_engine.generate(prompts, self.cfg.generate_max_len, self.cfg.temperature,
-                                               batch_size=self.cfg.micro_rollout_batch_size or len(prompts))
+        rollout = self.rollout_engine.generate(
+            prompts, self.cfg.generate_max_len, self.cfg.temperature, batch_size=self.cfg.micro_rollout_batch_size or len(prompts)
+        )
         return rollout.to("cpu")
 
     def sync_weights(self) -> None:
@@ -123,8 +127,7 @@ class ActorWorker(_Trainer):
 
     def weight_shapes(self) -> list[tuple[str, list[int], str]]:
         """(name, shape, dtype) of every parameter, whole (ZeRO-3 shards report their full shape)."""
-        return [(name, list(getattr(p, "ds_shape", p.shape)), str(p.dtype).removeprefix("torch."))
-                for name, p in self.engine.module.named_parameters()]
+        return [(name, list(getattr(p, "ds_shape", p.shape)), str(p.dtype).removeprefix("torch.")) for name, p in self.engine.module.named_parameters()]
 
     @torch.no_grad()
     def engine_state(self) -> dict[str, torch.Tensor] | None:
@@ -148,9 +151,16 @@ class ActorWorker(_Trainer):
     @torch.no_grad()
     def logprobs(self, rollout: Rollout) -> torch.Tensor:
         self.engine.eval()
-        out = [response_logprobs(self.engine.module, r.sequences.to(self.strategy.device), r.attention_mask.to(self.strategy.device),
-                                 r.prompt_width, temperature=self.cfg.temperature).cpu()
-               for r in _chunks(rollout, self.cfg.micro_rollout_batch_size)]
+        out = [
+            response_logprobs(
+                self.engine.module,
+                r.sequences.to(self.strategy.device),
+                r.attention_mask.to(self.strategy.device),
+                r.prompt_width,
+                temperature=self.cfg.temperature,
+            ).cpu()
+            for r in _chunks(rollout, self.cfg.micro_rollout_batch_size)
+        ]
         return torch.cat(out)
 
     def reference_logprobs(self, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,9 +168,10 @@ class ActorWorker(_Trainer):
         frozen base (adapters off), so no reference model is loaded anywhere."""
         reference = lora.FrozenBase(self.engine.module)
         device = self.strategy.device
-        ref = [response_logprobs(reference, r.sequences.to(device), r.attention_mask.to(device), r.prompt_width,
-                                 temperature=self.cfg.temperature).cpu()
-               for r in _chunks(rollout, self.cfg.micro_rollout_batch_size)]
+        ref = [
+            response_logprobs(reference, r.sequences.to(device), r.attention_mask.to(device), r.prompt_width, temperature=self.cfg.temperature).cpu()
+            for r in _chunks(rollout, self.cfg.micro_rollout_batch_size)
+        ]
         return self.logprobs(rollout), torch.cat(ref)
 
     def train(self, minibatches: list[Experience], kl_coef: float) -> dict[str, float]:
@@ -172,8 +183,9 @@ class ActorWorker(_Trainer):
         loss_agg = "seq_mean_token_sum_norm" if cfg.advantage_estimator == "dr_grpo" else "token_mean"
         for minibatch in minibatches:
             for mb in _micro_batches(minibatch.to(device), self.micro):
-                logprobs, entropy = response_logprobs(self.engine, mb.sequences, mb.attention_mask, mb.prompt_width, return_entropy=True,
-                                                      temperature=cfg.temperature)
+                logprobs, entropy = response_logprobs(
+                    self.engine, mb.sequences, mb.attention_mask, mb.prompt_width, return_entropy=True, temperature=cfg.temperature
+                )
                 old = logprobs.detach() if mb.logprobs is None else mb.logprobs
                 is_weights = None
                 if mb.behaviour_logprobs is not None:  # the engine's policy against the trainer's, every step
@@ -183,9 +195,18 @@ class ActorWorker(_Trainer):
                     for key, value in mismatch.items():
                         stats.setdefault(key, []).append(value)
                 p_loss, clip_fraction = policy_loss(
-                    logprobs, old, mb.advantages, mb.action_mask, cfg.eps_clip, clip_eps_low=cfg.eps_clip_low or None,
-                    clip_eps_high=cfg.eps_clip_high or None, dual_clip=cfg.dual_clip or None, loss_agg=loss_agg,
-                    max_len=cfg.generate_max_len, is_weights=is_weights)
+                    logprobs,
+                    old,
+                    mb.advantages,
+                    mb.action_mask,
+                    cfg.eps_clip,
+                    clip_eps_low=cfg.eps_clip_low or None,
+                    clip_eps_high=cfg.eps_clip_high or None,
+                    dual_clip=cfg.dual_clip or None,
+                    loss_agg=loss_agg,
+                    max_len=cfg.generate_max_len,
+                    is_weights=is_weights,
+                )
                 loss = p_loss
                 if cfg.use_kl_loss:
                     loss = loss + kl_coef * kl_loss(logprobs, mb.ref_logprobs, mb.action_mask, cfg.kl_estimator)
@@ -210,8 +231,9 @@ class ActorWorker(_Trainer):
         from tasks.sft.trainer import micro_batch_logprobs
 
         batch = self.sampler.next()
-        logprobs, mask = micro_batch_logprobs(self.engine, [self.ptx_ids[i] for i in batch], [self.ptx_masks[i] for i in batch],
-                                              self.tokenizer.pad_token_id, False, self.strategy.device)
+        logprobs, mask = micro_batch_logprobs(
+            self.engine, [self.ptx_ids[i] for i in batch], [self.ptx_masks[i] for i in batch], self.tokenizer.pad_token_id, False, self.strategy.device
+        )
         return sft_loss(logprobs, mask[:, 1:])
 
     def save_model(self, out_dir: str) -> None:
@@ -332,10 +354,17 @@ def _vllm_engine(cfg: RLConfig, path: str, tokenizer, seed: int):
     # An episode's next turn reads everything before it: up to max_episode_tokens after the prompt, then a turn.
     max_len = cfg.prompt_max_len + cfg.generate_max_len + (cfg.max_episode_tokens if cfg.env_path else 0)
     return VLLMRolloutEngine(
-        path, tokenizer, max_model_len=min(max_len, positions) if positions else max_len,
-        gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, seed=seed, dtype=str(_dtype(cfg)).removeprefix("torch."),
-        enable_prefix_caching=cfg.enable_prefix_caching, enable_sleep=cfg.vllm_enable_sleep, ignore_eos=cfg.ignore_eos,
-        lora_rank=cfg.lora_rank)
+        path,
+        tokenizer,
+        max_model_len=min(max_len, positions) if positions else max_len,
+        gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+        seed=seed,
+        dtype=str(_dtype(cfg)).removeprefix("torch."),
+        enable_prefix_caching=cfg.enable_prefix_caching,
+        enable_sleep=cfg.vllm_enable_sleep,
+        ignore_eos=cfg.ignore_eos,
+        lora_rank=cfg.lora_rank,
+    )
 
 
 class CriticWorker(_Trainer):
@@ -389,9 +418,12 @@ class ReferenceWorker(Worker):
     @torch.no_grad()
     def logprobs(self, rollout: Rollout) -> torch.Tensor:
         device = self.strategy.device
-        return torch.cat([response_logprobs(self.model, r.sequences.to(device), r.attention_mask.to(device), r.prompt_width,
-                                            temperature=self.cfg.temperature).cpu()
-                          for r in _chunks(rollout, self.cfg.micro_rollout_batch_size)])
+        return torch.cat(
+            [
+                response_logprobs(self.model, r.sequences.to(device), r.attention_mask.to(device), r.prompt_width, temperature=self.cfg.temperature).cpu()
+                for r in _chunks(rollout, self.cfg.micro_rollout_batch_size)
+            ]
+        )
 
 
 class RewardWorker(Worker):
@@ -399,8 +431,7 @@ class RewardWorker(Worker):
 
     def setup(self, cfg: RLConfig) -> None:
         self.strategy = DeepSpeedStrategy(zero_stage=0, bf16=cfg.bf16, seed=cfg.seed)
-        self.models = RewardModels(cfg.reward_pretrain, self.strategy.device, _dtype(cfg), cfg.normalize_reward,
-                                   batch_size=cfg.micro_rollout_batch_size or 256)
+        self.models = RewardModels(cfg.reward_pretrain, self.strategy.device, _dtype(cfg), cfg.normalize_reward, batch_size=cfg.micro_rollout_batch_size or 256)
 
     def score(self, batch: RewardBatch) -> torch.Tensor:
         return self.models.score(batch).cpu()

@@ -5,6 +5,7 @@ conversation (system, user and earlier assistant turns): only the final answer i
 The driver places `num_nodes × num_gpus_per_node` SFTWorkers (one data-parallel world) and steps
 them; each draws the same global batch from an identically seeded sampler and trains on its share.
 """
+
 from __future__ import annotations
 
 import torch
@@ -22,15 +23,13 @@ def tokenize(rows, tokenizer, cfg: SFTConfig) -> tuple[list[list[int]], list[lis
     return tokenize_rows(rows, tokenizer, cfg.input_key, cfg.output_key, cfg.apply_chat_template, cfg.max_len)
 
 
-def tokenize_rows(rows, tokenizer, input_key: str, output_key: str, chat_template: bool, max_len: int
-                  ) -> tuple[list[list[int]], list[list[int]], int]:
+def tokenize_rows(rows, tokenizer, input_key: str, output_key: str, chat_template: bool, max_len: int) -> tuple[list[list[int]], list[list[int]], int]:
     """(ids, loss mask, number of rows cut) per row; the loss mask is 1 on the response tokens only.
     Rows longer than max_len lose the start of their prompt first (data.fit), so the answer and its
     closing token stay. Also the RL actor's PPO-ptx data (tasks.rl.workers)."""
     ids, masks, truncated = [], [], 0
     for prompt, response in zip(rows[input_key], rows[output_key]):
-        p, (r,), cut = data.fit(data.encode_prompt(tokenizer, prompt, chat_template),
-                                [data.encode_response(tokenizer, response, chat_template)], max_len)
+        p, (r,), cut = data.fit(data.encode_prompt(tokenizer, prompt, chat_template), [data.encode_response(tokenizer, response, chat_template)], max_len)
         ids.append(p + r)
         masks.append([0] * len(p) + [1] * len(r))
         truncated += cut
@@ -57,14 +56,20 @@ class SFTWorker(TrainingWorker):
         """One optimizer step on this worker's share of the next global batch; the global mean loss."""
         batch = shard(self.sampler.next(), self.world_size)[self.rank]
         masks = [self.masks[i][1:] for i in batch]  # a token's loss sits at the position before it
-        chunks = [batch[i:i + self.micro] for i in range(0, len(batch), self.micro)]
+        chunks = [batch[i : i + self.micro] for i in range(0, len(batch), self.micro)]
         # Every micro-batch is normalised by the global batch's token count: see sft_loss.
         tokens = self.strategy.all_reduce(sum(map(sum, masks)))
         micro_batches_in_step = len(chunks) * self.world_size
         total = torch.zeros((), device=self.strategy.device)
         for chunk in chunks:
-            logprobs, loss_mask = micro_batch_logprobs(self.engine, [self.ids[i] for i in chunk], [self.masks[i] for i in chunk],
-                                                       self.tokenizer.pad_token_id, self.cfg.packing_samples, self.strategy.device)
+            logprobs, loss_mask = micro_batch_logprobs(
+                self.engine,
+                [self.ids[i] for i in chunk],
+                [self.masks[i] for i in chunk],
+                self.tokenizer.pad_token_id,
+                self.cfg.packing_samples,
+                self.strategy.device,
+            )
             loss = sft_loss(logprobs, loss_mask[:, 1:], tokens / micro_batches_in_step)
             self.engine.backward(loss)
             self.engine.step()
@@ -94,10 +99,22 @@ def train(cfg: SFTConfig, run: StageRun) -> None:
     run.input("pretrain", cfg.pretrain)
     with placed_group(SFTWorker, cfg.num_nodes, cfg.num_gpus_per_node, "sft") as group:
         info = group.run("setup", cfg)[0]
-        print(f"sft: {info['rows']} rows, {info['truncated']} truncated to {cfg.max_len} tokens, {group.world_size} worker(s), "
-              f"{info['trainable_params']} of {info['total_params']} parameters trained", flush=True)
+        print(
+            f"sft: {info['rows']} rows, {info['truncated']} truncated to {cfg.max_len} tokens, {group.world_size} worker(s), "
+            f"{info['trainable_params']} of {info['total_params']} parameters trained",
+            flush=True,
+        )
         stats = train_steps(run, group, cfg.max_steps, cfg.logging_steps)
         group.run("save_model", str(run.workdir / "model"))
-    run.commit(metrics={"train_loss": round(stats["loss"], 5) if stats else None, "steps": cfg.max_steps, "rows": info["rows"],
-                        "truncated": info["truncated"], "workers": group.world_size, "trainable_params": info["trainable_params"]},
-               model="model", **lora.manifest_fields(cfg))
+    run.commit(
+        metrics={
+            "train_loss": round(stats["loss"], 5) if stats else None,
+            "steps": cfg.max_steps,
+            "rows": info["rows"],
+            "truncated": info["truncated"],
+            "workers": group.world_size,
+            "trainable_params": info["trainable_params"],
+        },
+        model="model",
+        **lora.manifest_fields(cfg),
+    )

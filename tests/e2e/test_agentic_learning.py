@@ -7,6 +7,7 @@ environment, every reward 0). The eval stage plays greedy episodes on 200 held-o
 env_success must be at least 20 points above the control's, and its tool-call rate higher. Seed 0 runs in
 `make test` (about 2 minutes), seed 1 under `make test-all`.
 """
+
 import json
 
 import pytest
@@ -22,10 +23,22 @@ from test_stages import flags, run_cli
 
 pytestmark = pytest.mark.e2e
 LIMITS = EpisodeLimits(max_turns=3, max_episode_tokens=64, max_turn_tokens=24)
-RL = {"advantage_estimator": "group_norm", "n_samples_per_prompt": 4, "rollout_batch_size": 32, "train_batch_size": 128,
-      "max_epochs": 1, "init_kl_coef": 0.0, "max_steps": 30, "actor_learning_rate": 1e-4, "lr_warmup_steps": 2,
-      "generate_max_len": LIMITS.max_turn_tokens, "max_turns": LIMITS.max_turns, "max_episode_tokens": LIMITS.max_episode_tokens,
-      "prompt_max_len": 16, "label_key": "label"}
+RL = {
+    "advantage_estimator": "group_norm",
+    "n_samples_per_prompt": 4,
+    "rollout_batch_size": 32,
+    "train_batch_size": 128,
+    "max_epochs": 1,
+    "init_kl_coef": 0.0,
+    "max_steps": 30,
+    "actor_learning_rate": 1e-4,
+    "lr_warmup_steps": 2,
+    "generate_max_len": LIMITS.max_turn_tokens,
+    "max_turns": LIMITS.max_turns,
+    "max_episode_tokens": LIMITS.max_episode_tokens,
+    "prompt_max_len": 16,
+    "label_key": "label",
+}
 
 
 def write_task(root, seed: int, task: str = "calculator") -> dict:
@@ -44,8 +57,18 @@ def sft_model(ray_address, root, task: dict, seed: int, reuse: bool = False) -> 
     """The task's SFT model (400 steps on its traces) under root/sft; `reuse`: one already there is taken as is."""
     sft = str(root / "sft")
     if not (reuse and (root / "sft" / "manifest.json").exists()):
-        cli(ray_address, "tasks.sft", output=sft, pretrain=task["base"], dataset=task["sft"], max_steps=400, learning_rate=1e-3,
-            train_batch_size=64, max_len=64, seed=seed)
+        cli(
+            ray_address,
+            "tasks.sft",
+            output=sft,
+            pretrain=task["base"],
+            dataset=task["sft"],
+            max_steps=400,
+            learning_rate=1e-3,
+            train_batch_size=64,
+            max_len=64,
+            seed=seed,
+        )
     return sft
 
 
@@ -58,9 +81,20 @@ def cli(ray_address, module, **values):
 def held_out(ray_address, root, arm: str, sft: str, policy: str, eval_rows: str, env: str = "calculator", limits=LIMITS) -> dict:
     """The eval stage in the environment: greedy episodes on the held-out rows, the SFT model and the policy."""
     out = root / f"eval-{arm}"
-    cli(ray_address, "tasks.eval", output=str(out), baseline=sft, policy=policy, dataset=eval_rows, env_path=env,
-        max_turns=limits.max_turns, max_episode_tokens=limits.max_episode_tokens, generate_max_len=limits.max_turn_tokens,
-        bootstrap_resamples=200, label_key="label")
+    cli(
+        ray_address,
+        "tasks.eval",
+        output=str(out),
+        baseline=sft,
+        policy=policy,
+        dataset=eval_rows,
+        env_path=env,
+        max_turns=limits.max_turns,
+        max_episode_tokens=limits.max_episode_tokens,
+        generate_max_len=limits.max_turn_tokens,
+        bootstrap_resamples=200,
+        label_key="label",
+    )
     path, _ = manifests.fetch(str(out), root / f"fetched-{arm}")
     return json.loads((path / "report.json").read_text())["metrics"]
 
@@ -79,9 +113,11 @@ def test_calculator_rl_raises_success_over_a_zero_reward_control(seed, ray_addre
         cli(ray_address, "tasks.rl", output=out, pretrain=sft, prompt_data=task["prompts"], env_path=env, seed=seed, **RL)
         results[arm] = held_out(ray_address, root, arm, sft, out, task["eval"])
     calc, control, start = results["calculator"]["policy"], results["control"]["policy"], results["calculator"]["baseline"]
-    print(f"seed {seed}: success {start['env_success']:.3f} (sft) -> {control['env_success']:.3f} (control), "
-          f"{calc['env_success']:.3f} (calculator); tool calls {start['env_tool_calls']:.2f} -> {control['env_tool_calls']:.2f}, "
-          f"{calc['env_tool_calls']:.2f}")
+    print(
+        f"seed {seed}: success {start['env_success']:.3f} (sft) -> {control['env_success']:.3f} (control), "
+        f"{calc['env_success']:.3f} (calculator); tool calls {start['env_tool_calls']:.2f} -> {control['env_tool_calls']:.2f}, "
+        f"{calc['env_tool_calls']:.2f}"
+    )
     assert calc["env_success"] >= control["env_success"] + 0.20, results
     assert calc["env_tool_calls"] > control["env_tool_calls"], results
 
@@ -92,16 +128,35 @@ def test_rl_stage_runs_episodes_with_a_critic_and_refuses_a_broken_environment_b
     root = SCRATCH / "agentic" / "contract"
     task = write_task(root, 0)
     out = root / "rl-gae"
-    cli(ray_address, "tasks.rl", output=str(out), pretrain=task["base"], prompt_data=task["prompts"], env_path="calculator",
-        **{**RL, "advantage_estimator": "gae", "n_samples_per_prompt": 1, "rollout_batch_size": 16, "train_batch_size": 16,
-           "max_steps": 2, "init_kl_coef": 0.01, "colocate_all_models": True})
+    cli(
+        ray_address,
+        "tasks.rl",
+        output=str(out),
+        pretrain=task["base"],
+        prompt_data=task["prompts"],
+        env_path="calculator",
+        **{
+            **RL,
+            "advantage_estimator": "gae",
+            "n_samples_per_prompt": 1,
+            "rollout_batch_size": 16,
+            "train_batch_size": 16,
+            "max_steps": 2,
+            "init_kl_coef": 0.01,
+            "colocate_all_models": True,
+        },
+    )
     last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     assert {"value_loss", "kl", "turns_per_episode", "tool_calls_per_episode", "episodes_per_s", "env_errors"} <= set(last), last
     broken = tmp_path / "broken_env.py"
-    broken.write_text("class Environment:\n    def reset(self, row):\n        return row['missing']\n"
-                      "    def step(self, action):\n        return None, 0.0, True, {}\n")
-    done = run_cli("tasks.rl", *flags({"output": str(root / "rl-broken"), "pretrain": task["base"], "prompt_data": task["prompts"],
-                                       "agent_func_path": str(broken), **RL}), ray=ray_address)
+    broken.write_text(
+        "class Environment:\n    def reset(self, row):\n        return row['missing']\n    def step(self, action):\n        return None, 0.0, True, {}\n"
+    )
+    done = run_cli(
+        "tasks.rl",
+        *flags({"output": str(root / "rl-broken"), "pretrain": task["base"], "prompt_data": task["prompts"], "agent_func_path": str(broken), **RL}),
+        ray=ray_address,
+    )
     assert done.returncode != 0
     last_line = done.stderr.strip().splitlines()[-1]
     assert last_line.startswith(f"error: env_path: {broken}: reset failed on the first prompt row (KeyError: 'missing')"), last_line
@@ -118,16 +173,20 @@ def test_async_calculator_rl_with_stale_rollouts_and_correction_still_learns(ray
     task = write_task(root, 0)
     sft = sft_model(ray_address, root, task, 0, reuse=True)
     runs = {}
-    for arm, env, extra in (("async", "calculator", {"async_train": True, "max_staleness": 2, "partial_rollouts": True, "is_correction": "tis"}),
-                            ("control", str(REPO / "tests" / "rewards" / "zero_env.py"), {})):
+    for arm, env, extra in (
+        ("async", "calculator", {"async_train": True, "max_staleness": 2, "partial_rollouts": True, "is_correction": "tis"}),
+        ("control", str(REPO / "tests" / "rewards" / "zero_env.py"), {}),
+    ):
         out = root / f"rl-{arm}"
         if arm == "async" or not (out / "manifest.json").exists():
             cli(ray_address, "tasks.rl", output=str(out), pretrain=sft, prompt_data=task["prompts"], env_path=env, seed=0, **RL, **extra)
         runs[arm] = held_out(ray_address, root, arm, sft, str(out), task["eval"])["policy"]
     logged = [json.loads(line) for line in (root / "rl-async" / "metrics.jsonl").read_text().splitlines()]
-    print(f"async: success {runs['control']['env_success']:.3f} (control) -> {runs['async']['env_success']:.3f}; staleness "
-          f"{[r['staleness'] for r in logged][:6]}…; partial {[round(r['partial_fraction'], 2) for r in logged][:6]}…; "
-          f"mismatch kl {logged[-1]['mismatch_kl']:.4f}")
+    print(
+        f"async: success {runs['control']['env_success']:.3f} (control) -> {runs['async']['env_success']:.3f}; staleness "
+        f"{[r['staleness'] for r in logged][:6]}…; partial {[round(r['partial_fraction'], 2) for r in logged][:6]}…; "
+        f"mismatch kl {logged[-1]['mismatch_kl']:.4f}"
+    )
     assert runs["async"]["env_success"] >= runs["control"]["env_success"] + 0.20, runs
     assert max(r["staleness"] for r in logged) <= 2 and sum(r["dropped_stale"] for r in logged) == 0
     assert max(r["partial_fraction"] for r in logged) > 0  # updates reached episodes already running
@@ -146,8 +205,19 @@ def test_at_staleness_4_the_correction_leaves_less_of_the_mismatch_than_none(ray
     logged = {}
     for correction in ("none", "tis"):
         out = root / f"rl-stale4-{correction}"
-        cli(ray_address, "tasks.rl", output=str(out), pretrain=sft, prompt_data=task["prompts"], env_path="calculator", seed=0,
-            **{**RL, "max_steps": 16, "actor_learning_rate": 3e-4}, async_train=True, max_staleness=4, is_correction=correction)
+        cli(
+            ray_address,
+            "tasks.rl",
+            output=str(out),
+            pretrain=sft,
+            prompt_data=task["prompts"],
+            env_path="calculator",
+            seed=0,
+            **{**RL, "max_steps": 16, "actor_learning_rate": 3e-4},
+            async_train=True,
+            max_staleness=4,
+            is_correction=correction,
+        )
         logged[correction] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][4:]
     mean = {c: {k: sum(r[k] for r in rows) / len(rows) for k in ("mismatch_kl", "corrected_mismatch_kl")} for c, rows in logged.items()}
     print(f"staleness 4, steps 5-16: {mean}")
@@ -168,15 +238,24 @@ def test_guess_rl_solves_in_fewer_turns_than_a_zero_reward_control(seed, ray_add
     root = SCRATCH / "agentic" / f"guess-seed{seed}"
     task = write_task(root, seed, "guess")
     sft = sft_model(ray_address, root, task, seed)
-    limits = {"generate_max_len": GUESS_LIMITS.max_turn_tokens, "max_turns": GUESS_LIMITS.max_turns,
-              "max_episode_tokens": GUESS_LIMITS.max_episode_tokens}
+    limits = {"generate_max_len": GUESS_LIMITS.max_turn_tokens, "max_turns": GUESS_LIMITS.max_turns, "max_episode_tokens": GUESS_LIMITS.max_episode_tokens}
     results = {}
     for arm, env in (("guess", "guess"), ("control", str(REPO / "tests" / "rewards" / "zero_guess_env.py"))):
         out = str(root / f"rl-{arm}")
-        cli(ray_address, "tasks.rl", output=out, pretrain=sft, prompt_data=task["prompts"], env_path=env, seed=seed,
-            **{**RL, **limits, "n_samples_per_prompt": 8, "rollout_batch_size": 16, "actor_learning_rate": 3e-4, "max_steps": 60})
+        cli(
+            ray_address,
+            "tasks.rl",
+            output=out,
+            pretrain=sft,
+            prompt_data=task["prompts"],
+            env_path=env,
+            seed=seed,
+            **{**RL, **limits, "n_samples_per_prompt": 8, "rollout_batch_size": 16, "actor_learning_rate": 3e-4, "max_steps": 60},
+        )
         results[arm] = held_out(ray_address, root, arm, sft, out, task["eval"], env="guess", limits=GUESS_LIMITS)
     guess, control = results["guess"]["policy"], results["control"]["policy"]
-    print(f"guess seed {seed}: turns {control['env_turns']:.2f} (control) -> {guess['env_turns']:.2f}; "
-          f"success {control['env_success']:.3f} -> {guess['env_success']:.3f}")
+    print(
+        f"guess seed {seed}: turns {control['env_turns']:.2f} (control) -> {guess['env_turns']:.2f}; "
+        f"success {control['env_success']:.3f} -> {guess['env_success']:.3f}"
+    )
     assert guess["env_turns"] < control["env_turns"], results

@@ -16,6 +16,7 @@ policy (merged through tasks.common.nn.models.resolve_model) generates from a ch
 reward model loads as AutoModelForSequenceClassification(num_labels=1), with its trained head and reward
 statistics, and scores a templated conversation. About 100 s on 2 CPU cores (the DAG run: about 85 s).
 """
+
 from __future__ import annotations
 
 import json
@@ -114,8 +115,14 @@ def byo_run(s3_server, ray_head, tmp_path_factory):
     print(f"byo: the DAG ran in {time.monotonic() - started:.0f}s")
     states = {ti.task_id: str(getattr(ti.state, "value", ti.state)) for ti in dr.get_task_instances()}
     base = f"s3://{bucket}/{prefix}/runs/rlhf_pipeline/{key_safe(dr.run_id)}"
-    yield {"conf": conf, "rows": rows, "states": states, "prefix": prefix, "root": root,
-           "uris": {stage: f"{base}/{stage}/manifest.json" for stage in ("prepare_data", *TRAINED, "eval", "promote")}}
+    yield {
+        "conf": conf,
+        "rows": rows,
+        "states": states,
+        "prefix": prefix,
+        "root": root,
+        "uris": {stage: f"{base}/{stage}/manifest.json" for stage in ("prepare_data", *TRAINED, "eval", "promote")},
+    }
     if saved is None:
         os.environ.pop("RLHF_CACHE_DIR", None)
     else:
@@ -126,15 +133,24 @@ def byo_run(s3_server, ray_head, tmp_path_factory):
 def manifest_of(byo_run):
     from tasks.common import manifest as manifests
 
-    return {stage: manifests.read_manifest(uri) for stage, uri in byo_run["uris"].items()
-            if byo_run["states"].get(stage) == "success"}
+    return {stage: manifests.read_manifest(uri) for stage, uri in byo_run["uris"].items() if byo_run["states"].get(stage) == "success"}
 
 
 @pytest.mark.slow  # make test-all: the team's own data down the whole DAG (dag.test, 150 s)
 def test_the_run_succeeds_down_the_rl_branch(byo_run):
-    assert byo_run["states"] == {"validate": "success", "prepare_data": "success", "sft": "success", "choose_method": "success",
-                                 "reward_model": "success", "rl": "success", "dpo": "skipped", "kto": "skipped",
-                                 "eval": "success", "promote": "success", "champion": "skipped"}, byo_run["states"]
+    assert byo_run["states"] == {
+        "validate": "success",
+        "prepare_data": "success",
+        "sft": "success",
+        "choose_method": "success",
+        "reward_model": "success",
+        "rl": "success",
+        "dpo": "skipped",
+        "kto": "skipped",
+        "eval": "success",
+        "promote": "success",
+        "champion": "skipped",
+    }, byo_run["states"]
 
 
 @pytest.mark.slow  # make test-all: the team's own data down the whole DAG (dag.test, 150 s)
@@ -148,8 +164,14 @@ def test_prepare_data_validated_and_registered_the_dataset_version(byo_run, mani
     info = m["dataset_version"]
     assert info["name"] == DATASET and info["source"] == conf["dataset"]
     assert info["uri"] == f"{root}/{DATASET}/{info['version']}" and m["inputs"]["dataset"] == info["uri"]
-    assert info["mapping"] == {"input_key": "", "output_key": "", "messages_key": "messages", "chosen_key": "chosen",
-                               "rejected_key": "rejected", "label_key": "label"}
+    assert info["mapping"] == {
+        "input_key": "",
+        "output_key": "",
+        "messages_key": "messages",
+        "chosen_key": "chosen",
+        "rejected_key": "rejected",
+        "label_key": "label",
+    }
     # The base model is passed on by reference: the next stages load it from where the team put it.
     assert m["model"] == conf["base_model"]
 
@@ -227,7 +249,7 @@ def test_the_rl_policy_loads_with_transformers_and_answers_a_chat(byo_run, manif
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=4, do_sample=False)
     assert ids.shape[1] < out.shape[1] <= ids.shape[1] + 4
-    assert isinstance(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True), str)
+    assert isinstance(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True), str)
 
     # Trained: the policy is not the base model it started from (SFT's and RL's adapters are in its weights).
     base = AutoModelForCausalLM.from_pretrained(str(byo_run["root"] / "tiny-chat")).state_dict()

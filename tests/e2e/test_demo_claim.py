@@ -9,6 +9,7 @@ demo (tests/conftest.py's demo_run: the same seed and flags through Airflow and 
 number for number: the same commit, lock and seed give the same result, by either route. About 5 minutes
 a seed on 2 cores; seed 1 reuses the data, SFT and reward model tests/e2e/test_learning.py made for it.
 """
+
 import json
 import shutil
 
@@ -37,10 +38,18 @@ def dag_default_flags(stage: str, seed: int) -> dict:
         "tasks.data": {"seed": seed},
         "tasks.sft": {**common, "max_steps": d["sft_steps"], "learning_rate": d["sft_learning_rate"]},
         "tasks.reward_model": {**common, "max_steps": d["rm_steps"], "learning_rate": d["rm_learning_rate"]},
-        "tasks.rl": {**common, "max_steps": d["rl_steps"], "actor_learning_rate": d["actor_learning_rate"],
-                     "critic_learning_rate": d["critic_learning_rate"], "init_kl_coef": d["init_kl_coef"], "lambd": d["gae_lambda"],
-                     "ptx_coef": d["ptx_coef"], "advantage_estimator": d["advantage_estimator"],
-                     "n_samples_per_prompt": d["n_samples_per_prompt"], "colocate_all_models": d["colocate_all_models"]},
+        "tasks.rl": {
+            **common,
+            "max_steps": d["rl_steps"],
+            "actor_learning_rate": d["actor_learning_rate"],
+            "critic_learning_rate": d["critic_learning_rate"],
+            "init_kl_coef": d["init_kl_coef"],
+            "lambd": d["gae_lambda"],
+            "ptx_coef": d["ptx_coef"],
+            "advantage_estimator": d["advantage_estimator"],
+            "n_samples_per_prompt": d["n_samples_per_prompt"],
+            "colocate_all_models": d["colocate_all_models"],
+        },
         "tasks.eval": {"seed": seed, "max_samples": d["eval_max_samples"], "metric_func": DEMO_METRICS},
     }[stage]
 
@@ -58,10 +67,17 @@ def run_stages(ray_address, root, seed: int, names: tuple[str, ...]) -> dict:
         "data": ("tasks.data", {"output": out["data"]}),
         "sft": ("tasks.sft", {"output": out["sft"], "pretrain": out["data"], "dataset": out["data"]}),
         "rm": ("tasks.reward_model", {"output": out["rm"], "pretrain": out["sft"], "dataset": out["data"]}),
-        "rl": ("tasks.rl", {"output": out["rl"], "pretrain": out["sft"], "reward_pretrain": out["rm"], "prompt_data": out["data"],
-                            "pretrain_data": out["data"] if DEFAULTS["ptx_coef"] else ""}),
-        "eval": ("tasks.eval", {"output": out["eval"], "baseline": out["sft"], "policy": out["rl"], "reward_pretrain": out["rm"],
-                                "dataset": out["data"]}),
+        "rl": (
+            "tasks.rl",
+            {
+                "output": out["rl"],
+                "pretrain": out["sft"],
+                "reward_pretrain": out["rm"],
+                "prompt_data": out["data"],
+                "pretrain_data": out["data"] if DEFAULTS["ptx_coef"] else "",
+            },
+        ),
+        "eval": ("tasks.eval", {"output": out["eval"], "baseline": out["sft"], "policy": out["rl"], "reward_pretrain": out["rm"], "dataset": out["data"]}),
     }
     for name in names:
         module, values = stages[name]

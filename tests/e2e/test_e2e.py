@@ -6,6 +6,7 @@ policy while its held-out answer accuracy holds: the demo's claim (tasks/data/de
 of style, accuracy down 3 points at most), which `make demo` prints as its last line and which
 tests/e2e/test_demo_claim.py checks on seeds 0, 1 and 2 under `make test-all`.
 """
+
 import json
 import urllib.error
 import urllib.parse
@@ -26,8 +27,12 @@ def test_the_demo_run_succeeds_through_the_rest_api(demo_run):
     tasks = live.rest("GET", f"/api/v2/dags/rlhf_pipeline/dagRuns/{run['dag_run_id']}/taskInstances")["task_instances"]
     # The default method is rl: the branch task picks reward_model -> rl; the dpo and kto tasks are skipped.
     # A manual run judges the policy (promote) but may not promote it: the champion task is skipped.
-    assert {t["task_id"]: t["state"] for t in tasks} == {**{s: "success" for s in STAGES + ["validate", "choose_method", "promote"]},
-                                                         "dpo": "skipped", "kto": "skipped", "champion": "skipped"}
+    assert {t["task_id"]: t["state"] for t in tasks} == {
+        **{s: "success" for s in STAGES + ["validate", "choose_method", "promote"]},
+        "dpo": "skipped",
+        "kto": "skipped",
+        "champion": "skipped",
+    }
     assert "| sampled_preferred_style_rate |" in stdout
     assert "PASS: the policy gained the preferred style with accuracy held" in stdout  # the demo's verdict line
 
@@ -49,9 +54,13 @@ def test_stages_pass_checkpoints_through_their_manifests(demo_run):
         assert uri.startswith(f"s3://{live.bucket}/") and "/runs/rlhf_pipeline/" in uri and uri.endswith(f"/{stage}/manifest.json")
     manifests = {stage: demo_run.read_json(uri) for stage, uri in uris.items()}
     assert manifests["sft"]["inputs"]["pretrain"] == uris["prepare_data"]
-    assert manifests["rl"]["inputs"] == {"pretrain": uris["sft"], "reward_pretrain": uris["reward_model"],
-                                         "critic_pretrain": uris["reward_model"], "prompt_data": uris["prepare_data"],
-                                         "pretrain_data": uris["prepare_data"]}  # PPO-ptx's SFT rows
+    assert manifests["rl"]["inputs"] == {
+        "pretrain": uris["sft"],
+        "reward_pretrain": uris["reward_model"],
+        "critic_pretrain": uris["reward_model"],
+        "prompt_data": uris["prepare_data"],
+        "pretrain_data": uris["prepare_data"],
+    }  # PPO-ptx's SFT rows
     assert manifests["eval"]["inputs"]["policy"] == uris["rl"]
 
 
@@ -94,8 +103,7 @@ def test_the_report_views_serve_only_served_buckets_and_existing_runs(demo_run):
     live = demo_run.live
     s3 = live.s3()
     s3.create_bucket(Bucket="other-tenant")
-    s3.put_object(Bucket="other-tenant", Key=f"rlhf-flow/runs/rlhf_pipeline/{demo_run.run_id}/eval/report.json",
-                  Body=b'{"secret": "of another tenant"}')
+    s3.put_object(Bucket="other-tenant", Key=f"rlhf-flow/runs/rlhf_pipeline/{demo_run.run_id}/eval/report.json", Body=b'{"secret": "of another tenant"}')
 
     def get(path: str) -> tuple[int, str]:
         request = urllib.request.Request(f"{live.airflow_url}{path}", headers={"Authorization": f"Bearer {live.token()}"})
@@ -108,10 +116,12 @@ def test_the_report_views_serve_only_served_buckets_and_existing_runs(demo_run):
     run = urllib.parse.quote(demo_run.run_id, safe="")
     status, body = get(f"/rlhf-flow/dags/rlhf_pipeline/runs/{run}/report.json?bucket=other-tenant")
     assert status == 200 and "of another tenant" not in body and json.loads(body)["metrics"]["policy"]
-    for path, want in [("/rlhf-flow/?bucket=other-tenant", (403, "bucket: 'other-tenant' is not served here")),
-                       ("/rlhf-flow/?prefix=elsewhere", (404, "prefix: no run of DAG 'rlhf_pipeline' writes under")),
-                       ("/rlhf-flow/dags/rlhf_pipeline/runs/manual__never/report.json", (404, "run_id: DAG 'rlhf_pipeline' has no run")),
-                       ("/rlhf-registry/api?bucket=other-tenant", (403, "bucket: 'other-tenant' is not served here"))]:
+    for path, want in [
+        ("/rlhf-flow/?bucket=other-tenant", (403, "bucket: 'other-tenant' is not served here")),
+        ("/rlhf-flow/?prefix=elsewhere", (404, "prefix: no run of DAG 'rlhf_pipeline' writes under")),
+        ("/rlhf-flow/dags/rlhf_pipeline/runs/manual__never/report.json", (404, "run_id: DAG 'rlhf_pipeline' has no run")),
+        ("/rlhf-registry/api?bucket=other-tenant", (403, "bucket: 'other-tenant' is not served here")),
+    ]:
         status, body = get(path)
-        assert (status, json.loads(body)["detail"][:len(want[1])]) == want, (path, body)
+        assert (status, json.loads(body)["detail"][: len(want[1])]) == want, (path, body)
         assert "\n" not in json.loads(body)["detail"]

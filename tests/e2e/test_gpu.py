@@ -19,6 +19,7 @@
 Outputs go to local folders; the Ray head is RAY_ADDRESS's (bench/gpu/env.sh's start_ray) or one
 started here.
 """
+
 import importlib.util
 import json
 import os
@@ -47,8 +48,16 @@ ROOT = SCRATCH / "gpu"
 GPU_FLAGS = {"bf16": True, "flash_attn": True, "gradient_checkpointing": True}
 STYLE = {"remote_rm_url": str(REPO / "tests" / "rewards" / "style_reward.py")}
 CONTROL = {"remote_rm_url": str(REPO / "tests" / "rewards" / "zero_reward.py")}
-GRPO = {"advantage_estimator": "group_norm", "rollout_batch_size": 32, "n_samples_per_prompt": 4, "train_batch_size": 128,
-        "max_epochs": 1, "init_kl_coef": 0.0, "max_steps": 30, "vllm_num_engines": 1}
+GRPO = {
+    "advantage_estimator": "group_norm",
+    "rollout_batch_size": 32,
+    "n_samples_per_prompt": 4,
+    "train_batch_size": 128,
+    "max_epochs": 1,
+    "init_kl_coef": 0.0,
+    "max_steps": 30,
+    "vllm_num_engines": 1,
+}
 
 
 @pytest.fixture(scope="module")
@@ -61,10 +70,26 @@ def gpu_ray():
     temp = tempfile.mkdtemp(prefix="rlhf-gpu-ray-")
     proc = subprocess.Popen(
         # The CLI through this python: a `ray` script on PATH may carry another interpreter's shebang.
-        [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--node-ip-address", "127.0.0.1", f"--port={port}", f"--temp-dir={temp}",
-         f"--num-gpus={torch.cuda.device_count()}", "--include-dashboard=false", "--disable-usage-stats"],
-        env={**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}, start_new_session=True,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        [
+            sys.executable,
+            "-m",
+            "ray.scripts.scripts",
+            "start",
+            "--head",
+            "--block",
+            "--node-ip-address",
+            "127.0.0.1",
+            f"--port={port}",
+            f"--temp-dir={temp}",
+            f"--num-gpus={torch.cuda.device_count()}",
+            "--include-dashboard=false",
+            "--disable-usage-stats",
+        ],
+        env={**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"},
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.time() + 120
     while time.time() < deadline:
         if proc.poll() is not None:
@@ -106,20 +131,64 @@ def data():
 
 def test_every_stage_runs_on_the_gpu_path(gpu_ray, data):
     out = {name: str(ROOT / name) for name in ("sft", "rm", "ppo", "dpo", "eval")}
-    log = cli(gpu_ray, "tasks.sft", output=out["sft"], pretrain=data, dataset=data, max_steps=20, zero_stage=2,
-              packing_samples=True, torch_compile=True, **GPU_FLAGS)
+    log = cli(
+        gpu_ray, "tasks.sft", output=out["sft"], pretrain=data, dataset=data, max_steps=20, zero_stage=2, packing_samples=True, torch_compile=True, **GPU_FLAGS
+    )
     if importlib.util.find_spec("flash_attn") is None:
         assert "flash_attn:" in log  # the fallback to SDPA is said
-    cli(gpu_ray, "tasks.reward_model", output=out["rm"], pretrain=out["sft"], dataset=data, max_steps=10, zero_stage=3,
-        adam_offload=True, packing_samples=True, **GPU_FLAGS)
+    cli(
+        gpu_ray,
+        "tasks.reward_model",
+        output=out["rm"],
+        pretrain=out["sft"],
+        dataset=data,
+        max_steps=10,
+        zero_stage=3,
+        adam_offload=True,
+        packing_samples=True,
+        **GPU_FLAGS,
+    )
     # PPO with a critic, every model and the vLLM engine on one GPU; ZeRO-3, so each sync gathers the shards.
-    cli(gpu_ray, "tasks.rl", output=out["ppo"], pretrain=out["sft"], reward_pretrain=out["rm"], prompt_data=data, max_steps=3,
-        rollout_batch_size=16, train_batch_size=8, colocate_all_models=True, vllm_num_engines=1, vllm_gpu_memory_utilization=0.2,
-        vllm_enable_sleep=True, zero_stage=3, **GPU_FLAGS)
-    cli(gpu_ray, "tasks.preference", output=out["dpo"], pretrain=out["sft"], dataset=data, method="dpo", dataset_split="style_pairs",
-        max_steps=5, zero_stage=2, **GPU_FLAGS)
-    cli(gpu_ray, "tasks.eval", output=out["eval"], baseline=out["sft"], policy=out["ppo"], reward_pretrain=out["rm"], dataset=data,
-        max_samples=64, metric_func="tasks/data/demo_metrics.py")
+    cli(
+        gpu_ray,
+        "tasks.rl",
+        output=out["ppo"],
+        pretrain=out["sft"],
+        reward_pretrain=out["rm"],
+        prompt_data=data,
+        max_steps=3,
+        rollout_batch_size=16,
+        train_batch_size=8,
+        colocate_all_models=True,
+        vllm_num_engines=1,
+        vllm_gpu_memory_utilization=0.2,
+        vllm_enable_sleep=True,
+        zero_stage=3,
+        **GPU_FLAGS,
+    )
+    cli(
+        gpu_ray,
+        "tasks.preference",
+        output=out["dpo"],
+        pretrain=out["sft"],
+        dataset=data,
+        method="dpo",
+        dataset_split="style_pairs",
+        max_steps=5,
+        zero_stage=2,
+        **GPU_FLAGS,
+    )
+    cli(
+        gpu_ray,
+        "tasks.eval",
+        output=out["eval"],
+        baseline=out["sft"],
+        policy=out["ppo"],
+        reward_pretrain=out["rm"],
+        dataset=data,
+        max_samples=64,
+        metric_func="tasks/data/demo_metrics.py",
+    )
     for name in out:
         assert manifests.read_manifest(out[name])  # committed
     logged = metrics(out["ppo"])
@@ -181,11 +250,11 @@ def test_flash_attn_packed_rows_give_each_sequences_own_logprobs_and_gradients()
             ids, positions, index = batches.pack(seqs)
             row = packed_logprobs(model, ids.cuda(), positions.cuda(), index.cuda())[0]
             starts = [0] + [sum(len(s) for s in seqs[:k]) for k in range(1, len(seqs))]
-            per_seq = [row[start:start + len(s) - 1] for start, s in zip(starts, seqs)]  # each sequence's own tokens
+            per_seq = [row[start : start + len(s) - 1] for start, s in zip(starts, seqs)]  # each sequence's own tokens
         else:
             ids, mask = batches.pad(seqs, tok.pad_token_id)
             logprobs = sequence_logprobs(model, ids.cuda(), mask.cuda())
-            per_seq = [logprobs[k, :len(s) - 1] for k, s in enumerate(seqs)]
+            per_seq = [logprobs[k, : len(s) - 1] for k, s in enumerate(seqs)]
         total = torch.cat(per_seq).float().sum()
         total.backward()
         runs.append((torch.cat(per_seq).float().detach().cpu(), {n: p.grad.float().cpu() for n, p in model.named_parameters()}))
@@ -208,8 +277,14 @@ def test_rl_with_lora_hands_vllm_the_adapter_alone_and_its_rollouts_follow_it(gp
         layouts["separate"] = {"async_train": True, "vllm_gpu_memory_utilization": 0.3}
     for name, layout in layouts.items():
         out = str(ROOT / f"rl-lora-{name}")
-        cli(gpu_ray, "tasks.rl", output=out, pretrain=sft, prompt_data=data, **{**GRPO, **GPU_FLAGS, **STYLE, **layout,
-            "max_steps": 6, "lora_rank": 16, "lora_alpha": 32, "actor_learning_rate": 2e-3, "init_kl_coef": 0.001})
+        cli(
+            gpu_ray,
+            "tasks.rl",
+            output=out,
+            pretrain=sft,
+            prompt_data=data,
+            **{**GRPO, **GPU_FLAGS, **STYLE, **layout, "max_steps": 6, "lora_rank": 16, "lora_alpha": 32, "actor_learning_rate": 2e-3, "init_kl_coef": 0.001},
+        )
         logged = metrics(out)
         gaps, kl = [r["engine_logprob_max_diff"] for r in logged], [r["kl"] for r in logged]
         print(f"rl with lora, {name}: engine vs actor gap per step {gaps}; kl to the base {kl}")

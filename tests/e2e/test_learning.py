@@ -15,6 +15,7 @@ These run under `make test-all` (1 to 4 minutes an arm), as do DPO and KTO (the 
 branches), held to the PPO path's bounds against the SFT start: style +25 points, accuracy within 5 points.
 `make test` keeps the demo run's own check (tests/e2e/test_e2e.py) and the exports' check below.
 """
+
 import json
 
 import pytest
@@ -67,11 +68,18 @@ def policy_metrics(trained, ray_address, estimator: str, reward: str, seed: int)
     start = models(trained, ray_address, seed)
     name = f"{estimator}-{reward}-seed{seed}"
     rl, ev = str(ROOT / f"rl-{name}"), str(ROOT / f"eval-{name}")
-    rl_flags = {**dag_default_flags("tasks.rl", seed), "ptx_coef": 0.0, "advantage_estimator": estimator, **ESTIMATORS[estimator],
-                **REWARDS[reward]}
+    rl_flags = {**dag_default_flags("tasks.rl", seed), "ptx_coef": 0.0, "advantage_estimator": estimator, **ESTIMATORS[estimator], **REWARDS[reward]}
     cli(trained["live"], "tasks.rl", output=rl, pretrain=start["sft"], reward_pretrain=start["rm"], prompt_data=start["data"], **rl_flags)
-    cli(trained["live"], "tasks.eval", output=ev, baseline=start["sft"], policy=rl, reward_pretrain=start["rm"], dataset=start["data"],
-        **dag_default_flags("tasks.eval", seed))
+    cli(
+        trained["live"],
+        "tasks.eval",
+        output=ev,
+        baseline=start["sft"],
+        policy=rl,
+        reward_pretrain=start["rm"],
+        dataset=start["data"],
+        **dag_default_flags("tasks.eval", seed),
+    )
     path, _ = manifests.fetch(ev, ROOT / f"fetched-{name}")
     return json.loads((path / "report.json").read_text())["metrics"]["policy"]
 
@@ -81,8 +89,10 @@ def policy_metrics(trained, ray_address, estimator: str, reward: str, seed: int)
 @pytest.mark.parametrize("estimator", ["gae", "group_norm", "rloo", "reinforce_baseline"])
 def test_estimator_learns_from_a_reward_model_and_from_a_reward_function(estimator, seed, trained, ray_address):
     control, with_rm, exact = (policy_metrics(trained, ray_address, estimator, reward, seed) for reward in ("control", "rm", "exact"))
-    print(f"{estimator}, seed {seed}: style {control['sampled_preferred_style_rate']:.3f} -> {with_rm['sampled_preferred_style_rate']:.3f} (rm); "
-          f"sampled accuracy {control['sampled_accuracy']:.3f} -> {exact['sampled_accuracy']:.3f} (exact match)")
+    print(
+        f"{estimator}, seed {seed}: style {control['sampled_preferred_style_rate']:.3f} -> {with_rm['sampled_preferred_style_rate']:.3f} (rm); "
+        f"sampled accuracy {control['sampled_accuracy']:.3f} -> {exact['sampled_accuracy']:.3f} (exact match)"
+    )
     assert with_rm["sampled_preferred_style_rate"] >= control["sampled_preferred_style_rate"] + 0.15
     assert exact["sampled_accuracy"] > control["sampled_accuracy"]
 
@@ -99,15 +109,24 @@ PREFERENCE = {
 def test_preference_method_raises_the_style_rate_and_keeps_accuracy(method, trained):
     """DPO and KTO, like the PPO path: preferred style +25 points over the SFT start, accuracy within 5 points."""
     out, ev = str(ROOT / method), str(ROOT / f"eval-{method}")
-    cli(trained["live"], "tasks.preference", output=out, pretrain=trained["sft"], dataset=trained["data"], max_steps=100,
-        learning_rate=2e-5, **PREFERENCE[method])
-    cli(trained["live"], "tasks.eval", output=ev, baseline=trained["sft"], policy=out, dataset=trained["data"],
-        metric_func=DEMO_METRICS)
+    cli(
+        trained["live"],
+        "tasks.preference",
+        output=out,
+        pretrain=trained["sft"],
+        dataset=trained["data"],
+        max_steps=100,
+        learning_rate=2e-5,
+        **PREFERENCE[method],
+    )
+    cli(trained["live"], "tasks.eval", output=ev, baseline=trained["sft"], policy=out, dataset=trained["data"], metric_func=DEMO_METRICS)
     path, _ = manifests.fetch(ev, ROOT / f"fetched-{method}")
     metrics = json.loads((path / "report.json").read_text())["metrics"]
     sft, policy = metrics["baseline"], metrics["policy"]
-    print(f"{method}: style {sft['sampled_preferred_style_rate']:.3f} -> {policy['sampled_preferred_style_rate']:.3f}; "
-          f"accuracy {sft['accuracy']:.3f} -> {policy['accuracy']:.3f}")
+    print(
+        f"{method}: style {sft['sampled_preferred_style_rate']:.3f} -> {policy['sampled_preferred_style_rate']:.3f}; "
+        f"accuracy {sft['accuracy']:.3f} -> {policy['accuracy']:.3f}"
+    )
     assert policy["sampled_preferred_style_rate"] >= sft["sampled_preferred_style_rate"] + 0.25
     assert policy["accuracy"] >= sft["accuracy"] - 0.05
 
@@ -133,7 +152,7 @@ def test_exports_load_with_the_auto_classes_and_give_the_trained_answers(trained
     inputs = tokenizer([r["prompt"] for r in rows], return_tensors="pt", padding=True)
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=16, do_sample=False)
-    answers = tokenizer.batch_decode(out[:, inputs["input_ids"].size(1):], skip_special_tokens=True)
+    answers = tokenizer.batch_decode(out[:, inputs["input_ids"].size(1) :], skip_special_tokens=True)
     accuracy = sum(extract_answer(a) == r["label"] for a, r in zip(answers, rows)) / len(rows)
     assert accuracy >= 0.5, (accuracy, answers[:8])  # the eval stage measures about 0.8 on this model
 
@@ -153,7 +172,7 @@ def download(live, manifest_uri: str, prefix: str, dest):
     s3 = live.s3()
     for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=root + prefix):
         for obj in page.get("Contents", []):
-            target = dest / obj["Key"][len(root):]
+            target = dest / obj["Key"][len(root) :]
             target.parent.mkdir(parents=True, exist_ok=True)
             s3.download_file(bucket, obj["Key"], str(target))
     return dest

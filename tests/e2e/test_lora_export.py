@@ -8,6 +8,7 @@ checkpoint with the logits of base + adapter; the reward model's export scores a
 carries its normalisation statistics; RL and DPO take their reference from the policy's own base
 (adapters off) instead of a second model.
 """
+
 import json
 import os
 
@@ -46,11 +47,11 @@ def env(ray_address, s3_server, tmp_path_factory):
     rows = chat_rows(16)
     prompts = [r["messages"][1]["content"] for r in rows]
     yield {
-        "root": root, "s3": s3_server,
+        "root": root,
+        "s3": s3_server,
         "base": build_chat_model(root / "base"),
         "sft_data": write_jsonl(root / "sft.jsonl", [{"prompt": p, "response": r["chosen"]} for p, r in zip(prompts, rows)]),
-        "pairs": write_jsonl(root / "pairs.jsonl", [{"prompt": p, "chosen": r["chosen"], "rejected": r["rejected"]}
-                                                    for p, r in zip(prompts, rows)]),
+        "pairs": write_jsonl(root / "pairs.jsonl", [{"prompt": p, "chosen": r["chosen"], "rejected": r["rejected"]} for p, r in zip(prompts, rows)]),
         "prompts": write_jsonl(root / "prompts.jsonl", [{"prompt": p} for p in prompts]),
     }
     for key, value in saved.items():
@@ -75,9 +76,23 @@ def sft(env, name: str, **extra) -> str:
     from tasks.sft.trainer import train
 
     out = extra.pop("output", None) or str(env["root"] / name)
-    run_stage("sft", SFTConfig, train, {"output": out, "pretrain": env["base"], "dataset": env["sft_data"], "max_steps": 3,
-                                        "train_batch_size": 8, "learning_rate": 2e-2, "lr_warmup_steps": 0, "logging_steps": 1,
-                                        **LORA, **extra})
+    run_stage(
+        "sft",
+        SFTConfig,
+        train,
+        {
+            "output": out,
+            "pretrain": env["base"],
+            "dataset": env["sft_data"],
+            "max_steps": 3,
+            "train_batch_size": 8,
+            "learning_rate": 2e-2,
+            "lr_warmup_steps": 0,
+            "logging_steps": 1,
+            **LORA,
+            **extra,
+        },
+    )
     return out
 
 
@@ -85,9 +100,23 @@ def reward_model(env, name: str, **extra) -> str:
     from tasks.reward_model.trainer import train
 
     out = str(env["root"] / name)
-    run_stage("reward_model", RewardModelConfig, train, {"output": out, "pretrain": env["base"], "dataset": env["pairs"],
-                                                         "max_steps": 3, "train_batch_size": 8, "learning_rate": 2e-2,
-                                                         "lr_warmup_steps": 0, "logging_steps": 1, **LORA, **extra})
+    run_stage(
+        "reward_model",
+        RewardModelConfig,
+        train,
+        {
+            "output": out,
+            "pretrain": env["base"],
+            "dataset": env["pairs"],
+            "max_steps": 3,
+            "train_batch_size": 8,
+            "learning_rate": 2e-2,
+            "lr_warmup_steps": 0,
+            "logging_steps": 1,
+            **LORA,
+            **extra,
+        },
+    )
     return out
 
 
@@ -122,8 +151,10 @@ def test_lora_flags_are_validated_in_one_line():
         ({"merge_lora": True}, "merge_lora: only applies to LoRA training; set --lora_rank too, or drop it"),
         ({"lora_rank": 8, "lora_alpha": 0}, "lora_alpha: must be positive, got 0; use e.g. 16 (or 2 × lora_rank)"),
         ({"lora_rank": 8, "lora_dropout": 1.0}, "lora_dropout: must be in [0, 1), got 1.0"),
-        ({"lora_rank": 8, "target_modules": "q_proj,"},
-         "target_modules: 'q_proj,' is not a module list; use all-linear or comma-separated names such as q_proj,v_proj"),
+        (
+            {"lora_rank": 8, "target_modules": "q_proj,"},
+            "target_modules: 'q_proj,' is not a module list; use all-linear or comma-separated names such as q_proj,v_proj",
+        ),
     ):
         with pytest.raises(ConfigError) as caught:
             make_config(SFTConfig, {**base, **values})
@@ -161,8 +192,7 @@ def test_lora_sft_trains_only_the_adapters_and_exports_them_naming_the_base(env,
     assert not any(f.endswith("model.safetensors") and f != "adapter_model.safetensors" for f in model_files)
 
     # Trained: the adapters only, as many parameters as rank-4 LoRA on every linear layer but the head has.
-    fresh = lora.apply_lora(AutoModelForCausalLM.from_pretrained(env["base"]), make_config(SFTConfig, {
-        "output": "o", "pretrain": "m", "dataset": "d", **LORA}))
+    fresh = lora.apply_lora(AutoModelForCausalLM.from_pretrained(env["base"]), make_config(SFTConfig, {"output": "o", "pretrain": "m", "dataset": "d", **LORA}))
     expected = sum(p.numel() for n, p in fresh.named_parameters() if "lora_" in n)
     assert m["metrics"]["trainable_params"] == expected < 0.1 * sum(p.numel() for p in fresh.parameters())
     path, _ = manifests.fetch(sft_adapter, tmp_path, subdir="model")
@@ -285,10 +315,27 @@ def test_rl_with_lora_takes_its_reference_from_the_actors_base(env, sft_adapter,
     from tasks.rl.trainer import train
 
     out = str(env["root"] / "rl")
-    m = run_stage("rl", RLConfig, train, {
-        "output": out, "pretrain": sft_adapter, "reward_pretrain": rm_adapter, "prompt_data": env["prompts"], "max_steps": 2,
-        "rollout_batch_size": 4, "train_batch_size": 4, "max_epochs": 1, "generate_max_len": 4, "actor_learning_rate": 5e-2,
-        "lr_warmup_steps": 0, "colocate_all_models": True, "save_value_network": True, **LORA})
+    m = run_stage(
+        "rl",
+        RLConfig,
+        train,
+        {
+            "output": out,
+            "pretrain": sft_adapter,
+            "reward_pretrain": rm_adapter,
+            "prompt_data": env["prompts"],
+            "max_steps": 2,
+            "rollout_batch_size": 4,
+            "train_batch_size": 4,
+            "max_epochs": 1,
+            "generate_max_len": 4,
+            "actor_learning_rate": 5e-2,
+            "lr_warmup_steps": 0,
+            "colocate_all_models": True,
+            "save_value_network": True,
+            **LORA,
+        },
+    )
     assert m["metrics"]["ref_workers"] == 0 and m["metrics"]["steps"] == 2
     assert m["base_model"] == sft_adapter  # an adapter on the SFT adapter's merged weights
     logged = metrics_of(out, tmp_path)
@@ -308,9 +355,24 @@ def test_dpo_with_lora_takes_its_reference_from_the_policys_base(env, tmp_path):
     from tasks.preference.trainer import train
 
     out = str(env["root"] / "dpo")
-    m = run_stage("preference", PreferenceConfig, train, {
-        "output": out, "method": "dpo", "pretrain": env["base"], "dataset": env["pairs"], "max_steps": 2, "train_batch_size": 8,
-        "learning_rate": 2e-2, "lr_warmup_steps": 0, "logging_steps": 1, "beta": 0.5, **LORA})
+    m = run_stage(
+        "preference",
+        PreferenceConfig,
+        train,
+        {
+            "output": out,
+            "method": "dpo",
+            "pretrain": env["base"],
+            "dataset": env["pairs"],
+            "max_steps": 2,
+            "train_batch_size": 8,
+            "learning_rate": 2e-2,
+            "lr_warmup_steps": 0,
+            "logging_steps": 1,
+            "beta": 0.5,
+            **LORA,
+        },
+    )
     assert m["base_model"] == env["base"] and m["metrics"]["trainable_params"] > 0
     logged = metrics_of(out, tmp_path)
     assert abs(logged[0]["chosen_reward"]) < 1e-5 and abs(logged[0]["rejected_reward"]) < 1e-5

@@ -8,6 +8,7 @@ another TMPDIR. Nothing but URIs and file listings may cross between them: every
 checkpoint files it wrote, the driver commits the manifest, and a resumed run's workers fetch them
 back from S3 into their own node's folder.
 """
+
 import json
 import os
 import shutil
@@ -33,8 +34,10 @@ from test_stages import flags, metrics_of, run_cli
 # `ray start` for a joining node, except that it keeps 127.0.0.1 as given: stock `ray start` turns a
 # loopback --address / --node-ip-address into the machine's outward address (a real second machine
 # needs that; here the head listens on 127.0.0.1 only, and so must this node: checked in two_nodes).
-JOIN_ON_LOOPBACK = ("import sys; import ray._private.services as services; services.resolve_ip_for_localhost = lambda host: host; "
-                    "from ray.scripts.scripts import main; sys.argv[0] = 'ray'; main()")
+JOIN_ON_LOOPBACK = (
+    "import sys; import ray._private.services as services; services.resolve_ip_for_localhost = lambda host: host; "
+    "from ray.scripts.scripts import main; sys.argv[0] = 'ray'; main()"
+)
 
 
 def _nodes(dashboard: str) -> list[dict]:
@@ -62,9 +65,16 @@ def two_nodes(s3_server):
             for sub in ("head", "ray_b"):
                 remove_scratch(d / sub)
             shutil.rmtree(d, ignore_errors=True)
-    head = Config(scratch=root / "head", airflow_port=_stack_port(), s3_port=int(s3_server.endpoint.rsplit(":", 1)[1]),
-                         ray_port=_stack_port(), dashboard_port=_stack_port(), ray_client_port=_stack_port(),
-                         ray_agent_port=_stack_port(), bucket=s3_server.bucket)
+    head = Config(
+        scratch=root / "head",
+        airflow_port=_stack_port(),
+        s3_port=int(s3_server.endpoint.rsplit(":", 1)[1]),
+        ray_port=_stack_port(),
+        dashboard_port=_stack_port(),
+        ray_client_port=_stack_port(),
+        ray_agent_port=_stack_port(),
+        bucket=s3_server.bucket,
+    )
     scratch = {name: root / name for name in ("node_a", "node_b", "driver_tmp")}
     for folder in scratch.values():
         folder.mkdir(parents=True, exist_ok=True)
@@ -80,17 +90,37 @@ def two_nodes(s3_server):
         return env
 
     _temp_dir(head)
-    procs = {"ray-head": launch(head, "ray-head", ray_command(head) + ["--resources", json.dumps({"node_a": 100})],
-                                       node_env("node_a"))}
+    procs = {"ray-head": launch(head, "ray-head", ray_command(head) + ["--resources", json.dumps({"node_a": 100})], node_env("node_a"))}
     second = Config(scratch=root / "ray_b")  # only for its own short --temp-dir
     _temp_dir(second)
     address = f"127.0.0.1:{head.ray_port}"
     try:
         wait_healthy(head, "ray", {"ray": procs["ray-head"]}, timeout=120)
-        procs["ray-node-b"] = launch(head, "ray-node-b", [
-            sys.executable, "-c", JOIN_ON_LOOPBACK, "start", "--block", "--address", address, "--node-ip-address", "127.0.0.1",
-            "--temp-dir", str(second.ray_temp_dir), "--num-cpus", "2", "--resources", json.dumps({"node_b": 100}),
-            "--dashboard-agent-listen-port", str(_stack_port()), "--disable-usage-stats"], node_env("node_b"))
+        procs["ray-node-b"] = launch(
+            head,
+            "ray-node-b",
+            [
+                sys.executable,
+                "-c",
+                JOIN_ON_LOOPBACK,
+                "start",
+                "--block",
+                "--address",
+                address,
+                "--node-ip-address",
+                "127.0.0.1",
+                "--temp-dir",
+                str(second.ray_temp_dir),
+                "--num-cpus",
+                "2",
+                "--resources",
+                json.dumps({"node_b": 100}),
+                "--dashboard-agent-listen-port",
+                str(_stack_port()),
+                "--disable-usage-stats",
+            ],
+            node_env("node_b"),
+        )
         deadline = time.monotonic() + 60
         while len(nodes := _nodes(head.dashboard_url)) < 2:
             assert procs["ray-node-b"].poll() is None, f"second node exited:\n{tail(log_file(head, 'ray-node-b'), 30)}"
@@ -100,8 +130,7 @@ def two_nodes(s3_server):
         assert not exposed, f"listening beyond 127.0.0.1: {exposed}"
         ids = {name: next(n["node_id"] for n in nodes if name in n.get("resources_total", {})) for name in ("node_a", "node_b")}
         assert ids["node_a"] != ids["node_b"]
-        yield {"address": address, "driver_tmp": scratch["driver_tmp"],
-               **{name: {"id": ids[name], "scratch": scratch[name]} for name in ids}}
+        yield {"address": address, "driver_tmp": scratch["driver_tmp"], **{name: {"id": ids[name], "scratch": scratch[name]} for name in ids}}
     finally:
         for name in ("ray-node-b", "ray-head"):  # only the processes started here, by pid
             if name in procs:
@@ -117,9 +146,11 @@ def inputs(two_nodes, s3_server):
     root = s3_server.uri("multinode/run1")
     out = {name: f"{root}/{name}" for name in ("prepare_data", "reward_model")}
     stage.run("prepare_data", make_config(PrepareDataConfig, {"output": out["prepare_data"]}), prepare)
-    done = run_cli("tasks.reward_model", *flags({"output": out["reward_model"], "pretrain": out["prepare_data"],
-                                                 "dataset": out["prepare_data"], "max_steps": 2, "train_batch_size": 16}),
-                   ray=two_nodes["address"])
+    done = run_cli(
+        "tasks.reward_model",
+        *flags({"output": out["reward_model"], "pretrain": out["prepare_data"], "dataset": out["prepare_data"], "max_steps": 2, "train_batch_size": 16}),
+        ray=two_nodes["address"],
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return out
 
@@ -132,10 +163,21 @@ def test_rl_stage_spans_two_nodes_checkpoints_through_s3_and_resumes(two_nodes, 
     monkeypatch.setenv("RLHF_NODE_SCRATCH", str(two_nodes["driver_tmp"] / "must-not-reach-a-worker"))
     a, b = two_nodes["node_a"], two_nodes["node_b"]
     out = s3_server.uri("multinode/run1/rl")
-    args = {"output": out, "pretrain": inputs["prepare_data"], "reward_pretrain": inputs["reward_model"],
-            "prompt_data": inputs["prepare_data"], "max_samples": 64, "rollout_batch_size": 8, "train_batch_size": 8,
-            "colocate_actor_ref": True, "colocate_critic_reward": True, "save_value_network": True, "save_steps": 2,
-            "actor_resources": json.dumps({"node_a": 1}), "critic_resources": json.dumps({"node_b": 1})}
+    args = {
+        "output": out,
+        "pretrain": inputs["prepare_data"],
+        "reward_pretrain": inputs["reward_model"],
+        "prompt_data": inputs["prepare_data"],
+        "max_samples": 64,
+        "rollout_batch_size": 8,
+        "train_batch_size": 8,
+        "colocate_actor_ref": True,
+        "colocate_critic_reward": True,
+        "save_value_network": True,
+        "save_steps": 2,
+        "actor_resources": json.dumps({"node_a": 1}),
+        "critic_resources": json.dumps({"node_b": 1}),
+    }
 
     done = run_cli("tasks.rl", *flags({**args, "max_steps": 4}), ray=two_nodes["address"])
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -178,37 +220,64 @@ def test_rl_stage_spans_two_nodes_checkpoints_through_s3_and_resumes(two_nodes, 
 @pytest.mark.slow  # make test-all: a second Ray node (60 s to start)
 def test_a_local_output_is_refused_when_workers_sit_on_other_nodes(two_nodes, inputs, tmp_path):
     # Actor on one node, reference on the other: whichever node the driver shares, one group is elsewhere.
-    done = run_cli("tasks.rl", *flags({
-        "output": str(tmp_path / "rl"), "pretrain": inputs["prepare_data"], "prompt_data": inputs["prepare_data"],
-        "remote_rm_url": str(REPO / "tests" / "rewards" / "parity_reward.py"), "label_key": "label",
-        "advantage_estimator": "reinforce", "max_steps": 1, "rollout_batch_size": 8, "train_batch_size": 8,
-        "actor_resources": json.dumps({"node_a": 1}), "ref_resources": json.dumps({"node_b": 1})}), ray=two_nodes["address"])
+    done = run_cli(
+        "tasks.rl",
+        *flags(
+            {
+                "output": str(tmp_path / "rl"),
+                "pretrain": inputs["prepare_data"],
+                "prompt_data": inputs["prepare_data"],
+                "remote_rm_url": str(REPO / "tests" / "rewards" / "parity_reward.py"),
+                "label_key": "label",
+                "advantage_estimator": "reinforce",
+                "max_steps": 1,
+                "rollout_batch_size": 8,
+                "train_batch_size": 8,
+                "actor_resources": json.dumps({"node_a": 1}),
+                "ref_resources": json.dumps({"node_b": 1}),
+            }
+        ),
+        ray=two_nodes["address"],
+    )
     assert done.returncode == 2, done.stderr[-3000:]
     line = done.stderr.strip().splitlines()[-1]
-    assert line == (f"error: output: {tmp_path / 'rl'} is a folder on the driver's node, which workers on other nodes "
-                    "cannot write to; pass an s3:// URI"), line
+    assert line == (f"error: output: {tmp_path / 'rl'} is a folder on the driver's node, which workers on other nodes cannot write to; pass an s3:// URI"), line
 
 
 @pytest.mark.slow  # make test-all: a second Ray node (60 s to start)
 def test_resources_no_node_advertises_are_refused_at_once(two_nodes, inputs, tmp_path):
-    done = run_cli("tasks.rl", *flags({
-        "output": str(tmp_path / "rl"), "pretrain": inputs["prepare_data"], "reward_pretrain": inputs["reward_model"],
-        "prompt_data": inputs["prepare_data"], "colocate_all_models": True, "actor_resources": json.dumps({"a100": 1})}),
-        ray=two_nodes["address"])
+    done = run_cli(
+        "tasks.rl",
+        *flags(
+            {
+                "output": str(tmp_path / "rl"),
+                "pretrain": inputs["prepare_data"],
+                "reward_pretrain": inputs["reward_model"],
+                "prompt_data": inputs["prepare_data"],
+                "colocate_all_models": True,
+                "actor_resources": json.dumps({"a100": 1}),
+            }
+        ),
+        ray=two_nodes["address"],
+    )
     assert done.returncode == 2, done.stderr[-3000:]
-    assert done.stderr.strip().splitlines()[-1] == ("error: actor_resources: no node of this Ray cluster advertises a100; "
-                                                   "start nodes with `ray start --resources`, or drop the flag")
+    assert done.stderr.strip().splitlines()[-1] == (
+        "error: actor_resources: no node of this Ray cluster advertises a100; start nodes with `ray start --resources`, or drop the flag"
+    )
 
 
 RL = {"output": "o", "pretrain": "p", "reward_pretrain": "r", "prompt_data": "d"}
 
 
-@pytest.mark.parametrize("value,message", [
-    ("node_a", r"^actor_resources: 'node_a' is not JSON; pass a JSON object of custom resources, e\.g\. --actor_resources '\{\"node_a\": 1\}'$"),
-    ("[1]", r"^actor_resources: '\[1\]' is not a non-empty JSON object"),
-    ('{"CPU": 2}', r"^actor_resources: CPU comes from --actor_num_gpus_per_node, not from custom resources"),
-    ('{"node_a": 0}', r"^actor_resources: 'node_a' needs a positive number, got 0"),
-])
+@pytest.mark.parametrize(
+    "value,message",
+    [
+        ("node_a", r"^actor_resources: 'node_a' is not JSON; pass a JSON object of custom resources, e\.g\. --actor_resources '\{\"node_a\": 1\}'$"),
+        ("[1]", r"^actor_resources: '\[1\]' is not a non-empty JSON object"),
+        ('{"CPU": 2}', r"^actor_resources: CPU comes from --actor_num_gpus_per_node, not from custom resources"),
+        ('{"node_a": 0}', r"^actor_resources: 'node_a' needs a positive number, got 0"),
+    ],
+)
 def test_resources_flags_are_validated_in_one_line(value, message):
     with pytest.raises(ConfigError, match=message):
         make_config(RLConfig, {**RL, "actor_resources": value})

@@ -3,6 +3,7 @@ Airflow's REST API: a failed stage rerun alone from its checkpoint after the sch
 restarted; stopping a stage or a whole run stops its Ray jobs; the nightly DAG promotes only a better
 policy. Each starts from the session's demo run (tests/conftest.py), whose outputs fill the stage cache its
 runs reuse: only the stages under test compute."""
+
 import json
 import time
 import urllib.request
@@ -12,6 +13,7 @@ import pytest
 from plugins.stage_cli import key_safe, submission_id_for
 
 pytestmark = pytest.mark.e2e
+
 
 def trigger(live, dag_id: str, conf: dict) -> str:
     dag = live.rest("GET", f"/api/v2/dags/{dag_id}")
@@ -46,14 +48,12 @@ def wait_run(live, dag_id: str, run_id: str, timeout: float = 1800) -> str:
 def ray_jobs(live, prefix: str) -> dict[str, str]:
     """{submission id: status} of the Ray jobs whose id starts with `prefix`."""
     with urllib.request.urlopen(f"{live.ray_dashboard}/api/jobs/", timeout=30) as response:
-        return {j["submission_id"]: j["status"] for j in json.load(response)
-                if (j.get("submission_id") or "").startswith(prefix)}
+        return {j["submission_id"]: j["status"] for j in json.load(response) if (j.get("submission_id") or "").startswith(prefix)}
 
 
 def running_job(live, dag_id: str, run_id: str, task_id: str, timeout: float = 300) -> str:
     prefix = submission_id_for(dag_id, run_id, task_id)
-    return wait(f"{task_id}'s Ray job to run", lambda: next((s for s, st in ray_jobs(live, prefix).items() if st == "RUNNING"), None),
-                timeout)
+    return wait(f"{task_id}'s Ray job to run", lambda: next((s for s, st in ray_jobs(live, prefix).items() if st == "RUNNING"), None), timeout)
 
 
 def s3_json(live, uri: str) -> dict:
@@ -83,8 +83,7 @@ def test_a_failed_stage_reruns_alone_from_its_checkpoint_across_restarts(demo_ru
 
     # The RL stage fails after its step-6 checkpoint; an operator clears it through the REST API.
     wait("rl to fail", lambda: task_states(live, dag_id, run_id).get("rl") in ("up_for_retry", "failed"), 900, every=2)
-    live.rest("POST", f"/api/v2/dags/{dag_id}/clearTaskInstances",
-              {"dag_run_id": run_id, "task_ids": ["rl"], "only_failed": False, "dry_run": False})
+    live.rest("POST", f"/api/v2/dags/{dag_id}/clearTaskInstances", {"dag_run_id": run_id, "task_ids": ["rl"], "only_failed": False, "dry_run": False})
     assert wait_run(live, dag_id, run_id) == "success", task_states(live, dag_id, run_id)
 
     # The upstream stages ran no job (the demo's outputs); RL ran twice: the failed job, then the rerun.
@@ -118,8 +117,7 @@ def test_a_failed_stage_reruns_alone_from_its_checkpoint_across_restarts(demo_ru
     damaged = "report.json"
     body = live.s3().get_object(Bucket=bucket, Key=f"{key}/{damaged}")["Body"].read()
     live.s3().put_object(Bucket=bucket, Key=f"{key}/{damaged}", Body=bytes(b ^ 0xFF for b in body[:32]) + body[32:])
-    live.rest("POST", f"/api/v2/dags/{dag_id}/clearTaskInstances",
-              {"dag_run_id": run_id, "task_ids": ["eval"], "only_failed": False, "dry_run": False})
+    live.rest("POST", f"/api/v2/dags/{dag_id}/clearTaskInstances", {"dag_run_id": run_id, "task_ids": ["eval"], "only_failed": False, "dry_run": False})
     assert wait_run(live, dag_id, run_id) == "success", task_states(live, dag_id, run_id)
     jobs = ray_jobs(live, submission_id_for(dag_id, run_id, "eval"))
     assert sorted(jobs.values()) == ["SUCCEEDED", "SUCCEEDED"], jobs  # the clear ran a second job
@@ -144,8 +142,7 @@ def test_marking_failed_stops_the_ray_job(target, demo_run):
         live.rest("PATCH", f"/api/v2/dags/{dag_id}/dagRuns/{run_id}/taskInstances/sft", {"new_state": "failed"})
     else:
         live.rest("PATCH", f"/api/v2/dags/{dag_id}/dagRuns/{run_id}", {"state": "failed"})
-    assert wait(f"{sid} to stop", lambda: ray_jobs(live, sid).get(sid) if ray_jobs(live, sid).get(sid) != "RUNNING" else None,
-                90) == "STOPPED"
+    assert wait(f"{sid} to stop", lambda: ray_jobs(live, sid).get(sid) if ray_jobs(live, sid).get(sid) != "RUNNING" else None, 90) == "STOPPED"
     assert wait_run(live, dag_id, run_id, timeout=120) == "failed"
 
 
@@ -185,7 +182,10 @@ def test_nightly_promotes_the_better_policy_only(demo_run):
 
     # One champion Asset event, from the good night, carrying the new champion.
     asset = live.rest("GET", "/api/v2/assets", name_pattern="rlhf_flow.champion")["assets"][0]
-    events = [e for e in live.rest("GET", "/api/v2/assets/events", asset_id=asset["id"], limit=100)["asset_events"]
-              if e["source_dag_id"] == dag_id and e["source_run_id"] in (good, worse)]
+    events = [
+        e
+        for e in live.rest("GET", "/api/v2/assets/events", asset_id=asset["id"], limit=100)["asset_events"]
+        if e["source_dag_id"] == dag_id and e["source_run_id"] in (good, worse)
+    ]
     assert [e["source_run_id"] for e in events] == [good]
     assert events[0]["extra"]["champion"] == f"{registry}/champion.json"

@@ -4,6 +4,7 @@ prepare_data (in this process) and a tiny SFT (its CLI, one Ray worker) write to
 SFT output is then reproduced by `python -m tasks.reproduce … --check` into a new prefix. The
 refusals (changed code, missing manifest, changed input, registry-writing stage) run without Ray.
 """
+
 import dataclasses
 import hashlib
 import json
@@ -45,10 +46,23 @@ def original(s3_server, ray_address):
     out = {"root": root, "prepare_data": f"{root}/prepare_data", "sft": f"{root}/sft"}
     try:
         stage.run("prepare_data", make_config(PrepareDataConfig, {"output": out["prepare_data"], "run_id": "r1"}), prepare)
-        done = run_cli("tasks.sft", *flags({
-            "output": out["sft"], "run_id": "r1", "pretrain": out["prepare_data"], "dataset": out["prepare_data"],
-            "max_steps": 6, "train_batch_size": 32, "logging_steps": 2, "save_steps": 3, "ckpt_path": f"{root}/sft-ckpt"}),
-            ray=ray_address)
+        done = run_cli(
+            "tasks.sft",
+            *flags(
+                {
+                    "output": out["sft"],
+                    "run_id": "r1",
+                    "pretrain": out["prepare_data"],
+                    "dataset": out["prepare_data"],
+                    "max_steps": 6,
+                    "train_batch_size": 32,
+                    "logging_steps": 2,
+                    "save_steps": 3,
+                    "ckpt_path": f"{root}/sft-ckpt",
+                }
+            ),
+            ray=ray_address,
+        )
         assert done.returncode == 0, f"sft failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
         yield out
     finally:
@@ -75,8 +89,7 @@ def test_sft_reproduces_with_identical_metrics_and_weights(original, ray_address
     assert done.stdout.strip().splitlines()[-1].startswith("reproduce: sft reproduced: "), done.stdout[-3000:]
     assert f"reproduce: input dataset: {original['prepare_data']}: same manifest sha256" in done.stdout, done.stdout[-3000:]
     # Every output file but metrics.jsonl (each line has its time_s) came out byte-identical, the weights included.
-    assert re.search(r"^reproduce: files: (\d+) of (\d+) byte-identical to the original's; differ: metrics.jsonl$",
-                     done.stdout, re.M), done.stdout[-3000:]
+    assert re.search(r"^reproduce: files: (\d+) of (\d+) byte-identical to the original's; differ: metrics.jsonl$", done.stdout, re.M), done.stdout[-3000:]
 
     old, new = manifests.read_manifest(original["sft"]), manifests.read_manifest(new_uri)
     assert new["run_id"] == "reproduce-r1" and "resumed_from_step" not in new
@@ -104,8 +117,10 @@ def test_a_changed_code_version_is_refused_in_one_line(original):
     new_uri = f"{original['root']}-other-code/sft"
     done = run_cli("tasks.reproduce", original["sft"], "--output", new_uri, "--check", code="reproduce-test-v2")
     assert done.returncode == 2
-    assert done.stderr.strip() == (f"error: code_version: the manifest records {CODE}, this checkout is reproduce-test-v2; "
-                                   f"check out {CODE} (or set RLHF_CODE_VERSION) or pass --allow_code_change")
+    assert done.stderr.strip() == (
+        f"error: code_version: the manifest records {CODE}, this checkout is reproduce-test-v2; "
+        f"check out {CODE} (or set RLHF_CODE_VERSION) or pass --allow_code_change"
+    )
     assert not storage.exists(new_uri)
 
 
@@ -141,8 +156,7 @@ def test_a_rewritten_input_is_refused(tmp_path, monkeypatch):
     monkeypatch.setenv("RLHF_CODE_VERSION", CODE)
     data = commit_local(tmp_path, "data", "prepare_data", {"seed": 0}, {})
     pinned = {data: manifests.manifest_digest(data)}
-    sft = commit_local(tmp_path, "sft", "sft", sft_config(data, str(tmp_path / "sft")), {"pretrain": data, "dataset": data},
-                       input_manifests=pinned)
+    sft = commit_local(tmp_path, "sft", "sft", sft_config(data, str(tmp_path / "sft")), {"pretrain": data, "dataset": data}, input_manifests=pinned)
     manifest, cfg, _ = reproduce.preflight(sft, str(tmp_path / "again"))  # unchanged: accepted
     assert cfg.run_id == "reproduce-r1" and cfg.output == str(tmp_path / "again")
 
@@ -167,8 +181,7 @@ def test_uncommitted_code_edits_are_refused(tmp_path, monkeypatch):
     """Same code_version (git HEAD sees no uncommitted edit), other tasks/ code: refused unless allowed."""
     monkeypatch.setenv("RLHF_CODE_VERSION", CODE)
     data = commit_local(tmp_path, "data", "prepare_data", {"seed": 0}, {})
-    sft = commit_local(tmp_path, "sft", "sft", sft_config(data, str(tmp_path / "sft")), {"pretrain": data, "dataset": data},
-                       code_digest="0" * 64)
+    sft = commit_local(tmp_path, "sft", "sft", sft_config(data, str(tmp_path / "sft")), {"pretrain": data, "dataset": data}, code_digest="0" * 64)
     with pytest.raises(reproduce.ReproduceError, match=r"^code_digest: tasks/ differs from the code that ran .*--allow_code_change$"):
         reproduce.preflight(sft, str(tmp_path / "again"))
     _, cfg, _ = reproduce.preflight(sft, str(tmp_path / "again"), allow_code_change=True)
@@ -186,8 +199,7 @@ def test_registry_writing_stages_are_refused(tmp_path, monkeypatch):
 def test_metric_comparison_rules():
     recorded = {"steps": 6, "method": "dpo", "loss": 0.5, "wall_time_s": 10.0, "gpu_hours": 0.0, "rows": 100}
     rows = reproduce.compare_metrics(recorded, {**recorded, "loss": 0.5 * (1 + 5e-7), "wall_time_s": 99.0}, 1e-6)
-    assert {k: v for k, _, _, v in rows} == {"steps": "ok", "method": "ok", "loss": "ok", "wall_time_s": "ignored",
-                                            "gpu_hours": "ignored", "rows": "ok"}
+    assert {k: v for k, _, _, v in rows} == {"steps": "ok", "method": "ok", "loss": "ok", "wall_time_s": "ignored", "gpu_hours": "ignored", "rows": "ok"}
     assert reproduce.summary("sft", rows, 1e-6)[0]
     rows = reproduce.compare_metrics(recorded, {**recorded, "loss": 0.5 * (1 + 2e-6), "steps": 7, "rows": 100.0}, 1e-6)
     verdicts = {k: v for k, _, _, v in rows}

@@ -1,5 +1,6 @@
 """The local stack (tools/stack, what `make up` / `make down` run): healthy, idempotent, loopback-only,
 and S3 kept across down/up. The unit tests at the top start nothing."""
+
 from __future__ import annotations
 
 import json
@@ -65,9 +66,7 @@ def test_status_and_down_of_a_stack_never_started(tmp_path):
     for cmd in (["status"], ["down"]):
         out = subprocess.run([*STACK_CMD, *cmd], env=env, cwd=REPO, capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
-    assert "stopped" in subprocess.run(
-        [*STACK_CMD, "status"], env=env, cwd=REPO, capture_output=True, text=True, timeout=60
-    ).stdout
+    assert "stopped" in subprocess.run([*STACK_CMD, "status"], env=env, cwd=REPO, capture_output=True, text=True, timeout=60).stdout
 
 
 # ----------------------------------------------------------------------------------------- e2e
@@ -182,10 +181,7 @@ def test_ray_head_jobs_reach_s3_with_the_nodes_environment(ray_head, s3_server):
     from ray.job_submission import JobStatus, JobSubmissionClient
 
     client = JobSubmissionClient(ray_head)
-    code = (
-        "import boto3, sys; "
-        f"boto3.client('s3').put_object(Bucket='{s3_server.bucket}', Key='ray-head/probe', Body=sys.executable.encode())"
-    )
+    code = f"import boto3, sys; boto3.client('s3').put_object(Bucket='{s3_server.bucket}', Key='ray-head/probe', Body=sys.executable.encode())"
     job = client.submit_job(entrypoint=f'python -c "{code}"')
     deadline = time.monotonic() + 120
     while (status := client.get_job_status(job)) not in {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}:
@@ -203,8 +199,7 @@ def test_two_ups_at_once_leave_one_whole_stack():
     remove_scratch(scratch)
     env = stack_subprocess_env(scratch, s3_port=_stack_port())
     try:
-        procs = [subprocess.Popen([*STACK_CMD, "up", "s3"], env=env, cwd=REPO, stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+        procs = [subprocess.Popen([*STACK_CMD, "up", "s3"], env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
         outs = [p.communicate(timeout=120)[0] for p in procs]
         assert [p.returncode for p in procs] == [0, 0], outs
         assert sum("s3       started" in o for o in outs) == 1 and sum("already running" in o for o in outs) == 1, outs

@@ -7,6 +7,7 @@ checks learning on the demo's real settings.
 The chain (every stage by its CLI, about 100 s) and the tests on it run under `make test-all`; `make test`
 runs every stage through the DAG on the live stack (tests/e2e/test_e2e.py) and keeps the refusals that need no chain.
 """
+
 import json
 import os
 import subprocess
@@ -45,16 +46,49 @@ def chain(s3_server, ray_address):
     out = {name: f"{root}/{name}" for name in ("prepare_data", "sft", "reward_model", "rl", "eval")}
     stage.run("prepare_data", make_config(PrepareDataConfig, {"output": out["prepare_data"]}), prepare)
     commands = {
-        "tasks.sft": {"output": out["sft"], "pretrain": out["prepare_data"], "dataset": out["prepare_data"],
-                      "max_steps": 6, "train_batch_size": 32, "logging_steps": 2, "use_wandb": True},
-        "tasks.reward_model": {"output": out["reward_model"], "pretrain": out["sft"], "dataset": out["prepare_data"],
-                               "max_steps": 4, "train_batch_size": 32, "logging_steps": 2, "num_gpus_per_node": 2, "packing_samples": True},
-        "tasks.rl": {"output": out["rl"], "pretrain": out["sft"], "reward_pretrain": out["reward_model"],
-                     "prompt_data": out["prepare_data"], "max_samples": 32, "num_episodes": 1, "rollout_batch_size": 16, "train_batch_size": 8,
-                     "colocate_actor_ref": True, "colocate_critic_reward": True, "save_value_network": True,
-                     "pretrain_data": out["prepare_data"], "ptx_coef": 0.5},  # PPO-ptx, as the demo's RL stage
-        "tasks.eval": {"output": out["eval"], "baseline": out["sft"], "policy": out["rl"], "reward_pretrain": out["reward_model"],
-                       "dataset": out["prepare_data"], "max_samples": 24, "metric_func": "tasks/data/demo_metrics.py"},
+        "tasks.sft": {
+            "output": out["sft"],
+            "pretrain": out["prepare_data"],
+            "dataset": out["prepare_data"],
+            "max_steps": 6,
+            "train_batch_size": 32,
+            "logging_steps": 2,
+            "use_wandb": True,
+        },
+        "tasks.reward_model": {
+            "output": out["reward_model"],
+            "pretrain": out["sft"],
+            "dataset": out["prepare_data"],
+            "max_steps": 4,
+            "train_batch_size": 32,
+            "logging_steps": 2,
+            "num_gpus_per_node": 2,
+            "packing_samples": True,
+        },
+        "tasks.rl": {
+            "output": out["rl"],
+            "pretrain": out["sft"],
+            "reward_pretrain": out["reward_model"],
+            "prompt_data": out["prepare_data"],
+            "max_samples": 32,
+            "num_episodes": 1,
+            "rollout_batch_size": 16,
+            "train_batch_size": 8,
+            "colocate_actor_ref": True,
+            "colocate_critic_reward": True,
+            "save_value_network": True,
+            "pretrain_data": out["prepare_data"],
+            "ptx_coef": 0.5,
+        },  # PPO-ptx, as the demo's RL stage
+        "tasks.eval": {
+            "output": out["eval"],
+            "baseline": out["sft"],
+            "policy": out["rl"],
+            "reward_pretrain": out["reward_model"],
+            "dataset": out["prepare_data"],
+            "max_samples": 24,
+            "metric_func": "tasks/data/demo_metrics.py",
+        },
     }
     for module, values in commands.items():
         done = run_cli(module, *flags(values), ray=ray_address)
@@ -118,8 +152,18 @@ def test_eval_writes_report_and_table(chain, tmp_path):
 
 @pytest.mark.slow  # the chain: make test-all (see above)
 def test_cli_refuses_a_missing_dataset_key_before_training(chain, ray_address, tmp_path):
-    done = run_cli("tasks.sft", "--output", str(tmp_path / "out"), "--pretrain", chain["sft"],
-                   "--dataset", chain["prepare_data"], "--output_key", "answer", ray=ray_address)
+    done = run_cli(
+        "tasks.sft",
+        "--output",
+        str(tmp_path / "out"),
+        "--pretrain",
+        chain["sft"],
+        "--dataset",
+        chain["prepare_data"],
+        "--output_key",
+        "answer",
+        ray=ray_address,
+    )
     assert done.returncode == 2
     error = done.stderr.strip().splitlines()[-1]
     assert error.startswith("error: dataset: key 'answer' missing") and "keys present: prompt, response, style" in error
@@ -130,17 +174,16 @@ def test_cli_refuses_bad_config_in_one_line(tmp_path):
     (tmp_path / "c.yaml").write_text("max_steps: 10\nlearning_rat: 0.1\n")
     done = run_cli("tasks.sft", "--config", str(tmp_path / "c.yaml"), "--output", str(tmp_path))
     assert done.returncode == 2
-    assert done.stderr.strip() == f"error: config: unknown field 'learning_rat' in {tmp_path / 'c.yaml'}; known fields: " + \
-        ", ".join(f for f in SFTConfig.__dataclass_fields__)
-    done = run_cli("tasks.rl", "--output", str(tmp_path), "--pretrain", "x", "--reward_pretrain", "y", "--prompt_data", "z",
-                   "--kl_estimator", "k9")
+    assert done.stderr.strip() == f"error: config: unknown field 'learning_rat' in {tmp_path / 'c.yaml'}; known fields: " + ", ".join(
+        f for f in SFTConfig.__dataclass_fields__
+    )
+    done = run_cli("tasks.rl", "--output", str(tmp_path), "--pretrain", "x", "--reward_pretrain", "y", "--prompt_data", "z", "--kl_estimator", "k9")
     assert done.returncode == 2 and done.stderr.strip() == "error: kl_estimator: 'k9' is not a choice; use k1, k2 or k3"
 
 
 def test_missing_upstream_checkpoint_is_refused_naming_the_uri(s3_server, ray_address, tmp_path):
     missing = s3_server.uri("stages/never-written/sft")
-    done = run_cli("tasks.reward_model", "--output", str(tmp_path / "rm"), "--pretrain", missing, "--dataset", missing,
-                   ray=ray_address)
+    done = run_cli("tasks.reward_model", "--output", str(tmp_path / "rm"), "--pretrain", missing, "--dataset", missing, ray=ray_address)
     assert done.returncode == 2
     line = done.stderr.strip().splitlines()[-1]
     assert line.startswith("error: ") and missing in line
@@ -148,9 +191,11 @@ def test_missing_upstream_checkpoint_is_refused_naming_the_uri(s3_server, ray_ad
 
 def test_prepare_data_refuses_a_missing_dataset_or_base_model_naming_the_uri(s3_server, tmp_path):
     """The first stage that needs them fails, in one line naming the URI, before anything is trained."""
-    for flag, missing in (("--source", s3_server.uri("datasets/never-uploaded.jsonl")),
-                          ("--base_model", s3_server.uri("models/never-uploaded")),
-                          ("--base_model", str(tmp_path / "no-model"))):
+    for flag, missing in (
+        ("--source", s3_server.uri("datasets/never-uploaded.jsonl")),
+        ("--base_model", s3_server.uri("models/never-uploaded")),
+        ("--base_model", str(tmp_path / "no-model")),
+    ):
         done = run_cli("tasks.data", "--output", str(tmp_path / "out"), flag, missing)
         assert done.returncode == 2, done.stderr
         line = done.stderr.strip().splitlines()[-1]
@@ -163,14 +208,37 @@ def test_rl_critic_free_estimator_with_a_reward_function(chain, s3_server, ray_a
     """group_norm over 4 samples per prompt, a reward function file reading labels, adaptive KL,
     KL in the loss, entropy bonus, asymmetric and dual clipping, dynamic filtering, micro-batches."""
     out = s3_server.uri("stages/run1/rl_group_norm")
-    done = run_cli("tasks.rl", *flags({
-        "output": out, "pretrain": chain["sft"], "prompt_data": chain["prepare_data"],
-        "remote_rm_url": str(REPO / "tests" / "rewards" / "parity_reward.py"), "label_key": "label",
-        "advantage_estimator": "group_norm", "n_samples_per_prompt": 4, "max_steps": 2,
-        "rollout_batch_size": 4, "train_batch_size": 8, "kl_target": 0.5, "kl_horizon": 100,
-        "use_kl_loss": True, "kl_estimator": "k3", "entropy_coef": 0.01, "eps_clip_low": 0.2, "eps_clip_high": 0.28,
-        "dual_clip": 3.0, "dynamic_filtering": True, "dynamic_filtering_reward_range": "0 1",
-        "micro_train_batch_size": 4, "micro_rollout_batch_size": 8, "colocate_all_models": True}), ray=ray_address)
+    done = run_cli(
+        "tasks.rl",
+        *flags(
+            {
+                "output": out,
+                "pretrain": chain["sft"],
+                "prompt_data": chain["prepare_data"],
+                "remote_rm_url": str(REPO / "tests" / "rewards" / "parity_reward.py"),
+                "label_key": "label",
+                "advantage_estimator": "group_norm",
+                "n_samples_per_prompt": 4,
+                "max_steps": 2,
+                "rollout_batch_size": 4,
+                "train_batch_size": 8,
+                "kl_target": 0.5,
+                "kl_horizon": 100,
+                "use_kl_loss": True,
+                "kl_estimator": "k3",
+                "entropy_coef": 0.01,
+                "eps_clip_low": 0.2,
+                "eps_clip_high": 0.28,
+                "dual_clip": 3.0,
+                "dynamic_filtering": True,
+                "dynamic_filtering_reward_range": "0 1",
+                "micro_train_batch_size": 4,
+                "micro_rollout_batch_size": 8,
+                "colocate_all_models": True,
+            }
+        ),
+        ray=ray_address,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "placement groups [actor + ref] × 1" in done.stdout  # no critic, no reward-model group
     m = manifests.read_manifest(out)
@@ -195,9 +263,22 @@ def test_two_sft_workers_follow_the_loss_curve_of_one(chain, s3_server, ray_addr
     curves = {}
     for workers, micro in ((1, 0), (2, 8)):
         out = s3_server.uri(f"stages/run1/sft_dp{workers}")
-        done = run_cli("tasks.sft", *flags({"output": out, "pretrain": chain["prepare_data"], "dataset": chain["prepare_data"],
-                                            "max_steps": 10, "train_batch_size": 32, "logging_steps": 1,
-                                            "num_gpus_per_node": workers, "micro_train_batch_size": micro}), ray=ray_address)
+        done = run_cli(
+            "tasks.sft",
+            *flags(
+                {
+                    "output": out,
+                    "pretrain": chain["prepare_data"],
+                    "dataset": chain["prepare_data"],
+                    "max_steps": 10,
+                    "train_batch_size": 32,
+                    "logging_steps": 1,
+                    "num_gpus_per_node": workers,
+                    "micro_train_batch_size": micro,
+                }
+            ),
+            ray=ray_address,
+        )
         assert done.returncode == 0, done.stderr[-3000:]
         assert manifests.read_manifest(out)["metrics"]["workers"] == workers
         curves[workers] = [r["loss"] for r in metrics_of(out, tmp_path / str(workers))]
@@ -214,9 +295,22 @@ def test_sft_flags_take_effect(chain, s3_server, ray_address, tmp_path):
     outs, logs = {}, {}
     for name, extra in (("plain", {}), ("flags", {"save_path": str(tmp_path / "copy"), "flash_attn": True, "gradient_checkpointing": True})):
         outs[name] = s3_server.uri(f"stages/run1/sft_{name}")
-        done = run_cli("tasks.sft", *flags({"output": outs[name], "pretrain": chain["prepare_data"], "dataset": chain["prepare_data"],
-                                            "max_steps": 3, "train_batch_size": 32, "logging_steps": 1, "max_samples": 64, **extra}),
-                       ray=ray_address)
+        done = run_cli(
+            "tasks.sft",
+            *flags(
+                {
+                    "output": outs[name],
+                    "pretrain": chain["prepare_data"],
+                    "dataset": chain["prepare_data"],
+                    "max_steps": 3,
+                    "train_batch_size": 32,
+                    "logging_steps": 1,
+                    "max_samples": 64,
+                    **extra,
+                }
+            ),
+            ray=ray_address,
+        )
         assert done.returncode == 0, done.stderr[-3000:]
         logs[name] = done.stderr
     assert manifests.read_manifest(outs["flags"])["metrics"]["rows"] == 64 < manifests.read_manifest(chain["sft"])["metrics"]["rows"]
@@ -239,8 +333,17 @@ def test_checkpoint_flags(chain, s3_server, ray_address, tmp_path):
 
     ckpt = str(tmp_path / "ckpt")
     out = s3_server.uri("stages/run1/sft_ckpt")
-    base = {"output": out, "pretrain": chain["prepare_data"], "dataset": chain["prepare_data"], "train_batch_size": 16,
-            "logging_steps": 1, "save_steps": 2, "ckpt_path": ckpt, "max_ckpt_num": 1, "bf16": True}
+    base = {
+        "output": out,
+        "pretrain": chain["prepare_data"],
+        "dataset": chain["prepare_data"],
+        "train_batch_size": 16,
+        "logging_steps": 1,
+        "save_steps": 2,
+        "ckpt_path": ckpt,
+        "max_ckpt_num": 1,
+        "bf16": True,
+    }
     for max_steps, extra, first_step in ((4, {}, 1), (6, {}, 5), (2, {"load_checkpoint": False, "save_steps": 0}, 1)):
         done = run_cli("tasks.sft", *flags({**base, "max_steps": max_steps, **extra}), ray=ray_address)
         assert done.returncode == 0, done.stderr[-3000:]
@@ -249,8 +352,9 @@ def test_checkpoint_flags(chain, s3_server, ray_address, tmp_path):
     # Starting over while writing checkpoints beside an earlier run's is refused: a later resume would pick theirs.
     done = run_cli("tasks.sft", *flags({**base, "max_steps": 2, "load_checkpoint": False}), ray=ray_address)
     assert done.returncode == 2
-    assert done.stderr.strip().splitlines()[-1] == (f"error: load_checkpoint: {ckpt} holds checkpoints up to step 6 of an earlier run; "
-                                                   "resume them (--load_checkpoint true) or pass another --ckpt_path")
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"error: load_checkpoint: {ckpt} holds checkpoints up to step 6 of an earlier run; resume them (--load_checkpoint true) or pass another --ckpt_path"
+    )
     assert not any(rel.startswith("checkpoints/") for rel, _ in storage.list_files(out))
     assert str(AutoConfig.from_pretrained(resolve_model(out)).dtype).endswith("bfloat16")
 
@@ -260,8 +364,15 @@ def test_rl_run_killed_after_a_checkpoint_resumes_to_the_same_metrics(chain, s3_
     import signal
     import time
 
-    args = {"pretrain": chain["sft"], "reward_pretrain": chain["reward_model"], "prompt_data": chain["prepare_data"],
-            "max_steps": 6, "rollout_batch_size": 8, "train_batch_size": 8, "colocate_all_models": True}
+    args = {
+        "pretrain": chain["sft"],
+        "reward_pretrain": chain["reward_model"],
+        "prompt_data": chain["prepare_data"],
+        "max_steps": 6,
+        "rollout_batch_size": 8,
+        "train_batch_size": 8,
+        "colocate_all_models": True,
+    }
     whole = s3_server.uri("stages/run1/rl_whole")
     done = run_cli("tasks.rl", *flags({**args, "output": whole}), ray=ray_address)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -295,33 +406,50 @@ def test_rl_run_killed_after_a_checkpoint_resumes_to_the_same_metrics(chain, s3_
 
 @pytest.mark.slow  # the chain: make test-all (see above)
 def test_rl_refuses_what_cannot_run_here_in_one_line(chain, ray_address, tmp_path):
-    base = ["--output", str(tmp_path / "rl"), "--pretrain", chain["sft"], "--reward_pretrain", chain["reward_model"],
-            "--prompt_data", chain["prepare_data"]]
+    base = ["--output", str(tmp_path / "rl"), "--pretrain", chain["sft"], "--reward_pretrain", chain["reward_model"], "--prompt_data", chain["prepare_data"]]
     done = run_cli("tasks.rl", *base, "--vllm_num_engines", "1", ray=ray_address)
     assert done.returncode == 2
-    assert done.stderr.strip().splitlines()[-1] == ("error: vllm_num_engines: vLLM engines need GPUs and the vllm package, and this "
-                                                   "Ray cluster has no GPUs; use --vllm_num_engines 0 (transformers generate in the actor workers)")
+    assert done.stderr.strip().splitlines()[-1] == (
+        "error: vllm_num_engines: vLLM engines need GPUs and the vllm package, and this "
+        "Ray cluster has no GPUs; use --vllm_num_engines 0 (transformers generate in the actor workers)"
+    )
     done = run_cli("tasks.rl", *base, ray=ray_address)  # four separate groups of one CPU each on a 2-CPU cluster
     assert done.returncode == 2
     line = done.stderr.strip().splitlines()[-1]
     assert line.startswith("error: colocate_all_models: its worker groups need 4 CPUs at once and the Ray cluster has 2;")
     assert line.endswith("(worker groups: [actor] × 1, [ref] × 1, [critic] × 1, [reward] × 1)")
     done = run_cli("tasks.rl", *base, "--vllm_tensor_parallel_size", "2")
-    assert done.stderr.strip() == ("error: vllm_tensor_parallel_size: only applies to vLLM engines; set --vllm_num_engines too, "
-                                   "or drop it")
+    assert done.stderr.strip() == ("error: vllm_tensor_parallel_size: only applies to vLLM engines; set --vllm_num_engines too, or drop it")
     assert not (tmp_path / "rl").exists()
 
 
 @pytest.mark.slow  # the chain: make test-all (see above)
-@pytest.mark.parametrize("method,extra", [
-    pytest.param("dpo", {"ref_offload": True, "num_gpus_per_node": 2}, marks=pytest.mark.slow),  # 2 workers, 63 s: make test-all
-    ("dpo", {"loss_type": "ipo"}),
-    ("kto", {"desirable_weight": 1.5}),
-])
+@pytest.mark.parametrize(
+    "method,extra",
+    [
+        pytest.param("dpo", {"ref_offload": True, "num_gpus_per_node": 2}, marks=pytest.mark.slow),  # 2 workers, 63 s: make test-all
+        ("dpo", {"loss_type": "ipo"}),
+        ("kto", {"desirable_weight": 1.5}),
+    ],
+)
 def test_preference_stage_trains_and_logs_its_metrics(method, extra, chain, s3_server, ray_address, tmp_path):
     out = s3_server.uri(f"stages/run1/preference_{method}_{'_'.join(extra)}")
-    done = run_cli("tasks.preference", *flags({"output": out, "method": method, "pretrain": chain["sft"], "dataset": chain["prepare_data"],
-                                               "max_steps": 3, "train_batch_size": 16, "logging_steps": 1, **extra}), ray=ray_address)
+    done = run_cli(
+        "tasks.preference",
+        *flags(
+            {
+                "output": out,
+                "method": method,
+                "pretrain": chain["sft"],
+                "dataset": chain["prepare_data"],
+                "max_steps": 3,
+                "train_batch_size": 16,
+                "logging_steps": 1,
+                **extra,
+            }
+        ),
+        ray=ray_address,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     logged = metrics_of(out, tmp_path)
     assert [r["step"] for r in logged] == [1, 2, 3]

@@ -5,6 +5,7 @@ under .scratch/test/artifacts/ (paths printed).
 Headless Chromium through Playwright, the browser being the system's (Debian's `chromium` package;
 RLHF_CHROMIUM overrides /usr/bin/chromium). Playwright's own browser downloads are never used.
 """
+
 import os
 import time
 import urllib.parse
@@ -19,8 +20,15 @@ from conftest import SCRATCH
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 CHROMIUM = os.environ.get("RLHF_CHROMIUM", "/usr/bin/chromium")
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
 ARTIFACTS = SCRATCH / "artifacts"
 EVAL_SAMPLES = 120  # the Param changed in the form (default 500): also makes the eval stage quicker
 # The pipeline takes about 4 min on 2 idle cores; a loaded machine may need RLHF_BROWSER_RUN_TIMEOUT_S.
@@ -87,8 +95,10 @@ def wait_for_run(api, run_id: str, timeout: float = RUN_TIMEOUT_S) -> dict:
             return run
         time.sleep(5)
     tis = api.get(f"/api/v2/dags/{DAG}/dagRuns/{quoted}/taskInstances")["task_instances"]
-    raise AssertionError(f"run {run_id} did not finish within {timeout:.0f}s (raise RLHF_BROWSER_RUN_TIMEOUT_S on a loaded "
-                         f"machine); tasks: {({t['task_id']: t['state'] for t in tis})}")
+    raise AssertionError(
+        f"run {run_id} did not finish within {timeout:.0f}s (raise RLHF_BROWSER_RUN_TIMEOUT_S on a loaded "
+        f"machine); tasks: { ({t['task_id']: t['state'] for t in tis}) }"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -96,8 +106,7 @@ def browser_run(live_stack):
     """One pass through the UI; yields (live_stack, the finished run, the Playwright page, its base URL)."""
     sync_api = pytest.importorskip("playwright.sync_api", reason="pip install 'rlhf-flow[dev]'")
     if not os.access(CHROMIUM, os.X_OK):
-        pytest.fail(f"RLHF_CHROMIUM: no browser at {CHROMIUM}: apt-get install chromium, or point RLHF_CHROMIUM at one",
-                    pytrace=False)
+        pytest.fail(f"RLHF_CHROMIUM: no browser at {CHROMIUM}: apt-get install chromium, or point RLHF_CHROMIUM at one", pytrace=False)
     base = live_stack.airflow_url
     with sync_api.sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)

@@ -2,9 +2,10 @@
 
 Used by the stage tests of dynamic filtering, which needs groups whose rewards differ.
 """
+
 import torch
 
 
 def reward_func(queries, prompts, labels):
-    responses = [q[len(p):] for q, p in zip(queries, prompts)]
+    responses = [q[len(p) :] for q, p in zip(queries, prompts)]
     return torch.tensor([float((len(r) + len(label)) % 2) for r, label in zip(responses, labels)])

@@ -3,6 +3,7 @@
 The GPU learning check uses it in place of a reward model, so an RL run there needs no reward-model
 group: the actor on one GPU and, off-policy, a vLLM engine on the other.
 """
+
 import torch
 
 from tasks.data.demo import is_preferred_style

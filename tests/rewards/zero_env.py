@@ -1,5 +1,6 @@
 """The calculator environment with every reward 0: the learning checks' control (what the RL steps do
 by themselves, with no signal)."""
+
 from tasks.rl.envs.calculator import Environment as Calculator
 
 

@@ -1,4 +1,5 @@
 """The guessing game with every reward 0: the control of the guess learning check."""
+
 from tasks.rl.envs.guess import Environment as Guess
 
 

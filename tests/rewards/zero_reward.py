@@ -3,6 +3,7 @@
 What such a run still changes (small PPO steps, the KL pull) is the baseline an estimator's gain is
 measured against.
 """
+
 import torch
 
 

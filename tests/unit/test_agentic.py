@@ -4,6 +4,7 @@ token in / token out, failures counted and never fatal, observation tokens out o
 Episodes run on a real tiny Llama (random weights) through the HF rollout engine, with real environments
 written as files the way a team writes them.
 """
+
 import asyncio
 import math
 import textwrap
@@ -117,13 +118,16 @@ def test_a_bad_environment_file_is_refused_in_one_line_naming_it(tmp_path):
 
 
 def test_an_environment_whose_reset_raises_stops_before_training(tmp_path):
-    path = env_file(tmp_path, """
+    path = env_file(
+        tmp_path,
+        """
         class Environment:
             def reset(self, row):
                 raise KeyError("target")
             def step(self, action):
                 return None, 0.0, True, {}
-    """)
+    """,
+    )
     with pytest.raises(EnvError, match=r"reset failed on the first prompt row \(KeyError: 'target'\); fix Environment.reset"):
         check_environment(load_environment(path), {"prompt": "1"}, timeout=5)
     check_environment(load_environment("calculator"), {"prompt": "1*2=", "label": "2"}, timeout=5)
@@ -131,14 +135,17 @@ def test_an_environment_whose_reset_raises_stops_before_training(tmp_path):
 
 @pytest.mark.parametrize("kind", ["def", "async def"])
 def test_an_environment_whose_reset_hangs_stops_before_training(kind, tmp_path):
-    path = env_file(tmp_path, f"""
+    path = env_file(
+        tmp_path,
+        f"""
         import asyncio, time
         class Environment:
             {kind} reset(self, row):
                 {"await asyncio.sleep(30)" if kind == "async def" else "time.sleep(30)"}
             def step(self, action):
                 return None, 0.0, True, {{}}
-    """)
+    """,
+    )
     started = time.monotonic()
     with pytest.raises(EnvError, match=r"reset failed on the first prompt row \(TimeoutError"):
         check_environment(load_environment(path), {"prompt": "1"}, timeout=0.5)
@@ -164,8 +171,7 @@ def test_episodes_keep_the_engines_tokens_and_mask_the_observations(tiny, tmp_pa
     model, tokenizer = tiny
     torch.manual_seed(0)
     engine = RecordingEngine(model, tokenizer)
-    runner = EpisodeRunner(engine, tokenizer, load_environment(env_file(tmp_path, ECHO)),
-                           EpisodeLimits(max_turns=3, max_episode_tokens=60, max_turn_tokens=6))
+    runner = EpisodeRunner(engine, tokenizer, load_environment(env_file(tmp_path, ECHO)), EpisodeLimits(max_turns=3, max_episode_tokens=60, max_turn_tokens=6))
     rows = [{"prompt": f"{a}*{b}="} for a, b in ((123, 4), (56, 7), (9, 9))]
     result = runner.run(rows)
     rollout = result.rollout
@@ -176,8 +182,11 @@ def test_episodes_keep_the_engines_tokens_and_mask_the_observations(tiny, tmp_pa
         model_ids = [t for t, m in zip(rollout.responses[i].tolist(), rollout.response_mask[i].tolist()) if m]
         generated = [tok for call in engine.calls for tok in call[i]]  # every episode is live for all 3 turns
         assert model_ids == generated, "the model's tokens are exactly what the engine generated, never re-tokenized"
-        observations = [t for t, m, a in zip(rollout.responses[i].tolist(), rollout.response_mask[i].tolist(),
-                                             rollout.attention_mask[i, rollout.prompt_width:].tolist()) if a and not m]
+        observations = [
+            t
+            for t, m, a in zip(rollout.responses[i].tolist(), rollout.response_mask[i].tolist(), rollout.attention_mask[i, rollout.prompt_width :].tolist())
+            if a and not m
+        ]
         expected = [tok for k in range(1, episode.turns) for tok in tokenizer.encode(f"ok{k}", add_special_tokens=False)]
         assert observations == expected
         assert episode.turns == 3 and episode.reward == pytest.approx(1.5) and episode.tool_calls == 3
@@ -189,8 +198,12 @@ def test_episodes_keep_the_engines_tokens_and_mask_the_observations(tiny, tmp_pa
 
 def test_a_long_first_observation_keeps_its_last_tokens(tiny, tmp_path):
     model, tokenizer = tiny
-    runner = EpisodeRunner(HFRolloutEngine(model, tokenizer), tokenizer, load_environment(env_file(tmp_path, ECHO)),
-                           EpisodeLimits(max_turns=1, max_episode_tokens=8, max_turn_tokens=2, max_prompt_tokens=5))
+    runner = EpisodeRunner(
+        HFRolloutEngine(model, tokenizer),
+        tokenizer,
+        load_environment(env_file(tmp_path, ECHO)),
+        EpisodeLimits(max_turns=1, max_episode_tokens=8, max_turn_tokens=2, max_prompt_tokens=5),
+    )
     episode = runner.run([{"prompt": "123456789*2="}]).episodes[0]
     assert episode.prompt == data.encode_prompt(tokenizer, "123456789*2=")[-5:]  # the end, which the answer follows
     runner.close()
@@ -198,7 +211,9 @@ def test_a_long_first_observation_keeps_its_last_tokens(tiny, tmp_path):
 
 def test_failing_hanging_and_malformed_environments_end_only_their_episode(tiny, tmp_path):
     model, tokenizer = tiny
-    path = env_file(tmp_path, """
+    path = env_file(
+        tmp_path,
+        """
         import asyncio
         import itertools
 
@@ -217,9 +232,14 @@ def test_failing_hanging_and_malformed_environments_end_only_their_episode(tiny,
                 if self.kind == "malformed":
                     return "obs", "one", False, {}
                 return None, 1.0, True, {"success": True}
-    """)
-    runner = EpisodeRunner(HFRolloutEngine(model, tokenizer), tokenizer, load_environment(path),
-                           EpisodeLimits(max_turns=2, max_episode_tokens=40, max_turn_tokens=4, step_timeout=0.5))
+    """,
+    )
+    runner = EpisodeRunner(
+        HFRolloutEngine(model, tokenizer),
+        tokenizer,
+        load_environment(path),
+        EpisodeLimits(max_turns=2, max_episode_tokens=40, max_turn_tokens=4, step_timeout=0.5),
+    )
     kinds = ["flaky"] * 10 + ["hang", "malformed", "fine"]
     result = runner.run([{"prompt": "1*2=", "kind": kind} for kind in kinds])
     failures = {e.failure for e in result.episodes}
@@ -234,15 +254,19 @@ def test_failing_hanging_and_malformed_environments_end_only_their_episode(tiny,
 
 def test_observation_tokens_get_no_gradient(tiny, tmp_path):
     model, tokenizer = tiny
-    runner = EpisodeRunner(HFRolloutEngine(model, tokenizer), tokenizer, load_environment(env_file(tmp_path, ECHO)),
-                           EpisodeLimits(max_turns=2, max_episode_tokens=40, max_turn_tokens=4))
+    runner = EpisodeRunner(
+        HFRolloutEngine(model, tokenizer),
+        tokenizer,
+        load_environment(env_file(tmp_path, ECHO)),
+        EpisodeLimits(max_turns=2, max_episode_tokens=40, max_turn_tokens=4),
+    )
     rollout = runner.run([{"prompt": "12*3="}, {"prompt": "45*6="}]).rollout
     logprobs = response_logprobs(model, rollout.sequences, rollout.attention_mask, rollout.prompt_width)
     logprobs.retain_grad()
     mask = rollout.response_mask
     loss, _ = policy_loss(logprobs, logprobs.detach() - 0.1, torch.ones_like(logprobs), mask, 0.2)
     loss.backward()
-    observation = (rollout.attention_mask[:, rollout.prompt_width:] == 1) & (mask == 0)
+    observation = (rollout.attention_mask[:, rollout.prompt_width :] == 1) & (mask == 0)
     assert observation.any() and (mask == 1).any()
     assert torch.all(logprobs.grad[observation] == 0)
     assert torch.any(logprobs.grad[mask == 1] != 0)
@@ -259,7 +283,9 @@ def test_observations_are_framed_as_the_chat_template_frames_a_tool_turn():
 
 def test_async_steps_run_concurrently(tiny, tmp_path):
     model, tokenizer = tiny
-    path = env_file(tmp_path, """
+    path = env_file(
+        tmp_path,
+        """
         import asyncio
 
         class Environment:
@@ -269,9 +295,11 @@ def test_async_steps_run_concurrently(tiny, tmp_path):
             async def step(self, action):
                 await asyncio.sleep(0.3)   # a slow tool: 16 of them at once take 0.3 s, not 4.8 s
                 return None, 1.0, True, {}
-    """)
-    runner = EpisodeRunner(HFRolloutEngine(model, tokenizer), tokenizer, load_environment(path),
-                           EpisodeLimits(max_turns=1, max_episode_tokens=8, max_turn_tokens=4))
+    """,
+    )
+    runner = EpisodeRunner(
+        HFRolloutEngine(model, tokenizer), tokenizer, load_environment(path), EpisodeLimits(max_turns=1, max_episode_tokens=8, max_turn_tokens=4)
+    )
     result = runner.run([{"prompt": "1*1="}] * 16)
     assert result.stats["time_env_s"] < 2.0
     runner.close()
@@ -346,8 +374,11 @@ def test_sft_traces_are_the_tokens_of_an_episode():
     """A calculator trace's second row holds the first turn and the observation exactly as an episode does."""
     tokenizer = agentic.build_tokenizer()
     first, second = agentic.calculator_trace(347, 8, use_tool=True)
-    episode = (data.encode_prompt(tokenizer, first["prompt"]) + data.encode_response(tokenizer, first["response"])
-               + observation_ids(tokenizer, "<result>2776</result>", chat_template=False))
+    episode = (
+        data.encode_prompt(tokenizer, first["prompt"])
+        + data.encode_response(tokenizer, first["response"])
+        + observation_ids(tokenizer, "<result>2776</result>", chat_template=False)
+    )
     assert data.encode_prompt(tokenizer, second["prompt"]) == episode
     assert second["response"] == "2776"
 
@@ -403,8 +434,12 @@ def test_the_hf_engine_reports_the_behaviour_log_probabilities_the_trainer_compu
     episodes carry them for their model tokens (0 at observations)."""
     model, tokenizer = tiny
     torch.manual_seed(1)
-    runner = EpisodeRunner(HFRolloutEngine(model, tokenizer), tokenizer, load_environment(env_file(tmp_path, ECHO)),
-                           EpisodeLimits(max_turns=2, max_episode_tokens=40, max_turn_tokens=5))
+    runner = EpisodeRunner(
+        HFRolloutEngine(model, tokenizer),
+        tokenizer,
+        load_environment(env_file(tmp_path, ECHO)),
+        EpisodeLimits(max_turns=2, max_episode_tokens=40, max_turn_tokens=5),
+    )
     rollout = runner.run([{"prompt": "12*3="}, {"prompt": "4*5="}], temperature=temperature).rollout
     trainer = response_logprobs(model, rollout.sequences, rollout.attention_mask, rollout.prompt_width, temperature=temperature)
     mask = rollout.response_mask
@@ -421,8 +456,13 @@ def test_each_token_is_tagged_with_the_weight_version_of_its_turn(tiny, tmp_path
     tokens of turn k carry the version it said, and the rollout's oldest version per row is the first turn's."""
     model, tokenizer = tiny
     versions = iter([3, 4, 6])
-    runner = EpisodeRunner(HFRolloutEngine(model, tokenizer), tokenizer, load_environment(env_file(tmp_path, ECHO)),
-                           EpisodeLimits(max_turns=3, max_episode_tokens=60, max_turn_tokens=4), policy_version=lambda: next(versions))
+    runner = EpisodeRunner(
+        HFRolloutEngine(model, tokenizer),
+        tokenizer,
+        load_environment(env_file(tmp_path, ECHO)),
+        EpisodeLimits(max_turns=3, max_episode_tokens=60, max_turn_tokens=4),
+        policy_version=lambda: next(versions),
+    )
     result = runner.run([{"prompt": "1*2="}, {"prompt": "3*4="}])
     for episode in result.episodes:
         turns = [v for v, m in zip(episode.versions, episode.model_mask) if m]
@@ -473,9 +513,25 @@ def test_weights_sent_beside_a_running_rollout_reach_its_next_turn(partial, ray_
     tokenizer.save_pretrained(tmp_path / "base")
     marker = tmp_path / "stepping"
     env = env_file(tmp_path, SLOW_STEP.format(marker=str(marker)))
-    cfg = parse_config(RLConfig, ["--pretrain", str(tmp_path / "base"), "--prompt_data", "d", "--output", str(tmp_path / "o"),
-                                  "--env_path", env, "--max_turns", "2", "--generate_max_len", "4", "--async_train",
-                                  *(["--partial_rollouts"] if partial else [])])
+    cfg = parse_config(
+        RLConfig,
+        [
+            "--pretrain",
+            str(tmp_path / "base"),
+            "--prompt_data",
+            "d",
+            "--output",
+            str(tmp_path / "o"),
+            "--env_path",
+            env,
+            "--max_turns",
+            "2",
+            "--generate_max_len",
+            "4",
+            "--async_train",
+            *(["--partial_rollouts"] if partial else []),
+        ],
+    )
     placement = Placement.create(1, 1, "rollout")  # joins the head (RAY_ADDRESS)
     try:
         engines = WorkerGroup(RolloutEngineWorker, placement, "rollout")

@@ -4,6 +4,7 @@ tiny_chat renders a turn as `<|role|>content<|end|>` after `<bos>`, opens the as
 `<|assistant|>`, and its EOS is <|end|>. Expected ids below are written from that vocabulary (special
 tokens first, then one id per character), not from the tokenizer under test.
 """
+
 import json
 import os
 import subprocess
@@ -22,8 +23,12 @@ from conftest import REPO
 from tiny_chat import CHARACTERS, SPECIAL_TOKENS, build_chat_model, build_tokenizer, chat_rows
 
 BOS, USER, ASSISTANT, SYSTEM, END, EOS, PAD = 1, 4, 5, 6, 7, 2, 0
-CONVERSATION = [{"role": "system", "content": "Add."}, {"role": "user", "content": "1+2"},
-                {"role": "assistant", "content": "3"}, {"role": "user", "content": "3+4"}]
+CONVERSATION = [
+    {"role": "system", "content": "Add."},
+    {"role": "user", "content": "1+2"},
+    {"role": "assistant", "content": "3"},
+    {"role": "user", "content": "3+4"},
+]
 
 
 def c(text: str) -> list[int]:
@@ -75,8 +80,9 @@ def test_responses_close_the_turn_as_the_template_does(tok):
 def test_a_turn_separator_after_the_end_token_is_left_to_the_next_turn(tok):
     """ChatML-like templates write '<|im_end|>\\n': generation stops at the token, so responses end there."""
     chatml = build_tokenizer()
-    chatml.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>\n{% endfor %}"
-                            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    chatml.chat_template = (
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
     assert data.turn_end_text(chatml) == "<|end|>\n"
     assert data.encode_response(chatml, "7", chat_template=True) == [*c("7"), END]
 
@@ -87,15 +93,17 @@ def test_prompt_plus_response_is_the_rendered_conversation(tok):
         ids = data.encode_prompt(tok, messages[:-1], True) + data.encode_response(tok, messages[-1]["content"], True)
         assert ids == list(tok.apply_chat_template(messages, tokenize=True, return_dict=False))
     whole = CONVERSATION + [{"role": "assistant", "content": "7"}]
-    assert data.encode_prompt(tok, CONVERSATION, True) + data.encode_response(tok, "7", True) == \
-        list(tok.apply_chat_template(whole, tokenize=True, return_dict=False))
+    assert data.encode_prompt(tok, CONVERSATION, True) + data.encode_response(tok, "7", True) == list(
+        tok.apply_chat_template(whole, tokenize=True, return_dict=False)
+    )
 
 
 def test_chat_prompts_are_refused_in_one_line_without_the_template(tok):
     with pytest.raises(ConfigError) as e:
         data.encode_prompt(tok, CONVERSATION)
-    assert str(e.value) == ("apply_chat_template: the prompt is a list of chat messages, which only the tokenizer's chat template "
-                            "can render; pass --apply_chat_template")
+    assert str(e.value) == (
+        "apply_chat_template: the prompt is a list of chat messages, which only the tokenizer's chat template can render; pass --apply_chat_template"
+    )
     with pytest.raises(ConfigError, match=r"^apply_chat_template: the tokenizer of .* has no chat template; drop --apply_chat_template"):
         data.encode_prompt(demo.build_tokenizer(), CONVERSATION, chat_template=True)
     with pytest.raises(ConfigError, match=r"^prompt: a chat message must be an object with string 'role' and 'content'"):
@@ -157,14 +165,15 @@ def test_truncation_keeps_the_answer_and_is_counted_in_every_stage(tok, tmp_path
     assert ids[1] == [USER, *c("1+1"), END, ASSISTANT, *c("2"), END]  # 9 tokens with its BOS: over 8, so also cut
     chosen, rejected, truncated = tokenize_pairs(columns, tok, stage_config("reward_model", {"apply_chat_template": True, "max_len": 16}))
     assert truncated == 2 and all(len(s) <= 16 for s in chosen + rejected)
-    assert chosen[0][-2:] == [*c("7"), END] and rejected[0][-len("7, I think") - 1:] == [*c("7, I think"), END]
-    assert chosen[0][:-2] == rejected[0][:-len("7, I think") - 1]  # one prompt for both sides
+    assert chosen[0][-2:] == [*c("7"), END] and rejected[0][-len("7, I think") - 1 :] == [*c("7, I think"), END]
+    assert chosen[0][:-2] == rejected[0][: -len("7, I think") - 1]  # one prompt for both sides
     _, _, truncated = preference_tokenize(columns, tok, stage_config("preference", {"apply_chat_template": True, "max_len": 16}))
     assert truncated == 2
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in columns["prompt"]))
-    loaded = load_prompts(stage_config("rl", {"prompt_data": str(path), "apply_chat_template": True, "prompt_max_len": 8}),
-                          SimpleNamespace(input=lambda name, uri: uri), tok)
+    loaded = load_prompts(
+        stage_config("rl", {"prompt_data": str(path), "apply_chat_template": True, "prompt_max_len": 8}), SimpleNamespace(input=lambda name, uri: uri), tok
+    )
     assert loaded.truncated == 1 and loaded.ids[0] == CONVERSATION_IDS[-8:] and loaded.ids[0][-1] == ASSISTANT
 
 
@@ -175,10 +184,13 @@ def test_generation_stops_at_the_end_of_turn_and_texts_strip_it(tok):
     other = build_tokenizer()
     other.eos_token = "<eos>"  # EOS and end of turn differ: both stop a response
     assert response_mask(torch.tensor([[9, END, 9, 9], [9, EOS, 9, 9], [9, 9, 9, 9]]), data.stop_token_ids(other)).tolist() == [
-        [1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1]]
+        [1, 1, 0, 0],
+        [1, 1, 0, 0],
+        [1, 1, 1, 1],
+    ]
     prompt = data.encode_prompt(tok, "1+2", True)
     sequences = torch.tensor([prompt + [*c("3"), END, PAD]])
-    responses = sequences[:, len(prompt):]
+    responses = sequences[:, len(prompt) :]
     rollout = Rollout(sequences, torch.ones_like(sequences), response_mask(responses, data.stop_token_ids(tok)), len(prompt))
     assert rollout.response_mask.tolist() == [[1, 1, 0]] and rollout.texts(tok) == ["3"]
 
@@ -212,8 +224,18 @@ def test_eval_of_chat_prompts_with_and_without_reference_answers(labelled, tok, 
     rows = [{"prompt": r["messages"][:-1], **({"label": r["label"]} if labelled else {})} for r in chat_rows(6)]
     (tmp_path / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "eval-out"
-    cfg = make_config(EvalConfig, {"output": str(out), "baseline": model, "policy": model, "reward_pretrain": model,
-                                   "dataset": str(tmp_path / "eval.jsonl"), "apply_chat_template": True, "generate_max_len": 4})
+    cfg = make_config(
+        EvalConfig,
+        {
+            "output": str(out),
+            "baseline": model,
+            "policy": model,
+            "reward_pretrain": model,
+            "dataset": str(tmp_path / "eval.jsonl"),
+            "apply_chat_template": True,
+            "generate_max_len": 4,
+        },
+    )
     stage.run("eval", cfg, evaluate)
     report = json.loads((out / "report.json").read_text())
     for side in ("baseline", "policy"):
@@ -239,9 +261,27 @@ def test_sft_stage_trains_on_chat_conversations(ray_address, tmp_path):
     rows = [{"prompt": r["messages"][:-1], "response": r["messages"][-1]["content"]} for r in chat_rows(32)]
     (tmp_path / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "sft-out"
-    args = ["--output", str(out), "--pretrain", model, "--dataset", str(tmp_path / "sft.jsonl"), "--apply_chat_template",
-            "--max_steps", "4", "--train_batch_size", "16", "--logging_steps", "1", "--max_len", "14", "--learning_rate", "3e-3",
-            "--lr_warmup_steps", "0"]
+    args = [
+        "--output",
+        str(out),
+        "--pretrain",
+        model,
+        "--dataset",
+        str(tmp_path / "sft.jsonl"),
+        "--apply_chat_template",
+        "--max_steps",
+        "4",
+        "--train_batch_size",
+        "16",
+        "--logging_steps",
+        "1",
+        "--max_len",
+        "14",
+        "--learning_rate",
+        "3e-3",
+        "--lr_warmup_steps",
+        "0",
+    ]
     env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_ADDRESS": ray_address}
     done = subprocess.run([sys.executable, "-m", "tasks.sft", *args], capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -1,6 +1,7 @@
 """--torch_compile: each transformer block compiled (tasks.common.nn.models.compile_blocks) gives the eager
 model's loss and gradients, under gradient checkpointing as the GPU path trains (CPU, tiny model, no Ray;
 inductor compiles for the CPU here, about 20 s)."""
+
 import pytest
 import torch
 

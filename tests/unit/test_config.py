@@ -18,13 +18,16 @@ def test_bare_bool_flag_means_true():
     assert cfg.normalize_reward is False
 
 
-@pytest.mark.parametrize("values, message", [
-    ({"output": "o", "dataset": "d"}, "pretrain: missing; pass --pretrain <URI>"),
-    ({"output": "o", "pretrain": "p", "dataset": "d", "max_steps": "ten"}, "max_steps: 'ten' is not a valid int"),
-    ({"output": "o", "pretrain": "p", "dataset": "d", "zero_stage": 5}, "zero_stage: 5 is not a choice; use 0, 1, 2 or 3"),
-    ({"output": "o", "pretrain": "p", "dataset": "d", "bf16": "maybe"}, "bf16: 'maybe' is not a boolean; use true or false"),
-    ({"pretrain": "p", "dataset": "d"}, "output: missing; pass --output s3://bucket/prefix/… or a local folder"),
-])
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"output": "o", "dataset": "d"}, "pretrain: missing; pass --pretrain <URI>"),
+        ({"output": "o", "pretrain": "p", "dataset": "d", "max_steps": "ten"}, "max_steps: 'ten' is not a valid int"),
+        ({"output": "o", "pretrain": "p", "dataset": "d", "zero_stage": 5}, "zero_stage: 5 is not a choice; use 0, 1, 2 or 3"),
+        ({"output": "o", "pretrain": "p", "dataset": "d", "bf16": "maybe"}, "bf16: 'maybe' is not a boolean; use true or false"),
+        ({"pretrain": "p", "dataset": "d"}, "output: missing; pass --output s3://bucket/prefix/… or a local folder"),
+    ],
+)
 def test_bad_values_give_one_line_naming_the_field(values, message):
     with pytest.raises(ConfigError) as error:
         make_config(SFTConfig, values)
@@ -45,8 +48,9 @@ def test_rl_group_estimators_need_groups_and_a_reward():
         make_config(RLConfig, base)
     with pytest.raises(ConfigError, match="n_samples_per_prompt: rloo compares samples of one prompt; use 2 or more"):
         make_config(RLConfig, {**base, "remote_rm_url": "r.py", "advantage_estimator": "rloo"})
-    cfg = make_config(RLConfig, {**base, "remote_rm_url": "r.py", "advantage_estimator": "rloo", "n_samples_per_prompt": 4,
-                                 "rollout_batch_size": 16, "train_batch_size": 32})
+    cfg = make_config(
+        RLConfig, {**base, "remote_rm_url": "r.py", "advantage_estimator": "rloo", "n_samples_per_prompt": 4, "rollout_batch_size": 16, "train_batch_size": 32}
+    )
     assert cfg.n_samples_per_prompt == 4
 
 
@@ -90,6 +94,11 @@ def test_a_fields_declared_limits_are_enforced_and_are_its_json_schema():
     assert param_schema(RLConfig, "lambd") == {"default": 0.95, "type": "number", "description": "GAE λ", "minimum": 0, "maximum": 1}
     assert param_schema(RLConfig, "kl_estimator")["enum"] == ["k1", "k2", "k3"]
     assert param_schema(PrepareDataConfig, "eval_fraction") | {"description": ""} == {
-        "default": 0.1, "type": "number", "description": "", "exclusiveMinimum": 0, "exclusiveMaximum": 1}
+        "default": 0.1,
+        "type": "number",
+        "description": "",
+        "exclusiveMinimum": 0,
+        "exclusiveMaximum": 1,
+    }
     assert param_schema(PrepareDataConfig, "label_key")["type"] == ["null", "string"]  # may be empty: the form sends null
     assert param_schema(EvalConfig, "judge_model")["type"] == "string"  # its pattern needs a character

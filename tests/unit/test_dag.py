@@ -1,5 +1,6 @@
 """The rlhf_pipeline and rlhf_nightly DAGs: parse cleanly, are wired as designed, validate their run
 form; and rlhf_pipeline runs end to end down each branch."""
+
 from __future__ import annotations
 
 import copy
@@ -20,66 +21,128 @@ BRANCHES = {"rl": ["reward_model", "rl"], "dpo": ["dpo"], "kto": ["kto"]}
 
 def training(stage: str, steps: str) -> dict:
     """The flags every training stage gets beside its own."""
-    return {"seed": "params.seed", "zero_stage": "params.zero_stage",
-            "save_steps": "{{ save_steps(params.%s, params.checkpoints_per_stage) }}" % steps,
-            "fail_after_step": "{{ fail_after('%s', params.fault_injection) }}" % stage,
-            "apply_chat_template": "params.apply_chat_template", "lora_rank": "params.lora_rank"}
+    return {
+        "seed": "params.seed",
+        "zero_stage": "params.zero_stage",
+        "save_steps": "{{ save_steps(params.%s, params.checkpoints_per_stage) }}" % steps,
+        "fail_after_step": "{{ fail_after('%s', params.fault_injection) }}" % stage,
+        "apply_chat_template": "params.apply_chat_template",
+        "lora_rank": "params.lora_rank",
+    }
 
 
 EPISODES = {"env_path": "params.environment or ''", "max_turns": "params.max_turns", "max_episode_tokens": "params.max_episode_tokens"}
 REGISTRY = "s3://{{ params.bucket or conn.rlhf_s3.extra_dejson.get('bucket') or 'rlhf-flow' }}/{{ params.prefix }}/models/{{ params.model_name }}"
 # What each stage gets: flag -> upstream task whose manifest URI it receives, or the param it comes from.
 WIRING = {
-    "prepare_data": ("tasks.data", {
-        "source": "params.dataset", "base_model": "params.base_model", "seed": "params.seed",
-        "datasets_root": REGISTRY.replace("/models/{{ params.model_name }}", "/datasets"),
-        # Column names: the form sends an emptied field as null, which renders as "".
-        **{k: "params.%s or ''" % k for k in ("input_key", "output_key", "chosen_key", "rejected_key", "label_key", "messages_key")},
-        **{k: f"params.{k}" for k in ("eval_fraction", "max_bad_fraction")},
-    }),
-    "sft": ("tasks.sft", {
-        "pretrain": "prepare_data", "dataset": "prepare_data", "max_steps": "params.sft_steps",
-        "learning_rate": "params.sft_learning_rate", **training("sft", "sft_steps"),
-    }),
-    "reward_model": ("tasks.reward_model", {
-        "pretrain": "sft", "dataset": "prepare_data", "max_steps": "params.rm_steps",
-        "learning_rate": "params.rm_learning_rate", **training("reward_model", "rm_steps"),
-    }),
-    "rl": ("tasks.rl", {
-        "pretrain": "sft", "reward_pretrain": "{{ ti.xcom_pull(task_ids='reward_model') or '' }}", "prompt_data": "prepare_data",
-        "generate_max_len": "params.generate_max_len", **EPISODES,
-        "max_steps": "params.rl_steps", "actor_learning_rate": "params.actor_learning_rate",
-        "critic_learning_rate": "params.critic_learning_rate", "init_kl_coef": "params.init_kl_coef",
-        "lambd": "params.gae_lambda", "ptx_coef": "params.ptx_coef",
-        "pretrain_data": "{{ ti.xcom_pull(task_ids='prepare_data') if params.ptx_coef else '' }}",  # PPO-ptx's SFT rows
-        "advantage_estimator": "params.advantage_estimator",
-        "n_samples_per_prompt": "params.n_samples_per_prompt", "colocate_all_models": "params.colocate_all_models",
-        **training("rl", "rl_steps"),
-    }),
-    **{method: ("tasks.preference", {
-        "method": method, "pretrain": "sft", "dataset": "prepare_data", "max_steps": "params.preference_steps",
-        "learning_rate": "params.preference_learning_rate", "beta": f"params.{method}_beta",
-        **training(method, "preference_steps"), **extra,
-    }) for method, extra in (("dpo", {"dataset_split": "style_pairs", "nll_loss_coef": 0.5}),
-                             ("kto", {"dataset_split": "unpaired", "undesirable_weight": 0.3}))},
-    "eval": ("tasks.eval", {
-        "baseline": "sft", "dataset": "prepare_data", "max_samples": "params.eval_max_samples", "seed": "params.seed",
-        "generate_max_len": "params.generate_max_len", **EPISODES,
-        "apply_chat_template": "params.apply_chat_template",
-        # whichever branch ran: a template over both branches' XComs
-        "policy": "{{ ti.xcom_pull(task_ids='rl') or ti.xcom_pull(task_ids='dpo') or ti.xcom_pull(task_ids='kto') }}",
-        "reward_pretrain": "{{ ti.xcom_pull(task_ids='reward_model') or '' }}", "registry": REGISTRY,
-        "metrics": "params.eval_metrics or ''", "n_samples_per_prompt": "params.eval_samples_per_prompt",
-        # the demo's own metrics for the demo's data
-        "metric_func": "params.eval_metric_func or ('tasks/data/demo_metrics.py' if params.dataset == 'demo' else '')",
-        "slice_key": "params.eval_slice_key or ''", "judge_url": "params.eval_judge_url or ''",
-        "judge_model": "params.eval_judge_model", "lm_eval_tasks": "params.eval_lm_eval_tasks or ''",
-        "lm_eval_include_path": "params.eval_lm_eval_include_path or ''", "lm_eval_limit": "params.eval_lm_eval_limit",
-    }),
-    "promote": ("tasks.promote", {
-        "evaluation": "eval", "registry": REGISTRY, "gate": "{{ params.promotion_gate | tojson }}",
-        "allow_promotion": "params.allow_promotion", "promoted_by": "{{ dag.dag_id }} run {{ run_id }}",
-    }),
+    "prepare_data": (
+        "tasks.data",
+        {
+            "source": "params.dataset",
+            "base_model": "params.base_model",
+            "seed": "params.seed",
+            "datasets_root": REGISTRY.replace("/models/{{ params.model_name }}", "/datasets"),
+            # Column names: the form sends an emptied field as null, which renders as "".
+            **{k: "params.%s or ''" % k for k in ("input_key", "output_key", "chosen_key", "rejected_key", "label_key", "messages_key")},
+            **{k: f"params.{k}" for k in ("eval_fraction", "max_bad_fraction")},
+        },
+    ),
+    "sft": (
+        "tasks.sft",
+        {
+            "pretrain": "prepare_data",
+            "dataset": "prepare_data",
+            "max_steps": "params.sft_steps",
+            "learning_rate": "params.sft_learning_rate",
+            **training("sft", "sft_steps"),
+        },
+    ),
+    "reward_model": (
+        "tasks.reward_model",
+        {
+            "pretrain": "sft",
+            "dataset": "prepare_data",
+            "max_steps": "params.rm_steps",
+            "learning_rate": "params.rm_learning_rate",
+            **training("reward_model", "rm_steps"),
+        },
+    ),
+    "rl": (
+        "tasks.rl",
+        {
+            "pretrain": "sft",
+            "reward_pretrain": "{{ ti.xcom_pull(task_ids='reward_model') or '' }}",
+            "prompt_data": "prepare_data",
+            "generate_max_len": "params.generate_max_len",
+            **EPISODES,
+            "max_steps": "params.rl_steps",
+            "actor_learning_rate": "params.actor_learning_rate",
+            "critic_learning_rate": "params.critic_learning_rate",
+            "init_kl_coef": "params.init_kl_coef",
+            "lambd": "params.gae_lambda",
+            "ptx_coef": "params.ptx_coef",
+            "pretrain_data": "{{ ti.xcom_pull(task_ids='prepare_data') if params.ptx_coef else '' }}",  # PPO-ptx's SFT rows
+            "advantage_estimator": "params.advantage_estimator",
+            "n_samples_per_prompt": "params.n_samples_per_prompt",
+            "colocate_all_models": "params.colocate_all_models",
+            **training("rl", "rl_steps"),
+        },
+    ),
+    **{
+        method: (
+            "tasks.preference",
+            {
+                "method": method,
+                "pretrain": "sft",
+                "dataset": "prepare_data",
+                "max_steps": "params.preference_steps",
+                "learning_rate": "params.preference_learning_rate",
+                "beta": f"params.{method}_beta",
+                **training(method, "preference_steps"),
+                **extra,
+            },
+        )
+        for method, extra in (
+            ("dpo", {"dataset_split": "style_pairs", "nll_loss_coef": 0.5}),
+            ("kto", {"dataset_split": "unpaired", "undesirable_weight": 0.3}),
+        )
+    },
+    "eval": (
+        "tasks.eval",
+        {
+            "baseline": "sft",
+            "dataset": "prepare_data",
+            "max_samples": "params.eval_max_samples",
+            "seed": "params.seed",
+            "generate_max_len": "params.generate_max_len",
+            **EPISODES,
+            "apply_chat_template": "params.apply_chat_template",
+            # whichever branch ran: a template over both branches' XComs
+            "policy": "{{ ti.xcom_pull(task_ids='rl') or ti.xcom_pull(task_ids='dpo') or ti.xcom_pull(task_ids='kto') }}",
+            "reward_pretrain": "{{ ti.xcom_pull(task_ids='reward_model') or '' }}",
+            "registry": REGISTRY,
+            "metrics": "params.eval_metrics or ''",
+            "n_samples_per_prompt": "params.eval_samples_per_prompt",
+            # the demo's own metrics for the demo's data
+            "metric_func": "params.eval_metric_func or ('tasks/data/demo_metrics.py' if params.dataset == 'demo' else '')",
+            "slice_key": "params.eval_slice_key or ''",
+            "judge_url": "params.eval_judge_url or ''",
+            "judge_model": "params.eval_judge_model",
+            "lm_eval_tasks": "params.eval_lm_eval_tasks or ''",
+            "lm_eval_include_path": "params.eval_lm_eval_include_path or ''",
+            "lm_eval_limit": "params.eval_lm_eval_limit",
+        },
+    ),
+    "promote": (
+        "tasks.promote",
+        {
+            "evaluation": "eval",
+            "registry": REGISTRY,
+            "gate": "{{ params.promotion_gate | tojson }}",
+            "allow_promotion": "params.allow_promotion",
+            "promoted_by": "{{ dag.dag_id }} run {{ run_id }}",
+        },
+    ),
 }
 
 
@@ -136,10 +199,13 @@ def test_stage_tasks_share_the_gpu_pool_cache_deadline_and_lineage(dag):
         assert task.pool == GPU_POOL and task.pool_slots == max(1, gpus), task_id
         assert task.deadline_minutes == "{{ params.stage_deadline_minutes }}"
         # prepare_data reuses an output only when the data cannot have changed under the same flags.
-        assert task.cache == {"eval": False, "promote": False,
-                              "prepare_data": "{{ params.use_cache and fixed_data(params.dataset) }}"}.get(task_id, "{{ params.use_cache }}"), task_id
-    lineage = {t: ([a.name for a in dag.get_task(t).inlets], [a.name for a in dag.get_task(t).outlets])
-               for t in ("prepare_data", "sft", "reward_model", "rl", "dpo", "eval", "champion")}
+        assert task.cache == {"eval": False, "promote": False, "prepare_data": "{{ params.use_cache and fixed_data(params.dataset) }}"}.get(
+            task_id, "{{ params.use_cache }}"
+        ), task_id
+    lineage = {
+        t: ([a.name for a in dag.get_task(t).inlets], [a.name for a in dag.get_task(t).outlets])
+        for t in ("prepare_data", "sft", "reward_model", "rl", "dpo", "eval", "champion")
+    }
     assert lineage == {
         "prepare_data": ([], ["rlhf_flow.prepared_data"]),
         "sft": (["rlhf_flow.prepared_data"], ["rlhf_flow.sft_model"]),
@@ -189,15 +255,61 @@ def test_params_form(dag):
     params = dag.params
     assert params.validate() == pipeline.DEFAULTS  # the defaults are valid, and are the one dict's
     expected = {
-        "bucket", "prefix", "dataset", "base_model", "seed", "sft_steps", "sft_learning_rate", "rm_steps",
-        "rm_learning_rate", "rl_steps", "actor_learning_rate", "critic_learning_rate", "init_kl_coef",
-        "gae_lambda", "ptx_coef", "advantage_estimator", "n_samples_per_prompt", "colocate_all_models", "zero_stage", "eval_max_samples",
-        "method", "preference_steps", "preference_learning_rate", "dpo_beta", "kto_beta", "checkpoints_per_stage",
-        "use_cache", "stage_deadline_minutes", "model_name", "allow_promotion", "promotion_gate", "fault_injection",
-        "input_key", "output_key", "chosen_key", "rejected_key", "label_key", "messages_key", "eval_fraction",
-        "max_bad_fraction", "apply_chat_template", "lora_rank", "eval_metrics", "eval_metric_func", "eval_samples_per_prompt",
-        "eval_slice_key", "eval_judge_url", "eval_judge_model", "generate_max_len", "environment", "max_turns", "max_episode_tokens",
-        "eval_lm_eval_tasks", "eval_lm_eval_include_path", "eval_lm_eval_limit",
+        "bucket",
+        "prefix",
+        "dataset",
+        "base_model",
+        "seed",
+        "sft_steps",
+        "sft_learning_rate",
+        "rm_steps",
+        "rm_learning_rate",
+        "rl_steps",
+        "actor_learning_rate",
+        "critic_learning_rate",
+        "init_kl_coef",
+        "gae_lambda",
+        "ptx_coef",
+        "advantage_estimator",
+        "n_samples_per_prompt",
+        "colocate_all_models",
+        "zero_stage",
+        "eval_max_samples",
+        "method",
+        "preference_steps",
+        "preference_learning_rate",
+        "dpo_beta",
+        "kto_beta",
+        "checkpoints_per_stage",
+        "use_cache",
+        "stage_deadline_minutes",
+        "model_name",
+        "allow_promotion",
+        "promotion_gate",
+        "fault_injection",
+        "input_key",
+        "output_key",
+        "chosen_key",
+        "rejected_key",
+        "label_key",
+        "messages_key",
+        "eval_fraction",
+        "max_bad_fraction",
+        "apply_chat_template",
+        "lora_rank",
+        "eval_metrics",
+        "eval_metric_func",
+        "eval_samples_per_prompt",
+        "eval_slice_key",
+        "eval_judge_url",
+        "eval_judge_model",
+        "generate_max_len",
+        "environment",
+        "max_turns",
+        "max_episode_tokens",
+        "eval_lm_eval_tasks",
+        "eval_lm_eval_include_path",
+        "eval_lm_eval_limit",
     }
     assert set(params) == expected
     for name in expected:
@@ -205,12 +317,29 @@ def test_params_form(dag):
         assert p.schema.get("title") and p.description, name  # the UI form shows a title and a help text
         # Flat fields, but the gate and the test-only fault injection, which the form edits as JSON.
         # The bucket and the column names may be left empty; the form sends an emptied field as null.
-        optional = {"bucket", "input_key", "output_key", "chosen_key", "rejected_key", "label_key", "messages_key",
-                    "eval_metrics", "eval_metric_func", "eval_slice_key", "eval_judge_url", "environment", "eval_lm_eval_tasks",
-                    "eval_lm_eval_include_path"}
-        assert p.schema.get("type") == "object" if name in ("promotion_gate", "fault_injection") else \
-            p.schema.get("type") == ["null", "string"] if name in optional else \
-            p.schema.get("type") in ("string", "integer", "number", "boolean"), name
+        optional = {
+            "bucket",
+            "input_key",
+            "output_key",
+            "chosen_key",
+            "rejected_key",
+            "label_key",
+            "messages_key",
+            "eval_metrics",
+            "eval_metric_func",
+            "eval_slice_key",
+            "eval_judge_url",
+            "environment",
+            "eval_lm_eval_tasks",
+            "eval_lm_eval_include_path",
+        }
+        assert (
+            p.schema.get("type") == "object"
+            if name in ("promotion_gate", "fault_injection")
+            else p.schema.get("type") == ["null", "string"]
+            if name in optional
+            else p.schema.get("type") in ("string", "integer", "number", "boolean")
+        ), name
     assert params.get_param("zero_stage").schema["enum"] == [0, 1, 2, 3]
     assert pipeline.DEFAULTS["dataset"] == "demo" and pipeline.DEFAULTS["base_model"] == "demo"
 
@@ -274,8 +403,13 @@ def test_the_form_refuses_what_its_stage_would_and_starts_where_the_stage_does_u
         cls = config_class(module)
         field = next(f for f in dataclasses.fields(cls) if f.name == field_name)
         meta, param = field.metadata, pipeline.PARAMS[name]
-        outside = [meta["min"] - 1 if "min" in meta else None, meta["max"] * 2 if "max" in meta else None,
-                   meta.get("exclusive_min"), meta.get("exclusive_max"), "no such choice" if "choices" in meta else None]
+        outside = [
+            meta["min"] - 1 if "min" in meta else None,
+            meta["max"] * 2 if "max" in meta else None,
+            meta.get("exclusive_min"),
+            meta.get("exclusive_max"),
+            "no such choice" if "choices" in meta else None,
+        ]
         for value in [v for v in outside if v is not None]:
             with pytest.raises(ParamValidationError):
                 param.resolve(value)
@@ -289,12 +423,30 @@ def test_the_form_refuses_what_its_stage_would_and_starts_where_the_stage_does_u
 
 def test_params_accept_good_overrides(dag):
     params = copy.deepcopy(dag.params)
-    for name, value in {"sft_steps": 30, "rm_steps": 20, "rl_steps": 2, "eval_max_samples": 50, "zero_stage": 3,
-                        "advantage_estimator": "group_norm", "n_samples_per_prompt": 4, "colocate_all_models": False,
-                        "dataset": "s3://bucket/data/v1", "bucket": "rlhf-test", "prefix": "",
-                        "messages_key": "messages", "input_key": "", "label_key": "answer", "output_key": None, "eval_fraction": 0.2,
-                        "max_bad_fraction": 0, "apply_chat_template": True, "lora_rank": 8, "environment": "s3://bucket/envs/my_env.py",
-                        "max_turns": 3, "generate_max_len": 24}.items():
+    for name, value in {
+        "sft_steps": 30,
+        "rm_steps": 20,
+        "rl_steps": 2,
+        "eval_max_samples": 50,
+        "zero_stage": 3,
+        "advantage_estimator": "group_norm",
+        "n_samples_per_prompt": 4,
+        "colocate_all_models": False,
+        "dataset": "s3://bucket/data/v1",
+        "bucket": "rlhf-test",
+        "prefix": "",
+        "messages_key": "messages",
+        "input_key": "",
+        "label_key": "answer",
+        "output_key": None,
+        "eval_fraction": 0.2,
+        "max_bad_fraction": 0,
+        "apply_chat_template": True,
+        "lora_rank": 8,
+        "environment": "s3://bucket/envs/my_env.py",
+        "max_turns": 3,
+        "generate_max_len": 24,
+    }.items():
         params[name] = value
     params.validate()
 
@@ -305,8 +457,8 @@ def test_plugins_folder_loads_only_the_plugin_file():
 import sys
 from airflow._shared.module_loading import find_path_from_directory
 from airflow._shared.plugins_manager.plugins_manager import _load_plugins_from_plugin_directory
-files = sorted(find_path_from_directory({str(REPO / 'plugins')!r}, ".airflowignore", "glob"))
-plugins, errors = _load_plugins_from_plugin_directory({str(REPO / 'plugins')!r})
+files = sorted(find_path_from_directory({str(REPO / "plugins")!r}, ".airflowignore", "glob"))
+plugins, errors = _load_plugins_from_plugin_directory({str(REPO / "plugins")!r})
 stray = [m for m in ("hooks", "operators", "triggers") if m in sys.modules]
 print({{"files": files, "plugins": [p.name for p in plugins], "errors": errors, "stray": stray}})
 """
@@ -337,8 +489,7 @@ def test_the_first_task_checks_every_stage_on_the_runs_path_with_the_stages_own_
     defaults = dag.params.dump()
     context = {"run_id": "manual__2026-01-01T00:00:00+00:00", "dag": dag, "conn": ConnectionAccessor()}
     assert planned_problems(dag, defaults, context) == []
-    bad = {**defaults, "advantage_estimator": "group_norm", "n_samples_per_prompt": 1, "eval_metrics": "bleu",
-           "promotion_gate": {"accuracy": {"most": 0.5}}}
+    bad = {**defaults, "advantage_estimator": "group_norm", "n_samples_per_prompt": 1, "eval_metrics": "bleu", "promotion_gate": {"accuracy": {"most": 0.5}}}
     problems = planned_problems(dag, bad, context)
     assert [p.split(": ")[:2] for p in problems] == [["rl", "n_samples_per_prompt"], ["eval", "metrics"], ["promote", "gate"]], problems
     # The dpo branch does not run rl, so rl's estimator is nobody's problem there.
@@ -346,7 +497,8 @@ def test_the_first_task_checks_every_stage_on_the_runs_path_with_the_stages_own_
     # A layout the Ray cluster could never place: every RL model on a worker of its own needs 4 devices at once.
     apart = {**defaults, "colocate_all_models": False}
     assert planned_problems(dag, apart, context, {"CPU": 2.0}) == [
-        "rl: its worker groups need 4 CPUs at once and the Ray cluster has 2; colocate them (colocate_all_models) or use fewer workers"]
+        "rl: its worker groups need 4 CPUs at once and the Ray cluster has 2; colocate them (colocate_all_models) or use fewer workers"
+    ]
     assert planned_problems(dag, apart, context, {"CPU": 64.0, "GPU": 4.0}) == []
     assert planned_problems(dag, defaults, context, {"CPU": 2.0}) == []  # colocated: one device
 
@@ -377,9 +529,11 @@ def test_the_first_task_names_the_runs_s3_inputs_that_are_not_there(dag, s3_serv
     assert missing_inputs({**params, "dataset": "dataset:chats"}, render) == []
     gone = {"dataset": "dataset:chatz", "base_model": f"s3://{s3_server.bucket}/models/none/", "eval_metric_func": f"s3://{s3_server.bucket}/m.py"}
     problems = missing_inputs({**params, **gone}, render)
-    assert problems == [f"dataset: s3://{s3_server.bucket}/p/datasets/chatz/ does not exist; upload it or fix the URI",
-                        f"base_model: s3://{s3_server.bucket}/models/none/ does not exist; upload it or fix the URI",
-                        f"eval_metric_func: s3://{s3_server.bucket}/m.py does not exist; upload it or fix the URI"], problems
+    assert problems == [
+        f"dataset: s3://{s3_server.bucket}/p/datasets/chatz/ does not exist; upload it or fix the URI",
+        f"base_model: s3://{s3_server.bucket}/models/none/ does not exist; upload it or fix the URI",
+        f"eval_metric_func: s3://{s3_server.bucket}/m.py does not exist; upload it or fix the URI",
+    ], problems
 
 
 @pytest.mark.e2e
@@ -456,12 +610,15 @@ def test_pipeline_end_to_end(method, airflow_db, s3_server, ray_head, dagbag):
 def test_nightly_dataset_comes_from_the_environment():
     """A scheduled run has no form: RLHF_NIGHTLY_DATASET (e.g. dataset:<name>, its newest version) is the
     nightly DAG's default dataset; the manual DAG keeps 'demo'."""
-    code = ("from airflow.dag_processing.dagbag import DagBag; "
-            f"bag = DagBag(dag_folder={str(DAGS)!r}); assert not bag.import_errors, bag.import_errors; "
-            "p = bag.dags['rlhf_nightly'].params.get_param('dataset'); "
-            "print('RESULT', p.value, bag.dags['rlhf_pipeline'].params['dataset'], bool(p.description))")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
-                          env={**os.environ, "RLHF_NIGHTLY_DATASET": "dataset:support-chats"}, timeout=300)
+    code = (
+        "from airflow.dag_processing.dagbag import DagBag; "
+        f"bag = DagBag(dag_folder={str(DAGS)!r}); assert not bag.import_errors, bag.import_errors; "
+        "p = bag.dags['rlhf_nightly'].params.get_param('dataset'); "
+        "print('RESULT', p.value, bag.dags['rlhf_pipeline'].params['dataset'], bool(p.description))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, env={**os.environ, "RLHF_NIGHTLY_DATASET": "dataset:support-chats"}, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     result = next(line for line in done.stdout.splitlines() if line.startswith("RESULT"))
     assert result.split()[1:] == ["dataset:support-chats", "demo", "True"]

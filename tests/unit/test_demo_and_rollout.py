@@ -34,8 +34,7 @@ def test_tokenizer_round_trip():
 
 def test_response_mask_stops_after_first_eos():
     eos = 2
-    assert response_mask(torch.tensor([[5, 6, 2, 0, 0], [5, 5, 5, 5, 5], [2, 0, 0, 0, 0]]), eos).tolist() == [
-        [1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
+    assert response_mask(torch.tensor([[5, 6, 2, 0, 0], [5, 5, 5, 5, 5], [2, 0, 0, 0, 0]]), eos).tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
 
 
 def test_training_logprobs_match_generation_with_left_padded_prompts():
@@ -47,12 +46,19 @@ def test_training_logprobs_match_generation_with_left_padded_prompts():
     rollout = engine.generate(prompts, max_new_tokens=6, greedy=True)
     assert rollout.sequences[0, 0] == tok.pad_token_id and rollout.attention_mask[0, 0] == 0
     with torch.no_grad():
-        out = model.generate(input_ids=rollout.sequences[:, :rollout.prompt_width], attention_mask=rollout.attention_mask[:, :rollout.prompt_width],
-                             max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True,
-                             pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+        out = model.generate(
+            input_ids=rollout.sequences[:, : rollout.prompt_width],
+            attention_mask=rollout.attention_mask[:, : rollout.prompt_width],
+            max_new_tokens=6,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+        )
         gen_logprobs = torch.stack([torch.log_softmax(step.float(), -1) for step in out.logits], 1)
-        gen_logprobs = gen_logprobs.gather(-1, out.sequences[:, rollout.prompt_width:].unsqueeze(-1)).squeeze(-1)
-        train_logprobs = sequence_logprobs(model, rollout.sequences, rollout.attention_mask)[:, rollout.prompt_width - 1:]
+        gen_logprobs = gen_logprobs.gather(-1, out.sequences[:, rollout.prompt_width :].unsqueeze(-1)).squeeze(-1)
+        train_logprobs = sequence_logprobs(model, rollout.sequences, rollout.attention_mask)[:, rollout.prompt_width - 1 :]
     mask = rollout.response_mask.bool()
     assert torch.allclose(gen_logprobs[mask], train_logprobs[mask], atol=1e-4)
 

@@ -11,6 +11,7 @@
 
 No schema is fetched at test time: each comes from an installed package (the `dev` extra).
 """
+
 import json
 import re
 import subprocess
@@ -34,6 +35,7 @@ def run(*cmd, timeout: float = 300) -> subprocess.CompletedProcess:
 
 # ------------------------------------------------------------------------------------------- compose
 
+
 def compose() -> dict:
     return yaml.safe_load((DOCKER / "compose.yaml").read_text())
 
@@ -45,8 +47,18 @@ def test_compose_file_follows_the_compose_specification():
 
 def test_compose_has_the_whole_stack_with_celery_as_a_profile():
     services = compose()["services"]
-    assert {"postgres", "minio", "minio-init", "airflow-init", "airflow-api-server", "airflow-scheduler",
-            "airflow-dag-processor", "airflow-triggerer", "ray-head", "ray-gpu-worker"} <= set(services)
+    assert {
+        "postgres",
+        "minio",
+        "minio-init",
+        "airflow-init",
+        "airflow-api-server",
+        "airflow-scheduler",
+        "airflow-dag-processor",
+        "airflow-triggerer",
+        "ray-head",
+        "ray-gpu-worker",
+    } <= set(services)
     assert services["redis"]["profiles"] == ["celery"] and services["airflow-worker"]["profiles"] == ["celery"]
     assert "mc mb --ignore-existing" in " ".join(services["minio-init"]["command"])
     assert services["ray-gpu-worker"]["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
@@ -61,8 +73,7 @@ def test_compose_has_the_whole_stack_with_celery_as_a_profile():
 def test_every_required_setting_is_in_the_env_example():
     text = (DOCKER / "compose.yaml").read_text()
     required = set(re.findall(r"\$\{([A-Z0-9_]+):\?", text))
-    example = dict(line.split("=", 1) for line in (DOCKER / ".env.example").read_text().splitlines()
-                   if line and not line.startswith("#"))
+    example = dict(line.split("=", 1) for line in (DOCKER / ".env.example").read_text().splitlines() if line and not line.startswith("#"))
     assert required and required <= set(example), required - set(example)
     assert all(example[k].startswith("change-me") for k in required if re.search("PASSWORD|SECRET|KEY", k))
 
@@ -84,34 +95,74 @@ def test_dockerfiles_pass_hadolint():
 # ---------------------------------------------------------------------------------------- kubernetes
 
 # What KubeRay's ray.io/v1 CRDs require of the fields these manifests use (no package ships them).
-_GROUP = {"type": "object", "required": ["rayStartParams", "template"],
-          "properties": {"rayStartParams": {"type": "object", "additionalProperties": {"type": "string"}},
-                         "template": {"type": "object"}, "serviceType": {"enum": ["ClusterIP", "NodePort", "LoadBalancer"]}}}
-_WORKERS = {"type": "array", "minItems": 1, "items": {
-    "allOf": [_GROUP, {"type": "object", "required": ["groupName"], "properties": {
-        "groupName": {"type": "string", "pattern": "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"},
-        "replicas": {"type": "integer", "minimum": 0}, "minReplicas": {"type": "integer", "minimum": 0},
-        "maxReplicas": {"type": "integer", "minimum": 0}}}]}}
-_CLUSTER_SPEC = {"type": "object", "required": ["headGroupSpec", "workerGroupSpecs"],
-                 "properties": {"rayVersion": {"type": "string"}, "enableInTreeAutoscaling": {"type": "boolean"},
-                                "headGroupSpec": _GROUP, "workerGroupSpecs": _WORKERS}}
+_GROUP = {
+    "type": "object",
+    "required": ["rayStartParams", "template"],
+    "properties": {
+        "rayStartParams": {"type": "object", "additionalProperties": {"type": "string"}},
+        "template": {"type": "object"},
+        "serviceType": {"enum": ["ClusterIP", "NodePort", "LoadBalancer"]},
+    },
+}
+_WORKERS = {
+    "type": "array",
+    "minItems": 1,
+    "items": {
+        "allOf": [
+            _GROUP,
+            {
+                "type": "object",
+                "required": ["groupName"],
+                "properties": {
+                    "groupName": {"type": "string", "pattern": "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"},
+                    "replicas": {"type": "integer", "minimum": 0},
+                    "minReplicas": {"type": "integer", "minimum": 0},
+                    "maxReplicas": {"type": "integer", "minimum": 0},
+                },
+            },
+        ]
+    },
+}
+_CLUSTER_SPEC = {
+    "type": "object",
+    "required": ["headGroupSpec", "workerGroupSpecs"],
+    "properties": {"rayVersion": {"type": "string"}, "enableInTreeAutoscaling": {"type": "boolean"}, "headGroupSpec": _GROUP, "workerGroupSpecs": _WORKERS},
+}
 _META = {"type": "object", "required": ["name"], "properties": {"name": {"type": "string", "pattern": "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"}}}
 KUBERAY = {
-    "RayCluster": {"type": "object", "required": ["apiVersion", "kind", "metadata", "spec"],
-                   "properties": {"apiVersion": {"const": "ray.io/v1"}, "metadata": _META, "spec": _CLUSTER_SPEC}},
-    "RayJob": {"type": "object", "required": ["apiVersion", "kind", "metadata", "spec"],
-               "properties": {"apiVersion": {"const": "ray.io/v1"}, "metadata": _META, "spec": {
-                   "type": "object", "required": ["entrypoint"], "oneOf": [{"required": ["rayClusterSpec"]}, {"required": ["clusterSelector"]}],
-                   "properties": {"entrypoint": {"type": "string"}, "submissionMode": {"enum": ["K8sJobMode", "HTTPMode", "SidecarMode", "InteractiveMode"]},
-                                  "shutdownAfterJobFinishes": {"type": "boolean"}, "ttlSecondsAfterFinished": {"type": "integer", "minimum": 0},
-                                  "activeDeadlineSeconds": {"type": "integer", "minimum": 1}, "backoffLimit": {"type": "integer", "minimum": 0},
-                                  "runtimeEnvYAML": {"type": "string"}, "rayClusterSpec": _CLUSTER_SPEC}}}},
+    "RayCluster": {
+        "type": "object",
+        "required": ["apiVersion", "kind", "metadata", "spec"],
+        "properties": {"apiVersion": {"const": "ray.io/v1"}, "metadata": _META, "spec": _CLUSTER_SPEC},
+    },
+    "RayJob": {
+        "type": "object",
+        "required": ["apiVersion", "kind", "metadata", "spec"],
+        "properties": {
+            "apiVersion": {"const": "ray.io/v1"},
+            "metadata": _META,
+            "spec": {
+                "type": "object",
+                "required": ["entrypoint"],
+                "oneOf": [{"required": ["rayClusterSpec"]}, {"required": ["clusterSelector"]}],
+                "properties": {
+                    "entrypoint": {"type": "string"},
+                    "submissionMode": {"enum": ["K8sJobMode", "HTTPMode", "SidecarMode", "InteractiveMode"]},
+                    "shutdownAfterJobFinishes": {"type": "boolean"},
+                    "ttlSecondsAfterFinished": {"type": "integer", "minimum": 0},
+                    "activeDeadlineSeconds": {"type": "integer", "minimum": 1},
+                    "backoffLimit": {"type": "integer", "minimum": 0},
+                    "runtimeEnvYAML": {"type": "string"},
+                    "rayClusterSpec": _CLUSTER_SPEC,
+                },
+            },
+        },
+    },
 }
 
 
 def manifests() -> list[tuple[str, dict]]:
-    return [(f"{path.name}#{i}", doc) for path in sorted(K8S.glob("*.yaml"))
-            for i, doc in enumerate(yaml.safe_load_all(path.read_text())) if doc]
+    return [(f"{path.name}#{i}", doc) for path in sorted(K8S.glob("*.yaml")) for i, doc in enumerate(yaml.safe_load_all(path.read_text())) if doc]
 
 
 def pod_templates(spec: dict) -> list[dict]:
@@ -129,8 +180,9 @@ def test_kubernetes_manifests_validate():
         if doc["kind"] in KUBERAY:
             jsonschema.validate(doc, KUBERAY[doc["kind"]])
             for template in pod_templates(doc["spec"]):
-                kubernetes_validate.validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": template},
-                                             K8S_VERSION, strict=True)
+                kubernetes_validate.validate(
+                    {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": template}, K8S_VERSION, strict=True
+                )
         else:
             kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
 
@@ -142,8 +194,7 @@ def test_the_kubernetes_check_catches_a_broken_pod_template():
     template = pod_templates(cluster["spec"])[1]
     template["spec"]["containers"][0]["resourcez"] = template["spec"]["containers"][0].pop("resources")
     with pytest.raises(kubernetes_validate.ValidationError):
-        kubernetes_validate.validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": template},
-                                     K8S_VERSION, strict=True)
+        kubernetes_validate.validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": template}, K8S_VERSION, strict=True)
 
 
 def test_gpu_workers_ask_for_gpus_and_write_to_their_own_disk():
@@ -194,11 +245,11 @@ def test_a_lock_made_from_other_ranges_is_stale(tmp_path):
     changed = (REPO / "pyproject.toml").read_text().replace('"pyyaml>=6"', '"pyyaml>=6.1"')
     (tmp_path / "pyproject.toml").write_text(changed)
     assert lock.check(tmp_path / "pyproject.toml", locks) == [
-        f"locks/{name}.txt: stale against pyproject.toml's dependencies; run `make lock` and commit locks/" for name in lock.SETS]
+        f"locks/{name}.txt: stale against pyproject.toml's dependencies; run `make lock` and commit locks/" for name in lock.SETS
+    ]
     # A range in one extra stales only the sets that install it.
     (tmp_path / "pyproject.toml").write_text((REPO / "pyproject.toml").read_text().replace('"liger-kernel>=0.8.5"', '"liger-kernel>=0.8.6"'))
-    assert lock.check(tmp_path / "pyproject.toml", locks) == [
-        "locks/gpu.txt: stale against pyproject.toml's dependencies; run `make lock` and commit locks/"]
+    assert lock.check(tmp_path / "pyproject.toml", locks) == ["locks/gpu.txt: stale against pyproject.toml's dependencies; run `make lock` and commit locks/"]
     # Edits outside the dependency tables leave the locks current.
     (tmp_path / "pyproject.toml").write_text((REPO / "pyproject.toml").read_text().replace('addopts = "-ra"', 'addopts = "-ra -q"'))
     assert lock.check(tmp_path / "pyproject.toml", locks) == []

@@ -1,6 +1,7 @@
 """The evaluation's metrics (tasks/eval/metrics.py), its statistics (tasks/eval/stats.py), its LLM judge
 (tasks/eval/judge.py, against a judge served over real HTTP here) and the gate rules that read them, against
 hand-computed values; then the eval stage on a team's own data and metric file."""
+
 import json
 
 import pytest
@@ -26,8 +27,7 @@ def test_regex_compares_the_first_group_or_the_whole_match():
 
 def test_json_valid_and_length():
     scorers = metrics.resolve(["json_valid", "length"])
-    assert metrics.score(scorers, ["p", "q"], ['{"a": 1}', "{a: 1}"], None, [{}, {}]) == {
-        "json_valid": [1.0, 0.0], "length": [8.0, 6.0]}
+    assert metrics.score(scorers, ["p", "q"], ['{"a": 1}', "{a: 1}"], None, [{}, {}]) == {"json_valid": [1.0, 0.0], "length": [8.0, 6.0]}
 
 
 def test_math_verify_compares_the_answers_mathematically():
@@ -65,9 +65,11 @@ def test_eval_config_reads_the_metric_list_and_refuses_bad_ones():
 
 def test_a_metric_file_is_loaded_and_its_scores_checked(tmp_path):
     good = tmp_path / "good.py"
-    good.write_text("def metrics(prompts, responses, labels, rows):\n"
-                    "    return {'starts_like_label': [None if l is None else float(r[:1] == l[:1]) for r, l in zip(responses, labels)],\n"
-                    "            'weight': [float(row['w']) for row in rows]}\n")
+    good.write_text(
+        "def metrics(prompts, responses, labels, rows):\n"
+        "    return {'starts_like_label': [None if l is None else float(r[:1] == l[:1]) for r, l in zip(responses, labels)],\n"
+        "            'weight': [float(row['w']) for row in rows]}\n"
+    )
     scorers = metrics.resolve([], str(good))
     out = metrics.score(scorers, ["p1", "p2"], ["abc", "xyz"], ["a", None], [{"w": 2}, {"w": 3}])
     assert out == {"starts_like_label": [1.0, None], "weight": [2.0, 3.0]}
@@ -146,8 +148,7 @@ def test_the_hacking_alarm_needs_both_a_significant_rise_and_fall():
     rise = {"delta": 0.8, "interval": [0.5, 1.1]}
     fall = {"delta": -0.1, "interval": [-0.15, -0.05]}
     alarms = stats.hacking_alarms({"reward_mean": rise, "accuracy": fall, "style": fall}, ["accuracy"])
-    assert alarms == ["reward hacking suspected: reward_mean rose +0.8000 (95% CI +0.5000 to +1.1000) while accuracy fell "
-                      "-0.1000 (95% CI -0.1500 to -0.0500)"]
+    assert alarms == ["reward hacking suspected: reward_mean rose +0.8000 (95% CI +0.5000 to +1.1000) while accuracy fell -0.1000 (95% CI -0.1500 to -0.0500)"]
     assert stats.hacking_alarms({"reward_mean": rise, "accuracy": {"delta": -0.1, "interval": [-0.2, 0.01]}}, ["accuracy"]) == []
     assert stats.hacking_alarms({"reward_mean": {"delta": 0.8, "interval": [-0.1, 1.1]}, "accuracy": fall}, ["accuracy"]) == []
 
@@ -211,10 +212,8 @@ def test_the_gate_can_ask_for_a_gain_that_is_not_noise():
 
 
 def test_an_alarm_fails_the_gate_whatever_the_rules():
-    ok, reasons = judge({"accuracy": 0.9}, {"accuracy": 0.9}, {"accuracy": {"max_drop": 0.02}},
-                        alarms=["against the baseline: reward hacking suspected: ..."])
-    assert not ok and reasons == ["pass: accuracy drop +0.0000 from 0.9000 <= 0.02",
-                                  "FAIL: against the baseline: reward hacking suspected: ..."]
+    ok, reasons = judge({"accuracy": 0.9}, {"accuracy": 0.9}, {"accuracy": {"max_drop": 0.02}}, alarms=["against the baseline: reward hacking suspected: ..."])
+    assert not ok and reasons == ["pass: accuracy drop +0.0000 from 0.9000 <= 0.02", "FAIL: against the baseline: reward hacking suspected: ..."]
 
 
 # ---------------------------------------------------------------------------------------------- the stage
@@ -235,12 +234,22 @@ def test_eval_stage_scores_a_teams_own_data_with_its_metric_file(tmp_path, ray_d
     (tmp_path / "team_metrics.py").write_text(
         "def metrics(prompts, responses, labels, rows):\n"
         "    assert [r['prompt'] for r in rows] == prompts\n"
-        "    return {'weight': [float(r['w']) for r in rows], 'even': [float(r['w'] % 2 == 0) for r in rows]}\n")
+        "    return {'weight': [float(r['w']) for r in rows], 'even': [float(r['w'] % 2 == 0) for r in rows]}\n"
+    )
     out = tmp_path / "eval-out"
     flags = {
-        "output": str(out), "baseline": model, "policy": model, "dataset": str(tmp_path / "eval.jsonl"),
-        "metrics": "exact_match", "metric_func": str(tmp_path / "team_metrics.py"), "n_samples_per_prompt": 4,
-        "slice_key": "topic", "generate_max_len": 3, "num_shown_samples": 8, "bootstrap_resamples": 500}
+        "output": str(out),
+        "baseline": model,
+        "policy": model,
+        "dataset": str(tmp_path / "eval.jsonl"),
+        "metrics": "exact_match",
+        "metric_func": str(tmp_path / "team_metrics.py"),
+        "n_samples_per_prompt": 4,
+        "slice_key": "topic",
+        "generate_max_len": 3,
+        "num_shown_samples": 8,
+        "bootstrap_resamples": 500,
+    }
     with JSONServer([(200, shorter_wins)], path="/v1") as judge_server:
         stage.run("eval", make_config(EvalConfig, {**flags, "judge_url": judge_server.url, "judge_model": "tiny-judge"}), evaluate)
     report = json.loads((out / "report.json").read_text())
@@ -270,13 +279,15 @@ def test_eval_stage_scores_a_teams_own_data_with_its_metric_file(tmp_path, ray_d
 def test_the_default_gate_is_made_from_the_declared_metrics():
     from tasks.promote.gate import default_rules, real_gain
 
-    report = {"verifiable_metrics": ["exact_match", "sampled_exact_match"],
-              "comparisons": {"baseline": {"exact_match": {"delta": 0.01, "interval": [-0.02, 0.04]},
-                                           "sampled_exact_match": {"delta": 0.08, "interval": [0.03, 0.13]}},
-                              "champion": {"exact_match": {"delta": -0.01, "interval": [-0.04, 0.02]}}}}
+    report = {
+        "verifiable_metrics": ["exact_match", "sampled_exact_match"],
+        "comparisons": {
+            "baseline": {"exact_match": {"delta": 0.01, "interval": [-0.02, 0.04]}, "sampled_exact_match": {"delta": 0.08, "interval": [0.03, 0.13]}},
+            "champion": {"exact_match": {"delta": -0.01, "interval": [-0.04, 0.02]}},
+        },
+    }
     assert default_rules(report) == {"exact_match": {"max_drop": 0.02}, "kl_to_ref": {"max": 2.0}}
-    assert real_gain(report, "baseline") == (
-        True, "pass: sampled_exact_match gained +0.0800 (95% interval [+0.0300, +0.1300]) against the baseline")
+    assert real_gain(report, "baseline") == (True, "pass: sampled_exact_match gained +0.0800 (95% interval [+0.0300, +0.1300]) against the baseline")
     ok, line = real_gain(report, "champion")
     assert not ok and line.startswith("FAIL: no declared metric gained beyond noise against the champion")
     check_rules({})  # {} is the default gate, not a malformed one
@@ -289,15 +300,22 @@ def test_lm_eval_sample_logs_become_one_score_per_document():
     from tasks.eval.lm_eval_tasks import per_document_scores
 
     samples = {
-        "sums": [{"doc_id": 1, "filter": "none", "metrics": ["exact_match"], "exact_match": 0.0},
-                 {"doc_id": 0, "filter": "none", "metrics": ["exact_match"], "exact_match": 1.0}],
+        "sums": [
+            {"doc_id": 1, "filter": "none", "metrics": ["exact_match"], "exact_match": 0.0},
+            {"doc_id": 0, "filter": "none", "metrics": ["exact_match"], "exact_match": 1.0},
+        ],
         # two filters of one task; a corpus-level metric's per-document value is a tuple, left to lm-eval's table
-        "gsm": [{"doc_id": 0, "filter": "strict-match", "metrics": ["exact_match", "bleu"], "exact_match": 1, "bleu": ("a", "b")},
-                {"doc_id": 0, "filter": "flexible", "metrics": ["exact_match"], "exact_match": 0},
-                {"doc_id": 1, "filter": "strict-match", "metrics": ["exact_match", "bleu"], "exact_match": True, "bleu": ("c", "d")}],
+        "gsm": [
+            {"doc_id": 0, "filter": "strict-match", "metrics": ["exact_match", "bleu"], "exact_match": 1, "bleu": ("a", "b")},
+            {"doc_id": 0, "filter": "flexible", "metrics": ["exact_match"], "exact_match": 0},
+            {"doc_id": 1, "filter": "strict-match", "metrics": ["exact_match", "bleu"], "exact_match": True, "bleu": ("c", "d")},
+        ],
     }
-    assert per_document_scores(samples) == {"lm_eval/sums/exact_match": [1.0, 0.0], "lm_eval/gsm/exact_match/strict-match": [1.0, 1.0],
-                                            "lm_eval/gsm/exact_match/flexible": [0.0]}
+    assert per_document_scores(samples) == {
+        "lm_eval/sums/exact_match": [1.0, 0.0],
+        "lm_eval/gsm/exact_match/strict-match": [1.0, 1.0],
+        "lm_eval/gsm/exact_match/flexible": [0.0],
+    }
 
 
 def test_eval_stage_runs_a_teams_own_lm_eval_tasks(tmp_path, ray_driver):
@@ -319,15 +337,31 @@ def test_eval_stage_runs_a_teams_own_lm_eval_tasks(tmp_path, ray_driver):
     data = f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {tasks / 'docs.jsonl'}\ntest_split: test\ndoc_to_text: '{{{{question}}}}'\n"
     (tasks / "team_sums.yaml").write_text(
         "task: team_sums\n" + data + "output_type: generate_until\ndoc_to_target: '{{answer}}'\n"
-        "generation_kwargs:\n  until: ['<|end|>']\n  max_gen_toks: 3\n  do_sample: false\nmetric_list:\n  - metric: exact_match\n")
+        "generation_kwargs:\n  until: ['<|end|>']\n  max_gen_toks: 3\n  do_sample: false\nmetric_list:\n  - metric: exact_match\n"
+    )
     (tasks / "team_choice.yaml").write_text(
-        "task: team_choice\n" + data + "output_type: multiple_choice\ndoc_to_choice: '{{choices}}'\ndoc_to_target: '{{gold}}'\n"
-        "metric_list:\n  - metric: acc\n")
+        "task: team_choice\n" + data + "output_type: multiple_choice\ndoc_to_choice: '{{choices}}'\ndoc_to_target: '{{gold}}'\nmetric_list:\n  - metric: acc\n"
+    )
     (tmp_path / "eval.jsonl").write_text("".join(json.dumps({"prompt": f"q{i}?", "label": "a"}) + "\n" for i in range(2)))
     out = tmp_path / "eval-out"
-    stage.run("eval", make_config(EvalConfig, {
-        "output": str(out), "baseline": model, "policy": model, "dataset": str(tmp_path / "eval.jsonl"), "generate_max_len": 2,
-        "bootstrap_resamples": 200, "lm_eval_tasks": "team_sums,team_choice", "lm_eval_include_path": str(tasks), "lm_eval_limit": 5}), evaluate)
+    stage.run(
+        "eval",
+        make_config(
+            EvalConfig,
+            {
+                "output": str(out),
+                "baseline": model,
+                "policy": model,
+                "dataset": str(tmp_path / "eval.jsonl"),
+                "generate_max_len": 2,
+                "bootstrap_resamples": 200,
+                "lm_eval_tasks": "team_sums,team_choice",
+                "lm_eval_include_path": str(tasks),
+                "lm_eval_limit": 5,
+            },
+        ),
+        evaluate,
+    )
     report = json.loads((out / "report.json").read_text())
     policy = report["metrics"]["policy"]
     for name, task, key in (("lm_eval/team_sums/exact_match", "team_sums", "exact_match,none"), ("lm_eval/team_choice/acc", "team_choice", "acc,none")):

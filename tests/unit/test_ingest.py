@@ -1,6 +1,7 @@
 """prepare_data on a user's dataset: JSONL/Parquet/CSV sources, the column mapping, chat messages, every
 validation check, the bad-row threshold, the deterministic split, versions and dataset:<name>, and the
 downstream loader reading the splits. Real files, the real S3 emulator where S3 matters; CPU, seconds."""
+
 from __future__ import annotations
 
 import csv
@@ -51,8 +52,7 @@ def write(path: Path, rows: list[dict], fmt: str | None = None) -> str:
 
 def qa_rows(n: int = 60) -> list[dict]:
     """User-style rows with their own column names: question, good, bad, answer."""
-    return [{"question": f"What is {i} plus {i + 1}?", "good": str(2 * i + 1), "bad": f"{2 * i + 1}, probably", "answer": str(2 * i + 1)}
-            for i in range(n)]
+    return [{"question": f"What is {i} plus {i + 1}?", "good": str(2 * i + 1), "bad": f"{2 * i + 1}, probably", "answer": str(2 * i + 1)} for i in range(n)]
 
 
 @pytest.fixture(scope="module")
@@ -108,8 +108,7 @@ def test_jsonl_parquet_and_csv_give_the_same_canonical_splits(tmp_path, base_mod
 
 def test_sft_only_data_with_an_output_column_and_no_label(tmp_path, base_model):
     rows = [{"instruction": f"Say {i}", "reply": f"{i}!"} for i in range(40)]
-    m = run_prepare(tmp_path, base_model, write(tmp_path / "sft.jsonl", rows),
-                    input_key="instruction", output_key="reply", chosen_key="", rejected_key="")
+    m = run_prepare(tmp_path, base_model, write(tmp_path / "sft.jsonl", rows), input_key="instruction", output_key="reply", chosen_key="", rejected_key="")
     assert set(m["datasets"]) == {"sft", "prompts", "eval"}
     assert {r["response"] for r in split_rows(m["uri"], "sft")} <= {r["reply"] for r in rows}
     assert all(set(r) == {"prompt"} for r in split_rows(m["uri"], "eval"))  # no label_key: no label column
@@ -118,8 +117,7 @@ def test_sft_only_data_with_an_output_column_and_no_label(tmp_path, base_model):
 @pytest.mark.parametrize("fmt", ["jsonl", "parquet", "csv"])
 def test_a_messages_column_gives_chat_prompts_and_the_final_assistant_turn(tmp_path, base_model, fmt):
     rows = chat_rows(48)
-    m = run_prepare(tmp_path, base_model, write(tmp_path / f"chat.{fmt}", rows), messages_key="messages", label_key="label",
-                    max_bad_fraction=1.0)
+    m = run_prepare(tmp_path, base_model, write(tmp_path / f"chat.{fmt}", rows), messages_key="messages", label_key="label", max_bad_fraction=1.0)
     assert m["dataset_version"]["mapping"]["input_key"] == ""  # the messages give the prompt
     by_prompt = {json.dumps(r["messages"][:-1]): r for r in rows}
     sft = split_rows(m["uri"], "sft")
@@ -192,8 +190,7 @@ def test_every_check_counts_its_rows_and_the_good_rows_are_kept(tmp_path, base_m
     assert "validation: 50 rows, 41 kept, 9 bad (18.0%): duplicate 1 (rows 48); empty_field 1 (rows 44); " in printed
     held = {r["prompt"] for r in split_rows(m["uri"], "eval")}
     assert not held & {r["prompt"] for r in split_rows(m["uri"], "prompts")}
-    assert all(r["label"] is None for r in split_rows(m["uri"], "prompts") + split_rows(m["uri"], "eval")
-               if r["prompt"] == "An unlabelled prompt")
+    assert all(r["label"] is None for r in split_rows(m["uri"], "prompts") + split_rows(m["uri"], "eval") if r["prompt"] == "An unlabelled prompt")
 
 
 def test_bad_messages_are_counted(tmp_path, base_model):
@@ -213,9 +210,30 @@ def test_bad_messages_are_counted(tmp_path, base_model):
 def test_too_many_bad_rows_fail_the_step_in_one_line_naming_the_checks_and_flags(tmp_path):
     source, numbers = bad_rows_file(tmp_path)
     out, root = tmp_path / "out", tmp_path / "datasets"
-    done = subprocess.run([sys.executable, "-m", "tasks.data", "--output", str(out), "--source", source, "--datasets_root", str(root),
-                           "--label_key", "label", "--eval_fraction", "0.3", "--max_chars", "100"],
-                          capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tasks.data",
+            "--output",
+            str(out),
+            "--source",
+            source,
+            "--datasets_root",
+            str(root),
+            "--label_key",
+            "label",
+            "--eval_fraction",
+            "0.3",
+            "--max_chars",
+            "100",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=300,
+    )
     assert done.returncode == 2, done.stderr[-2000:]
     line = done.stderr.strip().splitlines()[-1]
     assert line.startswith(f"error: max_bad_fraction: 9 of 50 rows of {source} (18.0%) failed validation, more than 0.05: "), line
@@ -230,8 +248,9 @@ def test_mapping_and_source_mistakes_are_one_line_config_errors(tmp_path, base_m
     base = {"output": str(tmp_path / "out"), "base_model": base_model, "datasets_root": str(tmp_path / "datasets")}
     with pytest.raises(ConfigError) as error:
         stage.run("prepare_data", make_config(PrepareDataConfig, {**base, "source": source, "input_key": "question"}), prepare)
-    assert str(error.value) == (f"chosen_key: no column 'chosen' in {source} (columns: answer, bad, good, question); "
-                                "pass --chosen_key <column>, or --chosen_key '' to not use one")
+    assert str(error.value) == (
+        f"chosen_key: no column 'chosen' in {source} (columns: answer, bad, good, question); pass --chosen_key <column>, or --chosen_key '' to not use one"
+    )
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     cases = {
         "some-org/some-dataset": "source: 'some-org/some-dataset' is a hub id, and HF_HUB_OFFLINE=1 forbids fetching it",
@@ -294,8 +313,17 @@ def test_versions_on_s3_are_idempotent_immutable_and_resolvable(tmp_path, base_m
     assert manifests.read_manifest(info["uri"])["created_at"] == version["created_at"]
     assert [v["version"] for v in versions.listing(root, "qa")["versions"]] == [info["version"]]
     # Another mapping of the same file is another version.
-    sft_only = run_prepare(tmp_path, base_model, source, out=s3_server.uri(f"ingest/{tmp_path.name}/run3"), datasets_root=root,
-                           input_key="question", output_key="answer", chosen_key="", rejected_key="")
+    sft_only = run_prepare(
+        tmp_path,
+        base_model,
+        source,
+        out=s3_server.uri(f"ingest/{tmp_path.name}/run3"),
+        datasets_root=root,
+        input_key="question",
+        output_key="answer",
+        chosen_key="",
+        rejected_key="",
+    )
     assert sft_only["dataset_version"]["version"] != info["version"]
 
     # New data under the same name: a new version, the newest.
@@ -308,8 +336,7 @@ def test_versions_on_s3_are_idempotent_immutable_and_resolvable(tmp_path, base_m
     assert nightly["dataset_version"] == newer["dataset_version"]
     assert nightly["metrics"]["rows_sft"] == newer["metrics"]["rows_sft"]
     assert split_rows(nightly["uri"], "sft") == split_rows(newer["uri"], "sft")
-    pinned = run_prepare(tmp_path, base_model, f"dataset:qa@{info['version']}", out=s3_server.uri(f"ingest/{tmp_path.name}/run6"),
-                         datasets_root=root)
+    pinned = run_prepare(tmp_path, base_model, f"dataset:qa@{info['version']}", out=s3_server.uri(f"ingest/{tmp_path.name}/run6"), datasets_root=root)
     assert pinned["dataset_version"]["version"] == info["version"]
 
     with pytest.raises(ConfigError, match=f"^source: no version 'nope' of dataset 'qa' under {root}; registered: {listed[0]}"):
@@ -332,12 +359,26 @@ def test_a_stricter_threshold_than_a_version_passed_still_fails(tmp_path, base_m
 def test_the_downstream_loader_reads_the_canonical_splits(tmp_path, base_model, s3_server):
     root = s3_server.uri(f"ingest/{tmp_path.name}/datasets")
     out = s3_server.uri(f"ingest/{tmp_path.name}/prepare_data")
-    m = run_prepare(tmp_path, base_model, write(tmp_path / "chat.jsonl", chat_rows(48)), out=out, datasets_root=root,
-                    messages_key="messages", label_key="label", max_bad_fraction=1.0)
+    m = run_prepare(
+        tmp_path,
+        base_model,
+        write(tmp_path / "chat.jsonl", chat_rows(48)),
+        out=out,
+        datasets_root=root,
+        messages_key="messages",
+        label_key="label",
+        max_bad_fraction=1.0,
+    )
     # What sft, reward_model, dpo, kto, rl and eval load, with the keys they ask for (their defaults).
-    wanted = {"sft": ["prompt", "response"], "preference": ["prompt", "chosen", "rejected"], "preference_eval": ["prompt", "chosen", "rejected"],
-              "style_pairs": ["prompt", "chosen", "rejected"], "unpaired": ["prompt", "completion", "label"], "prompts": ["prompt"],
-              "eval": ["prompt", "label"]}
+    wanted = {
+        "sft": ["prompt", "response"],
+        "preference": ["prompt", "chosen", "rejected"],
+        "preference_eval": ["prompt", "chosen", "rejected"],
+        "style_pairs": ["prompt", "chosen", "rejected"],
+        "unpaired": ["prompt", "completion", "label"],
+        "prompts": ["prompt"],
+        "eval": ["prompt", "label"],
+    }
     for split, keys in wanted.items():
         rows = data.load_rows(out, split, keys)
         assert len(rows) == m["metrics"][f"rows_{split}"] > 0, split
@@ -362,18 +403,31 @@ def test_the_pipeline_flags_parse_in_every_stage_config():
     from tasks.rl.config import RLConfig
     from tasks.sft.config import SFTConfig
 
-    configs = {"tasks.data": PrepareDataConfig, "tasks.sft": SFTConfig, "tasks.reward_model": RewardModelConfig, "tasks.rl": RLConfig,
-               "tasks.preference": PreferenceConfig, "tasks.eval": EvalConfig}
+    configs = {
+        "tasks.data": PrepareDataConfig,
+        "tasks.sft": SFTConfig,
+        "tasks.reward_model": RewardModelConfig,
+        "tasks.rl": RLConfig,
+        "tasks.preference": PreferenceConfig,
+        "tasks.eval": EvalConfig,
+    }
     dag = build_pipeline("ingest_flags", None, "", allow_promotion=False)
     env = jinja2.Environment()
     upstream = "s3://b/p/runs/d/r/stage/manifest.json"
-    context = {"params": {**DEFAULTS, "bucket": "b"}, "save_steps": save_steps, "fail_after": fail_after, "fixed_data": fixed_data,
-               "ti": type("TI", (), {"xcom_pull": lambda self, task_ids: upstream})(), "conn": {}, "dag": dag, "run_id": "r"}
+    context = {
+        "params": {**DEFAULTS, "bucket": "b"},
+        "save_steps": save_steps,
+        "fail_after": fail_after,
+        "fixed_data": fixed_data,
+        "ti": type("TI", (), {"xcom_pull": lambda self, task_ids: upstream})(),
+        "conn": {},
+        "dag": dag,
+        "run_id": "r",
+    }
     for task in dag.tasks:
         if getattr(task, "module", None) not in configs:
             continue
-        args = {k: env.from_string(v).render(context) if isinstance(v, str) else upstream if isinstance(v, XComArg) else v
-                for k, v in task.args.items()}
+        args = {k: env.from_string(v).render(context) if isinstance(v, str) else upstream if isinstance(v, XComArg) else v for k, v in task.args.items()}
         cfg = parse_config(configs[task.module], ["--output", "s3://b/out", *render_flags(args)])
         if task.module != "tasks.data":
             assert cfg.apply_chat_template is False, task.task_id

@@ -1,4 +1,5 @@
 """Losses, advantages and KL against values computed by hand (the arithmetic is in each comment)."""
+
 import math
 
 import pytest
@@ -53,7 +54,7 @@ def test_sft_loss_with_a_global_token_count_splits_exactly():
     # (a plain per-worker mean would give (1 + 3) / 2 = 2).
     logprobs, mask = T([[-1.0, 0.0, 0.0], [-2.0, -3.0, -4.0]]), T([[1, 0, 0], [1, 1, 1]])
     close(sft_loss(logprobs, mask), 2.5)
-    parts = [sft_loss(logprobs[i:i + 1], mask[i:i + 1], num_tokens=4 / 2) for i in range(2)]
+    parts = [sft_loss(logprobs[i : i + 1], mask[i : i + 1], num_tokens=4 / 2) for i in range(2)]
     close((parts[0] + parts[1]) / 2, 2.5)
 
 
@@ -131,6 +132,7 @@ def test_whiten():
 
 # ---- policy loss options ---------------------------------------------------------------------------
 
+
 def test_policy_loss_clip_higher_is_asymmetric():
     # ratios 1.5, 0.5, 1.25 with advantages 1, -1, 1; ε_low = 0.2, ε_high = 0.28: bounds [0.8, 1.28]
     #   min(1.5, 1.28) = 1.28 -> -1.28 (clipped); min(-0.5, -0.8) = -0.8 -> 0.8 (clipped);
@@ -199,6 +201,7 @@ def test_kl_loss_value_and_gradient():
 
 
 # ---- advantage estimators ---------------------------------------------------------------------------
+
 
 def test_uses_critic():
     assert uses_critic("gae")
@@ -303,8 +306,7 @@ def test_group_estimators_force_gamma_one_and_clip_after_shaping():
     # dr_grpo with γ = 0.5 still sums undiscounted; reward_clip (-0.4, 0.4) clips the shaped ±0.5
     #   row 0: (0, 0.4) -> returns (0.4, 0.4);  row 1: (0, -0.4) -> (-0.4, -0.4);  rows 2, 3: 0
     with pytest.warns(UserWarning, match="gamma"):
-        adv, _ = compute_advantages("dr_grpo", SCORES, None, torch.ones(4, 2), None, n=2, gamma=0.5,
-                                    reward_clip=(-0.4, 0.4))
+        adv, _ = compute_advantages("dr_grpo", SCORES, None, torch.ones(4, 2), None, n=2, gamma=0.5, reward_clip=(-0.4, 0.4))
     close(adv, [[0.4, 0.4], [-0.4, -0.4], [0.0, 0.0], [0.0, 0.0]])
 
 
@@ -319,6 +321,7 @@ def test_group_keep_mask():
 
 
 # ---- KL controllers ---------------------------------------------------------------------------------
+
 
 def test_adaptive_kl_controller():
     # β = 0.1, target 6, horizon 10000, 1000 samples per update:
@@ -434,6 +437,7 @@ def test_a_model_that_takes_log_probs_a_chunk_at_a_time_gives_the_full_logits_nu
 
 # ---- sampling temperature -----------------------------------------------------------------------------
 
+
 class FixedLogits(torch.nn.Module):
     """A causal LM whose logits are (0, ln 3) at every position, whatever the input."""
 
@@ -493,9 +497,19 @@ def test_actor_logprobs_at_the_temperature_are_those_generate_sampled_from():
     width = rollout.prompt_width
     torch.manual_seed(0)
     with torch.no_grad():
-        out = model.generate(input_ids=rollout.sequences[:, :width], attention_mask=rollout.attention_mask[:, :width], max_new_tokens=4,
-                             do_sample=True, temperature=0.7, top_k=0, top_p=1.0, output_scores=True, return_dict_in_generate=True,
-                             pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+        out = model.generate(
+            input_ids=rollout.sequences[:, :width],
+            attention_mask=rollout.attention_mask[:, :width],
+            max_new_tokens=4,
+            do_sample=True,
+            temperature=0.7,
+            top_k=0,
+            top_p=1.0,
+            output_scores=True,
+            return_dict_in_generate=True,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+        )
         sampled = torch.stack([torch.log_softmax(s.float(), -1) for s in out.scores], 1)
         sampled = sampled.gather(-1, out.sequences[:, width:].unsqueeze(-1)).squeeze(-1)
         seqs, attention = out.sequences, torch.cat([rollout.attention_mask[:, :width], torch.ones_like(out.sequences[:, width:])], 1)
@@ -507,6 +521,7 @@ def test_actor_logprobs_at_the_temperature_are_those_generate_sampled_from():
 
 
 # ---- masked positions: no inf/nan in the forward pass or the gradients -----------------------------------
+
 
 def test_policy_loss_gradient_is_finite_with_an_extreme_old_logprob_under_the_mask():
     # token 1: ρ = 1.1 inside [0.8, 1.2], A = 1 -> loss -1.1, ∂/∂log π = -ρA = -1.1; token 2 masked with

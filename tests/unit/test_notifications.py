@@ -1,6 +1,7 @@
 """The webhook notifier (plugins/notifiers.py) posting to a real HTTP receiver on 127.0.0.1: a failed nightly
 run, and the promote stage's decisions (promotion, rejection) with the gate's metrics read back from the
 promote manifest and candidate record on the S3 emulator, through the Airflow connection rlhf_s3."""
+
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -49,16 +50,35 @@ def promote_output(s3_server, tmp_path, run: str, passed: bool, promoted: bool) 
     reg = Registry(f"{root}/models/demo-policy")
     metrics = {"accuracy": 0.846, "preferred_style_rate": 0.99 if passed else 0.6, "kl_to_ref": 0.74}
     decision = "promoted: champion v1" if promoted else "rejected: the gate failed"
-    candidate = reg.record_candidate(run, {"policy": f"{root}/runs/rlhf_nightly/{run}/rl/manifest.json", "metrics": metrics,
-                                           "gate": {"accuracy": {"max_drop": 0.02}}, "passed": passed, "promoted": promoted,
-                                           "decision": decision, "reasons": ["pass: accuracy drop +0.0000 from 0.8460 <= 0.02"]})
+    candidate = reg.record_candidate(
+        run,
+        {
+            "policy": f"{root}/runs/rlhf_nightly/{run}/rl/manifest.json",
+            "metrics": metrics,
+            "gate": {"accuracy": {"max_drop": 0.02}},
+            "passed": passed,
+            "promoted": promoted,
+            "decision": decision,
+            "reasons": ["pass: accuracy drop +0.0000 from 0.8460 <= 0.02"],
+        },
+    )
     local = tmp_path / run
     local.mkdir()
     (local / "decision.json").write_text(json.dumps({"decision": decision}))
     out = f"{root}/runs/rlhf_nightly/{run}/promote"
-    manifests.commit(local, out, manifests.build_manifest(
-        "promote", run, {}, {}, {"passed": int(passed), "promoted": int(promoted), "champion_version": 1 if promoted else 0},
-        decision=decision, candidate=candidate))
+    manifests.commit(
+        local,
+        out,
+        manifests.build_manifest(
+            "promote",
+            run,
+            {},
+            {},
+            {"passed": int(passed), "promoted": int(promoted), "champion_version": 1 if promoted else 0},
+            decision=decision,
+            candidate=candidate,
+        ),
+    )
     return f"{out}/manifest.json"
 
 
@@ -88,8 +108,7 @@ def test_nightly_failure_posts_and_a_url_param_overrides_the_connection(receiver
     url, received = receiver
     with DAG("rlhf_nightly_notify_test", schedule=None, params={"webhook_url": f"{url}/from-param"}) as dag:
         pass
-    context = {"dag": dag, "run_id": "scheduled__2026-01-02T02:00:00+00:00", "reason": "task_failure",
-               "params": {"webhook_url": f"{url}/from-param"}}
+    context = {"dag": dag, "run_id": "scheduled__2026-01-02T02:00:00+00:00", "reason": "task_failure", "params": {"webhook_url": f"{url}/from-param"}}
     WebhookNotifier("nightly_failure")(dict(context))
     WebhookNotifier("nightly_failure", url="{{ params.webhook_url }}")(dict(context))
     (p1, first), (p2, second) = received

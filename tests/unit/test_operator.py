@@ -5,6 +5,7 @@ each operator run is a one-task DAG written to a file, parsed into a DagBag, syn
 DB and run with ``dag.test()``, which executes the task, runs the real trigger loop (asyncio) when it
 defers, and resumes it. The stage is a throwaway module in a temporary working_dir shipped to Ray.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -69,7 +70,7 @@ if a.manifest == "true":
 print("final line without newline", end="")
 '''
 
-DAG_FILE = '''\
+DAG_FILE = """\
 from airflow.sdk import DAG, Param
 from plugins.operators import RayJobOperator
 
@@ -82,7 +83,7 @@ with DAG({dag_id!r}, schedule=None, default_args={{"retries": 0}},
         working_dir={working_dir!r},
         poll_interval=0.5,{extra}
     )
-'''
+"""
 
 # A run date known in advance (so the run id is too); fresh per session, as the metadata DB outlives sessions.
 FIXED_DATE = datetime.now(timezone.utc).replace(microsecond=0)
@@ -117,8 +118,7 @@ def make_dag(env, dag_id: str, args: dict, **operator_kwargs):
         DAG_FILE.format(
             dag_id=dag_id,
             args=args,
-            output_root="" if operator_kwargs.pop("default_output_root", False) else
-            "\n        output_root=%r," % f"s3://{env['s3'].bucket}/optest",
+            output_root="" if operator_kwargs.pop("default_output_root", False) else "\n        output_root=%r," % f"s3://{env['s3'].bucket}/optest",
             working_dir=str(env["stage_dir"]),
             extra="".join(f"\n        {k}={v!r}," for k, v in operator_kwargs.items()),
         )
@@ -146,9 +146,7 @@ def xcom_return(dr, task_id: str):
     from airflow.utils.session import create_session
 
     with create_session() as session:
-        row = session.scalars(
-            XComModel.get_many(run_id=dr.run_id, dag_ids=dr.dag_id, task_ids=task_id, key="return_value")
-        ).first()
+        row = session.scalars(XComModel.get_many(run_id=dr.run_id, dag_ids=dr.dag_id, task_ids=task_id, key="return_value")).first()
         return XComModel.deserialize_value(row) if row is not None else None
 
 
@@ -170,7 +168,7 @@ def wait_status(hook: RayJobHook, sid: str, want: set[str], timeout: float = 120
 
 
 def s3_json(s3, uri: str):
-    bucket, _, key = uri[len("s3://"):].partition("/")
+    bucket, _, key = uri[len("s3://") :].partition("/")
     return json.loads(s3.client().get_object(Bucket=bucket, Key=key)["Body"].read())
 
 
@@ -209,10 +207,7 @@ def test_submission_id_format():
 def test_output_uri_is_key_safe():
     run_id = "manual__2026-11-30T08:47:45.202861+00:00"
     assert key_safe(run_id) == "manual__2026-11-30T08_47_45.202861_00_00"
-    assert (
-        output_uri_for("s3://b/p/", "rlhf_pipeline", run_id, "sft")
-        == "s3://b/p/runs/rlhf_pipeline/manual__2026-11-30T08_47_45.202861_00_00/sft"
-    )
+    assert output_uri_for("s3://b/p/", "rlhf_pipeline", run_id, "sft") == "s3://b/p/runs/rlhf_pipeline/manual__2026-11-30T08_47_45.202861_00_00/sft"
     assert output_uri_for("s3://b", "d", "r", "t") == "s3://b/runs/d/r/t"
 
 
@@ -229,20 +224,25 @@ def test_flag_rendering():
     }
     flags = render_flags(args)
     assert flags == [
-        "--pretrain", "s3://b/runs/x/sft/manifest.json",
-        "--max_steps", "30",
-        "--learning_rate", "0.001",
-        "--packing", "true",
-        "--shuffle", "false",
-        "--note", "it's a 'quoted' $HOME; rm -rf /",
-        "--layers", "[1, 2]",
+        "--pretrain",
+        "s3://b/runs/x/sft/manifest.json",
+        "--max_steps",
+        "30",
+        "--learning_rate",
+        "0.001",
+        "--packing",
+        "true",
+        "--shuffle",
+        "false",
+        "--note",
+        "it's a 'quoted' $HOME; rm -rf /",
+        "--layers",
+        "[1, 2]",
     ]
     entry = build_entrypoint("tasks.sft", "s3://b/o", "manual__2026-01-01T00:00:00+00:00", args)
     assert entry.startswith("python -m tasks.sft --output s3://b/o --run_id ")
     # The shell sees exactly the argv we meant: nothing is expanded or split.
-    assert shlex.split(entry) == [
-        "python", "-m", "tasks.sft", "--output", "s3://b/o", "--run_id", "manual__2026-01-01T00:00:00+00:00", *flags
-    ]
+    assert shlex.split(entry) == ["python", "-m", "tasks.sft", "--output", "s3://b/o", "--run_id", "manual__2026-01-01T00:00:00+00:00", *flags]
     with pytest.raises(ValueError, match="flag name"):
         render_flags({"bad key; rm": 1})
     with pytest.raises(ValueError, match="module"):
@@ -292,8 +292,7 @@ def test_stage_library_common_part_needs_no_torch():
 
 
 def test_trigger_serializes_and_rebuilds():
-    trig = RayJobTrigger(address="http://127.0.0.1:8265", submission_id="airflow-x--r--t", poll_interval=1.5, log_offset=7,
-                         not_before=1.8e9)
+    trig = RayJobTrigger(address="http://127.0.0.1:8265", submission_id="airflow-x--r--t", poll_interval=1.5, log_offset=7, not_before=1.8e9)
     classpath, kwargs = trig.serialize()
     assert classpath == "plugins.triggers.RayJobTrigger"
     from airflow.sdk._shared.module_loading import import_string
@@ -336,10 +335,17 @@ def test_unreachable_s3_is_one_line_naming_the_uri(monkeypatch):
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    monkeypatch.setenv("AIRFLOW_CONN_DEAD_S3", json.dumps({
-        "conn_type": "aws", "login": "AKIDEXAMPLE", "password": "s3cr3t-pw",
-        "extra": {"endpoint_url": f"http://127.0.0.1:{port}", "region_name": "us-east-1",
-                  "config_kwargs": {"retries": {"total_max_attempts": 1}}}}))
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_DEAD_S3",
+        json.dumps(
+            {
+                "conn_type": "aws",
+                "login": "AKIDEXAMPLE",
+                "password": "s3cr3t-pw",
+                "extra": {"endpoint_url": f"http://127.0.0.1:{port}", "region_name": "us-east-1", "config_kwargs": {"retries": {"total_max_attempts": 1}}},
+            }
+        ),
+    )
     op = RayJobOperator(task_id="t", module="m", aws_conn_id="dead_s3")
     with pytest.raises(AirflowException) as err:
         op.s3.exists("s3://b/runs/x/sft/manifest.json")
@@ -424,16 +430,20 @@ def test_failing_module_fails_the_task_with_the_log_tail(env, capfd):
 
 
 def test_failure_message_is_one_line_cause_plus_tail():
-    msg = failure_message(
-        {"status": "STOPPED", "submission_id": "sid-1", "message": "Job was\nintentionally stopped.",
-         "log_tail": "line a\nline b"}
-    )
+    msg = failure_message({"status": "STOPPED", "submission_id": "sid-1", "message": "Job was\nintentionally stopped.", "log_tail": "line a\nline b"})
     first, *rest = msg.splitlines()
     assert first == "Ray job sid-1 STOPPED: Job was intentionally stopped."
     assert rest == ["--- last lines of the driver log ---", "line a", "line b"]
     # A stage that said why it stopped: its line first.
-    msg = failure_message({"status": "FAILED", "submission_id": "sid-2", "message": "Job entrypoint command failed",
-                           "exit_code": 2, "log_tail": "sft: config {}\nerror: no dataset at s3://b/d: check the URI"})
+    msg = failure_message(
+        {
+            "status": "FAILED",
+            "submission_id": "sid-2",
+            "message": "Job entrypoint command failed",
+            "exit_code": 2,
+            "log_tail": "sft: config {}\nerror: no dataset at s3://b/d: check the URI",
+        }
+    )
     assert msg.splitlines()[0] == "no dataset at s3://b/d: check the URI (Ray job sid-2 FAILED, exit code 2)"
 
 
@@ -464,7 +474,7 @@ def test_a_committed_output_whose_files_changed_is_computed_again(env, capfd):
     dag = make_dag(env, "optest_corrupt", {"message": "whole"})
     sid, output = submit_like_operator(env, "optest_corrupt", FIXED_DATE, {"message": "whole"})
     assert wait_status(RayJobHook(), sid, {"SUCCEEDED", "FAILED", "STOPPED"}) == "SUCCEEDED"
-    bucket, _, key = output[len("s3://"):].partition("/")
+    bucket, _, key = output[len("s3://") :].partition("/")
     env["s3"].client().put_object(Bucket=bucket, Key=f"{key}/result.txt", Body=b"WHOLE")  # same size, other bytes
     dr = run_dag(dag, FIXED_DATE)  # a retry: it would take the succeeded job's result, were it whole
     text = "".join(capfd.readouterr())
@@ -497,7 +507,8 @@ def test_conf_and_clear_rules():
     assert unknown_conf({"sft_steps": 3}, ["sft_steps", "rm_steps"]) is None
     assert unknown_conf({"sft_step": 3, "zzz": 1}, ["sft_steps", "rm_steps"]) == (
         "conf keys 'sft_step' (did you mean 'sft_steps'?), 'zzz' are not Params of this DAG: fix the name and "
-        "trigger again (the trigger form lists every Param)")
+        "trigger again (the trigger form lists every Param)"
+    )
     # retries=1: try 1 starts the run's budget; try 2 is its retry; a clear after try 2 makes max_tries 3.
     assert not cleared_by_user(1, 1, 1) and not cleared_by_user(2, 1, 1)
     assert cleared_by_user(3, 3, 1) and not cleared_by_user(4, 3, 1)
@@ -510,7 +521,9 @@ def test_cache_checks_sizes_and_etags():
     files = {"a": {"size": 3, "sha256": "x", "etag": '"e1"'}, "b": {"size": 5, "sha256": "y"}}
     assert stage_cache.mismatches(files, {"a": (3, '"e1"'), "b": (5, '"anything"')}) == []
     assert stage_cache.mismatches(files, {"a": (3, '"e2"'), "b": (4, '"z"')}) == [
-        "a changed since it was committed (ETag \"e2\", the manifest says \"e1\")", "b has 4 bytes, the manifest says 5"]
+        'a changed since it was committed (ETag "e2", the manifest says "e1")',
+        "b has 4 bytes, the manifest says 5",
+    ]
     assert stage_cache.mismatches(files, {}) == ["a is missing", "b is missing"]
 
 
@@ -573,8 +586,7 @@ def test_trigger_reports_an_unknown_job(ray_head):
 def test_trigger_holds_its_event_until_not_before(ray_head):
     # The scheduler must see the deferral before the event (apache/airflow#66374): the operator sets not_before.
     async def first_event():
-        trigger = RayJobTrigger(address=ray_head, submission_id="airflow-never-submitted", poll_interval=0.2,
-                                not_before=time.time() + 2.0)
+        trigger = RayJobTrigger(address=ray_head, submission_id="airflow-never-submitted", poll_interval=0.2, not_before=time.time() + 2.0)
         return await anext(trigger.run())
 
     t0 = time.time()
@@ -608,7 +620,7 @@ def test_cache_hit_reuses_the_earlier_output_without_a_job(env, capfd):
     assert jobs_with_prefix(env["ray"], submission_id_for("optest_cache", second.run_id, "job")) == []
 
     # The cached output's file changed since it was committed: not reused, computed again.
-    bucket, _, key = xcom_return(first, "job")[len("s3://"):].rpartition("/")[0].partition("/")
+    bucket, _, key = xcom_return(first, "job")[len("s3://") :].rpartition("/")[0].partition("/")
     env["s3"].client().put_object(Bucket=bucket, Key=f"{key}/result.txt", Body=b"tampered")
     fourth = run_dag(dag)
     text = "".join(capfd.readouterr())
@@ -633,10 +645,12 @@ def test_cache_key_covers_flags_inputs_and_code(tmp_path):
 
     base = stage_cache.cache_key("tasks.sft", {"max_steps": "10", "output": "s3://a/x"}, {"pretrain": "d1"}, "c1")
     assert base == stage_cache.cache_key("tasks.sft", {"max_steps": "10", "output": "s3://b/y"}, {"pretrain": "d1"}, "c1")
-    for other in (stage_cache.cache_key("tasks.sft", {"max_steps": "11"}, {"pretrain": "d1"}, "c1"),
-                  stage_cache.cache_key("tasks.sft", {"max_steps": "10"}, {"pretrain": "d2"}, "c1"),
-                  stage_cache.cache_key("tasks.sft", {"max_steps": "10"}, {"pretrain": "d1"}, "c2"),
-                  stage_cache.cache_key("tasks.rl", {"max_steps": "10"}, {"pretrain": "d1"}, "c1")):
+    for other in (
+        stage_cache.cache_key("tasks.sft", {"max_steps": "11"}, {"pretrain": "d1"}, "c1"),
+        stage_cache.cache_key("tasks.sft", {"max_steps": "10"}, {"pretrain": "d2"}, "c1"),
+        stage_cache.cache_key("tasks.sft", {"max_steps": "10"}, {"pretrain": "d1"}, "c2"),
+        stage_cache.cache_key("tasks.rl", {"max_steps": "10"}, {"pretrain": "d1"}, "c1"),
+    ):
         assert other != base
     (tmp_path / "tasks").mkdir()
     (tmp_path / "tasks" / "a.py").write_text("x = 1\n")

@@ -1,6 +1,7 @@
 """Sequence packing for SFT and the reward model: rows packed into one sequence give the same
 log-probabilities, scores, losses and gradients as the same rows padded, because no token attends across
 rows (CPU, tiny model, no Ray)."""
+
 import torch
 
 from tasks.common.config import make_config

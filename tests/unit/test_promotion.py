@@ -1,5 +1,6 @@
 """The promotion gate (hand-computed cases), the registry's compare-and-swap on the S3 emulator and on a
 local folder, and the promote stage judging evaluation reports committed like the eval stage's."""
+
 import json
 import threading
 
@@ -20,9 +21,11 @@ def test_gate_hand_computed():
     reference = {"preferred_style_rate": 0.50, "accuracy": 0.80, "kl_to_ref": 0.0}
     ok, reasons = judge({"preferred_style_rate": 0.65, "accuracy": 0.79, "kl_to_ref": 1.5}, reference, RULES)
     assert ok, reasons
-    assert reasons == ["pass: preferred_style_rate gain +0.1500 over 0.5000 >= +0.1",
-                       "pass: accuracy drop +0.0100 from 0.8000 <= 0.02",
-                       "pass: kl_to_ref 1.5000 <= 2.0"]
+    assert reasons == [
+        "pass: preferred_style_rate gain +0.1500 over 0.5000 >= +0.1",
+        "pass: accuracy drop +0.0100 from 0.8000 <= 0.02",
+        "pass: kl_to_ref 1.5000 <= 2.0",
+    ]
     # Each rule failing alone fails the gate: too little gain, too much accuracy lost, too far from the SFT policy.
     for worse in ({"preferred_style_rate": 0.55}, {"accuracy": 0.77}, {"kl_to_ref": 2.5}):
         ok, reasons = judge({"preferred_style_rate": 0.65, "accuracy": 0.79, "kl_to_ref": 1.5, **worse}, reference, RULES)
@@ -73,8 +76,7 @@ def test_registry_promotion_is_a_compare_and_swap(where, s3_server, tmp_path):
         reg.promote({"policy": "s3://b/late/rl/manifest.json"}, expected_version=1, promoted_by="late")
 
 
-def evaluation(root: str, name: str, policy: dict, baseline: dict, champion: dict | None = None, version: int = 0,
-               **extra) -> str:
+def evaluation(root: str, name: str, policy: dict, baseline: dict, champion: dict | None = None, version: int = 0, **extra) -> str:
     """An eval stage output as the eval stage commits it: report.json (plus `extra` keys) + manifest.json."""
     out = f"{root}/{name}/eval"
     metrics = {"baseline": baseline, "policy": policy, **({"champion": champion} if champion else {})}
@@ -82,15 +84,16 @@ def evaluation(root: str, name: str, policy: dict, baseline: dict, champion: dic
     local = storage.local_path(f"{root}-local/{name}")
     local.mkdir(parents=True)
     (local / "report.json").write_text(json.dumps(report))
-    manifests.commit(local, out, manifests.build_manifest("eval", name, {}, {"policy": f"{root}/{name}/rl/manifest.json"},
-                                                          {}, report="report.json"))
+    manifests.commit(local, out, manifests.build_manifest("eval", name, {}, {"policy": f"{root}/{name}/rl/manifest.json"}, {}, report="report.json"))
     return out
 
 
 def run_promote(evaluation_uri: str, registry: str, tmp_path, allow: bool = True, rules: dict = RULES) -> dict:
     out = str(tmp_path / f"promote-{evaluation_uri.rsplit('/', 2)[-2]}")
-    cfg = make_config(PromoteConfig, {"output": out, "evaluation": evaluation_uri, "registry": registry,
-                                      "gate": json.dumps(rules), "allow_promotion": allow, "run_id": evaluation_uri})
+    cfg = make_config(
+        PromoteConfig,
+        {"output": out, "evaluation": evaluation_uri, "registry": registry, "gate": json.dumps(rules), "allow_promotion": allow, "run_id": evaluation_uri},
+    )
     stage.run("promote", cfg, promote)
     return manifests.read_manifest(out)
 
@@ -134,8 +137,9 @@ def test_promote_refuses_a_candidate_whose_reward_model_was_gamed(tmp_path):
     root, registry = str(tmp_path / "runs"), str(tmp_path / "models" / "gamed")
     comparison = {"reward_mean": {"delta": 1.2, "interval": [0.9, 1.5]}, "exact_match": {"delta": -0.2, "interval": [-0.3, -0.1]}}
     alarms = [f"against the baseline: {line}" for line in stats.hacking_alarms(comparison, ["exact_match"])]
-    uri = evaluation(root, "gamed", {"exact_match": 0.4, "reward_mean": 1.3}, {"exact_match": 0.6, "reward_mean": 0.1},
-                     comparisons={"baseline": comparison}, alarms=alarms)
+    uri = evaluation(
+        root, "gamed", {"exact_match": 0.4, "reward_mean": 1.3}, {"exact_match": 0.6, "reward_mean": 0.1}, comparisons={"baseline": comparison}, alarms=alarms
+    )
     decided = run_promote(uri, registry, tmp_path, rules={"exact_match": {"min": 0.0}})
     assert decided["metrics"]["passed"] == 0 and decided["metrics"]["promoted"] == 0
     record = storage.read_json(Registry(registry).candidate_uri(uri))

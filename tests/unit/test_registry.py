@@ -1,6 +1,7 @@
 """The registry's manual moves (promote a judged candidate, roll back to any earlier champion), each a
 compare-and-swap refusing a stale view, the history they leave, the listing with each candidate's cost, and
 the CLI (python -m tasks.registry) — on the S3 emulator, stage outputs committed like a stage commits them."""
+
 import json
 import os
 import subprocess
@@ -31,11 +32,22 @@ def candidate(reg: Registry, root: str, run: str, passed: bool, tmp_path, gpus: 
     sft = commit_stage(f"{base}/sft", "sft", {"pretrain": data, "dataset": data}, cost.stage_cost(3600, gpus, 2), tmp_path)
     rl = commit_stage(f"{base}/rl", "rl", {"pretrain": sft, "prompt_data": data}, cost.stage_cost(1800, 2 * gpus, 3), tmp_path)
     # eval also scores the champion: that model's training is not this candidate's cost
-    ev = commit_stage(f"{base}/eval", "eval", {"policy": rl, "baseline": sft, "champion": f"{root}/runs/other/x/rl/manifest.json"},
-                      cost.stage_cost(60, 0, 1), tmp_path)
+    ev = commit_stage(
+        f"{base}/eval", "eval", {"policy": rl, "baseline": sft, "champion": f"{root}/runs/other/x/rl/manifest.json"}, cost.stage_cost(60, 0, 1), tmp_path
+    )
     metrics = {"accuracy": 0.85, "preferred_style_rate": 0.99 if passed else 0.5}
-    reg.record_candidate(run, {"policy": rl, "evaluation": ev, "metrics": metrics, "passed": passed, "promoted": False,
-                               "decision": "passed" if passed else "rejected: the gate failed", "reasons": ["…"]})
+    reg.record_candidate(
+        run,
+        {
+            "policy": rl,
+            "evaluation": ev,
+            "metrics": metrics,
+            "passed": passed,
+            "promoted": False,
+            "decision": "passed" if passed else "rejected: the gate failed",
+            "reasons": ["…"],
+        },
+    )
     return {"policy": rl, "evaluation": ev, "run_id": run, "metrics": metrics}
 
 
@@ -69,8 +81,11 @@ def test_promote_rollback_history_and_listing_with_cost(s3_server, tmp_path):
     listing = reg.listing()
     assert listing["champion"]["version"] == 4
     assert [(h["version"], h["action"], h["promoted_by"]) for h in listing["history"]] == [
-        (1, "promote", "rlhf_nightly run night1"), (2, "promote", "rlhf_nightly run night2"),
-        (3, "rollback", "alice"), (4, "manual promote", "alice")]
+        (1, "promote", "rlhf_nightly run night1"),
+        (2, "promote", "rlhf_nightly run night2"),
+        (3, "rollback", "alice"),
+        (4, "manual promote", "alice"),
+    ]
     assert listing["history"][0]["metrics"] == first["metrics"]
     assert [c["run_id"] for c in listing["candidates"]] == ["night1", "night2", "night3"]
     # data 10 s + sft 1 h on 1 GPU + rl 0.5 h on 2 GPUs + eval 60 s; the champion's lineage not counted
@@ -110,8 +125,24 @@ def test_cli_list_promote_rollback_and_one_line_errors(s3_server, tmp_path, caps
     assert cli(["promote", "--registry", registry, "--candidate", "night1", "--expected_version", "0", "--by", "alice"])["version"] == 1
     # The form RayJobOperator renders: --action instead of the first word, plus --output/--run_id (stage mode).
     out = s3_server.uri(f"reg-{tmp_path.name}/runs/rlhf_registry/m1/registry")
-    cli(["--output", out, "--run_id", "m1", "--action", "promote", "--registry", registry, "--candidate", "night2",
-         "--expected_version", "1", "--by", "rlhf_registry run m1"])
+    cli(
+        [
+            "--output",
+            out,
+            "--run_id",
+            "m1",
+            "--action",
+            "promote",
+            "--registry",
+            registry,
+            "--candidate",
+            "night2",
+            "--expected_version",
+            "1",
+            "--by",
+            "rlhf_registry run m1",
+        ]
+    )
     assert manifests.read_manifest(out)["metrics"]["champion_version"] == 2
     cli(["rollback", "--registry", registry, "--to_version", "1", "--expected_version", "2", "--by", "bob", "--reason", "regressed"])
     capsys.readouterr()
@@ -123,16 +154,23 @@ def test_cli_list_promote_rollback_and_one_line_errors(s3_server, tmp_path, caps
     # A real process: JSON on stdout, and bad input as one line on stderr with exit status 2.
     t0 = time.monotonic()
     env = {**os.environ}
-    listed = subprocess.run([sys.executable, "-m", "tasks.registry", "list", "--registry", registry, "--json", "true"],
-                            capture_output=True, text=True, env=env, timeout=60)
+    listed = subprocess.run(
+        [sys.executable, "-m", "tasks.registry", "list", "--registry", registry, "--json", "true"], capture_output=True, text=True, env=env, timeout=60
+    )
     assert listed.returncode == 0, listed.stderr
     assert json.loads(listed.stdout)["champion"]["version"] == 3
-    stale = subprocess.run([sys.executable, "-m", "tasks.registry", "rollback", "--registry", registry, "--to_version", "2",
-                            "--expected_version", "2", "--by", "bob"], capture_output=True, text=True, env=env, timeout=60)
+    stale = subprocess.run(
+        [sys.executable, "-m", "tasks.registry", "rollback", "--registry", registry, "--to_version", "2", "--expected_version", "2", "--by", "bob"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert stale.returncode == 2 and stale.stderr.count("\n") == 1
     assert stale.stderr.startswith("error: ") and "version 3, not the version 2" in stale.stderr
-    missing = subprocess.run([sys.executable, "-m", "tasks.registry", "promote", "--registry", registry, "--candidate", "x"],
-                             capture_output=True, text=True, env=env, timeout=60)
+    missing = subprocess.run(
+        [sys.executable, "-m", "tasks.registry", "promote", "--registry", registry, "--candidate", "x"], capture_output=True, text=True, env=env, timeout=60
+    )
     assert missing.returncode == 2 and missing.stderr.count("\n") == 1 and "--expected_version" in missing.stderr
     print(f"3 CLI processes: {time.monotonic() - t0:.1f} s")
 

@@ -2,6 +2,7 @@
 
 Real files and real manifests (tasks.common.manifest.commit into a local folder); nothing mocked.
 """
+
 import json
 import xml.etree.ElementTree as ET
 
@@ -13,14 +14,40 @@ from tasks.eval import report as rpt
 
 SVG = "{http://www.w3.org/2000/svg}"
 
-RL_METRICS = [{"step": s, "time_s": s * 1.5, "reward": 0.1 * s, "reward_std": 0.5, "kl": 0.02 * s, "kl_coef": 0.05,
-               "policy_loss": 1.0 / s, "value_loss": 2.0 / s, "clip_fraction": 0.1} for s in range(1, 11)]
-DPO_METRICS = [{"step": s, "loss": 0.7 - 0.05 * s, "reward_accuracy": 0.5 + 0.04 * s, "margin": 0.1 * s,
-                "chosen_reward": 0.05 * s, "rejected_reward": -0.05 * s, "lr": 2e-5} for s in range(1, 6)]
+RL_METRICS = [
+    {
+        "step": s,
+        "time_s": s * 1.5,
+        "reward": 0.1 * s,
+        "reward_std": 0.5,
+        "kl": 0.02 * s,
+        "kl_coef": 0.05,
+        "policy_loss": 1.0 / s,
+        "value_loss": 2.0 / s,
+        "clip_fraction": 0.1,
+    }
+    for s in range(1, 11)
+]
+DPO_METRICS = [
+    {
+        "step": s,
+        "loss": 0.7 - 0.05 * s,
+        "reward_accuracy": 0.5 + 0.04 * s,
+        "margin": 0.1 * s,
+        "chosen_reward": 0.05 * s,
+        "rejected_reward": -0.05 * s,
+        "lr": 2e-5,
+    }
+    for s in range(1, 6)
+]
 REPORT = {
-    "metrics": {"baseline": {"accuracy": 0.844, "preferred_style_rate": 0.546, "reward_mean": 0.311, "kl_to_ref": 0.0},
-                "policy": {"accuracy": 0.846, "preferred_style_rate": 0.99, "reward_mean": 3.502, "kl_to_ref": 0.738}},
-    "num_prompts": 500, "temperature": 1.0, "inputs": {"policy": "s3://b/p/rl/manifest.json"},
+    "metrics": {
+        "baseline": {"accuracy": 0.844, "preferred_style_rate": 0.546, "reward_mean": 0.311, "kl_to_ref": 0.0},
+        "policy": {"accuracy": 0.846, "preferred_style_rate": 0.99, "reward_mean": 3.502, "kl_to_ref": 0.738},
+    },
+    "num_prompts": 500,
+    "temperature": 1.0,
+    "inputs": {"policy": "s3://b/p/rl/manifest.json"},
     "samples": [{"prompt": "37+45=", "label": "082", "baseline": "082 is the sum", "policy": "082<script>"}],
 }
 
@@ -39,8 +66,7 @@ def stage_output(tmp_path, name: str, records: list[dict] | None, raw: str | Non
 
 def polylines(svg: str) -> dict[str, list[tuple[float, float]]]:
     root = ET.fromstring(svg)
-    return {p.get("data-name"): [tuple(map(float, xy.split(","))) for xy in p.get("points").split()]
-            for p in root.iter(f"{SVG}polyline")}
+    return {p.get("data-name"): [tuple(map(float, xy.split(","))) for xy in p.get("points").split()] for p in root.iter(f"{SVG}polyline")}
 
 
 def test_rl_curves_become_three_charts_and_standalone_svg_files(tmp_path):
@@ -100,8 +126,14 @@ def test_a_torn_last_line_is_dropped_and_a_tampered_file_refused(tmp_path):
 
 
 def test_series_skips_non_numbers_and_keeps_a_resumed_steps_last_value():
-    records = [{"step": 1, "kl": 0.5}, {"step": 2, "kl": float("nan")}, {"step": 3, "kl": "x"}, {"step": 1, "kl": 0.25},
-               {"step": 4, "kl": True}, {"step": 5, "kl": 1}]
+    records = [
+        {"step": 1, "kl": 0.5},
+        {"step": 2, "kl": float("nan")},
+        {"step": 3, "kl": "x"},
+        {"step": 1, "kl": 0.25},
+        {"step": 4, "kl": True},
+        {"step": 5, "kl": 1},
+    ]
     assert rpt.series(records, "kl") == [(1.0, 0.25), (5.0, 1.0)]
 
 
@@ -138,6 +170,7 @@ def test_wandb_json_lands_beside_metrics_in_offline_mode(tmp_path, monkeypatch):
 
 # ------------------------------------------------------------------ the plugin's input checks
 
+
 def test_report_view_refuses_traversal_and_bad_names():
     pytest.importorskip("airflow")
     from fastapi import HTTPException
@@ -147,11 +180,13 @@ def test_report_view_refuses_traversal_and_bad_names():
     assert reports.check_location("rlhf-flow", "rlhf-flow", "rlhf_pipeline") == "s3://rlhf-flow/rlhf-flow"
     assert reports.check_location("rlhf-flow", "", "rlhf_pipeline") == "s3://rlhf-flow"
     assert reports.check_run_id("manual__2026-01-01T00:00:00+00:00")
-    for call, field in [(lambda: reports.check_location("rlhf-flow", "a/../b", "d"), "prefix"),
-                        (lambda: reports.check_location("Bad_Bucket", "p", "d"), "bucket"),
-                        (lambda: reports.check_location("rlhf-flow", "p", ".."), "dag_id"),
-                        (lambda: reports.check_run_id(".."), "run_id"),
-                        (lambda: reports.check_run_id("a/b"), "run_id")]:
+    for call, field in [
+        (lambda: reports.check_location("rlhf-flow", "a/../b", "d"), "prefix"),
+        (lambda: reports.check_location("Bad_Bucket", "p", "d"), "bucket"),
+        (lambda: reports.check_location("rlhf-flow", "p", ".."), "dag_id"),
+        (lambda: reports.check_run_id(".."), "run_id"),
+        (lambda: reports.check_run_id("a/b"), "run_id"),
+    ]:
         with pytest.raises(HTTPException) as err:
             call()
         assert err.value.status_code == 400 and err.value.detail.startswith(f"{field}: ")
@@ -168,6 +203,7 @@ def test_links_only_return_http_urls():
 
 
 # ------------------------------------------------------------------ the links, through Airflow's task runner
+
 
 def test_links_are_stored_by_the_task_runner_from_the_operators_xcoms(tmp_path):
     """A task that pushes ray_job_url (as RayJobOperator does) and no wandb_url, run by dag.test() (the real
@@ -192,7 +228,7 @@ print(json.dumps({k: v if isinstance(v, str) else json.loads(v) for k, v in rows
 """
     dags = tmp_path / "dags"
     dags.mkdir()
-    (dags / "links_probe.py").write_text('''
+    (dags / "links_probe.py").write_text("""
 from airflow.sdk import DAG, BaseOperator
 from plugins.links import RayJobLink, WandbRunLink
 
@@ -203,11 +239,10 @@ class Probe(BaseOperator):
 
 with DAG("links_probe", schedule=None):
     Probe(task_id="probe")
-''')
+""")
     import os
 
-    env = {**os.environ, "AIRFLOW_HOME": str(tmp_path / "airflow"), "AIRFLOW__CORE__DAGS_FOLDER": str(dags),
-           "AIRFLOW__CORE__LOAD_EXAMPLES": "False"}
+    env = {**os.environ, "AIRFLOW_HOME": str(tmp_path / "airflow"), "AIRFLOW__CORE__DAGS_FOLDER": str(dags), "AIRFLOW__CORE__LOAD_EXAMPLES": "False"}
     subprocess.run([sys.executable, "-m", "airflow", "db", "migrate"], check=True, capture_output=True, env=env)
     r = subprocess.run([sys.executable, "-c", f"DAGS = {str(dags)!r}\n" + code], capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -2,6 +2,7 @@
 champion (current or in history) or a kept run reaches through manifest inputs is touched, stale cache index
 entries go with the manifests they pointed at, unfinished multipart uploads are aborted, and a dry run deletes
 nothing. Stage outputs are committed as stages commit them; ages come from the objects' real LastModified."""
+
 import time
 
 import pytest
@@ -23,8 +24,9 @@ def commit_stage(uri: str, stage: str, inputs: dict, tmp_path, metrics: dict | N
     return f"{uri}/manifest.json"
 
 
-def pipeline_run(root: str, run: str, tmp_path, upto: str = "promote", promote: dict | None = None,
-                 sft_input: str | None = None, dag: str = "rlhf_nightly") -> dict:
+def pipeline_run(
+    root: str, run: str, tmp_path, upto: str = "promote", promote: dict | None = None, sft_input: str | None = None, dag: str = "rlhf_nightly"
+) -> dict:
     base = f"{root}/runs/{dag}/{run}"
     out = {"data": commit_stage(f"{base}/prepare_data", "prepare_data", {"source": "demo"}, tmp_path)}
     out["sft"] = commit_stage(f"{base}/sft", "sft", {"pretrain": sft_input or out["data"], "dataset": out["data"]}, tmp_path)
@@ -38,8 +40,14 @@ def pipeline_run(root: str, run: str, tmp_path, upto: str = "promote", promote: 
 
 
 def keys(s3_server, prefix: str) -> set[str]:
-    return {f"s3://{s3_server.bucket}/{k}" for k in (o["Key"] for page in s3_server.client().get_paginator("list_objects_v2")
-                                                      .paginate(Bucket=s3_server.bucket, Prefix=prefix + "/") for o in page.get("Contents", []))}
+    return {
+        f"s3://{s3_server.bucket}/{k}"
+        for k in (
+            o["Key"]
+            for page in s3_server.client().get_paginator("list_objects_v2").paginate(Bucket=s3_server.bucket, Prefix=prefix + "/")
+            for o in page.get("Contents", [])
+        )
+    }
 
 
 def test_retention_expires_failed_and_rejected_runs_but_never_a_champions_lineage(s3_server, tmp_path):
@@ -62,8 +70,7 @@ def test_retention_expires_failed_and_rejected_runs_but_never_a_champions_lineag
         storage.write_json(f"{root}/cache/{name}.json", {"manifest": target})
     s3 = s3_server.client()
     old_upload = s3.create_multipart_upload(Bucket=s3_server.bucket, Key=f"{prefix}/runs/rlhf_nightly/n4/rl/model.bin")
-    s3.upload_part(Bucket=s3_server.bucket, Key=f"{prefix}/runs/rlhf_nightly/n4/rl/model.bin", UploadId=old_upload["UploadId"],
-                   PartNumber=1, Body=b"p" * 1024)
+    s3.upload_part(Bucket=s3_server.bucket, Key=f"{prefix}/runs/rlhf_nightly/n4/rl/model.bin", UploadId=old_upload["UploadId"], PartNumber=1, Body=b"p" * 1024)
     elsewhere = s3.create_multipart_upload(Bucket=s3_server.bucket, Key=f"not-{prefix}/big.bin")
     before = keys(s3_server, prefix)
 
@@ -76,9 +83,14 @@ def test_retention_expires_failed_and_rejected_runs_but_never_a_champions_lineag
     later = time.time() + 10 * DAY
     plan = retention.plan(root, max_age_days=7, multipart_age_hours=24, now=later)
     status = {r["run"]: (r["status"], r["expire"]) for r in plan["runs"]}
-    assert status == {"rlhf_nightly/n1": ("promoted", False), "rlhf_nightly/n2": ("rejected", True),
-                      "rlhf_nightly/n3": ("rejected", True), "rlhf_nightly/n4": ("failed", True),
-                      "rlhf_nightly/m5": ("passed", False), "rlhf_registry/x6": ("other dag", False)}
+    assert status == {
+        "rlhf_nightly/n1": ("promoted", False),
+        "rlhf_nightly/n2": ("rejected", True),
+        "rlhf_nightly/n3": ("rejected", True),
+        "rlhf_nightly/n4": ("failed", True),
+        "rlhf_nightly/m5": ("passed", False),
+        "rlhf_registry/x6": ("other dag", False),
+    }
     text = retention.describe(plan)
     assert "would delete" in text and "unfinished upload would be aborted" in text
     assert keys(s3_server, prefix) == before
@@ -86,8 +98,12 @@ def test_retention_expires_failed_and_rejected_runs_but_never_a_champions_lineag
     def folder(run_outputs, stage):
         return run_outputs[stage].removesuffix("/manifest.json")
 
-    gone = {folder(forced, "promote"), *(folder(rejected, s) for s in ("data", "sft", "rl", "eval", "promote")),
-            folder(failed, "sft"), f"{root}/runs/rlhf_nightly/n4/rl"}
+    gone = {
+        folder(forced, "promote"),
+        *(folder(rejected, s) for s in ("data", "sft", "rl", "eval", "promote")),
+        folder(failed, "sft"),
+        f"{root}/runs/rlhf_nightly/n4/rl",
+    }
     assert {f for r in plan["runs"] for f in r["delete"]} == gone
     # n2's model and what it was trained from stay (history); n4's data stays (m5 was trained on it)
     assert set(plan["protected_kept"]) == {folder(forced, s) for s in ("data", "sft", "rl", "eval")} | {folder(failed, "data")}
@@ -98,8 +114,7 @@ def test_retention_expires_failed_and_rejected_runs_but_never_a_champions_lineag
     result = cli(["retention", "--root", root, "--max_age_days", "0", "--multipart_age_hours", "0", "--dry_run", "false"])
     after = keys(s3_server, prefix)
     assert not any(k.startswith(tuple(f + "/" for f in gone)) for k in after)
-    assert before - after == {k for k in before if k.startswith(tuple(f + "/" for f in gone))} | {
-        f"{root}/cache/k-gone.json", f"{root}/cache/k-dangling.json"}
+    assert before - after == {k for k in before if k.startswith(tuple(f + "/" for f in gone))} | {f"{root}/cache/k-gone.json", f"{root}/cache/k-dangling.json"}
     assert result["deleted"]["multipart"] == 1
     uploads = s3.list_multipart_uploads(Bucket=s3_server.bucket).get("Uploads", [])
     assert [u["UploadId"] for u in uploads] == [elsewhere["UploadId"]]

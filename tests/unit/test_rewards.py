@@ -1,4 +1,5 @@
 """Reward sources (tasks/rl/rewards.py) and the demo reward file, against real files, servers and models."""
+
 import re
 
 import pytest
@@ -18,8 +19,14 @@ DEMO_REWARD = str(REPO / "tasks" / "data" / "demo_reward.py")
 
 def text_batch(queries, prompts, labels=None) -> RewardBatch:
     n = len(queries)
-    return RewardBatch(torch.zeros(n, 1, dtype=torch.long), torch.ones(n, 1, dtype=torch.long), list(queries), list(prompts),
-                       [q[len(p):] for q, p in zip(queries, prompts)], list(labels) if labels is not None else [None] * n)
+    return RewardBatch(
+        torch.zeros(n, 1, dtype=torch.long),
+        torch.ones(n, 1, dtype=torch.long),
+        list(queries),
+        list(prompts),
+        [q[len(p) :] for q, p in zip(queries, prompts)],
+        list(labels) if labels is not None else [None] * n,
+    )
 
 
 def make_rollout(tok, pairs: list[tuple[str, str]]) -> Rollout:
@@ -36,16 +43,16 @@ def make_rollout(tok, pairs: list[tuple[str, str]]) -> Rollout:
 def test_demo_reward_file_scores_exact_match_in_either_style():
     rf = RewardFunction(DEMO_REWARD)
     cases = [  # (query, prompt, label, reward)
-        ("37+45=082", "37+45=", "082", 1.0),             # terse, right
+        ("37+45=082", "37+45=", "082", 1.0),  # terse, right
         ("37+45=082 is the sum", "37+45=", "082", 1.0),  # wordy, right
-        ("37+45=081", "37+45=", "082", 0.0),             # wrong
-        ("37+45=82", "37+45=", "082", 0.0),              # not three digits
-        ("37+45=", "37+45=", "082", 0.0),                # empty response
-        ("10+20=030", "10+20=", None, 0.0),              # no label
-        ("5=082", "37+45=", "082", 1.0),                 # prompt cut from the left
-        ("37 + 45 = 082", "37+45=", "082", 1.0),         # whitespace re-spaced by the tokenizer
-        ("<s> 37+45=082 </s>", "37+45=", "082", 1.0),    # prompt found inside the query
-        ("00+01=001 is the sum", "00+01=", "001", 1.0),      # a prompt whose digits could be read as an answer
+        ("37+45=081", "37+45=", "082", 0.0),  # wrong
+        ("37+45=82", "37+45=", "082", 0.0),  # not three digits
+        ("37+45=", "37+45=", "082", 0.0),  # empty response
+        ("10+20=030", "10+20=", None, 0.0),  # no label
+        ("5=082", "37+45=", "082", 1.0),  # prompt cut from the left
+        ("37 + 45 = 082", "37+45=", "082", 1.0),  # whitespace re-spaced by the tokenizer
+        ("<s> 37+45=082 </s>", "37+45=", "082", 1.0),  # prompt found inside the query
+        ("00+01=001 is the sum", "00+01=", "001", 1.0),  # a prompt whose digits could be read as an answer
         ("00+01=", "00+01=", "001", 0.0),
     ]
     rewards = rf.score(text_batch([c[0] for c in cases], [c[1] for c in cases], [c[2] for c in cases]))
@@ -86,8 +93,10 @@ def test_custom_reward_file_receives_queries_prompts_labels(tmp_path):
     rf = RewardFunction(str(path))
     assert rf.score(text_batch(["ab", "abcd"], ["a", "a"], ["x", None])).tolist() == [1.5, 3.0]
     dict_file = tmp_path / "dict_reward.py"  # newer OpenRLHF reward functions return a dict
-    dict_file.write_text("import torch\ndef reward_func(queries, prompts, labels):\n"
-                         "    return {'rewards': torch.ones(len(queries)), 'scores': torch.zeros(len(queries)), 'extra_logs': {}}\n")
+    dict_file.write_text(
+        "import torch\ndef reward_func(queries, prompts, labels):\n"
+        "    return {'rewards': torch.ones(len(queries)), 'scores': torch.zeros(len(queries)), 'extra_logs': {}}\n"
+    )
     assert RewardFunction(f"file://{dict_file}").score(text_batch(["a", "b"], ["", ""])).tolist() == [1.0, 1.0]
     # a Ray actor ships the source by pickling: it reloads the file by path
     import pickle
@@ -101,14 +110,17 @@ def _one_line_error(excinfo) -> str:
     return message
 
 
-@pytest.mark.parametrize("body, expected", [
-    ("def reward_func(queries, prompts, labels):\n    return [1.0]\n", r"reward_func returned rewards of shape \[1\] for a batch of 2"),
-    ("def reward_func(queries, prompts, labels):\n    return 'good'\n", r"reward_func returned str; return a torch tensor or a list of 2 floats"),
-    ("def reward_func(queries, prompts, labels):\n    return ['a', 'b']\n", r"reward_func returned a list of str, not numbers"),
-    ("def reward_func(queries, prompts, labels):\n    return None\n", r"reward_func returned NoneType"),
-    ("def reward_func(queries, prompts, labels):\n    return [1.0, float('nan')]\n", r"reward_func returned non-finite rewards"),
-    ("def reward_func(queries, prompts, labels):\n    return {'extra_logs': {}}\n", r"returned a dict with keys \['extra_logs'\]"),
-])
+@pytest.mark.parametrize(
+    "body, expected",
+    [
+        ("def reward_func(queries, prompts, labels):\n    return [1.0]\n", r"reward_func returned rewards of shape \[1\] for a batch of 2"),
+        ("def reward_func(queries, prompts, labels):\n    return 'good'\n", r"reward_func returned str; return a torch tensor or a list of 2 floats"),
+        ("def reward_func(queries, prompts, labels):\n    return ['a', 'b']\n", r"reward_func returned a list of str, not numbers"),
+        ("def reward_func(queries, prompts, labels):\n    return None\n", r"reward_func returned NoneType"),
+        ("def reward_func(queries, prompts, labels):\n    return [1.0, float('nan')]\n", r"reward_func returned non-finite rewards"),
+        ("def reward_func(queries, prompts, labels):\n    return {'extra_logs': {}}\n", r"returned a dict with keys \['extra_logs'\]"),
+    ],
+)
 def test_reward_file_wrong_output_is_one_line_naming_it(tmp_path, body, expected):
     path = tmp_path / "bad.py"
     path.write_text(body)
@@ -201,12 +213,15 @@ def test_endpoint_down_is_one_line_naming_the_url():
     assert message.startswith(f"remote_rm_url: {url} failed after 3 attempts: ConnectionRefusedError"), message
 
 
-@pytest.mark.parametrize("status, reply, expected", [
-    (400, {"detail": "bad labels"}, r'answered HTTP 400 Bad Request: {"detail": "bad labels"}$'),  # not retried
-    (200, b"<html>oops</html>", r"answered with no JSON: '<html>oops</html>'"),
-    (200, {"reward": [1.0]}, r"answered JSON with keys \['reward'\]; expected"),
-    (200, {"rewards": [1.0, 2.0, 3.0]}, r"returned rewards of shape \[3\] for a batch of 1"),
-])
+@pytest.mark.parametrize(
+    "status, reply, expected",
+    [
+        (400, {"detail": "bad labels"}, r'answered HTTP 400 Bad Request: {"detail": "bad labels"}$'),  # not retried
+        (200, b"<html>oops</html>", r"answered with no JSON: '<html>oops</html>'"),
+        (200, {"reward": [1.0]}, r"answered JSON with keys \['reward'\]; expected"),
+        (200, {"rewards": [1.0, 2.0, 3.0]}, r"returned rewards of shape \[3\] for a batch of 1"),
+    ],
+)
 def test_endpoint_bad_answers_are_one_line(status, reply, expected):
     with RewardServer([(status, reply)]) as server:
         with pytest.raises(RewardError) as excinfo:

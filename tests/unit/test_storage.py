@@ -1,4 +1,5 @@
 """Storage layer and manifests against moto's S3 server over real HTTP (no mocks), and local paths."""
+
 import hashlib
 import json
 import os
@@ -156,9 +157,13 @@ def dead_endpoint(s3, monkeypatch):
 
 def test_unreachable_endpoint(dead_endpoint, s3, tmp_path):
     uri = s3.uri("x/y.json")
-    for call in (lambda: storage.read_json(uri), lambda: storage.exists(uri),
-                 lambda: storage.write_bytes(uri, b"1"), lambda: mf.read_manifest(uri),
-                 lambda: storage.download_file(uri, tmp_path / "y")):
+    for call in (
+        lambda: storage.read_json(uri),
+        lambda: storage.exists(uri),
+        lambda: storage.write_bytes(uri, b"1"),
+        lambda: mf.read_manifest(uri),
+        lambda: storage.download_file(uri, tmp_path / "y"),
+    ):
         with pytest.raises(StorageError) as e:
             call()
         assert_one_line(e.value, f"cannot reach S3 endpoint {dead_endpoint} for s3://rlhf-test/x/y.json")
@@ -198,16 +203,17 @@ def test_config_hash_and_build_manifest(monkeypatch):
 def test_modules_import_without_torch_or_airflow():
     import subprocess
 
-    code = ("import sys; import tasks.common.storage, tasks.common.manifest; "
-            "bad = [m for m in ('torch', 'airflow', 'transformers') if m in sys.modules]; "
-            "assert not bad, bad")
+    code = (
+        "import sys; import tasks.common.storage, tasks.common.manifest; "
+        "bad = [m for m in ('torch', 'airflow', 'transformers') if m in sys.modules]; "
+        "assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])
 
 
 def committed(s3, prefix, tmp_path, **extra):
     files = make_tree(tmp_path / "out")
-    m = mf.build_manifest("sft", "run-1", {"lr": 1}, {"data": "s3://x/y"}, {"loss": 1.0},
-                          model="model", **extra)
+    m = mf.build_manifest("sft", "run-1", {"lr": 1}, {"data": "s3://x/y"}, {"loss": 1.0}, model="model", **extra)
     return files, mf.commit(tmp_path / "out", s3.uri(prefix), m)
 
 
@@ -235,9 +241,8 @@ def test_commit_writes_manifest_last_and_fetch_verifies(s3, prefix, tmp_path):
     assert not seen_early
     assert out["uri"] == uri
     # Each file with the store's own checksum (ETag): of a single-part upload, the MD5 of its bytes.
-    etags = {o["Key"][len(prefix) + 1:]: o["ETag"] for o in s3.client().list_objects_v2(Bucket=s3.bucket, Prefix=prefix)["Contents"]}
-    assert out["files"] == {rel: {"size": len(d), "sha256": hashlib.sha256(d).hexdigest(), "etag": etags[rel]}
-                            for rel, d in files.items()}
+    etags = {o["Key"][len(prefix) + 1 :]: o["ETag"] for o in s3.client().list_objects_v2(Bucket=s3.bucket, Prefix=prefix)["Contents"]}
+    assert out["files"] == {rel: {"size": len(d), "sha256": hashlib.sha256(d).hexdigest(), "etag": etags[rel]} for rel, d in files.items()}
     assert etags["config.json"] == f'"{hashlib.md5(files["config.json"]).hexdigest()}"'
     assert storage.read_json(storage.join(uri, "manifest.json"))["files"] == out["files"]
 
@@ -250,8 +255,7 @@ def test_commit_writes_manifest_last_and_fetch_verifies(s3, prefix, tmp_path):
     assert {k: v for k, v in read_tree(path).items() if k != "manifest.json"} == files
     path, _ = mf.fetch(uri, tmp_path / "sub", subdir="model")
     assert path == tmp_path / "sub" / "model"
-    assert sorted(p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file()) == \
-        ["tokenizer/vocab.txt", "weights.bin"]
+    assert sorted(p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file()) == ["tokenizer/vocab.txt", "weights.bin"]
     assert not (tmp_path / "sub" / "config.json").exists()  # only the subdir was downloaded
     with pytest.raises(NotFoundError, match="no files under 'nope'"):
         mf.fetch(uri, tmp_path / "sub", subdir="nope")
@@ -351,8 +355,14 @@ def test_local_commit_and_fetch(form, tmp_path):
 
 
 def test_resolve():
-    m = {"uri": "s3://b/run/sft", "model": "model", "data": "data/sft.jsonl", "abs": "s3://other/x",
-         "local": "/mnt/x", "datasets": {"train": "data/train.jsonl", "ext": "s3://d/e"}}
+    m = {
+        "uri": "s3://b/run/sft",
+        "model": "model",
+        "data": "data/sft.jsonl",
+        "abs": "s3://other/x",
+        "local": "/mnt/x",
+        "datasets": {"train": "data/train.jsonl", "ext": "s3://d/e"},
+    }
     assert mf.resolve(m, "model") == "s3://b/run/sft/model"
     assert mf.resolve(m, "data") == "s3://b/run/sft/data/sft.jsonl"
     assert mf.resolve(m, "abs") == "s3://other/x"
@@ -378,8 +388,7 @@ def test_local_cache_dir_reuses_verified_files(s3, prefix, tmp_path, monkeypatch
     assert path2 == path and (path / "weights.bin").read_bytes() == files["model/weights.bin"]
     # Fetching the rest adds to the cache; the marker then vouches for everything present.
     mf.fetch(uri, d, subdir="logs")
-    assert set(json.loads((d / "manifest.json").read_text())["files"]) == \
-        {"model/weights.bin", "model/tokenizer/vocab.txt", "logs/deep/nested/run.log"}
+    assert set(json.loads((d / "manifest.json").read_text())["files"]) == {"model/weights.bin", "model/tokenizer/vocab.txt", "logs/deep/nested/run.log"}
     # A truncated cached file is noticed by the cheap size check and downloaded again.
     (d / "model" / "tokenizer" / "vocab.txt").write_bytes(b"x")
     mf.fetch(uri, d, subdir="model/tokenizer")
@@ -412,12 +421,14 @@ def test_a_key_leading_outside_the_folder_is_refused_before_any_download(s3, pre
     assert storage.inside(dest, "a/../b/c.txt") == (dest / "b" / "c.txt").resolve()
 
 
-
 def test_a_damaged_stage_output_names_the_task_to_clear(s3, tmp_path):
     prefix = "p/runs/rlhf_pipeline/manual__2026-12-01T10_00_00+00_00/sft"
     files, _ = committed(s3, prefix, tmp_path)
     s3.client().put_object(Bucket=s3.bucket, Key=f"{prefix}/config.json", Body=files["config.json"].upper())
     with pytest.raises(StorageError) as e:
         mf.fetch(s3.uri(prefix), tmp_path / "f")
-    assert_one_line(e.value, "sha256 mismatch", "clear task sft of run manual__2026-12-01T10_00_00+00_00 of DAG "
-                    "rlhf_pipeline (Airflow UI: Clear, or `airflow tasks clear rlhf_pipeline -t '^sft$'`)")
+    assert_one_line(
+        e.value,
+        "sha256 mismatch",
+        "clear task sft of run manual__2026-12-01T10_00_00+00_00 of DAG rlhf_pipeline (Airflow UI: Clear, or `airflow tasks clear rlhf_pipeline -t '^sft$'`)",
+    )

@@ -5,6 +5,7 @@ In process: the views' FastAPI apps behind a real auth manager (Airflow's Simple
 limited to one DAG, as a deployment's FAB or Keycloak manager would limit one), JWTs that manager signed,
 and the migrated Airflow DB that the access check reads.
 """
+
 import pytest
 from fastapi.testclient import TestClient
 
@@ -41,13 +42,16 @@ def tokens(airflow_db, s3_server, monkeypatch):
     purge_cached_app()
 
 
-@pytest.mark.parametrize("view, path", [
-    ("reports", "/"),                                                   # the default DAG, rlhf_pipeline
-    ("reports", "/?dag_id=rlhf_pipeline"),
-    ("reports", "/dags/rlhf_pipeline/runs/manual__x/report.json"),
-    ("registry_view", "/api"),                                          # the rlhf_registry DAG's
-    ("registry_view", f"/api?dag_id={ITS_DAG}"),                        # a dag_id in the query changes nothing
-])
+@pytest.mark.parametrize(
+    "view, path",
+    [
+        ("reports", "/"),  # the default DAG, rlhf_pipeline
+        ("reports", "/?dag_id=rlhf_pipeline"),
+        ("reports", "/dags/rlhf_pipeline/runs/manual__x/report.json"),
+        ("registry_view", "/api"),  # the rlhf_registry DAG's
+        ("registry_view", f"/api?dag_id={ITS_DAG}"),  # a dag_id in the query changes nothing
+    ],
+)
 def test_a_user_of_another_dag_is_refused_and_a_reader_is_not(view, path, tokens):
     import importlib
 

@@ -1,5 +1,6 @@
 """The vLLM rollout path: its pure parts on CPU, the engine itself on a GPU (marked gpu, skipped without
 CUDA and vllm; run on the GPU machine with bench/gpu/, see bench/gpu/README.md)."""
+
 import importlib.util
 
 import pytest
@@ -58,8 +59,7 @@ def test_vllm_flags_refused_in_one_line_when_they_cannot_apply():
 
 
 def test_no_reference_model_when_kl_is_off_or_the_actor_is_its_own():
-    base = {"output": "/tmp/x", "pretrain": "m", "prompt_data": "p", "remote_rm_url": "r.py", "advantage_estimator": "rloo",
-            "n_samples_per_prompt": 2}
+    base = {"output": "/tmp/x", "pretrain": "m", "prompt_data": "p", "remote_rm_url": "r.py", "advantage_estimator": "rloo", "n_samples_per_prompt": 2}
     assert make_config(RLConfig, {**base, "init_kl_coef": 0.0}).roles() == ["actor"]
     assert make_config(RLConfig, {**base, "init_kl_coef": 0.01}).roles() == ["actor", "ref"]
     assert make_config(RLConfig, {**base, "init_kl_coef": 0.01, "lora_rank": 4}).roles() == ["actor"]  # its own base
@@ -68,8 +68,18 @@ def test_no_reference_model_when_kl_is_off_or_the_actor_is_its_own():
 def test_the_actor_scores_a_rollout_only_when_the_update_needs_it():
     """Without KL and with one optimizer update per rollout, the old log-probabilities are the update's own
     (detached): the actor's scoring pass is skipped. A KL term or a second update brings it back."""
-    base = {"output": "/tmp/x", "pretrain": "m", "prompt_data": "p", "remote_rm_url": "r.py", "advantage_estimator": "group_norm",
-            "n_samples_per_prompt": 4, "rollout_batch_size": 8, "train_batch_size": 32, "max_epochs": 1, "init_kl_coef": 0.0}
+    base = {
+        "output": "/tmp/x",
+        "pretrain": "m",
+        "prompt_data": "p",
+        "remote_rm_url": "r.py",
+        "advantage_estimator": "group_norm",
+        "n_samples_per_prompt": 4,
+        "rollout_batch_size": 8,
+        "train_batch_size": 32,
+        "max_epochs": 1,
+        "init_kl_coef": 0.0,
+    }
     assert not make_config(RLConfig, base).needs_old_logprobs()
     assert make_config(RLConfig, {**base, "init_kl_coef": 0.01}).needs_old_logprobs()
     assert make_config(RLConfig, {**base, "train_batch_size": 16}).needs_old_logprobs()  # two updates per rollout

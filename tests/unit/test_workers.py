@@ -1,4 +1,5 @@
 """Worker groups and the RL layout: batch splits, placement plans, checkpoints store, training knobs."""
+
 import numpy as np
 import pytest
 
@@ -18,9 +19,17 @@ def test_shard_cuts_contiguous_nearly_equal_pieces():
 
 
 def test_worker_actors_get_the_drivers_settings_but_no_secret():
-    environ = {"AWS_ENDPOINT_URL_S3": "http://s3", "AWS_ACCESS_KEY_ID": "id", "AWS_SECRET_ACCESS_KEY": "s",
-               "AWS_SESSION_TOKEN": "t", "WANDB_API_KEY": "k", "HF_TOKEN": "h", "HF_HOME": "/hf", "RLHF_NODE_SCRATCH": "/n",
-               "PATH": "/bin"}
+    environ = {
+        "AWS_ENDPOINT_URL_S3": "http://s3",
+        "AWS_ACCESS_KEY_ID": "id",
+        "AWS_SECRET_ACCESS_KEY": "s",
+        "AWS_SESSION_TOKEN": "t",
+        "WANDB_API_KEY": "k",
+        "HF_TOKEN": "h",
+        "HF_HOME": "/hf",
+        "RLHF_NODE_SCRATCH": "/n",
+        "PATH": "/bin",
+    }
     assert forwarded_env(environ) == {"AWS_ENDPOINT_URL_S3": "http://s3", "HF_HOME": "/hf"}
 
 
@@ -34,12 +43,15 @@ def test_batch_split_over_workers_and_micro_batches():
         check_batch("train_batch_size", 64, 5, 2, "num_gpus_per_node")
 
 
-@pytest.mark.parametrize("flags,expected", [
-    ({}, [["actor"], ["ref"], ["critic"], ["reward"]]),
-    ({"colocate_actor_ref": True}, [["actor", "ref"], ["critic"], ["reward"]]),
-    ({"colocate_actor_ref": True, "colocate_critic_reward": True}, [["actor", "ref"], ["critic", "reward"]]),
-    ({"colocate_all_models": True}, [["actor", "ref", "critic", "reward"]]),
-])
+@pytest.mark.parametrize(
+    "flags,expected",
+    [
+        ({}, [["actor"], ["ref"], ["critic"], ["reward"]]),
+        ({"colocate_actor_ref": True}, [["actor", "ref"], ["critic"], ["reward"]]),
+        ({"colocate_actor_ref": True, "colocate_critic_reward": True}, [["actor", "ref"], ["critic", "reward"]]),
+        ({"colocate_all_models": True}, [["actor", "ref", "critic", "reward"]]),
+    ],
+)
 def test_placement_plan_follows_the_colocation_flags(flags, expected):
     cfg = make_config(RLConfig, {**RL, **flags})
     assert cfg.roles() == ["actor", "ref", "critic", "reward"]
@@ -48,12 +60,12 @@ def test_placement_plan_follows_the_colocation_flags(flags, expected):
 
 
 def test_placement_plan_without_critic_or_reward_models():
-    cfg = make_config(RLConfig, {**RL, "colocate_critic_reward": True, "advantage_estimator": "rloo", "n_samples_per_prompt": 2,
-                                 "remote_rm_url": "r.py"})
+    cfg = make_config(RLConfig, {**RL, "colocate_critic_reward": True, "advantage_estimator": "rloo", "n_samples_per_prompt": 2, "remote_rm_url": "r.py"})
     assert cfg.roles() == ["actor", "ref"]
     assert cfg.placement_plan() == [["actor"], ["ref"]]
-    assert make_config(RLConfig, {**RL, "actor_num_gpus_per_node": 2, "colocate_actor_ref": True, "ref_num_gpus_per_node": 2}
-                       ).devices_needed() == 2 + 1 + 1  # actor and ref share 2; critic and reward 1 each
+    assert (
+        make_config(RLConfig, {**RL, "actor_num_gpus_per_node": 2, "colocate_actor_ref": True, "ref_num_gpus_per_node": 2}).devices_needed() == 2 + 1 + 1
+    )  # actor and ref share 2; critic and reward 1 each
 
 
 def test_rl_config_refuses_layouts_and_flags_that_cannot_apply():
@@ -111,8 +123,7 @@ def test_gradient_checkpointing_is_switched_on_for_training():
 
     from tasks.common.nn.strategy import DeepSpeedStrategy
 
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=2))
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2))
     engine = DeepSpeedStrategy(zero_stage=0, gradient_checkpointing=True).prepare(model, 1e-3, 10)
     assert engine.module.is_gradient_checkpointing and not engine.module.config.use_cache
 
@@ -125,8 +136,7 @@ def test_adam_offload_keeps_the_optimizer_on_the_cpu():
 
     from tasks.common.nn.strategy import DeepSpeedStrategy
 
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=2))
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2))
     engine = DeepSpeedStrategy(zero_stage=2, adam_offload=True).prepare(model, 1e-3, 10)
     assert isinstance(engine.optimizer.optimizer, DeepSpeedCPUAdam)
     assert np.isfinite(sum(p.float().sum().item() for p in model.parameters()))

@@ -1,4 +1,5 @@
 """The command line: python -m tools.stack up|down|status|env|reserialize (see tools/stack/__init__.py)."""
+
 from __future__ import annotations
 
 import argparse
@@ -71,8 +72,12 @@ def up(cfg: Config, components: Iterable[str] = ORDER) -> None:
     if "s3" in wanted:
         if need(["s3"]):
             check_free({"RLHF_S3_PORT": cfg.s3_port})
-            proc = launch(cfg, "s3", [str(BIN / "python"), str(REPO / "tools" / "s3_server.py"), "--host", LOOPBACK,
-                                      "--port", str(cfg.s3_port), "--data", str(cfg.s3_data)], env)
+            proc = launch(
+                cfg,
+                "s3",
+                [str(BIN / "python"), str(REPO / "tools" / "s3_server.py"), "--host", LOOPBACK, "--port", str(cfg.s3_port), "--data", str(cfg.s3_data)],
+                env,
+            )
             started["s3"] = {"s3": proc}
         else:
             kept["s3"] = {"s3": running(cfg, "s3")}
@@ -92,8 +97,13 @@ def up(cfg: Config, components: Iterable[str] = ORDER) -> None:
             cfg.airflow_home.mkdir(parents=True, exist_ok=True)
             run_logged(cfg, "airflow-db-migrate", [str(BIN / "airflow"), "db", "migrate"], env, timeout=300)
             # include_deferred: a stage waiting on its Ray job in the triggerer still holds its GPUs.
-            run_logged(cfg, "airflow-pool", [str(BIN / "airflow"), "pools", "set", names.GPU_POOL, str(gpu_slots()),
-                                             "GPUs the Ray stages hold", "--include-deferred"], env, timeout=300)
+            run_logged(
+                cfg,
+                "airflow-pool",
+                [str(BIN / "airflow"), "pools", "set", names.GPU_POOL, str(gpu_slots()), "GPUs the Ray stages hold", "--include-deferred"],
+                env,
+                timeout=300,
+            )
             cmds = airflow_commands()
             started["airflow"] = {n: launch(cfg, n, cmds[n], env) for n in missing}
             for n in AIRFLOW_PROCS:
@@ -154,6 +164,7 @@ def down(cfg: Config, components: Iterable[str] = ORDER) -> None:
                 pid_file(cfg, name).unlink(missing_ok=True)
             else:
                 procs[name] = proc
+
         def stop(name: str, proc: psutil.Process) -> None:
             t = time.monotonic()
             stop_process(proc.pid)

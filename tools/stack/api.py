@@ -1,8 +1,9 @@
 """Airflow 3 REST API client (standard library only), for tools/demo.py and the live_stack fixture.
 
-    api = AirflowAPI.for_stack(cfg)
-    api.get(f"/api/v2/dags/{q(dag_id)}")
+api = AirflowAPI.for_stack(cfg)
+api.get(f"/api/v2/dags/{q(dag_id)}")
 """
+
 from __future__ import annotations
 
 import json

@@ -1,8 +1,9 @@
 """The stack's configuration: ports, scratch paths and the environment of every process it starts.
 
-    cfg = Config.from_env()        # defaults, overridden by the RLHF_* variables
-    env = process_env(cfg)         # os.environ + stack_env() + the venv's bin first on PATH
+cfg = Config.from_env()        # defaults, overridden by the RLHF_* variables
+env = process_env(cfg)         # os.environ + stack_env() + the venv's bin first on PATH
 """
+
 from __future__ import annotations
 
 import base64
@@ -164,10 +165,7 @@ class Config:
             if not 0 < port < 65536:
                 raise StackError(f"{var}={port} is not a valid port")
             if port in RAY_WORKER_PORTS:
-                raise StackError(
-                    f"{var}={port} lies in Ray's worker port range {RAY_WORKER_PORTS.start}-"
-                    f"{RAY_WORKER_PORTS.stop - 1}: pick another port"
-                )
+                raise StackError(f"{var}={port} lies in Ray's worker port range {RAY_WORKER_PORTS.start}-{RAY_WORKER_PORTS.stop - 1}: pick another port")
             if port in seen:
                 raise StackError(f"{var} and {seen[port]} are both {port}")
             seen[port] = var
@@ -256,12 +254,13 @@ def s3_keys(scratch: Path) -> tuple[str, str]:
     """The embedded S3's access key id and secret, made once per stack. The emulator accepts any pair; a
     secret of its own lets a test prove that it never reaches Ray's API or logs."""
     secrets_dir = Path(scratch) / "secrets"
-    return (_secret(secrets_dir / "s3_access_key_id", lambda: "RLHF" + secrets.token_hex(8).upper()),
-            _secret(secrets_dir / "s3_secret_access_key", lambda: secrets.token_urlsafe(30)))
+    return (
+        _secret(secrets_dir / "s3_access_key_id", lambda: "RLHF" + secrets.token_hex(8).upper()),
+        _secret(secrets_dir / "s3_secret_access_key", lambda: secrets.token_urlsafe(30)),
+    )
 
 
-def conn_s3(endpoint: str, bucket: str = "rlhf-flow", region: str = "us-east-1",
-            keys: tuple[str, str] = ("testing", "testing")) -> str:
+def conn_s3(endpoint: str, bucket: str = "rlhf-flow", region: str = "us-east-1", keys: tuple[str, str] = ("testing", "testing")) -> str:
     """AIRFLOW_CONN_RLHF_S3: an aws connection to the S3 emulator; its extra `bucket` is the pipeline's
     default bucket (the DAG's `bucket` Param left empty)."""
     return json.dumps(
@@ -341,9 +340,7 @@ def stack_env(
         "AIRFLOW__CORE__PARALLELISM": "4",
         "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
         "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{airflow_url}/execution/",
-        "AIRFLOW__CORE__FERNET_KEY": _secret(
-            secrets_dir / "fernet_key", lambda: base64.urlsafe_b64encode(os.urandom(32)).decode()
-        ),
+        "AIRFLOW__CORE__FERNET_KEY": _secret(secrets_dir / "fernet_key", lambda: base64.urlsafe_b64encode(os.urandom(32)).decode()),
         "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": f"{USERNAME}:admin",
         "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(airflow_home / "passwords.json"),
         "AIRFLOW__API__HOST": LOOPBACK,

@@ -1,4 +1,5 @@
 """Readiness checks of the stack's parts, over HTTP on 127.0.0.1: HEALTH[component](cfg) -> (ok, detail)."""
+
 from __future__ import annotations
 
 import json
@@ -76,10 +77,7 @@ def wait_healthy(cfg: Config, component: str, procs: dict[str, subprocess.Popen 
             code = proc.poll() if isinstance(proc, subprocess.Popen) else (None if _alive([proc]) else "?")
             if code is not None:
                 last = tail(log_file(cfg, name))
-                raise StackError(
-                    f"{name} exited (code {code}) while starting: see {log_file(cfg, name)}"
-                    + (f" (last line: {last[-300:]})" if last else "")
-                )
+                raise StackError(f"{name} exited (code {code}) while starting: see {log_file(cfg, name)}" + (f" (last line: {last[-300:]})" if last else ""))
         ok, detail = HEALTH[component](cfg)
         if ok:
             return

@@ -3,6 +3,7 @@
 Every process gets its own session (process group); its PID file is <scratch>/pids/<name>.pid and its
 output <scratch>/logs/<name>.log. stop_process() signals only such a PID and its descendants.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -304,19 +305,21 @@ def run_logged(cfg: Config, name: str, cmd: list[str], env: dict[str, str], time
         log.flush()
         try:
             code = subprocess.run(
-                cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(REPO),
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=str(REPO),
                 timeout=timeout,
             ).returncode
         except subprocess.TimeoutExpired:
             raise StackError(f"`{' '.join(cmd[1:])}` took over {timeout:.0f}s: see {log_file(cfg, name)}") from None
     if code != 0:
-        raise StackError(
-            f"`{' '.join(cmd[1:])}` failed (code {code}): see {log_file(cfg, name)} (last line: {tail(log_file(cfg, name))[-300:]})"
-        )
+        raise StackError(f"`{' '.join(cmd[1:])}` failed (code {code}): see {log_file(cfg, name)} (last line: {tail(log_file(cfg, name))[-300:]})")
 
 
 def reserialize(cfg: Config, env: dict[str, str] | None = None) -> None:
     """`airflow dags reserialize`: parse the DAG folder now instead of at the DAG processor's next pass."""
     run_logged(cfg, "airflow-reserialize", [str(BIN / "airflow"), "dags", "reserialize"],
                env or process_env(cfg), timeout=300)  # fmt: skip
-

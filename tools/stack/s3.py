@@ -1,5 +1,6 @@
 """The stack's S3 emulator as a client sees it: a boto3 client, the default bucket, and the one-time
 migration of a snapshot an older `down` saved (the emulator now writes through to <scratch>/s3-data)."""
+
 from __future__ import annotations
 
 import json

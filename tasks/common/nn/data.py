@@ -11,6 +11,7 @@ Every stage encodes the same way, so SFT, the reward model, RL and DPO/KTO see o
     r = encode_response(tokenizer, "the answer", chat_template=True)   # closed like the template closes a turn
     p, [r], cut = fit(p, [r], max_len)                                  # the prompt loses its start first
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -65,8 +66,9 @@ _TURN_ENDS: dict[tuple, str] = {}  # (template, bos, eos) -> text after the assi
 
 def _require_template(tokenizer) -> None:
     if not tokenizer.chat_template:
-        raise ConfigError(f"apply_chat_template: the tokenizer of {tokenizer.name_or_path} has no chat template; "
-                          "drop --apply_chat_template or use a model that ships one")
+        raise ConfigError(
+            f"apply_chat_template: the tokenizer of {tokenizer.name_or_path} has no chat template; drop --apply_chat_template or use a model that ships one"
+        )
 
 
 def as_messages(prompt) -> list[dict]:
@@ -77,8 +79,9 @@ def as_messages(prompt) -> list[dict]:
     messages = []
     for message in prompt:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str) or not isinstance(message.get("content"), str):
-            raise ConfigError(f"prompt: a chat message must be an object with string 'role' and 'content', got {str(message)[:80]!r}; "
-                              "fix the dataset's prompt column")
+            raise ConfigError(
+                f"prompt: a chat message must be an object with string 'role' and 'content', got {str(message)[:80]!r}; fix the dataset's prompt column"
+            )
         messages.append({k: v for k, v in message.items() if v is not None})
     if not messages:
         raise ConfigError("prompt: an empty list of chat messages; give each row at least one turn")
@@ -96,8 +99,9 @@ def encode_prompt(tokenizer, prompt, chat_template: bool = False, tools: list | 
         extra = {"tools": tools} if tools else {}  # tool schemas, for templates that describe tools to the model
         return list(tokenizer.apply_chat_template(as_messages(prompt), add_generation_prompt=True, tokenize=True, return_dict=False, **extra))
     if not isinstance(prompt, str):
-        raise ConfigError("apply_chat_template: the prompt is a list of chat messages, which only the tokenizer's chat template "
-                          "can render; pass --apply_chat_template")
+        raise ConfigError(
+            "apply_chat_template: the prompt is a list of chat messages, which only the tokenizer's chat template can render; pass --apply_chat_template"
+        )
     ids = tokenizer.encode(prompt, add_special_tokens=False)
     if tokenizer.bos_token_id is not None and (not ids or ids[0] != tokenizer.bos_token_id):
         ids = [tokenizer.bos_token_id] + ids
@@ -119,9 +123,11 @@ def turn_end_text(tokenizer) -> str:
         try:
             text = tokenizer.apply_chat_template(probe, tokenize=False)
         except Exception as e:  # jinja's TemplateError and whatever a template raises itself
-            raise ConfigError(f"apply_chat_template: the chat template of {tokenizer.name_or_path} cannot render a user/assistant "
-                              f"exchange ({type(e).__name__}: {e}); use a model whose template can") from None
-        _TURN_ENDS[key] = text[text.rindex(_PROBE) + len(_PROBE):] if _PROBE in text else ""
+            raise ConfigError(
+                f"apply_chat_template: the chat template of {tokenizer.name_or_path} cannot render a user/assistant "
+                f"exchange ({type(e).__name__}: {e}); use a model whose template can"
+            ) from None
+        _TURN_ENDS[key] = text[text.rindex(_PROBE) + len(_PROBE) :] if _PROBE in text else ""
     return _TURN_ENDS[key]
 
 
@@ -134,7 +140,7 @@ def turn_end_ids(tokenizer) -> list[int]:
     ids = tokenizer.encode(turn_end_text(tokenizer), add_special_tokens=False)
     special = next((i for i, t in enumerate(ids) if _is_special(tokenizer, t)), None)
     if special is not None:
-        return ids[:special + 1]
+        return ids[: special + 1]
     return ids or [tokenizer.eos_token_id]
 
 
@@ -172,7 +178,7 @@ def fit(prompt: list[int], responses: list[list[int]], max_len: int) -> tuple[li
     cut_prompt = keep < len(prompt)
     room = max_len - keep
     cuts = sum(cut_prompt or len(r) > room for r in responses)
-    return prompt[len(prompt) - keep:], [r[:room] for r in responses], cuts
+    return prompt[len(prompt) - keep :], [r[:room] for r in responses], cuts
 
 
 def pack(sequences: list[list[int]]):
@@ -218,7 +224,7 @@ class BatchSampler:
             self.epoch += 1
             self.position = 0
             self.order = self.rng.permutation(self.n_rows)
-        batch = self.order[self.position:self.position + self.batch_size]
+        batch = self.order[self.position : self.position + self.batch_size]
         self.position += self.batch_size
         return batch.tolist()
 

@@ -16,6 +16,7 @@ trainable and exported with the adapter (peft's modules_to_save).
 
 peft is imported only when LoRA is used.
 """
+
 from __future__ import annotations
 
 import copy
@@ -74,8 +75,7 @@ def _target_modules(model, names: str) -> str | list[str]:
     missing = [n for n in wanted if not any(m == n or m.endswith("." + n) for m in modules)]
     if missing:
         linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
-        raise ConfigError(f"target_modules: {', '.join(missing)} name no module of {model.name_or_path}; "
-                          f"use all-linear or some of {','.join(linear)}")
+        raise ConfigError(f"target_modules: {', '.join(missing)} name no module of {model.name_or_path}; use all-linear or some of {','.join(linear)}")
     return wanted
 
 
@@ -86,11 +86,15 @@ def apply_lora(model, cfg, scalar: bool = False):
         return model
     from peft import LoraConfig, TaskType, get_peft_model
 
-    config = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                        target_modules=_target_modules(model, cfg.target_modules),
-                        task_type=TaskType.SEQ_CLS if scalar else TaskType.CAUSAL_LM,
-                        # A reward model's or critic's head starts untrained: it must learn in full.
-                        modules_to_save=[SCALAR_HEAD] if scalar else None)
+    config = LoraConfig(
+        r=cfg.lora_rank,
+        lora_alpha=cfg.lora_alpha,
+        lora_dropout=cfg.lora_dropout,
+        target_modules=_target_modules(model, cfg.target_modules),
+        task_type=TaskType.SEQ_CLS if scalar else TaskType.CAUSAL_LM,
+        # A reward model's or critic's head starts untrained: it must learn in full.
+        modules_to_save=[SCALAR_HEAD] if scalar else None,
+    )
     return get_peft_model(model, config)
 
 
@@ -131,6 +135,7 @@ class AdapterWeights:
     """A causal LM's adapter in memory, as peft's files hold it (adapter_config.json's dict, and the tensors
     of adapter_model.safetensors by peft's names): what a vLLM rollout engine loads after each update, a few
     MB where the full weights are GB."""
+
     config: dict
     tensors: dict[str, torch.Tensor]
 
@@ -180,15 +185,15 @@ def _save_adapter(model, state: dict, out_dir, base_uri: str) -> None:
     # adapter_config.json names the base by the URI the stage read, not this worker's cache folder.
     config.base_model_name_or_path = base_uri or local
     try:
-        model.save_pretrained(str(out_dir), state_dict=state, safe_serialization=True,
-                              save_embedding_layers=False)  # "auto" would look the base up on the hub
+        model.save_pretrained(str(out_dir), state_dict=state, safe_serialization=True, save_embedding_layers=False)  # "auto" would look the base up on the hub
     finally:
         config.base_model_name_or_path = local
     (Path(out_dir) / "README.md").unlink(missing_ok=True)  # peft's model card template: noise in a stage output
 
 
-def merge_adapter(adapter_dir: str | Path, base_path: str, out_dir: str | Path, config=None, overrides: dict | None = None,
-                  dtype: torch.dtype | None = None) -> Path:
+def merge_adapter(
+    adapter_dir: str | Path, base_path: str, out_dir: str | Path, config=None, overrides: dict | None = None, dtype: torch.dtype | None = None
+) -> Path:
     """Load `base_path` (a causal LM, or a one-output scalar model for a SEQ_CLS adapter), merge the adapter
     in, and save the full model (config, safetensors, generation config) under `out_dir`. `config`: the
     model's config (default: the base's), with `overrides` set on it; `dtype`: what to save in (default:
@@ -220,8 +225,7 @@ def merged_checkpoint(adapter_dir: str | Path, base_path: str, overrides: dict |
     and overrides are the same."""
     adapter_dir = Path(adapter_dir)
     out = adapter_dir.with_name(adapter_dir.name + "-merged")
-    made_from = {"adapter_sha256": manifests.file_sha256(adapter_dir / "adapter_model.safetensors"), "base": str(base_path),
-                 "overrides": overrides or {}}
+    made_from = {"adapter_sha256": manifests.file_sha256(adapter_dir / "adapter_model.safetensors"), "base": str(base_path), "overrides": overrides or {}}
     with manifests.folder_lock(out):
         try:
             if json.loads((out / MERGE_MARKER).read_text()) == made_from:

@@ -13,6 +13,7 @@
 
 Shapes: per-token tensors are [batch, tokens] with a 0/1 mask of the same shape.
 """
+
 from __future__ import annotations
 
 import functools
@@ -82,8 +83,7 @@ def _compiled_token_logprobs():
     return torch.compile(fused_token_logprobs, dynamic=True)
 
 
-def head_logprobs(hidden: torch.Tensor, head: Callable, labels: torch.Tensor, temperature: float = 1.0,
-                  return_entropy: bool = False, chunk_tokens: int = 1024):
+def head_logprobs(hidden: torch.Tensor, head: Callable, labels: torch.Tensor, temperature: float = 1.0, return_entropy: bool = False, chunk_tokens: int = 1024):
     """token_logprobs(head(hidden), labels, temperature) (and the distribution's entropy) without ever holding
     the logits of more than `chunk_tokens` tokens: [..., H] hidden states, [...] labels -> [...].
 
@@ -96,9 +96,8 @@ def head_logprobs(hidden: torch.Tensor, head: Callable, labels: torch.Tensor, te
     checkpointed = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in _parameters(head)))
     parts = []
     for start in range(0, flat_labels.numel(), chunk_tokens):
-        args = (head, flat_hidden[start:start + chunk_tokens], flat_labels[start:start + chunk_tokens], temperature, return_entropy)
-        parts.append(torch.utils.checkpoint.checkpoint(_chunk_logprobs, *args, use_reentrant=False) if checkpointed
-                     else _chunk_logprobs(*args))
+        args = (head, flat_hidden[start : start + chunk_tokens], flat_labels[start : start + chunk_tokens], temperature, return_entropy)
+        parts.append(torch.utils.checkpoint.checkpoint(_chunk_logprobs, *args, use_reentrant=False) if checkpointed else _chunk_logprobs(*args))
     out = torch.cat(parts, dim=-1)
     if not return_entropy:
         return out.reshape(shape)
@@ -143,9 +142,7 @@ def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Te
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 
 
-def aggregate(
-    loss: torch.Tensor, mask: torch.Tensor, loss_agg: str = "token_mean", max_len: int | None = None
-) -> torch.Tensor:
+def aggregate(loss: torch.Tensor, mask: torch.Tensor, loss_agg: str = "token_mean", max_len: int | None = None) -> torch.Tensor:
     """Reduce a per-token loss [B, T] to a scalar over the response tokens (mask = 1).
 
     token_mean:              Σ_{i,t} l_it / Σ_{i,t} m_it — every token of the batch weighs the same
@@ -221,8 +218,7 @@ def policy_loss(
     return aggregate(-surrogate, mask, loss_agg, max_len), clip_fraction
 
 
-def importance_weights(old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mask: torch.Tensor, mode: str,
-                       cap: float = 2.0) -> torch.Tensor | None:
+def importance_weights(old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mask: torch.Tensor, mode: str, cap: float = 2.0) -> torch.Tensor | None:
     """Per-token weights correcting for rollouts sampled by another policy μ (a rollout engine's stale weights or
     its numerics) than the π_old the PPO ratio is taken against: w = π_old / μ per token, detached.
 
@@ -244,8 +240,9 @@ def importance_weights(old_logprobs: torch.Tensor, behaviour_logprobs: torch.Ten
     return weights * (mask > 0)
 
 
-def logprob_mismatch(old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mask: torch.Tensor,
-                     is_weights: torch.Tensor | None = None) -> dict[str, float]:
+def logprob_mismatch(
+    old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mask: torch.Tensor, is_weights: torch.Tensor | None = None
+) -> dict[str, float]:
     """How far the trainer's log-probabilities of the sampled tokens are from the engine's that sampled them:
     the mean of log π_old - log μ and its largest magnitude (engine_logprob_max_diff, the weight-sync check's
     name) over response tokens, and KL(μ‖π_old) by the k3 estimator
@@ -261,10 +258,12 @@ def logprob_mismatch(old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tenso
     k3 = torch.exp(log_w) - 1 - log_w
     kept = mask if is_weights is None else mask * (is_weights > 0)
     log_r = log_w if is_weights is None else log_w - torch.log(is_weights.float().clamp(min=1e-30))
-    return {"mismatch_log_ratio_mean": masked_mean(log_w, mask).item(),
-            "engine_logprob_max_diff": log_w.abs()[mask > 0].max().item(),
-            "mismatch_kl": masked_mean(k3, mask).item(),
-            "corrected_mismatch_kl": masked_mean(torch.exp(log_r) - 1 - log_r, kept).item() if (kept > 0).any() else 0.0}
+    return {
+        "mismatch_log_ratio_mean": masked_mean(log_w, mask).item(),
+        "engine_logprob_max_diff": log_w.abs()[mask > 0].max().item(),
+        "mismatch_kl": masked_mean(k3, mask).item(),
+        "corrected_mismatch_kl": masked_mean(torch.exp(log_r) - 1 - log_r, kept).item() if (kept > 0).any() else 0.0,
+    }
 
 
 def value_loss(
@@ -378,8 +377,7 @@ def dpo_loss(
         ref_chosen, ref_rejected = ref_chosen.float(), ref_rejected.float()
     logits = (policy_chosen - policy_rejected) - (ref_chosen - ref_rejected)
     if loss_type == "sigmoid":
-        losses = (-F.logsigmoid(beta * logits) * (1.0 - label_smoothing)
-                  - F.logsigmoid(-beta * logits) * label_smoothing)
+        losses = -F.logsigmoid(beta * logits) * (1.0 - label_smoothing) - F.logsigmoid(-beta * logits) * label_smoothing
     else:
         losses = (logits - 1.0 / (2.0 * beta)) ** 2
     chosen_rewards = beta * (policy_chosen - ref_chosen).detach()
@@ -387,8 +385,9 @@ def dpo_loss(
     return losses.mean(), chosen_rewards, rejected_rewards
 
 
-def kto_kl_baseline(policy_mismatched_logps: torch.Tensor, ref_mismatched_logps: torch.Tensor,
-                    reduce_mean: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+def kto_kl_baseline(
+    policy_mismatched_logps: torch.Tensor, ref_mismatched_logps: torch.Tensor, reduce_mean: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> torch.Tensor:
     """KTO's reference point z0 = max(0, mean(log π - log π_ref)) over mismatched (prompt, other completion)
     pairs, detached. Ethayarajh et al. 2024 (KTO), §4. With data parallelism `reduce_mean` averages this
     worker's mean over the world (strategy.all_reduce(·, op="mean")) before the clamp: clamping each

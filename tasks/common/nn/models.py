@@ -16,6 +16,7 @@ The training stages load their models with `kernels(cfg)`: FlashAttention-2 when
 Liger's Triton kernels (RMSNorm, SwiGLU, RoPE) with log-probabilities taken from the last hidden states a
 chunk of tokens at a time (losses.head_logprobs), so no step holds the full [tokens, vocabulary] logits.
 """
+
 from __future__ import annotations
 
 import functools
@@ -45,8 +46,12 @@ def is_stage_output(uri: str) -> bool:
 def is_model_folder(uri: str) -> bool:
     """An S3 folder holding a plain transformers checkpoint (config.json, no manifest.json): a team's own base
     model uploaded as it is, which prepare_data's --base_model accepts and passes on to the stages."""
-    return (storage.is_s3(uri) and not uri.rstrip("/").endswith("/" + manifests.MANIFEST)
-            and not storage.exists(storage.join(uri, manifests.MANIFEST)) and storage.exists(storage.join(uri, "config.json")))
+    return (
+        storage.is_s3(uri)
+        and not uri.rstrip("/").endswith("/" + manifests.MANIFEST)
+        and not storage.exists(storage.join(uri, manifests.MANIFEST))
+        and storage.exists(storage.join(uri, "config.json"))
+    )
 
 
 def fetch_model_folder(uri: str) -> Path:
@@ -141,8 +146,7 @@ def with_liger(model):
     from liger_kernel.transformers import _apply_liger_kernel_to_instance
 
     # The fused linear cross-entropy is off: the stages never pass labels; head_logprobs does that part.
-    _apply_liger_kernel_to_instance(model=model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
-                                    fused_linear_cross_entropy=False)
+    _apply_liger_kernel_to_instance(model=model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False)
     return model
 
 
@@ -175,8 +179,7 @@ def load_scalar_model(path: str, dtype: torch.dtype = torch.float32, flash_attn:
     """A model with a one-output head on every token: reward models and critics."""
     from transformers import AutoModelForSequenceClassification
 
-    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype,
-                                                               attn_implementation=attn_implementation(flash_attn))
+    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype, attn_implementation=attn_implementation(flash_attn))
     if model.config.pad_token_id is None:
         raise ValueError(f"{path}: config has no pad_token_id; a scalar head needs it to find the last token")
     return with_liger(model) if liger else model
@@ -224,8 +227,7 @@ def packed_scores(model, input_ids: torch.Tensor, position_ids: torch.Tensor, se
     return values[last]
 
 
-def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, return_entropy: bool = False,
-                      temperature: float = 1.0):
+def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, return_entropy: bool = False, temperature: float = 1.0):
     """log p(token t+1 | tokens ≤ t) for every position under softmax(logits / temperature): [B, T] -> [B, T-1]
     (and that distribution's entropy). RL passes its sampling temperature, so the ratio, KL and entropy are
     those of the policy that sampled the rollout."""

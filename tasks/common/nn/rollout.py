@@ -12,6 +12,7 @@ turn with (data.stop_token_ids): a chat model ends its answer with <|im_end|> or
 Positions in training forward passes are cumsum(attention_mask) - 1, which is what `generate()`
 uses for left-padded prompts, so log-probabilities match between generation and training.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ class Rollout:
 
     @property
     def responses(self) -> torch.Tensor:
-        return self.sequences[:, self.prompt_width:]
+        return self.sequences[:, self.prompt_width :]
 
     def texts(self, tokenizer) -> list[str]:
         out, stops = [], set(stop_token_ids(tokenizer))
@@ -53,12 +54,22 @@ class Rollout:
 
     def select(self, rows) -> "Rollout":
         """The rollout of some rows (an index tensor, list or slice), at the same widths."""
-        return Rollout(self.sequences[rows], self.attention_mask[rows], self.response_mask[rows], self.prompt_width,
-                       *(None if t is None else t[rows] for t in (self.logprobs, self.versions)))
+        return Rollout(
+            self.sequences[rows],
+            self.attention_mask[rows],
+            self.response_mask[rows],
+            self.prompt_width,
+            *(None if t is None else t[rows] for t in (self.logprobs, self.versions)),
+        )
 
     def to(self, device) -> "Rollout":
-        return Rollout(self.sequences.to(device), self.attention_mask.to(device), self.response_mask.to(device), self.prompt_width,
-                       *(None if t is None else t.to(device) for t in (self.logprobs, self.versions)))
+        return Rollout(
+            self.sequences.to(device),
+            self.attention_mask.to(device),
+            self.response_mask.to(device),
+            self.prompt_width,
+            *(None if t is None else t.to(device) for t in (self.logprobs, self.versions)),
+        )
 
 
 def response_mask(responses: torch.Tensor, stop_ids: int | list[int]) -> torch.Tensor:
@@ -81,10 +92,8 @@ class HFRolloutEngine:
         self.device = device or next(model.parameters()).device
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
-                 greedy: bool = False, batch_size: int = 256) -> Rollout:
-        chunks = [self._generate(prompt_ids[i:i + batch_size], max_new_tokens, temperature, greedy)
-                  for i in range(0, len(prompt_ids), batch_size)]
+    def generate(self, prompt_ids: list[list[int]], max_new_tokens: int, temperature: float = 1.0, greedy: bool = False, batch_size: int = 256) -> Rollout:
+        chunks = [self._generate(prompt_ids[i : i + batch_size], max_new_tokens, temperature, greedy) for i in range(0, len(prompt_ids), batch_size)]
         return concat_rollouts(chunks, self.tokenizer.pad_token_id)
 
     def _generate(self, prompt_ids, max_new_tokens, temperature, greedy) -> Rollout:
@@ -101,11 +110,17 @@ class HFRolloutEngine:
         sampling = {"do_sample": False} if greedy else {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
         recorder = LogprobRecorder(1.0 if greedy else temperature)
         out = self.model.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, logits_processor=[recorder],
-            eos_token_id=self.stop_ids or None, pad_token_id=self.tokenizer.pad_token_id, **sampling, **cache,
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=max_new_tokens,
+            logits_processor=[recorder],
+            eos_token_id=self.stop_ids or None,
+            pad_token_id=self.tokenizer.pad_token_id,
+            **sampling,
+            **cache,
         )
         self.model.train(was_training)
-        responses = out[:, ids.size(1):]
+        responses = out[:, ids.size(1) :]
         r_mask = response_mask(responses, self.stop_ids)
         return Rollout(out, torch.cat([mask, r_mask], dim=1), r_mask, ids.size(1), recorder.finish(responses).cpu())
 

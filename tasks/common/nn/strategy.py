@@ -9,6 +9,7 @@ On a machine without CUDA DeepSpeed runs its CPU accelerator over gloo; its comm
 JIT-built once into TORCH_EXTENSIONS_DIR (about 30 s) and reused after. The optimizer is torch's
 AdamW (no op build) unless adam_offload asks for DeepSpeedCPUAdam.
 """
+
 from __future__ import annotations
 
 import math
@@ -111,9 +112,16 @@ class DeepSpeedStrategy:
         from tasks.common.config import micro_batches
 
         micro, accumulation = micro_batches(cfg.train_batch_size, cfg.micro_train_batch_size, world_size)
-        return cls(zero_stage=cfg.zero_stage, bf16=cfg.bf16, seed=cfg.seed, micro_batch_size=sequences_per_item * micro,
-                   accumulation_steps=accumulation, adam_offload=cfg.adam_offload, gradient_checkpointing=cfg.gradient_checkpointing,
-                   torch_compile=cfg.torch_compile)
+        return cls(
+            zero_stage=cfg.zero_stage,
+            bf16=cfg.bf16,
+            seed=cfg.seed,
+            micro_batch_size=sequences_per_item * micro,
+            accumulation_steps=accumulation,
+            adam_offload=cfg.adam_offload,
+            gradient_checkpointing=cfg.gradient_checkpointing,
+            torch_compile=cfg.torch_compile,
+        )
 
     def ds_config(self) -> dict:
         zero: dict = {"stage": self.zero_stage}
@@ -129,8 +137,7 @@ class DeepSpeedStrategy:
             "wall_clock_breakdown": False,
         }
 
-    def prepare(self, model, learning_rate: float, total_steps: int, warmup_steps: int = 0, weight_decay: float = 0.0,
-                lr_scheduler: str = "constant"):
+    def prepare(self, model, learning_rate: float, total_steps: int, warmup_steps: int = 0, weight_decay: float = 0.0, lr_scheduler: str = "constant"):
         """Wrap a model for training: AdamW with linear warmup, then a constant or cosine learning rate."""
         import deepspeed
 
@@ -152,8 +159,7 @@ class DeepSpeedStrategy:
             optimizer = DeepSpeedCPUAdam(params, lr=learning_rate, weight_decay=weight_decay)
         else:
             optimizer = torch.optim.AdamW(params, lr=learning_rate, weight_decay=weight_decay)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: lr_multiplier(step, total_steps, warmup_steps, lr_scheduler))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, total_steps, warmup_steps, lr_scheduler))
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config())
         return engine
 

@@ -24,6 +24,7 @@ system temp folder), and uploads it itself; only URIs and file listings travel t
 Worker subclasses implement their role's methods; `Worker.__init__` joins the world, so by the
 time a method runs, `torch.distributed` and DeepSpeed are ready.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -43,8 +44,7 @@ from tasks.common.config import ConfigError
 
 # Environment a worker process needs from the driver: the raylet started it with its own, which
 # lacks what a test or a job set for the driver (caches, S3 endpoint, offline flags).
-FORWARDED_ENV_PREFIXES = ("RLHF_", "AWS_", "HF_", "WANDB_", "TRANSFORMERS_", "TORCH_EXTENSIONS_DIR", "PYTHONPATH",
-                          "TOKENIZERS_PARALLELISM", "DS_")
+FORWARDED_ENV_PREFIXES = ("RLHF_", "AWS_", "HF_", "WANDB_", "TRANSFORMERS_", "TORCH_EXTENSIONS_DIR", "PYTHONPATH", "TOKENIZERS_PARALLELISM", "DS_")
 # Never forwarded, whatever the prefix: a runtime_env is readable by anyone who reaches Ray's dashboard
 # (its actor API shows it) and is written to Ray's logs. Workers inherit credentials from their node.
 SECRET_ENV = re.compile(r"SECRET|PASSWORD|PASSWD|TOKEN|CREDENTIAL|ACCESS_KEY|PRIVATE_KEY|SESSION_KEY|API_KEY", re.I)
@@ -56,8 +56,7 @@ PLACEMENT_TIMEOUT_S = float(os.environ.get("RLHF_PLACEMENT_TIMEOUT_S", "60"))
 
 def forwarded_env(environ: dict[str, str]) -> dict[str, str]:
     """What a worker actor's runtime_env carries from the driver's environment: no secret."""
-    return {k: v for k, v in environ.items()
-            if k.startswith(FORWARDED_ENV_PREFIXES) and k not in NOT_FORWARDED and not SECRET_ENV.search(k)}
+    return {k: v for k, v in environ.items() if k.startswith(FORWARDED_ENV_PREFIXES) and k not in NOT_FORWARDED and not SECRET_ENV.search(k)}
 
 
 def connect_ray() -> None:
@@ -91,8 +90,7 @@ class Placement:
         return self.num_nodes * self.gpus_per_node
 
     @classmethod
-    def create(cls, num_nodes: int, gpus_per_node: int, name: str, use_gpu: bool | None = None,
-               resources: dict[str, float] | None = None) -> "Placement":
+    def create(cls, num_nodes: int, gpus_per_node: int, name: str, use_gpu: bool | None = None, resources: dict[str, float] | None = None) -> "Placement":
         """`resources`: custom resources each bundle also asks for (e.g. {"node_a": 1}), so the bundles
         land only on nodes that advertise them."""
         from ray.util.placement_group import placement_group
@@ -103,8 +101,9 @@ class Placement:
         bundle.update(resources or {})
         missing = sorted(set(resources or {}) - set(ray.cluster_resources()))
         if missing:  # Ray would wait for such a node forever
-            raise ConfigError(f"{name}_resources: no node of this Ray cluster advertises {', '.join(missing)}; "
-                              "start nodes with `ray start --resources`, or drop the flag")
+            raise ConfigError(
+                f"{name}_resources: no node of this Ray cluster advertises {', '.join(missing)}; start nodes with `ray start --resources`, or drop the flag"
+            )
         # PACK keeps one node's ranks together (and on one node when they fit); STRICT_PACK would
         # refuse a group larger than a node.
         pg = placement_group([dict(bundle) for _ in range(num_nodes * gpus_per_node)], strategy="PACK", name=f"rlhf-{name}-{uuid.uuid4().hex[:6]}")
@@ -118,11 +117,13 @@ class Placement:
                 raise ConfigError(
                     f"{name}_resources: the {name} workers need {need} bundle(s) of {bundle}, which no node(s) could hold "
                     f"after {PLACEMENT_TIMEOUT_S:g} s (free: {free}); ask for custom resources the nodes advertise "
-                    "(`ray start --resources`), or drop the flag")
+                    "(`ray start --resources`), or drop the flag"
+                )
             raise ConfigError(
                 f"{name}_num_gpus_per_node: the {name} workers need {need} bundle(s) of {bundle} but the cluster has "
                 f"{free.get(kind, 0):g} {kind} free after {PLACEMENT_TIMEOUT_S:g} s; use fewer workers or colocate groups "
-                f"(--colocate_all_models)")
+                f"(--colocate_all_models)"
+            )
         return cls(name, num_nodes, gpus_per_node, use_gpu, pg)
 
     def node_ids(self) -> list[str]:
@@ -217,8 +218,10 @@ class TrainingWorker(Worker):
             files = manifests.upload_files(local, uri)
         finally:
             shutil.rmtree(local, ignore_errors=True)
-        print(f"{type(self).__name__} rank {self.rank} on node {self.node_id()[:8]}: wrote {len(files)} files in {self.scratch}, "
-              f"uploaded them to {uri}", flush=True)
+        print(
+            f"{type(self).__name__} rank {self.rank} on node {self.node_id()[:8]}: wrote {len(files)} files in {self.scratch}, uploaded them to {uri}",
+            flush=True,
+        )
         return files
 
     def load_state(self, uri: str, subdir: str | None = None) -> None:
@@ -273,9 +276,12 @@ class WorkerGroup:
         self.name, self.placement, self.world_size = name, placement, placement.size
         resources = {"num_cpus": fraction, "num_gpus": fraction if placement.use_gpu else 0}
         env = forwarded_env(os.environ)
-        options = [dict(resources, runtime_env={"env_vars": env},
-                        scheduling_strategy=PlacementGroupSchedulingStrategy(placement.group, placement_group_bundle_index=r))
-                   for r in range(self.world_size)]
+        options = [
+            dict(
+                resources, runtime_env={"env_vars": env}, scheduling_strategy=PlacementGroupSchedulingStrategy(placement.group, placement_group_bundle_index=r)
+            )
+            for r in range(self.world_size)
+        ]
 
         probes = [ray.remote(_Probe).options(**o).remote() for o in options]
         addresses = ray.get([p.address.remote() for p in probes])

@@ -7,6 +7,7 @@
 Rows: `prompt` (the question) and `label` (the answer, compared as stripped text). Expressions may use
 integers, + - * / and parentheses; anything else gets `<result>error</result>` and counts as a tool error.
 """
+
 from __future__ import annotations
 
 import ast
@@ -20,6 +21,7 @@ MAX_DIGITS = 30  # refuse results past this: 9**9**9 must not take the worker do
 
 def evaluate(expression: str) -> str:
     """The value of an arithmetic expression as text (integers stay integers); ValueError if it is not one."""
+
     def value(node):
         if isinstance(node, ast.Constant) and isinstance(node.value, int) and not isinstance(node.value, bool):
             return node.value
@@ -27,7 +29,7 @@ def evaluate(expression: str) -> str:
             return -value(node.operand)
         if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
             result = _OPS[type(node.op)](value(node.left), value(node.right))
-            if abs(result) >= 10 ** MAX_DIGITS:
+            if abs(result) >= 10**MAX_DIGITS:
                 raise ValueError("too large")
             return result
         raise ValueError(f"not arithmetic: {ast.dump(node)[:40]}")

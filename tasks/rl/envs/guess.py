@@ -7,6 +7,7 @@
 
 A guess that is not a number gets `invalid` (a tool error) and uses up a turn.
 """
+
 from __future__ import annotations
 
 import re
