@@ -139,6 +139,20 @@ def _stack_port() -> int:
             return port
 
 
+def head_config(scratch: Path, s3_server) -> Config:
+    """A stack Config for a Ray head of the tests' own: free ports, the session's S3 emulator and bucket."""
+    return Config(
+        scratch=scratch,
+        airflow_port=_stack_port(),
+        s3_port=int(s3_server.endpoint.rsplit(":", 1)[1]),
+        ray_port=_stack_port(),
+        dashboard_port=_stack_port(),
+        ray_client_port=_stack_port(),
+        ray_agent_port=_stack_port(),
+        bucket=s3_server.bucket,
+    )
+
+
 def _clear_stale(parent: Path, keep: Path) -> None:
     """Remove per-session folders under parent left by earlier sessions whose processes are gone."""
     if not parent.is_dir():
@@ -184,16 +198,7 @@ def ray_head(s3_server):
     parent = SCRATCH / "ray-head"
     scratch = parent / str(os.getpid())  # one per session: concurrent sessions never share a head
     _clear_stale(parent, scratch)
-    cfg = Config(
-        scratch=scratch,
-        airflow_port=_stack_port(),
-        s3_port=int(s3_server.endpoint.rsplit(":", 1)[1]),
-        ray_port=_stack_port(),
-        dashboard_port=_stack_port(),
-        ray_client_port=_stack_port(),
-        ray_agent_port=_stack_port(),
-        bucket=s3_server.bucket,
-    )
+    cfg = head_config(scratch, s3_server)
     env = process_env(cfg)
     # Same caches as the in-process tests (set at the top of this file).
     for key in ("HF_HOME", "WANDB_DIR", "WANDB_CACHE_DIR", "TORCH_EXTENSIONS_DIR", "TORCHINDUCTOR_CACHE_DIR"):

@@ -27,7 +27,7 @@ from tools.stack.config import Config, process_env
 from tools.stack.health import http_get, wait_healthy
 from tools.stack.processes import launch, live_pids, log_file, ray_command, remove_scratch, stop_process, tail
 
-from conftest import REPO, SCRATCH, _stack_port
+from conftest import REPO, SCRATCH, _stack_port, head_config
 from test_stack import LOOPBACK_IPS, _listening
 from test_stages import flags, metrics_of, run_cli
 
@@ -65,16 +65,7 @@ def two_nodes(s3_server):
             for sub in ("head", "ray_b"):
                 remove_scratch(d / sub)
             shutil.rmtree(d, ignore_errors=True)
-    head = Config(
-        scratch=root / "head",
-        airflow_port=_stack_port(),
-        s3_port=int(s3_server.endpoint.rsplit(":", 1)[1]),
-        ray_port=_stack_port(),
-        dashboard_port=_stack_port(),
-        ray_client_port=_stack_port(),
-        ray_agent_port=_stack_port(),
-        bucket=s3_server.bucket,
-    )
+    head = head_config(root / "head", s3_server)
     scratch = {name: root / name for name in ("node_a", "node_b", "driver_tmp")}
     for folder in scratch.values():
         folder.mkdir(parents=True, exist_ok=True)
