@@ -32,7 +32,7 @@ from plugins.form import PARAMS, promotion_param
 from plugins.hooks import RayJobHook, RayUnreachableError
 from plugins.notifiers import WebhookNotifier
 from plugins.operators import OUTPUT_ROOT, RayJobOperator
-from plugins.s3 import S3Error, S3Store
+from plugins.s3 import S3Error, S3Store, split_uri
 from tasks.common import names
 
 #: A model's registry folder (champion.json, history/, candidates/), templated like the stages' output.
@@ -122,7 +122,7 @@ def missing_inputs(params, render) -> list[str]:
     for name, uri in wanted.items():
         if not uri.startswith("s3://"):
             continue
-        bucket, _, key = uri.removeprefix("s3://").partition("/")
+        bucket, key = split_uri(uri)
         try:
             found = (
                 store.exists(uri)
