@@ -47,6 +47,17 @@ SHAPES = {
         tie_word_embeddings=True,
         rope_theta=1e6,
     ),
+    # Qwen2.5-1.5B's shape: 1.54 B parameters, tied embeddings, head dim 128.
+    "qwen2.5-1.5b": dict(
+        vocab_size=151936,
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        rope_theta=1e6,
+    ),
     # For a dry run of every path on a CPU.
     "tiny": dict(
         vocab_size=512,
@@ -59,6 +70,8 @@ SHAPES = {
         rope_theta=1e6,
     ),
 }
+# A result's name carries its shape, so one results folder (and results.json) holds both shapes' runs.
+SHAPE_SUFFIX = {"qwen2-0.5b": "", "qwen2.5-1.5b": "_1p5b", "tiny": ""}
 REWARD_FILE = Path(__file__).with_name("reward.py")
 AGENTIC_ENV = Path(__file__).with_name("agentic_env.py")
 AGENTIC_TURNS, AGENTIC_TURN_TOKENS = 4, 64  # 4 × 64 = COMPLETION_TOKENS: an agentic step samples as many tokens
@@ -72,6 +85,7 @@ def on_gpu() -> bool:
 
 
 def save(bench_dir: Path, name: str, result: dict) -> None:
+    name += SHAPE_SUFFIX[json.loads((bench_dir / "model_info.json").read_text())["shape"]]
     out = bench_dir / "results"
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -239,8 +253,8 @@ def step_times(metrics_file: Path) -> list[float]:
     return [b - a for a, b in zip(stamps, stamps[1:])]
 
 
-def bench_sft(bench_dir: Path, steps: int = 12, batch: int = 8, seq: int = 2048, compile_blocks: bool = False, liger: bool = True) -> None:
-    name = ("sft_compile" if compile_blocks else "sft") + ("" if liger else "_noliger")
+def bench_sft(bench_dir: Path, steps: int = 12, batch: int = 8, seq: int = 2048, compile_blocks: bool = False, liger: bool = True, flash: bool = True) -> None:
+    name = ("sft_compile" if compile_blocks else "sft") + ("" if liger else "_noliger") + ("" if flash else "_sdpa")
     out = bench_dir / "out" / name
     run_stage(
         "tasks.sft",
@@ -258,7 +272,7 @@ def bench_sft(bench_dir: Path, steps: int = 12, batch: int = 8, seq: int = 2048,
             "bf16": on_gpu(),
             "zero_stage": 2,
             "gradient_checkpointing": True,
-            "flash_attn": True,
+            "flash_attn": flash,
             "torch_compile": compile_blocks,
             "use_liger_kernel": liger,
         },
@@ -285,7 +299,7 @@ def bench_sft(bench_dir: Path, steps: int = 12, batch: int = 8, seq: int = 2048,
             "liger": liger,
             "gpu_peak_gb": last.get("gpu_peak_gb"),
             "loss_last": last.get("loss"),
-            "attention": _attention_kernel(bench_dir / f"{name}.log"),
+            "attention": _attention_kernel(bench_dir / f"{name}.log", flash),
         },
     )
 
@@ -365,7 +379,9 @@ def bench_sft_profile(bench_dir: Path, batch: int = 8, seq: int = 2048, steps: i
     )
 
 
-def _attention_kernel(log: Path) -> str:
+def _attention_kernel(log: Path, flash: bool = True) -> str:
+    if not flash:
+        return "sdpa"
     return "sdpa (flash-attn missing)" if "flash_attn:" in log.read_text() else "flash_attention_2"
 
 
@@ -400,7 +416,15 @@ def grpo_args(bench_dir: Path, out: Path, steps: int, micro: int) -> dict:
 
 
 def bench_ours(
-    bench_dir: Path, steps: int = 12, engine: str = "vllm", micro: int = 16, layout: str = "colocated", lr: float = 1e-6, liger: bool = True, lora_rank: int = 0
+    bench_dir: Path,
+    steps: int = 12,
+    engine: str = "vllm",
+    micro: int = 16,
+    layout: str = "colocated",
+    lr: float = 1e-6,
+    liger: bool = True,
+    lora_rank: int = 0,
+    flash: bool = True,
 ) -> None:
     """layout: colocated (one GPU: vLLM inside the actor); async (two GPUs: the engine on its own,
     generating the next rollout while the actor trains, one step off-policy); or actor_ref_vllm (two
@@ -411,10 +435,11 @@ def bench_ours(
         + ("" if lr == 1e-6 else f"_lr{lr:g}")
         + ("" if liger else "_noliger")
         + (f"_lora{lora_rank}" if lora_rank else "")
+        + ("" if flash else "_sdpa")
     )
     out = bench_dir / "out" / name
     args = grpo_args(bench_dir, out, steps, micro)
-    args.update(actor_learning_rate=lr, use_liger_kernel=liger)
+    args.update(actor_learning_rate=lr, use_liger_kernel=liger, flash_attn=flash)
     if lora_rank:  # adapters on every linear layer; the engine is synced the adapter alone
         args.update(lora_rank=lora_rank, lora_alpha=2 * lora_rank, target_modules="all-linear")
     if engine == "vllm" and layout == "colocated":
@@ -462,6 +487,9 @@ def bench_ours(
         "mfu": round((12 if layout == "actor_ref_vllm" else 8) * parameters(bench_dir) * train_tokens / step / BF16_PEAK_FLOPS, 4),
         # the training phase alone, counted the standard way
         "train_mfu_standard": standard_mfu(bench_dir, train_tokens, PROMPT_TOKENS + COMPLETION_TOKENS, split["time_train_s"]),
+        # the actor's training phase alone (a colocated engine asleep), torch's allocator, the largest over steps
+        "train_gpu_peak_gb": max((r["train_gpu_peak_gb"] for r in records if "train_gpu_peak_gb" in r), default=None),
+        "attention": _attention_kernel(bench_dir / f"{name}.log", flash),
         "reward_first": records[0]["reward"],
         "reward_last": records[-1]["reward"],
         "reward_curve": [round(r["reward"], 4) for r in records],
@@ -601,10 +629,12 @@ def report(bench_dir: Path, out: Path, command: str) -> None:
     candidates = sorted(
         (r["step_s"], name)
         for name, r in results.items()
-        if name.startswith("ours_vllm") and not any(k in name for k in ("async", "agentic", "noliger", "lora"))
+        if name.startswith("ours_vllm") and not any(k in name for k in ("async", "agentic", "noliger", "lora", "sdpa", "_1p5b"))
     )
     best = candidates[0][1] if candidates else "ours_vllm"
     ours, trl_hf, trl_vllm = get(best, "step_s"), get("trl_hf", "step_s"), get("trl_vllm", "step_s")
+    # OpenRLHF 0.11.2 (bench/openrlhf_bench.py) on the same work, its fastest run
+    openrlhf, openrlhf_run = min(((r["step_s"], n) for n, r in results.items() if n.startswith("openrlhf") and "_1p5b" not in n), default=(None, None))
     summary = {
         "date": time.strftime("%Y-%m-%d"),
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
@@ -623,6 +653,9 @@ def report(bench_dir: Path, out: Path, command: str) -> None:
         "grpo_step_s_trl_vllm": trl_vllm,
         "speedup_vs_trl_vllm": round(trl_vllm / ours, 3) if ours and trl_vllm else None,
         "speedup_vs_trl_hf": round(trl_hf / ours, 3) if ours and trl_hf else None,
+        "grpo_step_s_openrlhf": openrlhf,
+        "speedup_vs_openrlhf": round(openrlhf / ours, 3) if ours and openrlhf else None,
+        "grpo_openrlhf_run": openrlhf_run,
         "grpo_ours_run": best,
         "rollout_tokens_per_s": get(best, "rollout_tokens_per_s"),
         "grpo_step_s_ours_2gpu_async": min((r["step_s"] for n, r in results.items() if "async" in n and "agentic" not in n), default=None),
@@ -673,6 +706,29 @@ def report(bench_dir: Path, out: Path, command: str) -> None:
         "lora_vs_full": {
             key: [get("ours_vllm_m64_lora64", key), get("ours_vllm_m64", key)] for key in ("step_s", "time_generate_s", "time_train_s", "time_weight_sync_s")
         },
+        # The 1.5B shape (SHAPE=qwen2.5-1.5b; the runs' names end in _1p5b): the same work, LoRA where it should pay in memory
+        "grpo_step_s_ours_1p5b": get("ours_vllm_m64_1p5b", "step_s"),
+        "grpo_step_s_trl_vllm_1p5b": get("trl_vllm_1p5b", "step_s"),
+        "lora_vs_full_1p5b": {
+            attention: {
+                key: [get(f"ours_vllm_m64_lora64{suffix}_1p5b", key), get(f"ours_vllm_m64{suffix}_1p5b", key)]
+                for key in ("step_s", "time_generate_s", "time_train_s", "time_weight_sync_s", "train_gpu_peak_gb")
+            }
+            for attention, suffix in (("flash_attn", ""), ("sdpa", "_sdpa"))
+        },
+        # FlashAttention-2 (the package built on the machine, bench/gpu/flash_attn.sh) against PyTorch's SDPA, same host
+        "flash_vs_sdpa": {
+            f"{key}{shape}": [get(run + shape, field), get(run + "_sdpa" + shape, field)]
+            for shape in ("", "_1p5b")
+            for key, run, field in (
+                ("sft_step_s", "sft", "step_s"),
+                ("sft_mfu_standard", "sft", "mfu_standard"),
+                ("sft_gpu_peak_gb", "sft", "gpu_peak_gb"),
+                ("grpo_step_s", "ours_vllm_m64", "step_s"),
+                ("grpo_train_s", "ours_vllm_m64", "time_train_s"),
+                ("grpo_train_mfu_standard", "ours_vllm_m64", "train_mfu_standard"),
+            )
+        },
         "versions": versions,
         "runs": results,
     }
@@ -681,6 +737,7 @@ def report(bench_dir: Path, out: Path, command: str) -> None:
         "grpo_step_s_ours",
         "grpo_step_s_trl_vllm",
         "grpo_step_s_trl",
+        "grpo_step_s_openrlhf",
         "rollout_tokens_per_s",
         "vllm_standalone_tokens_per_s",
         "decode_floor_tokens_per_s",
@@ -710,6 +767,7 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="sft, sft_profile: --torch_compile (each transformer block compiled)")
     parser.add_argument("--no_liger", action="store_true", help="sft, ours: --use_liger_kernel false (the eager kernels and full logits)")
     parser.add_argument("--lora_rank", type=int, default=0, help="ours: LoRA adapters of this rank on every linear layer")
+    parser.add_argument("--sdpa", action="store_true", help="sft, ours: --flash_attn false (PyTorch's SDPA kernels)")
     a = parser.parse_args()
     a.dir.mkdir(parents=True, exist_ok=True)
     if a.what == "setup":
@@ -719,11 +777,11 @@ def main() -> None:
     elif a.what == "hf_generate":
         bench_hf_generate(a.dir)
     elif a.what == "sft":
-        bench_sft(a.dir, a.steps, compile_blocks=a.compile, liger=not a.no_liger)
+        bench_sft(a.dir, a.steps, compile_blocks=a.compile, liger=not a.no_liger, flash=not a.sdpa)
     elif a.what == "sft_profile":
         bench_sft_profile(a.dir, compile_blocks=a.compile)
     elif a.what == "ours":
-        bench_ours(a.dir, a.steps, engine=a.mode, micro=a.micro, layout=a.layout, lr=a.lr, liger=not a.no_liger, lora_rank=a.lora_rank)
+        bench_ours(a.dir, a.steps, engine=a.mode, micro=a.micro, layout=a.layout, lr=a.lr, liger=not a.no_liger, lora_rank=a.lora_rank, flash=not a.sdpa)
     elif a.what == "trl":
         bench_trl(a.dir, a.mode, a.steps)
     elif a.what == "eval":

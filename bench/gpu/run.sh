@@ -6,7 +6,10 @@
 #   bash bench/gpu/run.sh sft_compile sft_profile_compile   # SFT with --torch_compile, and its kernel profile
 #   bash bench/gpu/run.sh sft sft_noliger ours64 ours64_noliger   # Liger's kernels (the default on CUDA) on, then off
 #   bash bench/gpu/run.sh ours64 ours64_lora       # LoRA (rank 64, the adapter alone synced to vLLM) beside full weights
+#   bash bench/gpu/run.sh sft sft_sdpa ours64 ours64_sdpa    # flash-attn (flash_attn.sh installed it) against SDPA
+#   SHAPE=qwen2.5-1.5b bash bench/gpu/run.sh setup sft ours64  # the 1.5B shape in /tmp/bench-qwen2.5-1.5b; names end in _1p5b
 #   bash bench/gpu/run.sh ours trl_vllm trl_hf report
+#   bash bench/gpu/run.sh setup openrlhf report     # OpenRLHF 0.11.2's GRPO, same work (bench/gpu/openrlhf.sh install first)
 #   bash bench/gpu/run.sh tests_stages               # the gpu-marked tests; tests_learn: the learning check
 #
 # /tmp/bench (model, data, results) outlives a call while the machine is warm; results also go to $OUT.
@@ -14,26 +17,30 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 source bench/gpu/env.sh
 out="${OUT:-/tmp/out}"; mkdir -p "$out/logs"
-dir=/tmp/bench
+shape=${SHAPE:-qwen2-0.5b}
+dir=/tmp/bench; [ "$shape" = qwen2-0.5b ] || dir=/tmp/bench-$shape
 ray_up=""
 for phase in "$@"; do
   t0=$(date +%s)
   case "$phase" in
-    setup) [ -f $dir/model_info.json ] || python bench/grpo_bench.py setup --dir $dir ;;
+    setup) [ -f $dir/model_info.json ] || python bench/grpo_bench.py setup --dir $dir --shape $shape ;;
     vllm) python bench/grpo_bench.py vllm --dir $dir ;;
     hf_generate) python bench/grpo_bench.py hf_generate --dir $dir ;;
     sft_profile) python bench/grpo_bench.py sft_profile --dir $dir ;;
     sft_profile_compile) python bench/grpo_bench.py sft_profile --dir $dir --compile ;;
-    sft|sft_noliger|sft_compile|ours|ours32|ours64|ours64_noliger|ours64_lora|ours_hf|ours_async|ours_2gpu_kl|ours_agentic|ours_agentic_separate|ours_agentic_async|eval_vllm|eval_hf|tests_stages|tests_learn)
+    sft|sft_noliger|sft_sdpa|sft_compile|ours|ours32|ours64|ours64_noliger|ours64_sdpa|ours64_lora|ours64_lora_sdpa|ours_hf|ours_async|ours_2gpu_kl|ours_agentic|ours_agentic_separate|ours_agentic_async|eval_vllm|eval_hf|tests_stages|tests_learn)
       if [ -z "$ray_up" ]; then start_ray && ray_up=1; fi
       case "$phase" in
         sft) python bench/grpo_bench.py sft --dir $dir ;;
         sft_compile) python bench/grpo_bench.py sft --dir $dir --compile ;;
         # Liger's kernels are on by default on CUDA: the same runs with them off (eager kernels, full logits).
         sft_noliger) python bench/grpo_bench.py sft --dir $dir --no_liger ;;
+        sft_sdpa) python bench/grpo_bench.py sft --dir $dir --sdpa ;;
+        ours64_sdpa) python bench/grpo_bench.py ours --dir $dir --mode vllm --micro 64 --sdpa ;;
         ours64_noliger) python bench/grpo_bench.py ours --dir $dir --mode vllm --micro 64 --no_liger ;;
         # LoRA rank 64 on every linear layer: vLLM generates through the adapter, synced alone after each update.
         ours64_lora) python bench/grpo_bench.py ours --dir $dir --mode vllm --micro 64 --lora_rank 64 ;;
+        ours64_lora_sdpa) python bench/grpo_bench.py ours --dir $dir --mode vllm --micro 64 --lora_rank 64 --sdpa ;;
         ours) python bench/grpo_bench.py ours --dir $dir --mode vllm ;;
         ours32) python bench/grpo_bench.py ours --dir $dir --mode vllm --micro 32 ;;
         ours64) python bench/grpo_bench.py ours --dir $dir --mode vllm --micro 64 ;;
@@ -53,10 +60,19 @@ for phase in "$@"; do
         tests_learn) python -m pytest -m gpu -s -p no:cacheprovider tests/e2e/test_gpu.py -k "${TESTS_K:-learns}" \
                        && mkdir -p $dir/results && cp .scratch/test/gpu/learning.json $dir/results/gpu_learning.json ;;
       esac ;;
+    # OpenRLHF (bench/openrlhf_bench.py): /tmp/site-openrlhf first on PYTHONPATH for this phase alone, its Ray head
+    # included (Ray's workers take the raylet's environment, not the driver's); the head goes with the phase.
+    # openrlhf_sleep: the same with --vllm.enable_sleep (vLLM started alone, before the actor loads).
+    openrlhf|openrlhf_sleep)
+      ( export PYTHONPATH=/tmp/site-openrlhf:$PYTHONPATH
+        start_ray && python bench/openrlhf_bench.py --dir $dir $([ "$phase" = openrlhf_sleep ] && echo --vllm_sleep) )
+      rc=$?; ray_cli stop --force >/dev/null 2>&1; ray_up=""; (exit $rc) ;;
     trl_hf) python bench/grpo_bench.py trl --dir $dir --mode hf --steps 8 ;;
     trl_vllm) python bench/grpo_bench.py trl --dir $dir --mode vllm ;;
     # Earlier sessions' results (bench/runs/) fill in what this machine did not run; its own runs win.
-    report) mkdir -p $dir/results && for f in $(ls -r bench/runs/*/*.json); do cp -n "$f" $dir/results/; done
+    # The other shape's runs on this machine, then earlier sessions' (bench/runs/) for what it did not run.
+    report) mkdir -p $dir/results && cp /tmp/bench*/results/*.json $dir/results/ 2>/dev/null
+            for f in $(ls -r bench/runs/*/*.json); do cp -n "$f" $dir/results/; done
             python bench/grpo_bench.py report --dir $dir --out "$out/results.json" --command "bash bench/gpu/run.sh $*" ;;
     *) echo "unknown phase $phase"; exit 2 ;;
   esac > "$out/logs/$phase.log" 2>&1

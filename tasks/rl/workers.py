@@ -178,6 +178,8 @@ class ActorWorker(_Trainer):
         """One optimizer step per minibatch (this rank's share of it), in micro-batches."""
         cfg, device = self.cfg, self.strategy.device
         self.engine.train()
+        if torch.cuda.is_available():  # the training phase's own peak, apart from a colocated engine's generation
+            torch.cuda.reset_peak_memory_stats()
         stats: dict[str, list[float]] = {"policy_loss": [], "clip_fraction": [], "entropy": []}
         sync_gaps = []  # the largest |engine - actor| log-probability gap of each micro-batch
         loss_agg = "seq_mean_token_sum_norm" if cfg.advantage_estimator == "dr_grpo" else "token_mean"
@@ -224,6 +226,8 @@ class ActorWorker(_Trainer):
         result = self._mean_stats(stats)
         if sync_gaps:
             result["engine_logprob_max_diff"] = self.strategy.all_reduce(max(sync_gaps), op="max").item()
+        if torch.cuda.is_available():
+            result["train_gpu_peak_gb"] = round(self.strategy.all_reduce(torch.cuda.max_memory_allocated() / 2**30, op="max").item(), 2)
         return result
 
     def _ptx_loss(self) -> torch.Tensor:
