@@ -12,7 +12,8 @@
 #   bash bench/gpu/run.sh setup openrlhf report     # OpenRLHF 0.11.2's GRPO, same work (bench/gpu/openrlhf.sh install first)
 #   bash bench/gpu/run.sh tests_stages               # the gpu-marked tests; tests_learn: the learning check
 #
-# /tmp/bench (model, data, results) outlives a call while the machine is warm; results also go to $OUT.
+# /tmp/bench (model, data, results) outlives a call while the machine is warm; with $OUT set (a device call) the
+# results of every shape and the logs go back in $OUT/bundle.tgz, the report in $OUT/results.json.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 source bench/gpu/env.sh
@@ -81,6 +82,11 @@ for phase in "$@"; do
   [ $rc -eq 0 ] || tail -25 "$out/logs/$phase.log"
   cp $dir/*.log "$out/logs/" 2>/dev/null || true
 done
-mkdir -p "$out/results"; cp $dir/results/*.json "$out/results/" 2>/dev/null || true
+# A device call brings back 8 files at most: every shape's results and this call's logs go back as one archive.
+if [ -n "${OUT:-}" ]; then
+  tar -czf "$OUT/bundle.tgz" -C / $(cd / && ls -d tmp/bench*/results 2>/dev/null) -C "$out" logs && rm -rf "$out/logs"
+else
+  mkdir -p "$out/results"; cp $dir/results/*.json "$out/results/" 2>/dev/null || true
+fi
 [ -n "$ray_up" ] && ray_cli stop --force >/dev/null 2>&1
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
