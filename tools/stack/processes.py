@@ -51,13 +51,19 @@ def running(cfg: Config, name: str) -> psutil.Process | None:
         return None
 
 
-def launch(cfg: Config, name: str, cmd: list[str], env: dict[str, str], cwd: Path | None = None) -> subprocess.Popen:
-    """Start cmd in its own session (pgid == pid), output appended to logs/<name>.log, PID in pids/<name>.pid."""
-    cfg.pids.mkdir(parents=True, exist_ok=True)
+def _open_log(cfg: Config, name: str, cmd: list[str]):
+    """logs/<name>.log opened for appending, a header line with the time and the command already in it."""
     cfg.logs.mkdir(parents=True, exist_ok=True)
     log = open(log_file(cfg, name), "ab")
     log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {shlex.join(cmd)}\n".encode())
     log.flush()
+    return log
+
+
+def launch(cfg: Config, name: str, cmd: list[str], env: dict[str, str], cwd: Path | None = None) -> subprocess.Popen:
+    """Start cmd in its own session (pgid == pid), output appended to logs/<name>.log, PID in pids/<name>.pid."""
+    cfg.pids.mkdir(parents=True, exist_ok=True)
+    log = _open_log(cfg, name, cmd)
     try:
         proc = subprocess.Popen(
             cmd,
@@ -299,10 +305,7 @@ def gpu_slots() -> int:
 
 def run_logged(cfg: Config, name: str, cmd: list[str], env: dict[str, str], timeout: float) -> None:
     """Run a one-shot command to completion, output appended to logs/<name>.log."""
-    cfg.logs.mkdir(parents=True, exist_ok=True)
-    with open(log_file(cfg, name), "ab") as log:
-        log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {shlex.join(cmd)}\n".encode())
-        log.flush()
+    with _open_log(cfg, name, cmd) as log:
         try:
             code = subprocess.run(
                 cmd,
