@@ -97,6 +97,50 @@ def test_estimator_learns_from_a_reward_model_and_from_a_reward_function(estimat
     assert exact["sampled_accuracy"] > control["sampled_accuracy"]
 
 
+#: RL pushed until it games the demo's reward model: no KL, no PPO-ptx, a learning rate 10 times the demo's.
+GAMED = {"init_kl_coef": 0.0, "ptx_coef": 0.0, "actor_learning_rate": 3e-4}
+
+
+@pytest.mark.slow
+def test_rl_that_games_its_reward_model_sets_off_the_alarm_and_the_gate_refuses(ray_address, tmp_path):
+    """Reward hacking, made on purpose. The demo's reward model cannot see correctness: half its pairs carry the
+    same wrong answer on both sides, so it scores the terse style alone. RL pushed hard against it (GAMED)
+    reaches a high score with wrong sums. The eval report must then show the reward up and accuracy down, both
+    beyond noise, with its alarm, and the default gate (the nightly DAG's) must refuse the candidate."""
+    start = demo_models(ray_address, 1)  # test_demo_claim's seed 1 models, or made now
+    rl, ev, promote = (str(tmp_path / name) for name in ("rl", "eval", "promote"))
+    rl_flags = {
+        "output": rl,
+        "pretrain": start["sft"],
+        "reward_pretrain": start["rm"],
+        "prompt_data": start["data"],
+        **dag_default_flags("tasks.rl", 1),
+        **GAMED,
+    }
+    eval_flags = {
+        "output": ev,
+        "baseline": start["sft"],
+        "policy": rl,
+        "reward_pretrain": start["rm"],
+        "dataset": start["data"],
+        **dag_default_flags("tasks.eval", 1),
+    }
+    for module, values in (("tasks.rl", rl_flags), ("tasks.eval", eval_flags)):
+        done = run_cli(module, *flags(values), ray=ray_address)
+        assert done.returncode == 0, f"{module} failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+    path, _ = manifests.fetch(ev, tmp_path / "fetched")
+    report = json.loads((path / "report.json").read_text())
+    delta = report["comparisons"]["baseline"]
+    print(f"gamed: reward {delta['reward_mean']}, accuracy {delta['accuracy']}; alarms {report['alarms']}")
+    assert delta["reward_mean"]["interval"][0] > 0 and delta["accuracy"]["interval"][1] < 0
+    assert any("reward hacking suspected" in alarm and "accuracy fell" in alarm for alarm in report["alarms"])
+
+    done = run_cli("tasks.promote", *flags({"output": promote, "evaluation": ev, "registry": str(tmp_path / "registry"), "run_id": "gamed"}), ray=ray_address)
+    assert done.returncode == 0, f"tasks.promote failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+    assert "decision: rejected: the gate failed" in done.stdout
+    assert "FAIL: against the baseline: reward hacking suspected" in done.stdout
+
+
 # The DAG's dpo and kto tasks, as flags (dags/rlhf_pipeline.py holds the same values).
 PREFERENCE = {
     "dpo": {"method": "dpo", "dataset_split": "style_pairs", "nll_loss_coef": 0.5, "beta": 0.5},
