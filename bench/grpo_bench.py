@@ -536,7 +536,10 @@ def bench_eval(bench_dir: Path, engine: str) -> None:
         },
         log,
     )
-    sides = [float(m) for m in re.findall(r"scored the \w+ on \d+ prompts .* in ([0-9.]+) s", log.read_text())]
+    lines = re.findall(r"scored the \w+ on \d+ prompts .* in ([0-9.]+) s \(.*?; (.*)\)", log.read_text())
+    sides = [float(total) for total, _ in lines]
+    # where each side's time went (load, greedy, sampled, kl, reward), from the same lines
+    split = [{part: float(s) for part, s in re.findall(r"(\w+) ([0-9.]+) s", parts)} for _, parts in lines]
     save(
         bench_dir,
         name,
@@ -544,6 +547,7 @@ def bench_eval(bench_dir: Path, engine: str) -> None:
             "prompts": EVAL_PROMPTS,
             "new_tokens": COMPLETION_TOKENS,
             "side_s": sides,
+            "side_split_s": split,
             "stage_s": round(time.time() - started, 1),
             "tokens_per_s": round(2 * EVAL_PROMPTS * COMPLETION_TOKENS / sides[-1]) if sides else None,
         },

@@ -7,6 +7,7 @@ keeps the metrics, the intervals and the report (tasks/eval/evaluate.py).
         side["greedy"], side["sampled"]       # texts: one greedy response per prompt, n samples per prompt in a row
         side["kl_to_ref"], side["response_length"], side["reward_mean"]   # per sample; reward_mean None without a reward model
         side["episodes"]                      # with --env_path: one greedy episode's summary per prompt
+        side["seconds"]                       # where the side's time went: load, greedy, sampled, kl, reward, …
         side["lm_eval"]                       # with --lm_eval_tasks: (scores per document by metric, lm-eval's table)
 
 The worker takes a GPU when the cluster has one (a CPU otherwise), like the training stages' workers, and
@@ -16,6 +17,8 @@ compared share the baseline's architecture). Models are fetched on the worker's 
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -90,28 +93,43 @@ class EvalWorker(Worker):
     def generate_side(self, model_uri: str, prompts: list, rows: list[dict], labels: list | None) -> dict:
         """Greedy responses, n samples per prompt and what the models say of them, for one side's model."""
         cfg, n = self.cfg, self.cfg.n_samples_per_prompt
+        seconds, last = {}, time.perf_counter()
+
+        def lap(part: str) -> None:  # where a side's time goes, for the stage's log line (bench/RESULTS.md reads it)
+            nonlocal last
+            now = time.perf_counter()
+            seconds[part], last = round(now - last, 2), now
+
         path = resolve_model(model_uri)
         tokenizer = load_tokenizer(path)
         model = self.reference if model_uri == self.baseline_uri else load_causal_lm(path).to(self.device).eval()
         ids = [data.encode_prompt(tokenizer, p, cfg.apply_chat_template) for p in prompts]
         engine = self._engine(model, tokenizer)
+        lap("load")
         greedy = engine.generate(ids, cfg.generate_max_len, greedy=True).texts(tokenizer)
+        lap("greedy")
         set_seed(cfg.seed)  # every side samples with the same seed
         sampled = engine.generate(repeat(ids, n), cfg.generate_max_len, temperature=cfg.temperature).to("cpu")
+        sampled_texts = sampled.texts(tokenizer)
+        lap("sampled")
         out = {
             "greedy": greedy,
-            "sampled": sampled.texts(tokenizer),
+            "sampled": sampled_texts,
             "kl_to_ref": (summed_logprobs(model, sampled) - summed_logprobs(self.reference, sampled)).tolist(),
             "response_length": sampled.response_lengths().float().tolist(),
             "reward_mean": None,
             "episodes": None,
             "lm_eval": None,
+            "seconds": seconds,
         }
+        lap("kl")
         if self.reward is not None:
             batch = build_reward_batch(sampled, tokenizer, repeat(prompts, n), repeat(labels, n) if labels is not None else None)
             out["reward_mean"] = self.reward.score(batch).tolist()
+            lap("reward")
         if cfg.env_path:
             out["episodes"] = self._episodes(engine, tokenizer, rows)
+            lap("episodes")
         if self.lm_eval is not None:
             out["lm_eval"] = lm_eval_tasks.run_tasks(
                 model,
@@ -123,6 +141,7 @@ class EvalWorker(Worker):
                 cfg.lm_eval_batch_size,
                 cfg.seed,
             )
+            lap("lm_eval")
         if model is not self.reference:
             del model
         return out
