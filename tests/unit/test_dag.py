@@ -537,12 +537,15 @@ def test_the_first_task_names_the_runs_s3_inputs_that_are_not_there(dag, s3_serv
 
 
 @pytest.mark.e2e
-def test_a_refused_form_fails_the_validate_task_and_submits_no_ray_job(airflow_db, s3_server, ray_head, dagbag):
+def test_a_refused_form_fails_the_validate_task_and_submits_no_ray_job(airflow_db, s3_server, ray_head):
     from airflow.dag_processing.bundles.manager import DagBundlesManager
-    from airflow.dag_processing.dagbag import sync_bag_to_db
+    from airflow.dag_processing.dagbag import DagBag, sync_bag_to_db
 
     from plugins.stage_cli import submission_id_for
 
+    # A DagBag of its own: dag.test() in this process leaves its run_conf in the DAG's params, and the module's
+    # shared DAG would hand this run's refused estimator to the end-to-end runs below (seen 2026-12-03).
+    dagbag = DagBag(dag_folder=str(DAGS))
     DagBundlesManager().sync_bundles_to_db()
     sync_bag_to_db(dagbag, "dags-folder", None)
     dag = dagbag.dags["rlhf_pipeline"]
