@@ -158,6 +158,20 @@ def dag(dagbag):
     return dagbag.dags["rlhf_pipeline"]
 
 
+@pytest.fixture
+def pipeline_to_test(airflow_db):
+    """The pipeline DAG from a DagBag of its own, synced to the DB, for one dag.test() run: dag.test() in this
+    process leaves its run_conf in the DAG's params, so a shared DAG handed one run's Params to the next (seen
+    2026-12-03: the refused form's rloo with 1 sample failed the agentic run's validate task)."""
+    from airflow.dag_processing.bundles.manager import DagBundlesManager
+    from airflow.dag_processing.dagbag import DagBag, sync_bag_to_db
+
+    dagbag = DagBag(dag_folder=str(DAGS))
+    DagBundlesManager().sync_bundles_to_db()
+    sync_bag_to_db(dagbag, "dags-folder", None)
+    return dagbag.dags["rlhf_pipeline"]
+
+
 def test_dag_imports_without_errors(dagbag):
     assert dagbag.import_errors == {}
     assert {"rlhf_pipeline", "rlhf_nightly"} <= set(dagbag.dags)
@@ -537,19 +551,10 @@ def test_the_first_task_names_the_runs_s3_inputs_that_are_not_there(dag, s3_serv
 
 
 @pytest.mark.e2e
-def test_a_refused_form_fails_the_validate_task_and_submits_no_ray_job(airflow_db, s3_server, ray_head):
-    from airflow.dag_processing.bundles.manager import DagBundlesManager
-    from airflow.dag_processing.dagbag import DagBag, sync_bag_to_db
-
+def test_a_refused_form_fails_the_validate_task_and_submits_no_ray_job(airflow_db, s3_server, ray_head, pipeline_to_test):
     from plugins.stage_cli import submission_id_for
 
-    # A DagBag of its own: dag.test() in this process leaves its run_conf in the DAG's params, and the module's
-    # shared DAG would hand this run's refused estimator to the end-to-end runs below (seen 2026-12-03).
-    dagbag = DagBag(dag_folder=str(DAGS))
-    DagBundlesManager().sync_bundles_to_db()
-    sync_bag_to_db(dagbag, "dags-folder", None)
-    dag = dagbag.dags["rlhf_pipeline"]
-    dr = dag.test(run_conf={"bucket": s3_server.bucket, "prefix": "validate", "advantage_estimator": "rloo", "n_samples_per_prompt": 1})
+    dr = pipeline_to_test.test(run_conf={"bucket": s3_server.bucket, "prefix": "validate", "advantage_estimator": "rloo", "n_samples_per_prompt": 1})
     states = {ti.task_id: str(getattr(ti.state, "value", ti.state)) for ti in dr.get_task_instances()}
     assert states["validate"] == "failed" and states["prepare_data"] == "upstream_failed", states
     with urllib.request.urlopen(f"{ray_head}/api/jobs/", timeout=30) as response:
@@ -566,18 +571,13 @@ def test_a_refused_form_fails_the_validate_task_and_submits_no_ray_job(airflow_d
 # The rl branch runs end to end through the live stack (tests/e2e/test_e2e.py, make test) and through dag.test()
 # down to promote (tests/e2e/test_byo_e2e.py, make test-all), so it has no run of its own here.
 @pytest.mark.parametrize("method", [pytest.param(m, marks=pytest.mark.slow) for m in ("dpo", "kto", "agentic")])
-def test_pipeline_end_to_end(method, airflow_db, s3_server, ray_head, dagbag):
+def test_pipeline_end_to_end(method, airflow_db, s3_server, ray_head, pipeline_to_test):
     """The whole DAG with dag.test() against the local Ray head and the S3 emulator, with tiny step counts,
     down each branch: the other branch's tasks are skipped, not failed. `agentic` is rl with the calculator
     environment on its dataset: no reward model is trained, RL and eval play the environment."""
-    from airflow.dag_processing.bundles.manager import DagBundlesManager
-    from airflow.dag_processing.dagbag import sync_bag_to_db
-
     from plugins.stage_cli import key_safe
 
-    DagBundlesManager().sync_bundles_to_db()
-    sync_bag_to_db(dagbag, "dags-folder", None)
-    dag = dagbag.dags["rlhf_pipeline"]
+    dag = pipeline_to_test
     agentic = {"method": "rl", "dataset": "calculator", "environment": "calculator", "generate_max_len": 24, "max_turns": 3}
     conf = {
         "bucket": s3_server.bucket,
