@@ -25,6 +25,7 @@ import json
 import os
 import random
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -513,21 +514,26 @@ EVAL_PROMPTS = 1000
 
 def bench_eval(bench_dir: Path, engine: str) -> None:
     """The eval stage on EVAL_PROMPTS prompts of PROMPT_TOKENS tokens, COMPLETION_TOKENS new tokens each, the
-    bench model on both sides (each side: greedy responses, one sample per prompt, the KL pass): its
+    bench model on both sides (the policy a copy of it; each side: greedy responses, one sample per prompt, the KL pass): its
     worker's transformers engine on the GPU, or --use_vllm. The seconds per side come from the stage's log."""
     rows = [json.loads(line) for line in (bench_dir / "prompts.jsonl").read_text().splitlines()]
     data = bench_dir / "eval_prompts.jsonl"
     data.write_text("".join(json.dumps(rows[i % len(rows)]) + "\n" for i in range(EVAL_PROMPTS)))
     name = f"eval_{engine}"
     log = bench_dir / f"{name}.log"
+    # The policy is a copy, not the same path: the stage knows the baseline's own KL to itself is 0 and skips it.
+    policy = bench_dir / "policy_model"
+    if not policy.exists():
+        shutil.copytree(bench_dir / "model", policy)
     started = time.time()
     run_stage(
         "tasks.eval",
         {
             "output": bench_dir / "out" / name,
             "baseline": bench_dir / "model",
-            "policy": bench_dir / "model",
+            "policy": policy,
             "dataset": data,
+            "bf16": on_gpu(),
             "max_samples": EVAL_PROMPTS,
             "generate_max_len": COMPLETION_TOKENS,
             "metrics": "length",

@@ -25,7 +25,7 @@ import torch
 from tasks.common import storage
 from tasks.common.config import ConfigError, split_list
 from tasks.common.nn import data
-from tasks.common.nn.models import load_causal_lm, load_tokenizer, resolve_model, sequence_logprobs
+from tasks.common.nn.models import load_causal_lm, load_tokenizer, resolve_model, sequence_logprobs, use_liger
 from tasks.common.nn.rollout import HFRolloutEngine, Rollout
 from tasks.common.nn.strategy import set_seed
 from tasks.common.nn.workers import Worker
@@ -58,7 +58,10 @@ class EvalWorker(Worker):
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.baseline_uri = baseline_uri
         path = resolve_model(baseline_uri)
-        self.reference = load_causal_lm(path).to(self.device).eval()
+        # --bf16 halves the KL pass's work; on CUDA Liger's kernels take the log-probs a chunk of tokens at a time,
+        # never a batch's full logits ([256, 383, 151936] in fp32 is 60 GB for the bench's model).
+        self.load_kwargs = {"dtype": torch.bfloat16 if cfg.bf16 else torch.float32, "liger": use_liger(True)}
+        self.reference = self._load(path)
         # Raw scores (not standardised), summed over the models of a comma-separated list, as in RL.
         self.reward = RewardModels(cfg.reward_pretrain, device=self.device, normalize=False) if cfg.reward_pretrain else None
         # lm-eval's registry (thousands of task files: seconds to scan) once, unknown task names refused before any side runs
@@ -73,6 +76,9 @@ class EvalWorker(Worker):
             self.vllm = VLLMRolloutEngine(
                 path, load_tokenizer(path), max_model_len=positions, gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, seed=cfg.seed, dtype="bfloat16"
             )
+
+    def _load(self, path: str):
+        return load_causal_lm(path, **self.load_kwargs).to(self.device).eval()
 
     def _include_path(self) -> str | None:
         """--lm_eval_include_path as a folder on this node: an s3:// prefix is downloaded into the node's scratch."""
@@ -102,7 +108,7 @@ class EvalWorker(Worker):
 
         path = resolve_model(model_uri)
         tokenizer = load_tokenizer(path)
-        model = self.reference if model_uri == self.baseline_uri else load_causal_lm(path).to(self.device).eval()
+        model = self.reference if model_uri == self.baseline_uri else self._load(path)
         ids = [data.encode_prompt(tokenizer, p, cfg.apply_chat_template) for p in prompts]
         engine = self._engine(model, tokenizer)
         lap("load")
@@ -112,17 +118,19 @@ class EvalWorker(Worker):
         sampled = engine.generate(repeat(ids, n), cfg.generate_max_len, temperature=cfg.temperature).to("cpu")
         sampled_texts = sampled.texts(tokenizer)
         lap("sampled")
+        # the baseline's KL to itself is 0 by definition: no pass
+        kl = [0.0] * len(sampled_texts) if model is self.reference else (summed_logprobs(model, sampled) - summed_logprobs(self.reference, sampled)).tolist()
+        lap("kl")
         out = {
             "greedy": greedy,
             "sampled": sampled_texts,
-            "kl_to_ref": (summed_logprobs(model, sampled) - summed_logprobs(self.reference, sampled)).tolist(),
+            "kl_to_ref": kl,
             "response_length": sampled.response_lengths().float().tolist(),
             "reward_mean": None,
             "episodes": None,
             "lm_eval": None,
             "seconds": seconds,
         }
-        lap("kl")
         if self.reward is not None:
             batch = build_reward_batch(sampled, tokenizer, repeat(prompts, n), repeat(labels, n) if labels is not None else None)
             out["reward_mean"] = self.reward.score(batch).tolist()
