@@ -74,7 +74,13 @@ class EvalWorker(Worker):
 
             positions = getattr(self.reference.config, "max_position_embeddings", None) or 4096
             self.vllm = VLLMRolloutEngine(
-                path, load_tokenizer(path), max_model_len=positions, gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, seed=cfg.seed, dtype="bfloat16"
+                path,
+                load_tokenizer(path),
+                max_model_len=positions,
+                gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+                seed=cfg.seed,
+                dtype="bfloat16",
+                logprobs=False,
             )
 
     def _load(self, path: str):

@@ -76,11 +76,15 @@ class VLLMRolloutEngine:
         enable_sleep: bool = False,
         ignore_eos: bool = False,
         lora_rank: int = 0,
+        logprobs: bool = True,
     ):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM
 
         self.tokenizer, self.ignore_eos, self.enable_sleep = tokenizer, ignore_eos, enable_sleep
+        # Each token's log-prob (RL's sync check and off-policy correction read them) costs the engine Python work per
+        # token on the host; eval reads none and asks for none.
+        self.logprobs = logprobs
         # vLLM sizes its LoRA buffers by a rank from a fixed list; an adapter of a smaller rank fits.
         lora = {"enable_lora": True, "max_loras": 1, "max_lora_rank": lora_max_rank(lora_rank)} if lora_rank else {}
         self.llm = LLM(
@@ -115,14 +119,14 @@ class VLLMRolloutEngine:
         params = SamplingParams(
             temperature=0.0 if greedy else temperature,
             max_tokens=max_new_tokens,
-            logprobs=0,
+            logprobs=0 if self.logprobs else None,
             stop_token_ids=[] if self.ignore_eos else stop_token_ids(self.tokenizer),
             ignore_eos=self.ignore_eos,
             detokenize=False,
         )
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False, lora_request=self.adapter)
         responses = [list(o.outputs[0].token_ids) or [self.tokenizer.eos_token_id] for o in outputs]
-        logprobs = [[step[token].logprob for token, step in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outputs]
+        logprobs = [[step[token].logprob for token, step in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outputs] if self.logprobs else None
         if self.enable_sleep:
             self.sleep()
         return to_rollout(prompt_ids, responses, logprobs, self.tokenizer.pad_token_id)
@@ -180,14 +184,16 @@ def lora_max_rank(rank: int) -> int:
     return next(r for r in LORA_RANKS if r >= rank)
 
 
-def to_rollout(prompt_ids: list[list[int]], responses: list[list[int]], logprobs: list[list[float]], pad_id: int) -> Rollout:
+def to_rollout(prompt_ids: list[list[int]], responses: list[list[int]], logprobs: list[list[float]] | None, pad_id: int) -> Rollout:
     """A Rollout of prompts (left-padded) and engine responses (right-padded; each ends at EOS or the
-    length limit, so every generated token is a response token), with the engine's log-probabilities."""
+    length limit, so every generated token is a response token), with the engine's log-probabilities if asked for."""
     p_ids, p_mask = pad(prompt_ids, pad_id, side="left")
     r_ids, r_mask = pad(responses, pad_id)
-    r_logprobs = torch.zeros(r_ids.shape, dtype=torch.float32)
-    for row, values in enumerate(logprobs):
-        r_logprobs[row, : len(values)] = torch.tensor(values, dtype=torch.float32)
+    r_logprobs = None
+    if logprobs is not None:
+        r_logprobs = torch.zeros(r_ids.shape, dtype=torch.float32)
+        for row, values in enumerate(logprobs):
+            r_logprobs[row, : len(values)] = torch.tensor(values, dtype=torch.float32)
     return Rollout(torch.cat([p_ids, r_ids], 1), torch.cat([p_mask, r_mask], 1), r_mask, p_ids.size(1), logprobs=r_logprobs)
 
 

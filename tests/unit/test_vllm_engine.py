@@ -27,6 +27,14 @@ def test_engine_output_becomes_a_rollout_with_its_logprobs():
     assert joined.prompt_width == 4
 
 
+def test_engine_output_without_logprobs_becomes_a_rollout_without_them():
+    # Eval asks the engine for no per-token log-probs: the rollout says so rather than holding zeros.
+    rollout = to_rollout([[5, 6, 7], [8]], [[9, 2], [3, 4, 2]], None, pad_id=0)
+    assert rollout.logprobs is None
+    assert rollout.sequences.tolist() == [[5, 6, 7, 9, 2, 0], [0, 0, 8, 3, 4, 2]]
+    assert concat_rollouts([rollout, rollout.select([0])], pad_id=0).logprobs is None
+
+
 def test_sync_check_is_the_largest_gap_on_response_tokens():
     actor = torch.tensor([[-1.0, -2.0, -9.0], [-0.5, -0.5, -0.5]])
     engine = torch.tensor([[-1.1, -2.5, 0.0], [-0.5, -0.45, -0.5]])
