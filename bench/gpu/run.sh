@@ -2,6 +2,7 @@
 # On the GPU machine: run benchmark phases in order, each in its own process, logs and results to $OUT.
 #
 #   bash bench/gpu/run.sh setup vllm sft          # one device call
+#   bash bench/gpu/run.sh setup vllm_probe        # where vLLM's time goes at the eval shape (bench/vllm_probe.py)
 #   bash bench/gpu/run.sh setup hf_generate       # our HF rollout engine: dynamic vs static cache + compiled decode
 #   bash bench/gpu/run.sh sft_compile sft_profile_compile   # SFT with --torch_compile, and its kernel profile
 #   bash bench/gpu/run.sh sft sft_noliger ours64 ours64_noliger   # Liger's kernels (the default on CUDA) on, then off
@@ -26,6 +27,7 @@ for phase in "$@"; do
   case "$phase" in
     setup) [ -f $dir/model_info.json ] || python bench/grpo_bench.py setup --dir $dir --shape $shape ;;
     vllm) python bench/grpo_bench.py vllm --dir $dir ;;
+    vllm_probe) python bench/vllm_probe.py --dir $dir ;;
     hf_generate) python bench/grpo_bench.py hf_generate --dir $dir ;;
     sft_profile) python bench/grpo_bench.py sft_profile --dir $dir ;;
     sft_profile_compile) python bench/grpo_bench.py sft_profile --dir $dir --compile ;;
