@@ -81,6 +81,8 @@ class EvalWorker(Worker):
                 seed=cfg.seed,
                 dtype="bfloat16",
                 logprobs=False,
+                # A 1,000-prompt call decodes its whole batch in each step from a CUDA graph, not eagerly
+                max_num_seqs=1024,
             )
 
     def _load(self, path: str):

@@ -77,6 +77,7 @@ class VLLMRolloutEngine:
         ignore_eos: bool = False,
         lora_rank: int = 0,
         logprobs: bool = True,
+        max_num_seqs: int = 0,
     ):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM
@@ -87,6 +88,10 @@ class VLLMRolloutEngine:
         self.logprobs = logprobs
         # vLLM sizes its LoRA buffers by a rank from a fixed list; an adapter of a smaller rank fits.
         lora = {"enable_lora": True, "max_loras": 1, "max_lora_rank": lora_max_rank(lora_rank)} if lora_rank else {}
+        # Up to max_num_seqs sequences per decode step, every step width replayed from a CUDA graph. vLLM captures
+        # graphs up to 512 wide by default and runs wider steps eagerly, a kernel launch at a time from the host;
+        # capturing to the full width costs startup seconds (bench/RESULTS.md, vllm_probe).
+        batch = {"max_num_seqs": max_num_seqs, "compilation_config": {"max_cudagraph_capture_size": max_num_seqs}} if max_num_seqs else {}
         self.llm = LLM(
             model=model_path,
             skip_tokenizer_init=True,
@@ -104,6 +109,7 @@ class VLLMRolloutEngine:
             # actor scores rollouts at the sampling temperature too, so the sync check compares one distribution.
             logprobs_mode="processed_logprobs",
             **lora,
+            **batch,
         )
         self.model = _model_of(self.llm)
         self.asleep = False
