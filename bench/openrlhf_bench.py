@@ -21,16 +21,12 @@ import importlib.util
 import os
 import re
 import shlex
-import signal
-import statistics
-import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from grpo_bench import COMPLETION_TOKENS, GROUP, PROMPT_TOKENS, PROMPTS_PER_STEP, REWARD_FILE, ROOT, save, steady_median  # noqa: E402
+from grpo_bench import COMPLETION_TOKENS, GROUP, PROMPT_TOKENS, PROMPTS_PER_STEP, REWARD_FILE, save  # noqa: E402
+from peer_run import fail_unless_ran, run_stamped, step_summary  # noqa: E402
 
 STEP_LINE = re.compile(r"Global step (\d+): (\{.*\})")
 # OpenRLHF's timing keys -> ours (grpo_bench's time_*_s)
@@ -114,43 +110,17 @@ def bench_openrlhf(bench_dir: Path, steps: int = 12, micro: int = 16, vllm_sleep
     (bench_dir / "openrlhf_reward.py").write_text(REWARD_ADAPTER.format(path=str(REWARD_FILE)))
     argv = openrlhf_command(bench_dir, steps, micro, vllm_sleep)
     print(shlex.join(argv), flush=True)
-    # Unbuffered: each line is stamped as it arrives. No log dedup: Ray would fold similar lines of several workers.
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_DEDUP_LOGS": "0"}
-    log, stamped, start = bench_dir / f"{name}.log", [], time.time()
-    with (
-        open(log, "w") as f,
-        subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True) as proc,
-    ):
-        # A hung run ends here, not at the device call's limit: the phase still returns and its logs come back.
-        watchdog = threading.Timer(timeout_s, lambda: os.killpg(proc.pid, signal.SIGKILL))
-        watchdog.start()
-        for line in proc.stdout:
-            f.write(line)
-            f.flush()
-            if "Global step" in line:
-                stamped.append((time.time(), line))
-        watchdog.cancel()
+    log = bench_dir / f"{name}.log"
+    returncode, stamped, start = run_stamped(argv, log, marker="Global step", timeout_s=timeout_s)
     records = parse_steps(stamped)
-    if proc.returncode or not records:
-        tail = log.read_text().splitlines()[-40:]
-        raise SystemExit(f"train_ppo_ray failed ({proc.returncode}, {len(records)} steps logged); last lines of {log}:\n" + "\n".join(tail))
-    # Step 1: OpenRLHF's own total (the driver's start-up is no step); then the wall time between step lines.
-    times = [records[0].get("timing/step_total", 0.0)] + [b["t"] - a["t"] for a, b in zip(records, records[1:])]
-    tail = records[2:] or records
-    split = {ours: round(statistics.median(r[f"timing/{k}"] for r in tail), 4) for k, ours in SPLIT.items() if f"timing/{k}" in records[-1]}
-    generate = split.get("time_generate_s")
+    fail_unless_ran("train_ppo_ray", returncode, records, log)
     save(
         bench_dir,
         name,
         {
-            "step_s": round(steady_median(times), 4),
-            **split,
-            "step_times_s": [round(t, 3) for t in times],
-            "rollout_tokens_per_s": round(PROMPTS_PER_STEP * GROUP * COMPLETION_TOKENS / generate) if generate else None,
+            **step_summary(records, records[0].get("timing/step_total", 0.0), start, prefix="timing/", split=SPLIT),
             "response_length_mean": [r.get("rollout/response_length_mean") for r in records],
             "reward_curve": [round(r["rollout/reward_mean"], 4) for r in records if "rollout/reward_mean" in r],
-            "setup_s": round(records[0]["t"] - start - times[0], 1),
-            "steps": len(records),
             "micro_batch": micro,
             "vllm_sleep": vllm_sleep,
             "openrlhf": importlib.metadata.version("openrlhf"),
