@@ -11,6 +11,7 @@
 #   SHAPE=qwen2.5-1.5b bash bench/gpu/run.sh setup sft ours64  # the 1.5B shape in /tmp/bench-qwen2.5-1.5b; names end in _1p5b
 #   bash bench/gpu/run.sh ours trl_vllm trl_hf report
 #   bash bench/gpu/run.sh setup openrlhf report     # OpenRLHF 0.11.2's GRPO, same work (bench/gpu/openrlhf.sh install first)
+#   bash bench/gpu/run.sh setup verl                # verl 0.9.1's GRPO, same work (bench/gpu/verl.sh install first; a call of its own)
 #   bash bench/gpu/run.sh tests_stages               # the gpu-marked tests; tests_learn: the learning check
 #
 # /tmp/bench (model, data, results) outlives a call while the machine is warm; with $OUT set (a device call) the
@@ -69,6 +70,12 @@ for phase in "$@"; do
     openrlhf|openrlhf_sleep)
       ( export PYTHONPATH=/tmp/site-openrlhf:$PYTHONPATH
         start_ray && python bench/openrlhf_bench.py --dir $dir $([ "$phase" = openrlhf_sleep ] && echo --vllm_sleep) )
+      rc=$?; ray_cli stop --force >/dev/null 2>&1; ray_up=""; (exit $rc) ;;
+    # verl 0.9.1 (bench/verl_bench.py), the same way: /tmp/site-verl (verl, its transformers 5.10.4) first on PYTHONPATH
+    # for this phase and its Ray head alone. verl_sleep: verl's default free_cache_engine (vLLM sleeps while the actor trains).
+    verl|verl_sleep)
+      ( export PYTHONPATH=/tmp/site-verl:$PYTHONPATH
+        start_ray && python bench/verl_bench.py --dir $dir $([ "$phase" = verl_sleep ] && echo --vllm_sleep) )
       rc=$?; ray_cli stop --force >/dev/null 2>&1; ray_up=""; (exit $rc) ;;
     trl_hf) python bench/grpo_bench.py trl --dir $dir --mode hf --steps 8 ;;
     trl_vllm) python bench/grpo_bench.py trl --dir $dir --mode vllm ;;
