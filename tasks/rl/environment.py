@@ -286,17 +286,17 @@ class EpisodeRunner:
         return episodes
 
     def run(self, rows: list[dict], temperature: float = 1.0, greedy: bool = False) -> Episodes:
-        t0 = time.time()
+        t0 = time.monotonic()
         episodes = self.start(rows)
-        waited = time.time() - t0  # the engine idle, waiting on environments
+        waited = time.monotonic() - t0  # the engine idle, waiting on environments
         behaviour_logprobs = True  # until an engine call reports none
         ready = [i for i, e in enumerate(episodes) if not e.done]  # episodes waiting for their next model turn
         stepping: dict[Future, tuple[int, int]] = {}  # an environment step in flight: (episode, version of its turn)
         while ready or stepping:
             blocked = stepping and (not ready or not self.overlap)
-            t1 = time.time()
+            t1 = time.monotonic()
             finished, _ = wait(stepping, timeout=None if blocked else 0, return_when=ALL_COMPLETED if not self.overlap else FIRST_COMPLETED)
-            waited += time.time() - t1 if blocked else 0.0
+            waited += time.monotonic() - t1 if blocked else 0.0
             for future in finished:
                 i, version = stepping.pop(future)
                 self._apply(episodes[i], self._outcome(future), episodes[i].turns == self.limits.max_turns, version)
@@ -309,7 +309,7 @@ class EpisodeRunner:
             behaviour_logprobs &= self._turn([episodes[i] for i in batch], temperature, greedy, version)
             for i in batch:
                 stepping[self._submit(episodes[i].env.step, episodes[i].action)] = (i, version)
-        return self._collect(episodes, time.time() - t0, waited, behaviour_logprobs)
+        return self._collect(episodes, time.monotonic() - t0, waited, behaviour_logprobs)
 
     def _turn(self, live: list[Episode], temperature: float, greedy: bool, version: int) -> bool:
         """One model turn for each of `live`: its tokens appended (up to the episode's room) and decoded into its

@@ -349,7 +349,8 @@ def test_a_slow_tool_holds_back_only_its_own_episode_when_turns_overlap(overlap,
         assert any(len(call) < 4 for call in engine.calls)  # turns generated without the slow episode's
     else:
         assert [len(call) for call in engine.calls] == [4, 4, 4]
-        assert result.stats["time_env_s"] >= 2.4
+        # three 0.8 s steps; each starts just before the engine begins to wait on it, hence the slack
+        assert result.stats["time_env_s"] >= 2.2
 
 
 # ---------------------------------------------------------------------------------------------- advantages over episodes
