@@ -40,7 +40,7 @@ import torch
 from tasks.common import user_code
 from tasks.common.config import ConfigError
 from tasks.common.nn import data
-from tasks.common.nn.rollout import Rollout
+from tasks.common.nn.rollout import BatchedRequests, Completion, Rollout
 
 BUILT_IN = {"calculator": "tasks.rl.envs.calculator", "guess": "tasks.rl.envs.guess"}
 FAILURES = ("error", "timeout", "malformed")  # why an environment ended an episode early
@@ -223,20 +223,26 @@ def episode_runner(cfg, engine, tokenizer, policy_version=None) -> "EpisodeRunne
 
 
 class EpisodeRunner:
-    """Runs a batch of episodes. The engine generates one turn for every episode ready for one, in one batched
-    `generate`; the environments step on an event loop of the runner's own (async steps awaited, sync ones in
-    threads), each as soon as its episode's turn is generated. In lock-step (the transformers engine: the same
-    batches, so the same samples, whatever the timing) the engine waits for every step in flight before the
-    next turn; overlapped (`engine.overlap_turns`, vLLM) it generates the turns of the episodes that are ready
-    while the others' steps run, so a slow tool holds back its own episode only.
+    """Runs a batch of episodes. Each model turn is a request to the engine (tasks.common.nn.rollout: `submit`,
+    then `step` until it finishes); the environments step on an event loop of the runner's own (async steps
+    awaited, sync ones in threads), each as soon as its episode's turn is generated.
 
-    `policy_version`, when given, is called before each generate: it may load newer weights into the engine
-    (--partial_rollouts) and says which version the turn generates with; each token is tagged with it."""
+    In lock-step (the transformers engine: the same batches, so the same samples, whatever the timing) every
+    turn of a round is one batched `generate`, and the engine waits for every step in flight before the next
+    round. Overlapped (`engine.overlap_turns`, vLLM) an episode's next turn is submitted as soon as its step
+    returns, and the engine keeps decoding the others meanwhile; vLLM takes each turn into its running batch
+    at the next decode step, so a slow tool holds back its own episode only and a finished one never waits
+    for a batch to drain.
+
+    `policy_version`, when given, is called whenever turns are submitted to an engine with none in flight: it
+    may load newer weights (--partial_rollouts) and says which version the turns generate with; each token is
+    tagged with it."""
 
     def __init__(self, engine, tokenizer, make_env, limits: EpisodeLimits, chat_template: bool = False, input_key: str = "prompt", policy_version=None):
         self.engine, self.tokenizer, self.make_env, self.limits = engine, tokenizer, make_env, limits
         self.chat_template, self.input_key, self.policy_version = chat_template, input_key, policy_version
         self.overlap = bool(getattr(engine, "overlap_turns", False))
+        self.requests = engine if hasattr(engine, "submit") else BatchedRequests(engine)
         self.stop_ids = set(data.stop_token_ids(tokenizer))
         self.pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="env")  # a hung sync step holds a thread, not the run
         self.loop = asyncio.new_event_loop()
@@ -289,42 +295,45 @@ class EpisodeRunner:
         t0 = time.monotonic()
         episodes = self.start(rows)
         waited = time.monotonic() - t0  # the engine idle, waiting on environments
-        behaviour_logprobs = True  # until an engine call reports none
+        behaviour_logprobs = True  # until the engine returns a turn without them
+        version = 0  # the weights the engine generates with
         ready = [i for i, e in enumerate(episodes) if not e.done]  # episodes waiting for their next model turn
+        generating: dict[int, int] = {}  # an episode's turn in the engine: the version it generates with
         stepping: dict[Future, tuple[int, int]] = {}  # an environment step in flight: (episode, version of its turn)
-        while ready or stepping:
-            blocked = stepping and (not ready or not self.overlap)
-            t1 = time.monotonic()
-            finished, _ = wait(stepping, timeout=None if blocked else 0, return_when=ALL_COMPLETED if not self.overlap else FIRST_COMPLETED)
-            waited += time.monotonic() - t1 if blocked else 0.0
+        while ready or generating or stepping:
+            if stepping and not (self.overlap and (ready or generating)):  # nothing for the engine to do meanwhile
+                t1 = time.monotonic()
+                finished, _ = wait(stepping, return_when=FIRST_COMPLETED if self.overlap else ALL_COMPLETED)
+                waited += time.monotonic() - t1
+            else:
+                finished = [future for future in stepping if future.done()]
             for future in finished:
-                i, version = stepping.pop(future)
-                self._apply(episodes[i], self._outcome(future), episodes[i].turns == self.limits.max_turns, version)
+                i, turn_version = stepping.pop(future)
+                self._apply(episodes[i], self._outcome(future), episodes[i].turns == self.limits.max_turns, turn_version)
                 if not episodes[i].done:
                     ready.append(i)
-            if not ready:
-                continue
-            batch, ready = sorted(ready), []
-            version = self.policy_version() if self.policy_version else 0
-            behaviour_logprobs &= self._turn([episodes[i] for i in batch], temperature, greedy, version)
-            for i in batch:
-                stepping[self._submit(episodes[i].env.step, episodes[i].action)] = (i, version)
+            if ready and not generating and self.policy_version:
+                # Newer weights load only with no turn in the engine, so each token's version is the weights that made it.
+                version = self.policy_version()
+            for i in sorted(ready):
+                self.requests.submit(i, episodes[i].prompt + episodes[i].tokens, self.limits.max_turn_tokens, temperature, greedy)
+                generating[i] = version
+            ready = []
+            turns = self.requests.step() if generating else []
+            for completion in turns:
+                i = completion.key
+                behaviour_logprobs &= completion.logprobs is not None
+                self._take_turn(episodes[i], completion, generating[i])
+                stepping[self._submit(episodes[i].env.step, episodes[i].action)] = (i, generating.pop(i))
         return self._collect(episodes, time.monotonic() - t0, waited, behaviour_logprobs)
 
-    def _turn(self, live: list[Episode], temperature: float, greedy: bool, version: int) -> bool:
-        """One model turn for each of `live`: its tokens appended (up to the episode's room) and decoded into its
-        `action`. Returns whether the engine reported the tokens' log-probabilities."""
-        limits = self.limits
-        rollout = self.engine.generate([e.prompt + e.tokens for e in live], limits.max_turn_tokens, temperature, greedy=greedy)
-        behaviour = rollout.logprobs.tolist() if rollout.logprobs is not None else [None] * len(live)
-        for episode, ids, mask, logprobs in zip(live, rollout.responses.tolist(), rollout.response_mask.tolist(), behaviour):
-            room = limits.max_episode_tokens - len(episode.tokens)
-            kept = [i for i, m in enumerate(mask) if m][:room]
-            ids = [ids[i] for i in kept]
-            episode.add(ids, by_model=True, logprobs=None if logprobs is None else [logprobs[i] for i in kept], version=version)
-            episode.turns += 1
-            episode.action = self.tokenizer.decode([t for t in ids if t not in self.stop_ids], skip_special_tokens=True)
-        return rollout.logprobs is not None
+    def _take_turn(self, episode: Episode, completion: Completion, version: int) -> None:
+        """A model turn's tokens appended to its episode (up to the episode's room) and decoded into its `action`."""
+        room = self.limits.max_episode_tokens - len(episode.tokens)
+        ids = completion.token_ids[:room]
+        episode.add(ids, by_model=True, logprobs=None if completion.logprobs is None else completion.logprobs[:room], version=version)
+        episode.turns += 1
+        episode.action = self.tokenizer.decode([t for t in ids if t not in self.stop_ids], skip_special_tokens=True)
 
     def _apply(self, episode: Episode, result, last_turn: bool, version: int) -> None:
         if isinstance(result, BaseException):

@@ -4,6 +4,7 @@ of their own (tasks.rl.workers.RolloutEngineWorker), fed over NCCL by a WeightCh
 
     engine = VLLMRolloutEngine(model_dir, tokenizer, max_model_len=512, gpu_memory_utilization=0.3, seed=0)
     rollout = engine.generate(prompt_ids, max_new_tokens=256, temperature=1.0)   # rollout.logprobs: vLLM's own
+    engine.submit(key, prompt_ids[0], max_new_tokens=64); engine.step()          # or request by request: [Completion]
     engine.load_weights(actor.module, zero3=False)                              # after every update
     engine.load_adapter(lora.adapter_weights(actor.module))                      # or, with --lora_rank, the adapter only
 
@@ -28,7 +29,7 @@ import tempfile
 import torch
 
 from tasks.common.nn.data import pad, stop_token_ids
-from tasks.common.nn.rollout import Rollout
+from tasks.common.nn.rollout import Completion, Rollout
 
 
 def _model_of(llm):
@@ -60,8 +61,8 @@ def gathered(param, gather: bool = True):
 
 
 class VLLMRolloutEngine:
-    # Episodes (tasks.rl.environment.EpisodeRunner): generate the turns of the episodes that are ready while the
-    # others' environment steps run; vLLM's batches are not reproducible bit for bit anyway.
+    # Episodes (tasks.rl.environment.EpisodeRunner): each episode's turn is submitted as soon as it is ready, while
+    # the others' turns decode and their environment steps run; vLLM's batches are not reproducible bit for bit anyway.
     overlap_turns = True
 
     def __init__(
@@ -113,29 +114,66 @@ class VLLMRolloutEngine:
         )
         self.model = _model_of(self.llm)
         self.asleep = False
+        self.in_flight, self.requests_made = {}, 0  # submitted requests' ids -> their keys
         # Before the first sync the adapter is peft's initial one, whose update B·A is zero: the base alone.
         self.adapter, self.adapter_loads = None, 0
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], max_new_tokens: int, temperature: float = 1.0, greedy: bool = False, batch_size: int = 0) -> Rollout:
         """Every prompt at once (vLLM schedules its own batches; batch_size is the HF engine's knob)."""
-        from vllm import SamplingParams
+        self.wake_up()
+        params = self._sampling(max_new_tokens, temperature, greedy)
+        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False, lora_request=self.adapter)
+        responses = [self._response(o) for o in outputs]
+        if self.enable_sleep:
+            self.sleep()
+        logprobs = [values for _, values in responses] if self.logprobs else None
+        return to_rollout(prompt_ids, [ids for ids, _ in responses], logprobs, self.tokenizer.pad_token_id)
+
+    # Request by request (tasks.common.nn.rollout's Completion; the episode runner's turns): vLLM's engine loop
+    # driven one scheduler step at a time, as its async engine drives it, so a request submitted between steps
+    # joins the running batch at the next one. In process, beside the weights the trainer syncs.
+
+    def submit(self, key: int, prompt_ids: list[int], max_new_tokens: int, temperature: float = 1.0, greedy: bool = False) -> None:
+        from vllm.inputs import tokens_input
 
         self.wake_up()
-        params = SamplingParams(
+        self.requests_made += 1
+        request_id = f"turn-{self.requests_made}"  # what the request's outputs carry back (vLLM adds a suffix inside)
+        self.llm.llm_engine.add_request(request_id, tokens_input(prompt_ids), self._sampling(max_new_tokens, temperature, greedy), lora_request=self.adapter)
+        self.in_flight[request_id] = key
+
+    @torch.no_grad()
+    def step(self) -> list[Completion]:
+        """One scheduler step (a decode step of every running request, prefill of new ones): the requests it finished."""
+        finished = []
+        for output in self.llm.llm_engine.step():
+            if output.finished:
+                finished.append(Completion(self.in_flight.pop(output.request_id), *self._response(output)))
+        if self.enable_sleep and not self.in_flight:
+            self.sleep()
+        return finished
+
+    def _sampling(self, max_new_tokens: int, temperature: float, greedy: bool):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return SamplingParams(
             temperature=0.0 if greedy else temperature,
             max_tokens=max_new_tokens,
             logprobs=0 if self.logprobs else None,
             stop_token_ids=[] if self.ignore_eos else stop_token_ids(self.tokenizer),
             ignore_eos=self.ignore_eos,
             detokenize=False,
+            output_kind=RequestOutputKind.FINAL_ONLY,  # a request's output once, when it finishes
         )
-        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False, lora_request=self.adapter)
-        responses = [list(o.outputs[0].token_ids) or [self.tokenizer.eos_token_id] for o in outputs]
-        logprobs = [[step[token].logprob for token, step in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outputs] if self.logprobs else None
-        if self.enable_sleep:
-            self.sleep()
-        return to_rollout(prompt_ids, responses, logprobs, self.tokenizer.pad_token_id)
+
+    def _response(self, output) -> tuple[list[int], list[float] | None]:
+        """A finished request's token ids (at least one: an empty response reads as EOS) and their log-probs."""
+        sample = output.outputs[0]
+        if not sample.token_ids:
+            return [self.tokenizer.eos_token_id], [0.0] if self.logprobs else None
+        return list(sample.token_ids), [step[token].logprob for token, step in zip(sample.token_ids, sample.logprobs)] if self.logprobs else None
 
     @torch.no_grad()
     def load_weights(self, module: torch.nn.Module, zero3: bool = False) -> None:

@@ -16,7 +16,7 @@ import torch
 from tasks.common.config import ConfigError, parse_config
 from tasks.common.nn import data
 from tasks.common.nn.losses import importance_weights, logprob_mismatch, policy_loss
-from tasks.common.nn.rollout import HFRolloutEngine, Rollout
+from tasks.common.nn.rollout import Completion, HFRolloutEngine, Rollout
 from tasks.data import agentic
 from tasks.data.demo import build_base_model
 from tasks.rl.advantages import discounted_returns, gae
@@ -330,14 +330,15 @@ SLOW_TOOL = """
 
 @pytest.mark.parametrize("overlap", [False, True])
 def test_a_slow_tool_holds_back_only_its_own_episode_when_turns_overlap(overlap, tiny, tmp_path):
-    """One episode's tool takes 0.8 s a step, three others' return at once; three turns each. Overlapped (the
-    vLLM engine), the three finish all their turns while the slow one waits on its first step; in lock-step (the
-    transformers engine) every turn waits for the slow step. The episodes are the same either way."""
+    """One episode's tool takes 2 s a step (room for a loaded machine), three others' return at once; three turns
+    each. Overlapped (the vLLM engine), the three finish all their turns while the slow one waits on its first
+    step; in lock-step (the transformers engine) every turn waits for the slow step. The episodes are the same
+    either way."""
     model, tokenizer = tiny
     env = load_environment(env_file(tmp_path, SLOW_TOOL))
     engine = (OverlappedEngine if overlap else RecordingEngine)(model, tokenizer)
     runner = EpisodeRunner(engine, tokenizer, env, EpisodeLimits(max_turns=3, max_episode_tokens=60, max_turn_tokens=3))
-    rows = [{"prompt": "9*9=", "delay": 0.8}] + [{"prompt": f"{k}*2=", "delay": 0.0} for k in range(3)]
+    rows = [{"prompt": "9*9=", "delay": 2.0}] + [{"prompt": f"{k}*2=", "delay": 0.0} for k in range(3)]
     result = runner.run(rows)
     runner.close()
     assert [e.turns for e in result.episodes] == [3, 3, 3, 3] and result.rewards.tolist() == [3.0] * 4
@@ -349,8 +350,69 @@ def test_a_slow_tool_holds_back_only_its_own_episode_when_turns_overlap(overlap,
         assert any(len(call) < 4 for call in engine.calls)  # turns generated without the slow episode's
     else:
         assert [len(call) for call in engine.calls] == [4, 4, 4]
-        # three 0.8 s steps; each starts just before the engine begins to wait on it, hence the slack
-        assert result.stats["time_env_s"] >= 2.2
+        # three 2 s steps; each starts just before the engine begins to wait on it, hence the slack
+        assert result.stats["time_env_s"] >= 5.5
+
+
+class StepwiseEngine:
+    """vLLM's request-level loop on the CPU, on the real tiny model: each `step` decodes one token of every
+    request in flight (greedy, to max_new_tokens as vLLM does with ignore_eos), so a request submitted between
+    steps joins the running batch at the next one. It records, at each submit, how many requests in flight
+    were already part-way through their tokens, and what each request produced."""
+
+    overlap_turns = True
+
+    def __init__(self, model, tokenizer, step_s: float = 0.02):
+        self.model, self.step_s = model, step_s
+        self.live, self.joined, self.produced = {}, [], {}
+
+    def submit(self, key, prompt_ids, max_new_tokens, temperature=1.0, greedy=False):
+        self.joined.append(sum(1 for request in self.live.values() if request["out"]))
+        self.live[key] = {"ids": list(prompt_ids), "out": [], "logprobs": [], "max": max_new_tokens}
+
+    @torch.no_grad()
+    def step(self):
+        time.sleep(self.step_s)  # a decode step's time on the GPU
+        finished = []
+        for key, request in list(self.live.items()):
+            logprobs = torch.log_softmax(self.model(torch.tensor([request["ids"] + request["out"]])).logits[0, -1].float(), -1)
+            token = int(logprobs.argmax())
+            request["out"].append(token)
+            request["logprobs"].append(float(logprobs[token]))
+            if len(request["out"]) == request["max"]:
+                del self.live[key]
+                self.produced.setdefault(key, []).append(request["out"])
+                finished.append(Completion(key, request["out"], request["logprobs"]))
+        return finished
+
+
+def test_a_request_level_engine_takes_each_turn_into_its_running_batch(tiny, tmp_path):
+    """vLLM's way: an episode whose step returns while others' turns are decoding is submitted at once and
+    decodes beside them, rather than waiting for a batch to drain. Two episodes: the first's tool answers at
+    once, the second's after 0.1 s, turns of 8 tokens at 0.02 s a step, so the second's next turn starts while
+    the first's is part-way. The episodes keep exactly the tokens the engine produced, with its log-probs;
+    newer weights load only with no turn in the engine (each token's version is the weights that made it)."""
+    model, tokenizer = tiny
+    env = load_environment(env_file(tmp_path, SLOW_TOOL))
+    engine = StepwiseEngine(model, tokenizer)
+    in_flight_at_load = []
+
+    def policy_version():
+        in_flight_at_load.append(len(engine.live))
+        return len(in_flight_at_load)
+
+    runner = EpisodeRunner(engine, tokenizer, env, EpisodeLimits(max_turns=3, max_episode_tokens=60, max_turn_tokens=8), policy_version=policy_version)
+    result = runner.run([{"prompt": "3*4=", "delay": 0.0}, {"prompt": "9*9=", "delay": 0.1}])
+    runner.close()
+    assert [e.turns for e in result.episodes] == [3, 3] and result.rewards.tolist() == [3.0, 3.0]
+    assert max(engine.joined) >= 1, "a turn joined a batch already decoding"
+    assert set(in_flight_at_load) == {0}
+    for key, episode in enumerate(result.episodes):
+        model_tokens = [t for t, m in zip(episode.tokens, episode.model_mask) if m]
+        assert model_tokens == [t for turn in engine.produced[key] for t in turn]
+        assert all(lp < 0 for lp, m in zip(episode.logprobs, episode.model_mask) if m)
+        assert len(set(episode.versions)) >= 1 and episode.versions == sorted(episode.versions)
+    assert result.rollout.logprobs is not None
 
 
 # ---------------------------------------------------------------------------------------------- advantages over episodes

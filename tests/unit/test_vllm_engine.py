@@ -94,24 +94,33 @@ def test_the_actor_scores_a_rollout_only_when_the_update_needs_it():
     assert make_config(RLConfig, {**base, "max_epochs": 2}).needs_old_logprobs()
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU and vllm")
-def test_vllm_engine_generates_and_follows_the_trained_weights(tmp_path):
-    """The engine samples from the weights it is given: after loading perturbed weights its
-    log-probabilities match the perturbed model's own (bf16 tolerance), not the original's."""
+@pytest.fixture(scope="module")
+def demo_engine(tmp_path_factory):
+    """The demo's tiny model saved, loaded in bf16 on the GPU, and a vLLM engine on it (one per process)."""
     from tasks.common.nn.models import load_causal_lm, load_tokenizer
     from tasks.common.nn.strategy import init_distributed
     from tasks.data import demo
-    from tasks.rl.experience import response_logprobs
     from tasks.rl.vllm_engine import VLLMRolloutEngine
 
+    path = tmp_path_factory.mktemp("vllm") / "m"
     tokenizer = demo.build_tokenizer()
-    demo.build_base_model(tokenizer).save_pretrained(tmp_path / "m")
-    tokenizer.save_pretrained(tmp_path / "m")
+    demo.build_base_model(tokenizer, max_positions=256).save_pretrained(path)
+    tokenizer.save_pretrained(path)
     init_distributed()
-    tokenizer = load_tokenizer(str(tmp_path / "m"))
-    model = load_causal_lm(str(tmp_path / "m")).to("cuda", torch.bfloat16)
-    engine = VLLMRolloutEngine(str(tmp_path / "m"), tokenizer, max_model_len=64, gpu_memory_utilization=0.2, seed=0)
+    tokenizer = load_tokenizer(str(path))
+    model = load_causal_lm(str(path)).to("cuda", torch.bfloat16)
+    # ignore_eos: every turn runs to its token limit, so the request-level test's timing does not hang on sampling.
+    return VLLMRolloutEngine(str(path), tokenizer, max_model_len=256, gpu_memory_utilization=0.2, seed=0, ignore_eos=True), model, tokenizer
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU and vllm")
+def test_vllm_engine_generates_and_follows_the_trained_weights(demo_engine):
+    """The engine samples from the weights it is given: after loading perturbed weights its
+    log-probabilities match the perturbed model's own (bf16 tolerance), not the original's."""
+    from tasks.rl.experience import response_logprobs
+
+    engine, model, tokenizer = demo_engine
     prompts = [[tokenizer.bos_token_id] + tokenizer.encode(p, add_special_tokens=False) for p in ("12+34=", "56+07=")]
     with torch.no_grad():
         for p in model.parameters():
@@ -120,3 +129,48 @@ def test_vllm_engine_generates_and_follows_the_trained_weights(tmp_path):
     rollout = engine.generate(prompts * 8, max_new_tokens=8)
     actor = response_logprobs(model, rollout.sequences.cuda(), rollout.attention_mask.cuda(), rollout.prompt_width).float().cpu()
     assert logprob_mismatch(actor, rollout.logprobs, rollout.response_mask)["engine_logprob_max_diff"] < 0.1
+
+
+SLOW_SECOND = """
+import asyncio
+
+class Environment:
+    def reset(self, row):
+        self.row = row
+        return row["prompt"]
+
+    async def step(self, action):
+        await asyncio.sleep(self.row["delay"])
+        return "ok", 1.0, False, {}
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU and vllm")
+def test_vllm_engine_takes_each_episode_turn_into_its_running_batch(demo_engine, tmp_path):
+    """Episodes on vLLM request by request: the second episode's tool answers 20 ms after the first's, and its
+    next turn is submitted at once, joining the first's turn part-way through its 64 tokens, rather than
+    waiting for it to finish. Each episode keeps the engine's tokens and log-probs."""
+    from tasks.rl.environment import EpisodeLimits, EpisodeRunner, load_environment
+
+    engine, _, tokenizer = demo_engine
+    joined = []
+    submit = engine.submit
+
+    def recording_submit(*args, **kwargs):
+        joined.append(len(engine.in_flight))
+        submit(*args, **kwargs)
+
+    engine.submit = recording_submit
+    (tmp_path / "env.py").write_text(SLOW_SECOND)
+    runner = EpisodeRunner(
+        engine, tokenizer, load_environment(str(tmp_path / "env.py")), EpisodeLimits(max_turns=3, max_episode_tokens=240, max_turn_tokens=64)
+    )
+    result = runner.run([{"prompt": "12+34=", "delay": 0.0}, {"prompt": "56+07=", "delay": 0.02}])
+    runner.close()
+    del engine.submit
+    assert [e.turns for e in result.episodes] == [3, 3] and not engine.in_flight
+    assert max(joined) >= 1, "a turn was submitted while another was decoding"
+    assert result.rollout.logprobs is not None
+    for episode in result.episodes:
+        assert sum(episode.model_mask) == 3 * 64 and all(lp <= 0 for lp in episode.logprobs)

@@ -6,6 +6,14 @@
     rollout.response_mask                       # [B, R]: 1 up to and including the first stop token
     rollout.texts(tokenizer)                    # decoded responses, stop token stripped
 
+Request by request (multi-turn episodes, tasks.rl.environment): `submit` one prompt under a key, then `step`
+until it comes back as a Completion. vLLM's engine does this natively, a request joining the running batch
+at its next decode step; `BatchedRequests` gives any engine that only generates whole batches the same calls.
+
+    requests = engine if hasattr(engine, "submit") else BatchedRequests(engine)
+    requests.submit(key=3, prompt_ids=ids, max_new_tokens=16)
+    finished = requests.step()                  # [Completion(key=3, token_ids=[...], logprobs=[...])], or [] not yet
+
 A response stops at the tokenizer's EOS or at the special token its chat template closes an assistant
 turn with (data.stop_token_ids): a chat model ends its answer with <|im_end|> or <|eot_id|>, not EOS.
 
@@ -70,6 +78,43 @@ class Rollout:
             self.prompt_width,
             *(None if t is None else t.to(device) for t in (self.logprobs, self.versions)),
         )
+
+
+@dataclass
+class Completion:
+    """A finished request: its response's token ids (up to and including the stop token) and, if the engine
+    reports them, their log-probabilities."""
+
+    key: int
+    token_ids: list[int]
+    logprobs: list[float] | None
+
+
+class BatchedRequests:
+    """Request-level calls on an engine that generates whole batches (the HF engine): `step` generates every
+    prompt submitted since the last step in one `generate`, so a step finishes all of them."""
+
+    def __init__(self, engine):
+        self.engine, self.queue = engine, []
+
+    def submit(self, key: int, prompt_ids: list[int], max_new_tokens: int, temperature: float = 1.0, greedy: bool = False) -> None:
+        self.queue.append((key, prompt_ids, (max_new_tokens, temperature, greedy)))
+
+    def step(self) -> list[Completion]:
+        queue, self.queue = self.queue, []
+        if not queue:
+            return []
+        sampling = {q[2] for q in queue}
+        if len(sampling) > 1:
+            raise ValueError(f"one batch generates with one (max_new_tokens, temperature, greedy); got {sorted(sampling)}")
+        max_new_tokens, temperature, greedy = sampling.pop()
+        rollout = self.engine.generate([q[1] for q in queue], max_new_tokens, temperature, greedy=greedy)
+        logprobs = rollout.logprobs.tolist() if rollout.logprobs is not None else [None] * len(queue)
+        finished = []
+        for (key, _, _), ids, mask, values in zip(queue, rollout.responses.tolist(), rollout.response_mask.tolist(), logprobs):
+            kept = [i for i, m in enumerate(mask) if m]
+            finished.append(Completion(key, [ids[i] for i in kept], None if values is None else [values[i] for i in kept]))
+        return finished
 
 
 def response_mask(responses: torch.Tensor, stop_ids: int | list[int]) -> torch.Tensor:
