@@ -75,6 +75,7 @@ SHAPES = {
 SHAPE_SUFFIX = {"qwen2-0.5b": "", "qwen2.5-1.5b": "_1p5b", "tiny": ""}
 REWARD_FILE = Path(__file__).with_name("reward.py")
 AGENTIC_ENV = Path(__file__).with_name("agentic_env.py")
+AGENTIC_SLOW_ENV = Path(__file__).with_name("agentic_slow_env.py")  # the same loop, its tool taking 20-200 ms a step
 AGENTIC_TURNS, AGENTIC_TURN_TOKENS = 4, 64  # 4 × 64 = COMPLETION_TOKENS: an agentic step samples as many tokens
 
 
@@ -449,18 +450,19 @@ def bench_ours(
         args.update(vllm_num_engines=1, vllm_gpu_memory_utilization=0.6, colocate_all_models=False, colocate_actor_ref=True, init_kl_coef=0.01)
     elif engine == "vllm" and layout.startswith("agentic"):
         # Multi-turn episodes in a tool loop: AGENTIC_TURNS turns of AGENTIC_TURN_TOKENS tokens, the same tokens a step as above;
-        # colocated on one GPU (agentic), or the engine on a GPU of its own, on-policy (agentic_separate) or generating the
-        # next rollout while the actor trains, new weights reaching running episodes (agentic_async).
+        # colocated on one GPU (agentic, or agentic_slow_tool with a tool of 20-200 ms), or the engine on a GPU of its
+        # own, on-policy (agentic_separate) or generating the next rollout while the actor trains, new weights
+        # reaching running episodes (agentic_async).
         args.update(
             vllm_num_engines=1,
             vllm_gpu_memory_utilization=0.3,
-            env_path=AGENTIC_ENV,
+            env_path=AGENTIC_SLOW_ENV if layout == "agentic_slow_tool" else AGENTIC_ENV,
             max_turns=AGENTIC_TURNS,
             generate_max_len=AGENTIC_TURN_TOKENS,
             max_episode_tokens=AGENTIC_TURNS * (AGENTIC_TURN_TOKENS + 16),
         )
         args.pop("remote_rm_url")
-        if layout != "agentic":
+        if layout not in ("agentic", "agentic_slow_tool"):
             args.update(colocate_all_models=False, vllm_gpu_memory_utilization=0.6)
         if layout == "agentic_async":
             args.update(async_train=True, max_staleness=1, partial_rollouts=True)
@@ -768,7 +770,7 @@ def main() -> None:
     parser.add_argument(
         "--layout",
         default="colocated",
-        choices=["colocated", "async", "actor_ref_vllm", "agentic", "agentic_separate", "agentic_async"],
+        choices=["colocated", "async", "actor_ref_vllm", "agentic", "agentic_slow_tool", "agentic_separate", "agentic_async"],
         help="ours: one GPU; two with async rollouts; two with actor+ref on one and vLLM on the other",
     )
     parser.add_argument("--lr", type=float, default=1e-6, help="ours: actor learning rate (a learning check uses a larger one)")

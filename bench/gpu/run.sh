@@ -32,7 +32,7 @@ for phase in "$@"; do
     hf_generate) python bench/grpo_bench.py hf_generate --dir $dir ;;
     sft_profile) python bench/grpo_bench.py sft_profile --dir $dir ;;
     sft_profile_compile) python bench/grpo_bench.py sft_profile --dir $dir --compile ;;
-    sft|sft_noliger|sft_sdpa|sft_compile|ours|ours32|ours64|ours64_noliger|ours64_sdpa|ours64_lora|ours64_lora_sdpa|ours_hf|ours_async|ours_2gpu_kl|ours_agentic|ours_agentic_separate|ours_agentic_async|eval_vllm|eval_hf|tests_stages|tests_learn)
+    sft|sft_noliger|sft_sdpa|sft_compile|ours|ours32|ours64|ours64_noliger|ours64_sdpa|ours64_lora|ours64_lora_sdpa|ours_hf|ours_async|ours_2gpu_kl|ours_agentic|ours_agentic_slow_tool|ours_agentic_separate|ours_agentic_async|eval_vllm|eval_hf|tests_stages|tests_learn)
       if [ -z "$ray_up" ]; then start_ray && ray_up=1; fi
       case "$phase" in
         sft) python bench/grpo_bench.py sft --dir $dir ;;
@@ -52,6 +52,8 @@ for phase in "$@"; do
         ours_2gpu_kl) python bench/grpo_bench.py ours --dir $dir --mode vllm --micro 64 --layout actor_ref_vllm --steps 10 ;;
         ours_hf) python bench/grpo_bench.py ours --dir $dir --mode hf --steps 5 ;;
         ours_agentic) python bench/grpo_bench.py ours --dir $dir --mode vllm --micro 64 --layout agentic --steps 8 ;;
+        # The same with a tool of 20-200 ms a step: each episode's next turn joins vLLM's running batch when its step returns.
+        ours_agentic_slow_tool) python bench/grpo_bench.py ours --dir $dir --mode vllm --micro 64 --layout agentic_slow_tool --steps 8 ;;
         # Two GPUs: the engine on its own, on-policy, then asynchronous with partial rollouts.
         ours_agentic_separate) python bench/grpo_bench.py ours --dir $dir --mode vllm --micro 64 --layout agentic_separate --steps 8 ;;
         ours_agentic_async) python bench/grpo_bench.py ours --dir $dir --mode vllm --micro 64 --layout agentic_async --steps 10 ;;
