@@ -154,23 +154,27 @@ def test_vllm_engine_takes_each_episode_turn_into_its_running_batch(demo_engine,
     from tasks.rl.environment import EpisodeLimits, EpisodeRunner, load_environment
 
     engine, _, tokenizer = demo_engine
-    joined = []
-    submit = engine.submit
+    joined, decoding = [], set()  # at each submit: how many requests in flight have been through a decode step
+    submit, step = engine.submit, engine.step
 
     def recording_submit(*args, **kwargs):
-        joined.append(len(engine.in_flight))
+        joined.append(len(decoding & set(engine.in_flight)))
         submit(*args, **kwargs)
 
-    engine.submit = recording_submit
+    def recording_step():
+        decoding.update(engine.in_flight)
+        return step()
+
+    engine.submit, engine.step = recording_submit, recording_step
     (tmp_path / "env.py").write_text(SLOW_SECOND)
     runner = EpisodeRunner(
         engine, tokenizer, load_environment(str(tmp_path / "env.py")), EpisodeLimits(max_turns=3, max_episode_tokens=240, max_turn_tokens=64)
     )
     result = runner.run([{"prompt": "12+34=", "delay": 0.0}, {"prompt": "56+07=", "delay": 0.02}])
     runner.close()
-    del engine.submit
+    del engine.submit, engine.step
     assert [e.turns for e in result.episodes] == [3, 3] and not engine.in_flight
-    assert max(joined) >= 1, "a turn was submitted while another was decoding"
+    assert max(joined) >= 1, "a turn was submitted while another was part-way through decoding"
     assert result.rollout.logprobs is not None
     for episode in result.episodes:
         assert sum(episode.model_mask) == 3 * 64 and all(lp <= 0 for lp in episode.logprobs)
