@@ -197,6 +197,7 @@ def bench_verl(
             "transformers": importlib.metadata.version("transformers"),
             "patches": [
                 "continuous_token_wiring: qwen2 -> the default prompt builder (bench/gpu/verl.sh)",
+                "monkey_patch: skips trl's value-head model, which trl 1.16 lacks (bench/gpu/verl.sh)",
                 "reward: bench/reward.py's even_fraction as compute_score",
                 "chat template: a message's text alone",
             ],

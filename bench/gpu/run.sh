@@ -75,9 +75,10 @@ for phase in "$@"; do
       rc=$?; ray_cli stop --force >/dev/null 2>&1; ray_up=""; (exit $rc) ;;
     # verl 0.9.1 (bench/verl_bench.py), the same way: /tmp/site-verl (verl, its transformers 5.10.4) first on PYTHONPATH
     # for this phase and its Ray head alone. verl_sleep: verl's default free_cache_engine (vLLM sleeps while the actor trains).
+    # VERL_ARGS adds verl_bench.py's options (e.g. "--sdpa --steps 8 --timeout_s 270" without flash-attn, on a short lease).
     verl|verl_sleep)
       ( export PYTHONPATH=/tmp/site-verl:$PYTHONPATH
-        start_ray && python bench/verl_bench.py --dir $dir $([ "$phase" = verl_sleep ] && echo --vllm_sleep) )
+        start_ray && python bench/verl_bench.py --dir $dir $([ "$phase" = verl_sleep ] && echo --vllm_sleep) ${VERL_ARGS:-} )
       rc=$?; ray_cli stop --force >/dev/null 2>&1; ray_up=""; (exit $rc) ;;
     trl_hf) python bench/grpo_bench.py trl --dir $dir --mode hf --steps 8 ;;
     trl_vllm) python bench/grpo_bench.py trl --dir $dir --mode vllm ;;

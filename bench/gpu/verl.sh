@@ -21,7 +21,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 here=.scratch/gpu/verl
 site=/tmp/site-verl
-always="verl==0.9.1 transformers==5.10.4 tokenizers==0.22.2 hydra-core==1.3.8 omegaconf==2.3.1 codetiming==1.4.0 tensordict==0.10.0 pyvers==0.1.0 torchdata==0.11.0 transferqueue==0.1.11 orjson==3.13.0"
+always="verl==0.9.1 transformers==5.10.4 tokenizers==0.22.2 hydra-core==1.3.8 omegaconf==2.3.1 codetiming==1.4.0 tensordict==0.10.0 pyvers==0.1.0 torchdata==0.11.0 transferqueue==0.1.11 orjson==3.13.0 model-hosting-container-standards==0.1.16"
 sdist="antlr4-python3-runtime==4.9.3"
 aiohttp_group="aiohttp==3.14.5 aiohappyeyeballs==2.7.1 aiosignal==1.4.0 frozenlist==1.8.0 multidict==7.2.1 propcache==0.5.4 yarl==1.25.1"
 if_missing="cloudpickle==3.1.3 prometheus-client==0.26.0"
@@ -52,19 +52,35 @@ case "${1:?usage: verl.sh pack|install}" in
     done
     rm -rf $site && mkdir -p $site
     pip install --quiet --no-index --no-deps --target $site "${wheels[@]}"
-    # patch: verl picks its prompt builder by config.json's model_type, and for qwen2 that is the Qwen (ChatML) builder,
+    # patches (each fails loudly if verl's text moved):
+    # 1. verl picks its prompt builder by config.json's model_type, and for qwen2 that is the Qwen (ChatML) builder,
     # which looks up <|im_end|> when it starts. The bench tokenizer has one character per token and no such token, so
     # every agent-loop worker would stop there. The default builder renders the same single-turn prompt (Qwen's only
     # adds a newline between turns), so qwen2 maps to it here.
-    python - $site/verl/utils/tokenizer/continuous_token_wiring.py <<'EOF'
+    # 2. When trl is importable, verl's monkey patch reaches for trl's value-head model, which trl 1.16 (ours) no
+    # longer has: every actor stopped at `ImportError: cannot import name 'AutoModelForCausalLMWithValueHead'` on
+    # 2026-12-04. The bench trains no value head, so the patch is skipped when the class is missing.
+    python - $site/verl <<'EOF'
 import sys
-path = sys.argv[1]
-text = open(path).read()
-old = '    "qwen2": ContinuousTokenModelFamily.QWEN,\n'
-assert text.count(old) == 1, "continuous_token_wiring.py changed: patch it by hand"
-new = '    "qwen2": ContinuousTokenModelFamily.DEFAULT,  # bench/gpu/verl.sh: the bench tokenizer has no <|im_end|>\n'
-open(path, "w").write(text.replace(old, new))
-print("patched", path)
+root = sys.argv[1]
+edits = [
+    ("utils/tokenizer/continuous_token_wiring.py",
+     '    "qwen2": ContinuousTokenModelFamily.QWEN,\n',
+     '    "qwen2": ContinuousTokenModelFamily.DEFAULT,  # bench/gpu/verl.sh: the bench tokenizer has no <|im_end|>\n'),
+    ("models/transformers/monkey_patch.py",
+     "            from trl import AutoModelForCausalLMWithValueHead  # type: ignore\n",
+     "            AutoModelForCausalLMWithValueHead = getattr(__import__('trl'), 'AutoModelForCausalLMWithValueHead', None)  # bench/gpu/verl.sh\n"),
+    ("models/transformers/monkey_patch.py",
+     "        AutoModelForCausalLMWithValueHead.state_dict = state_dict\n",
+     "        if AutoModelForCausalLMWithValueHead is not None:  # bench/gpu/verl.sh: trl 1.16 has none\n"
+     "            AutoModelForCausalLMWithValueHead.state_dict = state_dict\n"),
+]
+for rel, old, new in edits:
+    path = f"{root}/{rel}"
+    text = open(path).read()
+    assert text.count(old) == 1, f"{rel} changed: patch it by hand"
+    open(path, "w").write(text.replace(old, new))
+    print("patched", path)
 EOF
     PYTHONPATH="$site:$PYTHONPATH" python -c "
 import importlib.metadata as md, importlib.util
