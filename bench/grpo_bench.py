@@ -647,6 +647,8 @@ def report(bench_dir: Path, out: Path, command: str) -> None:
     ours, trl_hf, trl_vllm = get(best, "step_s"), get("trl_hf", "step_s"), get("trl_vllm", "step_s")
     # OpenRLHF 0.11.2 (bench/openrlhf_bench.py) on the same work, its fastest run
     openrlhf, openrlhf_run = min(((r["step_s"], n) for n, r in results.items() if n.startswith("openrlhf") and "_1p5b" not in n), default=(None, None))
+    # verl 0.9.1 (bench/verl_bench.py), the same way
+    verl, verl_run = min(((r["step_s"], n) for n, r in results.items() if n.startswith("verl") and "_1p5b" not in n), default=(None, None))
     summary = {
         "date": time.strftime("%Y-%m-%d"),
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
@@ -668,6 +670,9 @@ def report(bench_dir: Path, out: Path, command: str) -> None:
         "grpo_step_s_openrlhf": openrlhf,
         "speedup_vs_openrlhf": round(openrlhf / ours, 3) if ours and openrlhf else None,
         "grpo_openrlhf_run": openrlhf_run,
+        "grpo_step_s_verl": verl,
+        "speedup_vs_verl": round(verl / ours, 3) if ours and verl else None,
+        "grpo_verl_run": verl_run,
         "grpo_ours_run": best,
         "rollout_tokens_per_s": get(best, "rollout_tokens_per_s"),
         "grpo_step_s_ours_2gpu_async": min((r["step_s"] for n, r in results.items() if "async" in n and "agentic" not in n), default=None),
@@ -750,6 +755,7 @@ def report(bench_dir: Path, out: Path, command: str) -> None:
         "grpo_step_s_trl_vllm",
         "grpo_step_s_trl",
         "grpo_step_s_openrlhf",
+        "grpo_step_s_verl",
         "rollout_tokens_per_s",
         "vllm_standalone_tokens_per_s",
         "decode_floor_tokens_per_s",

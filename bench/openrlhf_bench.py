@@ -118,7 +118,7 @@ def bench_openrlhf(bench_dir: Path, steps: int = 12, micro: int = 16, vllm_sleep
         bench_dir,
         name,
         {
-            **step_summary(records, records[0].get("timing/step_total", 0.0), start, prefix="timing/", split=SPLIT),
+            **step_summary(records, records[0].get("timing/step_total", 0.0), start, prefix="timing/", split=SPLIT, returncode=returncode),
             "response_length_mean": [r.get("rollout/response_length_mean") for r in records],
             "reward_curve": [round(r["rollout/reward_mean"], 4) for r in records if "rollout/reward_mean" in r],
             "micro_batch": micro,

@@ -40,13 +40,19 @@ def run_stamped(argv: list[str], log: Path, marker: str, timeout_s: float, env: 
     return proc.returncode, stamped, start
 
 
-def fail_unless_ran(what: str, returncode: int, records: list[dict], log: Path) -> None:
-    if returncode or not records:
+# run_stamped's return code when its watchdog stopped the run at timeout_s
+STOPPED = -signal.SIGKILL
+
+
+def fail_unless_ran(what: str, returncode: int, records: list[dict], log: Path, min_steps: int = 3) -> None:
+    """A run that failed is no measurement; one stopped at the bench's time limit is, once it logged min_steps steps
+    (a short lease: on 2026-12-04 verl was stopped after 4 steps and, before this, nothing of them was kept)."""
+    if not ((returncode == 0 and records) or (returncode == STOPPED and len(records) >= min_steps)):
         tail = log.read_text().splitlines()[-40:]
         raise SystemExit(f"{what} failed ({returncode}, {len(records)} steps logged); last lines of {log}:\n" + "\n".join(tail))
 
 
-def step_summary(records: list[dict], first_step_s: float, start: float, prefix: str, split: dict[str, str]) -> dict:
+def step_summary(records: list[dict], first_step_s: float, start: float, prefix: str, split: dict[str, str], returncode: int = 0) -> dict:
     """Step 1 from the peer's own total (the driver's start-up is no step), then the wall time between step lines;
     the median after the first two steps. split maps the peer's timing names (after prefix) to ours."""
     times = [first_step_s] + [b["t"] - a["t"] for a, b in zip(records, records[1:])]
@@ -60,4 +66,5 @@ def step_summary(records: list[dict], first_step_s: float, start: float, prefix:
         "rollout_tokens_per_s": round(PROMPTS_PER_STEP * GROUP * COMPLETION_TOKENS / generate) if generate else None,
         "setup_s": round(records[0]["t"] - start - times[0], 1),
         "steps": len(records),
+        "stopped_at_time_limit": returncode == STOPPED,
     }

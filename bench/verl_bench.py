@@ -186,7 +186,7 @@ def bench_verl(
         bench_dir,
         name,
         {
-            **step_summary(records, records[0]["timing_s/step"], start, prefix="timing_s/", split=SPLIT),
+            **step_summary(records, records[0]["timing_s/step"], start, prefix="timing_s/", split=SPLIT, returncode=returncode),
             "response_length_mean": [r.get("response_length/mean") for r in records],
             "reward_curve": [round(r["critic/score/mean"], 4) for r in records if "critic/score/mean" in r],
             "micro_batch": micro,
