@@ -239,6 +239,11 @@ def bench_hf_generate(bench_dir: Path, batch: int = 64) -> None:
 # ---------------------------------------------------------------------------- our stages
 
 
+def train_suffix(checkpointing: bool, zero_stage: int) -> str:
+    """A run's name ends in what its training differs in from the default (gradient checkpointing, ZeRO-2)."""
+    return ("" if checkpointing else "_nogc") + ("" if zero_stage == 2 else f"_zero{zero_stage}")
+
+
 def run_stage(module: str, args: dict, log: Path) -> None:
     argv = [sys.executable, "-m", module] + [x for k, v in args.items() for x in ((f"--{k}", str(v)) if v is not True else (f"--{k}",))]
     print(" ".join(argv), flush=True)
@@ -255,8 +260,18 @@ def step_times(metrics_file: Path) -> list[float]:
     return [b - a for a, b in zip(stamps, stamps[1:])]
 
 
-def bench_sft(bench_dir: Path, steps: int = 12, batch: int = 8, seq: int = 2048, compile_blocks: bool = False, liger: bool = True, flash: bool = True) -> None:
-    name = ("sft_compile" if compile_blocks else "sft") + ("" if liger else "_noliger") + ("" if flash else "_sdpa")
+def bench_sft(
+    bench_dir: Path,
+    steps: int = 12,
+    batch: int = 8,
+    seq: int = 2048,
+    compile_blocks: bool = False,
+    liger: bool = True,
+    flash: bool = True,
+    checkpointing: bool = True,
+    zero_stage: int = 2,
+) -> None:
+    name = ("sft_compile" if compile_blocks else "sft") + ("" if liger else "_noliger") + ("" if flash else "_sdpa") + train_suffix(checkpointing, zero_stage)
     out = bench_dir / "out" / name
     run_stage(
         "tasks.sft",
@@ -272,8 +287,8 @@ def bench_sft(bench_dir: Path, steps: int = 12, batch: int = 8, seq: int = 2048,
             "lr_warmup_steps": 0,
             "logging_steps": 1,
             "bf16": on_gpu(),
-            "zero_stage": 2,
-            "gradient_checkpointing": True,
+            "zero_stage": zero_stage,
+            "gradient_checkpointing": checkpointing,
             "flash_attn": flash,
             "torch_compile": compile_blocks,
             "use_liger_kernel": liger,
@@ -284,7 +299,7 @@ def bench_sft(bench_dir: Path, steps: int = 12, batch: int = 8, seq: int = 2048,
     last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     tokens = batch * seq
     # 6 N per token for forward + backward, and 2 N more for the forward gradient checkpointing recomputes.
-    flops = 8 * parameters(bench_dir) * tokens
+    flops = (8 if checkpointing else 6) * parameters(bench_dir) * tokens
     save(
         bench_dir,
         name,
@@ -295,8 +310,8 @@ def bench_sft(bench_dir: Path, steps: int = 12, batch: int = 8, seq: int = 2048,
             "mfu_standard": standard_mfu(bench_dir, tokens, seq, seconds),
             "batch": batch,
             "seq_len": seq,
-            "zero_stage": 2,
-            "gradient_checkpointing": True,
+            "zero_stage": zero_stage,
+            "gradient_checkpointing": checkpointing,
             "torch_compile": compile_blocks,
             "liger": liger,
             "gpu_peak_gb": last.get("gpu_peak_gb"),
@@ -322,7 +337,9 @@ def kernel_kind(name: str) -> str:
     return next((kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys)), "elementwise and other")
 
 
-def bench_sft_profile(bench_dir: Path, batch: int = 8, seq: int = 2048, steps: int = 3, compile_blocks: bool = False) -> None:
+def bench_sft_profile(
+    bench_dir: Path, batch: int = 8, seq: int = 2048, steps: int = 3, compile_blocks: bool = False, checkpointing: bool = True, zero_stage: int = 2
+) -> None:
     """Where an SFT step's GPU time goes: the stage's own pieces (model loading, DeepSpeed strategy,
     log-probabilities, loss) in this process, `steps` steps under torch.profiler after 3 warm-up steps;
     kernel time per step by kind, the busiest kernels, and how much of the step no kernel ran."""
@@ -334,7 +351,9 @@ def bench_sft_profile(bench_dir: Path, batch: int = 8, seq: int = 2048, steps: i
     from tasks.common.nn.strategy import DeepSpeedStrategy
     from tasks.sft.trainer import micro_batch_logprobs
 
-    strategy = DeepSpeedStrategy(zero_stage=2, bf16=on_gpu(), micro_batch_size=batch, gradient_checkpointing=True, torch_compile=compile_blocks)
+    strategy = DeepSpeedStrategy(
+        zero_stage=zero_stage, bf16=on_gpu(), micro_batch_size=batch, gradient_checkpointing=checkpointing, torch_compile=compile_blocks
+    )
     engine = strategy.prepare(load_causal_lm(str(bench_dir / "model"), flash_attn=True), 1e-5, 100)
     engine.train()
     rng = random.Random(0)
@@ -365,7 +384,7 @@ def bench_sft_profile(bench_dir: Path, batch: int = 8, seq: int = 2048, steps: i
     top = sorted(events, key=lambda e: -e.self_device_time_total)[:12]
     save(
         bench_dir,
-        "sft_profile_compile" if compile_blocks else "sft_profile",
+        ("sft_profile_compile" if compile_blocks else "sft_profile") + train_suffix(checkpointing, zero_stage),
         {
             "step_s_profiled": round(step_s, 4),
             "kernel_s_per_step": round(busy, 4),
@@ -374,8 +393,8 @@ def bench_sft_profile(bench_dir: Path, batch: int = 8, seq: int = 2048, steps: i
             "top_kernels_ms_per_step": {e.key[:100]: round(e.self_device_time_total / 1e3 / steps, 2) for e in top},
             "batch": batch,
             "seq_len": seq,
-            "zero_stage": 2,
-            "gradient_checkpointing": True,
+            "zero_stage": zero_stage,
+            "gradient_checkpointing": checkpointing,
             "torch_compile": compile_blocks,
         },
     )
@@ -427,6 +446,8 @@ def bench_ours(
     liger: bool = True,
     lora_rank: int = 0,
     flash: bool = True,
+    checkpointing: bool = True,
+    zero_stage: int = 2,
 ) -> None:
     """layout: colocated (one GPU: vLLM inside the actor); async (two GPUs: the engine on its own,
     generating the next rollout while the actor trains, one step off-policy); or actor_ref_vllm (two
@@ -438,10 +459,11 @@ def bench_ours(
         + ("" if liger else "_noliger")
         + (f"_lora{lora_rank}" if lora_rank else "")
         + ("" if flash else "_sdpa")
+        + train_suffix(checkpointing, zero_stage)
     )
     out = bench_dir / "out" / name
     args = grpo_args(bench_dir, out, steps, micro)
-    args.update(actor_learning_rate=lr, use_liger_kernel=liger, flash_attn=flash)
+    args.update(actor_learning_rate=lr, use_liger_kernel=liger, flash_attn=flash, gradient_checkpointing=checkpointing, zero_stage=zero_stage)
     if lora_rank:  # adapters on every linear layer; the engine is synced the adapter alone
         args.update(lora_rank=lora_rank, lora_alpha=2 * lora_rank, target_modules="all-linear")
     if engine == "vllm" and layout == "colocated":
@@ -485,9 +507,9 @@ def bench_ours(
         **split,
         "rollout_tokens_per_s": rate,
         "train_tokens_per_s": round(train_tokens / split["time_train_s"]),
-        # forward+backward+recompute (8 N) in training; with KL, one more forward (2 N) each for the
-        # old and the reference log-probabilities (without, the actor skips its scoring pass)
-        "mfu": round((12 if layout == "actor_ref_vllm" else 8) * parameters(bench_dir) * train_tokens / step / BF16_PEAK_FLOPS, 4),
+        # forward+backward (6 N) and the recomputed forward (2 N) in training; with KL, one more forward (2 N) each
+        # for the old and the reference log-probabilities (without, the actor skips its scoring pass)
+        "mfu": round((6 + 2 * checkpointing + (4 if layout == "actor_ref_vllm" else 0)) * parameters(bench_dir) * train_tokens / step / BF16_PEAK_FLOPS, 4),
         # the training phase alone, counted the standard way
         "train_mfu_standard": standard_mfu(bench_dir, train_tokens, PROMPT_TOKENS + COMPLETION_TOKENS, split["time_train_s"]),
         # the actor's training phase alone (a colocated engine asleep), torch's allocator, the largest over steps
@@ -506,7 +528,11 @@ def bench_ours(
                 result[key] = [round(r[key], 4) for r in records]
     if "engine_logprob_max_diff" in records[-1]:
         result["engine_logprob_max_diff"] = [r["engine_logprob_max_diff"] for r in records]
-    save(bench_dir, name, {"micro_batch": micro, "liger": liger, "lora_rank": lora_rank, **result})
+    save(
+        bench_dir,
+        name,
+        {"micro_batch": micro, "liger": liger, "lora_rank": lora_rank, "gradient_checkpointing": checkpointing, "zero_stage": zero_stage, **result},
+    )
 
 
 # ---------------------------------------------------------------------------- eval
@@ -786,6 +812,8 @@ def main() -> None:
     parser.add_argument("--no_liger", action="store_true", help="sft, ours: --use_liger_kernel false (the eager kernels and full logits)")
     parser.add_argument("--lora_rank", type=int, default=0, help="ours: LoRA adapters of this rank on every linear layer")
     parser.add_argument("--sdpa", action="store_true", help="sft, ours: --flash_attn false (PyTorch's SDPA kernels)")
+    parser.add_argument("--no_gc", action="store_true", help="sft, sft_profile, ours: --gradient_checkpointing false (activations kept, no recomputed forward)")
+    parser.add_argument("--zero_stage", type=int, default=2, choices=[0, 1, 2, 3], help="sft, sft_profile, ours: DeepSpeed's ZeRO stage")
     a = parser.parse_args()
     a.dir.mkdir(parents=True, exist_ok=True)
     if a.what == "setup":
@@ -795,11 +823,23 @@ def main() -> None:
     elif a.what == "hf_generate":
         bench_hf_generate(a.dir)
     elif a.what == "sft":
-        bench_sft(a.dir, a.steps, compile_blocks=a.compile, liger=not a.no_liger, flash=not a.sdpa)
+        bench_sft(a.dir, a.steps, compile_blocks=a.compile, liger=not a.no_liger, flash=not a.sdpa, checkpointing=not a.no_gc, zero_stage=a.zero_stage)
     elif a.what == "sft_profile":
-        bench_sft_profile(a.dir, compile_blocks=a.compile)
+        bench_sft_profile(a.dir, compile_blocks=a.compile, checkpointing=not a.no_gc, zero_stage=a.zero_stage)
     elif a.what == "ours":
-        bench_ours(a.dir, a.steps, engine=a.mode, micro=a.micro, layout=a.layout, lr=a.lr, liger=not a.no_liger, lora_rank=a.lora_rank, flash=not a.sdpa)
+        bench_ours(
+            a.dir,
+            a.steps,
+            engine=a.mode,
+            micro=a.micro,
+            layout=a.layout,
+            lr=a.lr,
+            liger=not a.no_liger,
+            lora_rank=a.lora_rank,
+            flash=not a.sdpa,
+            checkpointing=not a.no_gc,
+            zero_stage=a.zero_stage,
+        )
     elif a.what == "trl":
         bench_trl(a.dir, a.mode, a.steps)
     elif a.what == "eval":
