@@ -45,8 +45,8 @@ STOPPED = -signal.SIGKILL
 
 
 def fail_unless_ran(what: str, returncode: int, records: list[dict], log: Path, min_steps: int = 3) -> None:
-    """A run that failed is no measurement; one stopped at the bench's time limit is, once it logged min_steps steps
-    (a short lease: on 2026-12-04 verl was stopped after 4 steps and, before this, nothing of them was kept)."""
+    """A run that failed is no measurement. One stopped at the bench's time limit is, once it logged min_steps steps:
+    on a short lease the steps that ran are what there is."""
     if not ((returncode == 0 and records) or (returncode == STOPPED and len(records) >= min_steps)):
         tail = log.read_text().splitlines()[-40:]
         raise SystemExit(f"{what} failed ({returncode}, {len(records)} steps logged); last lines of {log}:\n" + "\n".join(tail))
