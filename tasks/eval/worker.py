@@ -47,7 +47,7 @@ def summed_logprobs(model, rollout: Rollout, batch_size: int = 256) -> torch.Ten
     out = []
     for i in range(0, rollout.sequences.size(0), batch_size):
         seqs, mask = rollout.sequences[i : i + batch_size].to(device), rollout.attention_mask[i : i + batch_size].to(device)
-        logprobs = sequence_logprobs(model, seqs, mask)[:, rollout.prompt_width - 1 :]
+        logprobs = sequence_logprobs(model, seqs, mask, start=rollout.prompt_width - 1)
         out.append((logprobs * rollout.response_mask[i : i + batch_size].to(device)).sum(-1).cpu())
     return torch.cat(out)
 

@@ -37,12 +37,12 @@ class Experience:
         return Experience(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()})
 
 
-def response_logprobs(model, rollout_sequences, attention_mask, prompt_width, return_entropy=False, temperature=1.0):
-    """Log-probabilities of the response tokens only, at the sampling temperature: [B, R]."""
-    out = sequence_logprobs(model, rollout_sequences, attention_mask, return_entropy=return_entropy, temperature=temperature)
-    if return_entropy:
-        return out[0][:, prompt_width - 1 :], out[1][:, prompt_width - 1 :]
-    return out[:, prompt_width - 1 :]
+def response_logprobs(model, rollout_sequences, attention_mask, prompt_width, return_entropy=False, temperature=1.0, entropy_grad=True):
+    """Log-probabilities of the response tokens only, at the sampling temperature: [B, R] (the prompt's are
+    never computed)."""
+    return sequence_logprobs(
+        model, rollout_sequences, attention_mask, return_entropy=return_entropy, temperature=temperature, start=prompt_width - 1, entropy_grad=entropy_grad
+    )
 
 
 def response_values(critic, sequences, attention_mask, prompt_width):

@@ -185,8 +185,16 @@ class ActorWorker(_Trainer):
         loss_agg = "seq_mean_token_sum_norm" if cfg.advantage_estimator == "dr_grpo" else "token_mean"
         for minibatch in minibatches:
             for mb in _micro_batches(minibatch.to(device), self.micro):
+                # The entropy is logged every step but trained on only with --entropy_coef: without it, it stays out of
+                # autograd and the backward pass makes no vocabulary-wide passes for it.
                 logprobs, entropy = response_logprobs(
-                    self.engine, mb.sequences, mb.attention_mask, mb.prompt_width, return_entropy=True, temperature=cfg.temperature
+                    self.engine,
+                    mb.sequences,
+                    mb.attention_mask,
+                    mb.prompt_width,
+                    return_entropy=True,
+                    temperature=cfg.temperature,
+                    entropy_grad=bool(cfg.entropy_coef),
                 )
                 old = logprobs.detach() if mb.logprobs is None else mb.logprobs
                 is_weights = None

@@ -435,6 +435,34 @@ def test_a_model_that_takes_log_probs_a_chunk_at_a_time_gives_the_full_logits_nu
     assert all(torch.allclose(g, w, atol=1e-5) for w, g in zip(runs[0][3], runs[1][3]))
 
 
+def test_log_probs_from_a_start_position_are_the_full_ones_sliced_and_a_logged_entropy_takes_no_gradient():
+    """RL scores response tokens only (start = prompt width - 1): the same numbers and parameter gradients as
+    computing every position and slicing, on the full-logits path and the chunked one. An entropy asked for
+    without entropy_grad has the same values, stays out of autograd and leaves the log-probs' gradients as they are."""
+    from tasks.common.nn import data
+    from tasks.data import demo
+
+    tok = demo.build_tokenizer()
+    model = demo.build_base_model(tok, seed=1)
+    ids, mask = data.pad([data.encode_prompt(tok, p) for p in ("3+4=7", "37+45=82", "1+1=")], tok.pad_token_id, side="left")
+    start = 4
+    for chunked in (False, True):
+        model.chunked_logprobs = chunked
+        runs = []
+        for kwargs in ({}, {"start": start}, {"start": start, "entropy_grad": False}):
+            model.zero_grad()
+            logprobs, entropy = sequence_logprobs(model, ids, mask, return_entropy=True, temperature=0.8, **kwargs)
+            if "start" not in kwargs:
+                logprobs, entropy = logprobs[:, start:], entropy[:, start:]
+            assert entropy.requires_grad == kwargs.get("entropy_grad", True)
+            (logprobs * mask[:, start + 1 :]).sum().backward()
+            runs.append((logprobs.detach(), entropy.detach(), [p.grad.clone() for p in model.parameters()]))
+        for got in runs[1:]:
+            assert got[0].shape == runs[0][0].shape == (3, ids.size(1) - 1 - start)
+            assert torch.allclose(got[0], runs[0][0], atol=1e-6) and torch.allclose(got[1], runs[0][1], atol=1e-6)
+            assert all(torch.allclose(g, w, atol=1e-6) for w, g in zip(runs[0][2], got[2]))
+
+
 # ---- sampling temperature -----------------------------------------------------------------------------
 
 

@@ -83,9 +83,19 @@ def _compiled_token_logprobs():
     return torch.compile(fused_token_logprobs, dynamic=True)
 
 
-def head_logprobs(hidden: torch.Tensor, head: Callable, labels: torch.Tensor, temperature: float = 1.0, return_entropy: bool = False, chunk_tokens: int = 1024):
+def head_logprobs(
+    hidden: torch.Tensor,
+    head: Callable,
+    labels: torch.Tensor,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    chunk_tokens: int = 1024,
+    entropy_grad: bool = True,
+):
     """token_logprobs(head(hidden), labels, temperature) (and the distribution's entropy) without ever holding
     the logits of more than `chunk_tokens` tokens: [..., H] hidden states, [...] labels -> [...].
+    entropy_grad=False leaves the entropy out of autograd: logged, not trained on, it then costs no backward
+    passes over the vocabulary.
 
     The logits are the largest tensor of a causal LM's step (8 × 2048 tokens × a 152k vocabulary is 10 GB in
     float32, and eager backward makes two more); here each chunk's logits are made, reduced to log-probs and
@@ -96,25 +106,32 @@ def head_logprobs(hidden: torch.Tensor, head: Callable, labels: torch.Tensor, te
     checkpointed = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in _parameters(head)))
     parts = []
     for start in range(0, flat_labels.numel(), chunk_tokens):
-        args = (head, flat_hidden[start : start + chunk_tokens], flat_labels[start : start + chunk_tokens], temperature, return_entropy)
+        args = (head, flat_hidden[start : start + chunk_tokens], flat_labels[start : start + chunk_tokens], temperature, return_entropy, entropy_grad)
         parts.append(torch.utils.checkpoint.checkpoint(_chunk_logprobs, *args, use_reentrant=False) if checkpointed else _chunk_logprobs(*args))
     out = torch.cat(parts, dim=-1)
     if not return_entropy:
         return out.reshape(shape)
-    return out[0].reshape(shape), out[1].reshape(shape)
+    entropy = out[1].reshape(shape)
+    return out[0].reshape(shape), (entropy if entropy_grad else entropy.detach())
 
 
 def _parameters(head) -> list[torch.Tensor]:
     return list(head.parameters()) if isinstance(head, torch.nn.Module) else []
 
 
-def _chunk_logprobs(head, hidden, labels, temperature: float, return_entropy: bool) -> torch.Tensor:
+def _chunk_logprobs(head, hidden, labels, temperature: float, return_entropy: bool, entropy_grad: bool = True) -> torch.Tensor:
     """One chunk of head_logprobs: [N, H] -> [N] log-probs, or [2, N] log-probs and entropies."""
     log_p = F.log_softmax(tempered(head(hidden).float(), temperature), dim=-1)
     logprobs = log_p.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
     if not return_entropy:
         return logprobs
-    return torch.stack([logprobs, -(log_p.exp() * log_p).sum(-1)])
+    return torch.stack([logprobs, entropy_of(log_p, entropy_grad)])
+
+
+def entropy_of(log_p: torch.Tensor, grad: bool = True) -> torch.Tensor:
+    """-Σ p log p over the last dimension, from log-probabilities; outside autograd unless grad."""
+    with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
+        return -(log_p.exp() * log_p).sum(-1)
 
 
 def sft_loss(logprobs: torch.Tensor, loss_mask: torch.Tensor, num_tokens: torch.Tensor | float | None = None) -> torch.Tensor:

@@ -32,7 +32,7 @@ import torch
 from tasks.common import manifest as manifests
 from tasks.common import storage
 from tasks.common.nn import lora
-from tasks.common.nn.losses import head_logprobs, last_token_index, tempered, token_logprobs
+from tasks.common.nn.losses import entropy_of, head_logprobs, last_token_index, tempered, token_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -227,23 +227,30 @@ def packed_scores(model, input_ids: torch.Tensor, position_ids: torch.Tensor, se
     return values[last]
 
 
-def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, return_entropy: bool = False, temperature: float = 1.0):
-    """log p(token t+1 | tokens ≤ t) for every position under softmax(logits / temperature): [B, T] -> [B, T-1]
-    (and that distribution's entropy). RL passes its sampling temperature, so the ratio, KL and entropy are
-    those of the policy that sampled the rollout."""
+def sequence_logprobs(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    return_entropy: bool = False,
+    temperature: float = 1.0,
+    start: int = 0,
+    entropy_grad: bool = True,
+):
+    """log p(token t+1 | tokens ≤ t) for every position t ≥ start under softmax(logits / temperature):
+    [B, T] -> [B, T-1-start] (and that distribution's entropy; entropy_grad=False keeps it out of autograd).
+    RL passes its sampling temperature, so the ratio, KL and entropy are those of the policy that sampled the
+    rollout, and start = prompt width - 1: the output head and its vocabulary-wide passes skip the prompt."""
     chunked = _chunked_head(model)
     if chunked:
         backbone, head = chunked
         hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask)).last_hidden_state
-        return head_logprobs(hidden[:, :-1], head, input_ids[:, 1:], temperature, return_entropy)
+        return head_logprobs(hidden[:, start:-1], head, input_ids[:, start + 1 :], temperature, return_entropy, entropy_grad=entropy_grad)
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask)).logits
-    logits = logits[:, :-1]
-    logprobs = token_logprobs(logits, input_ids[:, 1:], temperature)  # divides inside, fused on a GPU
+    logits = logits[:, start:-1]
+    logprobs = token_logprobs(logits, input_ids[:, start + 1 :], temperature)  # divides inside, fused on a GPU
     if not return_entropy:
         return logprobs
-    log_p = torch.log_softmax(tempered(logits.float(), temperature), dim=-1)
-    entropy = -(log_p.exp() * log_p).sum(-1)
-    return logprobs, entropy
+    return logprobs, entropy_of(torch.log_softmax(tempered(logits.float(), temperature), dim=-1), entropy_grad)
 
 
 def _chunked_head(model):
