@@ -667,14 +667,17 @@ def report(bench_dir: Path, out: Path, command: str) -> None:
     candidates = sorted(
         (r["step_s"], name)
         for name, r in results.items()
-        if name.startswith("ours_vllm") and not any(k in name for k in ("async", "agentic", "noliger", "lora", "sdpa", "_1p5b"))
+        if name.startswith("ours_vllm") and not any(k in name for k in ("async", "agentic", "noliger", "lora", "sdpa", "_nogc", "_zero", "_1p5b"))
     )
     best = candidates[0][1] if candidates else "ours_vllm"
     ours, trl_hf, trl_vllm = get(best, "step_s"), get("trl_hf", "step_s"), get("trl_vllm", "step_s")
-    # OpenRLHF 0.11.2 (bench/openrlhf_bench.py) on the same work, its fastest run
-    openrlhf, openrlhf_run = min(((r["step_s"], n) for n, r in results.items() if n.startswith("openrlhf") and "_1p5b" not in n), default=(None, None))
-    # verl 0.9.1 (bench/verl_bench.py), the same way
-    verl, verl_run = min(((r["step_s"], n) for n, r in results.items() if n.startswith("verl") and "_1p5b" not in n), default=(None, None))
+
+    def fastest(peer: str) -> tuple[float | None, str | None]:
+        """A peer's fastest run on the same work at this shape: (step seconds, run name)."""
+        return min(((r["step_s"], n) for n, r in results.items() if n.startswith(peer) and "_1p5b" not in n), default=(None, None))
+
+    openrlhf, openrlhf_run = fastest("openrlhf")  # OpenRLHF 0.11.2 (bench/openrlhf_bench.py)
+    verl, verl_run = fastest("verl")  # verl 0.9.1 (bench/verl_bench.py)
     summary = {
         "date": time.strftime("%Y-%m-%d"),
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
