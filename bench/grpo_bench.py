@@ -672,12 +672,19 @@ def report(bench_dir: Path, out: Path, command: str) -> None:
     best = candidates[0][1] if candidates else "ours_vllm"
     ours, trl_hf, trl_vllm = get(best, "step_s"), get("trl_hf", "step_s"), get("trl_vllm", "step_s")
 
-    def fastest(peer: str) -> tuple[float | None, str | None]:
-        """A peer's fastest run on the same work at this shape: (step seconds, run name)."""
-        return min(((r["step_s"], n) for n, r in results.items() if n.startswith(peer) and "_1p5b" not in n), default=(None, None))
+    def fastest(peer: str, shape: str = "") -> tuple[float | None, str | None]:
+        """A peer's fastest run on the same work at one shape ("" or "_1p5b"): (step seconds, run name)."""
+        runs = ((r["step_s"], n) for n, r in results.items() if n.startswith(peer) and n.endswith("_1p5b") == (shape == "_1p5b"))
+        return min(runs, default=(None, None))
+
+    def ratio(slower: float | None, faster: float | None) -> float | None:
+        return round(slower / faster, 3) if slower and faster else None
 
     openrlhf, openrlhf_run = fastest("openrlhf")  # OpenRLHF 0.11.2 (bench/openrlhf_bench.py)
     verl, verl_run = fastest("verl")  # verl 0.9.1 (bench/verl_bench.py)
+    ours_1p5b, trl_vllm_1p5b = get("ours_vllm_m64_1p5b", "step_s"), get("trl_vllm_1p5b", "step_s")
+    openrlhf_1p5b, openrlhf_1p5b_run = fastest("openrlhf", "_1p5b")
+    verl_1p5b, verl_1p5b_run = fastest("verl", "_1p5b")
     summary = {
         "date": time.strftime("%Y-%m-%d"),
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
@@ -694,13 +701,13 @@ def report(bench_dir: Path, out: Path, command: str) -> None:
         "grpo_step_s_ours": ours,
         "grpo_step_s_trl": trl_hf,
         "grpo_step_s_trl_vllm": trl_vllm,
-        "speedup_vs_trl_vllm": round(trl_vllm / ours, 3) if ours and trl_vllm else None,
-        "speedup_vs_trl_hf": round(trl_hf / ours, 3) if ours and trl_hf else None,
+        "speedup_vs_trl_vllm": ratio(trl_vllm, ours),
+        "speedup_vs_trl_hf": ratio(trl_hf, ours),
         "grpo_step_s_openrlhf": openrlhf,
-        "speedup_vs_openrlhf": round(openrlhf / ours, 3) if ours and openrlhf else None,
+        "speedup_vs_openrlhf": ratio(openrlhf, ours),
         "grpo_openrlhf_run": openrlhf_run,
         "grpo_step_s_verl": verl,
-        "speedup_vs_verl": round(verl / ours, 3) if ours and verl else None,
+        "speedup_vs_verl": ratio(verl, ours),
         "grpo_verl_run": verl_run,
         "grpo_ours_run": best,
         "rollout_tokens_per_s": get(best, "rollout_tokens_per_s"),
@@ -753,8 +760,15 @@ def report(bench_dir: Path, out: Path, command: str) -> None:
             key: [get("ours_vllm_m64_lora64", key), get("ours_vllm_m64", key)] for key in ("step_s", "time_generate_s", "time_train_s", "time_weight_sync_s")
         },
         # The 1.5B shape (SHAPE=qwen2.5-1.5b; the runs' names end in _1p5b): the same work, LoRA where it should pay in memory
-        "grpo_step_s_ours_1p5b": get("ours_vllm_m64_1p5b", "step_s"),
-        "grpo_step_s_trl_vllm_1p5b": get("trl_vllm_1p5b", "step_s"),
+        "grpo_step_s_ours_1p5b": ours_1p5b,
+        "grpo_step_s_trl_vllm_1p5b": trl_vllm_1p5b,
+        "speedup_vs_trl_vllm_1p5b": ratio(trl_vllm_1p5b, ours_1p5b),
+        "grpo_step_s_openrlhf_1p5b": openrlhf_1p5b,
+        "speedup_vs_openrlhf_1p5b": ratio(openrlhf_1p5b, ours_1p5b),
+        "grpo_openrlhf_1p5b_run": openrlhf_1p5b_run,
+        "grpo_step_s_verl_1p5b": verl_1p5b,
+        "speedup_vs_verl_1p5b": ratio(verl_1p5b, ours_1p5b),
+        "grpo_verl_1p5b_run": verl_1p5b_run,
         "lora_vs_full_1p5b": {
             attention: {
                 key: [get(f"ours_vllm_m64_lora64{suffix}_1p5b", key), get(f"ours_vllm_m64{suffix}_1p5b", key)]
@@ -785,6 +799,10 @@ def report(bench_dir: Path, out: Path, command: str) -> None:
         "grpo_step_s_trl",
         "grpo_step_s_openrlhf",
         "grpo_step_s_verl",
+        "grpo_step_s_ours_1p5b",
+        "grpo_step_s_trl_vllm_1p5b",
+        "grpo_step_s_openrlhf_1p5b",
+        "grpo_step_s_verl_1p5b",
         "rollout_tokens_per_s",
         "vllm_standalone_tokens_per_s",
         "decode_floor_tokens_per_s",

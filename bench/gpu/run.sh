@@ -78,9 +78,10 @@ for phase in "$@"; do
     # OpenRLHF (bench/openrlhf_bench.py): /tmp/site-openrlhf first on PYTHONPATH for this phase alone, its Ray head
     # included (Ray's workers take the raylet's environment, not the driver's); the head goes with the phase.
     # openrlhf_sleep: the same with --vllm.enable_sleep (vLLM started alone, before the actor loads).
+    # OPENRLHF_ARGS adds openrlhf_bench.py's options (e.g. "--steps 8 --timeout_s 390" to leave room in a call).
     openrlhf|openrlhf_sleep)
       ( export PYTHONPATH=/tmp/site-openrlhf:$PYTHONPATH
-        start_ray && python bench/openrlhf_bench.py --dir $dir $([ "$phase" = openrlhf_sleep ] && echo --vllm_sleep) )
+        start_ray && python bench/openrlhf_bench.py --dir $dir $([ "$phase" = openrlhf_sleep ] && echo --vllm_sleep) ${OPENRLHF_ARGS:-} )
       rc=$?; ray_cli stop --force >/dev/null 2>&1; ray_up=""; (exit $rc) ;;
     # verl 0.9.1 (bench/verl_bench.py), the same way: /tmp/site-verl (verl, its transformers 5.10.4) first on PYTHONPATH
     # for this phase and its Ray head alone. verl_sleep: verl's default free_cache_engine (vLLM sleeps while the actor trains).
