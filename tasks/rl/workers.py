@@ -106,8 +106,16 @@ class ActorWorker(_Trainer):
                 rollout.versions = torch.full_like(rollout.response_mask, self.weights_version)
         return rollout
 
+    @contextlib.contextmanager
     def _rollout_stream(self):
-        return torch.cuda.stream(self.rollout_stream) if self.rollout_stream is not None else contextlib.nullcontext()
+        """Overlapped on CUDA: the rollout's kernels on their own stream, all finished before the lock is let go (a
+        weight load then overwrites nothing a late kernel still reads)."""
+        if self.rollout_stream is None:
+            yield
+            return
+        with torch.cuda.stream(self.rollout_stream):
+            yield
+        self.rollout_stream.synchronize()
 
     def sync_weights(self, version: int) -> None:
         """Load the weights after `version` updates into this worker's vLLM engine (the HF engine uses them in
