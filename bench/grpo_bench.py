@@ -749,7 +749,8 @@ def report(bench_dir: Path, out: Path, command: str) -> None:
             (
                 r.get("mfu_standard") or standard_mfu(bench_dir, r["batch"] * r["seq_len"], r["seq_len"], r["step_s"])
                 for n, r in results.items()
-                if n in ("sft", "sft_compile")
+                # without the recomputed forward too: the standard count leaves it out either way
+                if n in ("sft", "sft_compile", "sft_nogc", "sft_compile_nogc")
             ),
             default=None,
         ),

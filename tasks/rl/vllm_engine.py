@@ -162,6 +162,7 @@ class VLLMRolloutEngine:
             temperature=0.0 if greedy else temperature,
             max_tokens=max_new_tokens,
             logprobs=0 if self.logprobs else None,
+            flat_logprobs=self.logprobs,  # a request's log-probs in flat lists, not a dict and an object per token
             stop_token_ids=[] if self.ignore_eos else stop_token_ids(self.tokenizer),
             ignore_eos=self.ignore_eos,
             detokenize=False,
@@ -173,7 +174,10 @@ class VLLMRolloutEngine:
         sample = output.outputs[0]
         if not sample.token_ids:
             return [self.tokenizer.eos_token_id], [0.0] if self.logprobs else None
-        return list(sample.token_ids), [step[token].logprob for token, step in zip(sample.token_ids, sample.logprobs)] if self.logprobs else None
+        if not self.logprobs:
+            return list(sample.token_ids), None
+        flat = sample.logprobs  # vLLM's FlatLogprobs: each position's entries from its start index, the sampled token's first
+        return list(sample.token_ids), [flat.logprobs[start] for start in flat.start_indices]
 
     @torch.no_grad()
     def load_weights(self, module: torch.nn.Module, zero3: bool = False) -> None:
