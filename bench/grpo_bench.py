@@ -448,6 +448,7 @@ def bench_ours(
     flash: bool = True,
     checkpointing: bool = True,
     zero_stage: int = 2,
+    compile_blocks: bool = False,
 ) -> None:
     """layout: colocated (one GPU: vLLM inside the actor); colocated_async (the same, the engine generating the
     next rollout while the actor trains, one step off-policy); async (two GPUs: the engine on its own,
@@ -460,11 +461,14 @@ def bench_ours(
         + ("" if liger else "_noliger")
         + (f"_lora{lora_rank}" if lora_rank else "")
         + ("" if flash else "_sdpa")
+        + ("_compile" if compile_blocks else "")
         + train_suffix(checkpointing, zero_stage)
     )
     out = bench_dir / "out" / name
     args = grpo_args(bench_dir, out, steps, micro)
     args.update(actor_learning_rate=lr, use_liger_kernel=liger, flash_attn=flash, gradient_checkpointing=checkpointing, zero_stage=zero_stage)
+    if compile_blocks:
+        args.update(torch_compile=True)
     if lora_rank:  # adapters on every linear layer; the engine is synced the adapter alone
         args.update(lora_rank=lora_rank, lora_alpha=2 * lora_rank, target_modules="all-linear")
     if engine == "vllm" and layout in ("colocated", "colocated_async"):
@@ -532,7 +536,15 @@ def bench_ours(
     save(
         bench_dir,
         name,
-        {"micro_batch": micro, "liger": liger, "lora_rank": lora_rank, "gradient_checkpointing": checkpointing, "zero_stage": zero_stage, **result},
+        {
+            "micro_batch": micro,
+            "liger": liger and not compile_blocks,  # --torch_compile takes Liger's place
+            "torch_compile": compile_blocks,
+            "lora_rank": lora_rank,
+            "gradient_checkpointing": checkpointing,
+            "zero_stage": zero_stage,
+            **result,
+        },
     )
 
 
@@ -668,7 +680,7 @@ def report(bench_dir: Path, out: Path, command: str) -> None:
     candidates = sorted(
         (r["step_s"], name)
         for name, r in results.items()
-        if name.startswith("ours_vllm") and not any(k in name for k in ("async", "agentic", "noliger", "lora", "sdpa", "_nogc", "_zero", "_1p5b"))
+        if name.startswith("ours_vllm") and not any(k in name for k in ("async", "agentic", "noliger", "lora", "sdpa", "_compile", "_nogc", "_zero", "_1p5b"))
     )
     best = candidates[0][1] if candidates else "ours_vllm"
     ours, trl_hf, trl_vllm = get(best, "step_s"), get("trl_hf", "step_s"), get("trl_vllm", "step_s")
@@ -841,7 +853,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-6, help="ours: actor learning rate (a learning check uses a larger one)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results.json")
     parser.add_argument("--command", default="bash bench/gpu/run.sh", help="recorded in results.json")
-    parser.add_argument("--compile", action="store_true", help="sft, sft_profile: --torch_compile (each transformer block compiled)")
+    parser.add_argument("--compile", action="store_true", help="sft, sft_profile, ours: --torch_compile (each transformer block compiled)")
     parser.add_argument("--no_liger", action="store_true", help="sft, ours: --use_liger_kernel false (the eager kernels and full logits)")
     parser.add_argument("--lora_rank", type=int, default=0, help="ours: LoRA adapters of this rank on every linear layer")
     parser.add_argument("--sdpa", action="store_true", help="sft, ours: --flash_attn false (PyTorch's SDPA kernels)")
@@ -872,6 +884,7 @@ def main() -> None:
             flash=not a.sdpa,
             checkpointing=not a.no_gc,
             zero_stage=a.zero_stage,
+            compile_blocks=a.compile,
         )
     elif a.what == "trl":
         bench_trl(a.dir, a.mode, a.steps)

@@ -9,7 +9,7 @@
 #   bash bench/gpu/run.sh ours64 ours64_lora       # LoRA (rank 64, the adapter alone synced to vLLM) beside full weights
 #   bash bench/gpu/run.sh sft sft_sdpa ours64 ours64_sdpa    # flash-attn (flash_attn.sh installed it) against SDPA
 #   bash bench/gpu/run.sh sft sft_nogc sft_zero0 sft_profile_nogc ours64 ours64_nogc ours64_zero0 ours64_nogc_zero0   # the training phase's costs
-#   bash bench/gpu/run.sh sft_compile sft_compile_nogc sft_profile_compile_nogc   # compiled blocks, without the recomputed forward
+#   bash bench/gpu/run.sh sft_compile sft_compile_nogc sft_profile_compile_nogc ours64_compile ours64_compile_nogc   # compiled blocks, with and without the recomputed forward
 #   SHAPE=qwen2.5-1.5b bash bench/gpu/run.sh setup sft ours64  # the 1.5B shape in /tmp/bench-qwen2.5-1.5b; names end in _1p5b
 #   bash bench/gpu/run.sh ours trl_vllm trl_hf report
 #   bash bench/gpu/run.sh ours64 ours64_overlap trl_vllm   # one GPU: the next rollout generating while the actor trains
@@ -37,7 +37,7 @@ for phase in "$@"; do
     sft_profile_compile) python bench/grpo_bench.py sft_profile --dir $dir --compile ;;
     sft_profile_nogc) python bench/grpo_bench.py sft_profile --dir $dir --no_gc ;;
     sft_profile_compile_nogc) python bench/grpo_bench.py sft_profile --dir $dir --compile --no_gc ;;
-    sft|sft_noliger|sft_sdpa|sft_compile|sft_nogc|sft_compile_nogc|sft_zero0|ours64_nogc|ours64_zero0|ours64_nogc_zero0|ours|ours32|ours64|ours64_noliger|ours64_sdpa|ours64_lora|ours64_lora_sdpa|ours_hf|ours_async|ours64_overlap|ours_2gpu_kl|ours_agentic|ours_agentic_slow_tool|ours_agentic_separate|ours_agentic_async|eval_vllm|eval_hf|tests_stages|tests_learn)
+    sft|sft_noliger|sft_sdpa|sft_compile|sft_nogc|sft_compile_nogc|sft_zero0|ours64_nogc|ours64_zero0|ours64_nogc_zero0|ours64_compile|ours64_compile_nogc|ours|ours32|ours64|ours64_noliger|ours64_sdpa|ours64_lora|ours64_lora_sdpa|ours_hf|ours_async|ours64_overlap|ours_2gpu_kl|ours_agentic|ours_agentic_slow_tool|ours_agentic_separate|ours_agentic_async|eval_vllm|eval_hf|tests_stages|tests_learn)
       if [ -z "$ray_up" ]; then start_ray && ray_up=1; fi
       case "$phase" in
         sft) python bench/grpo_bench.py sft --dir $dir ;;
@@ -53,6 +53,8 @@ for phase in "$@"; do
         ours64_nogc) python bench/grpo_bench.py ours --dir $dir --mode vllm --micro 64 --no_gc ;;
         ours64_zero0) python bench/grpo_bench.py ours --dir $dir --mode vllm --micro 64 --zero_stage 0 ;;
         ours64_nogc_zero0) python bench/grpo_bench.py ours --dir $dir --mode vllm --micro 64 --no_gc --zero_stage 0 ;;
+        ours64_compile) python bench/grpo_bench.py ours --dir $dir --mode vllm --micro 64 --compile ;;
+        ours64_compile_nogc) python bench/grpo_bench.py ours --dir $dir --mode vllm --micro 64 --compile --no_gc ;;
         ours64_sdpa) python bench/grpo_bench.py ours --dir $dir --mode vllm --micro 64 --sdpa ;;
         ours64_noliger) python bench/grpo_bench.py ours --dir $dir --mode vllm --micro 64 --no_liger ;;
         # LoRA rank 64 on every linear layer: vLLM generates through the adapter, synced alone after each update.
