@@ -205,7 +205,7 @@ class ActorWorker(_Trainer):
         """One optimizer step per minibatch (this rank's share of it), in micro-batches."""
         cfg, device = self.cfg, self.strategy.device
         self.engine.train()
-        if torch.cuda.is_available():  # the training phase's own peak, apart from a colocated engine's generation
+        if torch.cuda.is_available():  # the training phase's own peak, apart from a colocated engine's generation (overlapped, with it)
             torch.cuda.reset_peak_memory_stats()
         stats: dict[str, list[float]] = {"policy_loss": [], "clip_fraction": [], "entropy": []}
         sync_gaps = []  # the largest |engine - actor| log-probability gap of each micro-batch
