@@ -466,9 +466,14 @@ def bench_ours(
     )
     out = bench_dir / "out" / name
     args = grpo_args(bench_dir, out, steps, micro)
-    args.update(actor_learning_rate=lr, use_liger_kernel=liger, flash_attn=flash, gradient_checkpointing=checkpointing, zero_stage=zero_stage)
-    if compile_blocks:
-        args.update(torch_compile=True)
+    args.update(
+        actor_learning_rate=lr,
+        use_liger_kernel=liger,
+        flash_attn=flash,
+        gradient_checkpointing=checkpointing,
+        zero_stage=zero_stage,
+        torch_compile=compile_blocks,
+    )
     if lora_rank:  # adapters on every linear layer; the engine is synced the adapter alone
         args.update(lora_rank=lora_rank, lora_alpha=2 * lora_rank, target_modules="all-linear")
     if engine == "vllm" and layout in ("colocated", "colocated_async"):
