@@ -450,8 +450,7 @@ def bench_ours(
     zero_stage: int = 2,
     compile_blocks: bool = False,
 ) -> None:
-    """layout: colocated (one GPU: vLLM inside the actor); colocated_async (the same, the engine generating the
-    next rollout while the actor trains, one step off-policy); async (two GPUs: the engine on its own,
+    """layout: colocated (one GPU: vLLM inside the actor); async (two GPUs: the engine on its own,
     generating the next rollout while the actor trains, one step off-policy); or actor_ref_vllm (two
     GPUs, on-policy, KL on: actor and reference share one, the engine has the other)."""
     name = (
@@ -476,8 +475,8 @@ def bench_ours(
     )
     if lora_rank:  # adapters on every linear layer; the engine is synced the adapter alone
         args.update(lora_rank=lora_rank, lora_alpha=2 * lora_rank, target_modules="all-linear")
-    if engine == "vllm" and layout in ("colocated", "colocated_async"):
-        args.update(vllm_num_engines=1, vllm_gpu_memory_utilization=0.3, async_train=layout == "colocated_async")
+    if engine == "vllm" and layout == "colocated":
+        args.update(vllm_num_engines=1, vllm_gpu_memory_utilization=0.3)
     elif engine == "vllm" and layout == "actor_ref_vllm":
         args.update(vllm_num_engines=1, vllm_gpu_memory_utilization=0.6, colocate_all_models=False, colocate_actor_ref=True, init_kl_coef=0.01)
     elif engine == "vllm" and layout.startswith("agentic"):
@@ -533,9 +532,9 @@ def bench_ours(
     }
     if layout.startswith("agentic"):
         result.update({key: round(statistics.median(r[key] for r in tail), 4) for key in ("episodes_per_s", "turns_per_episode", "time_env_s")})
-    for key in ("staleness", "partial_fraction", "mismatch_kl"):
-        if key in records[-1]:
-            result[key] = [round(r[key], 4) for r in records]
+        for key in ("staleness", "partial_fraction", "mismatch_kl"):
+            if key in records[-1]:
+                result[key] = [round(r[key], 4) for r in records]
     if "engine_logprob_max_diff" in records[-1]:
         result["engine_logprob_max_diff"] = [r["engine_logprob_max_diff"] for r in records]
     save(
@@ -703,7 +702,6 @@ def report(bench_dir: Path, out: Path, command: str) -> None:
     ours_1p5b, trl_vllm_1p5b = get("ours_vllm_m64_1p5b", "step_s"), get("trl_vllm_1p5b", "step_s")
     openrlhf_1p5b, openrlhf_1p5b_run = fastest("openrlhf", "_1p5b")
     verl_1p5b, verl_1p5b_run = fastest("verl", "_1p5b")
-    ours_1gpu_async, ours_1gpu_async_1p5b = get("ours_vllm_m64_colocated_async", "step_s"), get("ours_vllm_m64_colocated_async_1p5b", "step_s")
     summary = {
         "date": time.strftime("%Y-%m-%d"),
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
@@ -730,14 +728,7 @@ def report(bench_dir: Path, out: Path, command: str) -> None:
         "grpo_verl_run": verl_run,
         "grpo_ours_run": best,
         "rollout_tokens_per_s": get(best, "rollout_tokens_per_s"),
-        "grpo_step_s_ours_2gpu_async": min(
-            (r["step_s"] for n, r in results.items() if "async" in n and not any(k in n for k in ("agentic", "colocated", "_1p5b"))), default=None
-        ),
-        # one GPU, the engine in the actor generating the next rollout while it trains (one step off-policy)
-        "grpo_step_s_ours_1gpu_async": ours_1gpu_async,
-        "speedup_1gpu_async_vs_trl_vllm": ratio(trl_vllm, ours_1gpu_async),
-        "grpo_step_s_ours_1gpu_async_1p5b": ours_1gpu_async_1p5b,
-        "speedup_1gpu_async_vs_trl_vllm_1p5b": ratio(trl_vllm_1p5b, ours_1gpu_async_1p5b),
+        "grpo_step_s_ours_2gpu_async": min((r["step_s"] for n, r in results.items() if "async" in n and "agentic" not in n), default=None),
         # agentic_<key> (colocated, one GPU), agentic_separate_<key> and agentic_async_<key> (the engine on a second GPU)
         **{f"eval_{engine}_{key}": get(f"eval_{engine}", key) for engine in ("vllm", "hf") for key in ("side_s", "stage_s", "tokens_per_s")},
         **{
@@ -830,8 +821,6 @@ def report(bench_dir: Path, out: Path, command: str) -> None:
         "grpo_step_s_trl_vllm_1p5b",
         "grpo_step_s_openrlhf_1p5b",
         "grpo_step_s_verl_1p5b",
-        "grpo_step_s_ours_1gpu_async",
-        "grpo_step_s_ours_1gpu_async_1p5b",
         "rollout_tokens_per_s",
         "vllm_standalone_tokens_per_s",
         "decode_floor_tokens_per_s",
@@ -852,7 +841,7 @@ def main() -> None:
     parser.add_argument(
         "--layout",
         default="colocated",
-        choices=["colocated", "colocated_async", "async", "actor_ref_vllm", "agentic", "agentic_slow_tool", "agentic_separate", "agentic_async"],
+        choices=["colocated", "async", "actor_ref_vllm", "agentic", "agentic_slow_tool", "agentic_separate", "agentic_async"],
         help="ours: one GPU; two with async rollouts; two with actor+ref on one and vLLM on the other",
     )
     parser.add_argument("--lr", type=float, default=1e-6, help="ours: actor learning rate (a learning check uses a larger one)")

@@ -161,7 +161,7 @@ class RLConfig(EpisodeConfig, TrainingConfig):
     async_train: bool = field(
         default=False,
         metadata={
-            "help": "the next rollouts generate while the actor trains: on vLLM engines of GPUs of their own, or with --colocate_all_models on the vLLM engine inside each actor worker (one GPU), or without vLLM on one transformers engine on a device of its own; see --max_staleness"
+            "help": "rollout engines of their own generate the next rollouts while the actor trains: the vLLM engines on GPUs of their own, or without vLLM one transformers engine on a device of its own; see --max_staleness"
         },
     )
     max_staleness: int = field(
@@ -319,16 +319,8 @@ class RLConfig(EpisodeConfig, TrainingConfig):
                     f"vllm_num_engines: with --colocate_all_models each actor worker hosts one vLLM engine on its "
                     f"GPU; use --vllm_num_engines {self.group_size('actor')} (the actor's size)"
                 )
-            # Colocated, --async_train generates the next rollout in the actor's process while it trains: one at a time.
             if self.async_train and self.colocate_all_models:
-                if self.max_staleness != 1:
-                    raise ConfigError(
-                        f"max_staleness: the engine inside the actor (--colocate_all_models) generates one rollout ahead of the trainer; use 1, got {self.max_staleness}"
-                    )
-                if self.partial_rollouts:
-                    raise ConfigError("partial_rollouts: needs vLLM engines on GPUs of their own; drop --colocate_all_models, or drop --partial_rollouts")
-                if self.vllm_enable_sleep:
-                    raise ConfigError("vllm_enable_sleep: with --async_train the engine generates while the actor trains, so it cannot sleep then; drop one")
+                raise ConfigError("async_train: needs vLLM engines on GPUs of their own; drop --colocate_all_models, or drop --async_train")
             if self.lora_rank > 512:
                 raise ConfigError(f"lora_rank: vLLM's LoRA layers hold ranks up to 512, got {self.lora_rank}; use 512 or less, or --vllm_num_engines 0")
             if not 0 < self.vllm_gpu_memory_utilization < 1:

@@ -111,14 +111,11 @@ class ActorGroupEngine:
     on the trained module itself, nothing to sync; or one vLLM engine per rank on the rank's GPU
     (tasks.rl.vllm_engine), loaded with the new weights in place."""
 
-    def __init__(self, actor: WorkerGroup, pad_token_id: int, vllm: bool = False, overlapped: bool = False):
-        self.actor, self.pad_token_id, self.vllm, self.overlapped = actor, pad_token_id, vllm, overlapped
+    def __init__(self, actor: WorkerGroup, pad_token_id: int, vllm: bool = False):
+        self.actor, self.pad_token_id, self.vllm = actor, pad_token_id, vllm
 
     def start(self, method: str, items: list):
-        # Overlapped (--async_train with the engine in the actor): through the workers' `beside` thread, so the
-        # rollout generates while the actor scores and trains the one before it.
-        scatter = self.actor.scatter_beside_async if self.overlapped else self.actor.scatter_async
-        return time.time(), scatter(method, shard(items, self.actor.world_size))
+        return time.time(), self.actor.scatter_async(method, shard(items, self.actor.world_size))
 
     def finish(self, handle) -> Generated:
         started, futures = handle
@@ -127,7 +124,7 @@ class ActorGroupEngine:
     def sync_weights(self, version: int) -> None:
         """The actor's weights after `version` updates to the engines."""
         if self.vllm:
-            self.actor.run("sync_weights", version)
+            self.actor.run("sync_weights")
 
 
 class EngineGroup(ActorGroupEngine):
@@ -237,7 +234,7 @@ class Controller:
                 adapter=cfg.lora_rank > 0,
             )
         else:
-            self.engine = ActorGroupEngine(self.groups["actor"], self.tokenizer.pad_token_id, vllm=cfg.vllm_num_engines > 0, overlapped=cfg.async_train)
+            self.engine = ActorGroupEngine(self.groups["actor"], self.tokenizer.pad_token_id, vllm=cfg.vllm_num_engines > 0)
         self.reward: RewardSource | None = (
             RemoteRewardModels(self.groups["reward"]) if "reward" in self.groups else None if cfg.env_path else make_reward_source("", cfg.remote_rm_url)
         )

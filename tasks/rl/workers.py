@@ -9,7 +9,6 @@ gathers) runs on every rank of its group.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 
 import torch
@@ -75,12 +74,6 @@ class ActorWorker(_Trainer):
                 rows, self.tokenizer, cfg.input_key, cfg.output_key, cfg.apply_chat_template, cfg.prompt_max_len + cfg.generate_max_len
             )
             self.sampler = data.BatchSampler(len(self.ptx_ids), self.micro, cfg.seed + self.rank)
-        # --async_train with the engine in this process: the controller calls generate/run_episodes through the
-        # worker's `beside` thread while train runs, so the engine's own weight copy loads only between rollouts
-        # (the lock), and its kernels go on a stream of their own, ahead of the trainer's in the GPU's queue.
-        self.engine_lock, self.weights_version = threading.Lock(), 0
-        self.overlapped = cfg.async_train and not cfg.separate_engines()
-        self.rollout_stream = torch.cuda.Stream(priority=-1) if self.overlapped and torch.cuda.is_available() else None
         if cfg.vllm_num_engines and not cfg.separate_engines():
             self.rollout_engine = _vllm_engine(cfg, path, self.tokenizer, seed=cfg.seed + self.rank)
         else:
@@ -90,47 +83,27 @@ class ActorWorker(_Trainer):
                 self.engine.module, self.tokenizer, self.strategy.device, static_cache=self.strategy.device.type == "cuda" and self.strategy.zero_stage != 3
             )
         self.channel = None
-        version = (lambda: self.weights_version) if self.overlapped else None  # each token tagged: the staleness check reads it
-        self.episodes = _episode_runner(cfg, self.rollout_engine, self.tokenizer, policy_version=version)
+        self.episodes = _episode_runner(cfg, self.rollout_engine, self.tokenizer)
 
     def run_episodes(self, rows: list[dict]):
-        with self.engine_lock, self._rollout_stream():
-            return _run_episodes(self.episodes, rows, self.cfg)
+        return _run_episodes(self.episodes, rows, self.cfg)
 
     def generate(self, prompts: list[list[int]]) -> Rollout:
-        with self.engine_lock, self._rollout_stream():
-            rollout = self.rollout_engine.generate(
-                prompts, self.cfg.generate_max_len, self.cfg.temperature, batch_size=self.cfg.micro_rollout_batch_size or len(prompts)
-            ).to("cpu")
-            if self.overlapped:
-                rollout.versions = torch.full_like(rollout.response_mask, self.weights_version)
-        return rollout
+        rollout = self.rollout_engine.generate(
+            prompts, self.cfg.generate_max_len, self.cfg.temperature, batch_size=self.cfg.micro_rollout_batch_size or len(prompts)
+        )
+        return rollout.to("cpu")
 
-    @contextlib.contextmanager
-    def _rollout_stream(self):
-        """Overlapped on CUDA: the rollout's kernels on their own stream, all finished before the lock is let go (a
-        weight load then overwrites nothing a late kernel still reads)."""
-        if self.rollout_stream is None:
-            yield
-            return
-        with torch.cuda.stream(self.rollout_stream):
-            yield
-        self.rollout_stream.synchronize()
-
-    def sync_weights(self, version: int) -> None:
-        """Load the weights after `version` updates into this worker's vLLM engine (the HF engine uses them in
-        place); with LoRA, the adapter alone. Overlapped (--async_train), it waits for the rollout generating."""
+    def sync_weights(self) -> None:
+        """Load the updated weights into this worker's vLLM engine (the HF engine uses them in place); with
+        LoRA, the adapter alone."""
         if not hasattr(self.rollout_engine, "load_weights"):
             return
         zero3 = self.strategy.zero_stage == 3
-        with self.engine_lock:
-            if lora.enabled(self.cfg):
-                self.rollout_engine.load_adapter(lora.adapter_weights(self.engine.module, gather=zero3, every_rank=True))
-            else:
-                self.rollout_engine.load_weights(self.engine.module, zero3=zero3)
-            if self.rollout_stream is not None:
-                torch.cuda.current_stream().synchronize()  # the copies land before the next rollout's stream reads them
-            self.weights_version = version
+        if lora.enabled(self.cfg):
+            self.rollout_engine.load_adapter(lora.adapter_weights(self.engine.module, gather=zero3, every_rank=True))
+        else:
+            self.rollout_engine.load_weights(self.engine.module, zero3=zero3)
 
     def adapter_weights(self) -> lora.AdapterWeights | None:
         """Rank 0: the adapter now, for vLLM engines elsewhere (every rank enters the ZeRO-3 gathers)."""
@@ -205,7 +178,7 @@ class ActorWorker(_Trainer):
         """One optimizer step per minibatch (this rank's share of it), in micro-batches."""
         cfg, device = self.cfg, self.strategy.device
         self.engine.train()
-        if torch.cuda.is_available():  # the training phase's own peak, apart from a colocated engine's generation (overlapped, with it)
+        if torch.cuda.is_available():  # the training phase's own peak, apart from a colocated engine's generation
             torch.cuda.reset_peak_memory_stats()
         stats: dict[str, list[float]] = {"policy_loss": [], "clip_fraction": [], "entropy": []}
         sync_gaps = []  # the largest |engine - actor| log-probability gap of each micro-batch

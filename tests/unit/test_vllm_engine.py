@@ -48,16 +48,8 @@ def test_vllm_flags_refused_in_one_line_when_they_cannot_apply():
     with pytest.raises(ConfigError, match="^vllm_num_engines: with --colocate_all_models each actor worker hosts one vLLM engine"):
         make_config(RLConfig, {**base, "vllm_num_engines": 2, "colocate_all_models": True})
     assert make_config(RLConfig, {**base, "vllm_num_engines": 2}).separate_engines()  # two engines on GPUs of their own
-    # Colocated, --async_train overlaps the engine inside the actor with training: one rollout ahead, awake.
-    overlapped = {**base, "vllm_num_engines": 1, "colocate_all_models": True, "async_train": True}
-    assert not make_config(RLConfig, overlapped).separate_engines()
-    assert make_config(RLConfig, overlapped).correction() == "tis"
-    with pytest.raises(ConfigError, match="^max_staleness: the engine inside the actor .* use 1, got 2"):
-        make_config(RLConfig, {**overlapped, "max_staleness": 2})
-    with pytest.raises(ConfigError, match="^partial_rollouts: needs vLLM engines on GPUs of their own"):
-        make_config(RLConfig, {**overlapped, "partial_rollouts": True})
-    with pytest.raises(ConfigError, match="^vllm_enable_sleep: with --async_train the engine generates while the actor trains"):
-        make_config(RLConfig, {**overlapped, "vllm_enable_sleep": True})
+    with pytest.raises(ConfigError, match="^async_train: needs vLLM engines on GPUs of their own"):
+        make_config(RLConfig, {**base, "vllm_num_engines": 1, "colocate_all_models": True, "async_train": True})
     # Without vLLM, --async_train places one transformers engine of its own (tests/e2e/test_agentic_learning.py runs it).
     assert make_config(RLConfig, {**base, "async_train": True}).separate_engines()
     with pytest.raises(ConfigError, match="^async_train: needs a fixed rollout"):

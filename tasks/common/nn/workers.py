@@ -192,8 +192,7 @@ class Worker:
     @ray.method(concurrency_group="beside")
     def call_beside(self, method: str, *args, **kwargs):
         """`call` on a thread of its own, while the main queue runs something else: a weight update that must
-        reach a rollout already running (--partial_rollouts), or a rollout generated while the actor trains
-        (--async_train with the engine in the actor). The method must be safe beside the others."""
+        reach a rollout already running (--partial_rollouts). The method must be safe beside the others."""
         return self.call(method, *args, **kwargs)
 
 
@@ -320,16 +319,9 @@ class WorkerGroup:
         return [w.call_beside.remote(method, *args, **kwargs) for w in self.workers]
 
     def scatter_async(self, method: str, shards: Sequence, *args, **kwargs) -> list:
-        return self._scatter("call", method, shards, args, kwargs)
-
-    def scatter_beside_async(self, method: str, shards: Sequence, *args, **kwargs) -> list:
-        """`scatter_async` through each rank's `call_beside`: it runs while the rank's queued calls do."""
-        return self._scatter("call_beside", method, shards, args, kwargs)
-
-    def _scatter(self, entry: str, method: str, shards: Sequence, args: tuple, kwargs: dict) -> list:
         if len(shards) != self.world_size:
             raise ValueError(f"{self.name}: {len(shards)} shards for {self.world_size} workers")
-        return [getattr(w, entry).remote(method, shard, *args, **kwargs) for w, shard in zip(self.workers, shards)]
+        return [w.call.remote(method, shard, *args, **kwargs) for w, shard in zip(self.workers, shards)]
 
     def scatter(self, method: str, shards: Sequence, *args, **kwargs) -> list:
         """Rank r runs `method(shards[r], *args)`; the results in rank order."""
