@@ -203,21 +203,21 @@ def bench_vllm(bench_dir: Path, batches=(64, 256, 1024)) -> None:
 
 
 def bench_hf_generate(bench_dir: Path, batch: int = 64) -> None:
-    """HFRolloutEngine's tokens/s at `batch` prompts, dynamic cache against static cache (compiled decode)."""
+    """HFRolloutEngine's tokens/s at `batch` prompts: its decode loop with a dynamic cache (eager) against a static
+    cache (the decode step compiled into CUDA graphs)."""
     import torch
 
     from tasks.common.nn.models import load_causal_lm, load_tokenizer
     from tasks.common.nn.rollout import HFRolloutEngine
 
     model = load_causal_lm(str(bench_dir / "model")).to("cuda", torch.bfloat16)
-    model.generation_config.eos_token_id = None  # EOS ignored: every completion is COMPLETION_TOKENS long
     tokenizer = load_tokenizer(str(bench_dir / "model"))
     rng = random.Random(1)
     prompts = [[rng.randrange(2, model.config.vocab_size) for _ in range(PROMPT_TOKENS)] for _ in range(batch)]
     result = {"batch": batch, "completion_tokens": COMPLETION_TOKENS}
     for static in (False, True):
-        engine = HFRolloutEngine(model, tokenizer, torch.device("cuda"), static_cache=static)
-        engine.stop_ids = []  # generate(eos_token_id=None): no stop token
+        # EOS ignored: every completion is COMPLETION_TOKENS long
+        engine = HFRolloutEngine(model, tokenizer, torch.device("cuda"), static_cache=static, ignore_eos=True)
 
         def timed() -> tuple[float, int]:
             torch.cuda.synchronize()
@@ -787,6 +787,9 @@ def report(bench_dir: Path, out: Path, command: str) -> None:
         "grpo_step_s_verl_1p5b": verl_1p5b,
         "speedup_vs_verl_1p5b": ratio(verl_1p5b, ours_1p5b),
         "grpo_verl_1p5b_run": verl_1p5b_run,
+        # The hf engine (the actor's own decode loop compiled into CUDA graphs) in place of vLLM, same work
+        **{f"grpo_step_s_ours_hf{shape}": get(f"ours_hf_m64{shape}", "step_s") for shape in ("", "_1p5b")},
+        **{f"speedup_hf_vs_trl_vllm{shape}": ratio(get(f"trl_vllm{shape}", "step_s"), get(f"ours_hf_m64{shape}", "step_s")) for shape in ("", "_1p5b")},
         "lora_vs_full_1p5b": {
             attention: {
                 key: [get(f"ours_vllm_m64_lora64{suffix}_1p5b", key), get(f"ours_vllm_m64{suffix}_1p5b", key)]

@@ -80,3 +80,33 @@ def test_static_cache_engine_matches_the_default_one_with_bucketed_prompt_widths
         extra = static.prompt_width - dynamic.prompt_width
         assert torch.equal(static.sequences[:, extra:], dynamic.sequences)
         assert torch.equal(static.attention_mask[:, extra:], dynamic.attention_mask) and not static.attention_mask[:, :extra].any()
+
+
+def test_sample_next_draws_from_the_tempered_softmax_and_reports_its_log_probability():
+    """The exponential race draws token i with probability softmax(logits / T)_i; greedy takes the argmax under T = 1."""
+    from tasks.common.nn.rollout import sample_next
+
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.2])).repeat(40000, 1)
+    torch.manual_seed(0)
+    token, logprob = sample_next(logits, temperature=0.5)
+    tempered = torch.tensor([0.25, 0.09, 0.04]) / 0.38  # p^(1/T) normalized, T = 0.5
+    assert torch.allclose(torch.bincount(token, minlength=3) / 40000, tempered, atol=0.01)
+    assert torch.allclose(logprob, tempered.log()[token], atol=1e-5)
+    token, logprob = sample_next(logits[:2], temperature=0.5, greedy=True)
+    assert token.tolist() == [0, 0] and torch.allclose(logprob, torch.tensor([0.5, 0.5]).log())
+
+
+def test_the_decode_loop_gives_the_same_rollout_however_often_it_checks_for_stops():
+    """On CUDA the loop looks for stopped rows once every few steps; rows stopped meanwhile get padding and the
+    rollout is cut to its longest response, as when it looks every step (the CPU's)."""
+    tok = demo.build_tokenizer()
+    model = demo.build_base_model(tok, seed=6).eval()  # rows 3 and 4 stop after 2 tokens
+    prompts = [encode_prompt(tok, p) for p in ("3+4=", "37+45=", "1+99=", "12+3=4+5+6+7+8=")]
+    every_step = HFRolloutEngine(model, tok).generate(prompts[2:], max_new_tokens=8, greedy=True)
+    sparse = HFRolloutEngine(model, tok)
+    sparse.stop_check_every = 5
+    rollout = sparse.generate(prompts[2:], max_new_tokens=8, greedy=True)
+    assert rollout.response_lengths().tolist() == [2, 2] and rollout.responses.size(1) == 2
+    assert torch.equal(rollout.sequences, every_step.sequences) and torch.equal(rollout.logprobs, every_step.logprobs)
+    full = HFRolloutEngine(model, tok, ignore_eos=True).generate(prompts, max_new_tokens=8, greedy=True)
+    assert full.response_lengths().tolist() == [8, 8, 8, 8]

@@ -23,14 +23,20 @@ uses for left-padded prompts, so log-probabilities match between generation and 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
+from transformers import DynamicCache, StaticCache
 
+from tasks.common.nn import lora
 from tasks.common.nn.data import pad, stop_token_ids
 
 # Static-cache prompt widths round up to this: each (batch, cache length) shape compiles its own decode.
 STATIC_PROMPT_BUCKET = 64
+# On CUDA the decode loop asks the device whether every row has stopped once per this many tokens: each look
+# waits for every queued step, and between looks the host only queues work.
+STOP_CHECK_EVERY = 16
 
 
 @dataclass
@@ -125,16 +131,28 @@ def response_mask(responses: torch.Tensor, stop_ids: int | list[int]) -> torch.T
 
 
 class HFRolloutEngine:
-    """transformers' `generate` on the policy in this process: the CPU path.
+    """The policy in this process decoding with a loop of its own: the CPU path, and on CUDA a fast one at small batches.
 
-    static_cache: a static KV cache, which on CUDA makes transformers compile the decode step; prompts are
-    left-padded to a multiple of STATIC_PROMPT_BUCKET so varying prompt widths reuse a few compiled shapes.
+    Each step forwards the newest token of every row against the KV cache, then samples on the device. The loop
+    looks at the device only every STOP_CHECK_EVERY steps on CUDA (whether every row has stopped), so the host
+    queues steps ahead of the GPU instead of waiting for each.
+
+    static_cache: a static KV cache and the decode forward compiled into CUDA graphs (torch.compile's
+    "reduce-overhead"; eager on the CPU), attention through SDPA while decoding. At RL's rollout sizes a decode
+    step is a few hundred microseconds of GPU work, and vLLM's scheduler and transformers' `generate` spend
+    milliseconds of Python on each (bench/RESULTS.md). Prompts are left-padded to a multiple of
+    STATIC_PROMPT_BUCKET so varying widths reuse a few compiled shapes, and each shape keeps its cache, so the
+    graphs keep reading the same addresses. The weights are read in place: an update needs no sync.
     """
 
-    def __init__(self, model, tokenizer, device: torch.device | None = None, static_cache: bool = False):
+    def __init__(self, model, tokenizer, device: torch.device | None = None, static_cache: bool = False, ignore_eos: bool = False):
         self.model, self.tokenizer, self.static_cache = model, tokenizer, static_cache
-        self.stop_ids = stop_token_ids(tokenizer)
+        self.stop_ids = [] if ignore_eos else stop_token_ids(tokenizer)
         self.device = device or next(model.parameters()).device
+        self.caches = {}  # (batch, length) -> StaticCache
+        self.stop_check_every = STOP_CHECK_EVERY if self.device.type == "cuda" else 1
+        self.compiled = static_cache and self.device.type == "cuda"
+        self.decode = torch.compile(self._decode, mode="reduce-overhead", dynamic=False) if self.compiled else self._decode
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], max_new_tokens: int, temperature: float = 1.0, greedy: bool = False, batch_size: int = 256) -> Rollout:
@@ -142,58 +160,99 @@ class HFRolloutEngine:
         return concat_rollouts(chunks, self.tokenizer.pad_token_id)
 
     def _generate(self, prompt_ids, max_new_tokens, temperature, greedy) -> Rollout:
-        ids, mask = pad(prompt_ids, self.tokenizer.pad_token_id, side="left")
-        cache = {}
+        pad_id = self.tokenizer.pad_token_id
+        ids, mask = pad(prompt_ids, pad_id, side="left")
         if self.static_cache:  # extra left padding is harmless: positions come from the attention mask
             extra = -ids.size(1) % STATIC_PROMPT_BUCKET
-            ids = torch.nn.functional.pad(ids, (extra, 0), value=self.tokenizer.pad_token_id)
+            ids = torch.nn.functional.pad(ids, (extra, 0), value=pad_id)
             mask = torch.nn.functional.pad(mask, (extra, 0), value=0)
-            cache = {"cache_implementation": "static"}
         ids, mask = ids.to(self.device), mask.to(self.device)
+        rows, width = ids.shape
+        # Every response position is attended once written; the cache's causal mask hides the ones not yet written.
+        full_mask = torch.cat([mask, torch.ones(rows, max_new_tokens, dtype=mask.dtype, device=self.device)], dim=1)
+        cache = self._cache(rows, width + max_new_tokens)
+        tokens = torch.full((rows, max_new_tokens), pad_id, dtype=torch.long, device=self.device)
+        logprobs = torch.zeros(rows, max_new_tokens, device=self.device)
+        stopped = torch.zeros(rows, dtype=torch.bool, device=self.device)
+        stops = torch.tensor(self.stop_ids, dtype=torch.long, device=self.device)
+        next_position = mask.sum(-1)  # the first response token's position: positions are cumsum(mask) - 1
+        cache_positions = torch.arange(width, width + max_new_tokens, device=self.device)  # sliced on the device: no copy from the host a step
         was_training = self.model.training
         self.model.eval()
-        sampling = {"do_sample": False} if greedy else {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
-        recorder = LogprobRecorder(1.0 if greedy else temperature)
-        out = self.model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            max_new_tokens=max_new_tokens,
-            logits_processor=[recorder],
-            eos_token_id=self.stop_ids or None,
-            pad_token_id=self.tokenizer.pad_token_id,
-            **sampling,
-            **cache,
-        )
+        with self._sdpa():
+            logits = self.model(
+                input_ids=ids,
+                attention_mask=full_mask if self.static_cache else mask,
+                position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            ).logits[:, -1]
+            for t in range(max_new_tokens):
+                token, logprob = sample_next(logits, temperature, greedy)
+                token = token.masked_fill(stopped, pad_id)
+                tokens[:, t], logprobs[:, t] = token, logprob
+                stopped |= torch.isin(token, stops)
+                if t + 1 == max_new_tokens or ((t + 1) % self.stop_check_every == 0 and bool(stopped.all())):
+                    break
+                kv_mask = full_mask if self.static_cache else full_mask[:, : width + t + 1]
+                if self.compiled:
+                    torch.compiler.cudagraph_mark_step_begin()  # the last step's logits are consumed: its graph's memory may be reused
+                logits = self.decode(token, next_position + t, cache_positions[t : t + 1], kv_mask, cache)
         self.model.train(was_training)
-        responses = out[:, ids.size(1) :]
-        r_mask = response_mask(responses, self.stop_ids)
-        return Rollout(out, torch.cat([mask, r_mask], dim=1), r_mask, ids.size(1), recorder.finish(responses).cpu())
+        r_mask = response_mask(tokens, self.stop_ids)
+        kept = int(r_mask.sum(-1).max())  # as wide as the longest response, however often the loop looked
+        responses, r_mask = tokens[:, :kept], r_mask[:, :kept]
+        sequences = torch.cat([ids, responses], dim=1)
+        return Rollout(sequences, torch.cat([mask, r_mask], dim=1), r_mask, width, (logprobs[:, :kept] * r_mask).cpu())
+
+    def _decode(self, token, position, cache_position, attention_mask, cache) -> torch.Tensor:
+        """The logits after one new token per row, written into the cache at cache_position."""
+        out = self.model(
+            input_ids=token[:, None],
+            position_ids=position[:, None],
+            attention_mask=attention_mask,
+            past_key_values=cache,
+            cache_position=cache_position,
+            use_cache=True,
+        )
+        return out.logits[:, -1]
+
+    def _cache(self, rows: int, length: int):
+        if not self.static_cache:
+            return DynamicCache(config=lora.unwrap(self.model).config)
+        cache = self.caches.get((rows, length))
+        if cache is None:
+            cache = self.caches[(rows, length)] = StaticCache(config=lora.unwrap(self.model).config, max_cache_len=length)
+        else:
+            cache.reset()
+        return cache
+
+    @contextlib.contextmanager
+    def _sdpa(self):
+        """Decoding through SDPA: FlashAttention-2 (the trainer's, for packed rows) unpads a batch with padding on
+        every call, a host sync and shapes no compiled graph holds."""
+        base = lora.unwrap(self.model)
+        kept = base.config._attn_implementation
+        if kept == "flash_attention_2":
+            base.set_attn_implementation("sdpa")
+        try:
+            yield
+        finally:
+            if kept == "flash_attention_2":
+                base.set_attn_implementation(kept)
 
 
-class LogprobRecorder:
-    """A logits processor keeping the log-probability of each sampled token under the distribution it was sampled
-    from (softmax(logits / temperature)): the behaviour policy's, for off-policy correction and the check against
-    the trainer's. It holds one step's distribution at a time; the token drawn from it is read at the next step.
-    (transformers applies its temperature after the processors passed in, so the division is done here.)"""
-
-    def __init__(self, temperature: float):
-        self.temperature, self.previous, self.steps = temperature, None, []
-
-    def _take(self, tokens: torch.Tensor) -> None:
-        self.steps.append(self.previous.gather(1, tokens[:, None]).squeeze(1))
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        if self.previous is not None:
-            self._take(input_ids[:, -1])
-        self.previous = torch.log_softmax(scores.float() / self.temperature, dim=-1)
-        return scores
-
-    def finish(self, responses: torch.Tensor) -> torch.Tensor:
-        """[B, R]: the log-probability of each generated token."""
-        if self.previous is not None and len(self.steps) < responses.size(1):
-            self._take(responses[:, len(self.steps)])
-        self.previous = None
-        return torch.stack(self.steps, dim=1) if self.steps else torch.zeros(responses.shape)
+def sample_next(logits: torch.Tensor, temperature: float = 1.0, greedy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, V] logits -> each row's next token and its log-probability under the distribution it was drawn from:
+    softmax(logits / temperature), or softmax(logits) for the greedy pick. Sampling is the exponential race
+    (argmax of p / E, E ~ Exp(1), which draws from p) so it stays on the device, with no host sync."""
+    logprobs = torch.log_softmax(logits.float() / (1.0 if greedy else temperature), dim=-1)
+    if greedy:
+        token = logprobs.argmax(-1)
+    else:
+        token = (logprobs - torch.empty_like(logprobs).exponential_().log()).argmax(-1)
+    return token, logprobs.gather(-1, token[:, None]).squeeze(-1)
 
 
 def concat_rollouts(chunks: list[Rollout], pad_id: int) -> Rollout:
