@@ -99,7 +99,7 @@ class EvalWorker(Worker):
 
     def _engine(self, model, tokenizer):
         if self.vllm is None:
-            return HFRolloutEngine(model, tokenizer, self.device)
+            return HFRolloutEngine(model, tokenizer, self.device, cuda_graphs=self.device.type == "cuda")
         self.vllm.load_named((name, param.data) for name, param in model.named_parameters())
         return self.vllm
 

@@ -77,13 +77,13 @@ class ActorWorker(_Trainer):
         if cfg.vllm_num_engines and not cfg.separate_engines():
             self.rollout_engine = _vllm_engine(cfg, path, self.tokenizer, seed=cfg.seed + self.rank)
         else:
-            # Static cache (compiled decode) on CUDA, not under ZeRO-3: it gathers parameters through hooks
-            # each forward, which a compiled decode cannot hold.
+            # Decode steps replayed as CUDA graphs on CUDA, not under ZeRO-3: it gathers parameters through hooks
+            # each forward, which a captured graph cannot hold.
             self.rollout_engine = HFRolloutEngine(
                 self.engine.module,
                 self.tokenizer,
                 self.strategy.device,
-                static_cache=self.strategy.device.type == "cuda" and self.strategy.zero_stage != 3,
+                cuda_graphs=self.strategy.device.type == "cuda" and self.strategy.zero_stage != 3,
                 ignore_eos=cfg.ignore_eos,
             )
         self.channel = None
@@ -279,7 +279,7 @@ class RolloutEngineWorker(Worker):
             torch.manual_seed(seed)
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
             self.model = load_causal_lm(path, dtype=_dtype(cfg)).to(device).eval()
-            self.engine = HFRolloutEngine(self.model, self.tokenizer, device, ignore_eos=cfg.ignore_eos)
+            self.engine = HFRolloutEngine(self.model, self.tokenizer, device, cuda_graphs=device.type == "cuda", ignore_eos=cfg.ignore_eos)
         self.episodes = _episode_runner(cfg, self.engine, self.tokenizer, policy_version=self.newest_weights)
 
     def generate(self, prompts: list[list[int]]) -> Rollout:

@@ -11,7 +11,7 @@
 - FlashAttention-2's varlen packing against SDPA per sequence: log-probabilities and gradients (when
   flash-attn is installed: bench/gpu/flash_attn.sh builds it).
 - RL with LoRA and vLLM: the engine is synced the adapter alone and follows the trained policy.
-- The hf engine's compiled decode loop against its eager one, and GRPO with it in place of vLLM.
+- The hf engine's decode steps replayed as CUDA graphs against eager ones, and GRPO with it in place of vLLM.
 - The demo task's learning check on the GPU path, as tests/e2e/test_learning.py runs it on the CPU: GRPO
   (group_norm, KL off, one update per rollout) with the terse-style reward against the zero-reward
   control, the rollouts from vLLM. On-policy with the engine in the actor on one GPU, the same with LoRA
@@ -266,11 +266,11 @@ def test_flash_attn_packed_rows_give_each_sequences_own_logprobs_and_gradients()
         assert torch.allclose(flash_grads[name], grad, rtol=0.05, atol=0.05 * grad.abs().max().item() + 1e-3), name
 
 
-def test_the_compiled_decode_loop_matches_the_eager_one_and_reads_updated_weights_in_place():
-    """The hf engine's CUDA path (static cache, decode compiled into CUDA graphs, SDPA while decoding) on a model
-    loaded as the actor is (Liger, flash-attn for training): in float32 its greedy tokens and log-probabilities
-    equal the eager loop's, before and after an in-place weight update (the graphs read the weights in place);
-    its sampled tokens' log-probabilities are the trainer's at the temperature."""
+def test_the_decode_loop_replayed_as_cuda_graphs_matches_the_eager_one_and_reads_updated_weights_in_place(caplog):
+    """The hf engine's CUDA path (each decode step captured once as a CUDA graph, then replayed; SDPA while
+    decoding) on a model loaded as the actor is (Liger, flash-attn for training): in float32 its greedy tokens
+    and log-probabilities equal the eager steps', before and after an in-place weight update (the graphs read
+    the weights in place); its sampled tokens' log-probabilities are the trainer's at the temperature."""
     from tasks.common.nn import data as batches
     from tasks.common.nn.models import load_causal_lm
     from tasks.common.nn.rollout import HFRolloutEngine
@@ -284,9 +284,9 @@ def test_the_compiled_decode_loop_matches_the_eager_one_and_reads_updated_weight
     prompts = [batches.encode_prompt(tok, p) for p in ("3+4=", "37+45=", "1+99=", "12+3=4+5+6+7+8=")]
     device = torch.device("cuda")
     model = load_causal_lm(str(path), dtype=torch.float32, flash_attn=True, liger=True).to(device)
-    compiled, eager = HFRolloutEngine(model, tok, device, static_cache=True), HFRolloutEngine(model, tok, device)
+    graphs, eager = HFRolloutEngine(model, tok, device, cuda_graphs=True), HFRolloutEngine(model, tok, device)
     for update in range(2):
-        a, b = (e.generate(prompts, max_new_tokens=24, greedy=True) for e in (compiled, eager))
+        a, b = (e.generate(prompts, max_new_tokens=24, greedy=True) for e in (graphs, eager))
         extra = a.prompt_width - b.prompt_width
         assert torch.equal(a.sequences[:, extra:], b.sequences.to(a.sequences.device)), f"after {update} updates"
         assert torch.allclose(a.logprobs, b.logprobs, atol=1e-4)
@@ -294,16 +294,18 @@ def test_the_compiled_decode_loop_matches_the_eager_one_and_reads_updated_weight
             for p in model.parameters():
                 p.mul_(1.05)
     assert model.config._attn_implementation == "flash_attention_2"  # restored for training
+    captured = [g for state in graphs.states.values() for g in state.graphs.values()]
+    assert captured and all(g is not None for g in captured), caplog.text  # replayed, not run eagerly
     torch.manual_seed(0)
-    rollout = compiled.generate(prompts * 8, max_new_tokens=24, temperature=0.7)
+    rollout = graphs.generate(prompts * 8, max_new_tokens=24, temperature=0.7)
     trainer = response_logprobs(model, rollout.sequences.to(device), rollout.attention_mask.to(device), rollout.prompt_width, temperature=0.7).cpu()
     gap = ((trainer - rollout.logprobs).abs() * rollout.response_mask).max().item()
-    print(f"compiled decode: sampled tokens' log-prob gap to the trainer's {gap:.2e}")
+    print(f"decode steps as CUDA graphs: sampled tokens' log-prob gap to the trainer's {gap:.2e}")
     assert gap < 1e-3
 
 
 def test_rl_with_the_hf_engine_on_the_gpu(gpu_ray, data):
-    """GRPO with rollouts from the actor's own compiled decode loop (no vLLM): the engine reads the trained
+    """GRPO with rollouts from the actor's own decode loop, its steps replayed as CUDA graphs (no vLLM): the engine reads the trained
     weights in place, so its log-probabilities stay the actor's step after step."""
     out = str(ROOT / "grpo-hf")
     cli(gpu_ray, "tasks.rl", output=out, pretrain=data, prompt_data=data, **{**GRPO, **STYLE, "vllm_num_engines": 0, "max_steps": 4}, **GPU_FLAGS)

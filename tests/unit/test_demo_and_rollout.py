@@ -63,8 +63,8 @@ def test_training_logprobs_match_generation_with_left_padded_prompts():
     assert torch.allclose(gen_logprobs[mask], train_logprobs[mask], atol=1e-4)
 
 
-def test_static_cache_engine_matches_the_default_one_with_bucketed_prompt_widths():
-    """The static-cache path (compiled decode on CUDA; not compiled here) left-pads prompts to a bucket
+def test_cuda_graph_engine_matches_the_default_one_with_bucketed_prompt_widths():
+    """The CUDA-graph path (decode steps captured on CUDA; eager here) left-pads prompts to a bucket
     multiple and still decodes the same greedy tokens as the dynamic cache."""
     from tasks.common.nn.rollout import STATIC_PROMPT_BUCKET
 
@@ -74,7 +74,7 @@ def test_static_cache_engine_matches_the_default_one_with_bucketed_prompt_widths
     dynamic = HFRolloutEngine(model, tok).generate(prompts, max_new_tokens=8, greedy=True)
     assert dynamic.response_lengths().tolist() == [8, 8, 2, 2]
     for batch_size in (4, 3):  # one chunk; two chunks of different raw widths and response widths, joined by concat_rollouts
-        static = HFRolloutEngine(model, tok, static_cache=True).generate(prompts, max_new_tokens=8, greedy=True, batch_size=batch_size)
+        static = HFRolloutEngine(model, tok, cuda_graphs=True).generate(prompts, max_new_tokens=8, greedy=True, batch_size=batch_size)
         assert static.prompt_width % STATIC_PROMPT_BUCKET == 0 and static.prompt_width > dynamic.prompt_width
         assert torch.equal(static.responses, dynamic.responses) and torch.equal(static.response_mask, dynamic.response_mask)
         extra = static.prompt_width - dynamic.prompt_width
@@ -110,3 +110,22 @@ def test_the_decode_loop_gives_the_same_rollout_however_often_it_checks_for_stop
     assert torch.equal(rollout.sequences, every_step.sequences) and torch.equal(rollout.logprobs, every_step.logprobs)
     full = HFRolloutEngine(model, tok, ignore_eos=True).generate(prompts, max_new_tokens=8, greedy=True)
     assert full.response_lengths().tolist() == [8, 8, 8, 8]
+
+
+def test_a_batch_shape_reuses_its_decode_buffers_from_a_clean_start():
+    """Each (batch, length) keeps its cache and buffers, refilled in place (a captured step reads those very
+    tensors): a sampled call in between leaves the next greedy call as it would be alone, and a call of the same
+    length with a shorter prompt and more tokens reuses them too."""
+    tok = demo.build_tokenizer()
+    model = demo.build_base_model(tok, seed=6).eval()
+    prompts = [encode_prompt(tok, p) for p in ("3+4=", "37+45=", "1+99=", "12+3=" * 16)]  # the last is over 64 tokens
+    engine = HFRolloutEngine(model, tok, cuda_graphs=True)
+    first = engine.generate(prompts, max_new_tokens=8, greedy=True)
+    assert first.prompt_width == 128
+    engine.generate(prompts, max_new_tokens=8, temperature=1.3)
+    assert torch.equal(engine.generate(prompts, max_new_tokens=8, greedy=True).sequences, first.sequences)
+    state = engine.states[(4, 136)]
+    short = engine.generate(prompts[:3] + prompts[:1], max_new_tokens=72, greedy=True)  # width 64: the same 136 slots
+    assert list(engine.states) == [(4, 136)] and engine.states[(4, 136)] is state
+    alone = HFRolloutEngine(model, tok, cuda_graphs=True).generate(prompts[:3] + prompts[:1], max_new_tokens=72, greedy=True)
+    assert torch.equal(short.sequences, alone.sequences) and torch.equal(short.logprobs, alone.logprobs)

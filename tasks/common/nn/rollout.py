@@ -24,10 +24,12 @@ uses for left-padded prompts, so log-probabilities match between generation and 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+import functools
+import logging
+from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache, StaticCache
+from transformers import StaticCache
 
 from tasks.common.nn import lora
 from tasks.common.nn.data import pad, stop_token_ids
@@ -37,6 +39,11 @@ STATIC_PROMPT_BUCKET = 64
 # On CUDA the decode loop asks the device whether every row has stopped once per this many tokens: each look
 # waits for every queued step, and between looks the host only queues work.
 STOP_CHECK_EVERY = 16
+# Eager decode steps of a shape before its capture: the kernels' lazy setup (cuBLAS workspaces, Triton's
+# compiles) happens outside the graph.
+CUDA_GRAPH_WARMUPS = 3
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -130,116 +137,190 @@ def response_mask(responses: torch.Tensor, stop_ids: int | list[int]) -> torch.T
     return (~eos_seen_before).long()
 
 
+@dataclass
+class DecodeState:
+    """One batch shape's decode buffers, reused rollout after rollout: a captured decode step reads and writes
+    these very tensors, so they are refilled in place, never replaced."""
+
+    cache: StaticCache
+    mask: torch.Tensor  # [B, 1, 1, L] bool: the cache slots each row attends (its prompt, then each token once written)
+    token: torch.Tensor  # [B]: the newest token, the next step's input
+    position: torch.Tensor  # [B]: its position (cumsum(mask) - 1, as in training)
+    cache_position: torch.Tensor  # [1]: its cache slot
+    step: torch.Tensor  # [1]: its column in `tokens`
+    stopped: torch.Tensor  # [B] bool
+    tokens: torch.Tensor  # [B, L] (as wide as the cache, so any call of this length fits): the response so far, padding after a stop
+    logprobs: torch.Tensor  # [B, L]: each token's log-probability under the distribution it was drawn from
+    stops: torch.Tensor  # the stop token ids
+    graphs: dict = field(default_factory=dict)  # (temperature, greedy) -> torch.cuda.CUDAGraph, or None where capture failed
+    warmups: dict = field(default_factory=dict)  # (temperature, greedy) -> eager steps run so far
+
+
 class HFRolloutEngine:
     """The policy in this process decoding with a loop of its own: the CPU path, and on CUDA a fast one at small batches.
 
-    Each step forwards the newest token of every row against the KV cache, then samples on the device. The loop
-    looks at the device only every STOP_CHECK_EVERY steps on CUDA (whether every row has stopped), so the host
-    queues steps ahead of the GPU instead of waiting for each.
+    A prefill fills a static KV cache; each decode step then forwards the newest token of every row, samples on
+    the device and writes the result into the shape's DecodeState. The loop looks at the device only every
+    STOP_CHECK_EVERY steps on CUDA (whether every row has stopped), so the host queues steps ahead of the GPU.
 
-    static_cache: a static KV cache and the decode forward compiled into CUDA graphs (torch.compile's
-    "reduce-overhead"; eager on the CPU), attention through SDPA while decoding. At RL's rollout sizes a decode
-    step is a few hundred microseconds of GPU work, and vLLM's scheduler and transformers' `generate` spend
-    milliseconds of Python on each (bench/RESULTS.md). Prompts are left-padded to a multiple of
-    STATIC_PROMPT_BUCKET so varying widths reuse a few compiled shapes, and each shape keeps its cache, so the
-    graphs keep reading the same addresses. The weights are read in place: an update needs no sync.
+    cuda_graphs: on CUDA, capture the decode step (forward, sampling, bookkeeping) as one CUDA graph per batch
+    shape and sampling setting, after CUDA_GRAPH_WARMUPS eager steps, and replay it: the host launches a token
+    step in one call. At RL's rollout sizes a decode step is well under a millisecond of GPU work, while vLLM's
+    scheduler and transformers' `generate` spend milliseconds of Python on each (bench/RESULTS.md). Prompts
+    are left-padded to a multiple of STATIC_PROMPT_BUCKET so varying widths share a few shapes. The graph reads
+    the weights in place, so an update needs no sync; a model whose forward cannot be captured (ZeRO-3's
+    gathering hooks: the caller leaves cuda_graphs off) decodes eagerly, said once in the log. Attention goes
+    through SDPA while decoding.
     """
 
-    def __init__(self, model, tokenizer, device: torch.device | None = None, static_cache: bool = False, ignore_eos: bool = False):
-        self.model, self.tokenizer, self.static_cache = model, tokenizer, static_cache
+    def __init__(self, model, tokenizer, device: torch.device | None = None, cuda_graphs: bool = False, ignore_eos: bool = False):
+        self.model, self.tokenizer, self.cuda_graphs = model, tokenizer, cuda_graphs
+        self.pad_id = tokenizer.pad_token_id
         self.stop_ids = [] if ignore_eos else stop_token_ids(tokenizer)
         self.device = device or next(model.parameters()).device
-        self.caches = {}  # (batch, length) -> StaticCache
+        self.states: dict[tuple[int, int], DecodeState] = {}  # (batch, cache length) -> its buffers (cuda_graphs)
         self.stop_check_every = STOP_CHECK_EVERY if self.device.type == "cuda" else 1
-        self.compiled = static_cache and self.device.type == "cuda"
-        self.decode = torch.compile(self._decode, mode="reduce-overhead", dynamic=False) if self.compiled else self._decode
+        self.capture = cuda_graphs and self.device.type == "cuda"
+        self.graph_pool = torch.cuda.graph_pool_handle() if self.capture else None
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], max_new_tokens: int, temperature: float = 1.0, greedy: bool = False, batch_size: int = 256) -> Rollout:
         chunks = [self._generate(prompt_ids[i : i + batch_size], max_new_tokens, temperature, greedy) for i in range(0, len(prompt_ids), batch_size)]
-        return concat_rollouts(chunks, self.tokenizer.pad_token_id)
+        return concat_rollouts(chunks, self.pad_id)
 
     def _generate(self, prompt_ids, max_new_tokens, temperature, greedy) -> Rollout:
-        pad_id = self.tokenizer.pad_token_id
-        ids, mask = pad(prompt_ids, pad_id, side="left")
-        if self.static_cache:  # extra left padding is harmless: positions come from the attention mask
+        ids, mask = pad(prompt_ids, self.pad_id, side="left")
+        if self.cuda_graphs:  # extra left padding is harmless: positions come from the attention mask
             extra = -ids.size(1) % STATIC_PROMPT_BUCKET
-            ids = torch.nn.functional.pad(ids, (extra, 0), value=pad_id)
+            ids = torch.nn.functional.pad(ids, (extra, 0), value=self.pad_id)
             mask = torch.nn.functional.pad(mask, (extra, 0), value=0)
         ids, mask = ids.to(self.device), mask.to(self.device)
         rows, width = ids.shape
-        # Every response position is attended once written; the cache's causal mask hides the ones not yet written.
-        full_mask = torch.cat([mask, torch.ones(rows, max_new_tokens, dtype=mask.dtype, device=self.device)], dim=1)
-        cache = self._cache(rows, width + max_new_tokens)
-        tokens = torch.full((rows, max_new_tokens), pad_id, dtype=torch.long, device=self.device)
-        logprobs = torch.zeros(rows, max_new_tokens, device=self.device)
-        stopped = torch.zeros(rows, dtype=torch.bool, device=self.device)
-        stops = torch.tensor(self.stop_ids, dtype=torch.long, device=self.device)
-        next_position = mask.sum(-1)  # the first response token's position: positions are cumsum(mask) - 1
-        cache_positions = torch.arange(width, width + max_new_tokens, device=self.device)  # sliced on the device: no copy from the host a step
+        s = self._state(rows, width + max_new_tokens)
+        sampling = (1.0 if greedy else temperature, greedy)
         was_training = self.model.training
         self.model.eval()
         with self._sdpa():
+            # The prefill, eager: every response slot attendable, the causal mask hiding those not yet written.
+            full_mask = torch.cat([mask, torch.ones(rows, max_new_tokens, dtype=mask.dtype, device=self.device)], dim=1)
             logits = self.model(
                 input_ids=ids,
-                attention_mask=full_mask if self.static_cache else mask,
+                attention_mask=full_mask,
                 position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-                past_key_values=cache,
+                past_key_values=s.cache,
                 use_cache=True,
                 logits_to_keep=1,
             ).logits[:, -1]
-            for t in range(max_new_tokens):
-                token, logprob = sample_next(logits, temperature, greedy)
-                token = token.masked_fill(stopped, pad_id)
-                tokens[:, t], logprobs[:, t] = token, logprob
-                stopped |= torch.isin(token, stops)
-                if t + 1 == max_new_tokens or ((t + 1) % self.stop_check_every == 0 and bool(stopped.all())):
+            token, logprob = sample_next(logits, *sampling)
+            s.mask.copy_(full_mask.bool()[:, None, None, :]).narrow(-1, width, max_new_tokens).fill_(False)
+            s.tokens.fill_(self.pad_id)
+            s.logprobs.zero_()
+            s.tokens[:, 0], s.logprobs[:, 0] = token, logprob
+            s.stopped.copy_(torch.isin(token, s.stops))
+            s.token.copy_(token)
+            s.position.copy_(mask.sum(-1))  # the first response token's: positions are cumsum(mask) - 1
+            s.cache_position.fill_(width)
+            s.step.fill_(1)
+            for t in range(1, max_new_tokens):
+                if t % self.stop_check_every == 0 and bool(s.stopped.all()):
                     break
-                kv_mask = full_mask if self.static_cache else full_mask[:, : width + t + 1]
-                if self.compiled:
-                    torch.compiler.cudagraph_mark_step_begin()  # the last step's logits are consumed: its graph's memory may be reused
-                logits = self.decode(token, next_position + t, cache_positions[t : t + 1], kv_mask, cache)
+                self._step(s, sampling)
         self.model.train(was_training)
+        tokens = s.tokens[:, :max_new_tokens]
         r_mask = response_mask(tokens, self.stop_ids)
         kept = int(r_mask.sum(-1).max())  # as wide as the longest response, however often the loop looked
-        responses, r_mask = tokens[:, :kept], r_mask[:, :kept]
-        sequences = torch.cat([ids, responses], dim=1)
-        return Rollout(sequences, torch.cat([mask, r_mask], dim=1), r_mask, width, (logprobs[:, :kept] * r_mask).cpu())
+        responses, r_mask = tokens[:, :kept].clone(), r_mask[:, :kept]
+        logprobs = (s.logprobs[:, :kept] * r_mask).cpu()
+        return Rollout(torch.cat([ids, responses], dim=1), torch.cat([mask, r_mask], dim=1), r_mask, width, logprobs)
 
-    def _decode(self, token, position, cache_position, attention_mask, cache) -> torch.Tensor:
-        """The logits after one new token per row, written into the cache at cache_position."""
-        out = self.model(
-            input_ids=token[:, None],
-            position_ids=position[:, None],
-            attention_mask=attention_mask,
-            past_key_values=cache,
-            cache_position=cache_position,
+    def _decode_step(self, s: DecodeState, temperature: float, greedy: bool) -> None:
+        """One token for every row, in place in `s`: no host sync and no new buffer, so it can be captured."""
+        s.mask.index_fill_(-1, s.cache_position, True)  # the newest token's slot, written by this forward
+        logits = self.model(
+            input_ids=s.token[:, None],
+            position_ids=s.position[:, None],
+            attention_mask=s.mask,
+            past_key_values=s.cache,
+            cache_position=s.cache_position,
             use_cache=True,
-        )
-        return out.logits[:, -1]
+        ).logits[:, -1]
+        token, logprob = sample_next(logits, temperature, greedy)
+        token = token.masked_fill(s.stopped, self.pad_id)
+        s.tokens.index_copy_(1, s.step, token[:, None])
+        s.logprobs.index_copy_(1, s.step, logprob[:, None])
+        s.stopped.logical_or_(torch.isin(token, s.stops))
+        s.token.copy_(token)
+        for counter in (s.position, s.cache_position, s.step):
+            counter.add_(1)
 
-    def _cache(self, rows: int, length: int):
-        if not self.static_cache:
-            return DynamicCache(config=lora.unwrap(self.model).config)
-        cache = self.caches.get((rows, length))
-        if cache is None:
-            cache = self.caches[(rows, length)] = StaticCache(config=lora.unwrap(self.model).config, max_cache_len=length)
+    def _step(self, s: DecodeState, sampling: tuple[float, bool]) -> None:
+        """The decode step: replayed from its graph; eager before capture (the warm-ups, on a side stream as CUDA
+        graphs want), on the CPU, or where capture failed."""
+        graph = s.graphs.get(sampling)
+        if graph is not None:
+            graph.replay()
+            return
+        if not self.capture or sampling in s.graphs:
+            self._decode_step(s, *sampling)
+            return
+        if s.warmups.get(sampling, 0) < CUDA_GRAPH_WARMUPS:
+            s.warmups[sampling] = s.warmups.get(sampling, 0) + 1
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self._decode_step(s, *sampling)
+            torch.cuda.current_stream().wait_stream(side)
+            return
+        graph = torch.cuda.CUDAGraph()
+        try:
+            # Capture records this step without running it; the replay below runs it.
+            with torch.cuda.graph(graph, pool=self.graph_pool, capture_error_mode="thread_local"):
+                self._decode_step(s, *sampling)
+        except RuntimeError as e:
+            logger.warning("hf engine: the decode step could not be captured as a CUDA graph (%s); decoding eagerly", str(e).splitlines()[0])
+            s.graphs[sampling] = None
+            self._decode_step(s, *sampling)
+            return
+        s.graphs[sampling] = graph
+        graph.replay()
+
+    def _state(self, rows: int, length: int) -> DecodeState:
+        """The buffers for this shape: kept with cuda_graphs (prompt widths bucketed, so a few shapes), new each
+        call without (any width: keeping them all would only grow)."""
+        state = self.states.get((rows, length))
+        if state is None:
+            device, cfg = self.device, lora.unwrap(self.model).config
+            one = functools.partial(torch.zeros, 1, dtype=torch.long, device=device)
+            state = DecodeState(
+                cache=StaticCache(config=cfg, max_cache_len=length),
+                mask=torch.zeros(rows, 1, 1, length, dtype=torch.bool, device=device),
+                token=torch.zeros(rows, dtype=torch.long, device=device),
+                position=torch.zeros(rows, dtype=torch.long, device=device),
+                cache_position=one(),
+                step=one(),
+                stopped=torch.zeros(rows, dtype=torch.bool, device=device),
+                tokens=torch.zeros(rows, length, dtype=torch.long, device=device),
+                logprobs=torch.zeros(rows, length, device=device),
+                stops=torch.tensor(self.stop_ids, dtype=torch.long, device=device),
+            )
+            if self.cuda_graphs:
+                self.states[(rows, length)] = state
         else:
-            cache.reset()
-        return cache
+            state.cache.reset()
+        return state
 
     @contextlib.contextmanager
     def _sdpa(self):
-        """Decoding through SDPA: FlashAttention-2 (the trainer's, for packed rows) unpads a batch with padding on
-        every call, a host sync and shapes no compiled graph holds."""
+        """Decoding through SDPA, the attention a boolean [B, 1, 1, L] mask works with: FlashAttention-2 (the
+        trainer's, for packed rows) unpads a padded batch on every call, a host sync no graph can hold."""
         base = lora.unwrap(self.model)
         kept = base.config._attn_implementation
-        if kept == "flash_attention_2":
+        if kept != "sdpa":
             base.set_attn_implementation("sdpa")
         try:
             yield
         finally:
-            if kept == "flash_attention_2":
+            if kept != "sdpa":
                 base.set_attn_implementation(kept)
 
 
