@@ -232,6 +232,8 @@ def bench_hf_generate(bench_dir: Path, batch: int = 64) -> None:
         seconds = statistics.median(s for s, _ in runs)
         assert all(n == batch * COMPLETION_TOKENS for _, n in runs), runs
         result[f"tokens_per_s_{'cuda_graphs' if graphs else 'eager'}"] = round(batch * COMPLETION_TOKENS / seconds)
+        if graphs:  # False: a step could not be captured and ran eagerly (the log says why)
+            result["captured"] = all(g is not None for state in engine.states.values() for g in state.graphs.values())
     save(bench_dir, "hf_generate", result)
 
 
