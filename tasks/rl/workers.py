@@ -279,7 +279,9 @@ class RolloutEngineWorker(Worker):
             torch.manual_seed(seed)
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
             self.model = load_causal_lm(path, dtype=_dtype(cfg)).to(device).eval()
-            self.engine = HFRolloutEngine(self.model, self.tokenizer, device, cuda_graphs=device.type == "cuda", ignore_eos=cfg.ignore_eos)
+            # Eager steps: new weights load on another thread while it generates, and a kernel of that thread's on
+            # the default stream would break a capture.
+            self.engine = HFRolloutEngine(self.model, self.tokenizer, device, ignore_eos=cfg.ignore_eos)
         self.episodes = _episode_runner(cfg, self.engine, self.tokenizer, policy_version=self.newest_weights)
 
     def generate(self, prompts: list[list[int]]) -> Rollout:
