@@ -233,7 +233,7 @@ def bench_hf_generate(bench_dir: Path, batch: int = 64) -> None:
         assert all(n == batch * COMPLETION_TOKENS for _, n in runs), runs
         result[f"tokens_per_s_{'cuda_graphs' if graphs else 'eager'}"] = round(batch * COMPLETION_TOKENS / seconds)
         if graphs:  # False: a step could not be captured and ran eagerly (the log says why)
-            result["captured"] = all(g is not None for state in engine.states.values() for g in state.graphs.values())
+            result["captured"] = engine.captured()
     save(bench_dir, "hf_generate", result)
 
 
@@ -790,7 +790,7 @@ def report(bench_dir: Path, out: Path, command: str) -> None:
         "grpo_step_s_verl_1p5b": verl_1p5b,
         "speedup_vs_verl_1p5b": ratio(verl_1p5b, ours_1p5b),
         "grpo_verl_1p5b_run": verl_1p5b_run,
-        # The hf engine (the actor's own decode loop compiled into CUDA graphs) in place of vLLM, same work
+        # The hf engine (the actor's own decode loop, its steps replayed as CUDA graphs) in place of vLLM, same work
         **{f"grpo_step_s_ours_hf{shape}": get(f"ours_hf_m64{shape}", "step_s") for shape in ("", "_1p5b")},
         **{f"speedup_hf_vs_trl_vllm{shape}": ratio(get(f"trl_vllm{shape}", "step_s"), get(f"ours_hf_m64{shape}", "step_s")) for shape in ("", "_1p5b")},
         "lora_vs_full_1p5b": {

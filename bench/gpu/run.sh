@@ -3,7 +3,7 @@
 #
 #   bash bench/gpu/run.sh setup vllm sft          # one device call
 #   bash bench/gpu/run.sh setup vllm_probe        # where vLLM's time goes at the eval shape (bench/vllm_probe.py)
-#   bash bench/gpu/run.sh setup hf_generate       # our HF rollout engine: dynamic vs static cache + compiled decode
+#   bash bench/gpu/run.sh setup hf_generate       # our HF rollout engine: eager decode steps against CUDA graphs
 #   bash bench/gpu/run.sh sft_compile sft_profile_compile   # SFT with --torch_compile, and its kernel profile
 #   bash bench/gpu/run.sh sft sft_noliger ours64 ours64_noliger   # Liger's kernels (the default on CUDA) on, then off
 #   bash bench/gpu/run.sh ours64 ours64_lora       # LoRA (rank 64, the adapter alone synced to vLLM) beside full weights
@@ -12,7 +12,7 @@
 #   bash bench/gpu/run.sh sft_compile sft_compile_nogc sft_profile_compile_nogc ours64_compile ours64_compile_nogc   # compiled blocks, with and without the recomputed forward
 #   SHAPE=qwen2.5-1.5b bash bench/gpu/run.sh setup sft ours64  # the 1.5B shape in /tmp/bench-qwen2.5-1.5b; names end in _1p5b
 #   bash bench/gpu/run.sh ours trl_vllm trl_hf report
-#   bash bench/gpu/run.sh ours64 ours64_hf trl_vllm   # rollouts from vLLM, from the actor's own compiled decode loop, and TRL's
+#   bash bench/gpu/run.sh ours64 ours64_hf trl_vllm   # rollouts from vLLM, from the actor's own decode loop (CUDA graphs), and TRL's
 #   bash bench/gpu/run.sh setup openrlhf report     # OpenRLHF 0.11.2's GRPO, same work (bench/gpu/openrlhf.sh install first)
 #   bash bench/gpu/run.sh setup verl                # verl 0.9.1's GRPO, same work (bench/gpu/verl.sh install first; a call of its own)
 #   bash bench/gpu/run.sh tests_stages               # the gpu-marked tests; tests_learn: the learning check

@@ -294,8 +294,7 @@ def test_the_decode_loop_replayed_as_cuda_graphs_matches_the_eager_one_and_reads
             for p in model.parameters():
                 p.mul_(1.05)
     assert model.config._attn_implementation == "flash_attention_2"  # restored for training
-    captured = [g for state in graphs.states.values() for g in state.graphs.values()]
-    assert captured and all(g is not None for g in captured), caplog.text  # replayed, not run eagerly
+    assert graphs.captured(), caplog.text  # replayed, not run eagerly
     torch.manual_seed(0)
     rollout = graphs.generate(prompts * 8, max_new_tokens=24, temperature=0.7)
     trainer = response_logprobs(model, rollout.sequences.to(device), rollout.attention_mask.to(device), rollout.prompt_width, temperature=0.7).cpu()

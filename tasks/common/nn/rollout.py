@@ -183,6 +183,11 @@ class HFRolloutEngine:
         self.capture = cuda_graphs and self.device.type == "cuda"
         self.graph_pool = torch.cuda.graph_pool_handle() if self.capture else None
 
+    def captured(self) -> bool:
+        """Whether decode steps ran from CUDA graphs: at least one captured, and none that failed to be."""
+        graphs = [g for state in self.states.values() for g in state.graphs.values()]
+        return bool(graphs) and all(g is not None for g in graphs)
+
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], max_new_tokens: int, temperature: float = 1.0, greedy: bool = False, batch_size: int = 256) -> Rollout:
         chunks = [self._generate(prompt_ids[i : i + batch_size], max_new_tokens, temperature, greedy) for i in range(0, len(prompt_ids), batch_size)]
