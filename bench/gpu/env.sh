@@ -10,7 +10,9 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_USAGE_STATS_ENABLED=0
 # a head started after a test could refuse the stages' drivers. This machine reaches no network and Ray
 # binds to loopback: say "disabled" outright, for every process alike.
 export RAY_AUTH_MODE=disabled
-export NCCL_NVLS_ENABLE=0
+# NVLink multicast stays off on the shared multi-GPU hosts (device KINDS.md): it can take the host's GPUs out of
+# service. Set here so that Ray's workers and vLLM's processes inherit it too.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 # The CLI through this python (the one with torch): pip --target wrote /tmp/site/bin/ray for /usr/bin/python3,
 # which on 2026-11-30 stopped finding msgpack, then protobuf. A head left over from an earlier call that ran
 # out of time goes first.
