@@ -82,6 +82,25 @@ def test_cuda_graph_engine_matches_the_default_one_with_bucketed_prompt_widths()
         assert torch.equal(static.attention_mask[:, extra:], dynamic.attention_mask) and not static.attention_mask[:, :extra].any()
 
 
+def test_packed_grouped_query_attention_equals_attention_over_repeated_key_value_heads():
+    """A one-token query of 6 heads over 2 key/value heads, with a padding mask: the packed call gives what SDPA
+    gives over the key/value heads repeated to 6 (head h reads key/value head h // 3)."""
+    from types import SimpleNamespace
+
+    from tasks.common.nn.rollout import packed_gqa_sdpa
+
+    torch.manual_seed(0)
+    query, key, value = torch.randn(4, 6, 1, 8), torch.randn(4, 2, 10, 8), torch.randn(4, 2, 10, 8)
+    mask = torch.ones(4, 1, 1, 10, dtype=torch.bool)
+    mask[1, ..., :3] = False  # a left-padded row
+    mask[2, ..., 7:] = False  # cache slots not written yet
+    out, _ = packed_gqa_sdpa(SimpleNamespace(num_key_value_groups=3), query, key, value, mask, scaling=0.5)
+    repeated = torch.nn.functional.scaled_dot_product_attention(
+        query, key.repeat_interleave(3, dim=1), value.repeat_interleave(3, dim=1), attn_mask=mask, scale=0.5
+    )
+    assert out.shape == (4, 1, 6, 8) and torch.allclose(out, repeated.transpose(1, 2), atol=1e-6)
+
+
 def test_sample_next_draws_from_the_tempered_softmax_and_reports_its_log_probability():
     """The exponential race draws token i with probability softmax(logits / T)_i; greedy takes the argmax under T = 1."""
     from tasks.common.nn.rollout import sample_next

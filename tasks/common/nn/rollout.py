@@ -29,7 +29,9 @@ import logging
 from dataclasses import dataclass, field
 
 import torch
-from transformers import StaticCache
+from transformers import AttentionInterface, AttentionMaskInterface, StaticCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
 
 from tasks.common.nn import lora
 from tasks.common.nn.data import pad, stop_token_ids
@@ -44,6 +46,28 @@ STOP_CHECK_EVERY = 16
 CUDA_GRAPH_WARMUPS = 3
 
 logger = logging.getLogger(__name__)
+
+
+def packed_gqa_sdpa(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """transformers' SDPA attention, except that a one-token query of grouped-query attention runs on the key/value
+    heads as they are: [B, H, 1, D] becomes [B, KV, H/KV, D] (heads j*G ... j*G+G-1 share key/value head j, as
+    repeat_kv lays them out), so the cache is never copied into H heads. transformers repeats K and V whenever
+    there is a mask (its SDPA fallback); a decode step over a [64, 2, 384, 64] cache then moves seven times the
+    cache through memory, every layer."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    if query.shape[2] != 1 or groups == 1:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    batch, heads, _, dim = query.shape
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query.reshape(batch, heads // groups, groups, dim), key, value, attn_mask=attention_mask, scale=scaling
+    )
+    return out.reshape(batch, heads, 1, dim).transpose(1, 2).contiguous(), None
+
+
+# The decode loop's attention; its prefill (a 2D padding mask) builds SDPA's masks.
+DECODE_ATTENTION = "sdpa_packed_gqa"
+AttentionInterface.register(DECODE_ATTENTION, packed_gqa_sdpa)
+AttentionMaskInterface.register(DECODE_ATTENTION, sdpa_mask)
 
 
 @dataclass
@@ -170,7 +194,7 @@ class HFRolloutEngine:
     are left-padded to a multiple of STATIC_PROMPT_BUCKET so varying widths share a few shapes. The graph reads
     the weights in place, so an update needs no sync; a model whose forward cannot be captured (ZeRO-3's
     gathering hooks: the caller leaves cuda_graphs off) decodes eagerly, said once in the log. Attention goes
-    through SDPA while decoding.
+    through SDPA while decoding (packed_gqa_sdpa).
     """
 
     def __init__(self, model, tokenizer, device: torch.device | None = None, cuda_graphs: bool = False, ignore_eos: bool = False):
@@ -182,6 +206,7 @@ class HFRolloutEngine:
         self.stop_check_every = STOP_CHECK_EVERY if self.device.type == "cuda" else 1
         self.capture = cuda_graphs and self.device.type == "cuda"
         self.graph_pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self.decode_attention = DECODE_ATTENTION
 
     def captured(self) -> bool:
         """Whether decode steps ran from CUDA graphs: at least one captured, and none that failed to be."""
@@ -205,7 +230,7 @@ class HFRolloutEngine:
         sampling = (1.0 if greedy else temperature, greedy)
         was_training = self.model.training
         self.model.eval()
-        with self._sdpa():
+        with self._decode_attention():
             # The prefill, eager: every response slot attendable, the causal mask hiding those not yet written.
             full_mask = torch.cat([mask, torch.ones(rows, max_new_tokens, dtype=mask.dtype, device=self.device)], dim=1)
             logits = self.model(
@@ -315,17 +340,18 @@ class HFRolloutEngine:
         return state
 
     @contextlib.contextmanager
-    def _sdpa(self):
-        """Decoding through SDPA, the attention a boolean [B, 1, 1, L] mask works with: FlashAttention-2 (the
-        trainer's, for packed rows) unpads a padded batch on every call, a host sync no graph can hold."""
+    def _decode_attention(self):
+        """Decoding through SDPA (self.decode_attention: packed_gqa_sdpa, or transformers' "sdpa" to compare), the
+        attention a boolean [B, 1, 1, L] mask works with: FlashAttention-2 (the trainer's, for packed rows) unpads
+        a padded batch on every call, a host sync no graph can hold."""
         base = lora.unwrap(self.model)
         kept = base.config._attn_implementation
-        if kept != "sdpa":
-            base.set_attn_implementation("sdpa")
+        if kept != self.decode_attention:
+            base.set_attn_implementation(self.decode_attention)
         try:
             yield
         finally:
-            if kept != "sdpa":
+            if kept != self.decode_attention:
                 base.set_attn_implementation(kept)
 
 
