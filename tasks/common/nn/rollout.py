@@ -51,9 +51,9 @@ logger = logging.getLogger(__name__)
 def packed_gqa_sdpa(module, query, key, value, attention_mask, scaling=None, **kwargs):
     """transformers' SDPA attention, except that a one-token query of grouped-query attention runs on the key/value
     heads as they are: [B, H, 1, D] becomes [B, KV, H/KV, D] (heads j*G ... j*G+G-1 share key/value head j, as
-    repeat_kv lays them out), so the cache is never copied into H heads. transformers repeats K and V whenever
-    there is a mask (its SDPA fallback); a decode step over a [64, 2, 384, 64] cache then moves seven times the
-    cache through memory, every layer."""
+    repeat_kv lays them out), so the cache is never copied into H heads. transformers 5.17 repeats K and V for
+    any masked call (newer versions pack as here): on the H200 that copy took 2.4 of a 0.5B decode step's 6.0 ms
+    of GPU time, against 3.1 ms in all with this (bench/results.json, 2026_12_04d)."""
     groups = getattr(module, "num_key_value_groups", 1)
     if query.shape[2] != 1 or groups == 1:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
