@@ -204,47 +204,58 @@ def bench_vllm(bench_dir: Path, batches=(64, 256, 1024)) -> None:
 
 def bench_hf_generate(bench_dir: Path, batch: int = 64) -> None:
     """HFRolloutEngine's tokens/s at `batch` prompts: its decode steps run eagerly against replayed as CUDA graphs,
-    and replayed with transformers' own SDPA attention in place of the engine's (packed_gqa_sdpa); where one eager
-    decode step's GPU time goes, per kernel, for both attentions."""
+    replayed with transformers' own SDPA attention in place of the engine's (packed_gqa_sdpa), and replayed with
+    the decode forward compiled (compile_decode, as the RL stage's --torch_compile does: fused elementwise kernels
+    inside the graph); where one decode step's GPU time goes, per kernel. Without CUDA (a dry run) the same
+    calls, on the CPU."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     from tasks.common.nn.models import load_causal_lm, load_tokenizer
     from tasks.common.nn.rollout import HFRolloutEngine
 
-    model = load_causal_lm(str(bench_dir / "model")).to("cuda", torch.bfloat16)
+    device = torch.device("cuda" if on_gpu() else "cpu")
+    sync = torch.cuda.synchronize if on_gpu() else (lambda: None)
+    model = load_causal_lm(str(bench_dir / "model")).to(device, torch.bfloat16 if on_gpu() else torch.float32)
     tokenizer = load_tokenizer(str(bench_dir / "model"))
     rng = random.Random(1)
     prompts = [[rng.randrange(2, model.config.vocab_size) for _ in range(PROMPT_TOKENS)] for _ in range(batch)]
     result = {"batch": batch, "completion_tokens": COMPLETION_TOKENS}
-    for name, graphs, attention in (("eager", False, None), ("cuda_graphs", True, None), ("cuda_graphs_transformers_sdpa", True, "sdpa")):
+    variants = (
+        ("eager", False, None),
+        ("cuda_graphs", True, None),
+        ("cuda_graphs_transformers_sdpa", True, "sdpa"),
+        ("cuda_graphs_compiled", True, None),
+    )
+    for name, graphs, attention in variants:
         # EOS ignored: every completion is COMPLETION_TOKENS long
-        engine = HFRolloutEngine(model, tokenizer, torch.device("cuda"), cuda_graphs=graphs, ignore_eos=True)
+        engine = HFRolloutEngine(model, tokenizer, device, cuda_graphs=graphs, ignore_eos=True, compile_decode=name.endswith("compiled"))
         engine.decode_attention = attention or engine.decode_attention
 
         def timed() -> tuple[float, int]:
-            torch.cuda.synchronize()
+            sync()
             t = time.time()
             rollout = engine.generate(prompts, COMPLETION_TOKENS, temperature=1.0, batch_size=batch)
-            torch.cuda.synchronize()
+            sync()
             return time.time() - t, int(rollout.response_lengths().sum())
 
-        warmup_s, _ = timed()  # graphs: includes the warm-up steps and the capture
-        if name == "cuda_graphs":
-            result["first_call_s"] = round(warmup_s, 1)
+        warmup_s, _ = timed()  # graphs: includes the warm-up steps and the capture (and the compile)
+        if graphs:
+            result[f"first_call_s_{name}"] = round(warmup_s, 1)
         runs = [timed() for _ in range(3)]
         seconds = statistics.median(s for s, _ in runs)
         assert all(n == batch * COMPLETION_TOKENS for _, n in runs), runs
         result[f"tokens_per_s_{name}"] = round(batch * COMPLETION_TOKENS / seconds)
-        if graphs:  # False: a step could not be captured and ran eagerly (the log says why)
+        if graphs and on_gpu():  # captured False: a step could not be captured and ran eagerly (the log says why)
             result[f"captured_{name}"] = engine.captured()
-            # One decode step run eagerly on the shape's buffers: the kernels its graph replays.
+            # One decode step run outside the graph on the shape's buffers: the kernels its graph replays.
             state = next(iter(engine.states.values()))
-            with torch.no_grad(), engine._decode_attention(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+            with torch.no_grad(), engine._decoding(), profile(activities=[ProfilerActivity.CUDA]) as prof:
                 engine._decode_step(state, 1.0, False)
-                torch.cuda.synchronize()
+                sync()
             events = sorted((e for e in prof.key_averages() if e.self_device_time_total > 0), key=lambda e: -e.self_device_time_total)
             result[f"step_gpu_ms_{name}"] = round(sum(e.self_device_time_total for e in events) / 1e3, 3)
+            result[f"step_kernels_{name}"] = sum(e.count for e in events)
             result[f"top_kernels_{name}"] = [(e.key[:90], round(e.self_device_time_total / 1e3, 3), e.count) for e in events[:8]]
     save(bench_dir, "hf_generate", result)
 
@@ -757,6 +768,7 @@ def report(bench_dir: Path, out: Path, command: str) -> None:
             "eager": get("hf_generate", "tokens_per_s_eager"),
             "cuda_graphs": get("hf_generate", "tokens_per_s_cuda_graphs"),
             "cuda_graphs_transformers_sdpa": get("hf_generate", "tokens_per_s_cuda_graphs_transformers_sdpa"),
+            "cuda_graphs_compiled": get("hf_generate", "tokens_per_s_cuda_graphs_compiled"),
         },
         "vllm_standalone_tokens_per_s_by_batch": {b: get("vllm", f"tokens_per_s_{b}") for b in (64, 256, 1024)},
         "decode_floor_tokens_per_s": get("vllm", "decode_floor_tokens_per_s_64"),

@@ -89,7 +89,7 @@ class TrainingConfig(StageConfig):
     torch_compile: bool = field(
         default=False,
         metadata={
-            "help": "compile each transformer block with torch.compile: its norms, rotary and MLP elementwise ops fuse (GPU speed; the first steps pay the compile; not with ZeRO-3)"
+            "help": "compile each transformer block with torch.compile: its norms, rotary and MLP elementwise ops fuse (GPU speed; the first steps pay the compile; not with ZeRO-3); RL's hf engine (--vllm_num_engines 0) compiles its decode forward too, on CUDA"
         },
     )
     use_liger_kernel: bool = field(

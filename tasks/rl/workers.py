@@ -78,13 +78,15 @@ class ActorWorker(_Trainer):
             self.rollout_engine = _vllm_engine(cfg, path, self.tokenizer, seed=cfg.seed + self.rank)
         else:
             # Decode steps replayed as CUDA graphs on CUDA, not under ZeRO-3: it gathers parameters through hooks
-            # each forward, which a captured graph cannot hold.
+            # each forward, which a captured graph cannot hold. With --torch_compile their forward is compiled too.
+            graphs = self.strategy.device.type == "cuda" and self.strategy.zero_stage != 3
             self.rollout_engine = HFRolloutEngine(
                 self.engine.module,
                 self.tokenizer,
                 self.strategy.device,
-                cuda_graphs=self.strategy.device.type == "cuda" and self.strategy.zero_stage != 3,
+                cuda_graphs=graphs,
                 ignore_eos=cfg.ignore_eos,
+                compile_decode=graphs and cfg.torch_compile,
             )
         self.channel = None
         self.episodes = _episode_runner(cfg, self.rollout_engine, self.tokenizer)

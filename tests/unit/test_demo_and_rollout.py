@@ -101,6 +101,46 @@ def test_packed_grouped_query_attention_equals_attention_over_repeated_key_value
     assert out.shape == (4, 1, 6, 8) and torch.allclose(out, repeated.transpose(1, 2), atol=1e-6)
 
 
+def test_a_compiled_decode_forward_is_one_graph_that_reads_updated_weights_beside_blocks_compiled_for_training():
+    """compile_decode (the hf engine under --torch_compile): the whole decode forward compiles once, however many
+    blocks, even where the actor's blocks are compiled for training (their per-layer cache index would recompile
+    each); its greedy tokens and log-probabilities are the eager engine's, before and after an in-place update."""
+    from torch._dynamo.utils import counters
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from tasks.common.nn.models import compile_blocks
+
+    tok = demo.build_tokenizer()
+    cfg = Qwen2Config(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=10,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=tok.pad_token_id,
+    )
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(cfg).eval()
+    compile_blocks(model)  # as --torch_compile leaves the actor
+    compiled = HFRolloutEngine(model, tok, cuda_graphs=True, compile_decode=True)
+    prompts = [encode_prompt(tok, p) for p in ("3+4=", "37+45=", "1+99=")]
+    torch._dynamo.reset()
+    counters.clear()
+    before = None
+    for _ in range(2):
+        ours = compiled.generate(prompts, max_new_tokens=6, greedy=True)
+        eager = HFRolloutEngine(model, tok).generate(prompts, max_new_tokens=6, greedy=True)
+        extra = ours.prompt_width - eager.prompt_width
+        assert torch.equal(ours.sequences[:, extra:], eager.sequences) and torch.allclose(ours.logprobs, eager.logprobs, atol=1e-5)
+        assert before is None or not torch.allclose(ours.logprobs, before)  # the update reached the compiled graph
+        before = ours.logprobs
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1.2)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
 def test_sample_next_draws_from_the_tempered_softmax_and_reports_its_log_probability():
     """The exponential race draws token i with probability softmax(logits / T)_i; greedy takes the argmax under T = 1."""
     from tasks.common.nn.rollout import sample_next

@@ -187,6 +187,8 @@ class HFRolloutEngine:
     the device and writes the result into the shape's DecodeState. The loop looks at the device only every
     STOP_CHECK_EVERY steps on CUDA (whether every row has stopped), so the host queues steps ahead of the GPU.
 
+    compile_decode: run the decode forward through torch.compile (fused kernels), inside the captured graph on CUDA.
+
     cuda_graphs: on CUDA, capture the decode step (forward, sampling, bookkeeping) as one CUDA graph per batch
     shape and sampling setting, after CUDA_GRAPH_WARMUPS eager steps, and replay it: the host launches a token
     step in one call. At RL's rollout sizes a decode step is well under a millisecond of GPU work, while vLLM's
@@ -197,7 +199,7 @@ class HFRolloutEngine:
     through SDPA while decoding (packed_gqa_sdpa).
     """
 
-    def __init__(self, model, tokenizer, device: torch.device | None = None, cuda_graphs: bool = False, ignore_eos: bool = False):
+    def __init__(self, model, tokenizer, device: torch.device | None = None, cuda_graphs: bool = False, ignore_eos: bool = False, compile_decode: bool = False):
         self.model, self.tokenizer, self.cuda_graphs = model, tokenizer, cuda_graphs
         self.pad_id = tokenizer.pad_token_id
         self.stop_ids = [] if ignore_eos else stop_token_ids(tokenizer)
@@ -207,6 +209,9 @@ class HFRolloutEngine:
         self.capture = cuda_graphs and self.device.type == "cuda"
         self.graph_pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.decode_attention = DECODE_ATTENTION
+        # The whole model's decode forward as one compiled graph (per batch shape): its elementwise kernels fuse.
+        # Parameters are graph inputs, so updates are read.
+        self.decode_forward = torch.compile(model, dynamic=False) if compile_decode else model
 
     def captured(self) -> bool:
         """Whether decode steps ran from CUDA graphs: at least one captured, and none that failed to be."""
@@ -230,7 +235,7 @@ class HFRolloutEngine:
         sampling = (1.0 if greedy else temperature, greedy)
         was_training = self.model.training
         self.model.eval()
-        with self._decode_attention():
+        with self._decoding():
             # The prefill, eager: every response slot attendable, the causal mask hiding those not yet written.
             full_mask = torch.cat([mask, torch.ones(rows, max_new_tokens, dtype=mask.dtype, device=self.device)], dim=1)
             logits = self.model(
@@ -266,7 +271,7 @@ class HFRolloutEngine:
     def _decode_step(self, s: DecodeState, temperature: float, greedy: bool) -> None:
         """One token for every row, in place in `s`: no host sync and no new buffer, so it can be captured."""
         s.mask.index_fill_(-1, s.cache_position, True)  # the newest token's slot, written by this forward
-        logits = self.model(
+        logits = self.decode_forward(
             input_ids=s.token[:, None],
             position_ids=s.position[:, None],
             attention_mask=s.mask,
@@ -340,17 +345,24 @@ class HFRolloutEngine:
         return state
 
     @contextlib.contextmanager
-    def _decode_attention(self):
-        """Decoding through SDPA (self.decode_attention: packed_gqa_sdpa, or transformers' "sdpa" to compare), the
-        attention a boolean [B, 1, 1, L] mask works with: FlashAttention-2 (the trainer's, for packed rows) unpads
-        a padded batch on every call, a host sync no graph can hold."""
+    def _decoding(self):
+        """The model as the decode loop runs it. Attention through SDPA (self.decode_attention: packed_gqa_sdpa, or
+        transformers' "sdpa" to compare), the attention a boolean [B, 1, 1, L] mask works with: FlashAttention-2
+        (the trainer's, for packed rows) unpads a padded batch on every call, a host sync no graph can hold. And
+        blocks compiled for training (--torch_compile) run their plain code: with a cache, each would recompile
+        for its own layer index, past torch's recompile limit (compile_decode compiles the whole forward instead)."""
         base = lora.unwrap(self.model)
         kept = base.config._attn_implementation
         if kept != self.decode_attention:
             base.set_attn_implementation(self.decode_attention)
+        compiled = {m: m._compiled_call_impl for m in base.modules() if getattr(m, "_compiled_call_impl", None) is not None}
+        for m in compiled:
+            m._compiled_call_impl = None
         try:
             yield
         finally:
+            for m, impl in compiled.items():
+                m._compiled_call_impl = impl
             if kept != self.decode_attention:
                 base.set_attn_implementation(kept)
 
