@@ -4,7 +4,7 @@
 #   bash bench/gpu/run.sh setup vllm sft          # one device call
 #   bash bench/gpu/run.sh setup vllm_probe        # where vLLM's time goes at the eval shape (bench/vllm_probe.py)
 #   bash bench/gpu/run.sh setup hf_generate       # our HF rollout engine: eager decode steps against CUDA graphs (and with
-#                                                 # transformers' SDPA, and with compiled blocks), one step's kernels profiled
+#                                                 # transformers' SDPA, and with the forward compiled), one step's kernels profiled
 #   bash bench/gpu/run.sh sft_compile sft_profile_compile   # SFT with --torch_compile, and its kernel profile
 #   bash bench/gpu/run.sh sft sft_noliger ours64 ours64_noliger   # Liger's kernels (the default on CUDA) on, then off
 #   bash bench/gpu/run.sh ours64 ours64_lora       # LoRA (rank 64, the adapter alone synced to vLLM) beside full weights
@@ -14,7 +14,7 @@
 #   SHAPE=qwen2.5-1.5b bash bench/gpu/run.sh setup sft ours64  # the 1.5B shape in /tmp/bench-qwen2.5-1.5b; names end in _1p5b
 #   bash bench/gpu/run.sh ours trl_vllm trl_hf report
 #   bash bench/gpu/run.sh ours64 ours64_hf trl_vllm   # rollouts from vLLM, from the actor's own decode loop (CUDA graphs), and TRL's
-#   bash bench/gpu/run.sh ours64_hf ours64_hf_compile ours64_hf_nogc   # that loop with compiled blocks; without checkpointing
+#   bash bench/gpu/run.sh ours64_hf ours64_hf_compile ours64_hf_nogc   # that loop with --torch_compile; without checkpointing
 #   bash bench/gpu/run.sh setup openrlhf report     # OpenRLHF 0.11.2's GRPO, same work (bench/gpu/openrlhf.sh install first)
 #   bash bench/gpu/run.sh setup verl                # verl 0.9.1's GRPO, same work (bench/gpu/verl.sh install first; a call of its own)
 #   bash bench/gpu/run.sh tests_stages               # the gpu-marked tests; tests_learn: the learning check
@@ -70,8 +70,8 @@ for phase in "$@"; do
         ours_hf) python bench/grpo_bench.py ours --dir $dir --mode hf --steps 5 ;;
         # The actor's own decode loop (static cache, CUDA graphs) in place of vLLM, at ours64's micro-batch
         ours64_hf) python bench/grpo_bench.py ours --dir $dir --mode hf --micro 64 ;;
-        # The same with --torch_compile: the blocks compiled for training are the ones the captured decode step
-        # replays (fused elementwise kernels); and without gradient checkpointing (the training phase's recompute).
+        # The same with --torch_compile (blocks compiled for training, and the decode forward compiled inside the
+        # captured step: fused elementwise kernels); and without gradient checkpointing (the training phase's recompute).
         ours64_hf_compile) python bench/grpo_bench.py ours --dir $dir --mode hf --micro 64 --compile ;;
         ours64_hf_nogc) python bench/grpo_bench.py ours --dir $dir --mode hf --micro 64 --no_gc ;;
         ours_agentic) python bench/grpo_bench.py ours --dir $dir --mode vllm --micro 64 --layout agentic --steps 8 ;;
