@@ -86,6 +86,14 @@ def on_gpu() -> bool:
     return torch.cuda.is_available()
 
 
+def sync() -> None:
+    """Wait for the GPU's queued work before reading a clock (nothing to wait for on the CPU)."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def save(bench_dir: Path, name: str, result: dict) -> None:
     name += SHAPE_SUFFIX[json.loads((bench_dir / "model_info.json").read_text())["shape"]]
     out = bench_dir / "results"
@@ -215,7 +223,6 @@ def bench_hf_generate(bench_dir: Path, batch: int = 64) -> None:
     from tasks.common.nn.rollout import HFRolloutEngine
 
     device = torch.device("cuda" if on_gpu() else "cpu")
-    sync = torch.cuda.synchronize if on_gpu() else (lambda: None)
     model = load_causal_lm(str(bench_dir / "model")).to(device, torch.bfloat16 if on_gpu() else torch.float32)
     tokenizer = load_tokenizer(str(bench_dir / "model"))
     rng = random.Random(1)
@@ -367,7 +374,6 @@ def bench_sft_profile(
     """Where an SFT step's GPU time goes: the stage's own pieces (model loading, DeepSpeed strategy,
     log-probabilities, loss) in this process, `steps` steps under torch.profiler after 3 warm-up steps;
     kernel time per step by kind, the busiest kernels, and how much of the step no kernel ran."""
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
     from tasks.common.nn.losses import sft_loss
@@ -389,7 +395,6 @@ def bench_sft_profile(
         engine.backward(sft_loss(logprobs, loss_mask[:, 1:], float(sum(map(sum, masks)))))
         engine.step()
 
-    sync = torch.cuda.synchronize if on_gpu() else (lambda: None)
     for _ in range(3):
         step()
     sync()
