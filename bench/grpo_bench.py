@@ -571,7 +571,8 @@ def bench_ours(
         name,
         {
             "micro_batch": micro,
-            "liger": liger and not compile_blocks,  # --torch_compile takes Liger's place
+            "liger": liger and not compile_blocks,  # --torch_compile takes the place of Liger's block kernels
+            "chunked_logprobs": liger,  # the log-probs a chunk of tokens at a time (losses.head_logprobs), compiled or not
             "torch_compile": compile_blocks,
             "lora_rank": lora_rank,
             "gradient_checkpointing": checkpointing,

@@ -36,6 +36,50 @@ def test_compiled_blocks_match_eager_loss_and_gradients():
     assert torch.allclose(compiled_grad, eager_grad, atol=1e-5)
 
 
+def _attention_that_reads_the_layer_index(module, query, key, value, attention_mask, **kwargs):
+    """SDPA behind a branch on the block's layer index, as transformers' FlashAttention-2 path reads it on the GPU."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if module.layer_idx == 0:
+        query = query * 1.0
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_compiled_blocks_share_their_graphs_across_layers(checkpointing):
+    """--torch_compile on a 12-block model: a block's layer index (read by FlashAttention-2's path) and a KV cache
+    (which a training forward without gradient checkpointing used to build) each made every block recompile, and
+    blocks past torch's limit of 8 ran uncompiled. Now a few graphs serve all twelve, with the eager gradients."""
+    from torch._dynamo.utils import counters
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    from tasks.common.nn.models import sequence_logprobs
+
+    AttentionInterface.register("layer_index_sdpa", _attention_that_reads_the_layer_index)
+    AttentionMaskInterface.register("layer_index_sdpa", sdpa_mask)
+    tokenizer = demo.build_tokenizer()
+    model = demo.build_base_model(tokenizer, hidden_size=32, num_layers=12)
+    model.set_attn_implementation("layer_index_sdpa")
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    ids = torch.tensor([tokenizer.encode("12+34=046"), tokenizer.encode("05+05=010")])
+
+    def grad():
+        model.zero_grad()
+        sequence_logprobs(model, ids, torch.ones_like(ids)).sum().backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    eager = grad()
+    compile_blocks(model)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = grad()
+    assert counters["stats"]["unique_graphs"] <= 3, dict(counters["stats"])
+    assert torch.allclose(compiled, eager, atol=1e-5)
+
+
 def test_torch_compile_refuses_zero3_and_models_without_blocks():
     with pytest.raises(ConfigError, match="torch_compile: ZeRO-3"):
         make_config(SFTConfig, {"output": "out", "pretrain": "m", "dataset": "d", "torch_compile": True, "zero_stage": 3})

@@ -469,7 +469,7 @@ def test_log_probs_from_a_start_position_are_the_full_ones_sliced_and_a_logged_e
 class FixedLogits(torch.nn.Module):
     """A causal LM whose logits are (0, ln 3) at every position, whatever the input."""
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None):
+    def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=None):
         row = torch.tensor([0.0, math.log(3.0)])
         return type("Output", (), {"logits": row.expand(*input_ids.shape, 2)})()
 

@@ -110,10 +110,8 @@ def load_tokenizer(path: str):
 
 def kernels(cfg) -> dict:
     """The kernels a training stage's models load with, from its config's flash_attn, use_liger_kernel and
-    torch_compile: keyword arguments of load_causal_lm and load_scalar_model. --torch_compile takes the place
-    of Liger's kernels (it fuses the same norms and MLP): Liger's Triton kernels inside compiled blocks trained
-    the demo's SFT to another loss curve on the H200 (1.42 against 1.34 after 20 steps, 2026-12-02)."""
-    return {"flash_attn": cfg.flash_attn, "liger": use_liger(cfg.use_liger_kernel) and not cfg.torch_compile}
+    torch_compile: keyword arguments of load_causal_lm and load_scalar_model."""
+    return {"flash_attn": cfg.flash_attn, "liger": use_liger(cfg.use_liger_kernel), "torch_compile": cfg.torch_compile}
 
 
 @functools.cache
@@ -150,13 +148,17 @@ def with_liger(model):
     return model
 
 
-def load_causal_lm(path: str, dtype: torch.dtype = torch.float32, flash_attn: bool = False, liger: bool = False):
-    """A causal LM; with `liger`, Liger's kernels and its log-probs taken a chunk of tokens at a time."""
+def load_causal_lm(path: str, dtype: torch.dtype = torch.float32, flash_attn: bool = False, liger: bool = False, torch_compile: bool = False):
+    """A causal LM; with `liger`, Liger's kernels and its log-probs taken a chunk of tokens at a time. With
+    `torch_compile` (its blocks are to be compiled: strategy.prepare), the chunked log-probs alone: torch.compile
+    fuses the norms and the MLP in Liger's place, and Liger's Triton kernels inside compiled blocks trained the
+    demo's SFT to another loss curve on the H200 (1.42 against 1.34 after 20 steps, 2026-12-02)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation(flash_attn))
-    if liger:
-        with_liger(model).chunked_logprobs = True  # read by _chunked_head
+    if liger and not torch_compile:
+        with_liger(model)
+    model.chunked_logprobs = liger  # read by _chunked_head
     return model
 
 
@@ -164,25 +166,31 @@ def compile_blocks(model) -> int:
     """torch.compile each transformer block in place; returns how many. Block by block, not the whole model:
     gradient checkpointing keeps wrapping each block (the recompute reruns the compiled code), and the
     DeepSpeed hooks on parameters and gradients stay outside the compiled graphs. The blocks share one
-    compiled graph (parameters are its inputs); new batch or sequence sizes recompile until torch marks them dynamic."""
+    compiled graph (parameters are its inputs); new batch or sequence sizes recompile until torch marks them dynamic.
+
+    transformers' FlashAttention-2 path reads each block's layer index. An integer attribute of a module is a
+    constant to torch.compile by default, so every block recompiled for its own index, and past torch's limit
+    of 8 the rest ran uncompiled (16 of the 0.5B shape's 24 on the H200, 2026-12-04). Read as a value like any
+    integer input instead, the index changes nothing after the first recompile."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     blocks = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     if not blocks:
         raise ValueError(f"torch_compile: {type(model).__name__} has no transformer blocks transformers knows; drop --torch_compile")
+    torch._dynamo.config.allow_unspec_int_on_nn_module = True
     for block in blocks:
         block.compile()
     return len(blocks)
 
 
-def load_scalar_model(path: str, dtype: torch.dtype = torch.float32, flash_attn: bool = False, liger: bool = False):
-    """A model with a one-output head on every token: reward models and critics."""
+def load_scalar_model(path: str, dtype: torch.dtype = torch.float32, flash_attn: bool = False, liger: bool = False, torch_compile: bool = False):
+    """A model with a one-output head on every token: reward models and critics (Liger's kernels as load_causal_lm)."""
     from transformers import AutoModelForSequenceClassification
 
     model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype, attn_implementation=attn_implementation(flash_attn))
     if model.config.pad_token_id is None:
         raise ValueError(f"{path}: config has no pad_token_id; a scalar head needs it to find the last token")
-    return with_liger(model) if liger else model
+    return with_liger(model) if liger and not torch_compile else model
 
 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -199,9 +207,9 @@ def packed_logprobs(model, input_ids: torch.Tensor, position_ids: torch.Tensor, 
     chunked = _chunked_head(model)
     if chunked:
         backbone, head = chunked
-        hidden = backbone(input_ids=input_ids, attention_mask=mask, position_ids=position_ids).last_hidden_state
+        hidden = backbone(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False).last_hidden_state
         return head_logprobs(hidden[:, :-1], head, input_ids[:, 1:])
-    logits = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids).logits
+    logits = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False).logits
     return token_logprobs(logits[:, :-1], input_ids[:, 1:])
 
 
@@ -220,7 +228,7 @@ def packed_scores(model, input_ids: torch.Tensor, position_ids: torch.Tensor, se
     model = lora.unwrap(model)
     backbone = getattr(model, model.base_model_prefix)
     mask = packed_attention_mask(model.config, sequence_index, input_ids.device)
-    hidden = backbone(input_ids=input_ids, attention_mask=mask, position_ids=position_ids).last_hidden_state
+    hidden = backbone(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False).last_hidden_state
     values = model.score(hidden).squeeze(-1).float()[0]
     index = sequence_index.to(values.device)
     last = torch.cat([(index[1:] != index[:-1]).nonzero().squeeze(-1), torch.tensor([index.numel() - 1], device=values.device)])
@@ -243,9 +251,9 @@ def sequence_logprobs(
     chunked = _chunked_head(model)
     if chunked:
         backbone, head = chunked
-        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask)).last_hidden_state
+        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask), use_cache=False).last_hidden_state
         return head_logprobs(hidden[:, start:-1], head, input_ids[:, start + 1 :], temperature, return_entropy, entropy_grad=entropy_grad)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask)).logits
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask), use_cache=False).logits
     logits = logits[:, start:-1]
     logprobs = token_logprobs(logits, input_ids[:, start + 1 :], temperature)  # divides inside, fused on a GPU
     if not return_entropy:
@@ -271,7 +279,7 @@ def token_values(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -
     """The scalar head applied to every token's hidden state: [B, T]."""
     model = lora.unwrap(model)  # a peft wrapper's attributes are not the transformers model's
     backbone = getattr(model, model.base_model_prefix)
-    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask)).last_hidden_state
+    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask), use_cache=False).last_hidden_state
     return model.score(hidden).squeeze(-1).float()
 
 

@@ -145,7 +145,6 @@ class DeepSpeedStrategy:
             # Recompute activations in backward: less memory for more compute. use_reentrant=False is
             # the variant that works with frozen inputs (embeddings) and ZeRO-3.
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            model.config.use_cache = False
             if lora.is_peft_model(model):
                 # The frozen embeddings' output needs requires_grad, or checkpointed blocks of a LoRA
                 # model would have nothing to differentiate and its adapters would get no gradient.
