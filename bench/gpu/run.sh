@@ -14,7 +14,7 @@
 #   SHAPE=qwen2.5-1.5b bash bench/gpu/run.sh setup sft ours64  # the 1.5B shape in /tmp/bench-qwen2.5-1.5b; names end in _1p5b
 #   bash bench/gpu/run.sh ours trl_vllm trl_hf report
 #   bash bench/gpu/run.sh ours64 ours64_hf trl_vllm   # rollouts from vLLM, from the actor's own decode loop (CUDA graphs), and TRL's
-#   bash bench/gpu/run.sh ours64_hf ours64_hf_compile ours64_hf_nogc   # that loop with --torch_compile; without checkpointing
+#   bash bench/gpu/run.sh ours64_hf ours64_hf_compile ours64_hf_nogc ours64_hf_compile_nogc   # that loop with --torch_compile; without checkpointing; both
 #   bash bench/gpu/run.sh setup openrlhf report     # OpenRLHF 0.11.2's GRPO, same work (bench/gpu/openrlhf.sh install first)
 #   bash bench/gpu/run.sh setup verl                # verl 0.9.1's GRPO, same work (bench/gpu/verl.sh install first; a call of its own)
 #   bash bench/gpu/run.sh tests_stages               # the gpu-marked tests; tests_learn: the learning check
@@ -39,7 +39,7 @@ for phase in "$@"; do
     sft_profile_compile) python bench/grpo_bench.py sft_profile --dir $dir --compile ;;
     sft_profile_nogc) python bench/grpo_bench.py sft_profile --dir $dir --no_gc ;;
     sft_profile_compile_nogc) python bench/grpo_bench.py sft_profile --dir $dir --compile --no_gc ;;
-    sft|sft_noliger|sft_sdpa|sft_compile|sft_nogc|sft_compile_nogc|sft_zero0|ours64_nogc|ours64_zero0|ours64_nogc_zero0|ours64_compile|ours64_compile_nogc|ours|ours32|ours64|ours64_noliger|ours64_sdpa|ours64_hf_compile|ours64_hf_nogc|ours64_lora|ours64_lora_sdpa|ours_hf|ours64_hf|ours_async|ours_2gpu_kl|ours_agentic|ours_agentic_slow_tool|ours_agentic_separate|ours_agentic_async|eval_vllm|eval_hf|tests_stages|tests_learn)
+    sft|sft_noliger|sft_sdpa|sft_compile|sft_nogc|sft_compile_nogc|sft_zero0|ours64_nogc|ours64_zero0|ours64_nogc_zero0|ours64_compile|ours64_compile_nogc|ours|ours32|ours64|ours64_noliger|ours64_sdpa|ours64_hf_compile|ours64_hf_nogc|ours64_hf_compile_nogc|ours64_lora|ours64_lora_sdpa|ours_hf|ours64_hf|ours_async|ours_2gpu_kl|ours_agentic|ours_agentic_slow_tool|ours_agentic_separate|ours_agentic_async|eval_vllm|eval_hf|tests_stages|tests_learn)
       if [ -z "$ray_up" ]; then start_ray && ray_up=1; fi
       case "$phase" in
         sft) python bench/grpo_bench.py sft --dir $dir ;;
@@ -74,6 +74,7 @@ for phase in "$@"; do
         # captured step: fused elementwise kernels); and without gradient checkpointing (the training phase's recompute).
         ours64_hf_compile) python bench/grpo_bench.py ours --dir $dir --mode hf --micro 64 --compile ;;
         ours64_hf_nogc) python bench/grpo_bench.py ours --dir $dir --mode hf --micro 64 --no_gc ;;
+        ours64_hf_compile_nogc) python bench/grpo_bench.py ours --dir $dir --mode hf --micro 64 --compile --no_gc ;;
         ours_agentic) python bench/grpo_bench.py ours --dir $dir --mode vllm --micro 64 --layout agentic --steps 8 ;;
         # The same with a tool of 20-200 ms a step: each episode's next turn joins vLLM's running batch when its step returns.
         ours_agentic_slow_tool) python bench/grpo_bench.py ours --dir $dir --mode vllm --micro 64 --layout agentic_slow_tool --steps 8 ;;
