@@ -370,26 +370,32 @@ def kernel_kind(name: str) -> str:
 
 
 def bench_sft_profile(
-    bench_dir: Path, batch: int = 8, seq: int = 2048, steps: int = 3, compile_blocks: bool = False, checkpointing: bool = True, zero_stage: int = 2
+    bench_dir: Path, steps: int = 3, compile_blocks: bool = False, checkpointing: bool = True, zero_stage: int = 2, rl_shape: bool = False
 ) -> None:
-    """Where an SFT step's GPU time goes: the stage's own pieces (model loading, DeepSpeed strategy,
-    log-probabilities, loss) in this process, `steps` steps under torch.profiler after 3 warm-up steps;
-    kernel time per step by kind, the busiest kernels, and how much of the step no kernel ran."""
+    """Where an SFT step's GPU time goes: the stage's own pieces (model loading with its kernels, DeepSpeed
+    strategy, log-probabilities, loss) in this process, `steps` steps under torch.profiler after 3 warm-up steps;
+    kernel time per step by kind, the busiest kernels, and how much of the step no kernel ran. SFT's rows are
+    8 x 2048 tokens, half of them in the loss; with `rl_shape`, the RL training phase's micro-batch instead:
+    64 rows of 128 prompt and 256 completion tokens, the completion in the loss."""
+    from torch._dynamo.utils import counters
     from torch.profiler import ProfilerActivity, profile
 
     from tasks.common.nn.losses import sft_loss
-    from tasks.common.nn.models import load_causal_lm
+    from tasks.common.nn.models import load_causal_lm, use_liger
     from tasks.common.nn.strategy import DeepSpeedStrategy
     from tasks.sft.trainer import micro_batch_logprobs
 
+    batch, seq, prompt = (PROMPTS_PER_STEP * GROUP, PROMPT_TOKENS + COMPLETION_TOKENS, PROMPT_TOKENS) if rl_shape else (8, 2048, 1024)
     strategy = DeepSpeedStrategy(
         zero_stage=zero_stage, bf16=on_gpu(), micro_batch_size=batch, gradient_checkpointing=checkpointing, torch_compile=compile_blocks
     )
-    engine = strategy.prepare(load_causal_lm(str(bench_dir / "model"), flash_attn=True), 1e-5, 100)
+    liger = use_liger(True)
+    engine = strategy.prepare(load_causal_lm(str(bench_dir / "model"), flash_attn=True, liger=liger, torch_compile=compile_blocks), 1e-5, 100)
     engine.train()
     rng = random.Random(0)
     ids = [[rng.randrange(2, 500) for _ in range(seq)] for _ in range(batch)]
-    masks = [[0] * (seq // 2) + [1] * (seq - seq // 2) for _ in range(batch)]
+    masks = [[0] * prompt + [1] * (seq - prompt) for _ in range(batch)]
+    counters.clear()
 
     def step():
         logprobs, loss_mask = micro_batch_logprobs(engine, ids, masks, 0, False, strategy.device)
@@ -414,7 +420,7 @@ def bench_sft_profile(
     top = sorted(events, key=lambda e: -e.self_device_time_total)[:12]
     save(
         bench_dir,
-        ("sft_profile_compile" if compile_blocks else "sft_profile") + train_suffix(checkpointing, zero_stage),
+        ("sft_profile_compile" if compile_blocks else "sft_profile") + ("_rl_shape" if rl_shape else "") + train_suffix(checkpointing, zero_stage),
         {
             "step_s_profiled": round(step_s, 4),
             "kernel_s_per_step": round(busy, 4),
@@ -426,6 +432,8 @@ def bench_sft_profile(
             "zero_stage": zero_stage,
             "gradient_checkpointing": checkpointing,
             "torch_compile": compile_blocks,
+            "liger": liger,
+            "compiled_graphs": counters["stats"]["unique_graphs"],
         },
     )
 
@@ -897,6 +905,7 @@ def main() -> None:
     parser.add_argument("--lora_rank", type=int, default=0, help="ours: LoRA adapters of this rank on every linear layer")
     parser.add_argument("--sdpa", action="store_true", help="sft, ours: --flash_attn false (PyTorch's SDPA kernels)")
     parser.add_argument("--no_gc", action="store_true", help="sft, sft_profile, ours: --gradient_checkpointing false (activations kept, no recomputed forward)")
+    parser.add_argument("--rl_shape", action="store_true", help="sft_profile: the RL training phase's micro-batch (64 x 384 tokens) in place of SFT's rows")
     parser.add_argument("--zero_stage", type=int, default=2, choices=[0, 1, 2, 3], help="sft, sft_profile, ours: DeepSpeed's ZeRO stage")
     a = parser.parse_args()
     a.dir.mkdir(parents=True, exist_ok=True)
@@ -909,7 +918,7 @@ def main() -> None:
     elif a.what == "sft":
         bench_sft(a.dir, a.steps, compile_blocks=a.compile, liger=not a.no_liger, flash=not a.sdpa, checkpointing=not a.no_gc, zero_stage=a.zero_stage)
     elif a.what == "sft_profile":
-        bench_sft_profile(a.dir, compile_blocks=a.compile, checkpointing=not a.no_gc, zero_stage=a.zero_stage)
+        bench_sft_profile(a.dir, compile_blocks=a.compile, checkpointing=not a.no_gc, zero_stage=a.zero_stage, rl_shape=a.rl_shape)
     elif a.what == "ours":
         bench_ours(
             a.dir,

@@ -11,6 +11,7 @@
 #   bash bench/gpu/run.sh sft sft_sdpa ours64 ours64_sdpa    # flash-attn (flash_attn.sh installed it) against SDPA
 #   bash bench/gpu/run.sh sft sft_nogc sft_zero0 sft_profile_nogc ours64 ours64_nogc ours64_zero0 ours64_nogc_zero0   # the training phase's costs
 #   bash bench/gpu/run.sh sft_compile sft_compile_nogc sft_profile_compile_nogc ours64_compile ours64_compile_nogc   # compiled blocks, with and without the recomputed forward
+#   bash bench/gpu/run.sh rl_profile rl_profile_compile_nogc   # the RL training phase's micro-batch profiled (default; compiled, no recompute)
 #   SHAPE=qwen2.5-1.5b bash bench/gpu/run.sh setup sft ours64  # the 1.5B shape in /tmp/bench-qwen2.5-1.5b; names end in _1p5b
 #   bash bench/gpu/run.sh ours trl_vllm trl_hf report
 #   bash bench/gpu/run.sh ours64 ours64_hf trl_vllm   # rollouts from vLLM, from the actor's own decode loop (CUDA graphs), and TRL's
@@ -39,6 +40,9 @@ for phase in "$@"; do
     sft_profile_compile) python bench/grpo_bench.py sft_profile --dir $dir --compile ;;
     sft_profile_nogc) python bench/grpo_bench.py sft_profile --dir $dir --no_gc ;;
     sft_profile_compile_nogc) python bench/grpo_bench.py sft_profile --dir $dir --compile --no_gc ;;
+    # The same profile on the RL training phase's micro-batch (64 x 384 tokens): where its time goes.
+    rl_profile) python bench/grpo_bench.py sft_profile --dir $dir --rl_shape ;;
+    rl_profile_compile_nogc) python bench/grpo_bench.py sft_profile --dir $dir --rl_shape --compile --no_gc ;;
     sft|sft_noliger|sft_sdpa|sft_compile|sft_nogc|sft_compile_nogc|sft_zero0|ours64_nogc|ours64_zero0|ours64_nogc_zero0|ours64_compile|ours64_compile_nogc|ours|ours32|ours64|ours64_noliger|ours64_sdpa|ours64_hf_compile|ours64_hf_nogc|ours64_hf_compile_nogc|ours64_lora|ours64_lora_sdpa|ours_hf|ours64_hf|ours_async|ours_2gpu_kl|ours_agentic|ours_agentic_slow_tool|ours_agentic_separate|ours_agentic_async|eval_vllm|eval_hf|tests_stages|tests_learn)
       if [ -z "$ray_up" ]; then start_ray && ray_up=1; fi
       case "$phase" in
