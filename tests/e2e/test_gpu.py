@@ -297,7 +297,7 @@ def test_the_decode_loop_replayed_as_cuda_graphs_matches_the_eager_one_and_reads
     assert graphs.captured(), caplog.text  # replayed, not run eagerly
     torch.manual_seed(0)
     rollout = graphs.generate(prompts * 8, max_new_tokens=24, temperature=0.7)
-    model.config._attn_implementation = "sdpa"  # flash-attn takes half precision only; this float32 check compares at 1e-3
+    model.set_attn_implementation("sdpa")  # flash-attn takes half precision only; this float32 check compares at 1e-3
     trainer = response_logprobs(model, rollout.sequences.to(device), rollout.attention_mask.to(device), rollout.prompt_width, temperature=0.7).cpu()
     gap = ((trainer - rollout.logprobs.cpu()).abs() * rollout.response_mask.cpu()).max().item()
     print(f"decode steps as CUDA graphs: sampled tokens' log-prob gap to the trainer's {gap:.2e}")

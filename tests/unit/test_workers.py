@@ -125,7 +125,8 @@ def test_gradient_checkpointing_is_switched_on_for_training():
 
     model = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2))
     engine = DeepSpeedStrategy(zero_stage=0, gradient_checkpointing=True).prepare(model, 1e-3, 10)
-    assert engine.module.is_gradient_checkpointing
+    # The config is left as it is (saved models keep their use_cache): the training forwards pass use_cache=False.
+    assert engine.module.is_gradient_checkpointing and engine.module.config.use_cache
 
 
 @pytest.mark.slow
