@@ -383,7 +383,7 @@ def bench_sft_profile(
     from tasks.common.nn.losses import sft_loss
     from tasks.common.nn.models import load_causal_lm, use_liger
     from tasks.common.nn.strategy import DeepSpeedStrategy
-    from tasks.sft.trainer import micro_batch_logprobs
+    from tasks.sft.trainer import micro_batch_logprobs, micro_batch_loss
 
     batch, seq, prompt = (PROMPTS_PER_STEP * GROUP, PROMPT_TOKENS + COMPLETION_TOKENS, PROMPT_TOKENS) if rl_shape else (8, 2048, 1024)
     strategy = DeepSpeedStrategy(
@@ -398,16 +398,20 @@ def bench_sft_profile(
     counters.clear()
 
     def step():
-        logprobs, loss_mask = micro_batch_logprobs(engine, ids, masks, 0, False, strategy.device)
-        engine.backward(sft_loss(logprobs, loss_mask[:, 1:], float(sum(map(sum, masks)))))
+        tokens = float(sum(map(sum, masks)))
+        if rl_shape:  # RL's loss comes from the log-probabilities (the policy loss needs them), not SFT's fused NLL
+            logprobs, loss_mask = micro_batch_logprobs(engine, ids, masks, 0, False, strategy.device)
+            engine.backward(sft_loss(logprobs, loss_mask[:, 1:], tokens))
+        else:
+            engine.backward(micro_batch_loss(engine, ids, masks, 0, False, strategy.device, tokens))
         engine.step()
 
     for _ in range(3):
         step()
     sync()
-    activity = ProfilerActivity.CUDA if on_gpu() else ProfilerActivity.CPU
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if on_gpu() else [ProfilerActivity.CPU]
     t0 = time.time()
-    with profile(activities=[activity]) as prof:
+    with profile(activities=activities) as prof:
         for _ in range(steps):
             step()
         sync()
@@ -418,6 +422,8 @@ def bench_sft_profile(
         by_kind[kernel_kind(e.key)] = by_kind.get(kernel_kind(e.key), 0.0) + e.self_device_time_total / 1e6 / steps
     busy = sum(by_kind.values())
     top = sorted(events, key=lambda e: -e.self_device_time_total)[:12]
+    # What the host does while the GPU waits: the ops with the most time of their own on the CPU, and how often.
+    host = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:12]
     save(
         bench_dir,
         ("sft_profile_compile" if compile_blocks else "sft_profile") + ("_rl_shape" if rl_shape else "") + train_suffix(checkpointing, zero_stage),
@@ -427,12 +433,14 @@ def bench_sft_profile(
             "idle_s_per_step": round(step_s - busy, 4),
             "kernel_s_by_kind": {k: round(v, 4) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
             "top_kernels_ms_per_step": {e.key[:100]: round(e.self_device_time_total / 1e3 / steps, 2) for e in top},
+            "top_host_ops_ms_and_calls_per_step": {e.key[:100]: [round(e.self_cpu_time_total / 1e3 / steps, 2), e.count // steps] for e in host},
             "batch": batch,
             "seq_len": seq,
             "zero_stage": zero_stage,
             "gradient_checkpointing": checkpointing,
             "torch_compile": compile_blocks,
             "liger": liger,
+            "loss": "log-probabilities (RL's path)" if rl_shape else "micro_batch_loss (SFT's path: Liger's fused linear cross-entropy on CUDA)",
             "compiled_graphs": counters["stats"]["unique_graphs"],
         },
     )

@@ -14,7 +14,7 @@ import threading
 import torch
 
 from tasks.common.nn import data, lora
-from tasks.common.nn.losses import importance_weights, kl_loss, logprob_mismatch, masked_mean, policy_loss, sft_loss, value_loss
+from tasks.common.nn.losses import importance_weights, kl_loss, logprob_mismatch, masked_mean, policy_loss, value_loss
 from tasks.common.nn.models import kernels, load_causal_lm, load_scalar_model, load_tokenizer, resolve_model
 from tasks.common.nn.rollout import HFRolloutEngine, Rollout
 from tasks.common.nn.strategy import DeepSpeedStrategy
@@ -246,13 +246,12 @@ class ActorWorker(_Trainer):
 
     def _ptx_loss(self) -> torch.Tensor:
         """Mean NLL of the response tokens of the next micro-batch of PPO-ptx rows (the SFT loss)."""
-        from tasks.sft.trainer import micro_batch_logprobs
+        from tasks.sft.trainer import micro_batch_loss
 
         batch = self.sampler.next()
-        logprobs, mask = micro_batch_logprobs(
+        return micro_batch_loss(
             self.engine, [self.ptx_ids[i] for i in batch], [self.ptx_masks[i] for i in batch], self.tokenizer.pad_token_id, False, self.strategy.device
         )
-        return sft_loss(logprobs, mask[:, 1:])
 
     def save_model(self, out_dir: str) -> None:
         self.strategy.save_hf(self.engine, self.tokenizer, out_dir, merge_lora=self.cfg.merge_lora, base_uri=self.cfg.pretrain)

@@ -12,7 +12,17 @@ import torch
 
 from tasks.common.nn import data, lora
 from tasks.common.nn.losses import sft_loss
-from tasks.common.nn.models import kernels, load_causal_lm, load_tokenizer, packed_logprobs, resolve_model, sequence_logprobs
+from tasks.common.nn.models import (
+    kernels,
+    load_causal_lm,
+    load_tokenizer,
+    packed_attention_mask,
+    packed_logprobs,
+    position_ids,
+    resolve_model,
+    sequence_logprobs,
+    token_nll_sum,
+)
 from tasks.common.nn.strategy import DeepSpeedStrategy
 from tasks.common.nn.workers import TrainingWorker, placed_group, shard, train_steps
 from tasks.common.stage import StageRun
@@ -62,15 +72,15 @@ class SFTWorker(TrainingWorker):
         micro_batches_in_step = len(chunks) * self.world_size
         total = torch.zeros((), device=self.strategy.device)
         for chunk in chunks:
-            logprobs, loss_mask = micro_batch_logprobs(
+            loss = micro_batch_loss(
                 self.engine,
                 [self.ids[i] for i in chunk],
                 [self.masks[i] for i in chunk],
                 self.tokenizer.pad_token_id,
                 self.cfg.packing_samples,
                 self.strategy.device,
+                tokens / micro_batches_in_step,
             )
-            loss = sft_loss(logprobs, loss_mask[:, 1:], tokens / micro_batches_in_step)
             self.engine.backward(loss)
             self.engine.step()
             total += loss.detach()
@@ -81,17 +91,41 @@ class SFTWorker(TrainingWorker):
         self.strategy.save_hf(self.engine, self.tokenizer, out_dir, merge_lora=self.cfg.merge_lora, base_uri=self.cfg.pretrain)
 
 
-def micro_batch_logprobs(model, ids: list[list[int]], masks: list[list[int]], pad_id: int, packed: bool, device):
-    """(log-probabilities [B, T-1], loss mask [B, T]) of rows padded to one width, or packed into one row
-    (B = 1; each row's first token is a prompt token, so the position predicting it across the boundary
-    is masked out like any prompt token)."""
+def micro_batch_loss(model, ids: list[list[int]], masks: list[list[int]], pad_id: int, packed: bool, device, num_tokens=None) -> torch.Tensor:
+    """sft_loss of a micro-batch (micro_batch_inputs' rows). On CUDA with Liger it comes from Liger's fused
+    linear cross-entropy (token_nll_sum), which never holds float32 logits and takes the output head's
+    gradients in the forward pass; elsewhere from the log-probabilities."""
+    input_ids, positions, index, loss_mask = micro_batch_inputs(ids, masks, pad_id, packed, device)
+    targets = loss_mask[:, 1:]  # a token's loss sits at the position before it
+    attention_mask = packed_attention_mask(getattr(model, "module", model).config, index, device) if packed else index
+    nll = token_nll_sum(model, input_ids, targets, attention_mask, positions)
+    if nll is None:
+        return sft_loss(_logprobs(model, input_ids, positions, index, packed), targets, num_tokens)
+    return nll / (targets.sum().clamp(min=1) if num_tokens is None else num_tokens)
+
+
+def micro_batch_inputs(ids: list[list[int]], masks: list[list[int]], pad_id: int, packed: bool, device):
+    """(input_ids, position ids, the attention mask of padded rows or the sequence index of a packed one, loss
+    mask [B, T]) on `device`: rows padded to one width, or packed into one row (B = 1; each row's first token is
+    a prompt token, so the position predicting it across the boundary is masked out like any prompt token)."""
     if packed:
         input_ids, positions, index = data.pack(ids)
-        loss_mask = torch.tensor([[m for row in masks for m in row]], device=device)
-        return packed_logprobs(model, input_ids.to(device), positions.to(device), index.to(device)), loss_mask
-    input_ids, attention_mask = data.pad(ids, pad_id)
-    loss_mask, _ = data.pad(masks, 0)
-    return sequence_logprobs(model, input_ids.to(device), attention_mask.to(device)), loss_mask.to(device)
+        loss_mask = torch.tensor([[m for row in masks for m in row]])
+    else:
+        input_ids, index = data.pad(ids, pad_id)
+        positions = position_ids(index)
+        loss_mask, _ = data.pad(masks, 0)
+    return input_ids.to(device), positions.to(device), index.to(device), loss_mask.to(device)
+
+
+def micro_batch_logprobs(model, ids: list[list[int]], masks: list[list[int]], pad_id: int, packed: bool, device):
+    """(log-probabilities [B, T-1], loss mask [B, T]) of micro_batch_inputs' rows."""
+    input_ids, positions, index, loss_mask = micro_batch_inputs(ids, masks, pad_id, packed, device)
+    return _logprobs(model, input_ids, positions, index, packed), loss_mask
+
+
+def _logprobs(model, input_ids, positions, index, packed: bool) -> torch.Tensor:
+    return packed_logprobs(model, input_ids, positions, index) if packed else sequence_logprobs(model, input_ids, index)
 
 
 def train(cfg: SFTConfig, run: StageRun) -> None:

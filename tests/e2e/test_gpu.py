@@ -7,7 +7,8 @@
   --torch_compile in SFT, and PPO with its rollouts
   from a vLLM engine colocated with every model (sleep/wake), synced after each update and checked
   against the actor's log-probabilities.
-- Liger's kernels and the chunked log-probabilities against the eager path: loss and gradients.
+- Liger's kernels and the chunked log-probabilities against the eager path: loss and gradients; SFT's loss
+  through Liger's fused linear cross-entropy against the eager one, rows padded and packed.
 - FlashAttention-2's varlen packing against SDPA per sequence: log-probabilities and gradients (when
   flash-attn is installed: bench/gpu/flash_attn.sh builds it).
 - RL with LoRA and vLLM: the engine is synced the adapter alone and follows the trained policy.
@@ -226,6 +227,43 @@ def test_liger_kernels_give_the_eager_loss_and_gradients():
     assert abs(liger_loss - eager_loss) < 1e-4
     for name, grad in eager_grads.items():
         assert torch.allclose(liger_grads[name], grad, rtol=1e-3, atol=1e-5), name
+
+
+def test_sft_loss_through_ligers_fused_linear_cross_entropy_gives_the_eager_loss_and_gradients():
+    """SFT's loss on the GPU with Liger comes from Liger's fused linear cross-entropy (the head's gradients taken in
+    the forward pass): against the same weights loaded eager, in float32, rows padded and packed, the same loss
+    and every parameter's gradient."""
+    from tasks.common.nn import data as batches
+    from tasks.common.nn.models import load_causal_lm, token_nll_sum, use_liger
+    from tasks.data import demo
+    from tasks.sft.trainer import micro_batch_inputs, micro_batch_loss
+
+    assert use_liger(True), "liger-kernel is missing: the gpu extra installs it"
+    tok = demo.build_tokenizer()
+    path = ROOT / "fused-ce-base"
+    demo.build_base_model(tok, seed=2).save_pretrained(path)
+    tok.save_pretrained(path)
+    rows = [("12+34=", "046"), ("05+05=", "010 is the sum"), ("99+01=", "100")]
+    ids = [batches.encode_prompt(tok, p) + batches.encode_response(tok, r) for p, r in rows]
+    masks = [[0] * len(batches.encode_prompt(tok, p)) + [1] * len(batches.encode_response(tok, r)) for p, r in rows]
+    device = torch.device("cuda")
+    input_ids, positions, attention_mask, loss_mask = micro_batch_inputs(ids, masks, tok.pad_token_id, False, device)
+    runs = {}
+    for liger in (False, True):  # eager first: Liger's RoPE replaces the architecture's function for the process
+        model = load_causal_lm(str(path), liger=liger).to(device)
+        fused = token_nll_sum(model, input_ids, loss_mask[:, 1:], attention_mask, positions)
+        assert (fused is not None) == liger  # the fused kernel runs exactly when Liger is on
+        for packed in (False, True):
+            model.zero_grad()
+            loss = micro_batch_loss(model, ids, masks, tok.pad_token_id, packed, device, 7.0)
+            loss.backward()
+            runs[liger, packed] = (loss.item(), {name: p.grad.float().cpu() for name, p in model.named_parameters()})
+    for packed in (False, True):
+        (eager_loss, eager_grads), (fused_loss, fused_grads) = runs[False, packed], runs[True, packed]
+        print(f"fused cross-entropy, packed={packed}: loss {fused_loss:.6f} against eager {eager_loss:.6f}")
+        assert abs(fused_loss - eager_loss) < 1e-4
+        for name, grad in eager_grads.items():
+            assert torch.allclose(fused_grads[name], grad, rtol=1e-3, atol=1e-5), name
 
 
 def test_flash_attn_packed_rows_give_each_sequences_own_logprobs_and_gradients():

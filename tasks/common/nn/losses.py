@@ -2,6 +2,7 @@
 
     loss = sft_loss(token_logprobs, loss_mask)
     logprobs = head_logprobs(hidden, lm_head, labels)         # token_logprobs(lm_head(hidden), labels), a chunk at a time
+    nll = fused_linear_nll_sum(hidden, lm_head.weight, labels, mask)   # Σ -logprobs under the mask, Liger's fused kernel (CUDA)
     loss = bradley_terry_loss(chosen_scores, rejected_scores)
     loss, clip_frac = policy_loss(logprobs, old_logprobs, advantages, mask, clip_eps=0.2)
     loss, clip_frac = policy_loss(..., clip_eps_low=0.2, clip_eps_high=0.28, dual_clip=3.0,
@@ -126,6 +127,26 @@ def _chunk_logprobs(head, hidden, labels, temperature: float, return_entropy: bo
     if not return_entropy:
         return logprobs
     return torch.stack([logprobs, entropy_of(log_p, entropy_grad)])
+
+
+def fused_linear_nll_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Σ -log softmax(hidden @ weight.T)[label] over the positions where mask is 1: [..., H], [V, H], [...], [...] -> [].
+    Liger's fused linear cross-entropy (CUDA only; its kernels are Triton's): a chunk of tokens at a time it makes
+    the logits in the weight's precision, and one kernel reduces them and writes their gradient in place, float32
+    inside; the head's gradients are taken then, in the forward pass, so backward only scales them. Against
+    head_logprobs it never writes float32 logits nor remakes them in backward (on the H200 the log-softmax and the
+    copies were 56 of SFT's 195 ms of kernels a step: bench/RESULTS.md, 2026-12-04 seventh lease)."""
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    targets = labels.masked_fill(mask == 0, -100)  # Liger's ignore_index
+    return liger_fused_linear_cross_entropy(
+        hidden.reshape(-1, hidden.size(-1)),
+        weight,
+        targets.reshape(-1),
+        reduction="sum",
+        accum_dtype=torch.float32,  # the head's gradient summed over chunks in float32, not bf16
+        chunk_mem_const=8,  # chunks of ~1k tokens rather than ~128 at a 152k vocabulary: 8x fewer launches
+    )
 
 
 def entropy_of(log_p: torch.Tensor, grad: bool = True) -> torch.Tensor:
