@@ -95,12 +95,12 @@ def micro_batch_loss(model, ids: list[list[int]], masks: list[list[int]], pad_id
     """sft_loss of a micro-batch (micro_batch_inputs' rows). On CUDA with Liger it comes from Liger's fused
     linear cross-entropy (token_nll_sum), which never holds float32 logits and takes the output head's
     gradients in the forward pass; elsewhere from the log-probabilities."""
-    input_ids, positions, index, loss_mask = micro_batch_inputs(ids, masks, pad_id, packed, device)
+    input_ids, positions, mask_or_index, loss_mask = micro_batch_inputs(ids, masks, pad_id, packed, device)
     targets = loss_mask[:, 1:]  # a token's loss sits at the position before it
-    attention_mask = packed_attention_mask(getattr(model, "module", model).config, index, device) if packed else index
+    attention_mask = packed_attention_mask(getattr(model, "module", model).config, mask_or_index, device) if packed else mask_or_index
     nll = token_nll_sum(model, input_ids, targets, attention_mask, positions)
     if nll is None:
-        return sft_loss(_logprobs(model, input_ids, positions, index, packed), targets, num_tokens)
+        return sft_loss(_logprobs(model, input_ids, positions, mask_or_index, packed), targets, num_tokens)
     return nll / (targets.sum().clamp(min=1) if num_tokens is None else num_tokens)
 
 
@@ -109,23 +109,23 @@ def micro_batch_inputs(ids: list[list[int]], masks: list[list[int]], pad_id: int
     mask [B, T]) on `device`: rows padded to one width, or packed into one row (B = 1; each row's first token is
     a prompt token, so the position predicting it across the boundary is masked out like any prompt token)."""
     if packed:
-        input_ids, positions, index = data.pack(ids)
+        input_ids, positions, mask_or_index = data.pack(ids)
         loss_mask = torch.tensor([[m for row in masks for m in row]])
     else:
-        input_ids, index = data.pad(ids, pad_id)
-        positions = position_ids(index)
+        input_ids, mask_or_index = data.pad(ids, pad_id)
+        positions = position_ids(mask_or_index)
         loss_mask, _ = data.pad(masks, 0)
-    return input_ids.to(device), positions.to(device), index.to(device), loss_mask.to(device)
+    return input_ids.to(device), positions.to(device), mask_or_index.to(device), loss_mask.to(device)
 
 
 def micro_batch_logprobs(model, ids: list[list[int]], masks: list[list[int]], pad_id: int, packed: bool, device):
     """(log-probabilities [B, T-1], loss mask [B, T]) of micro_batch_inputs' rows."""
-    input_ids, positions, index, loss_mask = micro_batch_inputs(ids, masks, pad_id, packed, device)
-    return _logprobs(model, input_ids, positions, index, packed), loss_mask
+    input_ids, positions, mask_or_index, loss_mask = micro_batch_inputs(ids, masks, pad_id, packed, device)
+    return _logprobs(model, input_ids, positions, mask_or_index, packed), loss_mask
 
 
-def _logprobs(model, input_ids, positions, index, packed: bool) -> torch.Tensor:
-    return packed_logprobs(model, input_ids, positions, index) if packed else sequence_logprobs(model, input_ids, index)
+def _logprobs(model, input_ids, positions, mask_or_index, packed: bool) -> torch.Tensor:
+    return packed_logprobs(model, input_ids, positions, mask_or_index) if packed else sequence_logprobs(model, input_ids, mask_or_index)
 
 
 def train(cfg: SFTConfig, run: StageRun) -> None:
