@@ -395,10 +395,10 @@ def bench_sft_profile(
     rng = random.Random(0)
     ids = [[rng.randrange(2, 500) for _ in range(seq)] for _ in range(batch)]
     masks = [[0] * prompt + [1] * (seq - prompt) for _ in range(batch)]
+    tokens = float(sum(map(sum, masks)))
     counters.clear()
 
     def step():
-        tokens = float(sum(map(sum, masks)))
         if rl_shape:  # RL's loss comes from the log-probabilities (the policy loss needs them), not SFT's fused NLL
             logprobs, loss_mask = micro_batch_logprobs(engine, ids, masks, 0, False, strategy.device)
             engine.backward(sft_loss(logprobs, loss_mask[:, 1:], tokens))

@@ -12,17 +12,7 @@ import torch
 
 from tasks.common.nn import data, lora
 from tasks.common.nn.losses import sft_loss
-from tasks.common.nn.models import (
-    kernels,
-    load_causal_lm,
-    load_tokenizer,
-    packed_attention_mask,
-    packed_logprobs,
-    position_ids,
-    resolve_model,
-    sequence_logprobs,
-    token_nll_sum,
-)
+from tasks.common.nn.models import kernels, load_causal_lm, load_tokenizer, packed_logprobs, position_ids, resolve_model, sequence_logprobs, token_nll_sum
 from tasks.common.nn.strategy import DeepSpeedStrategy
 from tasks.common.nn.workers import TrainingWorker, placed_group, shard, train_steps
 from tasks.common.stage import StageRun
@@ -97,8 +87,8 @@ def micro_batch_loss(model, ids: list[list[int]], masks: list[list[int]], pad_id
     gradients in the forward pass; elsewhere from the log-probabilities."""
     input_ids, positions, mask_or_index, loss_mask = micro_batch_inputs(ids, masks, pad_id, packed, device)
     targets = loss_mask[:, 1:]  # a token's loss sits at the position before it
-    attention_mask = packed_attention_mask(getattr(model, "module", model).config, mask_or_index, device) if packed else mask_or_index
-    nll = token_nll_sum(model, input_ids, targets, attention_mask, positions)
+    layout = {"sequence_index": mask_or_index} if packed else {"attention_mask": mask_or_index}
+    nll = token_nll_sum(model, input_ids, targets, positions, **layout)
     if nll is None:
         return sft_loss(_logprobs(model, input_ids, positions, mask_or_index, packed), targets, num_tokens)
     return nll / (targets.sum().clamp(min=1) if num_tokens is None else num_tokens)

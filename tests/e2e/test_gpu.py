@@ -251,7 +251,7 @@ def test_sft_loss_through_ligers_fused_linear_cross_entropy_gives_the_eager_loss
     runs = {}
     for liger in (False, True):  # eager first: Liger's RoPE replaces the architecture's function for the process
         model = load_causal_lm(str(path), liger=liger).to(device)
-        fused = token_nll_sum(model, input_ids, loss_mask[:, 1:], attention_mask, positions)
+        fused = token_nll_sum(model, input_ids, loss_mask[:, 1:], positions, attention_mask)
         assert (fused is not None) == liger  # the fused kernel runs exactly when Liger is on
         for packed in (False, True):
             model.zero_grad()

@@ -3,7 +3,7 @@
     path = resolve_model("s3://bucket/…/sft/manifest.json")   # or a local folder, or a hub id
     tokenizer, policy = load_tokenizer(path), load_causal_lm(path, **kernels(cfg))   # cfg: a TrainingConfig
     logprobs = sequence_logprobs(policy, input_ids, attention_mask)    # [B, T-1]
-    nll = token_nll_sum(policy, input_ids, target_mask, attention_mask, position_ids(attention_mask))  # SFT's, fused; None off CUDA
+    nll = token_nll_sum(policy, input_ids, target_mask, position_ids(attention_mask), attention_mask)  # SFT's, fused; None off CUDA
     scores = sequence_scores(reward_model, input_ids, attention_mask)  # [B]
 
 A URI that names a stage output (s3://…, or a folder holding manifest.json) is resolved through
@@ -263,19 +263,21 @@ def sequence_logprobs(
 
 
 def token_nll_sum(
-    model, input_ids: torch.Tensor, target_mask: torch.Tensor, attention_mask: torch.Tensor | None, positions: torch.Tensor
+    model, input_ids: torch.Tensor, target_mask: torch.Tensor, positions: torch.Tensor, attention_mask=None, sequence_index=None
 ) -> torch.Tensor | None:
-    """Σ -log p(input_ids[:, t+1] | tokens ≤ t) over the positions t where target_mask ([B, T-1]) is 1, given the
-    forward's attention mask and position ids (for rows padded to one width, or packed into one: packed_attention_mask),
-    through Liger's fused linear cross-entropy (losses.fused_linear_nll_sum). None where that kernel does not
-    apply: off CUDA, without Liger (load_causal_lm's `liger`), or a head that is not a plain bias-free linear layer
-    (LoRA on the head; ZeRO-3's shards): the caller then takes the log-probabilities' path."""
+    """Σ -log p(input_ids[:, t+1] | tokens ≤ t) over the positions t where target_mask ([B, T-1]) is 1, for rows
+    padded to one width (their attention_mask) or packed into one (its sequence_index, as packed_logprobs), through
+    Liger's fused linear cross-entropy (losses.fused_linear_nll_sum). None where that kernel does not apply: off
+    CUDA, without Liger (load_causal_lm's `liger`), or a head that is not a plain bias-free linear layer (LoRA on
+    the head; ZeRO-3's shards): the caller then takes the log-probabilities' path."""
     chunked = _chunked_head(model)
     if chunked is None or not input_ids.is_cuda:
         return None
     backbone, head = chunked
     if type(head) is not torch.nn.Linear or head.bias is not None:
         return None
+    if sequence_index is not None:
+        attention_mask = packed_attention_mask(getattr(model, "module", model).config, sequence_index, input_ids.device)
     hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False).last_hidden_state
     return fused_linear_nll_sum(hidden[:, :-1], head.weight, input_ids[:, 1:], target_mask)
 
