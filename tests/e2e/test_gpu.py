@@ -39,7 +39,7 @@ import torch
 from tasks.common import manifest as manifests
 
 from conftest import REPO, SCRATCH, free_port
-from test_stages import flags, run_cli
+from test_stages import flags
 
 pytestmark = [
     pytest.mark.gpu,
@@ -108,9 +108,20 @@ def gpu_ray():
 
 
 def cli(ray: str, module: str, **values) -> str:
-    done = run_cli(module, *flags(values), ray=ray)
-    assert done.returncode == 0, f"{module} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
-    return done.stdout + done.stderr
+    """A stage's CLI, its output echoed as it comes (with -s): a device call cut off by its time limit then
+    still shows which stage it was in and how far that stage got."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])), "RAY_ADDRESS": ray}
+    start, lines = time.time(), []
+    with subprocess.Popen(
+        [sys.executable, "-m", module, *flags(values)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO
+    ) as proc:
+        for line in proc.stdout:
+            print(f"[{module}] {line}", end="", flush=True)
+            lines.append(line)
+    print(f"[{module}] exit {proc.returncode} after {time.time() - start:.0f} s", flush=True)
+    log = "".join(lines)
+    assert proc.returncode == 0, f"{module} failed:\n{log[-6000:]}"
+    return log
 
 
 def metrics(uri: str) -> list[dict]:
@@ -322,6 +333,7 @@ def test_the_decode_loop_replayed_as_cuda_graphs_matches_the_eager_one_and_reads
     prompts = [batches.encode_prompt(tok, p) for p in ("3+4=", "37+45=", "1+99=", "12+3=4+5+6+7+8=")]
     device = torch.device("cuda")
     model = load_causal_lm(str(path), dtype=torch.float32, flash_attn=True, liger=True).to(device)
+    training_attention = model.config._attn_implementation  # flash_attention_2, or sdpa where flash-attn is missing
     graphs, eager = HFRolloutEngine(model, tok, device, cuda_graphs=True), HFRolloutEngine(model, tok, device)
     for update in range(2):
         a, b = (e.generate(prompts, max_new_tokens=24, greedy=True) for e in (graphs, eager))
@@ -331,7 +343,7 @@ def test_the_decode_loop_replayed_as_cuda_graphs_matches_the_eager_one_and_reads
         with torch.no_grad():  # an optimizer step's way: the same tensors, new values
             for p in model.parameters():
                 p.mul_(1.05)
-    assert model.config._attn_implementation == "flash_attention_2"  # restored for training
+    assert model.config._attn_implementation == training_attention  # restored for training
     assert graphs.captured(), caplog.text  # replayed, not run eagerly
     torch.manual_seed(0)
     rollout = graphs.generate(prompts * 8, max_new_tokens=24, temperature=0.7)
