@@ -260,7 +260,7 @@ def bench_hf_generate(bench_dir: Path, batch: int = 64) -> None:
             with torch.no_grad(), engine._decoding(), profile(activities=[ProfilerActivity.CUDA]) as prof:
                 engine._decode_step(state, 1.0, False)
                 sync()
-            events = sorted((e for e in prof.key_averages() if e.self_device_time_total > 0), key=lambda e: -e.self_device_time_total)
+            events = sorted(kernel_events(prof), key=lambda e: -e.self_device_time_total)
             result[f"step_gpu_ms_{name}"] = round(sum(e.self_device_time_total for e in events) / 1e3, 3)
             result[f"step_kernels_{name}"] = sum(e.count for e in events)
             result[f"top_kernels_{name}"] = [(e.key[:90], round(e.self_device_time_total / 1e3, 3), e.count) for e in events[:8]]
@@ -364,6 +364,14 @@ KERNEL_KINDS = (  # (kind, substrings of a CUDA kernel's name), first match wins
 )
 
 
+def kernel_events(prof) -> list:
+    """The profile's GPU kernels, averaged by name. Kernels only: torch 2.11 also gives the ops that launch them
+    (aten::mm, …) their kernels' device time, which counted each kernel twice."""
+    from torch.autograd import DeviceType
+
+    return [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]
+
+
 def kernel_kind(name: str) -> str:
     low = name.lower()
     return next((kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys)), "elementwise and other")
@@ -416,7 +424,7 @@ def bench_sft_profile(
             step()
         sync()
     step_s = (time.time() - t0) / steps
-    events = [e for e in prof.key_averages() if e.self_device_time_total > 0] if on_gpu() else []
+    events = kernel_events(prof)
     by_kind: dict[str, float] = {}
     for e in events:
         by_kind[kernel_kind(e.key)] = by_kind.get(kernel_kind(e.key), 0.0) + e.self_device_time_total / 1e6 / steps
@@ -424,6 +432,12 @@ def bench_sft_profile(
     top = sorted(events, key=lambda e: -e.self_device_time_total)[:12]
     # What the host does while the GPU waits: the ops with the most time of their own on the CPU, and how often.
     host = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:12]
+    # Where the host waits for the GPU or copies to it, by call site: one more step, with Python stacks recorded
+    # (slower, so it is kept out of the timed steps above).
+    with profile(activities=activities, with_stack=True) as traced:
+        step()
+        sync()
+    waits = host_call_sites(traced, ("aten::_local_scalar_dense", "aten::item", "aten::_to_copy", "aten::nonzero", "cudaStreamSynchronize"))
     save(
         bench_dir,
         ("sft_profile_compile" if compile_blocks else "sft_profile") + ("_rl_shape" if rl_shape else "") + train_suffix(checkpointing, zero_stage),
@@ -434,6 +448,7 @@ def bench_sft_profile(
             "kernel_s_by_kind": {k: round(v, 4) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
             "top_kernels_ms_per_step": {e.key[:100]: round(e.self_device_time_total / 1e3 / steps, 2) for e in top},
             "top_host_ops_ms_and_calls_per_step": {e.key[:100]: [round(e.self_cpu_time_total / 1e3 / steps, 2), e.count // steps] for e in host},
+            "host_syncs_and_copies_by_call_site": waits,
             "batch": batch,
             "seq_len": seq,
             "zero_stage": zero_stage,
@@ -444,6 +459,18 @@ def bench_sft_profile(
             "compiled_graphs": counters["stats"]["unique_graphs"],
         },
     )
+
+
+def host_call_sites(prof, names: tuple[str, ...], frames: int = 4) -> list[list]:
+    """[op, calls, the innermost `frames` Python frames outside torch] for the ops named, most called first: what
+    in a step makes the host wait for the GPU (an .item(), a copy to the host) or copy to it."""
+    sites: dict[tuple, int] = {}
+    for e in prof.events():
+        if e.name in names:
+            own = [f for f in e.stack if "/torch/" not in f and "<built-in" not in f][:frames]
+            key = (e.name, " <- ".join(own))
+            sites[key] = sites.get(key, 0) + 1
+    return [[name, calls, where] for (name, where), calls in sorted(sites.items(), key=lambda kv: -kv[1])[:15]]
 
 
 def _attention_kernel(log: Path, flash: bool = True) -> str:
