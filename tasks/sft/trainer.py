@@ -87,7 +87,9 @@ def micro_batch_loss(model, ids: list[list[int]], masks: list[list[int]], pad_id
     gradients in the forward pass; elsewhere from the log-probabilities."""
     input_ids, positions, mask_or_index, loss_mask = micro_batch_inputs(ids, masks, pad_id, packed, device)
     targets = loss_mask[:, 1:]  # a token's loss sits at the position before it
-    layout = {"sequence_index": mask_or_index} if packed else {"attention_mask": mask_or_index}
+    # Rows of one length need no mask: without one, attention skips the check for padding (a wait for the GPU).
+    unpadded = len(set(map(len, ids))) == 1
+    layout = {"sequence_index": mask_or_index} if packed else {"attention_mask": None if unpadded else mask_or_index}
     nll = token_nll_sum(model, input_ids, targets, positions, **layout)
     if nll is None:
         return sft_loss(_logprobs(model, input_ids, positions, mask_or_index, packed), targets, num_tokens)
