@@ -80,7 +80,8 @@ class VLLMRolloutEngine:
         logprobs: bool = True,
         max_num_seqs: int = 0,
     ):
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":  # a worker has it from its start (WorkerGroup)
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM
 
         self.tokenizer, self.ignore_eos, self.enable_sleep = tokenizer, ignore_eos, enable_sleep

@@ -60,12 +60,14 @@ def init_distributed(rank: int = 0, world_size: int = 1, init_method: str | None
         rendezvous = tempfile.NamedTemporaryFile(prefix="rlhf-rendezvous-", delete=False).name
         os.unlink(rendezvous)
         init_method = f"file://{rendezvous}"
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
     # DeepSpeed reads these; Ray gives each worker its own GPU, so the local rank is 0. Nothing
-    # listens on MASTER_PORT: the group above is already formed.
+    # listens on MASTER_PORT: the group below forms through init_method. They are written before the
+    # group starts NCCL's threads, which read the environment: a write beside those reads crashed a
+    # GPU worker in getenv (SIGSEGV).
     os.environ.update(RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(world_size), LOCAL_SIZE="1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29500")
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
     deepspeed.init_distributed(dist_backend=backend)
 
 

@@ -275,7 +275,9 @@ class WorkerGroup:
 
         self.name, self.placement, self.world_size = name, placement, placement.size
         resources = {"num_cpus": fraction, "num_gpus": fraction if placement.use_gpu else 0}
-        env = forwarded_env(os.environ)
+        # vLLM runs in its worker's process (tasks.rl.vllm_engine): set when the process starts, as the
+        # environment must not change once NCCL's threads read it (init_distributed).
+        env = {**forwarded_env(os.environ), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         options = [
             dict(
                 resources, runtime_env={"env_vars": env}, scheduling_strategy=PlacementGroupSchedulingStrategy(placement.group, placement_group_bundle_index=r)
