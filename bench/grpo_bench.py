@@ -385,6 +385,7 @@ def bench_sft_profile(
     kernel time per step by kind, the busiest kernels, and how much of the step no kernel ran. SFT's rows are
     8 x 2048 tokens, half of them in the loss; with `rl_shape`, the RL training phase's micro-batch instead:
     64 rows of 128 prompt and 256 completion tokens, the completion in the loss."""
+    from torch._C._profiler import _ExperimentalConfig
     from torch._dynamo.utils import counters
     from torch.profiler import ProfilerActivity, profile
 
@@ -434,7 +435,7 @@ def bench_sft_profile(
     host = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:12]
     # Where the host waits for the GPU or copies to it, by call site: one more step, with Python stacks recorded
     # (slower, so it is kept out of the timed steps above).
-    with profile(activities=activities, with_stack=True) as traced:
+    with profile(activities=activities, with_stack=True, experimental_config=_ExperimentalConfig(verbose=True)) as traced:  # verbose: the stacks
         step()
         sync()
     waits = host_call_sites(traced, ("aten::_local_scalar_dense", "aten::item", "aten::_to_copy", "aten::nonzero", "cudaStreamSynchronize"))
