@@ -378,13 +378,22 @@ def kernel_kind(name: str) -> str:
 
 
 def bench_sft_profile(
-    bench_dir: Path, steps: int = 3, compile_blocks: bool = False, checkpointing: bool = True, zero_stage: int = 2, rl_shape: bool = False
+    bench_dir: Path,
+    steps: int = 3,
+    compile_blocks: bool = False,
+    checkpointing: bool = True,
+    zero_stage: int = 2,
+    rl_shape: bool = False,
+    overflow_check: bool = True,
 ) -> None:
     """Where an SFT step's GPU time goes: the stage's own pieces (model loading with its kernels, DeepSpeed
     strategy, log-probabilities, loss) in this process, `steps` steps under torch.profiler after 3 warm-up steps;
     kernel time per step by kind, the busiest kernels, and how much of the step no kernel ran. SFT's rows are
     8 x 2048 tokens, half of them in the loss; with `rl_shape`, the RL training phase's micro-batch instead:
-    64 rows of 128 prompt and 256 completion tokens, the completion in the loss."""
+    64 rows of 128 prompt and 256 completion tokens, the completion in the loss. `step_s` times 5 steps without
+    the profiler. Without `overflow_check`, DeepSpeed's ZeRO optimizer skips its bf16 check for non-finite
+    gradients (its `check_grad_overflow`; a wait for the GPU and a few kernels per parameter each step): what
+    that check costs."""
     from torch._C._profiler import _ExperimentalConfig
     from torch._dynamo.utils import counters
     from torch.profiler import ProfilerActivity, profile
@@ -401,6 +410,10 @@ def bench_sft_profile(
     liger = use_liger(True)
     engine = strategy.prepare(load_causal_lm(str(bench_dir / "model"), flash_attn=True, liger=liger, torch_compile=compile_blocks), 1e-5, 100)
     engine.train()
+    if not overflow_check:
+        if not hasattr(engine.optimizer, "check_grad_overflow"):
+            raise SystemExit(f"--no_overflow_check: {type(engine.optimizer).__name__} has no check_grad_overflow (ZeRO 1-2's optimizer has)")
+        engine.optimizer.check_grad_overflow = False
     rng = random.Random(0)
     ids = [[rng.randrange(2, 500) for _ in range(seq)] for _ in range(batch)]
     masks = [[0] * prompt + [1] * (seq - prompt) for _ in range(batch)]
@@ -418,6 +431,11 @@ def bench_sft_profile(
     for _ in range(3):
         step()
     sync()
+    t0 = time.time()
+    for _ in range(5):
+        step()
+    sync()
+    unprofiled_s = (time.time() - t0) / 5
     activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if on_gpu() else [ProfilerActivity.CPU]
     t0 = time.time()
     with profile(activities=activities) as prof:
@@ -433,29 +451,34 @@ def bench_sft_profile(
     top = sorted(events, key=lambda e: -e.self_device_time_total)[:12]
     # What the host does while the GPU waits: the ops with the most time of their own on the CPU, and how often.
     host = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:12]
-    # Where the host waits for the GPU or copies to it, by call site: one more step, with Python stacks recorded
-    # (slower, so it is kept out of the timed steps above).
+    # Where the host waits for the GPU, by call site: one more step, with Python stacks recorded (slower, so it is
+    # kept out of the timed steps above). A value read on the host (.item(), `if tensor`) or a data-dependent shape.
     with profile(activities=activities, with_stack=True, experimental_config=_ExperimentalConfig(verbose=True)) as traced:  # verbose: the stacks
         step()
         sync()
-    waits = host_call_sites(traced, ("aten::_local_scalar_dense", "aten::item", "aten::_to_copy", "aten::nonzero", "cudaStreamSynchronize"))
+    waits = host_call_sites(traced, ("aten::_local_scalar_dense", "aten::nonzero"))
     save(
         bench_dir,
-        ("sft_profile_compile" if compile_blocks else "sft_profile") + ("_rl_shape" if rl_shape else "") + train_suffix(checkpointing, zero_stage),
+        ("sft_profile_compile" if compile_blocks else "sft_profile")
+        + ("_rl_shape" if rl_shape else "")
+        + train_suffix(checkpointing, zero_stage)
+        + ("" if overflow_check else "_nocheck"),
         {
+            "step_s": round(unprofiled_s, 4),
             "step_s_profiled": round(step_s, 4),
             "kernel_s_per_step": round(busy, 4),
             "idle_s_per_step": round(step_s - busy, 4),
             "kernel_s_by_kind": {k: round(v, 4) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
             "top_kernels_ms_per_step": {e.key[:100]: round(e.self_device_time_total / 1e3 / steps, 2) for e in top},
             "top_host_ops_ms_and_calls_per_step": {e.key[:100]: [round(e.self_cpu_time_total / 1e3 / steps, 2), e.count // steps] for e in host},
-            "host_syncs_and_copies_by_call_site": waits,
+            "host_waits_by_call_site": waits,
             "batch": batch,
             "seq_len": seq,
             "zero_stage": zero_stage,
             "gradient_checkpointing": checkpointing,
             "torch_compile": compile_blocks,
             "liger": liger,
+            "overflow_check": overflow_check,
             "loss": "log-probabilities (RL's path)" if rl_shape else "micro_batch_loss (SFT's path: Liger's fused linear cross-entropy on CUDA)",
             "compiled_graphs": counters["stats"]["unique_graphs"],
         },
@@ -463,12 +486,11 @@ def bench_sft_profile(
 
 
 def host_call_sites(prof, names: tuple[str, ...], frames: int = 4) -> list[list]:
-    """[op, calls, the innermost `frames` Python frames outside torch] for the ops named, most called first: what
-    in a step makes the host wait for the GPU (an .item(), a copy to the host) or copy to it."""
+    """[op, calls, the innermost `frames` Python frames outside torch] for the ops named, most called first."""
     sites: dict[tuple, int] = {}
     for e in prof.events():
         if e.name in names:
-            own = [f for f in e.stack if "/torch/" not in f and "<built-in" not in f][:frames]
+            own = [f for f in e.stack if not f.startswith(("torch/", "<built-in", "nn.Module:")) and "/torch/" not in f][:frames]
             key = (e.name, " <- ".join(own))
             sites[key] = sites.get(key, 0) + 1
     return [[name, calls, where] for (name, where), calls in sorted(sites.items(), key=lambda kv: -kv[1])[:15]]
@@ -942,6 +964,7 @@ def main() -> None:
     parser.add_argument("--sdpa", action="store_true", help="sft, ours: --flash_attn false (PyTorch's SDPA kernels)")
     parser.add_argument("--no_gc", action="store_true", help="sft, sft_profile, ours: --gradient_checkpointing false (activations kept, no recomputed forward)")
     parser.add_argument("--rl_shape", action="store_true", help="sft_profile: the RL training phase's micro-batch (64 x 384 tokens) in place of SFT's rows")
+    parser.add_argument("--no_overflow_check", action="store_true", help="sft_profile: DeepSpeed's bf16 check for non-finite gradients off (what it costs)")
     parser.add_argument("--zero_stage", type=int, default=2, choices=[0, 1, 2, 3], help="sft, sft_profile, ours: DeepSpeed's ZeRO stage")
     a = parser.parse_args()
     a.dir.mkdir(parents=True, exist_ok=True)
@@ -954,7 +977,9 @@ def main() -> None:
     elif a.what == "sft":
         bench_sft(a.dir, a.steps, compile_blocks=a.compile, liger=not a.no_liger, flash=not a.sdpa, checkpointing=not a.no_gc, zero_stage=a.zero_stage)
     elif a.what == "sft_profile":
-        bench_sft_profile(a.dir, compile_blocks=a.compile, checkpointing=not a.no_gc, zero_stage=a.zero_stage, rl_shape=a.rl_shape)
+        bench_sft_profile(
+            a.dir, compile_blocks=a.compile, checkpointing=not a.no_gc, zero_stage=a.zero_stage, rl_shape=a.rl_shape, overflow_check=not a.no_overflow_check
+        )
     elif a.what == "ours":
         bench_ours(
             a.dir,
