@@ -39,7 +39,7 @@ import torch
 from tasks.common import manifest as manifests
 
 from conftest import REPO, SCRATCH, free_port
-from test_stages import flags
+from test_stages import cli_env, flags
 
 pytestmark = [
     pytest.mark.gpu,
@@ -110,10 +110,9 @@ def gpu_ray():
 def cli(ray: str, module: str, **values) -> str:
     """A stage's CLI, its output echoed as it comes (with -s): a device call cut off by its time limit then
     still shows which stage it was in and how far that stage got."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])), "RAY_ADDRESS": ray}
     start, lines = time.time(), []
     with subprocess.Popen(
-        [sys.executable, "-m", module, *flags(values)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO
+        [sys.executable, "-m", module, *flags(values)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=cli_env(ray), cwd=REPO
     ) as proc:
         for line in proc.stdout:
             print(f"[{module}] {line}", end="", flush=True)

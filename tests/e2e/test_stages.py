@@ -26,10 +26,15 @@ from tasks.sft.config import SFTConfig
 from conftest import REPO, SCRATCH
 
 
+def cli_env(ray: str = "") -> dict:
+    """This environment for a stage's `python -m` process: the repository importable, `ray` the cluster's address."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])), "RAY_ADDRESS": ray}
+
+
 def run_cli(*args, ray: str = "", env: dict | None = None):
     """`python -m <args>` as a plain process; `ray` is the cluster's address for stages that place workers, or
     `env` the whole environment (LiveStack.stage_env(): the live stack's S3 and Ray)."""
-    env = env or {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])), "RAY_ADDRESS": ray}
+    env = env or cli_env(ray)
     return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
 
 
