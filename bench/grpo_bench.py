@@ -384,16 +384,15 @@ def bench_sft_profile(
     checkpointing: bool = True,
     zero_stage: int = 2,
     rl_shape: bool = False,
-    overflow_check: bool = True,
+    per_tensor_check: bool = False,
 ) -> None:
     """Where an SFT step's GPU time goes: the stage's own pieces (model loading with its kernels, DeepSpeed
     strategy, log-probabilities, loss) in this process, `steps` steps under torch.profiler after 3 warm-up steps;
     kernel time per step by kind, the busiest kernels, and how much of the step no kernel ran. SFT's rows are
     8 x 2048 tokens, half of them in the loss; with `rl_shape`, the RL training phase's micro-batch instead:
     64 rows of 128 prompt and 256 completion tokens, the completion in the loss. `step_s` times 5 steps without
-    the profiler. Without `overflow_check`, DeepSpeed's ZeRO optimizer skips its bf16 check for non-finite
-    gradients (its `check_grad_overflow`; a wait for the GPU and a few kernels per parameter each step): what
-    that check costs."""
+    the profiler. With `per_tensor_check`, ZeRO-1/2 checks each gradient tensor for inf/NaN before the step, as
+    DeepSpeed does unless strategy.overflow_check_by_norm leaves that to the gradient norm: what the pass cost."""
     from torch._C._profiler import _ExperimentalConfig
     from torch._dynamo.utils import counters
     from torch.profiler import ProfilerActivity, profile
@@ -410,10 +409,10 @@ def bench_sft_profile(
     liger = use_liger(True)
     engine = strategy.prepare(load_causal_lm(str(bench_dir / "model"), flash_attn=True, liger=liger, torch_compile=compile_blocks), 1e-5, 100)
     engine.train()
-    if not overflow_check:
-        if not hasattr(engine.optimizer, "check_grad_overflow"):
-            raise SystemExit(f"--no_overflow_check: {type(engine.optimizer).__name__} has no check_grad_overflow (ZeRO 1-2's optimizer has)")
-        engine.optimizer.check_grad_overflow = False
+    if per_tensor_check:
+        if "check_overflow" not in vars(engine.optimizer):
+            raise SystemExit(f"--per_tensor_check: {type(engine.optimizer).__name__} checks as DeepSpeed does already (bf16 ZeRO-1/2 is what it changes)")
+        del engine.optimizer.check_overflow  # DeepSpeed's own method again
     rng = random.Random(0)
     ids = [[rng.randrange(2, 500) for _ in range(seq)] for _ in range(batch)]
     masks = [[0] * prompt + [1] * (seq - prompt) for _ in range(batch)]
@@ -462,7 +461,7 @@ def bench_sft_profile(
         ("sft_profile_compile" if compile_blocks else "sft_profile")
         + ("_rl_shape" if rl_shape else "")
         + train_suffix(checkpointing, zero_stage)
-        + ("" if overflow_check else "_nocheck"),
+        + ("_per_tensor_check" if per_tensor_check else ""),
         {
             "step_s": round(unprofiled_s, 4),
             "step_s_profiled": round(step_s, 4),
@@ -478,7 +477,7 @@ def bench_sft_profile(
             "gradient_checkpointing": checkpointing,
             "torch_compile": compile_blocks,
             "liger": liger,
-            "overflow_check": overflow_check,
+            "per_tensor_overflow_check": per_tensor_check,
             "loss": "log-probabilities (RL's path)" if rl_shape else "micro_batch_loss (SFT's path: Liger's fused linear cross-entropy on CUDA)",
             "compiled_graphs": counters["stats"]["unique_graphs"],
         },
@@ -964,7 +963,7 @@ def main() -> None:
     parser.add_argument("--sdpa", action="store_true", help="sft, ours: --flash_attn false (PyTorch's SDPA kernels)")
     parser.add_argument("--no_gc", action="store_true", help="sft, sft_profile, ours: --gradient_checkpointing false (activations kept, no recomputed forward)")
     parser.add_argument("--rl_shape", action="store_true", help="sft_profile: the RL training phase's micro-batch (64 x 384 tokens) in place of SFT's rows")
-    parser.add_argument("--no_overflow_check", action="store_true", help="sft_profile: DeepSpeed's bf16 check for non-finite gradients off (what it costs)")
+    parser.add_argument("--per_tensor_check", action="store_true", help="sft_profile: ZeRO-1/2's inf/NaN check of each gradient tensor back on (what it cost)")
     parser.add_argument("--zero_stage", type=int, default=2, choices=[0, 1, 2, 3], help="sft, sft_profile, ours: DeepSpeed's ZeRO stage")
     a = parser.parse_args()
     a.dir.mkdir(parents=True, exist_ok=True)
@@ -978,7 +977,7 @@ def main() -> None:
         bench_sft(a.dir, a.steps, compile_blocks=a.compile, liger=not a.no_liger, flash=not a.sdpa, checkpointing=not a.no_gc, zero_stage=a.zero_stage)
     elif a.what == "sft_profile":
         bench_sft_profile(
-            a.dir, compile_blocks=a.compile, checkpointing=not a.no_gc, zero_stage=a.zero_stage, rl_shape=a.rl_shape, overflow_check=not a.no_overflow_check
+            a.dir, compile_blocks=a.compile, checkpointing=not a.no_gc, zero_stage=a.zero_stage, rl_shape=a.rl_shape, per_tensor_check=a.per_tensor_check
         )
     elif a.what == "ours":
         bench_ours(

@@ -141,3 +141,38 @@ def test_adam_offload_keeps_the_optimizer_on_the_cpu():
     engine = DeepSpeedStrategy(zero_stage=2, adam_offload=True).prepare(model, 1e-3, 10)
     assert isinstance(engine.optimizer.optimizer, DeepSpeedCPUAdam)
     assert np.isfinite(sum(p.float().sum().item() for p in model.parameters()))
+
+
+def test_bf16_zero2_skips_a_step_with_a_non_finite_gradient_without_checking_each_tensor():
+    """ZeRO-2 in bf16 finds the NaN through the gradient norm (strategy.overflow_check_by_norm): the step is skipped
+    and no weight moves; the next finite step trains. The per-tensor inf/NaN pass (amax/amin of every gradient) is gone.
+    """
+    import torch
+    from torch.profiler import profile
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tasks.common.nn.strategy import DeepSpeedStrategy
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    engine = DeepSpeedStrategy(zero_stage=2, bf16=True).prepare(model, 1e-2, 10)
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+
+    def step():
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+
+    before = [p.detach().clone() for p in model.parameters()]
+    hook = model.model.norm.weight.register_hook(lambda grad: torch.full_like(grad, float("nan")))
+    with profile() as prof:
+        step()
+    hook.remove()
+    assert engine.skipped_steps == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert not [e for e in prof.key_averages() if e.key == "aten::amax"]
+
+    step()
+    assert engine.skipped_steps == 1
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(torch.isfinite(p).all() for p in model.parameters())
