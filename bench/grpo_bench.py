@@ -391,8 +391,8 @@ def bench_sft_profile(
     kernel time per step by kind, the busiest kernels, and how much of the step no kernel ran. SFT's rows are
     8 x 2048 tokens, half of them in the loss; with `rl_shape`, the RL training phase's micro-batch instead:
     64 rows of 128 prompt and 256 completion tokens, the completion in the loss. `step_s` times 5 steps without
-    the profiler. With `per_tensor_check`, ZeRO-1/2 checks each gradient tensor for inf/NaN before the step, as
-    DeepSpeed does unless strategy.overflow_check_by_norm leaves that to the gradient norm: what the pass cost."""
+    the profiler. With `per_tensor_check`, ZeRO-1/2's step checks the gradients tensor by tensor, as DeepSpeed does
+    (inf/NaN, then the norm) where strategy.fuse_zero_step_checks does it in a few kernels: what that cost."""
     from torch._C._profiler import _ExperimentalConfig
     from torch._dynamo.utils import counters
     from torch.profiler import ProfilerActivity, profile
@@ -410,9 +410,7 @@ def bench_sft_profile(
     engine = strategy.prepare(load_causal_lm(str(bench_dir / "model"), flash_attn=True, liger=liger, torch_compile=compile_blocks), 1e-5, 100)
     engine.train()
     if per_tensor_check:
-        if "check_overflow" not in vars(engine.optimizer):
-            raise SystemExit(f"--per_tensor_check: {type(engine.optimizer).__name__} checks as DeepSpeed does already (bf16 ZeRO-1/2 is what it changes)")
-        del engine.optimizer.check_overflow  # DeepSpeed's own method again
+        deepspeed_gradient_checks(engine)
     rng = random.Random(0)
     ids = [[rng.randrange(2, 500) for _ in range(seq)] for _ in range(batch)]
     masks = [[0] * prompt + [1] * (seq - prompt) for _ in range(batch)]
@@ -482,6 +480,14 @@ def bench_sft_profile(
             "compiled_graphs": counters["stats"]["unique_graphs"],
         },
     )
+
+
+def deepspeed_gradient_checks(engine) -> None:
+    """ZeRO-1/2's step checks the gradients tensor by tensor again (inf/NaN, then the norm), with DeepSpeed's own
+    methods in place of strategy.fuse_zero_step_checks': the before of a before/after on one machine."""
+    if "check_overflow" not in vars(engine.optimizer):
+        raise SystemExit(f"--per_tensor_check: {type(engine.optimizer).__name__} checks as DeepSpeed does already (bf16 ZeRO-1/2 is what it changes)")
+    del engine.optimizer.check_overflow, engine.optimizer.get_grad_norm_direct
 
 
 def host_call_sites(prof, names: tuple[str, ...], frames: int = 4) -> list[list]:
@@ -963,7 +969,11 @@ def main() -> None:
     parser.add_argument("--sdpa", action="store_true", help="sft, ours: --flash_attn false (PyTorch's SDPA kernels)")
     parser.add_argument("--no_gc", action="store_true", help="sft, sft_profile, ours: --gradient_checkpointing false (activations kept, no recomputed forward)")
     parser.add_argument("--rl_shape", action="store_true", help="sft_profile: the RL training phase's micro-batch (64 x 384 tokens) in place of SFT's rows")
-    parser.add_argument("--per_tensor_check", action="store_true", help="sft_profile: ZeRO-1/2's inf/NaN check of each gradient tensor back on (what it cost)")
+    parser.add_argument(
+        "--per_tensor_check",
+        action="store_true",
+        help="sft_profile: ZeRO-1/2's checks of each gradient tensor back (DeepSpeed's inf/NaN pass and norm; what they cost)",
+    )
     parser.add_argument("--zero_stage", type=int, default=2, choices=[0, 1, 2, 3], help="sft, sft_profile, ours: DeepSpeed's ZeRO stage")
     a = parser.parse_args()
     a.dir.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 """Host ops of one SFT step, by phase, on any machine: what the host issues while the GPU waits.
 
     python bench/host_ops.py                       # ZeRO-2, bf16, compiled blocks
-    python bench/host_ops.py --per_tensor_check    # DeepSpeed's per-tensor inf/NaN check back on
+    python bench/host_ops.py --per_tensor_check    # DeepSpeed's per-tensor checks back (inf/NaN, norm)
     python bench/host_ops.py --zero_stage 0 --eager --out host_ops.json
 
 The model has Qwen2-0.5B's layout of parameters (24 layers, 290 tensors, tied embeddings) at a tiny width, so
@@ -23,6 +23,8 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from grpo_bench import deepspeed_gradient_checks  # noqa: E402
+
 from tasks.common.nn.strategy import DeepSpeedStrategy  # noqa: E402
 from tasks.sft.trainer import micro_batch_loss  # noqa: E402
 
@@ -40,7 +42,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--zero_stage", type=int, default=2, choices=[0, 1, 2, 3])
     parser.add_argument("--eager", action="store_true", help="no compiled blocks (the default compiles them, as the GPU bench does)")
-    parser.add_argument("--per_tensor_check", action="store_true", help="ZeRO-1/2's inf/NaN check of each gradient tensor back on (DeepSpeed's default)")
+    parser.add_argument("--per_tensor_check", action="store_true", help="ZeRO-1/2's checks of each gradient tensor back (DeepSpeed's inf/NaN pass and norm)")
     parser.add_argument("--out", type=Path, help="also write the counts here (JSON)")
     a = parser.parse_args()
 
@@ -52,9 +54,7 @@ def main() -> None:
     strategy = DeepSpeedStrategy(zero_stage=a.zero_stage, bf16=True, micro_batch_size=2, torch_compile=not a.eager)
     engine = strategy.prepare(model, 1e-5, 100)
     if a.per_tensor_check:
-        if "check_overflow" not in vars(engine.optimizer):
-            raise SystemExit(f"--per_tensor_check: {type(engine.optimizer).__name__} checks as DeepSpeed does already (bf16 ZeRO-1/2 is what it changes)")
-        del engine.optimizer.check_overflow  # DeepSpeed's own method again
+        deepspeed_gradient_checks(engine)
     ids = [[(row * 7 + i) % 500 + 2 for i in range(64)] for row in range(2)]
     masks = [[0] * 32 + [1] * 32 for _ in range(2)]
     loss = None

@@ -12,7 +12,7 @@
 #   bash bench/gpu/run.sh sft sft_nogc sft_zero0 sft_profile_nogc ours64 ours64_nogc ours64_zero0 ours64_nogc_zero0   # the training phase's costs
 #   bash bench/gpu/run.sh sft_compile sft_compile_nogc sft_profile_compile_nogc ours64_compile ours64_compile_nogc   # compiled blocks, with and without the recomputed forward
 #   bash bench/gpu/run.sh rl_profile rl_profile_compile_nogc   # the RL training phase's micro-batch profiled (default; compiled, no recompute)
-#   bash bench/gpu/run.sh sft_profile_compile_nogc sft_profile_compile_nogc_per_tensor_check   # what ZeRO-2's per-tensor overflow check cost a step
+#   bash bench/gpu/run.sh sft_profile_compile_nogc sft_profile_compile_nogc_per_tensor_check   # what ZeRO-2's per-tensor gradient checks cost a step
 #   SHAPE=qwen2.5-1.5b bash bench/gpu/run.sh setup sft ours64  # the 1.5B shape in /tmp/bench-qwen2.5-1.5b; names end in _1p5b
 #   bash bench/gpu/run.sh ours trl_vllm trl_hf report
 #   bash bench/gpu/run.sh ours64 ours64_hf trl_vllm   # rollouts from vLLM, from the actor's own decode loop (CUDA graphs), and TRL's
@@ -41,7 +41,7 @@ for phase in "$@"; do
     sft_profile_compile) python bench/grpo_bench.py sft_profile --dir $dir --compile ;;
     sft_profile_nogc) python bench/grpo_bench.py sft_profile --dir $dir --no_gc ;;
     sft_profile_compile_nogc) python bench/grpo_bench.py sft_profile --dir $dir --compile --no_gc ;;
-    # The same with ZeRO-2's inf/NaN check of each gradient tensor back (DeepSpeed's default; strategy.overflow_check_by_norm drops it).
+    # The same with ZeRO-2's checks of each gradient tensor back (DeepSpeed's; strategy.fuse_zero_step_checks fuses them).
     sft_profile_compile_nogc_per_tensor_check) python bench/grpo_bench.py sft_profile --dir $dir --compile --no_gc --per_tensor_check ;;
     # The same profile on the RL training phase's micro-batch (64 x 384 tokens): where its time goes.
     rl_profile) python bench/grpo_bench.py sft_profile --dir $dir --rl_shape ;;

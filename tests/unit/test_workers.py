@@ -144,10 +144,12 @@ def test_adam_offload_keeps_the_optimizer_on_the_cpu():
 
 
 def test_bf16_zero2_skips_a_step_with_a_non_finite_gradient_without_checking_each_tensor():
-    """ZeRO-2 in bf16 finds the NaN through the gradient norm (strategy.overflow_check_by_norm): the step is skipped
-    and no weight moves; the next finite step trains. The per-tensor inf/NaN pass (amax/amin of every gradient) is gone.
+    """ZeRO-2 in bf16 finds the NaN through the gradient norm (strategy.fuse_zero_step_checks): the step is skipped
+    and no weight moves; the next finite step trains. The per-tensor inf/NaN pass (amax/amin of every gradient) is
+    gone, and the fused norm is DeepSpeed's own to float64 rounding.
     """
     import torch
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
     from torch.profiler import profile
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -157,11 +159,18 @@ def test_bf16_zero2_skips_a_step_with_a_non_finite_gradient_without_checking_eac
     config = LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2)
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     engine = DeepSpeedStrategy(zero_stage=2, bf16=True).prepare(model, 1e-2, 10)
+    optimizer = engine.optimizer
     ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
 
     def step():
         engine.backward(engine(input_ids=ids, labels=ids).loss)
         engine.step()
+
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    grads, params = optimizer.averaged_gradients[0], optimizer.params_in_partition[0]
+    fused, deepspeeds = optimizer.get_grad_norm_direct(grads, params), DeepSpeedZeroOptimizer.get_grad_norm_direct(optimizer, grads, params)
+    assert fused.item() > 0 and abs(fused.item() - deepspeeds.item()) <= 1e-6 * deepspeeds.item()
+    engine.step()
 
     before = [p.detach().clone() for p in model.parameters()]
     hook = model.model.norm.weight.register_hook(lambda grad: torch.full_like(grad, float("nan")))
