@@ -475,7 +475,7 @@ def bench_sft_profile(
             "gradient_checkpointing": checkpointing,
             "torch_compile": compile_blocks,
             "liger": liger,
-            "per_tensor_overflow_check": per_tensor_check,
+            "per_tensor_check": per_tensor_check,
             "loss": "log-probabilities (RL's path)" if rl_shape else "micro_batch_loss (SFT's path: Liger's fused linear cross-entropy on CUDA)",
             "compiled_graphs": counters["stats"]["unique_graphs"],
         },
