@@ -23,7 +23,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from grpo_bench import deepspeed_gradient_checks  # noqa: E402
+from grpo_bench import SHAPES, deepspeed_gradient_checks  # noqa: E402
 
 from tasks.common.nn.strategy import DeepSpeedStrategy  # noqa: E402
 from tasks.sft.trainer import micro_batch_loss  # noqa: E402
@@ -46,8 +46,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="also write the counts here (JSON)")
     a = parser.parse_args()
 
+    # The bench's 0.5B shape (its layers, its tied embeddings) at a tiny width.
     config = Qwen2Config(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=24, num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True
+        **{**SHAPES["qwen2-0.5b"], "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1}
     )
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config).to(torch.bfloat16)
