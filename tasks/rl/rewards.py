@@ -31,6 +31,7 @@ import torch
 
 from tasks.common import http_json, user_code
 from tasks.common.config import ConfigError, split_list
+from tasks.common.nn.data import decode_rows
 
 
 class RewardError(ConfigError):
@@ -241,10 +242,7 @@ def build_reward_batch(rollout, tokenizer, prompts_text: Sequence[str], labels: 
     labels = [None] * n if labels is None else list(labels)
     if len(prompts_text) != n or len(labels) != n:
         raise ValueError(f"build_reward_batch: {n} sequences but {len(prompts_text)} prompts and {len(labels)} labels")
-    queries = [
-        tokenizer.decode([t for t, m in zip(ids, mask) if m], skip_special_tokens=True)
-        for ids, mask in zip(rollout.sequences.tolist(), rollout.attention_mask.tolist())
-    ]
+    queries = decode_rows(tokenizer, rollout.sequences, rollout.attention_mask)
     return RewardBatch(rollout.sequences, rollout.attention_mask, queries, list(prompts_text), rollout.texts(tokenizer), labels)
 
 

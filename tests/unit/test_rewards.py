@@ -5,7 +5,7 @@ import re
 import pytest
 import torch
 
-from tasks.common.nn.data import encode_prompt, encode_response, pad
+from tasks.common.nn.data import decode_rows, encode_prompt, encode_response, pad
 from tasks.common.nn.models import load_scalar_model, sequence_scores
 from tasks.common.nn.rollout import Rollout, response_mask
 from tasks.data import demo
@@ -79,6 +79,19 @@ def test_demo_reward_on_a_rollout_built_by_build_reward_batch():
     assert build_reward_batch(rollout, tok, [p for p, _ in pairs], None).labels == [None] * 4
     with pytest.raises(ValueError, match="4 sequences but 3 prompts"):
         build_reward_batch(rollout, tok, ["a", "b", "c"], None)
+
+
+def test_decode_rows_equals_decoding_each_row_on_its_own():
+    tok = demo.build_tokenizer()
+    ids, _ = pad([encode_prompt(tok, "37+45=") + [tok.eos_token_id], encode_prompt(tok, "1+1=2 is it")], tok.pad_token_id)
+    keep = torch.rand(ids.shape, generator=torch.Generator().manual_seed(0)) < 0.7  # holes anywhere, special tokens kept
+    expected = [tok.decode([t for t, k in zip(row, mask) if k], skip_special_tokens=True) for row, mask in zip(ids.tolist(), keep.tolist())]
+    assert decode_rows(tok, ids, keep) == expected
+    assert decode_rows(tok, ids, torch.zeros_like(keep)) == ["", ""]
+    tok.clean_up_tokenization_spaces = True  # transformers' own clean-up: the per-row path
+    assert decode_rows(tok, ids, keep) == [
+        tok.decode([t for t, k in zip(row, mask) if k], skip_special_tokens=True) for row, mask in zip(ids.tolist(), keep.tolist())
+    ]
 
 
 def test_custom_reward_file_receives_queries_prompts_labels(tmp_path):

@@ -14,6 +14,7 @@ Every stage encodes the same way, so SFT, the reward model, RL and DPO/KTO see o
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 from tasks.common import manifest as manifests
@@ -142,6 +143,20 @@ def turn_end_ids(tokenizer) -> list[int]:
     if special is not None:
         return ids[: special + 1]
     return ids or [tokenizer.eos_token_id]
+
+
+def decode_rows(tokenizer, ids, keep) -> list[str]:
+    """`tokenizer.decode(..., skip_special_tokens=True)` of each row's kept tokens (`ids`, `keep`: [B, T]
+    tensors), in one call to a fast tokenizer's Rust backend: filtering and checking 25k ids in Python, row
+    by row, was a third of a 64 × 384-token rollout's reward time. A tokenizer that asks for transformers'
+    text clean-up gets it through the per-row path."""
+    keep = keep.bool()
+    flat, ends = ids[keep].tolist(), list(itertools.accumulate(keep.sum(-1).tolist()))
+    rows = [flat[a:b] for a, b in zip([0, *ends], ends)]
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return [tokenizer.decode(row, skip_special_tokens=True) for row in rows]
+    return backend.decode_batch(rows, skip_special_tokens=True)
 
 
 def stop_token_ids(tokenizer) -> list[int]:

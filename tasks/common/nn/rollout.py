@@ -34,7 +34,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from tasks.common.nn import lora
-from tasks.common.nn.data import pad, stop_token_ids
+from tasks.common.nn.data import decode_rows, pad, stop_token_ids
 
 # Static-cache prompt widths round up to this: each (batch, cache length) shape compiles its own decode.
 STATIC_PROMPT_BUCKET = 64
@@ -84,11 +84,8 @@ class Rollout:
         return self.sequences[:, self.prompt_width :]
 
     def texts(self, tokenizer) -> list[str]:
-        out, stops = [], set(stop_token_ids(tokenizer))
-        for ids, mask in zip(self.responses.tolist(), self.response_mask.tolist()):
-            kept = [t for t, m in zip(ids, mask) if m and t not in stops]
-            out.append(tokenizer.decode(kept, skip_special_tokens=True))
-        return out
+        stops = torch.tensor(stop_token_ids(tokenizer), dtype=self.responses.dtype)
+        return decode_rows(tokenizer, self.responses, self.response_mask.bool() & ~torch.isin(self.responses, stops))
 
     def response_lengths(self) -> torch.Tensor:
         return self.response_mask.sum(-1)
