@@ -8,7 +8,8 @@
   from a vLLM engine colocated with every model (sleep/wake), synced after each update and checked
   against the actor's log-probabilities.
 - Liger's kernels and the chunked log-probabilities against the eager path: loss and gradients; SFT's loss
-  through Liger's fused linear cross-entropy against the eager one, rows padded and packed.
+  through Liger's fused linear cross-entropy against the eager one, rows padded and packed; the compiled
+  passes over the vocabulary (log-probabilities, entropy, the decode's sampling) against eager float32.
 - FlashAttention-2's varlen packing against SDPA per sequence: log-probabilities and gradients (when
   flash-attn is installed: bench/gpu/flash_attn.sh builds it).
 - RL with LoRA and vLLM: the engine is synced the adapter alone and follows the trained policy.
@@ -276,6 +277,46 @@ def test_sft_loss_through_ligers_fused_linear_cross_entropy_gives_the_eager_loss
             assert torch.allclose(fused_grads[name], grad, rtol=1e-3, atol=1e-5), name
 
 
+def test_the_compiled_vocabulary_passes_give_the_eager_numbers():
+    """On CUDA the passes over the vocabulary run compiled: head_logprobs' log-probabilities and entropy (RL's
+    training and scoring) and sample_next's exponential race (the hf engine's decode). Against eager float32
+    log-softmax on the same bf16 logits of a 152k vocabulary: values, the entropy in autograd and out of it, the
+    gradients to the hidden states and the head; the race's draws follow the tempered softmax."""
+    from tasks.common.nn.losses import head_logprobs
+    from tasks.common.nn.rollout import sample_next
+
+    torch.manual_seed(0)
+    device, vocab = torch.device("cuda"), 151936
+    hidden = torch.randn(2, 300, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
+    head = torch.nn.Linear(64, vocab, bias=False, device=device, dtype=torch.bfloat16)
+    labels = torch.randint(0, vocab, (2, 300), device=device)
+    w1, w2 = torch.randn(2, 300, device=device), torch.randn(2, 300, device=device)
+
+    def eager():
+        log_p = torch.log_softmax(head(hidden).float() / 0.9, -1)
+        return log_p.gather(-1, labels[..., None]).squeeze(-1), -(log_p.exp() * log_p).sum(-1)
+
+    runs = []
+    for fn in (eager, lambda: head_logprobs(hidden, head, labels, 0.9, return_entropy=True, chunk_tokens=256)):
+        logprobs, entropy = fn()
+        grads = torch.autograd.grad((logprobs * w1 + entropy * w2).sum(), [hidden, head.weight])
+        runs.append((logprobs, entropy, *grads))
+    for name, want, got in zip(("log-probs", "entropy", "hidden grad", "head grad"), *runs):
+        error = ((got.float() - want.float()).norm() / want.float().norm()).item()
+        print(f"compiled {name}: relative error {error:.1e}")
+        assert error < (1e-5 if name in ("log-probs", "entropy") else 1e-2), name
+    logprobs, entropy = head_logprobs(hidden, head, labels, 0.9, return_entropy=True, entropy_grad=False)
+    assert logprobs.requires_grad and not entropy.requires_grad
+
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.2], device=device)).repeat(200000, 1)
+    token, logprob = sample_next(logits, temperature=0.5)
+    tempered = torch.tensor([0.25, 0.09, 0.04], device=device) / 0.38
+    assert torch.allclose(torch.bincount(token, minlength=3) / 200000, tempered, atol=0.005)
+    assert torch.allclose(logprob, tempered.log()[token], atol=1e-5)
+    token, logprob = sample_next(logits[:2].to(torch.bfloat16), temperature=0.5, greedy=True)
+    assert token.tolist() == [0, 0] and torch.allclose(logprob, torch.log_softmax(logits[:2].to(torch.bfloat16).float(), -1)[:, 0])
+
+
 def test_flash_attn_packed_rows_give_each_sequences_own_logprobs_and_gradients():
     """FlashAttention-2's varlen path (sequences packed in one row, boundaries from the restarting position ids,
     no mask) against SDPA on the same sequences padded one per row, in bf16 on the GPU: the log-probabilities
@@ -351,6 +392,8 @@ def test_the_decode_loop_replayed_as_cuda_graphs_matches_the_eager_one_and_reads
     gap = ((trainer - rollout.logprobs.cpu()).abs() * rollout.response_mask.cpu()).max().item()
     print(f"decode steps as CUDA graphs: sampled tokens' log-prob gap to the trainer's {gap:.2e}")
     assert gap < 1e-3
+    again = graphs.generate(prompts * 8, max_new_tokens=24, temperature=0.7)  # the replays draw new noise
+    assert not torch.equal(again.sequences, rollout.sequences)
 
 
 def test_rl_with_the_hf_engine_on_the_gpu(gpu_ray, data):

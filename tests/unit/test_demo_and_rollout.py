@@ -143,7 +143,7 @@ def test_a_compiled_decode_forward_is_one_graph_that_reads_updated_weights_besid
 
 def test_sample_next_draws_from_the_tempered_softmax_and_reports_its_log_probability():
     """The exponential race draws token i with probability softmax(logits / T)_i; greedy takes the argmax under T = 1."""
-    from tasks.common.nn.rollout import sample_next
+    from tasks.common.nn.rollout import fused_sample, sample_next
 
     logits = torch.log(torch.tensor([0.5, 0.3, 0.2])).repeat(40000, 1)
     torch.manual_seed(0)
@@ -153,6 +153,12 @@ def test_sample_next_draws_from_the_tempered_softmax_and_reports_its_log_probabi
     assert torch.allclose(logprob, tempered.log()[token], atol=1e-5)
     token, logprob = sample_next(logits[:2], temperature=0.5, greedy=True)
     assert token.tolist() == [0, 0] and torch.allclose(logprob, torch.tensor([0.5, 0.5]).log())
+    # A GPU runs the race compiled: here compiled for the CPU, the same draws from the same noise.
+    noise = torch.empty(logits.shape).exponential_()
+    compiled = torch.compile(fused_sample, dynamic=True)
+    for given in (noise, None):
+        (want_token, want_logprob), (got_token, got_logprob) = fused_sample(logits, given, 0.5), compiled(logits, given, 0.5)
+        assert torch.equal(got_token, want_token) and torch.allclose(got_logprob, want_logprob, atol=1e-6)
 
 
 def test_the_decode_loop_gives_the_same_rollout_however_often_it_checks_for_stops():

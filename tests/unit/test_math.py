@@ -8,6 +8,7 @@ import torch
 from tasks.common.nn.losses import (
     aggregate,
     bradley_terry_loss,
+    fused_entropy,
     fused_token_logprobs,
     kl_loss,
     logprob_mismatch,
@@ -379,6 +380,26 @@ def test_fused_token_logprobs_compiled_matches_eager_values_and_gradients():
     assert fused.dtype == torch.float32
     assert torch.allclose(fused, eager, atol=1e-5)
     assert torch.allclose(grad_fused.float(), grad_eager.float(), atol=1e-2)  # bf16 gradients: 8 bits of mantissa
+
+
+def test_entropy_by_hand_and_compiled_as_on_a_gpu():
+    """token_entropy's expression: by hand, then compiled for the CPU (a GPU runs it compiled) against the eager
+    log-softmax form, values and gradients."""
+    # logits (0, ln 3): p = (1/4, 3/4); at temperature 0.5 the logits double: p = (1/10, 9/10)
+    logits = torch.tensor([[0.0, math.log(3.0)]])
+    for temperature, p in ((1.0, 0.25), (0.5, 0.1)):
+        want = -(p * math.log(p) + (1 - p) * math.log(1 - p))
+        assert fused_entropy(logits, temperature).item() == pytest.approx(want, abs=1e-6)
+    torch.manual_seed(0)
+    logits = (3 * torch.randn(2, 5, 37)).to(torch.bfloat16).requires_grad_()
+    weights = torch.randn(2, 5)
+    log_p = torch.log_softmax(logits.float() / 0.7, -1)
+    eager = -(log_p.exp() * log_p).sum(-1)
+    (grad_eager,) = torch.autograd.grad((eager * weights).sum(), logits)
+    fused = torch.compile(fused_entropy, dynamic=True)(logits, 0.7)
+    (grad_fused,) = torch.autograd.grad((fused * weights).sum(), logits)
+    assert fused.dtype == torch.float32 and torch.allclose(fused, eager, atol=1e-5)
+    assert torch.allclose(grad_fused.float(), grad_eager.float(), atol=1e-2)  # bf16 gradients
 
 
 def test_head_logprobs_a_chunk_at_a_time_equal_the_full_logits_values_and_gradients():

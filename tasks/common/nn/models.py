@@ -33,7 +33,7 @@ import torch
 from tasks.common import manifest as manifests
 from tasks.common import storage
 from tasks.common.nn import lora
-from tasks.common.nn.losses import entropy_of, fused_linear_nll_sum, head_logprobs, last_token_index, tempered, token_logprobs
+from tasks.common.nn.losses import fused_linear_nll_sum, head_logprobs, last_token_index, token_entropy, token_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -259,7 +259,7 @@ def sequence_logprobs(
     logprobs = token_logprobs(logits, input_ids[:, start + 1 :], temperature)  # divides inside, fused on a GPU
     if not return_entropy:
         return logprobs
-    return logprobs, entropy_of(torch.log_softmax(tempered(logits.float(), temperature), dim=-1), entropy_grad)
+    return logprobs, token_entropy(logits, temperature, entropy_grad)
 
 
 def token_nll_sum(
