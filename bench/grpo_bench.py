@@ -5,6 +5,7 @@ memory is gone before the next starts; each writes <dir>/results/<name>.json.
     python bench/grpo_bench.py setup  --dir /tmp/bench [--shape qwen2-0.5b|tiny]
     python bench/grpo_bench.py vllm   --dir /tmp/bench        # standalone vLLM at batch 64 / 256 / 1024
     python bench/grpo_bench.py hf_generate --dir /tmp/bench   # our HF rollout engine: eager decode steps vs CUDA graphs
+    python bench/grpo_bench.py vocab_passes --dir /tmp/bench  # RL's log-probs and the decode's sampling: compiled vs eager
     python bench/grpo_bench.py sft    --dir /tmp/bench        # our SFT stage, 8 × 2048 tokens, MFU
     python bench/grpo_bench.py sft_profile --dir /tmp/bench   # where that SFT step's GPU time goes
     python bench/grpo_bench.py ours   --dir /tmp/bench        # our GRPO stage, vLLM colocated (Ray head needed)
@@ -267,6 +268,64 @@ def bench_hf_generate(bench_dir: Path, batch: int = 64) -> None:
     save(bench_dir, "hf_generate", result)
 
 
+def bench_vocab_passes(bench_dir: Path, repeats: int = 10) -> None:
+    """The passes over the vocabulary as the stages run them on CUDA (compiled: losses.token_logprobs,
+    token_entropy; rollout.sample_next) against the eager float32 ones they replaced (2026-12-05), on one machine:
+    RL's log-probabilities and logged entropy of a training micro-batch's completions (64 x 256 tokens through the
+    chunked head, forward and backward), and the decode's sampling of 64 rows, once a token. Random weights of the
+    bench model's head shape; without CUDA (a dry run) both sides run the CPU's eager path."""
+    import torch
+    import torch.nn.functional as F
+
+    from tasks.common.nn import losses
+    from tasks.common.nn.rollout import fused_sample, sample_next
+
+    config = json.loads((bench_dir / "model" / "config.json").read_text())
+    device = torch.device("cuda" if on_gpu() else "cpu")
+    tokens = PROMPTS_PER_STEP * GROUP * COMPLETION_TOKENS
+    torch.manual_seed(0)
+    hidden = torch.randn(tokens, config["hidden_size"], device=device, dtype=torch.bfloat16, requires_grad=True)
+    head = torch.nn.Linear(config["hidden_size"], config["vocab_size"], bias=False, device=device, dtype=torch.bfloat16)
+    labels = torch.randint(0, config["vocab_size"], (tokens,), device=device)
+    logits = torch.randn(PROMPTS_PER_STEP * GROUP, config["vocab_size"], device=device, dtype=torch.bfloat16)
+
+    def eager_chunk(head, hidden, labels, temperature, return_entropy, entropy_grad=True):  # _chunk_logprobs before
+        log_p = F.log_softmax(head(hidden).float() / temperature, dim=-1)
+        logprobs = log_p.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            entropy = -(log_p.exp() * log_p).sum(-1)
+        return torch.stack([logprobs, entropy])
+
+    def train_micro_batch():  # the actor's: entropy logged, not trained on
+        logprobs, _ = losses.head_logprobs(hidden, head, labels, 1.0, return_entropy=True, entropy_grad=False)
+        logprobs.sum().backward()
+
+    def eager_sample():
+        return fused_sample(logits, torch.empty(logits.shape, device=device).exponential_(), 1.0)
+
+    def seconds(fn, n: int) -> float:
+        for _ in range(3):
+            fn()
+        sync()
+        t = time.time()
+        for _ in range(n):
+            fn()
+        sync()
+        return (time.time() - t) / n
+
+    result = {"train_tokens": tokens, "vocab_size": config["vocab_size"], "hidden_size": config["hidden_size"], "sample_rows": logits.size(0)}
+    result["train_micro_batch_s"] = round(seconds(train_micro_batch, repeats), 4)
+    compiled_chunk, losses._chunk_logprobs = losses._chunk_logprobs, eager_chunk
+    try:
+        result["train_micro_batch_s_eager"] = round(seconds(train_micro_batch, repeats), 4)
+    finally:
+        losses._chunk_logprobs = compiled_chunk
+    result["sample_ms_per_token"] = round(1e3 * seconds(lambda: sample_next(logits), COMPLETION_TOKENS), 4)
+    result["sample_ms_per_token_eager"] = round(1e3 * seconds(eager_sample, COMPLETION_TOKENS), 4)
+    save(bench_dir, "vocab_passes", result)
+
+
+# ---------------------------------------------------------------------------- our stages
 # ---------------------------------------------------------------------------- our stages
 
 
@@ -393,14 +452,16 @@ def bench_sft_profile(
     64 rows of 128 prompt and 256 completion tokens, the completion in the loss. `step_s` times 5 steps without
     the profiler. With `per_tensor_check`, ZeRO-1/2's step checks the gradients tensor by tensor, as DeepSpeed does
     (inf/NaN, then the norm) where strategy.fuse_zero_step_checks does it in a few kernels: what that cost."""
+    import torch
     from torch._C._profiler import _ExperimentalConfig
     from torch._dynamo.utils import counters
     from torch.profiler import ProfilerActivity, profile
 
-    from tasks.common.nn.losses import sft_loss
+    from tasks.common.nn.losses import policy_loss
     from tasks.common.nn.models import load_causal_lm, use_liger
     from tasks.common.nn.strategy import DeepSpeedStrategy
-    from tasks.sft.trainer import micro_batch_logprobs, micro_batch_loss
+    from tasks.rl.experience import response_logprobs
+    from tasks.sft.trainer import micro_batch_loss
 
     batch, seq, prompt = (PROMPTS_PER_STEP * GROUP, PROMPT_TOKENS + COMPLETION_TOKENS, PROMPT_TOKENS) if rl_shape else (8, 2048, 1024)
     strategy = DeepSpeedStrategy(
@@ -417,10 +478,15 @@ def bench_sft_profile(
     tokens = float(sum(map(sum, masks)))
     counters.clear()
 
+    if rl_shape:  # the actor's micro-batch: completions' log-probabilities, the entropy logged, the clipped policy loss
+        sequences = torch.tensor(ids, device=strategy.device)
+        action_mask = torch.ones(batch, seq - prompt, device=strategy.device)
+        advantages = torch.randn(batch, seq - prompt, device=strategy.device)
+
     def step():
-        if rl_shape:  # RL's loss comes from the log-probabilities (the policy loss needs them), not SFT's fused NLL
-            logprobs, loss_mask = micro_batch_logprobs(engine, ids, masks, 0, False, strategy.device)
-            engine.backward(sft_loss(logprobs, loss_mask[:, 1:], tokens))
+        if rl_shape:
+            logprobs, _ = response_logprobs(engine, sequences, torch.ones_like(sequences), prompt, return_entropy=True, entropy_grad=False)
+            engine.backward(policy_loss(logprobs, logprobs.detach(), advantages, action_mask)[0])
         else:
             engine.backward(micro_batch_loss(engine, ids, masks, 0, False, strategy.device, tokens))
         engine.step()
@@ -476,7 +542,7 @@ def bench_sft_profile(
             "torch_compile": compile_blocks,
             "liger": liger,
             "per_tensor_check": per_tensor_check,
-            "loss": "log-probabilities (RL's path)" if rl_shape else "micro_batch_loss (SFT's path: Liger's fused linear cross-entropy on CUDA)",
+            "loss": "the actor's: response_logprobs, policy_loss" if rl_shape else "micro_batch_loss (SFT's path: Liger's fused linear cross-entropy on CUDA)",
             "compiled_graphs": counters["stats"]["unique_graphs"],
         },
     )
@@ -948,7 +1014,7 @@ def report(bench_dir: Path, out: Path, command: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=["setup", "vllm", "hf_generate", "sft", "sft_profile", "ours", "trl", "eval", "report"])
+    parser.add_argument("what", choices=["setup", "vllm", "hf_generate", "vocab_passes", "sft", "sft_profile", "ours", "trl", "eval", "report"])
     parser.add_argument("--dir", type=Path, default=Path("/tmp/bench"))
     parser.add_argument("--shape", default="qwen2-0.5b", choices=sorted(SHAPES))
     parser.add_argument("--mode", default="vllm", choices=["hf", "vllm"], help="trl: generate with HF generate or vLLM colocate; ours: engine")
@@ -983,6 +1049,8 @@ def main() -> None:
         bench_vllm(a.dir)
     elif a.what == "hf_generate":
         bench_hf_generate(a.dir)
+    elif a.what == "vocab_passes":
+        bench_vocab_passes(a.dir)
     elif a.what == "sft":
         bench_sft(a.dir, a.steps, compile_blocks=a.compile, liger=not a.no_liger, flash=not a.sdpa, checkpointing=not a.no_gc, zero_stage=a.zero_stage)
     elif a.what == "sft_profile":

@@ -5,6 +5,7 @@
 #   bash bench/gpu/run.sh setup vllm_probe        # where vLLM's time goes at the eval shape (bench/vllm_probe.py)
 #   bash bench/gpu/run.sh setup hf_generate       # our HF rollout engine: eager decode steps against CUDA graphs (and with
 #                                                 # transformers' SDPA, and with the forward compiled), one step's kernels profiled
+#   bash bench/gpu/run.sh vocab_passes            # RL's log-probs and entropy, and the decode's sampling: compiled against eager
 #   bash bench/gpu/run.sh sft_compile sft_profile_compile   # SFT with --torch_compile, and its kernel profile
 #   bash bench/gpu/run.sh sft sft_noliger ours64 ours64_noliger   # Liger's kernels (the default on CUDA) on, then off
 #   bash bench/gpu/run.sh ours64 ours64_lora       # LoRA (rank 64, the adapter alone synced to vLLM) beside full weights
@@ -37,6 +38,7 @@ for phase in "$@"; do
     vllm) python bench/grpo_bench.py vllm --dir $dir ;;
     vllm_probe) python bench/vllm_probe.py --dir $dir ;;
     hf_generate) python bench/grpo_bench.py hf_generate --dir $dir ;;
+    vocab_passes) python bench/grpo_bench.py vocab_passes --dir $dir ;;
     sft_profile) python bench/grpo_bench.py sft_profile --dir $dir ;;
     sft_profile_compile) python bench/grpo_bench.py sft_profile --dir $dir --compile ;;
     sft_profile_nogc) python bench/grpo_bench.py sft_profile --dir $dir --no_gc ;;
