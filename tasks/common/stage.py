@@ -104,12 +104,16 @@ class StageRun:
         self.resumed_from = step
         return step
 
+    def saves_at(self, step: int) -> bool:
+        """Whether `checkpoint(step, …)` commits one (every --save_steps steps)."""
+        return bool(self.cfg.save_steps) and step % self.cfg.save_steps == 0
+
     def checkpoint(self, step: int, save: Callable[[Path, str], dict | None]) -> None:
         """Every --save_steps steps, committed as step_<step>: `save(folder, uri)` writes this process's part
         of the state into `folder` and has each worker upload its own part under `uri` (workers on other
         nodes cannot write into this process's folder); it returns the files they uploaded ({relpath
         under uri: {size, sha256}}), which the manifest, written last, lists with the folder's."""
-        if not self.cfg.save_steps or step % self.cfg.save_steps:
+        if not self.saves_at(step):
             return
         store = self.checkpoints
         local = Path(tempfile.mkdtemp(prefix=f"rlhf-{self.stage}-ckpt-"))
