@@ -380,6 +380,7 @@ def test_the_decode_loop_replayed_as_cuda_graphs_matches_the_eager_one_and_reads
         extra = a.prompt_width - b.prompt_width
         assert torch.equal(a.sequences[:, extra:], b.sequences.to(a.sequences.device)), f"after {update} updates"
         assert torch.allclose(a.logprobs, b.logprobs, atol=1e-4)
+        assert a.texts(tok) == a.to("cpu").texts(tok)  # decoded where the engine left them (eval decodes on the GPU)
         with torch.no_grad():  # an optimizer step's way: the same tensors, new values
             for p in model.parameters():
                 p.mul_(1.05)

@@ -84,7 +84,7 @@ class Rollout:
         return self.sequences[:, self.prompt_width :]
 
     def texts(self, tokenizer) -> list[str]:
-        stops = torch.tensor(stop_token_ids(tokenizer), dtype=self.responses.dtype)
+        stops = torch.tensor(stop_token_ids(tokenizer), dtype=self.responses.dtype, device=self.responses.device)
         return decode_rows(tokenizer, self.responses, self.response_mask.bool() & ~torch.isin(self.responses, stops))
 
     def response_lengths(self) -> torch.Tensor:
