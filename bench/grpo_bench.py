@@ -326,7 +326,6 @@ def bench_vocab_passes(bench_dir: Path, repeats: int = 10) -> None:
 
 
 # ---------------------------------------------------------------------------- our stages
-# ---------------------------------------------------------------------------- our stages
 
 
 def train_suffix(checkpointing: bool, zero_stage: int) -> str:

@@ -85,13 +85,14 @@ def test_decode_rows_equals_decoding_each_row_on_its_own():
     tok = demo.build_tokenizer()
     ids, _ = pad([encode_prompt(tok, "37+45=") + [tok.eos_token_id], encode_prompt(tok, "1+1=2 is it")], tok.pad_token_id)
     keep = torch.rand(ids.shape, generator=torch.Generator().manual_seed(0)) < 0.7  # holes anywhere, special tokens kept
-    expected = [tok.decode([t for t, k in zip(row, mask) if k], skip_special_tokens=True) for row, mask in zip(ids.tolist(), keep.tolist())]
-    assert decode_rows(tok, ids, keep) == expected
+
+    def each_row():
+        return [tok.decode([t for t, k in zip(row, mask) if k], skip_special_tokens=True) for row, mask in zip(ids.tolist(), keep.tolist())]
+
+    assert decode_rows(tok, ids, keep) == each_row()
     assert decode_rows(tok, ids, torch.zeros_like(keep)) == ["", ""]
     tok.clean_up_tokenization_spaces = True  # transformers' own clean-up: the per-row path
-    assert decode_rows(tok, ids, keep) == [
-        tok.decode([t for t, k in zip(row, mask) if k], skip_special_tokens=True) for row, mask in zip(ids.tolist(), keep.tolist())
-    ]
+    assert decode_rows(tok, ids, keep) == each_row()
 
 
 def test_custom_reward_file_receives_queries_prompts_labels(tmp_path):
