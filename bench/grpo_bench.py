@@ -214,8 +214,9 @@ def bench_vllm(bench_dir: Path, batches=(64, 256, 1024)) -> None:
 def bench_hf_generate(bench_dir: Path, batch: int = 64) -> None:
     """HFRolloutEngine's tokens/s at `batch` prompts: its decode steps run eagerly against replayed as CUDA graphs,
     replayed with transformers' own SDPA attention in place of the engine's (packed_gqa_sdpa), and replayed with
-    the decode forward compiled (compile_decode, as the RL stage's --torch_compile does: fused elementwise kernels
-    inside the graph); where one decode step's GPU time goes, per kernel. Without CUDA (a dry run) the same
+    the decode forward compiled (compile_decode: fused elementwise kernels inside the graph), and compiled with
+    the sibling projections fused (fuse_projections; both are what the RL stage's --torch_compile does); where one
+    decode step's GPU time goes, per kernel. HF_GENERATE_VARIANTS=name,name runs only those. Without CUDA (a dry run) the same
     calls, on the CPU."""
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -234,10 +235,15 @@ def bench_hf_generate(bench_dir: Path, batch: int = 64) -> None:
         ("cuda_graphs", True, None),
         ("cuda_graphs_transformers_sdpa", True, "sdpa"),
         ("cuda_graphs_compiled", True, None),
+        ("cuda_graphs_compiled_fused", True, None),
     )
+    chosen = os.environ.get("HF_GENERATE_VARIANTS")  # a comma-separated subset, to spare device time
     for name, graphs, attention in variants:
+        if chosen and name not in chosen.split(","):
+            continue
         # EOS ignored: every completion is COMPLETION_TOKENS long
-        engine = HFRolloutEngine(model, tokenizer, device, cuda_graphs=graphs, ignore_eos=True, compile_decode=name.endswith("compiled"))
+        compiled, fused = "compiled" in name, name.endswith("fused")
+        engine = HFRolloutEngine(model, tokenizer, device, cuda_graphs=graphs, ignore_eos=True, compile_decode=compiled, fuse_projections=fused)
         engine.decode_attention = attention or engine.decode_attention
 
         def timed() -> tuple[float, int]:
@@ -919,6 +925,7 @@ def report(bench_dir: Path, out: Path, command: str) -> None:
             "cuda_graphs": get("hf_generate", "tokens_per_s_cuda_graphs"),
             "cuda_graphs_transformers_sdpa": get("hf_generate", "tokens_per_s_cuda_graphs_transformers_sdpa"),
             "cuda_graphs_compiled": get("hf_generate", "tokens_per_s_cuda_graphs_compiled"),
+            "cuda_graphs_compiled_fused": get("hf_generate", "tokens_per_s_cuda_graphs_compiled_fused"),
         },
         "vllm_standalone_tokens_per_s_by_batch": {b: get("vllm", f"tokens_per_s_{b}") for b in (64, 256, 1024)},
         "decode_floor_tokens_per_s": get("vllm", "decode_floor_tokens_per_s_64"),

@@ -4,7 +4,8 @@
 #   bash bench/gpu/run.sh setup vllm sft          # one device call
 #   bash bench/gpu/run.sh setup vllm_probe        # where vLLM's time goes at the eval shape (bench/vllm_probe.py)
 #   bash bench/gpu/run.sh setup hf_generate       # our HF rollout engine: eager decode steps against CUDA graphs (and with
-#                                                 # transformers' SDPA, and with the forward compiled), one step's kernels profiled
+#                                                 # transformers' SDPA, with the forward compiled, and compiled with the sibling
+#                                                 # projections fused), one step's kernels profiled; HF_GENERATE_VARIANTS picks some
 #   bash bench/gpu/run.sh vocab_passes            # RL's log-probs and entropy, and the decode's sampling: compiled against eager
 #   bash bench/gpu/run.sh sft_compile sft_profile_compile   # SFT with --torch_compile, and its kernel profile
 #   bash bench/gpu/run.sh sft sft_noliger ours64 ours64_noliger   # Liger's kernels (the default on CUDA) on, then off

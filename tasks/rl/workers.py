@@ -78,7 +78,8 @@ class ActorWorker(_Trainer):
             self.rollout_engine = _vllm_engine(cfg, path, self.tokenizer, seed=cfg.seed + self.rank)
         else:
             # Decode steps replayed as CUDA graphs on CUDA, not under ZeRO-3: it gathers parameters through hooks
-            # each forward, which a captured graph cannot hold. With --torch_compile their forward is compiled too.
+            # each forward, which a captured graph cannot hold. With --torch_compile their forward is compiled too,
+            # with each block's sibling projections fused (a copy of their weights: memory traded for speed, as there).
             graphs = self.strategy.device.type == "cuda" and self.strategy.zero_stage != 3
             self.rollout_engine = HFRolloutEngine(
                 self.engine.module,
@@ -87,6 +88,7 @@ class ActorWorker(_Trainer):
                 cuda_graphs=graphs,
                 ignore_eos=cfg.ignore_eos,
                 compile_decode=graphs and cfg.torch_compile,
+                fuse_projections=graphs and cfg.torch_compile,
             )
         self.channel = None
         self.episodes = _episode_runner(cfg, self.rollout_engine, self.tokenizer)

@@ -359,7 +359,8 @@ def test_the_decode_loop_replayed_as_cuda_graphs_matches_the_eager_one_and_reads
     """The hf engine's CUDA path (each decode step captured once as a CUDA graph, then replayed; SDPA while
     decoding) on a model loaded as the actor is (Liger, flash-attn for training): in float32 its greedy tokens
     and log-probabilities equal the eager steps', before and after an in-place weight update (the graphs read
-    the weights in place); its sampled tokens' log-probabilities are the trainer's at the temperature."""
+    the weights in place), and so are those of the --torch_compile path (the decode forward compiled, the sibling
+    projections fused); its sampled tokens' log-probabilities are the trainer's at the temperature."""
     from tasks.common.nn import data as batches
     from tasks.common.nn.models import load_causal_lm
     from tasks.common.nn.rollout import HFRolloutEngine
@@ -375,17 +376,19 @@ def test_the_decode_loop_replayed_as_cuda_graphs_matches_the_eager_one_and_reads
     model = load_causal_lm(str(path), dtype=torch.float32, flash_attn=True, liger=True).to(device)
     training_attention = model.config._attn_implementation  # flash_attention_2, or sdpa where flash-attn is missing
     graphs, eager = HFRolloutEngine(model, tok, device, cuda_graphs=True), HFRolloutEngine(model, tok, device)
+    compiled = HFRolloutEngine(model, tok, device, cuda_graphs=True, compile_decode=True, fuse_projections=True)
     for update in range(2):
-        a, b = (e.generate(prompts, max_new_tokens=24, greedy=True) for e in (graphs, eager))
+        a, b, c = (e.generate(prompts, max_new_tokens=24, greedy=True) for e in (graphs, eager, compiled))
         extra = a.prompt_width - b.prompt_width
-        assert torch.equal(a.sequences[:, extra:], b.sequences.to(a.sequences.device)), f"after {update} updates"
-        assert torch.allclose(a.logprobs, b.logprobs, atol=1e-4)
+        for fast in (a, c):
+            assert torch.equal(fast.sequences[:, extra:], b.sequences.to(fast.sequences.device)), f"after {update} updates"
+            assert torch.allclose(fast.logprobs, b.logprobs, atol=1e-4)
         assert a.texts(tok) == a.to("cpu").texts(tok)  # decoded where the engine left them (eval decodes on the GPU)
         with torch.no_grad():  # an optimizer step's way: the same tensors, new values
             for p in model.parameters():
                 p.mul_(1.05)
     assert model.config._attn_implementation == training_attention  # restored for training
-    assert graphs.captured(), caplog.text  # replayed, not run eagerly
+    assert graphs.captured() and compiled.captured(), caplog.text  # replayed, not run eagerly
     torch.manual_seed(0)
     rollout = graphs.generate(prompts * 8, max_new_tokens=24, temperature=0.7)
     model.set_attn_implementation("sdpa")  # flash-attn takes half precision only; this float32 check compares at 1e-3

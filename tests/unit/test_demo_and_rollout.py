@@ -102,9 +102,11 @@ def test_packed_grouped_query_attention_equals_attention_over_repeated_key_value
 
 
 def test_a_compiled_decode_forward_is_one_graph_that_reads_updated_weights_beside_blocks_compiled_for_training():
-    """compile_decode (the hf engine under --torch_compile): the whole decode forward compiles once, however many
-    blocks, even where the actor's blocks are compiled for training (their per-layer cache index would recompile
-    each); its greedy tokens and log-probabilities are the eager engine's, before and after an in-place update."""
+    """compile_decode with fuse_projections (the hf engine under --torch_compile): the whole decode forward
+    compiles once, however many blocks, even where the actor's blocks are compiled for training (their per-layer
+    cache index would recompile each) and with the fused projections' kept outputs; its greedy tokens and
+    log-probabilities are the plain eager engine's, before and after an in-place update (which the fused weights'
+    refresh must carry)."""
     from torch._dynamo.utils import counters
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -123,7 +125,7 @@ def test_a_compiled_decode_forward_is_one_graph_that_reads_updated_weights_besid
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(cfg).eval()
     compile_blocks(model)  # as --torch_compile leaves the actor
-    compiled = HFRolloutEngine(model, tok, cuda_graphs=True, compile_decode=True)
+    compiled = HFRolloutEngine(model, tok, cuda_graphs=True, compile_decode=True, fuse_projections=True)
     prompts = [encode_prompt(tok, p) for p in ("3+4=", "37+45=", "1+99=")]
     torch._dynamo.reset()
     counters.clear()
@@ -139,6 +141,39 @@ def test_a_compiled_decode_forward_is_one_graph_that_reads_updated_weights_besid
             for p in model.parameters():
                 p.mul_(1.2)
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
+def test_fused_sibling_projections_give_the_layers_outputs_and_carry_weight_updates():
+    """FusedSiblings: the model's logits with q/k/v and gate/up fused equal the plain layers' (biases on q, k and v,
+    none on gate and up), after an in-place update too; the layers are the originals again outside the context,
+    and a group with a layer of another class (as LoRA wraps them) is left as it is."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from tasks.common.nn.fused_linears import FusedFollower, FusedLead, FusedSiblings
+
+    cfg = Qwen2Config(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(cfg).eval()
+
+    class Wrapped(torch.nn.Linear):
+        pass
+
+    mlp = model.model.layers[1].mlp
+    mlp.up_proj = Wrapped(mlp.up_proj.in_features, mlp.up_proj.out_features, bias=False)
+    fused = FusedSiblings(model)
+    assert len(fused.leads) == 3  # two attentions, one MLP
+    ids = torch.randint(0, 50, (3, 7))
+    for _ in range(2):
+        with torch.no_grad():
+            plain = model(ids).logits
+            with fused.applied():
+                attn = model.model.layers[0].self_attn
+                assert isinstance(attn.q_proj, FusedLead) and isinstance(attn.v_proj, FusedFollower)
+                assert type(mlp.gate_proj) is torch.nn.Linear
+                assert torch.allclose(model(ids).logits, plain, atol=1e-5)
+            for p in model.parameters():
+                p.mul_(1.1)
+    assert type(model.model.layers[0].self_attn.q_proj) is torch.nn.Linear
 
 
 def test_sample_next_draws_from_the_tempered_softmax_and_reports_its_log_probability():

@@ -35,6 +35,7 @@ from transformers.masking_utils import sdpa_mask
 
 from tasks.common.nn import lora
 from tasks.common.nn.data import decode_rows, pad, stop_token_ids
+from tasks.common.nn.fused_linears import FusedSiblings
 
 # Static-cache prompt widths round up to this: each (batch, cache length) shape compiles its own decode.
 STATIC_PROMPT_BUCKET = 64
@@ -185,6 +186,8 @@ class HFRolloutEngine:
     STOP_CHECK_EVERY steps on CUDA (whether every row has stopped), so the host queues steps ahead of the GPU.
 
     compile_decode: run the decode forward through torch.compile (fused kernels), inside the captured graph on CUDA.
+    fuse_projections: while decoding, run each block's q/k/v projections as one GEMM and its gate/up as one
+    (fused_linears: a copy of those weights, refreshed at each call).
 
     cuda_graphs: on CUDA, capture the decode step (forward, sampling, bookkeeping) as one CUDA graph per batch
     shape and sampling setting, after CUDA_GRAPH_WARMUPS eager steps, and replay it: the host launches a token
@@ -196,7 +199,16 @@ class HFRolloutEngine:
     through SDPA while decoding (packed_gqa_sdpa).
     """
 
-    def __init__(self, model, tokenizer, device: torch.device | None = None, cuda_graphs: bool = False, ignore_eos: bool = False, compile_decode: bool = False):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        device: torch.device | None = None,
+        cuda_graphs: bool = False,
+        ignore_eos: bool = False,
+        compile_decode: bool = False,
+        fuse_projections: bool = False,
+    ):
         self.model, self.tokenizer, self.cuda_graphs = model, tokenizer, cuda_graphs
         self.pad_id = tokenizer.pad_token_id
         self.stop_ids = [] if ignore_eos else stop_token_ids(tokenizer)
@@ -209,6 +221,7 @@ class HFRolloutEngine:
         # The whole model's decode forward as one compiled graph (per batch shape): its elementwise kernels fuse.
         # Parameters are graph inputs, so updates are read.
         self.decode_forward = torch.compile(model, dynamic=False) if compile_decode else model
+        self.fused = FusedSiblings(lora.unwrap(model)) if fuse_projections else None
 
     def captured(self) -> bool:
         """Whether decode steps ran from CUDA graphs: at least one captured, and none that failed to be."""
@@ -356,7 +369,8 @@ class HFRolloutEngine:
         for m in compiled:
             m._compiled_call_impl = None
         try:
-            yield
+            with self.fused.applied() if self.fused else contextlib.nullcontext():
+                yield
         finally:
             for m, impl in compiled.items():
                 m._compiled_call_impl = impl
