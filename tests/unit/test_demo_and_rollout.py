@@ -141,12 +141,14 @@ def test_a_compiled_decode_forward_is_one_graph_that_reads_updated_weights_besid
             for p in model.parameters():
                 p.mul_(1.2)
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert all(lead.outputs == () for lead in compiled.fused.leads)
 
 
 def test_fused_sibling_projections_give_the_layers_outputs_and_carry_weight_updates():
     """FusedSiblings: the model's logits with q/k/v and gate/up fused equal the plain layers' (biases on q, k and v,
-    none on gate and up), after an in-place update too; the layers are the originals again outside the context,
-    and a group with a layer of another class (as LoRA wraps them) is left as it is."""
+    none on gate and up), after an in-place update too; no group keeps its outputs after a forward (a prefill's,
+    kept through the decode's graph replays, filled an 80 GB GPU at 1.5B); the layers are the originals again
+    outside the context, and a group with a layer of another class (as LoRA wraps them) is left as it is."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from tasks.common.nn.fused_linears import FusedFollower, FusedLead, FusedSiblings
@@ -171,6 +173,7 @@ def test_fused_sibling_projections_give_the_layers_outputs_and_carry_weight_upda
                 assert isinstance(attn.q_proj, FusedLead) and isinstance(attn.v_proj, FusedFollower)
                 assert type(mlp.gate_proj) is torch.nn.Linear
                 assert torch.allclose(model(ids).logits, plain, atol=1e-5)
+                assert all(lead.outputs == () for lead in fused.leads)
             for p in model.parameters():
                 p.mul_(1.1)
     assert type(model.model.layers[0].self_attn.q_proj) is torch.nn.Linear

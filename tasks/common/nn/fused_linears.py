@@ -16,9 +16,12 @@ weights, about 1.7 GB at the 1.5B shape in bf16. So only the hf engine's --torch
 trades memory for speed) uses them. Layers of any class but nn.Linear are left as they are (peft's LoRA
 layers among them), and so are groups whose layers differ in input size, dtype or device.
 
-The lead layer keeps the group's outputs for the others. The model's forward must call the lead first (q
-before k and v, gate before up), as the Llama-family forwards in transformers do. tests/unit checks the outputs
-against the unfused layers'.
+The lead layer keeps the group's outputs for the others, and the group's last layer lets them go. The model's
+forward must call the group's layers in order (q, k, v; gate, up), as the Llama-family forwards in transformers
+do. tests/unit checks the outputs against the unfused layers', and that none are kept after a forward. Kept,
+a prefill's outputs outlived it: the decode steps after it are graph replays, which run no Python to replace
+them. At the 1.5B shape that was 9 GB of [64, 128, 17920] gate/up outputs, 28 layers of them, held through
+the training phase, and the second step ran out of memory on an 80 GB H100 (bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -68,7 +71,10 @@ class FusedFollower(nn.Module):
         object.__setattr__(self, "lead", lead)  # not a submodule: the lead sits in the model in its own place
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lead.outputs[self.index]
+        out = self.lead.outputs[self.index]
+        if self.index == len(self.lead.sizes) - 1:  # the group's last layer: nothing else reads them
+            self.lead.outputs = ()
+        return out
 
 
 class FusedSiblings:
@@ -101,3 +107,5 @@ class FusedSiblings:
         finally:
             for parent, name, original, _ in self.swaps:
                 setattr(parent, name, original)
+            for lead in self.leads:  # a forward that stopped midway leaves a group's outputs behind
+                lead.outputs = ()
