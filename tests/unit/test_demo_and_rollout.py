@@ -2,7 +2,7 @@ import torch
 
 from tasks.common.nn.data import encode_prompt
 from tasks.common.nn.models import sequence_logprobs
-from tasks.common.nn.rollout import HFRolloutEngine, response_mask
+from tasks.common.nn.rollout import HFRolloutEngine, distinct_rows, response_mask
 from tasks.data import demo
 
 
@@ -232,3 +232,34 @@ def test_a_batch_shape_reuses_its_decode_buffers_from_a_clean_start():
     assert list(engine.states) == [(4, 136)] and engine.states[(4, 136)] is state
     alone = HFRolloutEngine(model, tok, cuda_graphs=True).generate(prompts[:3] + prompts[:1], max_new_tokens=72, greedy=True)
     assert torch.equal(short.sequences, alone.sequences) and torch.equal(short.logprobs, alone.logprobs)
+
+
+def test_distinct_rows_maps_every_row_to_the_first_of_its_kind():
+    rows = [[5, 6], [7], [5, 6], [7], [8], [5, 6]]
+    firsts, inverse = distinct_rows(rows)
+    assert firsts == [0, 1, 4] and inverse == [0, 1, 0, 1, 2, 0]
+    assert all(rows[i] == rows[firsts[k]] for i, k in enumerate(inverse))
+
+
+def test_a_group_of_samples_shares_one_prefill_and_decodes_as_if_alone():
+    """GRPO asks for n samples of each prompt: the prefill runs once per distinct prompt, its keys and values copied
+    to each sample's rows; greedy rows then match the prompt decoded alone, and sampled ones draw apart."""
+    tok = demo.build_tokenizer()
+    model = demo.build_base_model(tok, seed=6).eval()
+    a, b = encode_prompt(tok, "37+45="), encode_prompt(tok, "12+3=4+5+6+7+8=")
+    widths = []
+    hook = model.model.embed_tokens.register_forward_hook(lambda m, args, out: widths.append(tuple(args[0].shape)))
+    for cuda_graphs in (False, True):
+        widths.clear()
+        engine = HFRolloutEngine(model, tok, cuda_graphs=cuda_graphs, ignore_eos=True)
+        grouped = engine.generate([a, a, b, a, b], max_new_tokens=6, greedy=True)
+        assert widths[0][0] == 2 and all(w == (5, 1) for w in widths[1:])  # the prefill: 2 rows; the decode: 5 rows
+        for rows, prompt in (([0, 1, 3], a), ([2, 4], b)):
+            alone = HFRolloutEngine(model, tok, cuda_graphs=cuda_graphs, ignore_eos=True).generate([prompt], max_new_tokens=6, greedy=True)
+            for row in rows:
+                assert torch.equal(grouped.responses[row], alone.responses[0])
+                assert torch.allclose(grouped.logprobs[row], alone.logprobs[0], atol=1e-5)
+    hook.remove()
+    torch.manual_seed(0)
+    sampled = HFRolloutEngine(model, tok, ignore_eos=True).generate([a] * 4, max_new_tokens=6, temperature=1.5)
+    assert len({tuple(r) for r in sampled.responses.tolist()}) > 1

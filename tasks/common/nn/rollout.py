@@ -246,17 +246,9 @@ class HFRolloutEngine:
         was_training = self.model.training
         self.model.eval()
         with self._decoding():
-            # The prefill, eager: every response slot attendable, the causal mask hiding those not yet written.
-            full_mask = torch.cat([mask, torch.ones(rows, max_new_tokens, dtype=mask.dtype, device=self.device)], dim=1)
-            logits = self.model(
-                input_ids=ids,
-                attention_mask=full_mask,
-                position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-                past_key_values=s.cache,
-                use_cache=True,
-                logits_to_keep=1,
-            ).logits[:, -1]
+            logits = self._prefill(ids, mask, s, prompt_ids)
             token, logprob = sample_next(logits, *sampling)
+            full_mask = torch.cat([mask, torch.ones(rows, max_new_tokens, dtype=mask.dtype, device=self.device)], dim=1)
             s.mask.copy_(full_mask.bool()[:, None, None, :]).narrow(-1, width, max_new_tokens).fill_(False)
             s.tokens.fill_(self.pad_id)
             s.logprobs.zero_()
@@ -277,6 +269,23 @@ class HFRolloutEngine:
         responses, r_mask = tokens[:, :kept].clone(), r_mask[:, :kept]
         logprobs = (s.logprobs[:, :kept] * r_mask).cpu()
         return Rollout(torch.cat([ids, responses], dim=1), torch.cat([mask, r_mask], dim=1), r_mask, width, logprobs)
+
+    def _prefill(self, ids: torch.Tensor, mask: torch.Tensor, s: DecodeState, prompt_ids: list[list[int]]) -> torch.Tensor:
+        """The prompts' forward, eager, once per distinct prompt: a group's samples (GRPO's n per prompt) share
+        theirs, so at 8 per prompt the prefill is an eighth of the work. Each row's keys and values are then
+        written into its slots of the static cache. Returns the last position's logits of every row, [B, V]."""
+        firsts, inverse = distinct_rows(prompt_ids)
+        firsts, inverse = torch.tensor(firsts, device=self.device), torch.tensor(inverse, device=self.device)
+        out = self.model(
+            input_ids=ids[firsts],
+            attention_mask=mask[firsts],
+            position_ids=(mask[firsts].cumsum(-1) - 1).clamp(min=0),
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        for i, layer in enumerate(out.past_key_values.layers):
+            s.cache.update(layer.keys[inverse], layer.values[inverse], i)
+        return out.logits[inverse, -1]
 
     def _decode_step(self, s: DecodeState, temperature: float, greedy: bool) -> None:
         """One token for every row, in place in `s`: no host sync and no new buffer, so it can be captured."""
@@ -376,6 +385,19 @@ class HFRolloutEngine:
                 m._compiled_call_impl = impl
             if kept != self.decode_attention:
                 base.set_attn_implementation(kept)
+
+
+def distinct_rows(rows: list[list[int]]) -> tuple[list[int], list[int]]:
+    """(firsts, inverse): the index of each distinct row's first occurrence, and for every row the position of
+    its distinct row in `firsts`, so rows[i] == rows[firsts[inverse[i]]]."""
+    seen: dict[tuple[int, ...], int] = {}
+    firsts, inverse = [], []
+    for i, row in enumerate(rows):
+        k = seen.setdefault(tuple(row), len(seen))
+        if k == len(firsts):
+            firsts.append(i)
+        inverse.append(k)
+    return firsts, inverse
 
 
 def sample_next(logits: torch.Tensor, temperature: float = 1.0, greedy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
