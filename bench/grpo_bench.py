@@ -215,7 +215,8 @@ def bench_hf_generate(bench_dir: Path, batch: int = 64) -> None:
     """HFRolloutEngine's tokens/s at `batch` prompts: its decode steps run eagerly against replayed as CUDA graphs,
     replayed with transformers' own SDPA attention in place of the engine's (packed_gqa_sdpa), and replayed with
     the decode forward compiled (compile_decode: fused elementwise kernels inside the graph), and compiled with
-    the sibling projections fused (fuse_projections; both are what the RL stage's --torch_compile does); where one
+    the sibling projections fused (fuse_projections; both are what the RL stage's --torch_compile does), and that
+    with flash-attn's kv-cache kernel for attention (what a model loaded with --flash_attn decodes with); where one
     decode step's GPU time goes, per kernel. HF_GENERATE_VARIANTS=name,name runs only those. Without CUDA (a dry run) the same
     calls, on the CPU."""
     import torch
@@ -236,13 +237,14 @@ def bench_hf_generate(bench_dir: Path, batch: int = 64) -> None:
         ("cuda_graphs_transformers_sdpa", True, "sdpa"),
         ("cuda_graphs_compiled", True, None),
         ("cuda_graphs_compiled_fused", True, None),
+        ("cuda_graphs_compiled_fused_flash", True, "flash_kvcache"),
     )
     chosen = os.environ.get("HF_GENERATE_VARIANTS")  # a comma-separated subset, to spare device time
     for name, graphs, attention in variants:
         if chosen and name not in chosen.split(","):
             continue
         # EOS ignored: every completion is COMPLETION_TOKENS long
-        compiled, fused = "compiled" in name, name.endswith("fused")
+        compiled, fused = "compiled" in name, "fused" in name
         engine = HFRolloutEngine(model, tokenizer, device, cuda_graphs=graphs, ignore_eos=True, compile_decode=compiled, fuse_projections=fused)
         engine.decode_attention = attention or engine.decode_attention
 

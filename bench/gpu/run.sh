@@ -49,7 +49,7 @@ for phase in "$@"; do
     # The same profile on the RL training phase's micro-batch (64 x 384 tokens): where its time goes.
     rl_profile) python bench/grpo_bench.py sft_profile --dir $dir --rl_shape ;;
     rl_profile_compile_nogc) python bench/grpo_bench.py sft_profile --dir $dir --rl_shape --compile --no_gc ;;
-    sft|sft_noliger|sft_sdpa|sft_compile|sft_nogc|sft_compile_nogc|sft_zero0|ours64_nogc|ours64_zero0|ours64_nogc_zero0|ours64_compile|ours64_compile_nogc|ours|ours32|ours64|ours64_noliger|ours64_sdpa|ours64_hf_compile|ours64_hf_nogc|ours64_hf_compile_nogc|ours64_lora|ours64_lora_sdpa|ours_hf|ours64_hf|ours_async|ours_2gpu_kl|ours_agentic|ours_agentic_slow_tool|ours_agentic_separate|ours_agentic_async|eval_vllm|eval_hf|tests_stages|tests_learn)
+    sft|sft_noliger|sft_sdpa|sft_compile|sft_nogc|sft_compile_nogc|sft_zero0|ours64_nogc|ours64_zero0|ours64_nogc_zero0|ours64_compile|ours64_compile_nogc|ours|ours32|ours64|ours64_noliger|ours64_sdpa|ours64_hf_compile|ours64_hf_nogc|ours64_hf_compile_nogc|ours64_hf_compile_nogc_sdpa|ours64_lora|ours64_lora_sdpa|ours_hf|ours64_hf|ours_async|ours_2gpu_kl|ours_agentic|ours_agentic_slow_tool|ours_agentic_separate|ours_agentic_async|eval_vllm|eval_hf|tests_stages|tests_learn)
       if [ -z "$ray_up" ]; then start_ray && ray_up=1; fi
       case "$phase" in
         sft) python bench/grpo_bench.py sft --dir $dir ;;
@@ -85,6 +85,8 @@ for phase in "$@"; do
         ours64_hf_compile) python bench/grpo_bench.py ours --dir $dir --mode hf --micro 64 --compile ;;
         ours64_hf_nogc) python bench/grpo_bench.py ours --dir $dir --mode hf --micro 64 --no_gc ;;
         ours64_hf_compile_nogc) python bench/grpo_bench.py ours --dir $dir --mode hf --micro 64 --compile --no_gc ;;
+        # The same on SDPA: training, and the decode, which with flash-attn goes through its kv-cache kernel.
+        ours64_hf_compile_nogc_sdpa) python bench/grpo_bench.py ours --dir $dir --mode hf --micro 64 --compile --no_gc --sdpa ;;
         ours_agentic) python bench/grpo_bench.py ours --dir $dir --mode vllm --micro 64 --layout agentic --steps 8 ;;
         # The same with a tool of 20-200 ms a step: each episode's next turn joins vLLM's running batch when its step returns.
         ours_agentic_slow_tool) python bench/grpo_bench.py ours --dir $dir --mode vllm --micro 64 --layout agentic_slow_tool --steps 8 ;;

@@ -400,6 +400,55 @@ def test_the_decode_loop_replayed_as_cuda_graphs_matches_the_eager_one_and_reads
     assert not torch.equal(again.sequences, rollout.sequences)
 
 
+def test_the_flash_kvcache_decode_attention_matches_sdpa_and_decodes_as_the_trainer_scores():
+    """flash-attn's kv-cache kernel in the decode step (what a model trained with --flash_attn decodes with, in
+    bf16): over a cache with left padding and unwritten slots it gives packed SDPA's output, compiled in one graph
+    too; and an engine using it, its steps compiled and replayed, samples tokens whose log-probabilities are the
+    trainer's as closely as the SDPA engine's are."""
+    if importlib.util.find_spec("flash_attn") is None:
+        pytest.skip("flash-attn is not installed (bench/gpu/flash_attn.sh builds it)")
+    from types import SimpleNamespace
+
+    from tasks.common.nn import data as batches
+    from tasks.common.nn.models import load_causal_lm
+    from tasks.common.nn.rollout import DECODE_ATTENTION, FLASH_DECODE_ATTENTION, HFRolloutEngine, flash_kvcache_attention, packed_gqa_sdpa
+    from tasks.data import demo
+    from tasks.rl.experience import response_logprobs
+
+    torch.manual_seed(0)
+    heads, kv, length, dim = 12, 2, 96, 128
+    module = SimpleNamespace(num_key_value_groups=heads // kv)
+    q = torch.randn(5, heads, 1, dim, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(5, kv, length, dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    mask = torch.zeros(5, 1, 1, length, dtype=torch.bool, device="cuda")
+    for row, (start, end) in enumerate([(0, 50), (3, 50), (17, 50), (0, 96), (40, 70)]):  # left padding, then written slots
+        mask[row, ..., start:end] = True
+    want, _ = packed_gqa_sdpa(module, q, k, v, mask, scaling=dim**-0.5)
+    got, _ = flash_kvcache_attention(module, q, k, v, mask, scaling=dim**-0.5)
+    assert got.shape == want.shape and torch.allclose(got.float(), want.float(), atol=2e-2)
+    compiled, _ = torch.compile(flash_kvcache_attention, fullgraph=True)(module, q, k, v, mask, scaling=dim**-0.5)
+    assert torch.allclose(compiled.float(), want.float(), atol=2e-2)
+
+    tok = demo.build_tokenizer()
+    path = ROOT / "flash-decode-base"
+    demo.build_base_model(tok, seed=6).save_pretrained(path)
+    tok.save_pretrained(path)
+    prompts = [batches.encode_prompt(tok, p) for p in ("3+4=", "37+45=", "1+99=", "12+3=4+5+6+7+8=")] * 4
+    model = load_causal_lm(str(path), dtype=torch.bfloat16, flash_attn=True).cuda()
+    gaps = {}
+    for attention in (FLASH_DECODE_ATTENTION, DECODE_ATTENTION):
+        engine = HFRolloutEngine(model, tok, torch.device("cuda"), cuda_graphs=True, compile_decode=True, fuse_projections=True)
+        assert engine.decode_attention == FLASH_DECODE_ATTENTION  # the model trains with flash-attn
+        engine.decode_attention = attention
+        torch.manual_seed(0)
+        rollout = engine.generate(prompts, max_new_tokens=24, temperature=0.7)
+        assert engine.captured()
+        trainer = response_logprobs(model, rollout.sequences.cuda(), rollout.attention_mask.cuda(), rollout.prompt_width, temperature=0.7).cpu()
+        gaps[attention] = ((trainer.float() - rollout.logprobs.cpu()).abs() * rollout.response_mask.cpu()).max().item()
+    print(f"bf16 decode: sampled tokens' log-prob gap to the trainer's {gaps}")
+    assert gaps[FLASH_DECODE_ATTENTION] <= 2 * gaps[DECODE_ATTENTION] + 1e-2
+
+
 def test_rl_with_the_hf_engine_on_the_gpu(gpu_ray, data):
     """GRPO with rollouts from the actor's own decode loop, its steps replayed as CUDA graphs (no vLLM): the engine reads the trained
     weights in place, so its log-probabilities stay the actor's step after step."""

@@ -70,6 +70,47 @@ DECODE_ATTENTION = "sdpa_packed_gqa"
 AttentionInterface.register(DECODE_ATTENTION, packed_gqa_sdpa)
 AttentionMaskInterface.register(DECODE_ATTENTION, sdpa_mask)
 
+try:
+    from flash_attn import flash_attn_with_kvcache
+except ImportError:  # the CPU install: no flash-attn
+    flash_attn_with_kvcache = None
+
+if flash_attn_with_kvcache is not None:
+    # A custom op, so a compiled decode forward keeps it inside one graph (flash-attn registers its training
+    # kernels this way, not the kv-cache one); exact strides, so the compiler passes the cache's views, not copies.
+    @torch.library.custom_op("rlhf_flow::flash_decode", mutates_args=(), device_types="cuda", tags=(torch.Tag.needs_exact_strides,))
+    def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqlens: torch.Tensor, leftpad: torch.Tensor, scale: float) -> torch.Tensor:
+        return flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, cache_leftpad=leftpad, softmax_scale=scale).contiguous()
+
+    @flash_decode.register_fake
+    def _(q, k_cache, v_cache, seqlens, leftpad, scale):
+        return q.new_empty(q.shape)
+
+
+def flash_kvcache_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """The decode step's attention through flash-attn's kv-cache kernel: it reads only each row's written slots
+    (the static cache holds prompt + every response slot, and SDPA reads all of them each step), splits long
+    caches across blocks, and packs a one-token query's grouped heads onto their key/value head. The mask is the
+    engine's [B, 1, 1, L] one, each row's written slots one run: left padding, then prompt and tokens so far. The
+    prefill (a longer query), float32 (flash-attn takes half precision only) and a machine without flash-attn go to
+    packed_gqa_sdpa."""
+    half = query.dtype in (torch.float16, torch.bfloat16)
+    if query.shape[2] != 1 or not half or flash_attn_with_kvcache is None or kwargs.get("sliding_window"):
+        return packed_gqa_sdpa(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    written = attention_mask[:, 0, 0, :]
+    leftpad = written.int().argmax(-1).int()
+    seqlens = (leftpad + written.sum(-1)).int()
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    # [B, H, 1, D] -> [B, 1, H, D]; the cache's [B, KV, L, D] read as [B, L, KV, D] in place
+    out = torch.ops.rlhf_flow.flash_decode(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), seqlens, leftpad, scale)
+    return out, None
+
+
+# With flash-attn installed, a model that trains with it decodes through its kv-cache kernel.
+FLASH_DECODE_ATTENTION = "flash_kvcache"
+AttentionInterface.register(FLASH_DECODE_ATTENTION, flash_kvcache_attention)
+AttentionMaskInterface.register(FLASH_DECODE_ATTENTION, sdpa_mask)
+
 
 @dataclass
 class Rollout:
@@ -196,7 +237,8 @@ class HFRolloutEngine:
     are left-padded to a multiple of STATIC_PROMPT_BUCKET so varying widths share a few shapes. The graph reads
     the weights in place, so an update needs no sync; a model whose forward cannot be captured (ZeRO-3's
     gathering hooks: the caller leaves cuda_graphs off) decodes eagerly, said once in the log. Attention goes
-    through SDPA while decoding (packed_gqa_sdpa).
+    through SDPA while decoding (packed_gqa_sdpa), or, for a model that trains with flash-attn, through its
+    kv-cache kernel (flash_kvcache_attention).
     """
 
     def __init__(
@@ -217,7 +259,8 @@ class HFRolloutEngine:
         self.stop_check_every = STOP_CHECK_EVERY if self.device.type == "cuda" else 1
         self.capture = cuda_graphs and self.device.type == "cuda"
         self.graph_pool = torch.cuda.graph_pool_handle() if self.capture else None
-        self.decode_attention = DECODE_ATTENTION
+        flash = lora.unwrap(model).config._attn_implementation == "flash_attention_2" and flash_attn_with_kvcache is not None
+        self.decode_attention = FLASH_DECODE_ATTENTION if flash and self.device.type == "cuda" else DECODE_ATTENTION
         # The whole model's decode forward as one compiled graph (per batch shape): its elementwise kernels fuse.
         # Parameters are graph inputs, so updates are read.
         self.decode_forward = torch.compile(model, dynamic=False) if compile_decode else model
@@ -365,9 +408,10 @@ class HFRolloutEngine:
 
     @contextlib.contextmanager
     def _decoding(self):
-        """The model as the decode loop runs it. Attention through SDPA (self.decode_attention: packed_gqa_sdpa, or
-        transformers' "sdpa" to compare), the attention a boolean [B, 1, 1, L] mask works with: FlashAttention-2
-        (the trainer's, for packed rows) unpads a padded batch on every call, a host sync no graph can hold. And
+        """The model as the decode loop runs it. Attention through self.decode_attention (packed_gqa_sdpa, or
+        flash_kvcache_attention, or transformers' "sdpa" to compare), attention a boolean [B, 1, 1, L] mask works
+        with: transformers' FlashAttention-2 (the trainer's, for packed rows) unpads a padded batch on every call,
+        a host sync no graph can hold. And
         blocks compiled for training (--torch_compile) run their plain code: with a cache, each would recompile
         for its own layer index, past torch's recompile limit (compile_decode compiles the whole forward instead)."""
         base = lora.unwrap(self.model)
