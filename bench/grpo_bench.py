@@ -237,7 +237,7 @@ def bench_hf_generate(bench_dir: Path, batch: int = 64) -> None:
         ("cuda_graphs_transformers_sdpa", True, "sdpa"),
         ("cuda_graphs_compiled", True, None),
         ("cuda_graphs_compiled_fused", True, None),
-        ("cuda_graphs_compiled_fused_flash", True, "flash_kvcache"),
+        ("cuda_graphs_compiled_fused_flash", True, "kvcache_decode"),
     )
     chosen = os.environ.get("HF_GENERATE_VARIANTS")  # a comma-separated subset, to spare device time
     for name, graphs, attention in variants:

@@ -77,8 +77,8 @@ except ImportError:  # the CPU install: no flash-attn
 
 if flash_attn_with_kvcache is not None:
     # A custom op, so a compiled decode forward keeps it inside one graph (flash-attn registers its training
-    # kernels this way, not the kv-cache one); exact strides, so the compiler passes the cache's views, not copies.
-    @torch.library.custom_op("rlhf_flow::flash_decode", mutates_args=(), device_types="cuda", tags=(torch.Tag.needs_exact_strides,))
+    # kernels this way, not the kv-cache one).
+    @torch.library.custom_op("rlhf_flow::flash_decode", mutates_args=(), device_types="cuda")
     def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqlens: torch.Tensor, leftpad: torch.Tensor, scale: float) -> torch.Tensor:
         return flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, cache_leftpad=leftpad, softmax_scale=scale).contiguous()
 
@@ -106,8 +106,9 @@ def flash_kvcache_attention(module, query, key, value, attention_mask, scaling=N
     return out, None
 
 
-# With flash-attn installed, a model that trains with it decodes through its kv-cache kernel.
-FLASH_DECODE_ATTENTION = "flash_kvcache"
+# With flash-attn installed, a model that trains with it decodes through its kv-cache kernel. No "flash" in the
+# name: transformers gives any implementation so named its FlashAttention masks and kernel loading.
+FLASH_DECODE_ATTENTION = "kvcache_decode"
 AttentionInterface.register(FLASH_DECODE_ATTENTION, flash_kvcache_attention)
 AttentionMaskInterface.register(FLASH_DECODE_ATTENTION, sdpa_mask)
 
