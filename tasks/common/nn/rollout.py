@@ -412,9 +412,9 @@ class HFRolloutEngine:
         """The model as the decode loop runs it. Attention through self.decode_attention (packed_gqa_sdpa, or
         flash_kvcache_attention, or transformers' "sdpa" to compare), attention a boolean [B, 1, 1, L] mask works
         with: transformers' FlashAttention-2 (the trainer's, for packed rows) unpads a padded batch on every call,
-        a host sync no graph can hold. And
-        blocks compiled for training (--torch_compile) run their plain code: with a cache, each would recompile
-        for its own layer index, past torch's recompile limit (compile_decode compiles the whole forward instead)."""
+        a host sync no graph can hold. And blocks compiled for training (--torch_compile) run their plain code:
+        with a cache, each would recompile for its own layer index, past torch's recompile limit (compile_decode
+        compiles the whole forward instead)."""
         base = lora.unwrap(self.model)
         kept = base.config._attn_implementation
         if kept != self.decode_attention:
