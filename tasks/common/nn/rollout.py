@@ -320,10 +320,11 @@ class HFRolloutEngine:
         written into its slots of the static cache. Returns the last position's logits of every row, [B, V]."""
         firsts, inverse = distinct_rows(prompt_ids)
         firsts, inverse = torch.tensor(firsts, device=self.device), torch.tensor(inverse, device=self.device)
+        ids, mask = ids[firsts], mask[firsts]
         out = self.model(
-            input_ids=ids[firsts],
-            attention_mask=mask[firsts],
-            position_ids=(mask[firsts].cumsum(-1) - 1).clamp(min=0),
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
             use_cache=True,
             logits_to_keep=1,
         )
