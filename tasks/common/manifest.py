@@ -324,11 +324,14 @@ def resolve(manifest: dict, key: str) -> str:
 
 
 def local_cache_dir(uri: str) -> Path:
-    """A stable folder for fetches of ``uri`` under $RLHF_CACHE_DIR (default: the system temp dir)."""
+    """A stable folder for fetches of ``uri`` under $RLHF_CACHE_DIR (default: the system temp dir), keyed by the
+    S3 endpoint too: two stacks on one host (two emulators, a test's and the developer's) may hold different
+    objects under the same bucket and key."""
     uri = _dir_uri(uri)
     root = os.environ.get("RLHF_CACHE_DIR") or os.path.join(tempfile.gettempdir(), f"rlhf-flow-cache-{os.getuid() if hasattr(os, 'getuid') else 'user'}")
     slug = re.sub(r"[^A-Za-z0-9._-]+", "_", uri).strip("_")[-80:]  # readable, bounded length
-    path = Path(root) / f"{slug}-{hashlib.sha256(uri.encode()).hexdigest()[:12]}"
+    where = f"{storage.endpoint()} {uri}" if storage.is_s3(uri) else uri
+    path = Path(root) / f"{slug}-{hashlib.sha256(where.encode()).hexdigest()[:12]}"
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -357,12 +360,31 @@ def _local_size(path: Path) -> int | None:
         return None
 
 
+def _stat(path: Path) -> dict | None:
+    """The size and modification time of a local file: what a verified copy's digest is reused on."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns} if path.is_file() else None
+
+
+def _verified(cached: dict | None, remote: dict, stat: dict | None) -> bool:
+    """Whether a local copy checked earlier (``cached``: the entry it was verified against, with its stat then)
+    still stands for ``remote`` without rehashing: same sha256 and size, and its file's stat unchanged."""
+    if not cached or stat is None or cached.get("sha256") != remote["sha256"] or cached.get("size") != remote["size"]:
+        return False
+    return cached.get("mtime_ns") == stat["mtime_ns"] and stat["size"] == remote["size"]
+
+
 def fetch(uri: str, local_dir: str | os.PathLike, subdir: str | None = None) -> tuple[Path, dict]:
     """Download and verify the files a committed directory's manifest lists (only ``subdir`` if given).
 
-    ``local_dir`` keeps a manifest.json listing exactly the files it holds verified, so a second fetch
-    into it (see ``local_cache_dir``) only stats the files whose sha256 the remote manifest still agrees
-    with. Returns (``local_dir`` or ``local_dir/subdir``, the remote manifest).
+    ``local_dir`` keeps a manifest.json listing exactly the files it holds verified, each with the size and
+    mtime its copy had when its sha256 was checked, so a second fetch into it (see ``local_cache_dir``) only
+    stats the files whose sha256 the remote manifest still agrees with; a copy whose stat changed since (a
+    same-size overwrite, a corrupted block rewritten) is hashed again, and fetched again unless it still
+    matches. Returns (``local_dir`` or ``local_dir/subdir``, the remote manifest).
     """
     m = read_manifest(uri)
     directory = m["uri"]
@@ -383,13 +405,15 @@ def fetch(uri: str, local_dir: str | os.PathLike, subdir: str | None = None) -> 
         except (OSError, ValueError, AttributeError):
             cached = {}
         # Files verified earlier that the remote manifest still agrees with, and still present.
-        kept = {rel: e for rel, e in files.items() if cached.get(rel) == e and _local_size(local / rel) == e["size"]}
+        kept = {rel: cached[rel] for rel, e in files.items() if _verified(cached.get(rel), e, _stat(local / rel))}
         todo = [rel for rel in selected if rel not in kept]
+        verified: dict[str, dict] = {}  # rel -> the remote entry plus the stat of the copy just checked
 
         def get(rel: str) -> None:
             expected, target, src = files[rel], local / rel, storage.join(directory, rel)
-            # A same-size local leftover (e.g. from an interrupted fetch) is reused if its hash agrees.
+            # A same-size local copy (an interrupted fetch's, or one whose stat changed) is reused if its hash agrees.
             if _local_size(target) == expected["size"] and file_sha256(target) == expected["sha256"]:
+                verified[rel] = {**expected, **_stat(target)}
                 return
             try:
                 storage.download_file(src, target)
@@ -412,10 +436,11 @@ def fetch(uri: str, local_dir: str | os.PathLike, subdir: str | None = None) -> 
                     f"{repair_hint(directory)}",
                     src,
                 )
+            verified[rel] = {**expected, **_stat(target)}
 
         if todo:
             # Until the new set is verified the local marker must not vouch for anything.
             cache_manifest.unlink(missing_ok=True)
             storage.parallel_map(get, todo)
-            storage.write_json(str(cache_manifest), {**m, "files": {**kept, **{r: files[r] for r in todo}}})
+            storage.write_json(str(cache_manifest), {**m, "files": {**kept, **verified}})
     return (local / subdir.strip("/") if subdir else local), m

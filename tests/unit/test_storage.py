@@ -395,6 +395,40 @@ def test_local_cache_dir_reuses_verified_files(s3, prefix, tmp_path, monkeypatch
     assert (d / "model" / "tokenizer" / "vocab.txt").read_bytes() == files["model/tokenizer/vocab.txt"]
 
 
+def test_a_same_size_corrupted_cached_copy_is_not_reused(s3, prefix, tmp_path, monkeypatch):
+    """The cache reuses a verified copy on its stat alone; a copy rewritten since (same size, other bytes) is
+    hashed again and fetched again: eval never scores corrupted weights (issue 53, item 3)."""
+    monkeypatch.setenv("RLHF_CACHE_DIR", str(tmp_path / "cache"))
+    uri = s3.uri(prefix)
+    files, _ = committed(s3, prefix, tmp_path)
+    d = mf.local_cache_dir(uri)
+    mf.fetch(uri, d, subdir="model")
+    entry = json.loads((d / "manifest.json").read_text())["files"]["model/weights.bin"]
+    assert entry["mtime_ns"] == (d / "model" / "weights.bin").stat().st_mtime_ns  # the stat the digest was checked at
+    weights = d / "model" / "weights.bin"
+    corrupted = bytearray(weights.read_bytes())
+    corrupted[12345] ^= 0xFF
+    weights.write_bytes(bytes(corrupted))
+    os.utime(weights, ns=(entry["mtime_ns"] + 10**9, entry["mtime_ns"] + 10**9))  # a later write, as any rewrite is
+    path, _ = mf.fetch(uri, d, subdir="model")
+    assert (path / "weights.bin").read_bytes() == files["model/weights.bin"]
+
+
+def test_the_cache_folder_is_keyed_by_the_s3_endpoint(s3, prefix, tmp_path, monkeypatch):
+    """Two stacks on one host (two emulators) may hold different objects under the same bucket and key."""
+    monkeypatch.setenv("RLHF_CACHE_DIR", str(tmp_path / "cache"))
+    uri = s3.uri(prefix)
+    here = mf.local_cache_dir(uri)
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", f"http://127.0.0.1:{free_port()}")
+    storage.reset_client()
+    try:
+        assert mf.local_cache_dir(uri).name != here.name
+    finally:
+        monkeypatch.undo()
+        storage.reset_client()
+    assert mf.local_cache_dir(uri).name == here.name
+
+
 # ---------------------------------------------------------------- keys that lead outside the target folder
 
 
