@@ -20,6 +20,8 @@ from tasks.common.config import ConfigError
 
 #: Steps before the interruption a checkpoint remembers, per metric.
 WINDOW = 8
+#: Fewer remembered steps than this make no band (one or two steps say nothing of how much a metric moves).
+MIN_HISTORY = 3
 #: Resumed steps checked against the band. Two, not one: the first resumed step's rollout and gradients come
 #: from the restored weights alone, so a lost optimizer state or a changed learning rate shows first in the second.
 CHECKED_STEPS = 2
@@ -52,13 +54,15 @@ def band(values: list[float], stds: float = BAND_STDS, relative: float = BAND_RE
     return low - margin, high + margin
 
 
-def band_problem(history: list[dict], record: dict, names: tuple[str, ...] | list[str], **band_args) -> str | None:
+def band_problem(history: list[dict], record: dict, names: tuple[str, ...] | list[str], min_history: int = MIN_HISTORY, **band_args) -> str | None:
     """The first of `names` whose value in `record` lies outside the band of its values in `history` (or is not
-    finite), as one phrase; None when all are inside. A metric the history or the record lacks is not checked (a
-    checkpoint written before it was logged, a configuration that does not log it)."""
+    finite), as one phrase; None when all are inside. Not checked: a metric the history or the record lacks (a
+    checkpoint written before it was logged, a configuration that does not log it), one with fewer than `min_history`
+    values, and one that was 0 throughout (a sparse reward before the first success, its zero gradients: no scale to
+    judge the first nonzero value by)."""
     for name in names:
         values = [float(r[name]) for r in history if r.get(name) is not None]
-        if not values or record.get(name) is None:
+        if len(values) < max(1, min_history) or record.get(name) is None or not any(values):
             continue
         value = float(record[name])
         low, high = band(values, **band_args)

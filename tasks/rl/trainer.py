@@ -13,6 +13,7 @@ minibatches, logs, and checkpoints.
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 import time
@@ -23,7 +24,7 @@ from pathlib import Path
 import torch
 
 from tasks.common import manifest as manifests
-from tasks.common import storage
+from tasks.common import resume_check, storage
 from tasks.common.config import ConfigError, split_list
 from tasks.common.nn import data, lora
 from tasks.common.nn.models import load_tokenizer, resolve_model
@@ -40,6 +41,9 @@ from tasks.rl.workers import ActorWorker, CriticWorker, ReferenceWorker, RewardW
 from tasks.validate import oversized
 
 MAX_FILTER_ROUNDS = 8  # rollouts drawn per step before dynamic filtering gives up
+#: What a resume is checked on (tasks.common.resume_check): each step's, remembered in every checkpoint.
+CHECKED_METRICS = ("reward", "kl", "entropy", "grad_norm")
+HISTORY_FILE = "metrics_history.json"  # in a checkpoint's controller/: the last resume_check.WINDOW steps' CHECKED_METRICS
 
 
 @dataclass
@@ -188,6 +192,8 @@ class Controller:
         self.started = 0  # rollouts started so far (the run starts no more than its steps)
         self.generator = torch.Generator().manual_seed(cfg.seed)
         self.kl_ctl = make_kl_controller(cfg.init_kl_coef, cfg.kl_target or None, cfg.kl_horizon)
+        self.history: list[dict] = []  # the newest steps' CHECKED_METRICS, checkpointed: what a resume is checked against
+        self.steps_done = 0  # updates this process ran (the resumed ones not counted): a resume must reach self.steps
         self._place()
 
     def _place(self) -> None:
@@ -402,6 +408,10 @@ class Controller:
         t4 = time.time()
         sequence_kl = exp.kl.sum(-1).mean().item()
         self.kl_ctl.update(sequence_kl, n_steps=exp.sequences.size(0))
+        self.steps_done += 1
+        # Every step, whatever --logging_steps: a resume is checked against the steps right before it.
+        record = {"step": step, "reward": scores.mean().item(), "kl": sequence_kl, "entropy": stats.get("entropy"), "grad_norm": stats.get("grad_norm")}
+        self.history = resume_check.remember(self.history, record)
         if step % cfg.logging_steps == 0 or step == self.steps:
             self.run.tracker.log(
                 step,
@@ -440,6 +450,7 @@ class Controller:
             {"sampler": self.sampler.state_dict(), "generator": self.generator.get_state(), "kl": self.kl_ctl.state_dict()},
             local / "controller" / "controller.pt",
         )
+        (local / "controller" / HISTORY_FILE).write_text(json.dumps({"window": resume_check.WINDOW, "steps": self.history}) + "\n")
         return uploaded
 
     def load_state(self, uri: str) -> None:
@@ -449,11 +460,14 @@ class Controller:
         try:
             path, _ = manifests.fetch(uri, local, subdir="controller")
             state = torch.load(path / "controller.pt", weights_only=False)
+            # A checkpoint written before the history was kept has none: its resume is not band-checked (train says so).
+            history = json.loads((path / HISTORY_FILE).read_text())["steps"] if (path / HISTORY_FILE).is_file() else []
         finally:
             shutil.rmtree(local, ignore_errors=True)
         self.sampler.load_state_dict(state["sampler"])
         self.generator.set_state(state["generator"])
         self.kl_ctl.load_state_dict(state["kl"])
+        self.history = history
 
     def shutdown(self) -> None:
         for group in self.groups.values():
@@ -501,6 +515,21 @@ def select_batch(batch: RewardBatch, rows: list[int]) -> RewardBatch:
     )
 
 
+def check_resumed_step(start: int, step: int, last: int, before: list[dict], record: dict) -> None:
+    """Fail in one line when resumed step `step`'s CHECKED_METRICS leave the band of the steps before the interruption;
+    say so once the `last` step checked passed."""
+    problem = resume_check.band_problem(before, record, CHECKED_METRICS)
+    if problem:
+        raise resume_check.ResumeCheckError(
+            f"rl: resumed from the step {start} checkpoint, step {step}'s {problem}: the resumed state or flags differ from the run "
+            "that wrote it (e.g. a changed learning rate, an optimizer state not restored); nothing committed, the checkpoints left as they were"
+        )
+    if step == last:
+        print(
+            f"rl: resumed steps {start + 1}-{step} inside the band of steps {before[0]['step']}-{before[-1]['step']} ({', '.join(CHECKED_METRICS)})", flush=True
+        )
+
+
 def train(cfg: RLConfig, run: StageRun) -> None:
     controller = Controller(cfg, run)
     try:
@@ -510,10 +539,23 @@ def train(cfg: RLConfig, run: StageRun) -> None:
             # checkpoint are lost (the sampler had drawn their prompts); start only the steps left.
             controller.engine.sync_weights(start)
             controller.started = start
+        before = list(controller.history)  # the steps the checkpoint remembers: the resumed ones must stay in their band
+        if start and len(before) < resume_check.MIN_HISTORY:  # none: a checkpoint from before the history was kept
+            print(
+                f"rl: the step {start} checkpoint remembers {len(before)} steps' metrics, fewer than {resume_check.MIN_HISTORY}; the resumed steps are not band-checked",
+                flush=True,
+            )
+        last_checked = min(start + resume_check.CHECKED_STEPS, controller.steps) if start and len(before) >= resume_check.MIN_HISTORY else 0
         exp = None
         for step in range(start + 1, controller.steps + 1):
             exp = controller.step(step)
+            if step <= last_checked:
+                # Before this step's checkpoint: a resume that went astray leaves the checkpoints as they were.
+                check_resumed_step(start, step, last_checked, before, controller.history[-1])
             run.checkpoint(step, controller.save_state)
+        problem = resume_check.steps_problem(controller.steps, start, start + controller.steps_done)
+        if problem:  # verl#7401: a resume that exits 0 without its remaining updates
+            raise resume_check.ResumeCheckError(f"rl: refusing to commit: {problem}")
         # Rank 0 of each group uploads its model from its own node; the manifest below lists those files.
         models = {"model": ("actor", [cfg.save_path] if cfg.save_path else [])}
         if cfg.save_value_network and "critic" in controller.groups:
@@ -536,6 +578,10 @@ def train(cfg: RLConfig, run: StageRun) -> None:
         },
         uploaded=uploaded,
         model="model",
+        # What the resume check verified: every planned update ran, here or before the checkpoint resumed from.
+        planned_steps=controller.steps,
+        resumed_from_step=start,
+        done_steps=start + controller.steps_done,
         **lora.manifest_fields(cfg),
     )
     if cfg.save_path:

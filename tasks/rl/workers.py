@@ -239,6 +239,11 @@ class ActorWorker(_Trainer):
                 self.engine.step()
                 for key, value in (("policy_loss", p_loss), ("clip_fraction", clip_fraction), ("entropy", mean_entropy)):
                     stats[key].append(value.item())
+            # The minibatch's optimizer step has run: its gradients' global norm before clipping (resumes are checked
+            # against it). DeepSpeed keeps none for ZeRO-0 in fp32, which then logs no grad_norm.
+            grad_norm = self.engine.get_global_grad_norm()
+            if grad_norm is not None:
+                stats.setdefault("grad_norm", []).append(float(grad_norm))
         result = self._mean_stats(stats)
         if sync_gaps:
             result["engine_logprob_max_diff"] = self.strategy.all_reduce(max(sync_gaps), op="max").item()

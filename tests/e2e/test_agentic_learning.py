@@ -9,6 +9,7 @@ env_success must be at least 20 points above the control's, and its tool-call ra
 """
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -122,30 +123,41 @@ def test_calculator_rl_raises_success_over_a_zero_reward_control(seed, ray_addre
     assert calc["env_tool_calls"] > control["env_tool_calls"], results
 
 
-def test_rl_stage_runs_episodes_with_a_critic_and_refuses_a_broken_environment_before_placing_workers(ray_address, tmp_path):
-    """gae (a critic over the model's tokens only) on the calculator from the untrained base model, two steps:
-    the stage commits with the episode statistics logged. A file whose reset raises stops the stage in one line."""
+def test_rl_stage_runs_episodes_with_a_critic_resumes_checked_and_refuses_a_broken_environment_before_placing_workers(ray_address, tmp_path):
+    """gae (a critic over the model's tokens only) on the calculator from the untrained base model, five steps,
+    interrupted after its step-3 checkpoint (--fail_after_step) and rerun: the rerun resumes from it, its first
+    resumed steps stay inside the band of steps 1-3 (tasks/common/resume_check.py), and the manifest records the
+    planned, resumed-from and done steps; the stage commits with the episode statistics logged. A file whose reset
+    raises stops the stage in one line."""
     root = SCRATCH / "agentic" / "contract"
     task = write_task(root, 0)
     out = root / "rl-gae"
-    cli(
-        ray_address,
-        "tasks.rl",
-        output=str(out),
-        pretrain=task["base"],
-        prompt_data=task["prompts"],
-        env_path="calculator",
-        **{
-            **RL,
-            "advantage_estimator": "gae",
-            "n_samples_per_prompt": 1,
-            "rollout_batch_size": 16,
-            "train_batch_size": 16,
-            "max_steps": 2,
-            "init_kl_coef": 0.01,
-            "colocate_all_models": True,
-        },
-    )
+    shutil.rmtree(out, ignore_errors=True)  # an earlier session's checkpoints would be resumed
+    values = {
+        "output": str(out),
+        "pretrain": task["base"],
+        "prompt_data": task["prompts"],
+        "env_path": "calculator",
+        **RL,
+        "advantage_estimator": "gae",
+        "n_samples_per_prompt": 1,
+        "rollout_batch_size": 16,
+        "train_batch_size": 16,
+        "max_steps": 5,
+        "save_steps": 3,
+        "fail_after_step": 3,
+        "init_kl_coef": 0.01,
+        "colocate_all_models": True,
+    }
+    failed = run_cli("tasks.rl", *flags(values), ray=ray_address)
+    assert failed.returncode == 75, failed.stderr[-3000:]  # a crash: worth a retry
+    assert failed.stderr.strip().splitlines()[-1] == "error: rl: injected failure after the checkpoint of step 3 (--fail_after_step); a rerun resumes from it"
+    stdout = cli(ray_address, "tasks.rl", **values)
+    assert f"rl: resumed from {out}/checkpoints/step_3" in stdout
+    assert "rl: resumed steps 4-5 inside the band of steps 1-3 (reward, kl, entropy, grad_norm)" in stdout, stdout[-3000:]
+    manifest = manifests.read_manifest(str(out))
+    assert (manifest["planned_steps"], manifest["resumed_from_step"], manifest["done_steps"]) == (5, 3, 5)
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [4, 5]
     last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     assert {"value_loss", "kl", "turns_per_episode", "tool_calls_per_episode", "episodes_per_s", "env_errors"} <= set(last), last
     broken = tmp_path / "broken_env.py"

@@ -95,6 +95,8 @@ def test_a_failed_stage_reruns_alone_from_its_checkpoint_across_restarts(demo_ru
 
     rl = s3_json(live, xcom(live, dag_id, run_id, "rl"))
     assert rl["resumed_from_step"] == 6
+    # Checked resumes (tasks/common/resume_check.py): every planned update ran, here or before the checkpoint.
+    assert (rl["planned_steps"], rl["done_steps"]) == (12, 12)
     assert rl["inputs"]["pretrain"] == xcom(live, dag_id, run_id, "sft")  # the same run's upstream manifests
     # Each attempt's driver log sits beside the manifest; the task links to its Ray job.
     output = f"rlhf-flow/runs/{dag_id}/{key_safe(run_id)}/rl"

@@ -60,6 +60,20 @@ def test_a_metric_missing_on_either_side_is_not_checked():
     assert band_problem([], {"step": 7, "reward": 1e9}, NAMES) is None  # no history at all
 
 
+def test_too_short_or_all_zero_a_window_is_not_checked():
+    # Two steps say nothing of how much a metric moves (the default needs 3); with min_history 2 they do.
+    assert band_problem(HISTORY[:2], {"step": 6, "reward": 100.0}, NAMES) is None
+    assert band_problem(HISTORY[:2], {"step": 6, "reward": 100.0}, NAMES, min_history=2).startswith("reward 100 is outside")
+    # A sparse reward at 0 before the first success (and the zero gradients it gives): its first nonzero value is not a fault.
+    zeros = [{"step": s, "reward": 0.0, "grad_norm": 0.0, "entropy": 2.0} for s in (1, 2, 3)]
+    assert band_problem(zeros, {"step": 4, "reward": 0.25, "grad_norm": 0.3, "entropy": 2.0}, NAMES) is None
+    # ...while the metrics that did move are still checked (entropy [2, 2]: 25% of 2, so [1.5, 2.5]).
+    assert (
+        band_problem(zeros, {"step": 4, "reward": 0.25, "entropy": 0.1}, NAMES)
+        == "entropy 0.1 is outside [1.5, 2.5], the band of steps 1-3 before the interruption"
+    )
+
+
 def test_the_history_keeps_the_newest_window():
     history: list[dict] = []
     for step in range(1, 6):
