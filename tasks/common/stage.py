@@ -171,15 +171,52 @@ def main(stage: str, config_cls: type, work: Callable, argv: list[str] | None = 
     try:
         cfg = parse_config(config_cls, argv, prog=f"python -m {config_cls.__module__.rsplit('.', 1)[0]}")
         print(f"{stage}: config {cfg.to_dict()}", flush=True)
-        run(stage, cfg, work)
-    except USER_ERRORS as error:
+        run(stage, cfg, disk_faults_named(work))
+    except Exception as error:
         # A worker's error reaches the driver wrapped by Ray (a RayTaskError that is also an
         # instance of the cause's class); the user needs the cause's one line, not the traceback.
-        cause = getattr(error, "cause", None) or error
+        cause = known_fault(getattr(error, "cause", None) or error)
+        if cause is None:
+            raise  # a bug: its traceback is what the developer needs
         # Ray streams the workers' output to this process: stop it first, so the cause is the last line.
         if "ray" in sys.modules and sys.modules["ray"].is_initialized():
             sys.modules["ray"].shutdown()
         print(f"error: {cause}", file=sys.stderr, flush=True)
         # Exit 2 says "fix the input": the orchestrator does not retry it. An unreachable or overloaded
-        # store is worth another try.
+        # store, a full disk or a busy cluster is worth another try.
         sys.exit(TRY_AGAIN_EXIT if getattr(cause, "transient", False) else INPUT_ERROR_EXIT)
+
+
+def disk_faults_named(work: Callable) -> Callable:
+    """`work`, with a full or read-only disk turned into its one line (known_fault) where it happens: the free
+    space is read before the stage's working folder is removed, which would free what the failed write filled."""
+
+    def named(cfg: StageConfig, stage_run: StageRun) -> None:
+        try:
+            work(cfg, stage_run)
+        except OSError as error:
+            fault = known_fault(error)
+            if not isinstance(fault, StorageError):
+                raise
+            raise fault from None
+
+    return named
+
+
+def known_fault(error: BaseException) -> BaseException | None:
+    """The error to report in one line, or None for a bug (left to its traceback).
+
+    The user errors as they are; an error that says it is transient (a placement that found the cluster
+    busy, say); and a full, read-only or forbidden disk as a StorageError naming the path and its free
+    space. A full or read-only disk that failed a write without naming its file (a plain file.write) is put
+    on the working folder, where a stage writes its outputs before they are committed; a denied permission
+    without a file (a socket, a signal) is no disk's."""
+    if isinstance(error, USER_ERRORS) or getattr(error, "transient", False) is True:
+        return error
+    if not storage.disk_fault(error):
+        return None
+    if storage.fault_path(error):
+        return storage.disk_error(error, storage.fault_path(error))
+    if storage.disk_action(error) == "write":
+        return storage.disk_error(error, tempfile.gettempdir(), "write in the working folder")
+    return None
