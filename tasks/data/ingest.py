@@ -28,19 +28,20 @@ import json
 import time
 from pathlib import Path
 
-from tasks.common import cost
+from tasks.common import cost, storage
 from tasks.common import manifest as manifests
 from tasks.common.config import ConfigError
 from tasks.data import sources, versions
 from tasks.data.config import PrepareDataConfig, default_dataset_name
 
 #: In every version id: a change to how rows are mapped, checked or split must change it.
-INGEST_FORMAT = "rlhf-flow/ingest/v1"
+INGEST_FORMAT = "rlhf-flow/ingest/v2"  # v2: text that is not UTF-8 is a bad row (invalid_utf8), no longer U+FFFD
 EXAMPLES = 5  # example row numbers kept per check
 
 #: Each check and what to change when it fails rows: the failure line names it.
 FIXES = {
     "malformed": "fix the file: each row a JSON object, each CSV line as wide as the header",
+    "invalid_utf8": "save the file as UTF-8 (those rows hold bytes of another encoding or a cut character)",
     "missing_field": "fill those rows or fix the column mapping",
     "empty_field": "fill those rows or fix the column mapping",
     "wrong_type": "prompts and responses must be text (a prompt may be chat messages via --messages_key)",
@@ -113,10 +114,12 @@ def label_of(value, key: str) -> str | None:
     return str(value)
 
 
-def canonical(row: dict | None, cfg: PrepareDataConfig) -> dict:
+def canonical(row: sources.Row, cfg: PrepareDataConfig) -> dict:
     """The row in the pipeline's terms: prompt, response (SFT), chosen, rejected, label. Raises BadRow."""
     if row is None:
         raise BadRow("malformed")
+    if isinstance(row, sources.Unreadable):
+        raise BadRow(row.reason, row.field)
     final = None
     if cfg.messages_key:
         prompt, final = split_messages(row.get(cfg.messages_key), cfg.messages_key)
@@ -188,11 +191,11 @@ class Tally:
         return sum(c["count"] for c in self.checks.values())
 
 
-def check_columns(rows: list[tuple[int, dict | None]], cfg: PrepareDataConfig, source: str) -> None:
+def check_columns(rows: list[tuple[int, sources.Row]], cfg: PrepareDataConfig, source: str) -> None:
     """A mapped column that no row has is a mapping mistake, not bad rows: fail naming the flag."""
     columns: set[str] = set()
     for _, row in rows:
-        if row is not None:
+        if isinstance(row, dict):
             columns |= set(row)
     if not columns:
         return  # no readable row at all: validation reports them as malformed
@@ -202,7 +205,7 @@ def check_columns(rows: list[tuple[int, dict | None]], cfg: PrepareDataConfig, s
             raise ConfigError(f"{flag}: no column {column!r} in {source} (columns: {', '.join(sorted(columns))}); pass --{flag} <column>{optional}")
 
 
-def validate(rows: list[tuple[int, dict | None]], cfg: PrepareDataConfig) -> tuple[list[dict], list[dict], dict]:
+def validate(rows: list[tuple[int, sources.Row]], cfg: PrepareDataConfig) -> tuple[list[dict], list[dict], dict]:
     """(train records, held-out records, validation summary) of the numbered rows."""
     tally, seen, kept = Tally(), set(), []
     for number, row in rows:
@@ -303,8 +306,15 @@ def write_splits(splits: dict[str, list[dict]], data_dir: Path) -> dict[str, str
     """data/<split>.jsonl for each split; returns {split: path relative to the version folder}."""
     data_dir.mkdir(parents=True, exist_ok=True)
     for name, rows in splits.items():
-        with open(data_dir / f"{name}.jsonl", "w", encoding="utf-8") as f:
-            f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+        path = data_dir / f"{name}.jsonl"
+        try:
+            with open(path, "w", encoding="utf-8") as f:
+                f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+        except OSError as error:
+            # A write names no file, and the scratch folder is gone (its space freed) by the time the stage reports.
+            if storage.disk_fault(error):
+                raise storage.disk_error(error, path) from None
+            raise
     return {name: f"{data_dir.name}/{name}.jsonl" for name in splits}
 
 

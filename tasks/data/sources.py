@@ -6,6 +6,9 @@
 
 Rows are read one by one and never dropped here: an unreadable JSONL line or a CSV line with more cells
 than the header comes back as None, so validation counts it under its row number like any other bad row.
+A row whose text is not valid UTF-8 (bytes of another encoding, a multibyte character cut in two, or a
+lone surrogate escape such as "\\udc80") comes back as Unreadable("invalid_utf8", column): replacing the
+bytes with U+FFFD would train on text the user never wrote.
 """
 
 from __future__ import annotations
@@ -13,8 +16,9 @@ from __future__ import annotations
 import csv
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 from tasks.common import storage
 from tasks.common.config import ConfigError
@@ -56,14 +60,51 @@ def file_format(path: Path) -> str:
     return fmt
 
 
-def read_rows(path: Path) -> Iterator[tuple[int, dict | None]]:
-    """(1-based row number, row) for every row of the file; row is None where it cannot be read."""
+@dataclass(frozen=True)
+class Unreadable:
+    """A row that parsed but cannot be kept as text: `reason` is the validation check, `field` the column."""
+
+    reason: str
+    field: str = ""
+
+
+Row = dict | Unreadable | None
+
+
+def read_rows(path: Path) -> Iterator[tuple[int, Row]]:
+    """(1-based row number, row) for every row of the file; row is None where it cannot be read, and
+    Unreadable where it parsed but holds text that is not UTF-8."""
     reader = {"jsonl": _jsonl_rows, "parquet": _parquet_rows, "csv": _csv_rows}[file_format(path)]
     return reader(path)
 
 
-def _jsonl_rows(path: Path) -> Iterator[tuple[int, dict | None]]:
-    with open(path, encoding="utf-8", errors="replace") as f:
+def _has_surrogate(value: Any) -> bool:
+    """Whether a value (or any string inside a list or dict) holds a lone surrogate: an undecodable byte
+    kept by errors="surrogateescape", or a JSON escape of half a character. Neither can be written as UTF-8."""
+    if isinstance(value, str):
+        return any("\ud800" <= ch <= "\udfff" for ch in value)
+    if isinstance(value, dict):
+        return any(_has_surrogate(k) or _has_surrogate(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return any(_has_surrogate(v) for v in value)
+    return False
+
+
+def checked_text(row: Any) -> Row:
+    """The row itself, or Unreadable("invalid_utf8", <first column to blame>) when its text is not UTF-8."""
+    if not isinstance(row, dict):
+        return row
+    for key, value in row.items():
+        if _has_surrogate(key) or _has_surrogate(value):
+            # A column name that is itself undecodable cannot be named as the user wrote it: ascii() shows its bytes.
+            return Unreadable("invalid_utf8", key if not _has_surrogate(key) else ascii(key))
+    return row
+
+
+def _jsonl_rows(path: Path) -> Iterator[tuple[int, Row]]:
+    # surrogateescape keeps each undecodable byte as a lone surrogate, so the row is still parsed and its
+    # column named, instead of U+FFFD silently standing in for the user's bytes (checked_text rejects it).
+    with open(path, encoding="utf-8", errors="surrogateescape") as f:
         head = f.read(1024).lstrip()
         f.seek(0)
         if head.startswith("["):  # a .json file holding one array of rows
@@ -72,7 +113,7 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[int, dict | None]]:
             except ValueError as error:
                 raise ConfigError(f"source: {path.name} is not valid JSON ({error}); fix the file or write it as JSONL, one row a line") from None
             for number, row in enumerate(rows, start=1):
-                yield number, row if isinstance(row, dict) else None
+                yield number, checked_text(row) if isinstance(row, dict) else None
             return
         for number, line in enumerate(f, start=1):
             if not line.strip():
@@ -81,10 +122,10 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[int, dict | None]]:
                 row = json.loads(line)
             except ValueError:
                 row = None
-            yield number, row if isinstance(row, dict) else None
+            yield number, checked_text(row) if isinstance(row, dict) else None
 
 
-def _parquet_rows(path: Path) -> Iterator[tuple[int, dict | None]]:
+def _parquet_rows(path: Path) -> Iterator[tuple[int, Row]]:
     import pyarrow.parquet as pq
 
     try:
@@ -98,9 +139,9 @@ def _parquet_rows(path: Path) -> Iterator[tuple[int, dict | None]]:
             yield number, row
 
 
-def _csv_rows(path: Path) -> Iterator[tuple[int, dict | None]]:
+def _csv_rows(path: Path) -> Iterator[tuple[int, Row]]:
     # Row numbers count data rows (the header is not one), like a spreadsheet's minus one.
     csv.field_size_limit(min(2**31 - 1, sys.maxsize))
-    with open(path, encoding="utf-8", errors="replace", newline="") as f:
+    with open(path, encoding="utf-8", errors="surrogateescape", newline="") as f:  # see _jsonl_rows
         for number, row in enumerate(csv.DictReader(f), start=1):
-            yield number, None if None in row else row  # more cells than the header: malformed
+            yield number, None if None in row else checked_text(row)  # more cells than the header: malformed
