@@ -54,6 +54,28 @@ NOT_FORWARDED = (NODE_SCRATCH_ENV,)
 PLACEMENT_TIMEOUT_S = float(os.environ.get("RLHF_PLACEMENT_TIMEOUT_S", "60"))
 
 
+class ResourcesBusy(RuntimeError):
+    """A placement group that waited in vain for resources the cluster has but others hold: worth a retry
+    (the stage exits 75, tasks.common.stage), unlike one the cluster could never hold (a ConfigError)."""
+
+    transient = True
+
+
+def busy_resources(bundle: dict[str, float], count: int, total: dict[str, float], free: dict[str, float]) -> str:
+    """What `count` bundles of `bundle` lack now, as 'CPU 1 (needs 2, 1 free of 2)', comma-separated; '' when the
+    cluster could never hold them (it has less of a resource in all than they need) or they fit what is free
+    (a placement that still failed: no one node can hold its bundles)."""
+    need = {key: amount * count for key, amount in bundle.items()}
+    if any(total.get(key, 0) < amount for key, amount in need.items()):
+        return ""
+    short = [
+        f"{key} {amount - free.get(key, 0):g} (needs {amount:g}, {free.get(key, 0):g} free of {total[key]:g})"
+        for key, amount in sorted(need.items())
+        if free.get(key, 0) < amount
+    ]
+    return ", ".join(short)
+
+
 def forwarded_env(environ: dict[str, str]) -> dict[str, str]:
     """What a worker actor's runtime_env carries from the driver's environment: no secret."""
     return {k: v for k, v in environ.items() if k.startswith(FORWARDED_ENV_PREFIXES) and k not in NOT_FORWARDED and not SECRET_ENV.search(k)}
@@ -113,6 +135,13 @@ class Placement:
             free = ray.available_resources()
             need = num_nodes * gpus_per_node
             kind = "GPU" if use_gpu else "CPU"
+            busy = busy_resources(bundle, need, ray.cluster_resources(), free)
+            if busy:  # the cluster can hold the group, but other work holds what it needs now
+                raise ResourcesBusy(
+                    f"{name}_num_gpus_per_node: the {name} workers need {need} bundle(s) of {bundle} and found no room after "
+                    f"{PLACEMENT_TIMEOUT_S:g} s: missing {busy}, held by other jobs; a retry may succeed once they finish "
+                    "(or use fewer workers, colocate groups with --colocate_all_models, or raise RLHF_PLACEMENT_TIMEOUT_S)"
+                )
             if resources:
                 raise ConfigError(
                     f"{name}_resources: the {name} workers need {need} bundle(s) of {bundle}, which no node(s) could hold "
