@@ -58,6 +58,16 @@ def build_demo_model(source: str, seed: int):
     return demo.build_base_model(tokenizer, seed=seed, **agentic.BASE_MODEL), tokenizer
 
 
+def save_tokenizer(tokenizer, folder: Path) -> None:
+    """The tokenizer saved so that it adds its BOS itself, as every stage's exported tokenizer does
+    (tasks.common.nn.models.load_tokenizer): the stages put the BOS before every prompt, so anyone loading
+    this model/ with AutoTokenizer must get it too, or the base model sees text it was never given."""
+    bos = tokenizer.bos_token_id
+    if bos is not None and tokenizer("0")["input_ids"][:1] != [bos]:
+        tokenizer.add_bos_token = True
+    tokenizer.save_pretrained(folder)
+
+
 def dataset_version(cfg: PrepareDataConfig) -> dict:
     """The manifest of the registered version the source names: ingested now, or resolved."""
     if source_kind(cfg.source) == "dataset":
@@ -115,7 +125,7 @@ def prepare(cfg: PrepareDataConfig, run: StageRun) -> None:
     if cfg.base_model == "demo":
         model, tokenizer = build_demo_model(cfg.source if cfg.source in BUILT_IN_SOURCES else "demo", cfg.seed)
         model.save_pretrained(run.workdir / "model")
-        tokenizer.save_pretrained(run.workdir / "model")
+        save_tokenizer(tokenizer, run.workdir / "model")
         model_ref = "model"
     else:
         model_ref = cfg.base_model
