@@ -75,7 +75,23 @@ def test_every_required_setting_is_in_the_env_example():
     required = set(re.findall(r"\$\{([A-Z0-9_]+):\?", text))
     example = dict(line.split("=", 1) for line in (DOCKER / ".env.example").read_text().splitlines() if line and not line.startswith("#"))
     assert required and required <= set(example), required - set(example)
-    assert all(example[k].startswith("change-me") for k in required if re.search("PASSWORD|SECRET|KEY", k))
+    assert all(example[k].startswith("change-me") for k in required if re.search("PASSWORD|SECRET|KEY|TOKEN", k))
+
+
+def test_the_compose_cluster_asks_for_a_token():
+    """Every Ray node runs with RAY_AUTH_MODE=token and the env file's RAY_AUTH_TOKEN (its drivers and workers
+    inherit it), and Airflow sends the same token as the rlhf_ray connection's password; nothing turns it off."""
+    services = compose()["services"]
+    token = "${RAY_AUTH_TOKEN:?set RAY_AUTH_TOKEN in docker/.env}"
+    for name in ("ray-head", "ray-gpu-worker"):
+        env = services[name]["environment"]
+        assert env["RAY_AUTH_MODE"] == "token" and env["RAY_AUTH_TOKEN"] == token, (name, env)
+    for name in ("airflow-scheduler", "airflow-triggerer", "airflow-worker"):
+        conn = json.loads(services[name]["environment"]["AIRFLOW_CONN_RLHF_RAY"])
+        assert conn["password"] == token, (name, conn)
+    modes = {s.get("environment", {}).get("RAY_AUTH_MODE") for s in services.values()} - {None}
+    assert modes == {"token"}, modes
+    assert "RAY_AUTH_MODE=disabled" not in (DOCKER / ".env.example").read_text()
 
 
 def test_no_secret_is_baked_into_an_image():
@@ -153,6 +169,7 @@ KUBERAY = {
                     "activeDeadlineSeconds": {"type": "integer", "minimum": 1},
                     "backoffLimit": {"type": "integer", "minimum": 0},
                     "runtimeEnvYAML": {"type": "string"},
+                    "submitterPodTemplate": {"type": "object", "required": ["spec"]},
                     "rayClusterSpec": _CLUSTER_SPEC,
                 },
             },
@@ -170,6 +187,11 @@ def pod_templates(spec: dict) -> list[dict]:
     return [cluster["headGroupSpec"]["template"]] + [g["template"] for g in cluster["workerGroupSpecs"]]
 
 
+def submitter_templates(spec: dict) -> list[dict]:
+    """A RayJob's submitter pod (it runs `ray job submit` against the cluster), when the manifest gives one."""
+    return [spec["submitterPodTemplate"]] if "submitterPodTemplate" in spec else []
+
+
 def test_kubernetes_manifests_validate():
     import jsonschema
     import kubernetes_validate
@@ -179,7 +201,7 @@ def test_kubernetes_manifests_validate():
     for name, doc in found:
         if doc["kind"] in KUBERAY:
             jsonschema.validate(doc, KUBERAY[doc["kind"]])
-            for template in pod_templates(doc["spec"]):
+            for template in pod_templates(doc["spec"]) + submitter_templates(doc["spec"]):
                 kubernetes_validate.validate(
                     {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": template}, K8S_VERSION, strict=True
                 )
@@ -207,6 +229,25 @@ def test_gpu_workers_ask_for_gpus_and_write_to_their_own_disk():
             assert int(container["resources"]["limits"]["nvidia.com/gpu"]) >= 1
             assert {"name": "RLHF_NODE_SCRATCH", "value": "/scratch/node"} in container["env"]
         assert "nvidia.com/gpu" not in head["spec"]["containers"][0]["resources"]["limits"]
+
+
+def test_every_ray_pod_asks_for_the_token_from_one_secret():
+    """Head, workers and a RayJob's submitter: RAY_AUTH_MODE=token and RAY_AUTH_TOKEN from the secret rlhf-ray-token
+    (the rlhf_ray connection's password holds the same), never a literal token in a manifest."""
+    secret = {"secretKeyRef": {"name": "rlhf-ray-token", "key": "auth_token"}}
+    kinds = set()
+    for name, doc in manifests():
+        if doc["kind"] not in KUBERAY:
+            continue
+        kinds.add(doc["kind"])
+        templates = pod_templates(doc["spec"]) + submitter_templates(doc["spec"])
+        assert doc["kind"] != "RayJob" or submitter_templates(doc["spec"]), f"{name}: the submitter needs the token too"
+        for template in templates:
+            for container in template["spec"]["containers"]:
+                env = {e["name"]: e for e in container.get("env", [])}
+                assert env.get("RAY_AUTH_MODE", {}).get("value") == "token", (name, container["name"])
+                assert env.get("RAY_AUTH_TOKEN") == {"name": "RAY_AUTH_TOKEN", "valueFrom": secret}, (name, container["name"])
+    assert kinds == {"RayCluster", "RayJob"}
 
 
 # ---------------------------------------------------------------------------- locked installs
