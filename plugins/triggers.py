@@ -9,7 +9,8 @@ from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
-from plugins.hooks import TERMINAL_STATUSES, RayJobHook
+from plugins.hooks import TERMINAL_STATUSES, RayAuthError, RayJobHook
+from tasks.common import names
 
 LOG_TAIL_LINES = 40
 # How long a stop waits for Ray to report the job ended (Ray escalates SIGTERM to a kill after 3 s);
@@ -57,6 +58,8 @@ class RayJobTrigger(BaseTrigger):
 
     :param address: the Ray dashboard address, ``http://host:port``.
     :param submission_id: the job to follow.
+    :param ray_conn_id: the connection whose token (its password) the polls carry. Only its name is
+        serialized: the token is read from the connection in the triggerer, never stored with the trigger.
     :param poll_interval: seconds between polls.
     :param log_offset: characters of the driver log already shown (a resumed trigger skips them).
     :param deadline_s: stop the job once it has run this many seconds (None: no deadline).
@@ -70,6 +73,7 @@ class RayJobTrigger(BaseTrigger):
         self,
         address: str,
         submission_id: str,
+        ray_conn_id: str = names.RAY_CONN,
         poll_interval: float = 2.0,
         log_offset: int = 0,
         unreachable_grace_s: float = DEFAULT_UNREACHABLE_GRACE_S,
@@ -79,6 +83,7 @@ class RayJobTrigger(BaseTrigger):
         super().__init__()
         self.address = address
         self.submission_id = submission_id
+        self.ray_conn_id = ray_conn_id
         self.poll_interval = float(poll_interval)
         self.log_offset = int(log_offset)
         self.unreachable_grace_s = float(unreachable_grace_s)
@@ -91,6 +96,7 @@ class RayJobTrigger(BaseTrigger):
             {
                 "address": self.address,
                 "submission_id": self.submission_id,
+                "ray_conn_id": self.ray_conn_id,
                 "poll_interval": self.poll_interval,
                 "log_offset": self.log_offset,
                 "unreachable_grace_s": self.unreachable_grace_s,
@@ -100,7 +106,7 @@ class RayJobTrigger(BaseTrigger):
         )
 
     def _hook(self) -> RayJobHook:
-        return RayJobHook(address=self.address)
+        return RayJobHook(self.ray_conn_id, address=self.address)
 
     def _emit(self, lines: list[str]) -> None:
         for line in lines:
@@ -134,6 +140,9 @@ class RayJobTrigger(BaseTrigger):
                 terminal = status in TERMINAL_STATUSES
                 fetched = await hook.get_logs(self.submission_id)
                 failing_since = None
+            except RayAuthError as exc:  # a refused token does not heal by waiting: say so at once
+                yield await self._event("UNREACHABLE", str(exc), logs)
+                return
             except Exception as exc:  # Ray restarting / network blip: keep waiting for a while
                 now = loop.time()
                 failing_since = failing_since if failing_since is not None else now
