@@ -9,6 +9,7 @@ error line) is plugins/stage_cli.py, the cache plugins/stage_cache.py, S3 access
 from __future__ import annotations
 
 import functools
+import os
 import re
 import time
 from datetime import timedelta
@@ -24,7 +25,7 @@ from plugins.s3 import S3Store
 from plugins.stage_cache import StageCache
 from plugins.stage_cli import INPUT_ERROR_EXIT, build_entrypoint, failure_message, output_uri_for, submission_id_for, unknown_conf
 from plugins.triggers import RayJobTrigger, job_event
-from tasks.common import names
+from tasks.common import allowlist, names
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
@@ -37,6 +38,8 @@ WORKING_DIR_EXCLUDES = [".venv", ".scratch", ".git", "__pycache__", "tests", "be
 
 #: Settings every job gets. Never credentials: Ray nodes get S3 access from their own environment.
 DEFAULT_ENV_VARS = {"PYTHONUNBUFFERED": "1"}
+#: The operator's settings from the Airflow side's environment that every job gets too (what a stage may reach).
+OPERATOR_ENV_VARS = (allowlist.ENV, allowlist.CODE_DIRS_ENV)
 _SECRET_ENV = re.compile(r"SECRET|PASSWORD|PASSWD|TOKEN|CREDENTIAL|ACCESS_KEY|PRIVATE_KEY|SESSION_KEY|API_KEY", re.I)
 
 #: The bucket of a run: the `bucket` Param when set, else the `bucket` in the extra of the S3 connection
@@ -187,7 +190,9 @@ class RayJobOperator(BaseOperator):
         return self.working_dir or default_working_dir()
 
     def runtime_env(self) -> dict[str, Any]:
-        env: dict[str, Any] = {"env_vars": {**DEFAULT_ENV_VARS, **{k: str(v) for k, v in self.env_vars.items()}}}
+        # The operator's allow-lists (tasks/common/allowlist.py) as this side has them: one setting rules both sides.
+        allowed = {k: os.environ[k] for k in OPERATOR_ENV_VARS if k in os.environ}
+        env: dict[str, Any] = {"env_vars": {**DEFAULT_ENV_VARS, **allowed, **{k: str(v) for k, v in self.env_vars.items()}}}
         working_dir = self.code_dir()
         if working_dir:
             env["working_dir"] = str(working_dir)
@@ -397,7 +402,12 @@ class RayJobOperator(BaseOperator):
             return self.execute_complete(context, ended)
         self.defer(
             trigger=RayJobTrigger(
-                address=hook.address, submission_id=sid, poll_interval=self.poll_interval, deadline_s=self.deadline_s(), not_before=time.time() + DEFER_SETTLE_S
+                address=hook.address,
+                submission_id=sid,
+                ray_conn_id=self.ray_conn_id,  # its name only: the triggerer reads the token from the connection
+                poll_interval=self.poll_interval,
+                deadline_s=self.deadline_s(),
+                not_before=time.time() + DEFER_SETTLE_S,
             ),
             method_name="execute_complete",
             timeout=self.execution_timeout if isinstance(self.execution_timeout, timedelta) else None,

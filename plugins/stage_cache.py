@@ -5,9 +5,12 @@ A stage's cache key is the sha256 of the canonical JSON of:
 - ``module``: the stage module (``tasks.sft``);
 - ``args``: every flag the stage gets, as rendered for this run (Params included), except ``--output``
   and ``--run_id``, which only say where and for whom;
-- ``inputs``: for each flag whose value is a stage manifest (``s3://…/manifest.json``), the sha256 of
-  that manifest's bytes; a manifest lists every file of its stage with its sha256, so this pins the
-  input's content, not its location;
+- ``inputs``: for each flag whose value names stored content, a digest of that content, not of its
+  location (:meth:`StageCache.content_digest`): a stage manifest (``s3://…/manifest.json``) by the sha256
+  of its bytes (it lists every file of its stage with its sha256); any other S3 object or folder (a
+  dataset file, a team's environment or reward file, a model folder) by the ETags and sizes S3 computed
+  from its bytes; a file of the shipped code or of the operator's folders by its sha256. A replaced
+  reward file or dataset is then a miss, and the stage runs again on what it holds now;
 - ``code``: the sha256 of the stage code shipped to Ray (every ``tasks/**/*.py`` and pyproject.toml
   of the working_dir), or the installed rlhf-flow version when no code is shipped.
 
@@ -27,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import json
 from importlib import metadata
+from pathlib import Path
 from typing import Any, Mapping
 
 from plugins.s3 import S3Store, split_uri
@@ -101,8 +105,31 @@ class StageCache:
         """The key of running ``module`` with ``args`` (the operator's {flag: value}, rendered as the
         entrypoint renders them) on the code of ``working_dir``; a manifest input counts by its bytes."""
         flags = {k: render_flag_value(v) for k, v in args.items() if v is not None}
-        inputs = {k: hashlib.sha256(self.store.read_text(v).encode()).hexdigest() for k, v in flags.items() if is_manifest_uri(v)}
+        inputs = {}
+        for flag, value in flags.items():
+            digests = [self.content_digest(part.strip(), working_dir) for part in value.split(",")]
+            if any(digests):
+                inputs[flag] = ",".join(d or "" for d in digests)
         return cache_key(module, flags, inputs, code_digest(working_dir))
+
+    def content_digest(self, value: str, working_dir: str | None = None) -> str | None:
+        """A digest of what ``value`` names (see the module docstring), or None when it names no content this
+        side can see (a number, a hub id, a path only a Ray node has)."""
+        where = value.split("#", 1)[0]  # a user_code pin (#sha256=…) is in the flags already
+        if is_manifest_uri(where):
+            return hashlib.sha256(self.store.read_text(where).encode()).hexdigest()
+        if where.startswith("s3://"):
+            bucket, key = split_uri(where)
+            listed = [o for o in self.store.objects(where) if o["Key"] == key or o["Key"].startswith(key.rstrip("/") + "/")]
+            entries = sorted((o["Key"][len(key) :], o["Size"], o.get("ETag", "")) for o in listed)
+            return "s3:" + hashlib.sha256(json.dumps(entries).encode()).hexdigest() if entries else None
+        if where.endswith(".py") or where.startswith(("/", "file://")):
+            local = Path(where.removeprefix("file://"))
+            if not local.is_absolute() and working_dir:
+                local = Path(working_dir) / local
+            if local.is_file():
+                return "sha256:" + manifests.file_sha256(local)
+        return None
 
     def lookup(self, key: str) -> str | None:
         """The manifest a completed run with this key produced, if it is still there and its files still

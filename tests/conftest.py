@@ -4,10 +4,12 @@ The environment is fixed here, at import time, because Airflow reads AIRFLOW_HOM
 import and transformers reads HF_HUB_OFFLINE on its first import.
 """
 
+import getpass
 import json
 import os
 import socket
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -29,10 +31,29 @@ os.environ["WANDB_CACHE_DIR"] = str(SCRATCH / "wandb-cache")
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".scratch" / "torch_extensions"))
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(REPO / ".scratch" / "torchinductor"))  # torch.compile's kernels
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-os.environ["RAY_AUTH_MODE"] = "disabled"  # as tools/stack's stack: a stray ~/.ray/auth_token must not turn tokens on
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The tests' own Python files (environments, rewards, metrics) sit under pytest's tmp_path: the operator's folder
+# (tasks/common/allowlist.py) for them; tests of the refusal pass their own.
+os.environ["RLHF_USER_CODE_DIRS"] = str(Path(tempfile.gettempdir()) / f"pytest-of-{getpass.getuser()}")
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+from tools.stack.config import ray_auth_headers, ray_token, ray_token_file  # noqa: E402
+
+# Every Ray head the tests start asks for a token, as the stack's does (tools/stack). One token per session folder:
+# head_config() gives it to each head, and this process's own Ray clients (in-process drivers, JobSubmissionClient,
+# stages run as plain processes, local ray.init() clusters) read it from the file as Ray's clients do. Set before
+# the first `import ray`, which reads both once. A shell's RAY_AUTH_TOKEN would win over the file.
+TEST_RAY_TOKEN = ray_token(SCRATCH)
+os.environ["RAY_AUTH_MODE"] = "token"
+os.environ["RAY_AUTH_TOKEN_PATH"] = str(ray_token_file(SCRATCH))
+os.environ.pop("RAY_AUTH_TOKEN", None)
+
+
+def ray_headers() -> dict[str, str]:
+    """The Authorization header for a raw HTTP request to a test head (ray_head, two_nodes):
+    urllib.request.Request(f"{ray_head}/api/jobs/", headers=ray_headers())."""
+    return ray_auth_headers(SCRATCH)
 
 
 #: Fixtures of the one local stack a session shares (see live_stack): their tests run in one xdist worker.
@@ -140,7 +161,9 @@ def _stack_port() -> int:
 
 
 def head_config(scratch: Path, s3_server) -> Config:
-    """A stack Config for a Ray head of the tests' own: free ports, the session's S3 emulator and bucket."""
+    """A stack Config for a Ray head of the tests' own: free ports, the session's S3 emulator and bucket, and the
+    session's Ray token (TEST_RAY_TOKEN, which this process's drivers hold)."""
+    ray_token(scratch, make=lambda: TEST_RAY_TOKEN)
     return Config(
         scratch=scratch,
         airflow_port=_stack_port(),
@@ -193,7 +216,9 @@ def ray_head(s3_server):
     """A real `ray start --head --block` on free loopback ports, with s3_server's endpoint and credentials in
     its environment (job drivers inherit it). Yields the dashboard address ``http://127.0.0.1:<port>``.
 
-    Also sets AIRFLOW_CONN_RLHF_RAY and AIRFLOW_CONN_RLHF_S3 in os.environ for in-process Airflow.
+    Also sets AIRFLOW_CONN_RLHF_RAY (with the head's token as its password) and AIRFLOW_CONN_RLHF_S3 in os.environ
+    for in-process Airflow. The head asks every client for the token (RAY_AUTH_MODE=token): raw HTTP requests to it
+    send ray_headers().
     """
     parent = SCRATCH / "ray-head"
     scratch = parent / str(os.getpid())  # one per session: concurrent sessions never share a head
@@ -212,7 +237,7 @@ def ray_head(s3_server):
     global RAY_GCS_ADDRESS
     RAY_GCS_ADDRESS = f"127.0.0.1:{cfg.ray_port}"
     saved = {k: os.environ.get(k) for k in ("AIRFLOW_CONN_RLHF_RAY", "AIRFLOW_CONN_RLHF_S3")}
-    os.environ["AIRFLOW_CONN_RLHF_RAY"] = conn_ray(cfg.dashboard_port)
+    os.environ["AIRFLOW_CONN_RLHF_RAY"] = conn_ray(cfg.dashboard_port, token=ray_token(cfg.scratch))
     os.environ["AIRFLOW_CONN_RLHF_S3"] = conn_s3(s3_server.endpoint, s3_server.bucket)
     yield cfg.dashboard_url
     stop_process(proc.pid)
@@ -241,6 +266,11 @@ class LiveStack:
     def token(self) -> str:
         """A JWT for ``Authorization: Bearer …`` (POST /auth/token)."""
         return self.api.token()
+
+    def ray_headers(self) -> dict:
+        """The Authorization header of a raw HTTP request to the stack's Ray dashboard (its head asks for the
+        stack's token): urllib.request.Request(f"{live.ray_dashboard}/api/jobs/", headers=live.ray_headers())."""
+        return ray_auth_headers(self.cfg.scratch)
 
     def rest(self, method: str, path: str, body=None, **params):
         """An authenticated REST call, e.g. ``rest("GET", "/api/v2/dags")``; returns the decoded JSON."""

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from tasks.common import cost, storage
+from tasks.common import cost, storage, user_code
 from tasks.common import manifest as manifests
 from tasks.common.checkpoint import CheckpointStore
 from tasks.common.config import ConfigError, StageConfig, parse_config, split_list
@@ -52,6 +52,7 @@ class StageRun:
         self.workdir = Path(tempfile.mkdtemp(prefix=f"rlhf-{stage}-"))
         self.inputs: dict[str, str] = {}
         self.input_manifests: dict[str, str] = {}  # {input stage folder: sha256 of its manifest.json}, for reruns
+        self.user_code: dict[str, dict[str, str]] = {}  # {flag: {file URI: sha256}}: the team's Python files it ran
         self.resumed_from = 0  # the checkpoint step this run started from (0: from scratch)
         self.placements: list = []  # the placement groups its workers held (each once), for the cost
         self.started = time.time()
@@ -76,6 +77,32 @@ class StageRun:
             if digest:
                 self.input_manifests[part] = digest
         return uri
+
+    def code_input(self, name: str, spec: str, error: type[Exception], recorded_in: tuple[str, ...] = ()) -> str:
+        """``spec`` with every Python file it names pinned to its content (``uri#sha256=…``, tasks/common/user_code.py),
+        recorded as the input ``name``; give the workers the returned value, so each imports exactly these bytes.
+
+        A file without a pin of its own takes the digest an earlier stage recorded for the same URI in its
+        manifest (``recorded_in``: e.g. the policy eval scores, trained with that environment), so a file
+        replaced since fails here in one line. Other parts of a comma list (a built-in name, a URL) stay."""
+        recorded: dict[str, tuple[str, str]] = {}
+        for uri in recorded_in:
+            if manifests.manifest_digest(uri):
+                for files in manifests.read_manifest(uri).get("user_code", {}).values():
+                    recorded.update({file: (digest, uri) for file, digest in files.items()})
+        pinned = []
+        for part in split_list(str(spec)):
+            uri, digest = user_code.split_pin(part)
+            if not uri.endswith(".py"):
+                pinned.append(part)
+                continue
+            source = "pinned in the flag"
+            if digest is None and uri in recorded:
+                digest, source = recorded[uri][0], f"recorded in {recorded[uri][1]}"
+            _, actual = user_code.fetch(f"{uri}#sha256={digest}" if digest else uri, name, error, source=source)
+            self.user_code.setdefault(name, {})[uri] = actual
+            pinned.append(f"{uri}#sha256={actual}")
+        return self.input(name, ",".join(pinned))
 
     # ------------------------------------------------------------ in-stage checkpoints (TrainingConfig)
 
@@ -142,6 +169,8 @@ class StageRun:
         metrics = {**metrics, **cost.stage_cost(time.time() - self.started, **cost.held_resources(self.placements, driver_cpus=1))}
         if self.resumed_from:
             extra = {"resumed_from_step": self.resumed_from, **extra}
+        if self.user_code:
+            extra = {"user_code": self.user_code, **extra}
         manifest = manifests.build_manifest(
             self.stage, self.cfg.run_id, self.cfg.to_dict(), self.inputs, metrics, input_manifests=self.input_manifests, **extra
         )

@@ -1,10 +1,14 @@
-"""A team's own Python file (a reward function, an evaluation metric), from a local path or S3.
+"""A team's own Python file (an environment, a reward function, a metric), from S3 or an allowed folder, by content.
 
-    fn = load_function("s3://bucket/metrics.py", "metrics", who="metric_func", error=MetricError)
+    local, digest = fetch("s3://bucket/metrics.py", "metric_func", MetricError)   # a cached copy, and its sha256
+    fn = load_function(f"s3://bucket/metrics.py#sha256={digest}", "metrics", who="metric_func", error=MetricError)
 
-The file is downloaded once per URI into the stage's cache, imported under a private module name and
-registered in sys.modules (dataclasses and pickling inside the file look themselves up there). Every
-failure is one line naming the flag: `who`.
+A file is fetched, hashed, and kept in the stage's cache under its sha256; the module is imported from those
+bytes under a name made of the digest, so a changed file is never taken for the old one. A ``#sha256=<hex>``
+suffix pins the content: a file that no longer has that digest fails with one line naming both. A stage pins
+each file it runs as it starts (StageRun.code_input) and records the pin in its manifest, so a later stage
+(eval, a rerun) runs the same bytes or refuses. Paths on a node's own disk must be under the operator's
+folders (tasks/common/allowlist.py: $RLHF_USER_CODE_DIRS); every failure is one line naming the flag `who`.
 """
 
 from __future__ import annotations
@@ -12,12 +16,15 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import re
 import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from tasks.common import storage
+from tasks.common import allowlist, storage
+
+_PIN = re.compile(r"#sha256=([0-9a-f]{64})$")
 
 
 def cache_dir() -> Path:
@@ -25,43 +32,84 @@ def cache_dir() -> Path:
     return Path(root) / "user_code"
 
 
-def fetch(path: str, who: str, error: type[Exception]) -> Path:
-    """A local copy of the file at ``path`` (local, file:// or s3://)."""
-    digest = hashlib.sha256(path.encode()).hexdigest()[:12]
+def split_pin(spec: str) -> tuple[str, str | None]:
+    """(the file's URI, its pinned sha256 or None) of ``uri`` or ``uri#sha256=<hex>``."""
+    found = _PIN.search(spec)
+    return (spec[: found.start()], found.group(1)) if found else (spec, None)
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def fetch(spec: str, who: str, error: type[Exception], source: str = "pinned", cached: bool = False) -> tuple[Path, str]:
+    """(a local copy of the file ``spec`` names, its sha256), checked against the pin when ``spec`` has one
+    (``source``: where the pin came from, for the error). ``cached``: a pinned file already in the cache is
+    used without asking its source again (a worker importing what its stage pinned); otherwise the source is
+    read, so a file changed there is noticed.
+
+    The copy sits in the cache under its digest and is written once: nothing rewrites a digest's file."""
+    uri, pinned = split_pin(spec)
+    allowlist.check_code_path(uri, who, error)
+    kept = cache_dir() / (pinned or "-") / (Path(uri).name or "file.py")
+    if cached and pinned and kept.is_file() and sha256_bytes(kept.read_bytes()) == pinned:
+        return kept, pinned  # a small file: rehashed rather than trusted
     try:
-        if storage.is_s3(path):
-            return storage.download_file(path, cache_dir() / digest / Path(storage.split_s3(path)[1]).name)
-        local = storage.local_path(path)
-        if not local.is_file():
-            raise storage.NotFoundError(path)
-        return local
+        if storage.is_s3(uri):
+            with tempfile.TemporaryDirectory(dir=_ensure(cache_dir())) as scratch:
+                data = storage.download_file(uri, Path(scratch) / "file").read_bytes()
+        else:
+            local = storage.local_path(uri)
+            if not local.is_file():
+                raise storage.NotFoundError(uri)
+            data = local.read_bytes()
     except storage.NotFoundError:
-        raise error(f"{who}: {path} not found") from None
+        raise error(f"{who}: {uri} not found") from None
     except storage.StorageError as e:
-        raise error(f"{who}: {path} cannot be fetched: {e}") from None
+        raise error(f"{who}: {uri} cannot be fetched: {e}") from None
+    except OSError as e:
+        raise error(f"{who}: {uri} cannot be read: {e.strerror or e}") from None
+    digest = sha256_bytes(data)
+    if pinned and digest != pinned:
+        raise error(f"{who}: {uri} has sha256 {digest} but {pinned} was {source}: the file changed since; restore it, or pass the new file under a new name")
+    target = cache_dir() / digest / (Path(uri).name or "file.py")  # the name keeps tracebacks readable
+    if not target.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.{os.getpid()}")
+        tmp.write_bytes(data)
+        os.replace(tmp, target)
+    return target, digest
 
 
-def load_module(path: str, who: str, error: type[Exception], purpose: str = "user"):
-    """The module defined by the Python file at ``path`` (imported afresh: the file may have changed)."""
-    module_name = f"_rlhf_{purpose}_{hashlib.sha256(path.encode()).hexdigest()[:12]}"
-    local = fetch(path, who, error)
-    spec = importlib.util.spec_from_file_location(module_name, local)
-    if spec is None or spec.loader is None or local.suffix != ".py":
-        raise error(f"{who}: {path} cannot be imported; name a .py file")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
+def _ensure(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def load_module(spec: str, who: str, error: type[Exception], purpose: str = "user"):
+    """The module the Python file ``spec`` defines, imported from the bytes fetched (see fetch)."""
+    uri, _ = split_pin(spec)
+    if not uri.endswith(".py"):
+        raise error(f"{who}: {uri} cannot be imported; name a .py file")
+    local, digest = fetch(spec, who, error, cached=True)
+    module_name = f"_rlhf_{purpose}_{digest[:16]}"  # imported afresh each time: no state shared between loads
+    module_spec = importlib.util.spec_from_file_location(module_name, local)
+    if module_spec is None or module_spec.loader is None:
+        raise error(f"{who}: {uri} cannot be imported; name a .py file")
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_name] = module  # dataclasses and pickling inside the file look themselves up here
     try:
-        spec.loader.exec_module(module)
+        module_spec.loader.exec_module(module)
     except Exception as e:
         sys.modules.pop(module_name, None)
-        raise error(f"{who}: {path} failed to import: {type(e).__name__}: {e}") from e
+        raise error(f"{who}: {uri} failed to import: {type(e).__name__}: {e}") from e
     return module
 
 
-def load_function(path: str, name: str, who: str, error: type[Exception], signature: str = "") -> Callable:
-    """The function ``name`` defined by the Python file at ``path``; ``signature`` (its arguments, for the
+def load_function(spec: str, name: str, who: str, error: type[Exception], signature: str = "") -> Callable:
+    """The function ``name`` defined by the Python file ``spec``; ``signature`` (its arguments, for the
     error that says it is missing)."""
-    func = getattr(load_module(path, who, error, purpose=f"user_{name}"), name, None)
+    func = getattr(load_module(spec, who, error, purpose=f"user_{name}"), name, None)
     if not callable(func):
-        raise error(f"{who}: {path} defines no {name}({signature})")
+        raise error(f"{who}: {split_pin(spec)[0]} defines no {name}({signature})")
     return func

@@ -1,5 +1,6 @@
 from dataclasses import dataclass, field
 
+from tasks.common.allowlist import check_reach
 from tasks.common.config import ConfigError, StageConfig, split_list
 from tasks.eval import metrics
 from tasks.rl.config import EpisodeConfig
@@ -106,6 +107,8 @@ class EvalConfig(EpisodeConfig, StageConfig):
                 metrics.builtin(name)
         except metrics.MetricError as e:
             raise ConfigError(str(e)) from None
+        for name in ("judge_url", "metric_func", "env_path"):  # before any Ray job: only what the operator allows
+            check_reach(getattr(self, name), name, ConfigError)
         if self.lm_eval_include_path and not self.lm_eval_tasks:
             raise ConfigError("lm_eval_include_path: names task files but --lm_eval_tasks names no task to run; add the tasks' names")
         bad = [k for k in self.ks() if not 0 < k <= self.n_samples_per_prompt]

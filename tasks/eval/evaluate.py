@@ -36,7 +36,7 @@ from tasks.eval.config import EvalConfig
 from tasks.eval.judge import ChatJudge
 from tasks.eval.report import write_report
 from tasks.eval.worker import EvalWorker, repeat
-from tasks.rl.environment import check_environment, load_environment
+from tasks.rl.environment import EnvError, check_environment, load_environment
 
 #: Measured from the models on the sampled responses (and, with --env_path, how its episodes went), whatever the
 #: run declares: reported, never read as a task's success metric.
@@ -194,7 +194,8 @@ def evaluate(cfg: EvalConfig, run: StageRun) -> None:
     rows = rows.select(range(min(cfg.max_samples, len(rows))))
     labels = reference_answers(rows, cfg)
     names = cfg.metric_names() or (["exact_match"] if labels is not None and not cfg.metric_func else [])
-    scorers = metric_lib.resolve(names, run.input("metric_func", cfg.metric_func) if cfg.metric_func else None)
+    metric_file = run.code_input("metric_func", cfg.metric_func, metric_lib.MetricError) if cfg.metric_func else None
+    scorers = metric_lib.resolve(names, metric_file)
     if labels is None:
         print(f"eval: no reference answers (column {cfg.label_key!r}) in {cfg.dataset}; the metrics that need them are left out, the others stay", flush=True)
     if cfg.slice_key and cfg.slice_key not in rows.column_names:
@@ -202,7 +203,9 @@ def evaluate(cfg: EvalConfig, run: StageRun) -> None:
     texts = list(rows[cfg.input_key])
     records = rows.to_list()
     if cfg.env_path:  # a file that does not load or reset fails here, before any model generates
-        check_environment(load_environment(run.input("env_path", cfg.env_path)), records[0], cfg.env_step_timeout)
+        # The bytes the policy was trained with, when its manifest recorded the same file: a replaced file fails here.
+        cfg.env_path = run.code_input("env_path", cfg.env_path, EnvError, recorded_in=(cfg.policy,))
+        check_environment(load_environment(cfg.env_path), records[0], cfg.env_step_timeout)
     uris = {"baseline": run.input("baseline", cfg.baseline), "policy": run.input("policy", cfg.policy)}
     if cfg.reward_pretrain:
         run.input("reward_pretrain", cfg.reward_pretrain)

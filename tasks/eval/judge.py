@@ -16,7 +16,7 @@ import re
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from tasks.common import http_json
+from tasks.common import allowlist, http_json
 from tasks.common.config import ConfigError
 
 API_KEY_ENV = "RLHF_JUDGE_API_KEY"
@@ -42,8 +42,7 @@ def verdict(text: str) -> float:
 
 class ChatJudge:
     def __init__(self, url: str, model: str, timeout: float = 60, retries: int = 3, backoff: float = 1.0, workers: int = 8):
-        if not url.startswith(("http://", "https://")):
-            raise JudgeError(f"judge_url: {url} is not an http(s):// URL of an OpenAI-compatible API (…/v1)")
+        allowlist.check_url(url, "judge_url", JudgeError)  # the key below goes to this host only
         self.url = url.rstrip("/") + "/chat/completions"
         self.model, self.timeout, self.retries, self.backoff, self.workers = model, timeout, retries, backoff, workers
         key = os.environ.get(API_KEY_ENV)

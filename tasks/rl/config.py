@@ -1,6 +1,7 @@
 import json
 from dataclasses import dataclass, field
 
+from tasks.common.allowlist import check_reach
 from tasks.common.config import ConfigError, TrainingConfig, check_batch
 
 IS_CORRECTIONS = ("tis", "mis", "none")  # tasks.common.nn.losses.importance_weights
@@ -353,6 +354,8 @@ class RLConfig(EpisodeConfig, TrainingConfig):
                 raise ConfigError(f"{name}: missing; pass --{name} <URI>")
         if self.is_correction not in ("auto", *IS_CORRECTIONS) or not self.is_cap > 1:
             raise ConfigError(f"is_correction: use auto, {', '.join(IS_CORRECTIONS)} with an is_cap above 1; got {self.is_correction!r} and {self.is_cap}")
+        for name in ("remote_rm_url", "env_path"):  # before any Ray job: only what the operator allows
+            check_reach(getattr(self, name), name, ConfigError)
         if not (self.reward_pretrain or self.remote_rm_url or self.env_path):
             raise ConfigError("reward_pretrain: missing; pass --reward_pretrain <URI>, --remote_rm_url <file.py or URL> or --env_path <environment>")
         if self.advantage_estimator in GROUP_ESTIMATORS and self.n_samples_per_prompt < 2:

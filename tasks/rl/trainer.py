@@ -33,10 +33,10 @@ from tasks.common.nn.workers import Placement, WorkerGroup, cluster_has_gpus, co
 from tasks.common.stage import StageRun
 from tasks.rl.advantages import group_keep_mask
 from tasks.rl.config import RLConfig
-from tasks.rl.environment import check_environment, episode_stats, load_environment
+from tasks.rl.environment import EnvError, check_environment, episode_stats, load_environment
 from tasks.rl.experience import Experience, make_experience
 from tasks.rl.kl_controller import make_kl_controller
-from tasks.rl.rewards import RewardBatch, RewardSource, build_reward_batch, make_reward_source
+from tasks.rl.rewards import RewardBatch, RewardError, RewardSource, build_reward_batch, make_reward_source
 from tasks.rl.workers import ActorWorker, CriticWorker, ReferenceWorker, RewardWorker, RolloutEngineWorker
 from tasks.validate import oversized
 
@@ -179,7 +179,8 @@ class Controller:
         self.tokenizer = load_tokenizer(resolve_model(run.input("pretrain", cfg.pretrain)))
         self.prompts = load_prompts(cfg, run, self.tokenizer)
         if cfg.env_path:  # a file that does not load or reset fails here, before any worker starts
-            check_environment(load_environment(run.input("env_path", cfg.env_path)), self.prompts.rows[0], cfg.env_step_timeout)
+            cfg.env_path = run.code_input("env_path", cfg.env_path, EnvError)  # the workers import exactly these bytes
+            check_environment(load_environment(cfg.env_path), self.prompts.rows[0], cfg.env_step_timeout)
         if cfg.pretrain_data:  # PPO-ptx rows: the actor workers read them; checked and recorded here first
             data.load_rows(run.input("pretrain_data", cfg.pretrain_data), cfg.pretrain_split, [cfg.input_key, cfg.output_key], 1)
         self.steps = cfg.num_episodes * (len(self.prompts.ids) // cfg.rollout_batch_size) if cfg.num_episodes else cfg.max_steps
@@ -205,7 +206,7 @@ class Controller:
         if "reward" in roles:
             run.input("reward_pretrain", cfg.reward_pretrain)
         else:
-            run.input("remote_rm_url", cfg.remote_rm_url)
+            cfg.remote_rm_url = run.code_input("remote_rm_url", cfg.remote_rm_url, RewardError)
         self.layout = cfg.placement_plan()
         check_fits(cfg, self.layout)
         classes = {"actor": ActorWorker, "ref": ReferenceWorker, "critic": CriticWorker, "reward": RewardWorker}

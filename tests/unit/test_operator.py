@@ -249,12 +249,15 @@ def test_flag_rendering():
         build_entrypoint("tasks.sft; rm -rf /", "s3://b/o", "r", {})
 
 
-def test_runtime_env_carries_no_credentials(tmp_path):
+def test_runtime_env_carries_no_credentials(tmp_path, monkeypatch):
+    """... and carries the operator's allow-lists as the Airflow side has them (tasks/common/allowlist.py)."""
+    monkeypatch.setenv("RLHF_ALLOWED_HOSTS", "judge.internal:443")
+    monkeypatch.delenv("RLHF_USER_CODE_DIRS")
     op = RayJobOperator(task_id="t", module="tasks.sft", working_dir=str(tmp_path), env_vars={"LOG_LEVEL": "debug"})
     renv = op.runtime_env()
     assert renv["working_dir"] == str(tmp_path)
     assert {".venv", ".scratch", ".git", "__pycache__", "tests", "bench", "docker", "*.whl"} <= set(renv["excludes"])
-    assert renv["env_vars"] == {"PYTHONUNBUFFERED": "1", "LOG_LEVEL": "debug"}
+    assert renv["env_vars"] == {"PYTHONUNBUFFERED": "1", "RLHF_ALLOWED_HOSTS": "judge.internal:443", "LOG_LEVEL": "debug"}
     for secret in ("AWS_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID", "WANDB_API_KEY", "HF_TOKEN", "DB_PASSWORD"):
         with pytest.raises(ValueError, match="credentials"):
             RayJobOperator(task_id="t", module="tasks.sft", env_vars={secret: "x"})
