@@ -14,7 +14,21 @@ import psutil
 
 import tools.stack
 from tasks.common import names
-from tools.stack.config import AIRFLOW_PROCS, BIN, COMPONENTS, LOOPBACK, ORDER, REPO, Config, StackError, _all_procs, airflow_login, process_env, say
+from tools.stack.config import (
+    AIRFLOW_PROCS,
+    BIN,
+    COMPONENTS,
+    LOOPBACK,
+    ORDER,
+    REPO,
+    Config,
+    StackError,
+    _all_procs,
+    airflow_login,
+    process_env,
+    ray_token_file,
+    say,
+)
 from tools.stack.health import HEALTH, wait_healthy
 from tools.stack.processes import (
     airflow_commands,
@@ -139,7 +153,7 @@ def up(cfg: Config, components: Iterable[str] = ORDER) -> None:
                 f"(pid {pids}){note}{since()}")  # fmt: skip
         elif comp == "ray":
             say(f"ray      {'started' if fresh else 'already running'}: dashboard {cfg.dashboard_url}, "
-                f"gcs {LOOPBACK}:{cfg.ray_port} (pid {pids}){since()}")  # fmt: skip
+                f"gcs {LOOPBACK}:{cfg.ray_port}, token in {ray_token_file(cfg.scratch)} (pid {pids}){since()}")  # fmt: skip
         elif comp == "airflow":
             if fresh:
                 reserialize(cfg, env)

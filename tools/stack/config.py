@@ -260,6 +260,27 @@ def s3_keys(scratch: Path) -> tuple[str, str]:
     )
 
 
+def ray_token_file(scratch: Path) -> Path:
+    """Where a stack keeps the token its Ray head asks for: <scratch>/secrets/ray_auth_token (mode 0600)."""
+    return Path(scratch) / "secrets" / "ray_auth_token"
+
+
+def ray_token(scratch: Path, make: Callable[[], str] | None = None) -> str:
+    """The stack's Ray token (RAY_AUTH_MODE=token), made once per stack and reused: 256 random bits, as
+    `ray get-auth-token --generate` makes them. `make` gives a new stack's value (the tests give their heads the
+    token their own process holds). A file others may read is made private again: the token owns the cluster."""
+    path = ray_token_file(scratch)
+    token = _secret(path, make or (lambda: secrets.token_hex(32)))
+    if path.stat().st_mode & 0o077:
+        path.chmod(0o600)
+    return token
+
+
+def ray_auth_headers(scratch: Path) -> dict[str, str]:
+    """The header the stack's own clients (health checks, scripts) send to its Ray dashboard."""
+    return {"Authorization": f"Bearer {ray_token(scratch)}"}
+
+
 def conn_s3(endpoint: str, bucket: str = "rlhf-flow", region: str = "us-east-1", keys: tuple[str, str] = ("testing", "testing")) -> str:
     """AIRFLOW_CONN_RLHF_S3: an aws connection to the S3 emulator; its extra `bucket` is the pipeline's
     default bucket (the DAG's `bucket` Param left empty)."""
@@ -273,9 +294,13 @@ def conn_s3(endpoint: str, bucket: str = "rlhf-flow", region: str = "us-east-1",
     )
 
 
-def conn_ray(dashboard_port: int, host: str = LOOPBACK) -> str:
-    """AIRFLOW_CONN_RLHF_RAY: the Ray dashboard (job submission API)."""
-    return json.dumps({"conn_type": "http", "host": host, "port": dashboard_port, "schema": "http"})
+def conn_ray(dashboard_port: int, host: str = LOOPBACK, token: str | None = None) -> str:
+    """AIRFLOW_CONN_RLHF_RAY: the Ray dashboard (job submission API); its password is the cluster's token, which
+    plugins/hooks.py sends as `Authorization: Bearer …` and nowhere else."""
+    conn: dict[str, Any] = {"conn_type": "http", "host": host, "port": dashboard_port, "schema": "http"}
+    if token:
+        conn["password"] = token
+    return json.dumps(conn)
 
 
 def stack_env(
@@ -299,6 +324,7 @@ def stack_env(
     airflow_url = f"http://{LOOPBACK}:{airflow_port}"
     _, _ = airflow_login(scratch)  # make sure the passwords file exists before any Airflow process reads it
     key_id, secret = s3_keys(scratch)
+    ray_auth = ray_token(scratch)
     env = {
         # The stack's own settings, for DAGs, stages and scripts that want them.
         "RLHF_SCRATCH": str(scratch),
@@ -326,10 +352,12 @@ def stack_env(
         # Ray: the only setting that makes every Ray listener bind 127.0.0.1; no usage reports.
         "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
         "RAY_USAGE_STATS_ENABLED": "0",
-        # Ray 2.60 turns token authentication on by itself once any local ray.init() has written
-        # ~/.ray/auth_token, and then refuses every client of the stack that does not carry it: say what
-        # this loopback-only stack uses, so a machine's history cannot change it.
-        "RAY_AUTH_MODE": "disabled",
+        # Ray asks every client for the stack's token: loopback alone would let any process on the machine run
+        # jobs (as this user, with the S3 keys above). The head, its job drivers and workers read it from the
+        # file (so a job's runtime_env never needs it); Airflow sends it from the rlhf_ray connection below.
+        # A shell's RAY_AUTH_TOKEN would win over the file: process_env() drops it.
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN_PATH": str(ray_token_file(scratch)),
         # Airflow 3.3: SQLite + LocalExecutor, everything on loopback.
         "AIRFLOW_HOME": str(airflow_home),
         "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{airflow_home / 'airflow.db'}",
@@ -355,7 +383,7 @@ def stack_env(
         "AIRFLOW__SCHEDULER__ENABLE_HEALTH_CHECK": "False",
         # Connections come from the environment, never from the UI or the database.
         names.conn_env(names.S3_CONN): conn_s3(s3, bucket, keys=(key_id, secret)),
-        names.conn_env(names.RAY_CONN): conn_ray(dashboard_port),
+        names.conn_env(names.RAY_CONN): conn_ray(dashboard_port, token=ray_auth),
     }
     return env
 
@@ -363,6 +391,9 @@ def stack_env(
 def process_env(cfg: Config, base: dict[str, str] | None = None) -> dict[str, str]:
     """The full environment of a stack process: base (default os.environ) + stack_env + the venv's bin first."""
     env = dict(os.environ if base is None else base)
+    # Ray reads RAY_AUTH_TOKEN before RAY_AUTH_TOKEN_PATH: another cluster's token in the caller's environment
+    # would become this head's token, and refuse the stack's own clients.
+    env.pop("RAY_AUTH_TOKEN", None)
     env.update(cfg.env())
     path = env.get("PATH", os.defpath).split(os.pathsep)
     env["PATH"] = os.pathsep.join([str(BIN)] + [p for p in path if p and p != str(BIN)])

@@ -10,12 +10,13 @@ import urllib.request
 
 import psutil
 
-from tools.stack.config import Config, StackError
+from tools.stack.config import Config, StackError, ray_auth_headers, ray_token_file
 from tools.stack.processes import _alive, log_file, tail
 
 
-def http_get(url: str, timeout: float = 3.0) -> tuple[int, bytes]:
-    req = urllib.request.Request(url, headers={"Accept": "application/json"})
+def http_get(url: str, timeout: float = 3.0, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+    """(status, body) of a GET; `headers` for an authenticated one, e.g. http_get(url, headers=ray_auth_headers(scratch))."""
+    req = urllib.request.Request(url, headers={"Accept": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, r.read()
@@ -32,11 +33,15 @@ def healthy_s3(cfg: Config) -> tuple[bool, str]:
 
 
 def healthy_ray(cfg: Config) -> tuple[bool, str]:
+    """The dashboard answers the stack's token and a node is alive (the head asks every client for the token)."""
     try:
-        status, body = http_get(f"{cfg.dashboard_url}/api/version", timeout=2)
+        auth = ray_auth_headers(cfg.scratch)
+        status, body = http_get(f"{cfg.dashboard_url}/api/version", timeout=2, headers=auth)
+        if status in (401, 403):
+            return False, f"/api/version: HTTP {status}, the head refused the token in {ray_token_file(cfg.scratch)} (a head of another stack on this port?)"
         if status != 200:
             return False, f"/api/version: HTTP {status}"
-        status, body = http_get(f"{cfg.dashboard_url}/api/v0/nodes", timeout=5)
+        status, body = http_get(f"{cfg.dashboard_url}/api/v0/nodes", timeout=5, headers=auth)
         if status != 200:
             return False, f"/api/v0/nodes: HTTP {status}"
         nodes = json.loads(body)["data"]["result"]["result"]
