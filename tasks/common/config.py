@@ -271,7 +271,7 @@ def parse_config(cls: type, argv: list[str] | None = None, prog: str | None = No
     parser.add_argument("--config", help="YAML file of field: value pairs; flags override it")
     for name, f in fields.items():
         kind = _field_type(cls, f)
-        help_text = f.metadata.get("help", "")
+        help_text = f.metadata.get("help", "").replace("%", "%%")  # argparse %-formats help: "95%" would crash --help
         names = [f"--{name}"] + [f"--{alias}" for alias in f.metadata.get("aliases", ())]  # a peer's flag name for the same thing
         if kind is bool:
             parser.add_argument(*names, dest=name, nargs="?", const="true", default=None, metavar="BOOL", help=help_text)
