@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tasks.data import demo  # noqa: E402
 from tools.stack.api import AirflowAPI, APIError, q  # noqa: E402
-from tools.stack.config import Config, StackError, airflow_login  # noqa: E402
+from tools.stack.config import Config, StackError, airflow_login, ray_token_file  # noqa: E402
 from tools.stack.health import healthy_airflow  # noqa: E402
 from tools.stack.processes import current_config, reserialize  # noqa: E402
 from tools.stack.s3 import s3_client  # noqa: E402
@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {task_id:<20} {value if isinstance(value, str) else json.dumps(value)}")
     print(f"\nTotal wall time: {wall:.0f}s")
     print(f"Airflow UI: {cfg.airflow_url}  (login {user} / {password})  this run: {ui}")
-    print(f"Ray dashboard: {cfg.dashboard_url}")
+    print(f"Ray dashboard: {cfg.dashboard_url}  (it asks for the token in {ray_token_file(cfg.scratch)})")
     return code
 
 

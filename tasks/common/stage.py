@@ -8,8 +8,9 @@
         main("sft", SFTConfig, train)
 
 `main` parses and validates the config before any work, runs the stage, and turns the errors a
-user can fix (bad config, missing or corrupt input) into one line on stderr and exit status 2 (75
-when the store was only unreachable: worth a retry).
+user can fix (bad config, missing or corrupt input, a read-only folder) into one line on stderr and
+exit status 2, and the faults worth a retry (an unreachable store, a full disk, a placement waiting on a
+busy cluster) into one line and exit status 75.
 Outputs are written to a local folder first and committed to `cfg.output` with manifest.json last.
 """
 

@@ -39,7 +39,7 @@ def test_the_demo_run_succeeds_through_the_rest_api(demo_run):
 
 def test_each_stage_ran_as_exactly_one_ray_job(demo_run):
     live = demo_run.live
-    with urllib.request.urlopen(f"{live.ray_dashboard}/api/jobs/", timeout=30) as response:
+    with urllib.request.urlopen(urllib.request.Request(f"{live.ray_dashboard}/api/jobs/", headers=live.ray_headers()), timeout=30) as response:
         jobs = json.load(response)
     for stage in STAGES:  # this run's jobs: other runs may share the stack (a nightly run that came due, say)
         sid = submission_id_for("rlhf_pipeline", demo_run.run_id, stage)
@@ -84,12 +84,12 @@ def test_no_secret_reaches_rays_api_or_logs(demo_run):
 
     live = demo_run.live
     secret = s3_keys(live.scratch)[1].encode()
-    with urllib.request.urlopen(f"{live.ray_dashboard}/api/v0/actors?detail=1&limit=10000", timeout=60) as response:
+    with urllib.request.urlopen(urllib.request.Request(f"{live.ray_dashboard}/api/v0/actors?detail=1&limit=10000", headers=live.ray_headers()), timeout=60) as response:
         actors = response.read()
     # The RL stage's worker actors are listed with their runtime_env (it carries their forwarded settings).
     assert actors.count(b"RLHF_") >= 4 and b"serialized_runtime_env" in actors
     assert secret not in actors
-    with urllib.request.urlopen(f"{live.ray_dashboard}/api/jobs/", timeout=30) as response:
+    with urllib.request.urlopen(urllib.request.Request(f"{live.ray_dashboard}/api/jobs/", headers=live.ray_headers()), timeout=30) as response:
         assert secret not in response.read()
     logs = [live.cfg.ray_temp_dir, live.cfg.logs, live.cfg.airflow_home / "logs"]
     read = [p for root in logs for p in root.rglob("*") if p.is_file() and not p.is_symlink()]

@@ -27,7 +27,7 @@ from tools.stack.config import Config, process_env
 from tools.stack.health import http_get, wait_healthy
 from tools.stack.processes import launch, live_pids, log_file, ray_command, remove_scratch, stop_process, tail
 
-from conftest import REPO, SCRATCH, _stack_port, head_config
+from conftest import REPO, SCRATCH, _stack_port, head_config, ray_headers
 from test_stack import LOOPBACK_IPS, _listening
 from test_stages import flags, metrics_of, run_cli
 
@@ -41,7 +41,7 @@ JOIN_ON_LOOPBACK = (
 
 
 def _nodes(dashboard: str) -> list[dict]:
-    status, body = http_get(f"{dashboard}/api/v0/nodes?detail=1", timeout=5)
+    status, body = http_get(f"{dashboard}/api/v0/nodes?detail=1", timeout=5, headers=ray_headers())
     assert status == 200, body[:300]
     return [n for n in json.loads(body)["data"]["result"]["result"] if n.get("state") == "ALIVE"]
 

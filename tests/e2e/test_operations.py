@@ -47,7 +47,7 @@ def wait_run(live, dag_id: str, run_id: str, timeout: float = 1800) -> str:
 
 def ray_jobs(live, prefix: str) -> dict[str, str]:
     """{submission id: status} of the Ray jobs whose id starts with `prefix`."""
-    with urllib.request.urlopen(f"{live.ray_dashboard}/api/jobs/", timeout=30) as response:
+    with urllib.request.urlopen(urllib.request.Request(f"{live.ray_dashboard}/api/jobs/", headers=live.ray_headers()), timeout=30) as response:
         return {j["submission_id"]: j["status"] for j in json.load(response) if (j.get("submission_id") or "").startswith(prefix)}
 
 

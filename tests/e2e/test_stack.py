@@ -77,7 +77,7 @@ def test_up_is_healthy(live_stack):
     health = airflow_health(live_stack.cfg)
     for component in ("metadatabase", "scheduler", "triggerer", "dag_processor"):
         assert health[component] == "healthy", health
-    with urllib.request.urlopen(f"{live_stack.ray_dashboard}/api/version", timeout=10) as r:
+    with urllib.request.urlopen(urllib.request.Request(f"{live_stack.ray_dashboard}/api/version", headers=live_stack.ray_headers()), timeout=10) as r:
         assert json.load(r)["ray_version"]
     live_stack.s3().head_bucket(Bucket=live_stack.bucket)
     # The login works and the REST API answers with it.

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import ray_headers
+
 REPO = Path(__file__).resolve().parents[2]
 DAGS = REPO / "dags"
 ORDER = ["validate", "prepare_data", "sft", "choose_method", "reward_model", "rl", "dpo", "kto", "eval", "promote", "champion"]
@@ -557,7 +559,7 @@ def test_a_refused_form_fails_the_validate_task_and_submits_no_ray_job(airflow_d
     dr = pipeline_to_test.test(run_conf={"bucket": s3_server.bucket, "prefix": "validate", "advantage_estimator": "rloo", "n_samples_per_prompt": 1})
     states = {ti.task_id: str(getattr(ti.state, "value", ti.state)) for ti in dr.get_task_instances()}
     assert states["validate"] == "failed" and states["prepare_data"] == "upstream_failed", states
-    with urllib.request.urlopen(f"{ray_head}/api/jobs/", timeout=30) as response:
+    with urllib.request.urlopen(urllib.request.Request(f"{ray_head}/api/jobs/", headers=ray_headers()), timeout=30) as response:
         jobs = [j.get("submission_id") or "" for j in json.load(response)]
     assert not {submission_id_for("rlhf_pipeline", dr.run_id, t) for t in ORDER} & set(jobs), jobs
 
