@@ -84,7 +84,9 @@ def test_no_secret_reaches_rays_api_or_logs(demo_run):
 
     live = demo_run.live
     secret = s3_keys(live.scratch)[1].encode()
-    with urllib.request.urlopen(urllib.request.Request(f"{live.ray_dashboard}/api/v0/actors?detail=1&limit=10000", headers=live.ray_headers()), timeout=60) as response:
+    with urllib.request.urlopen(
+        urllib.request.Request(f"{live.ray_dashboard}/api/v0/actors?detail=1&limit=10000", headers=live.ray_headers()), timeout=60
+    ) as response:
         actors = response.read()
     # The RL stage's worker actors are listed with their runtime_env (it carries their forwarded settings).
     assert actors.count(b"RLHF_") >= 4 and b"serialized_runtime_env" in actors
