@@ -4,7 +4,7 @@ from dataclasses import dataclass, field
 from tasks.common.allowlist import check_reach
 from tasks.common.config import ConfigError, TrainingConfig, check_batch
 
-IS_CORRECTIONS = ("tis", "mis", "none")  # tasks.common.nn.losses.importance_weights
+IS_CORRECTIONS = ("tis", "mis", "reject", "none")  # tasks.common.nn.losses.importance_weights
 
 ADVANTAGE_ESTIMATORS = ("gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo")  # tasks.rl.advantages
 GROUP_ESTIMATORS = ("reinforce_baseline", "rloo", "group_norm", "dr_grpo")
@@ -111,7 +111,10 @@ class RLConfig(EpisodeConfig, TrainingConfig):
     init_kl_coef: float = field(default=0.05, metadata={"help": "β of the KL penalty to the reference, in the reward", "min": 0, "max": 10})
     kl_target: float = field(default=0.0, metadata={"help": "adaptive KL controller's target (summed KL per response); 0 keeps init_kl_coef fixed"})
     kl_horizon: int = field(default=10000, metadata={"help": "adaptive KL controller's horizon, in samples", "min": 1})
-    kl_estimator: str = field(default="k1", metadata={"help": "per-token KL estimator: k1, k2 or k3", "choices": KL_ESTIMATORS})
+    kl_estimator: str = field(
+        default="k1",
+        metadata={"help": "per-token KL estimator: k1, k2 or k3; each token's estimate is clamped to ±10 (reward and loss)", "choices": KL_ESTIMATORS},
+    )
     save_value_network: bool = field(default=False, metadata={"help": "also save the critic (HF format) under critic/ in the output"})
     normalize_reward: bool = field(default=True, metadata={"help": "standardise reward-model scores with the mean/std stored by its stage"})
     logging_steps: int = field(default=1, metadata={"help": "log metrics every this many steps", "min": 1})
@@ -180,10 +183,10 @@ class RLConfig(EpisodeConfig, TrainingConfig):
     is_correction: str = field(
         default="auto",
         metadata={
-            "help": "off-policy correction of the policy loss by the engine's log-probabilities of the sampled tokens: tis (truncated importance weights), mis (tokens whose weight leaves [1/is_cap, is_cap] masked) or none; auto: tis with --async_train, else none"
+            "help": "off-policy correction of the policy loss by the engine's log-probabilities of the sampled tokens, w = π_old/μ per token: tis (weight min(w, is_cap)), mis (IcePop: weight w inside [1/is_cap, is_cap], 0 outside; the dropped tokens still count in the token-mean denominator), reject (weight 1 inside the band; tokens outside leave the loss, its denominator included) or none; auto: tis with --async_train, else none"
         },
     )
-    is_cap: float = field(default=2.0, metadata={"help": "the importance weight's cap (tis) or band (mis)"})
+    is_cap: float = field(default=2.0, metadata={"help": "the importance weight's cap (tis) or band [1/is_cap, is_cap] (mis, reject)"})
     ignore_eos: bool = field(default=False, metadata={"help": "benchmarks: every response is generate_max_len tokens, EOS or not"})
 
     def separate_engines(self) -> bool:

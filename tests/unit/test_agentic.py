@@ -455,7 +455,9 @@ def test_importance_weights_truncate_or_mask_by_the_ratio_to_the_behaviour_polic
     behaviour = torch.log(torch.tensor([[0.1, 0.4, 0.5, 0.09]]))
     mask = torch.tensor([[1, 1, 1, 0]])
     assert importance_weights(old, behaviour, mask, "tis", cap=2.0).tolist()[0] == pytest.approx([2.0, 0.25, 1.0, 0.0])
+    # mis is IcePop's w inside [1/2, 2], 0 outside: the one token inside has w = 1 (tests/unit/test_losses.py has w ≠ 1).
     assert importance_weights(old, behaviour, mask, "mis", cap=2.0).tolist()[0] == pytest.approx([0.0, 0.0, 1.0, 0.0])
+    assert importance_weights(old, behaviour, mask, "reject", cap=2.0).tolist()[0] == [False, False, True, False]
     assert importance_weights(old, behaviour, mask, "none") is None
     with pytest.raises(ValueError, match="is_correction"):
         importance_weights(old, behaviour, mask, "vtrace")
@@ -480,15 +482,18 @@ def test_logprob_mismatch_reports_the_mean_the_largest_gap_and_the_kl():
 
 def test_the_corrected_mismatch_is_what_the_importance_weights_leave():
     # log w = (1.5, -0.5, 0.2); cap 2. tis: w = (e^1.5, e^-0.5, e^0.2) -> weights (2, e^-0.5, e^0.2), so
-    # r = (e^1.5 / 2, 1, 1): only the first token's excess over the cap is left. mis: the band is
-    # [1/2, 2]; the first token is masked out, the others keep all of theirs (r = w).
+    # r = (e^1.5 / 2, 1, 1): only the first token's excess over the cap is left. The band is [1/2, 2]: the first
+    # token is masked out. reject (what mis meant before IcePop) gives the others weight 1, so they keep all of
+    # theirs (r = w); mis, IcePop's weight w, corrects them fully (r = 1), so nothing is left.
     old, behaviour, mask = torch.tensor([[0.0, -1.0, -0.8]]), torch.tensor([[-1.5, -0.5, -1.0]]), torch.tensor([[1, 1, 1]])
     k3 = lambda log_r: math.exp(log_r) - 1 - log_r  # noqa: E731
     tis = logprob_mismatch(old, behaviour, mask, importance_weights(old, behaviour, mask, "tis", cap=2.0))
     assert tis["corrected_mismatch_kl"] == pytest.approx(k3(1.5 - math.log(2)) / 3, rel=1e-5)
     assert tis["mismatch_kl"] == pytest.approx((k3(1.5) + k3(-0.5) + k3(0.2)) / 3, rel=1e-5)
+    reject = logprob_mismatch(old, behaviour, mask, importance_weights(old, behaviour, mask, "reject", cap=2.0))
+    assert reject["corrected_mismatch_kl"] == pytest.approx((k3(-0.5) + k3(0.2)) / 2, rel=1e-5)
     mis = logprob_mismatch(old, behaviour, mask, importance_weights(old, behaviour, mask, "mis", cap=2.0))
-    assert mis["corrected_mismatch_kl"] == pytest.approx((k3(-0.5) + k3(0.2)) / 2, rel=1e-5)
+    assert mis["corrected_mismatch_kl"] == pytest.approx(0.0, abs=1e-6)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])

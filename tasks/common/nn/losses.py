@@ -26,6 +26,11 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
+# Bounds that keep one far-off token from overflowing a step (issue 52, item 5).
+LOG_RATIO_CLAMP = 20.0  # |log π/π_old| before exp, as verl and OpenRLHF: e^20 ≈ 4.9e8; e^89 is inf in float32
+KL_CLAMP = 10.0  # |per-token KL estimate|, as OpenRLHF's compute_approx_kl
+IS_MODES = ("tis", "mis", "reject")  # importance_weights; "none" is no correction
+
 
 def masked_inputs(mask: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Each tensor with 0 where mask is 0, applied to a loss's inputs before any arithmetic. Masking the output
@@ -249,7 +254,11 @@ def policy_loss(
     huge ratio on a bad token cannot dominate the batch. Tokens with A ≥ 0 are unchanged.
 
     loss_agg / max_len: how per-token losses become one number (see `aggregate`).
-    is_weights: per-token off-policy correction (importance_weights), multiplying each token's loss.
+    is_weights: per-token off-policy correction (importance_weights). A float tensor (tis, mis) multiplies each
+    token's loss, the denominator unchanged; a bool one (reject) is a keep mask: the tokens it drops leave the
+    aggregation altogether, so token_mean divides by the kept tokens (as a bool attn_mask in PyTorch's
+    scaled_dot_product_attention masks, where a float one is added).
+    The ratio is taken with its log clamped to ±20 (policy_ratio).
     Returns (loss, clip_fraction); clip_fraction is the token-mean fraction of response tokens where
     the ε-clipped term was the smaller one (the dual clip is not counted).
     """
@@ -258,39 +267,61 @@ def policy_loss(
     eps_low = clip_eps if clip_eps_low is None else clip_eps_low
     eps_high = clip_eps if clip_eps_high is None else clip_eps_high
     logprobs, old_logprobs, advantages = masked_inputs(mask, logprobs, old_logprobs, advantages)  # ρ = 1, A = 0 there
-    ratio = torch.exp(logprobs - old_logprobs)
+    ratio = policy_ratio(logprobs, old_logprobs)
     unclipped = ratio * advantages
     clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * advantages
     surrogate = torch.minimum(unclipped, clipped)
     if dual_clip is not None:
         surrogate = torch.where(advantages < 0, torch.maximum(surrogate, dual_clip * advantages), surrogate)
     clip_fraction = masked_mean((clipped < unclipped).float(), mask)
-    if is_weights is not None:
+    kept = mask
+    if is_weights is not None and is_weights.dtype == torch.bool:
+        kept = mask * is_weights  # reject: a rejected token leaves the sum and its denominator
+    elif is_weights is not None:
         (is_weights,) = masked_inputs(mask, is_weights.detach())
         surrogate = surrogate * is_weights
-    return aggregate(-surrogate, mask, loss_agg, max_len), clip_fraction
+    return aggregate(-surrogate, kept, loss_agg, max_len), clip_fraction
+
+
+def policy_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torch.Tensor:
+    """ρ = π/π_old = exp(log π - log π_old), the log-ratio clamped to ±LOG_RATIO_CLAMP (20) first, as verl and
+    OpenRLHF do. A token the policy moved far from (log-ratio 25: ρ = 7.2e10) would otherwise give one token's
+    loss of ρ·|A| with A < 0, or inf past a log-ratio of 88 in float32; clamped, ρ ≤ e^20 and a token past
+    the bound gets no gradient."""
+    return torch.exp((logprobs - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
 
 
 def importance_weights(old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mask: torch.Tensor, mode: str, cap: float = 2.0) -> torch.Tensor | None:
     """Per-token weights correcting for rollouts sampled by another policy μ (a rollout engine's stale weights or
     its numerics) than the π_old the PPO ratio is taken against: w = π_old / μ per token, detached.
 
-    tis:  min(w, cap), truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly
-          brings you off-policy RL training"; Espeholt et al. 2018's truncation).
-    mis:  1 where 1/cap <= w <= cap, else 0: tokens the two policies disagree on too much are masked out.
-    none: None (no correction). Masked-out positions get 0.
+    tis:    min(w, cap), truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly
+            brings you off-policy RL training"; Espeholt et al. 2018's truncation).
+    mis:    w where 1/cap <= w <= cap, else 0: IcePop (Ling Team 2025, Ring-1T; OpenRLHF's icepop, verl's token
+            mask mode). Inside the band a token is fully corrected, outside it is dropped; a float weight, so a
+            dropped token still counts in the token-mean denominator, as in OpenRLHF (verl takes it out).
+    reject: a bool keep mask, True where 1/cap <= w <= cap: rejection with weight 1 and no correction inside the
+            band. policy_loss takes the rejected tokens out of the aggregation, denominator included, as verl's
+            rejection mask (rollout_rs) does.
+    none:   None (no correction). Masked-out positions get 0 (False).
     """
     if mode == "none":
         return None
-    if mode not in ("tis", "mis"):
-        raise ValueError(f"is_correction: unknown {mode!r}; use tis, mis or none")
+    if mode not in IS_MODES:
+        raise ValueError(f"is_correction: unknown {mode!r}; use {', '.join(IS_MODES)} or none")
     old_logprobs, behaviour_logprobs = masked_inputs(mask, old_logprobs.detach().float(), behaviour_logprobs.float())
     log_w = old_logprobs - behaviour_logprobs
     if mode == "tis":
-        weights = torch.exp(log_w.clamp(max=math.log(cap)))
-    else:
-        weights = (log_w.abs() <= math.log(cap)).float()
-    return weights * (mask > 0)
+        return torch.exp(log_w.clamp(max=math.log(cap))) * (mask > 0)
+    inside = in_band(log_w, cap) & (mask > 0)
+    if mode == "reject":
+        return inside
+    return torch.where(inside, torch.exp(log_w.clamp(-math.log(cap), math.log(cap))), 0.0)  # clamped: no inf outside
+
+
+def in_band(log_w: torch.Tensor, cap: float) -> torch.Tensor:
+    """1/cap <= w <= cap, bounds included, compared in log space (w itself may overflow)."""
+    return log_w.abs() <= math.log(cap)
 
 
 def logprob_mismatch(
@@ -302,8 +333,9 @@ def logprob_mismatch(
     (E_μ[w - 1 - log w], w = π_old/μ: unbiased and never negative on samples from μ).
 
     corrected_mismatch_kl: the same k3 of what the correction leaves, r = w / is_weight over the tokens it keeps
-    (none: r = w, the whole mismatch; tis: max(1, w/cap); mis: w inside the band). The mismatch itself is the
-    sampling weights' lag, which no correction changes; this is how much of it the loss still trains on."""
+    (none: r = w, the whole mismatch; tis: max(1, w/cap); mis: 1, IcePop corrects what it keeps fully; reject:
+    w inside the band). The mismatch itself is the sampling weights' lag, which no correction changes; this is
+    how much of it the loss still trains on."""
     old_logprobs, behaviour_logprobs = masked_inputs(mask, old_logprobs.detach().float(), behaviour_logprobs.float())
     log_w = old_logprobs - behaviour_logprobs
     if not (mask > 0).any():
@@ -343,20 +375,27 @@ def value_loss(
 
 
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k1") -> torch.Tensor:
-    """Per-token estimate of KL(π || π_ref) from samples of π, with r = log π_ref - log π.
+    """Per-token estimate of KL(π || π_ref) from samples of π, with r = log π_ref - log π, clamped to ±KL_CLAMP.
 
     k1 = -r, k2 = r²/2, k3 = (e^r - 1) - r (Schulman, "Approximating KL divergence", 2020).
     k1 is unbiased, k3 unbiased and never negative, k2 biased but low-variance.
+
+    Every estimator's value is clamped to ±10, as OpenRLHF's compute_approx_kl does: k3 of a token at log π = -30
+    against log π_ref = -0.1 is e^29.9 ≈ 9.7e12, which would swamp the reward (-β·KL) or the KL loss; a clamped
+    token's gradient is 0. r is clamped to ±20 first, which changes no value (every estimator is past ±10 there)
+    but keeps e^r finite, so the gradient there is 0 and not 0·∞ = nan.
     (Also importable from tasks.rl.advantages, where it used to live.)
     """
-    log_ratio = ref_logprobs.float() - logprobs.float()
+    log_ratio = (ref_logprobs.float() - logprobs.float()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     if kind == "k1":
-        return -log_ratio
-    if kind == "k2":
-        return 0.5 * log_ratio**2
-    if kind == "k3":
-        return torch.expm1(log_ratio) - log_ratio
-    raise ValueError(f"kl_estimator: unknown {kind!r}; use k1, k2 or k3")
+        kl = -log_ratio
+    elif kind == "k2":
+        kl = 0.5 * log_ratio**2
+    elif kind == "k3":
+        kl = torch.expm1(log_ratio) - log_ratio
+    else:
+        raise ValueError(f"kl_estimator: unknown {kind!r}; use k1, k2 or k3")
+    return kl.clamp(-KL_CLAMP, KL_CLAMP)
 
 
 def kl_loss(
@@ -374,6 +413,7 @@ def kl_loss(
     samples of π the gradient of k1 is ∇log π, which is 0 in expectation: k1 gives no KL pull as a
     loss, so use k3 (GRPO) or k2 (whose gradient is the true ∇KL on-policy). OpenRLHF aggregates
     this term as a token mean whatever the policy loss uses; loss_agg lets it follow the policy loss.
+    Each token's estimate is clamped to ±10 (kl_estimate).
     """
     logprobs, ref_logprobs = masked_inputs(mask, logprobs, ref_logprobs)  # e^r of a padded position could be inf
     return aggregate(kl_estimate(logprobs, ref_logprobs, estimator), mask, loss_agg, max_len)
