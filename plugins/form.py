@@ -67,6 +67,7 @@ STAGE_PARAMS = {
     "max_turns": ("tasks.rl", "max_turns", "Turns per episode"),
     "max_episode_tokens": ("tasks.rl", "max_episode_tokens", "Tokens per episode"),
     "colocate_all_models": ("tasks.rl", "colocate_all_models", "Colocate all RL models"),
+    "rollout_engine": ("tasks.rl", "rollout_engine", "Rollout engine"),
     "preference_steps": ("tasks.preference", "max_steps", "DPO/KTO steps"),
     "preference_learning_rate": ("tasks.preference", "learning_rate", "DPO/KTO learning rate"),
     "dpo_beta": ("tasks.preference", "beta", "DPO beta"),
@@ -98,7 +99,8 @@ PIPELINE_DEFAULTS = {
 #: The pipeline's own narrowing of a stage field's schema, and why.
 NARROWED = {
     # The Ray nodes reach the built-in environments, S3, absolute paths and the shipped tasks/ folder only.
-    "environment": {"pattern": r"^$|^(calculator|guess|s3://\S+\.py|/\S+\.py|tasks/\S+\.py)$"},
+    # A file may carry its pin, #sha256=<hex> (tasks/common/user_code.py).
+    "environment": {"pattern": r"^$|^(calculator|guess|(s3://\S+|/\S+|tasks/\S+)\.py(#sha256=[0-9a-f]{64})?)$"},
 }
 
 

@@ -279,6 +279,7 @@ def build_pipeline(
                 "advantage_estimator": "{{ params.advantage_estimator }}",
                 "n_samples_per_prompt": "{{ params.n_samples_per_prompt }}",
                 "colocate_all_models": "{{ params.colocate_all_models }}",
+                "rollout_engine": "{{ params.rollout_engine }}",
                 **training_args("rl", "rl_steps"),
             },
             inlets=["sft_model", "reward_model"],

@@ -13,6 +13,7 @@ minibatches, logs, and checkpoints.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 import tempfile
@@ -165,12 +166,24 @@ class EngineGroup(ActorGroupEngine):
         gather([*state, self.send("load_state", state[0], version)])
 
 
+def response_lengths(lengths: torch.Tensor, cap: int | None) -> dict[str, float]:
+    """The step's response lengths (model tokens per sample): mean, max and, for one-turn responses, the share that
+    reached `cap` without an EOS (verl's response_length/clip_ratio)."""
+    stats = {"response_length": lengths.float().mean().item(), "response_length_max": lengths.max().item()}
+    if cap:
+        stats["response_truncated"] = (lengths >= cap).float().mean().item()
+    return stats
+
+
 class Controller:
     """The RL loop's state on the driver, and the groups it drives."""
 
     def __init__(self, cfg: RLConfig, run: StageRun):
         self.cfg, self.run = cfg, run
         connect_ray()
+        engine, why = cfg.choose_rollout_engine(cluster_has_gpus(), importlib.util.find_spec("vllm") is not None)
+        self.cfg = cfg = cfg.with_rollout_engine(engine)
+        print(f"rl: rollout engine {engine} ({why})", flush=True)
         if cfg.vllm_num_engines and not cluster_has_gpus():
             raise ConfigError(
                 "vllm_num_engines: vLLM engines need GPUs and the vllm package, and this Ray cluster has no GPUs; "
@@ -422,7 +435,7 @@ class Controller:
                     "kl": sequence_kl,
                     "kl_coef": kl_coef,
                     **stats,
-                    "response_length": exp.action_mask.sum(-1).float().mean().item(),
+                    **response_lengths(exp.action_mask.sum(-1), None if cfg.env_path else cfg.generate_max_len),
                     **timing,
                     "time_inference_s": t2 - t1,
                     "time_train_s": t3 - t2,
@@ -583,6 +596,7 @@ def train(cfg: RLConfig, run: StageRun) -> None:
         planned_steps=controller.steps,
         resumed_from_step=start,
         done_steps=start + controller.steps_done,
+        rollout_engine=controller.cfg.rollout_engine,  # what --rollout_engine auto chose
         **lora.manifest_fields(cfg),
     )
     if cfg.save_path:
