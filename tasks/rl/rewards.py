@@ -213,7 +213,7 @@ class SummedRewards(RewardSource):
 def _remote_source(url: str, timeout: float, retries: int) -> RewardSource:
     if url.startswith(("http://", "https://")):
         return RewardEndpoint(url, timeout=timeout, retries=retries)
-    if url.endswith(".py"):
+    if user_code.split_pin(url)[0].endswith(".py"):  # a file, maybe pinned to its content (uri#sha256=…)
         return RewardFunction(url)
     raise RewardError(f"remote_rm_url: {url} is neither a .py file nor an http(s):// URL")
 

@@ -1,6 +1,7 @@
 """Reward sources (tasks/rl/rewards.py) and the demo reward file, against real files, servers and models."""
 
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -58,6 +59,16 @@ def test_demo_reward_file_scores_exact_match_in_either_style():
     rewards = rf.score(text_batch([c[0] for c in cases], [c[1] for c in cases], [c[2] for c in cases]))
     assert rewards.dtype == torch.float32 and rewards.shape == (len(cases),)
     assert rewards.tolist() == [c[3] for c in cases]
+
+
+def test_a_reward_file_pinned_to_its_content_is_a_reward_function():
+    """The RL stage hands its workers the file pinned (uri#sha256=…, StageRun.code_input): it still scores."""
+    import hashlib
+
+    pinned = f"{DEMO_REWARD}#sha256={hashlib.sha256(Path(DEMO_REWARD).read_bytes()).hexdigest()}"
+    source = make_reward_source("", pinned)
+    assert isinstance(source, RewardFunction)
+    assert source.score(text_batch(["37+45=082"], ["37+45="], ["082"])).tolist() == [1.0]
 
 
 def test_demo_reward_recovers_the_response_from_the_query():
