@@ -19,7 +19,8 @@ eos_calibration.json beside it: vLLM, TRL, verl and OpenRLHF load it as is and g
 
 (or `python bench/grpo_bench.py setup --eos_cap 4096 --eos_mean 1000`, which writes <dir>/model_eos4096 beside <dir>/model).
 
-Sampling is plain: temperature T, top_p 1, top_k off, as every system in the bench samples. Lengths count
+Sampling is plain: temperature T, top_p 1, top_k off (the saved generation_config says so too). Every system must
+sample so: with random weights EOS's logit stands above every other, and top_k 50 would raise its share to about 20% a token. Lengths count
 generated tokens, EOS included. With real weights the engineered EOS loses its own logit; other stop ids in
 generation_config keep theirs. Training moves channel c's weights a little (Adam, lr 1e-6 in the bench): read the
 per-step response lengths.
@@ -249,6 +250,8 @@ def build(model_dir, out_dir, target_mean: float, cap: int, temperature: float =
     need = record["sampling"]["prompt_tokens"] + cap  # vLLM refuses a max_model_len past max_position_embeddings
     if model.config.max_position_embeddings < need:
         model.config.max_position_embeddings = tokenizer.model_max_length = -(-need // 256) * 256
+    g = model.generation_config  # HF generate's defaults become the calibrated sampling (its own top_k is 50)
+    g.do_sample, g.temperature, g.top_k, g.top_p = True, temperature, 0, 1.0
     out_dir = Path(out_dir)
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)

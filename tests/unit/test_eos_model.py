@@ -53,6 +53,8 @@ def test_calibrated_lengths_and_a_steady_hazard(models):
     assert record["sampling"] == dict(temperature=BENCH_TEMPERATURE, top_p=1.0, top_k=0, prompt_tokens=128)
     # A standard untied Qwen2 checkpoint (what vLLM loads): lm_head.weight saved on its own.
     assert json.loads((root / "eos" / "config.json").read_text())["tie_word_embeddings"] is False
+    generation = json.loads((root / "eos" / "generation_config.json").read_text())
+    assert (generation["do_sample"], generation["temperature"], generation["top_k"], generation["top_p"]) == (True, BENCH_TEMPERATURE, 0, 1.0)
     with safe_open(str(root / "eos" / "model.safetensors"), "pt") as f:
         assert {"lm_head.weight", "model.embed_tokens.weight"} <= set(f.keys())
 
