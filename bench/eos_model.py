@@ -244,7 +244,13 @@ def build(model_dir, out_dir, target_mean: float, cap: int, temperature: float =
     prompts = None
     if prompts_file and Path(prompts_file).exists():
         prompts = [json.loads(line)["prompt"] for line in Path(prompts_file).read_text().splitlines() if line.strip()]
-    record = calibrate(model, tokenizer, done["channel"], target_mean, temperature, cap=cap, prompts=prompts, **kwargs)
+    scale = kwargs.pop("scale", None)
+    if scale is None:
+        record = calibrate(model, tokenizer, done["channel"], target_mean, temperature, cap=cap, prompts=prompts, **kwargs)
+    else:  # an earlier calibration's b for the same weights (same seed and shape): no sampling
+        b = set_eos_scale(model, tokenizer.eos_token_id, done["channel"], scale)
+        record = dict(b=b, channel=done["channel"], eos_token_id=tokenizer.eos_token_id, target_mean=target_mean, cap=cap, given_scale=True)
+        record.update(sampling=dict(temperature=temperature, top_p=1.0, top_k=0, prompt_tokens=PROMPT_TOKENS), seconds={})
     record.update(value=model.model.embed_tokens.weight[0, done["channel"]].item(), untied_embeddings=done["untied"], source=str(model_dir))
     record.update(device=torch.cuda.get_device_name() if gpu else "cpu", dtype=str(model.dtype).removeprefix("torch."))
     need = record["sampling"]["prompt_tokens"] + cap  # vLLM refuses a max_model_len past max_position_embeddings
@@ -281,10 +287,22 @@ def main() -> None:
     parser.add_argument("--verify_vllm", type=int, default=0, help="then sample this many through vLLM from the saved folder (GPU, vllm installed)")
     parser.add_argument("--batch", type=int, default=128, help="sequences per generate call")
     parser.add_argument("--channel", type=int, help="hidden channel to reserve (default: the least used)")
+    parser.add_argument("--scale", type=float, help="EOS's logit scale b from an earlier calibration of the same weights (with --channel): no calibration")
     a = parser.parse_args()
     prompts = a.prompts or a.model.parent / "prompts.jsonl"
     record = build(
-        a.model, a.out, a.target_mean, a.cap, a.temperature, prompts, a.verify_vllm, samples=a.samples, verify=a.verify, batch=a.batch, channel=a.channel
+        a.model,
+        a.out,
+        a.target_mean,
+        a.cap,
+        a.temperature,
+        prompts,
+        a.verify_vllm,
+        samples=a.samples,
+        verify=a.verify,
+        batch=a.batch,
+        channel=a.channel,
+        scale=a.scale,
     )
     print(json.dumps(record, indent=2), flush=True)
 

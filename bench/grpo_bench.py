@@ -127,7 +127,7 @@ def build_tokenizer(vocab_size: int):
     )
 
 
-def setup(bench_dir: Path, shape: str) -> None:
+def setup(bench_dir: Path, shape: str, eos_cap: int = 0, eos_mean: float = 1000) -> None:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -154,6 +154,12 @@ def setup(bench_dir: Path, shape: str) -> None:
     params = sum(p.numel() for p in model.parameters())
     (bench_dir / "model_info.json").write_text(json.dumps({"shape": shape, "parameters": params}) + "\n")
     print(f"setup: {shape}, {params / 1e6:.1f} M parameters, in {bench_dir}", flush=True)
+    if eos_cap:  # issue 52: a copy that stops, EOS at a calibrated steady hazard (bench/eos_model.py), beside the model
+        sys.path.insert(0, str(ROOT))
+        from bench.eos_model import build
+
+        record = build(bench_dir / "model", bench_dir / f"model_eos{eos_cap}", eos_mean, eos_cap, temperature=1.0, prompts_file=bench_dir / "prompts.jsonl")
+        print(f"setup: model_eos{eos_cap}: {json.dumps(record)}", flush=True)
 
 
 def parameters(bench_dir: Path) -> int:
@@ -655,6 +661,7 @@ def bench_ours(
     )
     if lora_rank:  # adapters on every linear layer; the engine is synced the adapter alone
         args.update(lora_rank=lora_rank, lora_alpha=2 * lora_rank, target_modules="all-linear")
+    args["rollout_engine"] = "vllm" if engine == "vllm" else "transformers"  # the engine measured, never auto's choice
     if engine == "vllm" and layout == "colocated":
         args.update(vllm_num_engines=1, vllm_gpu_memory_utilization=0.3)
     elif engine == "vllm" and layout == "actor_ref_vllm":
@@ -1048,11 +1055,13 @@ def main() -> None:
         action="store_true",
         help="sft_profile: ZeRO-1/2's checks of each gradient tensor back (DeepSpeed's inf/NaN pass and norm; what they cost)",
     )
+    parser.add_argument("--eos_cap", type=int, default=0, help="setup: also <dir>/model_eos<cap>, EOS at a hazard calibrated to --eos_mean under this cap")
+    parser.add_argument("--eos_mean", type=float, default=1000, help="setup: the mean response length (tokens) --eos_cap's model is calibrated to")
     parser.add_argument("--zero_stage", type=int, default=2, choices=[0, 1, 2, 3], help="sft, sft_profile, ours: DeepSpeed's ZeRO stage")
     a = parser.parse_args()
     a.dir.mkdir(parents=True, exist_ok=True)
     if a.what == "setup":
-        setup(a.dir, a.shape)
+        setup(a.dir, a.shape, a.eos_cap, a.eos_mean)
     elif a.what == "vllm":
         bench_vllm(a.dir)
     elif a.what == "hf_generate":

@@ -22,6 +22,7 @@
 #   bash bench/gpu/run.sh setup openrlhf report     # OpenRLHF 0.11.2's GRPO, same work (bench/gpu/openrlhf.sh install first)
 #   bash bench/gpu/run.sh setup verl                # verl 0.9.1's GRPO, same work (bench/gpu/verl.sh install first; a call of its own)
 #   bash bench/gpu/run.sh tests_stages               # the gpu-marked tests; tests_learn: the learning check
+#   SHAPE=qwen2.5-1.5b bash bench/gpu/run.sh setup eos4k real_vllm4k real_ours4k   # realistic RL work (bench/realistic.py)
 #
 # /tmp/bench (model, data, results) outlives a call while the machine is warm; with $OUT set (a device call) the
 # results of every shape and the logs go back in $OUT/bundle.tgz, the report in $OUT/results.json.
@@ -117,6 +118,23 @@ for phase in "$@"; do
       ( export PYTHONPATH=/tmp/site-verl:$PYTHONPATH
         start_ray && python bench/verl_bench.py --dir $dir $([ "$phase" = verl_sleep ] && echo --vllm_sleep) ${VERL_ARGS:-} )
       rc=$?; ray_cli stop --force >/dev/null 2>&1; ray_up=""; (exit $rc) ;;
+    # Realistic RL work (bench/realistic.py, issue 52): EOS at a calibrated hazard (bench/eos_model.py), mean about
+    # 1,000 tokens, capped at 4k (…4k) or 8k (…8k); 16 prompts x 8 samples a step. eos4k/eos8k build the model once.
+    eos4k|eos8k)
+      cap=$([ "$phase" = eos4k ] && echo 4096 || echo 8192)
+      [ -f $dir/model_eos$cap/config.json ] || python -m bench.eos_model --model $dir/model --out $dir/model_eos$cap \
+        --target_mean ${EOS_MEAN:-1000} --cap $cap --temperature 1.0 --samples ${EOS_SAMPLES:-64} --verify 0 ${EOS_ARGS:-}
+      mkdir -p $dir/results && cp $dir/model_eos$cap/eos_calibration.json $dir/results/eos_calibration_$cap.json ;;
+    real_vllm4k|real_vllm8k) python bench/realistic.py vllm --dir $dir --cap $([ "$phase" = real_vllm4k ] && echo 4096 || echo 8192) ;;
+    real_trl4k) python bench/realistic.py trl --dir $dir --cap 4096 --steps ${REAL_STEPS:-4} --micro 4 ;;
+    real_ours4k|real_ours8k|real_ours4k_hf|real_ours4k_lora)
+      if [ -z "$ray_up" ]; then start_ray && ray_up=1; fi
+      case "$phase" in
+        real_ours4k) python bench/realistic.py ours --dir $dir --cap 4096 --steps ${REAL_STEPS:-5} ;;
+        real_ours8k) python bench/realistic.py ours --dir $dir --cap 8192 --steps ${REAL_STEPS:-4} --micro 4 ;;
+        real_ours4k_hf) python bench/realistic.py ours --dir $dir --cap 4096 --engine transformers --steps ${REAL_STEPS:-2} ;;
+        real_ours4k_lora) python bench/realistic.py ours --dir $dir --cap 4096 --lora_rank 64 --steps ${REAL_STEPS:-4} ;;
+      esac ;;
     trl_hf) python bench/grpo_bench.py trl --dir $dir --mode hf --steps 8 ;;
     trl_vllm) python bench/grpo_bench.py trl --dir $dir --mode vllm ;;
     # Earlier sessions' results (bench/runs/) fill in what this machine did not run; its own runs win.

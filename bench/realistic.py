@@ -1,0 +1,321 @@
+"""RL work that looks like what users run (issue 52): responses that end at EOS, long-tailed, at least 128 a step.
+
+The bench model (grpo_bench.py setup --eos_cap N) is a copy of the random-weight model whose EOS gets a steady
+logit (bench/eos_model.py), calibrated once to a mean length, so every system gets the same lengths from the same
+weights and sampling with no patch. Each run writes <dir>/results/realistic_<shape>_<system>.json.
+
+    python bench/realistic.py vllm --dir /tmp/bench-qwen2.5-1.5b --cap 4096                  # standalone vLLM, same requests
+    python bench/realistic.py ours --dir /tmp/bench-qwen2.5-1.5b --cap 4096 --engine vllm    # our RL stage (Ray head needed)
+    python bench/realistic.py ours --dir … --cap 4096 --engine transformers --steps 2
+    python bench/realistic.py trl  --dir … --cap 4096                                       # TRL GRPOTrainer + vLLM colocate
+    python bench/realistic.py collect --dir <results folder> --machine "H100 80GB"           # into bench/results.json "realistic"
+
+The work: PROMPTS × GROUP = 16 × 8 = 128 completions of at most --cap new tokens after 128-token prompts, sampled at
+temperature 1; one optimizer update a step, no KL, the bench's reward, ZeRO-2, gradient checkpointing. Per step: the
+generate / score / train / sync split, tokens/s/GPU as NeMo-RL counts it (prompt and response tokens over step time ×
+GPUs), response length mean / max / truncation, the longest sample's decode rate (its tokens over the generate
+phase it spans) and the GPU's peak as nvidia-smi sees it (every process on it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import grpo_bench as gb  # noqa: E402
+
+PROMPTS, GROUP = 16, 8  # 128 completions a step
+# Adam moves every weight by about the learning rate a step, the zero rows that keep EOS's channel constant too: at
+# 1e-6 the mean length rose 1,079 -> 1,894 tokens in 4 steps (H100, 2026-12-06). Speed does not depend on the rate.
+LR = 1e-9
+SHAPE_NAMES = {"qwen2.5-1.5b": "1p5b", "qwen2-0.5b": "0p5b", "tiny": "tiny"}
+
+
+def shape_name(bench_dir: Path, cap: int, lora_rank: int) -> str:
+    """1p5b_4k, 7b_lora_4k, …: the model shape, LoRA, the cap."""
+    shape = json.loads((bench_dir / "model_info.json").read_text())["shape"]
+    return f"{SHAPE_NAMES.get(shape, shape)}{'_lora' if lora_rank else ''}_{cap // 1024}k"
+
+
+def save(bench_dir: Path, shape: str, system: str, result: dict) -> None:
+    out = bench_dir / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"realistic_{shape}_{system}.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({f"{shape}/{system}": result}), flush=True)
+
+
+class GPUPeak:
+    """The GPU's largest memory in use while the block runs, every process counted (nvidia-smi, once a second)."""
+
+    def __enter__(self):
+        self.peak_mib, self._stop = 0, threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+        return self
+
+    def _poll(self):
+        while not self._stop.wait(1.0):
+            try:
+                used = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10)
+                self.peak_mib = max([self.peak_mib, *(int(x) for x in used.stdout.split())])
+            except (OSError, ValueError, subprocess.TimeoutExpired):
+                return
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    @property
+    def gb(self) -> float | None:
+        return round(self.peak_mib / 1024, 1) if self.peak_mib else None
+
+
+def model_dir(bench_dir: Path, cap: int) -> Path:
+    path = bench_dir / f"model_eos{cap}"
+    if not (path / "config.json").exists():
+        raise SystemExit(f"{path}: no EOS-calibrated model; run grpo_bench.py setup --dir {bench_dir} --eos_cap {cap} first")
+    return path
+
+
+def calibration(bench_dir: Path, cap: int) -> dict:
+    path = model_dir(bench_dir, cap) / "eos_calibration.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def per_step(bench_dir: Path, shape: str, system: str, records: list[dict], cap: int, command: str, peak: GPUPeak, extra: dict) -> None:
+    """Medians over the steps after the first (start-up, CUDA graphs, compilation) of a run's metrics.jsonl."""
+    tail = records[1:] or records
+    med = {k: round(statistics.median(r[k] for r in tail), 3) for k in tail[0] if k.startswith("time_") and k.endswith("_s") and k != "time_s"}
+    completions = PROMPTS * GROUP
+    lengths = [r["response_length"] for r in tail]
+    rate = [completions * (gb.PROMPT_TOKENS + r["response_length"]) / r["time_step_s"] for r in tail]
+    save(
+        bench_dir,
+        shape,
+        system,
+        {
+            "step_s": med["time_step_s"],
+            **{k.removeprefix("time_").removesuffix("_s") + "_s": v for k, v in med.items() if k != "time_step_s"},
+            "tokens_per_s_per_gpu": round(statistics.median(rate)),  # one GPU
+            "generated_tokens_per_s": round(statistics.median(completions * r["response_length"] / r["time_generate_s"] for r in tail)),
+            "response_length_mean": round(statistics.mean(lengths), 1),
+            "response_length_max": max(r["response_length_max"] for r in tail),
+            "truncation_rate": round(statistics.mean(r.get("response_truncated", 0.0) for r in tail), 4),
+            # The longest sample decodes through the whole generate phase: its tokens over that phase's time.
+            "longest_sample_tokens_per_s": round(statistics.median(r["response_length_max"] / r["time_generate_s"] for r in tail), 1),
+            "gpu_peak_gb": peak.gb,
+            "steps_measured": len(tail),
+            "completions_per_step": completions,
+            "cap": cap,
+            "calibration": calibration(bench_dir, cap),
+            "command": command,
+            **extra,
+        },
+    )
+
+
+def ours(bench_dir: Path, cap: int, engine: str, steps: int, micro: int, lora_rank: int, gpu_memory_utilization: float, command: str) -> None:
+    shape = shape_name(bench_dir, cap, lora_rank)
+    system = "ours" if engine == "vllm" else "ours_transformers"
+    out = bench_dir / "out" / f"realistic_{shape}_{system}"
+    args = gb.grpo_args(bench_dir, out, steps, micro)
+    args.update(
+        pretrain=model_dir(bench_dir, cap),
+        n_samples_per_prompt=GROUP,
+        rollout_batch_size=PROMPTS,
+        train_batch_size=PROMPTS * GROUP,
+        generate_max_len=cap,
+        ignore_eos=False,
+        temperature=1.0,
+        rollout_engine=engine,
+        enable_prefix_caching=True,  # GRPO's 8 samples of a prompt share its prefill
+        actor_learning_rate=LR,
+    )
+    if engine == "vllm":
+        args.update(vllm_num_engines=1, vllm_gpu_memory_utilization=gpu_memory_utilization)
+    if lora_rank:
+        args.update(lora_rank=lora_rank, lora_alpha=2 * lora_rank, target_modules="all-linear")
+    if not gb.on_gpu():
+        args.update(flash_attn=False, enable_prefix_caching=False)
+    with GPUPeak() as peak:
+        gb.run_stage("tasks.rl", args, bench_dir / f"realistic_{shape}_{system}.log")
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    per_step(bench_dir, shape, system, records, cap, command, peak, {"engine": engine, "micro_batch": micro, "lora_rank": lora_rank})
+
+
+def vllm_alone(bench_dir: Path, cap: int, gpu_memory_utilization: float, command: str) -> None:
+    """The same 128 requests (16 prompts × n=8, temperature 1) through vLLM alone: the rate our in-stage rollout is held to."""
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+
+    model = model_dir(bench_dir, cap)
+    t0 = time.time()
+    llm = LLM(
+        model=str(model),
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        gpu_memory_utilization=gpu_memory_utilization,
+        max_model_len=gb.PROMPT_TOKENS + cap,
+        enable_prefix_caching=True,
+        seed=0,
+    )
+    startup = time.time() - t0
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    rows = [json.loads(line)["prompt"] for line in (bench_dir / "prompts.jsonl").read_text().splitlines()]
+    params = SamplingParams(n=GROUP, temperature=1.0, max_tokens=cap, stop_token_ids=[tokenizer.eos_token_id], logprobs=0, detokenize=False)
+    rounds = []
+    for k in range(3):  # the first warms up; the stage's prompts, as its steps take them
+        prompts = [{"prompt_token_ids": tokenizer(text)["input_ids"]} for text in rows[k * PROMPTS : (k + 1) * PROMPTS]]
+        t = time.time()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.time() - t
+        lengths = [len(c.token_ids) for o in outs for c in o.outputs]
+        rounds.append({"seconds": seconds, "lengths": lengths})
+    tail = rounds[1:]
+    lengths = [n for r in tail for n in r["lengths"]]
+    shape = shape_name(bench_dir, cap, 0)
+    save(
+        bench_dir,
+        shape,
+        "vllm_alone",
+        {
+            "generated_tokens_per_s": round(statistics.median(sum(r["lengths"]) / r["seconds"] for r in tail)),
+            "generate_s": round(statistics.median(r["seconds"] for r in tail), 3),
+            "response_length_mean": round(statistics.mean(lengths), 1),
+            "response_length_max": max(lengths),
+            "truncation_rate": round(sum(n >= cap for n in lengths) / len(lengths), 4),
+            "startup_s": round(startup, 1),
+            "cap": cap,
+            "command": command,
+        },
+    )
+
+
+def trl(bench_dir: Path, cap: int, steps: int, micro: int, command: str) -> None:
+    """TRL's GRPOTrainer with vLLM colocated, the same 128 completions a step (micro-batches of `micro`, one update)."""
+    import importlib.util
+
+    import trl as trl_lib
+    from datasets import load_dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    spec = importlib.util.spec_from_file_location("bench_reward", gb.REWARD_FILE)
+    reward = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(reward)
+    model = model_dir(bench_dir, cap)
+
+    class StepLog(TrainerCallback):
+        def __init__(self):
+            self.stamps, self.logs = [], []
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.stamps.append(time.time())
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            self.logs.append(dict(logs or {}))
+
+    clock = StepLog()
+    args = GRPOConfig(
+        output_dir=str(bench_dir / "out" / "realistic_trl"),
+        max_steps=steps,
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=PROMPTS * GROUP // micro,  # one generation of 128 completions, one update
+        num_generations=GROUP,
+        max_completion_length=cap,
+        temperature=1.0,
+        learning_rate=LR,
+        bf16=True,
+        beta=0.0,
+        gradient_checkpointing=True,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        seed=0,
+        use_vllm=True,
+        vllm_mode="colocate",
+        vllm_gpu_memory_utilization=0.3,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    dataset = load_dataset("json", data_files=str(bench_dir / "prompts.jsonl"), split="train")
+    with GPUPeak() as peak:
+        start = time.time()
+        trainer = GRPOTrainer(model=str(model), reward_funcs=reward.trl_reward, args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=[clock])
+        clock.stamps.append(time.time())
+        setup_s = clock.stamps[0] - start
+        trainer.train()
+    times = [b - a for a, b in zip(clock.stamps, clock.stamps[1:])][1:]
+    logs = [x for x in clock.logs if "completions/mean_length" in x][1:]
+    mean_len = statistics.mean(x["completions/mean_length"] for x in logs) if logs else None
+    step = statistics.median(times)
+    save(
+        bench_dir,
+        shape_name(bench_dir, cap, 0),
+        "trl_vllm",
+        {
+            "step_s": round(step, 3),
+            "tokens_per_s_per_gpu": round(PROMPTS * GROUP * (gb.PROMPT_TOKENS + mean_len) / step) if mean_len else None,
+            "response_length_mean": round(mean_len, 1) if mean_len else None,
+            "response_length_max": max((x.get("completions/max_length", 0) for x in logs), default=None),
+            "truncation_rate": round(statistics.mean(x.get("completions/clipped_ratio", 0) for x in logs), 4) if logs else None,
+            "gpu_peak_gb": peak.gb,
+            "setup_s": round(setup_s, 1),
+            "steps_measured": len(times),
+            "micro_batch": micro,
+            "trl": trl_lib.__version__,
+            "cap": cap,
+            "command": command,
+        },
+    )
+
+
+def collect(results: Path, into: Path, machine: str, date: str) -> None:
+    """Merge results/realistic_<shape>_<system>.json into `into`'s "realistic": {shape: {system: {...}}}, with the
+    machine and day they come from (one machine, one day: ratios only within an entry)."""
+    summary = json.loads(into.read_text())
+    realistic = summary.setdefault("realistic", {})
+    for path in sorted(results.glob("realistic_*.json")):
+        shape_parts = path.stem.removeprefix("realistic_").split("_")
+        # shape names have two parts (1p5b_4k) or three (1p5b_lora_4k): the cap part ends in k
+        cut = next(i for i, part in enumerate(shape_parts) if part.endswith("k") and part[:-1].isdigit()) + 1
+        shape, system = "_".join(shape_parts[:cut]), "_".join(shape_parts[cut:])
+        realistic.setdefault(shape, {"machine": machine, "date": date})[system] = json.loads(path.read_text())
+    into.write_text(json.dumps(summary, indent=2) + "\n")
+    print(json.dumps({shape: sorted(entry) for shape, entry in realistic.items()}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("what", choices=["ours", "vllm", "trl", "collect"])
+    parser.add_argument("--dir", type=Path, required=True)
+    parser.add_argument("--cap", type=int, default=4096, help="max new tokens a response (the EOS model calibrated for it)")
+    parser.add_argument("--engine", default="vllm", choices=["vllm", "transformers"], help="ours: the rollout engine")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--micro", type=int, default=8, help="training micro-batch (sequences)")
+    parser.add_argument("--lora_rank", type=int, default=0)
+    parser.add_argument("--gpu_memory_utilization", type=float, default=0.35)
+    parser.add_argument("--into", type=Path, default=gb.ROOT / "bench" / "results.json", help="collect: the summary to merge into")
+    parser.add_argument("--machine", default="", help="collect: the GPU the runs were made on")
+    parser.add_argument("--date", default=time.strftime("%Y-%m-%d"), help="collect: the day they were made")
+    a = parser.parse_args()
+    command = "python bench/realistic.py " + " ".join(sys.argv[1:])
+    if a.what == "ours":
+        ours(a.dir, a.cap, a.engine, a.steps, a.micro, a.lora_rank, a.gpu_memory_utilization, command)
+    elif a.what == "collect":  # here, on the results a device call brought back: --dir is that results folder
+        collect(a.dir, a.into, a.machine, a.date)
+    elif a.what == "vllm":
+        vllm_alone(a.dir, a.cap, a.gpu_memory_utilization, command)
+    else:
+        trl(a.dir, a.cap, a.steps, a.micro, command)
+
+
+if __name__ == "__main__":
+    main()
