@@ -255,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nTotal wall time: {wall:.0f}s")
     print(f"Airflow UI: {cfg.airflow_url}  (login {user} / {password})  this run: {ui}")
     print(f"Ray dashboard: {cfg.dashboard_url}  (it asks for the token in {ray_token_file(cfg.scratch)})")
+    root = f"s3://{bucket}/{run_prefix.split('/runs/', 1)[0]}"
+    print(f"The trained policy as a plain HF folder: make export RUN='{run_id}' ROOT={root} OUT=./policy  (tools/export.py)")
     return code
 
 
