@@ -14,16 +14,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
+import urllib.parse
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from plugins.stage_cli import submission_id_for  # noqa: E402
 from tasks.data import demo  # noqa: E402
 from tools.stack.api import AirflowAPI, APIError, q  # noqa: E402
-from tools.stack.config import Config, StackError, airflow_login, ray_token_file  # noqa: E402
+from tools.stack.config import Config, StackError, airflow_login, ray_auth_headers, ray_token_file  # noqa: E402
 from tools.stack.health import healthy_airflow  # noqa: E402
 from tools.stack.processes import current_config, reserialize  # noqa: E402
 from tools.stack.s3 import s3_client  # noqa: E402
@@ -60,6 +64,58 @@ def wait_for_dag(api: AirflowAPI, cfg: Config, dag_id: str, t0: float, timeout: 
                 msg += f"\n  import error in {err.get('filename')}:\n    " + str(err.get("stack_trace", "")).strip()[-2000:].replace("\n", "\n    ")
             raise SystemExit(msg)
         time.sleep(2)
+
+
+#: A stage's progress in its driver log: `sft: step 12/100, …` (tasks/common/tracking.py) or a logged `step 12 …`.
+PROGRESS = re.compile(r"^(\w+: step \d+/\d+.*|step \d+ .*)$")
+PROGRESS_POLL_S, HEARTBEAT_S = 10.0, 25.0
+
+
+class StageProgress:
+    """The newest progress line of each running stage, read from its Ray job's driver log (with the stack's token),
+    printed when it changes, and at least every HEARTBEAT_S while the stage runs, so the demo is never silent."""
+
+    def __init__(self, cfg: Config, dag_id: str, run_id: str, t0: float):
+        self.cfg, self.dag_id, self.run_id, self.t0 = cfg, dag_id, run_id, t0
+        self.polled, self.printed, self.last = 0.0, time.monotonic(), {}
+
+    def _get(self, path: str):
+        req = urllib.request.Request(f"{self.cfg.dashboard_url}{path}", headers={"Accept": "application/json", **ray_auth_headers(self.cfg.scratch)})
+        with urllib.request.urlopen(req, timeout=10) as response:
+            return json.load(response)
+
+    def latest(self, task_id: str) -> str | None:
+        prefix = submission_id_for(self.dag_id, self.run_id, task_id)
+        jobs = [j for j in self._get("/api/jobs/") if (j.get("submission_id") or "").startswith(prefix)]
+        if not jobs:
+            return None
+        job = max(jobs, key=lambda j: j.get("start_time") or 0)  # a retry's attempt is the newest
+        logs = self._get(f"/api/jobs/{urllib.parse.quote(job['submission_id'])}/logs").get("logs", "")
+        lines = [line.strip() for line in logs.splitlines() if line.strip()]
+        # Its newest progress line, else (a stage that reports none: data, eval) its newest line of any kind.
+        found = next((line for line in reversed(lines) if PROGRESS.match(line)), None)
+        return found or (lines[-1][:160] if lines else None)
+
+    def show(self, tis: list[dict]) -> None:
+        now = time.monotonic()
+        if now - self.polled < PROGRESS_POLL_S:
+            return
+        self.polled = now
+        for ti in tis:
+            if ti.get("state") not in ("running", "deferred"):
+                continue
+            try:
+                line = self.latest(ti["task_id"])
+            except (OSError, ValueError) as e:  # the dashboard busy or restarting: the next poll tries again
+                line = f"(progress not readable: {e})"
+            label = task_label(ti)
+            if line and (line != self.last.get(label) or now - self.printed >= HEARTBEAT_S):
+                log(self.t0, f"{label:<24} {line}")
+                self.last[label], self.printed = line, now
+        if now - self.printed >= HEARTBEAT_S:  # nothing running yet (queued, scheduled) or no log line so far
+            active = [f"{task_label(ti)} {ti.get('state')}" for ti in tis if ti.get("state") not in (None, "success", "skipped", "failed", "upstream_failed")]
+            log(self.t0, "waiting: " + (", ".join(active) or "for the scheduler"))
+            self.printed = now
 
 
 def task_label(ti: dict) -> str:
@@ -189,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     log(t0, f"follow it in the UI: {ui}")
 
     seen: dict[str, str] = {}
+    progress = StageProgress(cfg, dag_id, run_id, t0)
     deadline = time.monotonic() + args.timeout
     state = run.get("state")
     while True:
@@ -198,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
             if seen.get(label, "none") != now:
                 log(t0, f"{label:<24} {seen.get(label, '-'):>10} -> {now}")
                 seen[label] = now
+                progress.printed = time.monotonic()
+        progress.show(tis)
         if state in FINAL_RUN_STATES:
             break
         if time.monotonic() > deadline:

@@ -64,6 +64,7 @@ class StageRun:
             project=cfg.wandb_project,
             run_name=f"{stage}-{cfg.run_id}",
             config=cfg.to_dict(),
+            name=stage,
         )
 
     def input(self, name: str, uri: str) -> str:

@@ -426,6 +426,7 @@ class Controller:
         # Every step, whatever --logging_steps: a resume is checked against the steps right before it.
         record = {"step": step, "reward": scores.mean().item(), "kl": sequence_kl, "entropy": stats.get("entropy"), "grad_norm": stats.get("grad_norm")}
         self.history = resume_check.remember(self.history, record)
+        self.run.tracker.progress(step, self.steps, {"reward": record["reward"], "kl": sequence_kl})
         if step % cfg.logging_steps == 0 or step == self.steps:
             self.run.tracker.log(
                 step,

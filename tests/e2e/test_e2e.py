@@ -8,6 +8,7 @@ tests/e2e/test_demo_claim.py checks on seeds 0, 1 and 2 under `make test-all`.
 """
 
 import json
+import re
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -35,6 +36,17 @@ def test_the_demo_run_succeeds_through_the_rest_api(demo_run):
     }
     assert "| sampled_preferred_style_rate |" in stdout
     assert "PASS: the policy gained the preferred style with accuracy held" in stdout  # the demo's verdict line
+
+
+def test_the_demo_is_never_silent_and_shows_each_stages_progress(demo_run):
+    """tools/demo.py prints each running stage's newest progress line from its Ray job's log (with the stack's token),
+    at least every 25 s; a line every 30 s at most apart, with slack for a loaded 2-core machine."""
+    stamps = [float(m.group(1)) for m in re.finditer(r"^\[\s*([\d.]+)s\]", demo_run.stdout, re.M)]
+    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+    assert max(gaps) <= 45, f"{max(gaps):.0f} s without a line"
+    for stage in ("sft", "reward_model", "rl"):
+        assert re.search(rf"^\[.*\] {stage}\s+{stage}: step \d+/\d+, [\d.]+ steps/s", demo_run.stdout, re.M), stage
+    assert "make export RUN=" in demo_run.stdout
 
 
 def test_each_stage_ran_as_exactly_one_ray_job(demo_run):

@@ -380,6 +380,10 @@ def placed_group(worker_cls: type, num_nodes: int, gpus_per_node: int, name: str
         placement.remove()
 
 
+#: The statistics a progress line shows, of those a one-group stage's step returns.
+PROGRESS_METRICS = ("loss", "accuracy", "reward_accuracy")
+
+
 def train_steps(run, group: WorkerGroup, max_steps: int, logging_steps: int) -> dict:
     """The driver's loop of a one-group training stage (SFT, reward model, preference): resume from the
     newest checkpoint, then `train_step` on every rank per step, logging rank 0's (global) statistics (and on
@@ -402,6 +406,7 @@ def train_steps(run, group: WorkerGroup, max_steps: int, logging_steps: int) -> 
         if logged:
             gb = [g for g in ray.get(peaks) if g is not None]
             run.tracker.log(step, {**stats, **({"gpu_peak_gb": round(max(gb), 2)} if gb else {})})
+        run.tracker.progress(step, max_steps, {k: v for k, v in stats.items() if k in PROGRESS_METRICS})
         run.checkpoint(step, lambda local, uri: merge_uploads(group.run("save_state", uri)))
         if queued is None and step < max_steps:
             queued = group.run_async("train_step")
