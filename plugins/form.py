@@ -30,6 +30,7 @@ def promotion_param(default: bool) -> Param:
         type="boolean",
         title="Allow promotion",
         description="Promote the policy to champion when it passes the gate. Off: the gate judges and records it only.",
+        section="Promotion",  # SECTIONS: made here too, since the nightly DAG makes its own
     )
 
 
@@ -209,6 +210,39 @@ PARAMS = {
         additionalProperties=False,
     ),
 }
+
+#: The form's sections, in order (Airflow's trigger form groups a Param by its `section`). What a run needs to start
+#: stays in the first, "Run Parameters" (no section, open); every other starts folded, Advanced last.
+SECTIONS = {
+    "Data": ["input_key", "output_key", "chosen_key", "rejected_key", "label_key", "messages_key", "eval_fraction", "max_bad_fraction"],
+    "Training, every stage": ["seed", "lora_rank", "zero_stage", "apply_chat_template"],
+    "SFT": ["sft_steps", "sft_learning_rate"],
+    "Reward model": ["rm_steps", "rm_learning_rate"],
+    "RL": [
+        "rl_steps",
+        "actor_learning_rate",
+        "critic_learning_rate",
+        "init_kl_coef",
+        "gae_lambda",
+        "ptx_coef",
+        "advantage_estimator",
+        "n_samples_per_prompt",
+        "generate_max_len",
+        "environment",
+        "max_turns",
+        "max_episode_tokens",
+        "colocate_all_models",
+        "rollout_engine",
+    ],
+    "Preference (DPO/KTO)": ["preference_steps", "preference_learning_rate", "dpo_beta", "kto_beta"],
+    "Eval": [name for name in STAGE_PARAMS if STAGE_PARAMS[name][0] == "tasks.eval"],
+    "Promotion": ["model_name", "allow_promotion", "promotion_gate"],
+    "Advanced": ["checkpoints_per_stage", "use_cache", "stage_deadline_minutes", "fault_injection"],
+}
+for _section, _names in SECTIONS.items():
+    for _name in _names:
+        PARAMS[_name].schema["section"] = _section
+PARAMS = {name: PARAMS[name] for name in [n for n in PARAMS if "section" not in PARAMS[n].schema] + [n for ns in SECTIONS.values() for n in ns]}
 
 #: The run form's defaults by Param name.
 DEFAULTS = {name: param.value for name, param in PARAMS.items()}

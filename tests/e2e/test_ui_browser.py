@@ -56,6 +56,11 @@ def trigger_through_form(page, base: str) -> None:
     page.goto(f"{base}/dags/{DAG}")
     page.get_by_role("button", name="Trigger").first.click()
     dialog = page.get_by_role("dialog")
+    # The form's sections (plugins/form.py SECTIONS), folded: the Eval one is opened for its field.
+    for section in ("Data", "SFT", "Reward model", "RL", "Eval", "Promotion", "Advanced"):
+        assert dialog.get_by_role("button", name=section, exact=True).is_visible(), section
+    shot(page, "0-trigger-form-sections")
+    dialog.get_by_role("button", name="Eval", exact=True).click()
     field = dialog.locator("input[name=element_eval_max_samples]")
     field.scroll_into_view_if_needed()
     field.fill(str(EVAL_SAMPLES))

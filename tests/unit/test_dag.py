@@ -629,3 +629,14 @@ def test_nightly_dataset_comes_from_the_environment():
     assert done.returncode == 0, done.stderr[-2000:]
     result = next(line for line in done.stdout.splitlines() if line.startswith("RESULT"))
     assert result.split()[1:] == ["dataset:support-chats", "demo", "True"]
+
+
+def test_the_form_is_grouped_by_stage():
+    """Airflow's trigger form folds every section but the first: a run starts from the five fields left open."""
+    from plugins.form import PARAMS, SECTIONS
+
+    named = [n for names in SECTIONS.values() for n in names]
+    assert len(named) == len(set(named)) and set(named) <= set(PARAMS), "each Param in one section"
+    assert [n for n in PARAMS if "section" not in PARAMS[n].schema] == ["bucket", "prefix", "dataset", "base_model", "method"]
+    assert list(SECTIONS)[-1] == "Advanced" and "fault_injection" in SECTIONS["Advanced"]
+    assert {PARAMS[n].schema["section"] for n in SECTIONS["RL"]} == {"RL"}
