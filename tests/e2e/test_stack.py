@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tools.stack.config import Config, StackError, airflow_login, stack_env
+from tools.stack.config import Config, StackError, airflow_login, ray_token, stack_env
 from tools.stack.health import airflow_health
 from tools.stack.processes import remove_scratch, running
 from tools.stack.s3 import s3_client
@@ -43,8 +43,9 @@ def test_stack_env_is_loopback_complete_and_stable(tmp_path):
     assert env["TORCH_EXTENSIONS_DIR"] == str(REPO / ".scratch" / "torch_extensions")
     s3 = json.loads(env["AIRFLOW_CONN_RLHF_S3"])
     assert s3["conn_type"] == "aws" and s3["extra"]["endpoint_url"] == "http://127.0.0.1:39000"
+    # Its password is the head's token (tests/e2e/test_ray_auth.py).
     assert json.loads(env["AIRFLOW_CONN_RLHF_RAY"]) == {
-        "conn_type": "http", "host": "127.0.0.1", "port": 38265, "schema": "http",
+        "conn_type": "http", "host": "127.0.0.1", "port": 38265, "schema": "http", "password": ray_token(tmp_path),
     }  # fmt: skip
     # Secrets and the login are generated once and reused.
     again = stack_env(tmp_path, airflow_port=38080, s3_port=39000, ray_port=36379, dashboard_port=38265)
