@@ -54,7 +54,7 @@ class EnvError(ConfigError):
 class EnvironmentFile:
     """An environment as loaded: calling it builds a fresh episode's environment."""
 
-    spec: str
+    spec: str  # as messages name it: the file's URI, without its pin (#sha256=…)
     cls: type
     tools: list | None = None
 
@@ -72,8 +72,10 @@ def load_environment(spec: str) -> EnvironmentFile:
         module = user_code.load_module(spec, "env_path", EnvError, purpose="env")
     env = getattr(module, "Environment", None)
     if not isinstance(env, type) or not all(callable(getattr(env, m, None)) for m in ("reset", "step")):
-        raise EnvError(f"env_path: {spec} defines no class Environment with reset(row) and step(action); define both (see the README's Agentic RL section)")
-    return EnvironmentFile(spec, env, getattr(module, "TOOLS", None))
+        raise EnvError(
+            f"env_path: {user_code.split_pin(spec)[0]} defines no class Environment with reset(row) and step(action); define both (see the README's Agentic RL section)"
+        )
+    return EnvironmentFile(user_code.split_pin(spec)[0], env, getattr(module, "TOOLS", None))
 
 
 def failure_reason(error: BaseException) -> str:
