@@ -128,6 +128,13 @@ class RLConfig(EpisodeConfig, TrainingConfig):
         metadata={"help": "passes over the prompts; when set, the stage runs num_episodes × ⌊prompts / rollout_batch_size⌋ steps instead of max_steps"},
     )
     micro_rollout_batch_size: int = field(default=0, metadata={"help": "sequences per generate / inference call on one worker (0: its whole share at once)"})
+    max_tokens_per_gpu: int = field(
+        default=0,
+        metadata={
+            "help": "actor and critic updates in micro-batches by token budget, not by count (slime's name; verl's ppo_max_token_len_per_gpu): rows of similar length, at most this many tokens padded to the longest in each (a longer row alone), each cut to its rows; the loss is normalised over the whole minibatch, so the split changes nothing; 0: micro_train_batch_size rows each",
+            "min": 0,
+        },
+    )
     dynamic_filtering: bool = field(
         default=False,
         metadata={
@@ -401,6 +408,11 @@ class RLConfig(EpisodeConfig, TrainingConfig):
                 raise ConfigError(f"{name}: missing; pass --{name} <URI>")
         if self.is_correction not in ("auto", *IS_CORRECTIONS) or not self.is_cap > 1:
             raise ConfigError(f"is_correction: use auto, {', '.join(IS_CORRECTIONS)} with an is_cap above 1; got {self.is_correction!r} and {self.is_cap}")
+        if self.max_tokens_per_gpu and self.correction() == "reject" and not self.needs_old_logprobs():
+            # The kept tokens are the denominator, known before the update only from the rollout's old log-probs.
+            raise ConfigError(
+                "max_tokens_per_gpu: with --is_correction reject it needs the rollout's old log-probs (KL or more than one update); use tis or mis, or drop --max_tokens_per_gpu"
+            )
         for name in ("remote_rm_url", "env_path"):  # before any Ray job: only what the operator allows
             check_reach(getattr(self, name), name, ConfigError)
         if not (self.reward_pretrain or self.remote_rm_url or self.env_path):

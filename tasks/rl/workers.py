@@ -14,10 +14,11 @@ import threading
 import torch
 
 from tasks.common.nn import data, lora
-from tasks.common.nn.losses import importance_weights, kl_loss, logprob_mismatch, masked_mean, policy_loss, value_loss
+from tasks.common.nn.losses import aggregate, importance_weights, kl_loss, logprob_mismatch, loss_normalizer, policy_loss, value_loss
 from tasks.common.nn.models import kernels, load_causal_lm, load_scalar_model, load_tokenizer, resolve_model
 from tasks.common.nn.rollout import HFRolloutEngine, Rollout
 from tasks.common.nn.strategy import DeepSpeedStrategy
+from tasks.common.nn.token_batches import token_batches
 from tasks.common.nn.workers import TrainingWorker, Worker
 from tasks.rl.config import RLConfig
 from tasks.rl.experience import Experience, response_logprobs, response_values
@@ -43,10 +44,69 @@ def _micro_batches(exp: Experience, size: int):
         yield exp.minibatch(torch.arange(start, min(n, start + size)))
 
 
+def response_used(exp: Experience) -> torch.Tensor:
+    """[B]: response positions each row uses, up to its last attended or trained token (0 for none). The
+    responses are right-padded: past that, nothing is attended to and nothing enters a loss."""
+    live = (exp.attention_mask[:, exp.prompt_width :] > 0) | (exp.action_mask > 0)
+    positions = torch.arange(1, live.size(1) + 1, device=live.device)
+    return (live * positions).amax(1)
+
+
+def trimmed(exp: Experience, rows: list[int]) -> Experience:
+    """The micro-batch of `rows`, cut to their own widths: the prompts' left padding that none of them uses, and
+    the response positions past the longest of them. Every [B, R] tensor (log-probs, advantages, masks …) keeps its
+    first columns, sequences and attention_mask the same response columns; the prompt width shrinks with the
+    left cut. Causal attention and positions from the attention mask (cumsum - 1) leave every kept position's
+    numbers as they were, to float rounding."""
+    mb = exp.minibatch(torch.as_tensor(rows, dtype=torch.long, device=exp.sequences.device))
+    width = mb.action_mask.size(1)
+    keep = max(1, int(response_used(mb).max()))
+    left = min(int((mb.attention_mask[:, : mb.prompt_width] > 0).int().argmax(1).min()), mb.prompt_width - 1)
+    fields = {}
+    for name, value in mb.__dict__.items():
+        if name in ("sequences", "attention_mask"):
+            value = value[:, left : mb.prompt_width + keep]
+        elif isinstance(value, torch.Tensor) and value.dim() >= 2:
+            if value.size(1) != width:
+                raise ValueError(f"Experience.{name}: {list(value.shape)} is not per response token ([B, {width}]); say how to trim it")
+            value = value[:, :keep]
+        fields[name] = value
+    fields["prompt_width"] = mb.prompt_width - left
+    return Experience(**fields)
+
+
 class _Trainer(TrainingWorker):
     """What actor and critic share: the micro-batch size, and averaging statistics over the world."""
 
     cfg: RLConfig
+
+    def _token_micro_batches(self, exp: Experience) -> list[Experience]:
+        """--max_tokens_per_gpu: this rank's minibatch in micro-batches of rows of similar length whose padded size
+        (rows × prompt width + longest response) stays within the budget, each trimmed to its rows. Every rank
+        runs as many as the rank that needs the most: ZeRO-2 reduces the gradients on every backward."""
+        lengths = (exp.prompt_width + response_used(exp)).tolist()
+        budget = self.cfg.max_tokens_per_gpu
+        count = int(self.strategy.all_reduce(len(token_batches(lengths, budget)), op="max").item())
+        return [trimmed(exp, rows) for rows in token_batches(lengths, budget, min_count=count)]
+
+    def _micro_steps(self, minibatch: Experience):
+        """The micro-batches of one optimizer step over `minibatch`, as (micro-batch, how many). By count, DeepSpeed
+        steps after its fixed gradient_accumulation_steps and divides each loss by them. By token budget their number
+        varies: the accumulation boundary is set by hand, on the last one only (before its forward, as DeepSpeed
+        asks), and each loss is already its share of the minibatch's (the losses' normalizer), so backward does not
+        divide it (_backward_step: scale_wrt_gas=False)."""
+        if not self.cfg.max_tokens_per_gpu:
+            mbs = list(_micro_batches(minibatch, self.micro))
+            yield from ((mb, len(mbs)) for mb in mbs)
+            return
+        mbs = self._token_micro_batches(minibatch)
+        for i, mb in enumerate(mbs):
+            self.engine.set_gradient_accumulation_boundary(i == len(mbs) - 1)
+            yield mb, len(mbs)
+
+    def _backward_step(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss, scale_wrt_gas=not self.cfg.max_tokens_per_gpu)
+        self.engine.step()  # the optimizer steps only at the accumulation boundary
 
     def _mean_stats(self, stats: dict[str, list[float]]) -> dict[str, float]:
         means = torch.tensor([sum(v) / max(1, len(v)) for v in stats.values()])
@@ -191,8 +251,14 @@ class ActorWorker(_Trainer):
         stats: dict[str, list[float]] = {"policy_loss": [], "clip_fraction": [], "entropy": []}
         sync_gaps = []  # the largest |engine - actor| log-probability gap of each micro-batch
         loss_agg = "seq_mean_token_sum_norm" if cfg.advantage_estimator == "dr_grpo" else "token_mean"
+        by_tokens = bool(cfg.max_tokens_per_gpu)
         for minibatch in minibatches:
-            for mb in _micro_batches(minibatch.to(device), self.micro):
+            minibatch = minibatch.to(device)
+            # By token budget every loss term is its micro-batch's share of the minibatch's: divided by the whole
+            # minibatch's tokens (or sequences), so the sum over micro-batches is the padded path's loss.
+            norm, tokens = self._normalizers(minibatch, loss_agg) if by_tokens else (None, None)
+            shares = {"policy_loss": 0.0, "entropy": 0.0}
+            for mb, n_micro in self._micro_steps(minibatch):
                 # The entropy is logged every step but trained on only with --entropy_coef: without it, it stays out of
                 # autograd and the backward pass makes no vocabulary-wide passes for it.
                 logprobs, entropy = response_logprobs(
@@ -224,21 +290,29 @@ class ActorWorker(_Trainer):
                     loss_agg=loss_agg,
                     max_len=cfg.generate_max_len,
                     is_weights=is_weights,
+                    normalizer=norm,
                 )
                 loss = p_loss
                 if cfg.use_kl_loss:
-                    loss = loss + kl_coef * kl_loss(logprobs, mb.ref_logprobs, mb.action_mask, cfg.kl_estimator)
-                if cfg.ptx_coef:
+                    loss = loss + kl_coef * kl_loss(logprobs, mb.ref_logprobs, mb.action_mask, cfg.kl_estimator, normalizer=tokens)
+                if cfg.ptx_coef:  # the mean over the micro-batches of each one's ptx batch, either way
                     ptx = self._ptx_loss()
-                    loss = loss + cfg.ptx_coef * ptx
+                    loss = loss + cfg.ptx_coef * (ptx / n_micro if by_tokens else ptx)
                     stats.setdefault("ptx_loss", []).append(ptx.item())
-                mean_entropy = masked_mean(entropy.detach(), mb.action_mask)
+                mean_entropy = aggregate(entropy.detach(), mb.action_mask, normalizer=tokens)
                 if cfg.entropy_coef:
-                    loss = loss - cfg.entropy_coef * masked_mean(entropy, mb.action_mask)
-                self.engine.backward(loss)
-                self.engine.step()
-                for key, value in (("policy_loss", p_loss), ("clip_fraction", clip_fraction), ("entropy", mean_entropy)):
-                    stats[key].append(value.item())
+                    loss = loss - cfg.entropy_coef * aggregate(entropy, mb.action_mask, normalizer=tokens)
+                self._backward_step(loss)
+                stats["clip_fraction"].append(clip_fraction.item())
+                if by_tokens:  # shares: the minibatch's values are their sums
+                    shares["policy_loss"] += p_loss.item()
+                    shares["entropy"] += mean_entropy.item()
+                else:
+                    stats["policy_loss"].append(p_loss.item())
+                    stats["entropy"].append(mean_entropy.item())
+            if by_tokens:
+                for key, value in shares.items():
+                    stats[key].append(value)
             # The minibatch's optimizer step has run: its gradients' global norm before clipping (resumes are checked
             # against it). DeepSpeed keeps none for ZeRO-0 in fp32, which then logs no grad_norm.
             grad_norm = self.engine.get_global_grad_norm()
@@ -250,6 +324,18 @@ class ActorWorker(_Trainer):
         if torch.cuda.is_available():
             result["train_gpu_peak_gb"] = round(self.strategy.all_reduce(torch.cuda.max_memory_allocated() / 2**30, op="max").item(), 2)
         return result
+
+    def _normalizers(self, minibatch: Experience, loss_agg: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the policy loss's, the token-mean terms') denominators over this rank's whole minibatch. The policy
+        loss's counts, under --is_correction reject, only the tokens the correction keeps (as policy_loss does):
+        their weights come from the rollout's old log-probabilities (RLConfig refuses reject by token budget
+        without them)."""
+        keep = None
+        if self.cfg.correction() == "reject" and minibatch.behaviour_logprobs is not None:
+            if minibatch.logprobs is None:
+                raise ValueError("max_tokens_per_gpu: --is_correction reject needs the rollout's old log-probabilities")
+            keep = importance_weights(minibatch.logprobs, minibatch.behaviour_logprobs, minibatch.action_mask, "reject", self.cfg.is_cap)
+        return loss_normalizer(minibatch.action_mask, loss_agg, keep=keep), loss_normalizer(minibatch.action_mask)
 
     def _ptx_loss(self) -> torch.Tensor:
         """Mean NLL of the response tokens of the next micro-batch of PPO-ptx rows (the SFT loss)."""
@@ -418,14 +504,22 @@ class CriticWorker(_Trainer):
     def train(self, minibatches: list[Experience]) -> dict[str, float]:
         self.engine.train()
         stats: dict[str, list[float]] = {"value_loss": [], "value_clip_fraction": []}
+        by_tokens = bool(self.cfg.max_tokens_per_gpu)
         for minibatch in minibatches:
-            for mb in _micro_batches(minibatch.to(self.strategy.device), self.micro):
+            minibatch = minibatch.to(self.strategy.device)
+            tokens = loss_normalizer(minibatch.action_mask) if by_tokens else None  # each loss its share of the minibatch's
+            share = 0.0
+            for mb, _ in self._micro_steps(minibatch):
                 values = response_values(self.engine.module, mb.sequences, mb.attention_mask, mb.prompt_width)
-                v_loss, v_clip = value_loss(values, mb.values, mb.returns, mb.action_mask, self.cfg.value_clip)
-                self.engine.backward(v_loss)
-                self.engine.step()
-                stats["value_loss"].append(v_loss.item())
+                v_loss, v_clip = value_loss(values, mb.values, mb.returns, mb.action_mask, self.cfg.value_clip, normalizer=tokens)
+                self._backward_step(v_loss)
                 stats["value_clip_fraction"].append(v_clip.item())
+                if by_tokens:
+                    share += v_loss.item()
+                else:
+                    stats["value_loss"].append(v_loss.item())
+            if by_tokens:
+                stats["value_loss"].append(share)
         return self._mean_stats(stats)
 
     def save_model(self, out_dir: str) -> None:

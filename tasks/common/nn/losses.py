@@ -12,6 +12,7 @@
     kl = kl_estimate(logprobs, ref_logprobs, "k3")           # per token, [B, T]
     loss = kl_loss(logprobs, ref_logprobs, mask, "k3")        # --use_kl_loss; the caller multiplies by β
     loss = aggregate(per_token_loss, mask, "token_mean")      # how [B, T] losses become one number
+    share = aggregate(mb_loss, mb_mask, "token_mean", normalizer=loss_normalizer(minibatch_mask))  # a micro-batch's part
 
 Shapes: per-token tensors are [batch, tokens] with a 0/1 mask of the same shape.
 """
@@ -200,7 +201,9 @@ def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Te
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 
 
-def aggregate(loss: torch.Tensor, mask: torch.Tensor, loss_agg: str = "token_mean", max_len: int | None = None) -> torch.Tensor:
+def aggregate(
+    loss: torch.Tensor, mask: torch.Tensor, loss_agg: str = "token_mean", max_len: int | None = None, normalizer: torch.Tensor | float | None = None
+) -> torch.Tensor:
     """Reduce a per-token loss [B, T] to a scalar over the response tokens (mask = 1).
 
     token_mean:              Σ_{i,t} l_it / Σ_{i,t} m_it — every token of the batch weighs the same
@@ -213,11 +216,16 @@ def aggregate(loss: torch.Tensor, mask: torch.Tensor, loss_agg: str = "token_mea
 
     The sequence-level forms average over the rows that hold at least one response token.
     Positions with mask 0 never contribute, even when the loss there is inf or nan.
+
+    normalizer: the denominator to use instead of this batch's own (its tokens for token_mean, its rows with
+    tokens for the sequence forms): loss_normalizer of the whole minibatch. Each micro-batch's loss is then its
+    share of the minibatch's, and the shares sum to the minibatch's loss however its rows were split
+    (micro-batches by token budget, --max_tokens_per_gpu).
     """
     mask = mask.to(loss.dtype)
     loss = torch.where(mask > 0, loss, torch.zeros_like(loss))
     if loss_agg == "token_mean":
-        return masked_mean(loss, mask)
+        return masked_mean(loss, mask) if normalizer is None else (loss * mask).sum() / normalizer
     if loss_agg == "seq_mean_token_mean":
         per_sequence = masked_mean(loss, mask, dim=1)
     elif loss_agg == "seq_mean_token_sum_norm":
@@ -227,7 +235,18 @@ def aggregate(loss: torch.Tensor, mask: torch.Tensor, loss_agg: str = "token_mea
     else:
         raise ValueError(f"loss_agg: unknown {loss_agg!r}; use {', '.join(LOSS_AGGREGATIONS)}")
     has_tokens = (mask.sum(1) > 0).to(loss.dtype)
-    return (per_sequence * has_tokens).sum() / has_tokens.sum().clamp(min=1.0)
+    return (per_sequence * has_tokens).sum() / (has_tokens.sum().clamp(min=1.0) if normalizer is None else normalizer)
+
+
+def loss_normalizer(mask: torch.Tensor, loss_agg: str = "token_mean", keep: torch.Tensor | None = None) -> torch.Tensor:
+    """The denominator `aggregate` divides a batch's losses by, over a whole minibatch [B, T]: its response tokens
+    (token_mean) or its rows holding at least one (the sequence forms), at least 1. `keep`: the bool keep mask of
+    --is_correction reject (importance_weights), whose dropped tokens leave the denominator, as in policy_loss."""
+    if loss_agg not in LOSS_AGGREGATIONS:
+        raise ValueError(f"loss_agg: unknown {loss_agg!r}; use {', '.join(LOSS_AGGREGATIONS)}")
+    kept = (mask > 0) if keep is None else (mask > 0) & keep.bool()
+    count = kept.sum() if loss_agg == "token_mean" else kept.any(1).sum()
+    return count.float().clamp(min=1.0)
 
 
 def policy_loss(
@@ -242,6 +261,7 @@ def policy_loss(
     loss_agg: str = "token_mean",
     max_len: int | None = None,
     is_weights: torch.Tensor | None = None,
+    normalizer: torch.Tensor | float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO's clipped surrogate, -min(ρA, clip(ρ, 1-ε_low, 1+ε_high)A) with ρ = π/π_old, per token.
 
@@ -253,7 +273,8 @@ def policy_loss(
     bounded by max(min(ρA, clip(ρ)A), cA), i.e. the per-token loss is min(clipped loss, c·|A|), so a
     huge ratio on a bad token cannot dominate the batch. Tokens with A ≥ 0 are unchanged.
 
-    loss_agg / max_len: how per-token losses become one number (see `aggregate`).
+    loss_agg / max_len / normalizer: how per-token losses become one number (see `aggregate`; a normalizer for
+    reject counts only the kept tokens: loss_normalizer(mask, loss_agg, keep=is_weights)).
     is_weights: per-token off-policy correction (importance_weights). A float tensor (tis, mis) multiplies each
     token's loss, the denominator unchanged; a bool one (reject) is a keep mask: the tokens it drops leave the
     aggregation altogether, so token_mean divides by the kept tokens (as a bool attn_mask in PyTorch's
@@ -280,7 +301,7 @@ def policy_loss(
     elif is_weights is not None:
         (is_weights,) = masked_inputs(mask, is_weights.detach())
         surrogate = surrogate * is_weights
-    return aggregate(-surrogate, kept, loss_agg, max_len), clip_fraction
+    return aggregate(-surrogate, kept, loss_agg, max_len, normalizer), clip_fraction
 
 
 def policy_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torch.Tensor:
@@ -357,21 +378,23 @@ def value_loss(
     returns: torch.Tensor,
     mask: torch.Tensor,
     clip_eps: float | None = 0.2,
+    normalizer: torch.Tensor | float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Critic loss ½·max((V-R)², (V_clip-R)²), V_clip = V_old + clip(V-V_old, -ε, ε).
 
     The value clipping of the PPO reference implementation (Schulman et al. 2017, baselines
     ppo2; analysed by Engstrom et al. 2020, eq. 4). clip_eps=None gives the plain ½(V-R)².
-    Returns the masked mean loss and the fraction of tokens where the clipped term was larger.
+    Returns the masked mean loss and the fraction of tokens where the clipped term was larger; with a
+    normalizer (loss_normalizer of the minibatch), the loss is this batch's share of the minibatch's token mean.
     """
     values, old_values, returns = masked_inputs(mask, values, old_values, returns)
     unclipped = (values - returns) ** 2
     if clip_eps is None:
-        return 0.5 * masked_mean(unclipped, mask), torch.zeros((), device=values.device)
+        return 0.5 * aggregate(unclipped, mask, normalizer=normalizer), torch.zeros((), device=values.device)
     clipped_values = old_values + (values - old_values).clamp(-clip_eps, clip_eps)
     clipped = (clipped_values - returns) ** 2
     loss = 0.5 * torch.maximum(unclipped, clipped)
-    return masked_mean(loss, mask), masked_mean((clipped > unclipped).float(), mask)
+    return aggregate(loss, mask, normalizer=normalizer), masked_mean((clipped > unclipped).float(), mask)
 
 
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k1") -> torch.Tensor:
@@ -405,6 +428,7 @@ def kl_loss(
     estimator: str = "k3",
     loss_agg: str = "token_mean",
     max_len: int | None = None,
+    normalizer: torch.Tensor | float | None = None,
 ) -> torch.Tensor:
     """KL(π || π_ref) as a loss term on the current policy's log-probs (OpenRLHF --use_kl_loss).
 
@@ -416,7 +440,7 @@ def kl_loss(
     Each token's estimate is clamped to ±10 (kl_estimate).
     """
     logprobs, ref_logprobs = masked_inputs(mask, logprobs, ref_logprobs)  # e^r of a padded position could be inf
-    return aggregate(kl_estimate(logprobs, ref_logprobs, estimator), mask, loss_agg, max_len)
+    return aggregate(kl_estimate(logprobs, ref_logprobs, estimator), mask, loss_agg, max_len, normalizer)
 
 
 # Offline preference optimisation: the inputs are per-sequence summed log-probabilities of the
