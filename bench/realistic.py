@@ -122,9 +122,11 @@ def per_step(bench_dir: Path, shape: str, system: str, records: list[dict], cap:
     )
 
 
-def ours(bench_dir: Path, cap: int, engine: str, steps: int, micro: int, lora_rank: int, gpu_memory_utilization: float, command: str) -> None:
+def ours(
+    bench_dir: Path, cap: int, engine: str, steps: int, micro: int, lora_rank: int, gpu_memory_utilization: float, max_tokens_per_gpu: int, command: str
+) -> None:
     shape = shape_name(bench_dir, cap, lora_rank)
-    system = "ours" if engine == "vllm" else "ours_transformers"
+    system = ("ours" if engine == "vllm" else "ours_transformers") + ("_token_budget" if max_tokens_per_gpu else "")
     out = bench_dir / "out" / f"realistic_{shape}_{system}"
     args = gb.grpo_args(bench_dir, out, steps, micro)
     args.update(
@@ -143,12 +145,23 @@ def ours(bench_dir: Path, cap: int, engine: str, steps: int, micro: int, lora_ra
         args.update(vllm_num_engines=1, vllm_gpu_memory_utilization=gpu_memory_utilization)
     if lora_rank:
         args.update(lora_rank=lora_rank, lora_alpha=2 * lora_rank, target_modules="all-linear")
+    if max_tokens_per_gpu:  # micro-batches by token budget, each trimmed to its rows (--max_tokens_per_gpu)
+        args.update(max_tokens_per_gpu=max_tokens_per_gpu)
     if not gb.on_gpu():
         args.update(flash_attn=False, enable_prefix_caching=False)
     with GPUPeak() as peak:
         gb.run_stage("tasks.rl", args, bench_dir / f"realistic_{shape}_{system}.log")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    per_step(bench_dir, shape, system, records, cap, command, peak, {"engine": engine, "micro_batch": micro, "lora_rank": lora_rank})
+    per_step(
+        bench_dir,
+        shape,
+        system,
+        records,
+        cap,
+        command,
+        peak,
+        {"engine": engine, "micro_batch": micro, "lora_rank": lora_rank, "max_tokens_per_gpu": max_tokens_per_gpu},
+    )
 
 
 def vllm_alone(bench_dir: Path, cap: int, gpu_memory_utilization: float, command: str) -> None:
@@ -301,6 +314,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--micro", type=int, default=8, help="training micro-batch (sequences)")
     parser.add_argument("--lora_rank", type=int, default=0)
+    parser.add_argument("--max_tokens_per_gpu", type=int, default=0, help="ours: training micro-batches by this token budget (0: --micro rows each)")
     parser.add_argument("--gpu_memory_utilization", type=float, default=0.35)
     parser.add_argument("--into", type=Path, default=gb.ROOT / "bench" / "results.json", help="collect: the summary to merge into")
     parser.add_argument("--machine", default="", help="collect: the GPU the runs were made on")
@@ -308,7 +322,7 @@ def main() -> None:
     a = parser.parse_args()
     command = "python bench/realistic.py " + " ".join(sys.argv[1:])
     if a.what == "ours":
-        ours(a.dir, a.cap, a.engine, a.steps, a.micro, a.lora_rank, a.gpu_memory_utilization, command)
+        ours(a.dir, a.cap, a.engine, a.steps, a.micro, a.lora_rank, a.gpu_memory_utilization, a.max_tokens_per_gpu, command)
     elif a.what == "collect":  # here, on the results a device call brought back: --dir is that results folder
         collect(a.dir, a.into, a.machine, a.date)
     elif a.what == "vllm":
