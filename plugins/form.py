@@ -89,7 +89,7 @@ STAGE_PARAMS = {
 #: defaults (OpenRLHF's λ 0.95, no PPO-ptx) for a team's own data; the form's are the demo's measured recipe.
 PIPELINE_DEFAULTS = {
     "rm_steps": (100, "the demo's reward model: its run's claim (tests/e2e/test_e2e.py) holds with 100 steps on 2 cores"),
-    "rl_steps": (30, "the demo's RL recipe as measured on seeds 0, 1 and 2 (README, design notes)"),
+    "rl_steps": (30, "the demo's RL recipe as measured on seeds 0, 1 and 2 (docs/design-notes.md)"),
     "gae_lambda": (0.8, "the demo's style comes after the digits: with 0.95 the digit tokens carried much of its advantage noise"),
     "ptx_coef": (0.5, "PPO-ptx on the run's SFT split: without it the demo's accuracy held on one seed of three"),
     "colocate_all_models": (True, "one GPU per stage, as the pool slots count them (STAGE_GPUS); the local Ray head has 2 CPUs"),

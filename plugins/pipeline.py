@@ -273,7 +273,7 @@ def build_pipeline(
                 "critic_learning_rate": "{{ params.critic_learning_rate }}",
                 "init_kl_coef": "{{ params.init_kl_coef }}",
                 "lambd": "{{ params.gae_lambda }}",
-                # PPO-ptx on the run's own SFT split: the demo's accuracy held on every seed only with it (README's design notes).
+                # PPO-ptx on the run's own SFT split: the demo's accuracy held on every seed only with it (docs/design-notes.md).
                 "ptx_coef": "{{ params.ptx_coef }}",
                 "pretrain_data": "{{ ti.xcom_pull(task_ids='prepare_data') if params.ptx_coef else '' }}",
                 "advantage_estimator": "{{ params.advantage_estimator }}",

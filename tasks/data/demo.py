@@ -8,7 +8,7 @@ A prompt is `37+45=` (operands 0–99, two digits each); the answer is `082` (th
 data gives the answer in two styles, half each: terse (`082`) and wordy (`082 is the sum`). The
 preference pairs favour the terse style with the same answer on both sides, so the reward model
 learns style, which a tiny model judges reliably, and not correctness, which it cannot (a reward
-model asked to judge sums gets hacked by PPO; see the README's design notes). Exact match parses
+model asked to judge sums gets hacked by PPO; see docs/design-notes.md). Exact match parses
 the answer out of either style, so eval measures correctness on its own. The wordy words come
 after the digits: were they before, they would give the model extra positions to compute the sum
 in, and preferring the terse style would cost accuracy for a reason that has nothing to do with RL.

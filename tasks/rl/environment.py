@@ -73,7 +73,7 @@ def load_environment(spec: str) -> EnvironmentFile:
     env = getattr(module, "Environment", None)
     if not isinstance(env, type) or not all(callable(getattr(env, m, None)) for m in ("reset", "step")):
         raise EnvError(
-            f"env_path: {user_code.split_pin(spec)[0]} defines no class Environment with reset(row) and step(action); define both (see the README's Agentic RL section)"
+            f"env_path: {user_code.split_pin(spec)[0]} defines no class Environment with reset(row) and step(action); define both (see docs/agentic-rl.md)"
         )
     return EnvironmentFile(user_code.split_pin(spec)[0], env, getattr(module, "TOOLS", None))
 
