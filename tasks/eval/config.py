@@ -82,12 +82,14 @@ class EvalConfig(EpisodeConfig, StageConfig):
     lm_eval_limit: int = field(default=0, metadata={"help": "the first this many documents of each lm-eval task (0: all)", "min": 0, "max": 1_000_000})
     lm_eval_num_fewshot: int = field(default=-1, metadata={"help": "few-shot examples per lm-eval prompt (-1: each task's own setting)", "min": -1})
     lm_eval_batch_size: int = field(default=16, metadata={"help": "sequences per forward pass in the lm-eval tasks", "min": 1})
-    use_vllm: bool = field(
-        default=False,
+    rollout_engine: str = field(
+        default="auto",
         metadata={
-            "help": "generate with one vLLM engine on the eval worker's GPU (the gpu extra), loaded with each compared model in turn; default: the transformers engine on the worker's device"
+            "help": "who generates on the eval worker: vllm (one engine on its GPU, loaded with each compared model in turn), transformers, or auto: vLLM where the worker has a GPU and the vllm package (measured 6.4x the transformers engine's tokens/s at 1,000 prompts x 256 tokens, bench/RESULTS.md), else transformers",
+            "choices": ("auto", "vllm", "transformers"),
         },
     )
+    use_vllm: bool = field(default=False, metadata={"help": "the same as --rollout_engine vllm"})
     vllm_gpu_memory_utilization: float = field(
         default=0.5,
         metadata={
@@ -97,8 +99,22 @@ class EvalConfig(EpisodeConfig, StageConfig):
         },
     )
 
+    def choose_rollout_engine(self, has_gpu: bool, has_vllm: bool) -> tuple[str, str]:
+        """(engine, why) on a worker with or without a GPU and the vllm package: the flags, or for auto the faster one."""
+        if self.use_vllm or self.rollout_engine == "vllm":
+            return "vllm", "--rollout_engine vllm" if self.rollout_engine == "vllm" else "--use_vllm"
+        if self.rollout_engine == "transformers":
+            return "transformers", "--rollout_engine"
+        if not has_gpu:
+            return "transformers", "the eval worker has no GPU"
+        if not has_vllm:
+            return "transformers", "the vllm package is not installed (the gpu extra)"
+        return "vllm", "measured faster on a GPU"
+
     def validate(self) -> None:
         super().validate()
+        if self.use_vllm and self.rollout_engine == "transformers":
+            raise ConfigError("use_vllm: it asks for vLLM and --rollout_engine for transformers; drop one of them")
         for name in ("baseline", "policy", "dataset"):
             if not getattr(self, name):
                 raise ConfigError(f"{name}: missing; pass --{name} <URI>")

@@ -226,7 +226,7 @@ def evaluate(cfg: EvalConfig, run: StageRun) -> None:
                 lm_eval_tables[side] = out["lm_eval"][1]
             print(
                 f"eval: scored the {side} on {len(texts)} prompts ({cfg.n_samples_per_prompt} sample(s) each) in "
-                f"{time.monotonic() - started:.1f} s ({'vLLM' if cfg.use_vllm else 'transformers'} on the eval worker; "
+                f"{time.monotonic() - started:.1f} s ({out['engine']} on the eval worker; "
                 + ", ".join(f"{part} {s} s" for part, s in out["seconds"].items())
                 + ")",
                 flush=True,

@@ -12,12 +12,13 @@ keeps the metrics, the intervals and the report (tasks/eval/evaluate.py).
 
 The worker takes a GPU when the cluster has one (a CPU otherwise), like the training stages' workers, and
 generates through the same rollout-engine slot as RL: the transformers engine on its device, or with
---use_vllm one vLLM engine on its GPU that is loaded with each model's weights in turn (the models
+--rollout_engine vllm (auto's choice on a GPU) one vLLM engine on its GPU that is loaded with each model's weights in turn (the models
 compared share the baseline's architecture). Models are fetched on the worker's own node.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import time
 
 import torch
@@ -67,9 +68,11 @@ class EvalWorker(Worker):
         # lm-eval's registry (thousands of task files: seconds to scan) once, unknown task names refused before any side runs
         self.lm_eval = lm_eval_tasks.task_manager(split_list(cfg.lm_eval_tasks), self._include_path()) if cfg.lm_eval_tasks else None
         self.vllm = None
-        if cfg.use_vllm:
+        self.engine_name, why = cfg.choose_rollout_engine(self.device.type == "cuda", importlib.util.find_spec("vllm") is not None)
+        print(f"eval: rollout engine {self.engine_name} ({why})", flush=True)
+        if self.engine_name == "vllm":
             if self.device.type != "cuda":
-                raise ConfigError("use_vllm: vLLM generates on a GPU and this eval worker has none; drop --use_vllm")
+                raise ConfigError("rollout_engine: vLLM generates on a GPU and this eval worker has none; use --rollout_engine transformers")
             from tasks.rl.vllm_engine import VLLMRolloutEngine  # GPU only: vllm is the gpu extra
 
             positions = getattr(self.reference.config, "max_position_embeddings", None) or 4096
@@ -138,6 +141,7 @@ class EvalWorker(Worker):
             "episodes": None,
             "lm_eval": None,
             "seconds": seconds,
+            "engine": "vLLM" if self.vllm is not None else "transformers",
         }
         if self.reward is not None:
             batch = build_reward_batch(sampled, tokenizer, repeat(prompts, n), repeat(labels, n) if labels is not None else None)
