@@ -85,7 +85,7 @@ class EvalConfig(EpisodeConfig, StageConfig):
     rollout_engine: str = field(
         default="auto",
         metadata={
-            "help": "who generates on the eval worker: vllm (one engine on its GPU, loaded with each compared model in turn), transformers, or auto: vLLM where the worker has a GPU and the vllm package (measured 6.4x the transformers engine's tokens/s at 1,000 prompts x 256 tokens, bench/RESULTS.md), else transformers",
+            "help": "who generates on the eval worker: vllm (one engine on its GPU, loaded with each compared model in turn), transformers, or auto: vLLM where the worker has a GPU and the vllm package (at 1,000 prompts x 256 tokens on one H200: 35,804 tokens/s against the transformers engine's 5,553, measured a day apart, bench/results.json eval), else transformers",
             "choices": ("auto", "vllm", "transformers"),
         },
     )
