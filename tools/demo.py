@@ -66,8 +66,8 @@ def wait_for_dag(api: AirflowAPI, cfg: Config, dag_id: str, t0: float, timeout: 
         time.sleep(2)
 
 
-#: A stage's progress in its driver log: `sft: step 12/100, …` (tasks/common/tracking.py) or a logged `step 12 …`.
-PROGRESS = re.compile(r"^(\w+: step \d+/\d+.*|step \d+ .*)$")
+#: A stage's progress in its driver log: `sft: step 12/100, …` (tasks/common/tracking.py) or a logged `step 12/100 …`.
+PROGRESS = re.compile(r"^(\w+: step \d+/\d+.*|step \d+(/\d+)? .*)$")
 PROGRESS_POLL_S, HEARTBEAT_S = 10.0, 25.0
 
 

@@ -49,6 +49,7 @@ class MetricsTracker:
         self.name = name or run_name or "stage"
         self._progress_from: tuple[int, float] | None = None  # (first step, its start) of this process's steps
         self._printed = 0.0
+        self._total = 0  # the stage's step count, from progress()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = self.path.open("a")
         self._start = time.time()
@@ -70,7 +71,8 @@ class MetricsTracker:
         record = {"step": step, "time_s": round(time.time() - self._start, 3), **metrics}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
-        print(f"step {step} " + " ".join(f"{k}={_format(v)}" for k, v in metrics.items()), flush=True)
+        of = f"/{self._total}" if self._total else ""  # known once progress() has been called
+        print(f"step {step}{of} " + " ".join(f"{k}={_format(v)}" for k, v in metrics.items()), flush=True)
         self._printed = time.time()
         if self.wandb_run is not None:
             self.wandb_run.log(metrics, step=step)
@@ -79,6 +81,7 @@ class MetricsTracker:
         """Call once a step, after it: prints a progress line when nothing was printed for PROGRESS_EVERY_S, and
         at the last step."""
         now = time.time()
+        self._total = total
         if self._progress_from is None:  # the first step this process runs: its rate starts at the tracker's start
             self._progress_from = (step, self._start)
         if now - self._printed < PROGRESS_EVERY_S and step < total:

@@ -28,5 +28,5 @@ def test_a_line_at_most_every_interval_and_at_the_last_step(tmp_path, capsys, mo
     tracker.log(11, {"loss": 0.1})  # a logged step counts as a line printed
     clock[0] += 3.0
     tracker.progress(11, 20, {})
-    assert capsys.readouterr().out.startswith("step 11 loss=0.1\n") is True
+    assert capsys.readouterr().out.startswith("step 11/10 loss=0.1\n") is True  # the count progress() was last given
     tracker.close()
