@@ -119,7 +119,7 @@ class StageCache:
         if is_manifest_uri(where):
             return hashlib.sha256(self.store.read_text(where).encode()).hexdigest()
         if where.startswith("s3://"):
-            bucket, key = split_uri(where)
+            _, key = split_uri(where)
             listed = [o for o in self.store.objects(where) if o["Key"] == key or o["Key"].startswith(key.rstrip("/") + "/")]
             entries = sorted((o["Key"][len(key) :], o["Size"], o.get("ETag", "")) for o in listed)
             return "s3:" + hashlib.sha256(json.dumps(entries).encode()).hexdigest() if entries else None

@@ -55,35 +55,20 @@ def fetch(spec: str, who: str, error: type[Exception], source: str = "pinned", c
     if cached and pinned and kept.is_file() and sha256_bytes(kept.read_bytes()) == pinned:
         return kept, pinned  # a small file: rehashed rather than trusted
     try:
-        if storage.is_s3(uri):
-            with tempfile.TemporaryDirectory(dir=_ensure(cache_dir())) as scratch:
-                data = storage.download_file(uri, Path(scratch) / "file").read_bytes()
-        else:
-            local = storage.local_path(uri)
-            if not local.is_file():
-                raise storage.NotFoundError(uri)
-            data = local.read_bytes()
+        if not storage.is_s3(uri) and not storage.local_path(uri).is_file():
+            raise storage.NotFoundError(uri)
+        data = storage.read_bytes(uri)
     except storage.NotFoundError:
         raise error(f"{who}: {uri} not found") from None
     except storage.StorageError as e:
         raise error(f"{who}: {uri} cannot be fetched: {e}") from None
-    except OSError as e:
-        raise error(f"{who}: {uri} cannot be read: {e.strerror or e}") from None
     digest = sha256_bytes(data)
     if pinned and digest != pinned:
         raise error(f"{who}: {uri} has sha256 {digest} but {pinned} was {source}: the file changed since; restore it, or pass the new file under a new name")
     target = cache_dir() / digest / (Path(uri).name or "file.py")  # the name keeps tracebacks readable
     if not target.is_file():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{target.name}.{os.getpid()}")
-        tmp.write_bytes(data)
-        os.replace(tmp, target)
+        storage.write_bytes(str(target), data)  # temp file + rename: a reader never sees half of it
     return target, digest
-
-
-def _ensure(path: Path) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
-    return path
 
 
 def load_module(spec: str, who: str, error: type[Exception], purpose: str = "user"):
