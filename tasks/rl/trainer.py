@@ -181,10 +181,11 @@ class Controller:
     def __init__(self, cfg: RLConfig, run: StageRun):
         self.cfg, self.run = cfg, run
         connect_ray()
-        engine, why = cfg.choose_rollout_engine(cluster_has_gpus(), importlib.util.find_spec("vllm") is not None)
+        has_gpus = cluster_has_gpus()
+        engine, why = cfg.choose_rollout_engine(has_gpus, importlib.util.find_spec("vllm") is not None)
         self.cfg = cfg = cfg.with_rollout_engine(engine)
         print(f"rl: rollout engine {engine} ({why})", flush=True)
-        if cfg.vllm_num_engines and not cluster_has_gpus():
+        if cfg.vllm_num_engines and not has_gpus:
             raise ConfigError(
                 "vllm_num_engines: vLLM engines need GPUs and the vllm package, and this Ray cluster has no GPUs; "
                 "use --vllm_num_engines 0 (transformers generate in the actor workers)"
