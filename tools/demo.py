@@ -84,9 +84,10 @@ class StageProgress:
         with urllib.request.urlopen(req, timeout=10) as response:
             return json.load(response)
 
-    def latest(self, task_id: str) -> str | None:
+    def latest(self, task_id: str, listed: list[dict]) -> str | None:
+        """The newest line worth showing of the task's Ray job, among the jobs `listed` (GET /api/jobs/)."""
         prefix = submission_id_for(self.dag_id, self.run_id, task_id)
-        jobs = [j for j in self._get("/api/jobs/") if (j.get("submission_id") or "").startswith(prefix)]
+        jobs = [j for j in listed if (j.get("submission_id") or "").startswith(prefix)]
         if not jobs:
             return None
         job = max(jobs, key=lambda j: j.get("start_time") or 0)  # a retry's attempt is the newest
@@ -101,11 +102,12 @@ class StageProgress:
         if now - self.polled < PROGRESS_POLL_S:
             return
         self.polled = now
-        for ti in tis:
-            if ti.get("state") not in ("running", "deferred"):
-                continue
+        running = [ti for ti in tis if ti.get("state") in ("running", "deferred")]
+        listed: list[dict] | None = None
+        for ti in running:
             try:
-                line = self.latest(ti["task_id"])
+                listed = self._get("/api/jobs/") if listed is None else listed  # once a poll, for every running task
+                line = self.latest(ti["task_id"], listed)
             except (OSError, ValueError) as e:  # the dashboard busy or restarting: the next poll tries again
                 line = f"(progress not readable: {e})"
             label = task_label(ti)
