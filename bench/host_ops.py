@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from grpo_bench import SHAPES, deepspeed_gradient_checks  # noqa: E402
 
 from tasks.common.nn.strategy import DeepSpeedStrategy  # noqa: E402
-from tasks.sft.trainer import micro_batch_loss  # noqa: E402
+from tasks.common.nn.supervised import micro_batch_loss  # noqa: E402
 
 
 def count(prof) -> dict:

@@ -1,5 +1,5 @@
 """Where vLLM's time goes at the eval stage's shape (1,000 prompts of 128 tokens, 256 new tokens each) and at the
-RL bench's (64): the engine as tasks/rl/vllm_engine.py builds it (in the caller's process), with and without
+RL bench's (64): the engine as tasks/common/nn/engines/vllm_engine.py builds it (in the caller's process), with and without
 per-token log-probs, with CUDA graphs captured up to 1,024 sequences, and in vLLM's own engine process. Each
 configuration runs in a process of its own; the first also writes a cProfile of one 1,000-prompt call, and every
 call's mean GPU utilisation (nvidia-smi, every 100 ms) says whether the GPU or the host is the bound.

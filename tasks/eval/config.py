@@ -2,8 +2,8 @@ from dataclasses import dataclass, field
 
 from tasks.common.allowlist import check_reach
 from tasks.common.config import ConfigError, StageConfig, split_list
+from tasks.common.generation import EpisodeConfig
 from tasks.eval import metrics
-from tasks.rl.config import EpisodeConfig
 
 
 @dataclass
@@ -66,8 +66,6 @@ class EvalConfig(EpisodeConfig, StageConfig):
     )
     judge_model: str = field(default="judge", metadata={"help": "the model name the judge endpoint serves", "pattern": r"\S", "max_length": 200})
     max_samples: int = field(default=500, metadata={"help": "evaluate on the first this many prompts", "min": 1, "max": 1_000_000})
-    generate_max_len: int = field(default=16, metadata={"help": "new tokens per response", "min": 1, "max": 65_536})
-    temperature: float = field(default=1.0, metadata={"help": "sampling temperature for the sampled metrics", "exclusive_min": 0})
     num_shown_samples: int = field(default=8, metadata={"help": "generations shown side by side in the report"})
     lm_eval_tasks: str = field(
         default="",

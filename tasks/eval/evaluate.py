@@ -26,6 +26,7 @@ import time
 
 from tasks.common.cost import lineage_cost
 from tasks.common.nn import data
+from tasks.common.nn.environment import EnvError, check_environment, load_environment
 from tasks.common.nn.strategy import set_seed
 from tasks.common.nn.workers import placed_group
 from tasks.common.registry import Registry
@@ -36,7 +37,6 @@ from tasks.eval.config import EvalConfig
 from tasks.eval.judge import ChatJudge
 from tasks.eval.report import write_report
 from tasks.eval.worker import EvalWorker, repeat
-from tasks.rl.environment import EnvError, check_environment, load_environment
 
 #: Measured from the models on the sampled responses (and, with --env_path, how its episodes went), whatever the
 #: run declares: reported, never read as a task's success metric.

@@ -26,14 +26,15 @@ import torch
 from tasks.common import storage
 from tasks.common.config import ConfigError, split_list
 from tasks.common.nn import data
+from tasks.common.nn.engines import make_engine
+from tasks.common.nn.engines.rollout import Rollout
+from tasks.common.nn.environment import episode_runner
 from tasks.common.nn.models import load_causal_lm, load_tokenizer, resolve_model, sequence_logprobs, use_liger
-from tasks.common.nn.rollout import HFRolloutEngine, Rollout
+from tasks.common.nn.rewards import RewardModels, build_reward_batch
 from tasks.common.nn.strategy import set_seed
 from tasks.common.nn.workers import Worker
 from tasks.eval import lm_eval_tasks
 from tasks.eval.config import EvalConfig
-from tasks.rl.environment import episode_runner
-from tasks.rl.rewards import RewardModels, build_reward_batch
 
 
 def repeat(values, n: int) -> list:
@@ -73,13 +74,10 @@ class EvalWorker(Worker):
         if self.engine_name == "vllm":
             if self.device.type != "cuda":
                 raise ConfigError("rollout_engine: vLLM generates on a GPU and this eval worker has none; use --rollout_engine transformers")
-            from tasks.rl.vllm_engine import VLLMRolloutEngine  # GPU only: vllm is the gpu extra
-
-            positions = getattr(self.reference.config, "max_position_embeddings", None) or 4096
-            self.vllm = VLLMRolloutEngine(
-                path,
+            self.vllm = make_engine(
+                "vllm",
                 load_tokenizer(path),
-                max_model_len=positions,
+                path=path,  # as long as the model's positions
                 gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
                 seed=cfg.seed,
                 dtype="bfloat16",
@@ -102,7 +100,7 @@ class EvalWorker(Worker):
 
     def _engine(self, model, tokenizer):
         if self.vllm is None:
-            return HFRolloutEngine(model, tokenizer, self.device, cuda_graphs=self.device.type == "cuda")
+            return make_engine("transformers", tokenizer, module=model, device=self.device, cuda_graphs=self.device.type == "cuda")
         self.vllm.load_named((name, param.data) for name, param in model.named_parameters())
         return self.vllm
 

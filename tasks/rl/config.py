@@ -4,6 +4,7 @@ from dataclasses import dataclass, field
 
 from tasks.common.allowlist import check_reach
 from tasks.common.config import ConfigError, TrainingConfig, check_batch
+from tasks.common.generation import EpisodeConfig
 
 ROLLOUT_ENGINES = ("auto", "vllm", "transformers")
 #: --rollout_engine auto picks transformers up to this many new tokens a response: at the Qwen2.5-1.5B shape, 64
@@ -21,32 +22,6 @@ def uses_critic(estimator: str) -> bool:
     if estimator not in ADVANTAGE_ESTIMATORS:
         raise ValueError(f"advantage_estimator: unknown {estimator!r}; use {', '.join(ADVANTAGE_ESTIMATORS)}")
     return estimator == "gae"
-
-
-@dataclass
-class EpisodeConfig:
-    """Multi-turn episodes in an environment (tasks.rl.environment): the RL stage trains on them, eval scores them."""
-
-    env_path: str = field(
-        default="",
-        metadata={
-            "help": "environment of multi-turn episodes: 'calculator', 'guess', or a .py file (local or s3://) defining class Environment with reset(row) and step(action); in RL its rewards replace the reward model's",
-            "aliases": ["agent_func_path"],
-        },
-    )
-    max_turns: int = field(default=4, metadata={"help": "model turns per episode at most (with --env_path)", "min": 1, "max": 1000})
-    max_episode_tokens: int = field(
-        default=64,
-        metadata={
-            "help": "model and observation tokens per episode after the prompt, at most (with --env_path); each turn is at most generate_max_len",
-            "min": 1,
-            "max": 1_000_000,
-        },
-    )
-    env_step_timeout: float = field(
-        default=30.0,
-        metadata={"help": "seconds an environment's reset or step may take before its episode ends with reward 0 (with --env_path)", "exclusive_min": 0},
-    )
 
 
 @dataclass
@@ -94,8 +69,6 @@ class RLConfig(EpisodeConfig, TrainingConfig):
     train_batch_size: int = field(default=64, metadata={"help": "sequences per optimizer step (a minibatch of the rollout)", "min": 1})
     max_epochs: int = field(default=2, metadata={"help": "passes over each rollout", "min": 1})
     prompt_max_len: int = field(default=256, metadata={"help": "longest prompt in tokens; longer prompts are cut from the left and counted", "min": 1})
-    generate_max_len: int = field(default=16, metadata={"help": "new tokens per response", "min": 1, "max": 65_536})
-    temperature: float = field(default=1.0, metadata={"help": "sampling temperature of rollouts", "exclusive_min": 0})
     actor_learning_rate: float = field(default=3e-5, metadata={"help": "policy learning rate (AdamW)", "exclusive_min": 0, "max": 1})
     critic_learning_rate: float = field(default=1e-4, metadata={"help": "critic learning rate (AdamW)", "exclusive_min": 0, "max": 1})
     lr_warmup_steps: int = field(default=5, metadata={"help": "linear warmup in optimizer steps, then constant"})

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tasks.common.nn.engines.rollout import Rollout
 from tasks.common.nn.models import sequence_logprobs, token_values
-from tasks.common.nn.rollout import Rollout
 from tasks.rl.advantages import compute_advantages, kl_estimate
 
 

@@ -28,18 +28,18 @@ from tasks.common import manifest as manifests
 from tasks.common import resume_check, storage
 from tasks.common.config import ConfigError, split_list
 from tasks.common.nn import data, lora
+from tasks.common.nn.engines.rollout import Rollout, concat_rollouts
+from tasks.common.nn.environment import EnvError, check_environment, episode_stats, load_environment
 from tasks.common.nn.models import load_tokenizer, resolve_model
-from tasks.common.nn.rollout import Rollout, concat_rollouts
+from tasks.common.nn.rewards import RewardBatch, RewardError, RewardSource, build_reward_batch, make_reward_source
 from tasks.common.nn.workers import Placement, WorkerGroup, cluster_has_gpus, connect_ray, merge_uploads, shard
 from tasks.common.stage import StageRun
+from tasks.common.stages import oversized
 from tasks.rl.advantages import group_keep_mask
 from tasks.rl.config import RLConfig
-from tasks.rl.environment import EnvError, check_environment, episode_stats, load_environment
 from tasks.rl.experience import Experience, make_experience
 from tasks.rl.kl_controller import make_kl_controller
-from tasks.rl.rewards import RewardBatch, RewardError, RewardSource, build_reward_batch, make_reward_source
 from tasks.rl.workers import ActorWorker, CriticWorker, ReferenceWorker, RewardWorker, RolloutEngineWorker
-from tasks.validate import oversized
 
 MAX_FILTER_ROUNDS = 8  # rollouts drawn per step before dynamic filtering gives up
 #: What a resume is checked on (tasks.common.resume_check): each step's, remembered in every checkpoint.
@@ -71,7 +71,7 @@ def load_prompts(cfg: RLConfig, run: StageRun, tokenizer) -> Prompts:
 
 def check_fits(cfg: RLConfig, layout: list[list[str]]) -> None:
     """Refuse at once a layout that needs more devices than the whole cluster has (Ray would wait): the validate
-    task's check (tasks.validate.oversized), again here for a stage started from its CLI."""
+    task's check (tasks.common.stages.oversized), again here for a stage started from its CLI."""
     import ray
 
     for problem in oversized({"colocate_all_models": cfg}, ray.cluster_resources()):
@@ -114,7 +114,7 @@ class ActorGroupEngine:
     `sync_weights()` after each update; method is "generate" (prompt ids) or "run_episodes" (dataset rows,
     --env_path). The engines live in the actor workers (items sharded over its ranks): transformers `generate`
     on the trained module itself, nothing to sync; or one vLLM engine per rank on the rank's GPU
-    (tasks.rl.vllm_engine), loaded with the new weights in place."""
+    (tasks.common.nn.engines.vllm_engine), loaded with the new weights in place."""
 
     def __init__(self, actor: WorkerGroup, pad_token_id: int, vllm: bool = False):
         self.actor, self.pad_token_id, self.vllm = actor, pad_token_id, vllm
@@ -549,7 +549,7 @@ def check_resumed_step(start: int, step: int, last: int, before: list[dict], rec
 def train(cfg: RLConfig, run: StageRun) -> None:
     controller = Controller(cfg, run)
     try:
-        start = run.resume(controller.load_state)
+        start = run.resume(controller.load_state, controller.steps)
         if start:
             # The engines start from the policy on disk: give them the resumed weights. Rollouts in flight at the
             # checkpoint are lost (the sampler had drawn their prompts); start only the steps left.

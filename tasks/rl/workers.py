@@ -14,16 +14,17 @@ import threading
 import torch
 
 from tasks.common.nn import data, lora
+from tasks.common.nn.engines import make_engine
+from tasks.common.nn.engines.rollout import Rollout
+from tasks.common.nn.engines.vllm_engine import gathered
 from tasks.common.nn.losses import aggregate, importance_weights, kl_loss, logprob_mismatch, loss_normalizer, policy_loss, value_loss
 from tasks.common.nn.models import kernels, load_causal_lm, load_scalar_model, load_tokenizer, resolve_model
-from tasks.common.nn.rollout import HFRolloutEngine, Rollout
+from tasks.common.nn.rewards import RewardBatch, RewardModels
 from tasks.common.nn.strategy import DeepSpeedStrategy
 from tasks.common.nn.token_batches import token_batches
 from tasks.common.nn.workers import TrainingWorker, Worker
 from tasks.rl.config import RLConfig
 from tasks.rl.experience import Experience, response_logprobs, response_values
-from tasks.rl.rewards import RewardBatch, RewardModels
-from tasks.rl.vllm_engine import gathered
 
 
 def _dtype(cfg: RLConfig) -> torch.dtype:
@@ -127,7 +128,7 @@ class ActorWorker(_Trainer):
         self.engine = self.strategy.prepare(model, cfg.actor_learning_rate, total_updates, cfg.lr_warmup_steps)
         self.micro = self.strategy.micro_batch_size
         if cfg.ptx_coef:  # PPO-ptx: supervised rows, drawn a micro-batch at a time (the sampler is checkpointed)
-            from tasks.sft.trainer import tokenize_rows
+            from tasks.common.nn.supervised import tokenize_rows
 
             rows = data.load_rows(cfg.pretrain_data, cfg.pretrain_split, [cfg.input_key, cfg.output_key], 0)
             self.ptx_ids, self.ptx_masks, _ = tokenize_rows(
@@ -141,10 +142,11 @@ class ActorWorker(_Trainer):
             # each forward, which a captured graph cannot hold. With --torch_compile their forward is compiled too,
             # with each block's sibling projections fused (a copy of their weights: memory traded for speed, as there).
             graphs = self.strategy.device.type == "cuda" and self.strategy.zero_stage != 3
-            self.rollout_engine = HFRolloutEngine(
-                self.engine.module,
+            self.rollout_engine = make_engine(
+                "transformers",
                 self.tokenizer,
-                self.strategy.device,
+                module=self.engine.module,
+                device=self.strategy.device,
                 cuda_graphs=graphs,
                 ignore_eos=cfg.ignore_eos,
                 compile_decode=graphs and cfg.torch_compile,
@@ -189,7 +191,7 @@ class ActorWorker(_Trainer):
 
     def open_weight_channel(self, host: str, port: int, world_size: int) -> None:
         if self.rank == 0:
-            from tasks.rl.vllm_engine import WeightChannel
+            from tasks.common.nn.engines.vllm_engine import WeightChannel
 
             self.channel = WeightChannel(host, port, 0, world_size)
 
@@ -339,7 +341,7 @@ class ActorWorker(_Trainer):
 
     def _ptx_loss(self) -> torch.Tensor:
         """Mean NLL of the response tokens of the next micro-batch of PPO-ptx rows (the SFT loss)."""
-        from tasks.sft.trainer import micro_batch_loss
+        from tasks.common.nn.supervised import micro_batch_loss
 
         batch = self.sampler.next()
         return micro_batch_loss(
@@ -375,7 +377,7 @@ class RolloutEngineWorker(Worker):
             self.model = load_causal_lm(path, dtype=_dtype(cfg)).to(device).eval()
             # Eager steps: new weights load on another thread while it generates, and a kernel of that thread's on
             # the default stream would break a capture.
-            self.engine = HFRolloutEngine(self.model, self.tokenizer, device, ignore_eos=cfg.ignore_eos)
+            self.engine = make_engine("transformers", self.tokenizer, module=self.model, device=device, ignore_eos=cfg.ignore_eos)
         self.episodes = _episode_runner(cfg, self.engine, self.tokenizer, policy_version=self.newest_weights)
 
     def generate(self, prompts: list[list[int]]) -> Rollout:
@@ -421,7 +423,7 @@ class RolloutEngineWorker(Worker):
         self.version = version
 
     def open_weight_channel(self, host: str, port: int, world_size: int) -> None:
-        from tasks.rl.vllm_engine import WeightChannel
+        from tasks.common.nn.engines.vllm_engine import WeightChannel
 
         self.channel = WeightChannel(host, port, 1 + self.rank, world_size)
 
@@ -442,13 +444,13 @@ def _episode_runner(cfg: RLConfig, engine, tokenizer, policy_version=None):
     """Multi-turn episodes on `engine`, one environment per episode (--env_path); None without one."""
     if not cfg.env_path:
         return None
-    from tasks.rl.environment import episode_runner
+    from tasks.common.nn.environment import episode_runner
 
     return episode_runner(cfg, engine, tokenizer, policy_version)
 
 
 def _run_episodes(runner, rows: list[dict], cfg: RLConfig):
-    """A worker's share of a rollout's episodes (tasks.rl.environment.Episodes) on the CPU, None for no rows."""
+    """A worker's share of a rollout's episodes (tasks.common.nn.environment.Episodes) on the CPU, None for no rows."""
     if not rows:
         return None
     result = runner.run(rows, cfg.temperature)
@@ -457,18 +459,12 @@ def _run_episodes(runner, rows: list[dict], cfg: RLConfig):
 
 
 def _vllm_engine(cfg: RLConfig, path: str, tokenizer, seed: int):
-    from transformers import AutoConfig
-
-    from tasks.rl.vllm_engine import VLLMRolloutEngine  # GPU only: vllm is the gpu extra
-
-    # vLLM refuses a length past the model's positions; prompts and answers cannot go beyond them anyway.
-    positions = getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", None)
-    # An episode's next turn reads everything before it: up to max_episode_tokens after the prompt, then a turn.
-    max_len = cfg.prompt_max_len + cfg.generate_max_len + (cfg.max_episode_tokens if cfg.env_path else 0)
-    return VLLMRolloutEngine(
-        path,
+    return make_engine(
+        "vllm",
         tokenizer,
-        max_model_len=min(max_len, positions) if positions else max_len,
+        path=path,
+        # An episode's next turn reads everything before it: up to max_episode_tokens after the prompt, then a turn.
+        max_len=cfg.prompt_max_len + cfg.generate_max_len + (cfg.max_episode_tokens if cfg.env_path else 0),
         gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
         seed=seed,
         dtype=str(_dtype(cfg)).removeprefix("torch."),

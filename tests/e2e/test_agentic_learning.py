@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from tasks.common import manifest as manifests
+from tasks.common.nn.environment import EpisodeLimits
 from tasks.data import agentic
 from tasks.data.demo import build_base_model
-from tasks.rl.environment import EpisodeLimits
 
 from conftest import REPO, SCRATCH
 from test_stages import flags, run_cli

@@ -407,7 +407,7 @@ def test_adapter_weights_are_peft_files_that_load_with_the_trained_logits(tmp_pa
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from tasks.rl.vllm_engine import lora_max_rank
+    from tasks.common.nn.engines.vllm_engine import lora_max_rank
 
     path = build_chat_model(tmp_path / "m")
     cfg = make_config(SFTConfig, {"output": "o", "pretrain": "m", "dataset": "d", **LORA})

@@ -1,7 +1,7 @@
 """The calculator environment with every reward 0: the learning checks' control (what the RL steps do
 by themselves, with no signal)."""
 
-from tasks.rl.envs.calculator import Environment as Calculator
+from tasks.common.envs.calculator import Environment as Calculator
 
 
 class Environment(Calculator):

@@ -1,6 +1,6 @@
 """The guessing game with every reward 0: the control of the guess learning check."""
 
-from tasks.rl.envs.guess import Environment as Guess
+from tasks.common.envs.guess import Environment as Guess
 
 
 class Environment(Guess):

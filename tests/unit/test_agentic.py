@@ -1,4 +1,4 @@
-"""Multi-turn episodes (tasks/rl/environment.py): the environment contract, the built-in environments,
+"""Multi-turn episodes (tasks/common/nn/environment.py): the environment contract, the built-in environments,
 token in / token out, failures counted and never fatal, observation tokens out of the loss.
 
 Episodes run on a real tiny Llama (random weights) through the HF rollout engine, with real environments
@@ -14,15 +14,16 @@ import pytest
 import torch
 
 from tasks.common.config import ConfigError, parse_config
+from tasks.common.envs import calculator, guess
 from tasks.common.nn import data
+from tasks.common.nn.engines.hf_engine import HFRolloutEngine
+from tasks.common.nn.engines.rollout import Completion, Rollout
+from tasks.common.nn.environment import EnvError, EpisodeLimits, EpisodeRunner, check_environment, load_environment, observation_ids
 from tasks.common.nn.losses import importance_weights, logprob_mismatch, policy_loss
-from tasks.common.nn.rollout import Completion, HFRolloutEngine, Rollout
 from tasks.data import agentic
 from tasks.data.demo import build_base_model
 from tasks.rl.advantages import discounted_returns, gae
 from tasks.rl.config import RLConfig
-from tasks.rl.environment import EnvError, EpisodeLimits, EpisodeRunner, check_environment, load_environment, observation_ids
-from tasks.rl.envs import calculator, guess
 from tasks.rl.experience import response_logprobs
 from tasks.rl.trainer import fresh_groups
 

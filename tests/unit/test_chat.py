@@ -16,7 +16,8 @@ import torch
 
 from tasks.common.config import ConfigError, make_config
 from tasks.common.nn import data
-from tasks.common.nn.rollout import HFRolloutEngine, Rollout, response_mask
+from tasks.common.nn.engines.hf_engine import HFRolloutEngine
+from tasks.common.nn.engines.rollout import Rollout, response_mask
 from tasks.data import demo
 
 from conftest import REPO

@@ -8,9 +8,9 @@ import torch
 from tasks.common.config import ConfigError, make_config
 from tasks.common.nn.losses import sft_loss
 from tasks.common.nn.models import compile_blocks
+from tasks.common.nn.supervised import micro_batch_logprobs
 from tasks.data import demo
 from tasks.sft.config import SFTConfig
-from tasks.sft.trainer import micro_batch_logprobs
 
 
 @pytest.mark.slow  # make test-all: compiles (32 s)

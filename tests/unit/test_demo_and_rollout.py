@@ -1,8 +1,9 @@
 import torch
 
 from tasks.common.nn.data import encode_prompt
+from tasks.common.nn.engines.hf_engine import HFRolloutEngine
+from tasks.common.nn.engines.rollout import distinct_rows, response_mask
 from tasks.common.nn.models import sequence_logprobs
-from tasks.common.nn.rollout import HFRolloutEngine, distinct_rows, response_mask
 from tasks.data import demo
 
 
@@ -66,7 +67,7 @@ def test_training_logprobs_match_generation_with_left_padded_prompts():
 def test_cuda_graph_engine_matches_the_default_one_with_bucketed_prompt_widths():
     """The CUDA-graph path (decode steps captured on CUDA; eager here) left-pads prompts to a bucket
     multiple and still decodes the same greedy tokens as the dynamic cache."""
-    from tasks.common.nn.rollout import STATIC_PROMPT_BUCKET
+    from tasks.common.nn.engines.hf_engine import STATIC_PROMPT_BUCKET
 
     tok = demo.build_tokenizer()
     model = demo.build_base_model(tok, seed=6).eval()  # seed 6: the last two rows stop at EOS, the others run on
@@ -87,7 +88,7 @@ def test_packed_grouped_query_attention_equals_attention_over_repeated_key_value
     gives over the key/value heads repeated to 6 (head h reads key/value head h // 3)."""
     from types import SimpleNamespace
 
-    from tasks.common.nn.rollout import packed_gqa_sdpa
+    from tasks.common.nn.engines.hf_engine import packed_gqa_sdpa
 
     torch.manual_seed(0)
     query, key, value = torch.randn(4, 6, 1, 8), torch.randn(4, 2, 10, 8), torch.randn(4, 2, 10, 8)
@@ -181,7 +182,7 @@ def test_fused_sibling_projections_give_the_layers_outputs_and_carry_weight_upda
 
 def test_sample_next_draws_from_the_tempered_softmax_and_reports_its_log_probability():
     """The exponential race draws token i with probability softmax(logits / T)_i; greedy takes the argmax under T = 1."""
-    from tasks.common.nn.rollout import fused_sample, sample_next
+    from tasks.common.nn.engines.hf_engine import fused_sample, sample_next
 
     logits = torch.log(torch.tensor([0.5, 0.3, 0.2])).repeat(40000, 1)
     torch.manual_seed(0)

@@ -8,11 +8,11 @@ from tasks.common.config import make_config
 from tasks.common.nn import data
 from tasks.common.nn.losses import bradley_terry_loss
 from tasks.common.nn.models import load_scalar_model
+from tasks.common.nn.supervised import micro_batch_loss
 from tasks.data import demo
 from tasks.reward_model.config import RewardModelConfig
 from tasks.reward_model.trainer import pair_scores
 from tasks.sft.config import SFTConfig
-from tasks.sft.trainer import micro_batch_loss
 
 
 def test_pack_restarts_positions_for_each_row():

@@ -1,4 +1,4 @@
-"""Reward sources (tasks/rl/rewards.py) and the demo reward file, against real files, servers and models."""
+"""Reward sources (tasks/common/nn/rewards.py) and the demo reward file, against real files, servers and models."""
 
 import re
 from pathlib import Path
@@ -7,10 +7,19 @@ import pytest
 import torch
 
 from tasks.common.nn.data import decode_rows, encode_prompt, encode_response, pad
+from tasks.common.nn.engines.rollout import Rollout, response_mask
 from tasks.common.nn.models import load_scalar_model, sequence_scores
-from tasks.common.nn.rollout import Rollout, response_mask
+from tasks.common.nn.rewards import (
+    RewardBatch,
+    RewardEndpoint,
+    RewardError,
+    RewardFunction,
+    RewardModels,
+    SummedRewards,
+    build_reward_batch,
+    make_reward_source,
+)
 from tasks.data import demo
-from tasks.rl.rewards import RewardBatch, RewardEndpoint, RewardError, RewardFunction, RewardModels, SummedRewards, build_reward_batch, make_reward_source
 
 from conftest import REPO, free_port
 from json_server import JSONServer

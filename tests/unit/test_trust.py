@@ -10,11 +10,11 @@ import pytest
 from tasks.common import allowlist, http_json, user_code
 from tasks.common import manifest as manifests
 from tasks.common.config import ConfigError, StageConfig, make_config
+from tasks.common.nn.environment import EnvError, load_environment
 from tasks.common.stage import StageRun
 from tasks.eval.config import EvalConfig
 from tasks.eval.judge import ChatJudge, JudgeError
 from tasks.rl.config import RLConfig
-from tasks.rl.environment import EnvError, load_environment
 
 from json_server import JSONServer
 

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from tasks.common.config import ConfigError, make_config
+from tasks.common.nn.engines.rollout import concat_rollouts
+from tasks.common.nn.engines.vllm_engine import to_rollout
 from tasks.common.nn.losses import logprob_mismatch
-from tasks.common.nn.rollout import concat_rollouts
 from tasks.rl.config import RLConfig
-from tasks.rl.vllm_engine import to_rollout
 
 GPU = torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None
 
@@ -56,7 +56,7 @@ def test_vllm_flags_refused_in_one_line_when_they_cannot_apply():
         make_config(RLConfig, {**base, "async_train": True, "max_staleness": 0})
     with pytest.raises(ConfigError, match="^vllm_gpu_memory_utilization: 1.0 leaves the colocated trainer no memory"):
         make_config(RLConfig, {**base, "vllm_num_engines": 1, "vllm_gpu_memory_utilization": 1.0})
-    # With LoRA the engines are synced the adapter alone (tasks.rl.vllm_engine), up to vLLM's largest rank.
+    # With LoRA the engines are synced the adapter alone (tasks.common.nn.engines.vllm_engine), up to vLLM's largest rank.
     assert make_config(RLConfig, {**base, "vllm_num_engines": 1, "lora_rank": 8, "async_train": True}).lora_rank == 8
     with pytest.raises(ConfigError, match="^lora_rank: vLLM's LoRA layers hold ranks up to 512, got 600"):
         make_config(RLConfig, {**base, "vllm_num_engines": 1, "lora_rank": 600})
@@ -97,10 +97,10 @@ def test_the_actor_scores_a_rollout_only_when_the_update_needs_it():
 @pytest.fixture(scope="module")
 def demo_engine(tmp_path_factory):
     """The demo's tiny model saved, loaded in bf16 on the GPU, and a vLLM engine on it (one per process)."""
+    from tasks.common.nn.engines.vllm_engine import VLLMRolloutEngine
     from tasks.common.nn.models import load_causal_lm, load_tokenizer
     from tasks.common.nn.strategy import init_distributed
     from tasks.data import demo
-    from tasks.rl.vllm_engine import VLLMRolloutEngine
 
     path = tmp_path_factory.mktemp("vllm") / "m"
     tokenizer = demo.build_tokenizer()
@@ -151,7 +151,7 @@ def test_vllm_engine_takes_each_episode_turn_into_its_running_batch(demo_engine,
     """Episodes on vLLM request by request: the second episode's tool answers 20 ms after the first's, and its
     next turn is submitted at once, joining the first's turn part-way through its 64 tokens, rather than
     waiting for it to finish. Each episode keeps the engine's tokens and log-probs."""
-    from tasks.rl.environment import EpisodeLimits, EpisodeRunner, load_environment
+    from tasks.common.nn.environment import EpisodeLimits, EpisodeRunner, load_environment
 
     engine, _, tokenizer = demo_engine
     joined, decoding = [], set()  # at each submit: how many requests in flight have been through a decode step

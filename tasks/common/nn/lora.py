@@ -5,7 +5,7 @@
         ref = sequence_logprobs(engine.module, ids, mask)        # KL and of DPO/KTO, without a second copy
     save_peft(engine.module, trainable_state(engine.module, gather=zero3), out_dir, merge=False, base_uri=cfg.pretrain)
     path = merged_checkpoint(adapter_dir, base_path)             # what resolve_model does with an adapter output
-    adapter_weights(engine.module).save(dir)                     # the adapter now, for a vLLM engine (tasks.rl.vllm_engine)
+    adapter_weights(engine.module).save(dir)                     # the adapter now, for a vLLM engine (tasks.common.nn.engines.vllm_engine)
 
 A stage trained with --lora_rank exports either the merged full checkpoint (--merge_lora) or the
 adapter alone (adapter_config.json + adapter_model.safetensors + tokenizer files) with the base's URI

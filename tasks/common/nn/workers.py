@@ -304,7 +304,7 @@ class WorkerGroup:
 
         self.name, self.placement, self.world_size = name, placement, placement.size
         resources = {"num_cpus": fraction, "num_gpus": fraction if placement.use_gpu else 0}
-        # vLLM runs in its worker's process (tasks.rl.vllm_engine): set when the process starts, as the
+        # vLLM runs in its worker's process (tasks.common.nn.engines.vllm_engine): set when the process starts, as the
         # environment must not change once NCCL's threads read it (init_distributed).
         env = {**forwarded_env(os.environ), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         options = [
@@ -387,13 +387,13 @@ PROGRESS_METRICS = ("loss", "accuracy", "reward_accuracy")
 def train_steps(run, group: WorkerGroup, max_steps: int, logging_steps: int) -> dict:
     """The driver's loop of a one-group training stage (SFT, reward model, preference): resume from the
     newest checkpoint, then `train_step` on every rank per step, logging rank 0's (global) statistics (and on
-    CUDA the ranks' largest peak of GPU memory) and checkpointing every --save_steps. Returns the last step's statistics ({} when none ran).
+    CUDA the ranks' largest peak of GPU memory) and checkpointing at each checkpoint step (run.saves_at). Returns the last step's statistics ({} when none ran).
 
     Each step's calls are queued on the workers before its results are read: the peak right behind the step, and
     the next step too unless this one is checkpointed (its state must be saved first). So between steps the
     GPU waits for no round trip to this process, nor for its logging."""
     run.placements.append(group.placement)  # what the stage held, for its cost
-    start = run.resume(lambda uri: group.run("load_state", uri))
+    start = run.resume(lambda uri: group.run("load_state", uri), max_steps)
     stats: dict = {}
     queued = group.run_async("train_step") if start < max_steps else None
     for step in range(start + 1, max_steps + 1):

@@ -1,18 +1,8 @@
-"""Rollout engines: turn prompts into sampled responses, behind one interface.
+"""The transformers engine: the policy in this process decoding with a loop of its own (static KV cache,
+CUDA graphs on a GPU). The CPU path, and the rollout engine at short responses on a GPU (tasks.common.nn.engines).
 
     engine = HFRolloutEngine(policy, tokenizer)
-    rollout = engine.generate(prompt_ids, max_new_tokens=16, temperature=1.0)
-    rollout.sequences, rollout.attention_mask   # [B, P+R]: prompts left-padded, responses right-padded
-    rollout.response_mask                       # [B, R]: 1 up to and including the first stop token
-    rollout.texts(tokenizer)                    # decoded responses, stop token stripped
-
-Request by request (multi-turn episodes, tasks.rl.environment): `submit` one prompt under a key, then `step`
-until it comes back as a Completion. vLLM's engine does this natively, a request joining the running batch
-at its next decode step; `BatchedRequests` gives any engine that only generates whole batches the same calls.
-
-    requests = engine if hasattr(engine, "submit") else BatchedRequests(engine)
-    requests.submit(key=3, prompt_ids=ids, max_new_tokens=16)
-    finished = requests.step()                  # [Completion(key=3, token_ids=[...], logprobs=[...])], or [] not yet
+    rollout = engine.generate(prompt_ids, max_new_tokens=16, temperature=1.0)   # a Rollout (engines.rollout)
 
 A response stops at the tokenizer's EOS or at the special token its chat template closes an assistant
 turn with (data.stop_token_ids): a chat model ends its answer with <|im_end|> or <|eot_id|>, not EOS.
@@ -34,7 +24,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from tasks.common.nn import lora
-from tasks.common.nn.data import decode_rows, pad, stop_token_ids
+from tasks.common.nn.data import pad, stop_token_ids
+from tasks.common.nn.engines.rollout import Rollout, concat_rollouts, distinct_rows, response_mask
 from tasks.common.nn.fused_linears import FusedSiblings
 
 # Static-cache prompt widths round up to this: each (batch, cache length) shape compiles its own decode.
@@ -111,94 +102,6 @@ def flash_kvcache_attention(module, query, key, value, attention_mask, scaling=N
 FLASH_DECODE_ATTENTION = "kvcache_decode"
 AttentionInterface.register(FLASH_DECODE_ATTENTION, flash_kvcache_attention)
 AttentionMaskInterface.register(FLASH_DECODE_ATTENTION, sdpa_mask)
-
-
-@dataclass
-class Rollout:
-    sequences: torch.Tensor
-    attention_mask: torch.Tensor
-    response_mask: torch.Tensor
-    prompt_width: int
-    logprobs: torch.Tensor | None = None  # [B, R]: the engine's own log-probabilities of the response tokens (the behaviour policy's)
-    versions: torch.Tensor | None = None  # [B, R]: the weight version that generated each response token (engines of their own)
-
-    @property
-    def responses(self) -> torch.Tensor:
-        return self.sequences[:, self.prompt_width :]
-
-    def texts(self, tokenizer) -> list[str]:
-        stops = torch.tensor(stop_token_ids(tokenizer), dtype=self.responses.dtype, device=self.responses.device)
-        return decode_rows(tokenizer, self.responses, self.response_mask.bool() & ~torch.isin(self.responses, stops))
-
-    def response_lengths(self) -> torch.Tensor:
-        return self.response_mask.sum(-1)
-
-    def oldest_versions(self) -> torch.Tensor:
-        """[B]: the oldest weight version among each row's response tokens (requires `versions`)."""
-        return self.versions.masked_fill(self.response_mask == 0, torch.iinfo(self.versions.dtype).max).min(-1).values
-
-    def select(self, rows) -> "Rollout":
-        """The rollout of some rows (an index tensor, list or slice), at the same widths."""
-        return Rollout(
-            self.sequences[rows],
-            self.attention_mask[rows],
-            self.response_mask[rows],
-            self.prompt_width,
-            *(None if t is None else t[rows] for t in (self.logprobs, self.versions)),
-        )
-
-    def to(self, device) -> "Rollout":
-        return Rollout(
-            self.sequences.to(device),
-            self.attention_mask.to(device),
-            self.response_mask.to(device),
-            self.prompt_width,
-            *(None if t is None else t.to(device) for t in (self.logprobs, self.versions)),
-        )
-
-
-@dataclass
-class Completion:
-    """A finished request: its response's token ids (up to and including the stop token) and, if the engine
-    reports them, their log-probabilities."""
-
-    key: int
-    token_ids: list[int]
-    logprobs: list[float] | None
-
-
-class BatchedRequests:
-    """Request-level calls on an engine that generates whole batches (the HF engine): `step` generates every
-    prompt submitted since the last step in one `generate`, so a step finishes all of them."""
-
-    def __init__(self, engine):
-        self.engine, self.queue = engine, []
-
-    def submit(self, key: int, prompt_ids: list[int], max_new_tokens: int, temperature: float = 1.0, greedy: bool = False) -> None:
-        self.queue.append((key, prompt_ids, (max_new_tokens, temperature, greedy)))
-
-    def step(self) -> list[Completion]:
-        queue, self.queue = self.queue, []
-        if not queue:
-            return []
-        sampling = {q[2] for q in queue}
-        if len(sampling) > 1:
-            raise ValueError(f"one batch generates with one (max_new_tokens, temperature, greedy); got {sorted(sampling)}")
-        max_new_tokens, temperature, greedy = sampling.pop()
-        rollout = self.engine.generate([q[1] for q in queue], max_new_tokens, temperature, greedy=greedy)
-        logprobs = rollout.logprobs.tolist() if rollout.logprobs is not None else [None] * len(queue)
-        finished = []
-        for (key, _, _), ids, mask, values in zip(queue, rollout.responses.tolist(), rollout.response_mask.tolist(), logprobs):
-            kept = [i for i, m in enumerate(mask) if m]
-            finished.append(Completion(key, [ids[i] for i in kept], None if values is None else [values[i] for i in kept]))
-        return finished
-
-
-def response_mask(responses: torch.Tensor, stop_ids: int | list[int]) -> torch.Tensor:
-    """1 for each response token up to and including the first stop token (all of them without one)."""
-    is_eos = torch.isin(responses, torch.tensor(stop_ids, dtype=responses.dtype, device=responses.device).reshape(-1))
-    eos_seen_before = (is_eos.long().cumsum(-1) - is_eos.long()) > 0
-    return (~eos_seen_before).long()
 
 
 @dataclass
@@ -433,19 +336,6 @@ class HFRolloutEngine:
                 base.set_attn_implementation(kept)
 
 
-def distinct_rows(rows: list[list[int]]) -> tuple[list[int], list[int]]:
-    """(firsts, inverse): the index of each distinct row's first occurrence, and for every row the position of
-    its distinct row in `firsts`, so rows[i] == rows[firsts[inverse[i]]]."""
-    seen: dict[tuple[int, ...], int] = {}
-    firsts, inverse = [], []
-    for i, row in enumerate(rows):
-        k = seen.setdefault(tuple(row), len(seen))
-        if k == len(firsts):
-            firsts.append(i)
-        inverse.append(k)
-    return firsts, inverse
-
-
 def sample_next(logits: torch.Tensor, temperature: float = 1.0, greedy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, V] logits -> each row's next token and its log-probability under the distribution it was drawn from:
     softmax(logits / temperature), or softmax(logits) for the greedy pick. Sampling is the exponential race
@@ -468,25 +358,3 @@ def fused_sample(logits: torch.Tensor, noise: torch.Tensor | None, temperature: 
 @functools.cache
 def _compiled_sample():
     return torch.compile(fused_sample, dynamic=True)
-
-
-def concat_rollouts(chunks: list[Rollout], pad_id: int) -> Rollout:
-    """Join rollouts of different prompt and response widths into one, re-padding both sides."""
-    if len(chunks) == 1:
-        return chunks[0]
-    p_width = max(c.prompt_width for c in chunks)
-    r_width = max(c.responses.size(1) for c in chunks)
-    seqs, masks, r_masks = [], [], []
-    for c in chunks:
-        left, right = p_width - c.prompt_width, r_width - c.responses.size(1)
-        seqs.append(torch.nn.functional.pad(c.sequences, (left, right), value=pad_id))
-        masks.append(torch.nn.functional.pad(c.attention_mask, (left, right), value=0))
-        r_masks.append(torch.nn.functional.pad(c.response_mask, (0, right), value=0))
-
-    def joined(name: str):  # an optional [B, R] field, kept when every chunk has it
-        parts = [getattr(c, name) for c in chunks]
-        if any(p is None for p in parts):
-            return None
-        return torch.cat([torch.nn.functional.pad(p, (0, r_width - p.size(1)), value=0) for p in parts])
-
-    return Rollout(torch.cat(seqs), torch.cat(masks), torch.cat(r_masks), p_width, joined("logprobs"), joined("versions"))

@@ -27,6 +27,7 @@ found by rendering one (`observation_ids`), or as plain text without a template.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import math
 import threading
@@ -39,10 +40,11 @@ import torch
 
 from tasks.common import user_code
 from tasks.common.config import ConfigError
+from tasks.common.generation import EpisodeConfig
 from tasks.common.nn import data
-from tasks.common.nn.rollout import BatchedRequests, Completion, Rollout
+from tasks.common.nn.engines.rollout import BatchedRequests, Completion, Rollout
 
-BUILT_IN = {"calculator": "tasks.rl.envs.calculator", "guess": "tasks.rl.envs.guess"}
+BUILT_IN = {"calculator": "tasks.common.envs.calculator", "guess": "tasks.common.envs.guess"}
 FAILURES = ("error", "timeout", "malformed")  # why an environment ended an episode early
 
 
@@ -114,13 +116,17 @@ def check_environment(env: EnvironmentFile, row: dict, timeout: float) -> None:
         )
 
 
+#: EpisodeConfig's defaults, which a runner made without a stage config (tests, benchmarks) starts from.
+_DEFAULT = {f.name: f.default for f in dataclasses.fields(EpisodeConfig)}
+
+
 @dataclass
 class EpisodeLimits:
-    max_turns: int = 4
-    max_episode_tokens: int = 64  # model and observation tokens after the prompt
-    max_turn_tokens: int = 16  # new tokens per model turn (the stage's generate_max_len)
-    step_timeout: float = 30.0  # seconds an environment's reset or step may take
-    max_prompt_tokens: int = 0  # a longer first observation keeps its last tokens (the stage's prompt_max_len; 0: all)
+    max_turns: int = _DEFAULT["max_turns"]
+    max_episode_tokens: int = _DEFAULT["max_episode_tokens"]  # model and observation tokens after the prompt
+    max_turn_tokens: int = _DEFAULT["generate_max_len"]  # new tokens per model turn
+    step_timeout: float = _DEFAULT["env_step_timeout"]  # seconds an environment's reset or step may take
+    max_prompt_tokens: int = 0  # a longer first observation keeps its last tokens (RL's prompt_max_len; 0: all)
 
 
 @dataclass
@@ -218,14 +224,14 @@ def _observation_frame(tokenizer, role: str) -> str:
 
 
 def episode_runner(cfg, engine, tokenizer, policy_version=None) -> "EpisodeRunner":
-    """The runner of a stage config's episodes (tasks.rl.config.EpisodeConfig's fields, with generate_max_len,
+    """The runner of a stage config's episodes (tasks.common.generation.EpisodeConfig's fields, with generate_max_len,
     apply_chat_template, input_key and, in RL, prompt_max_len): its environment, its limits, on `engine`."""
     limits = EpisodeLimits(cfg.max_turns, cfg.max_episode_tokens, cfg.generate_max_len, cfg.env_step_timeout, getattr(cfg, "prompt_max_len", 0))
     return EpisodeRunner(engine, tokenizer, load_environment(cfg.env_path), limits, cfg.apply_chat_template, cfg.input_key, policy_version)
 
 
 class EpisodeRunner:
-    """Runs a batch of episodes. Each model turn is a request to the engine (tasks.common.nn.rollout: `submit`,
+    """Runs a batch of episodes. Each model turn is a request to the engine (tasks.common.nn.engines: `submit`,
     then `step` until it finishes); the environments step on an event loop of the runner's own (async steps
     awaited, sync ones in threads), each as soon as its episode's turn is generated.
 

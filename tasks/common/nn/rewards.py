@@ -237,7 +237,7 @@ def make_reward_source(
 
 
 def build_reward_batch(rollout, tokenizer, prompts_text: Sequence[str], labels: Sequence[str | None] | None = None) -> RewardBatch:
-    """A RewardBatch for a tasks.common.nn.rollout.Rollout whose row i answers prompts_text[i]."""
+    """A RewardBatch for a tasks.common.nn.engines.rollout.Rollout whose row i answers prompts_text[i]."""
     n = rollout.sequences.size(0)
     labels = [None] * n if labels is None else list(labels)
     if len(prompts_text) != n or len(labels) != n:

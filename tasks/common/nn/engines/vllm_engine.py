@@ -29,7 +29,7 @@ import tempfile
 import torch
 
 from tasks.common.nn.data import pad, stop_token_ids
-from tasks.common.nn.rollout import Completion, Rollout
+from tasks.common.nn.engines.rollout import Completion, Rollout
 
 
 def _model_of(llm):
@@ -61,7 +61,7 @@ def gathered(param, gather: bool = True):
 
 
 class VLLMRolloutEngine:
-    # Episodes (tasks.rl.environment.EpisodeRunner): each episode's turn is submitted as soon as it is ready, while
+    # Episodes (tasks.common.nn.environment.EpisodeRunner): each episode's turn is submitted as soon as it is ready, while
     # the others' turns decode and their environment steps run; vLLM's batches are not reproducible bit for bit anyway.
     overlap_turns = True
 
@@ -131,7 +131,7 @@ class VLLMRolloutEngine:
         logprobs = [values for _, values in responses] if self.logprobs else None
         return to_rollout(prompt_ids, [ids for ids, _ in responses], logprobs, self.tokenizer.pad_token_id)
 
-    # Request by request (tasks.common.nn.rollout's Completion; the episode runner's turns): vLLM's engine loop
+    # Request by request (tasks.common.nn.engines's Completion; the episode runner's turns): vLLM's engine loop
     # driven one scheduler step at a time, as its async engine drives it, so a request submitted between steps
     # joins the running batch at the next one. In process, beside the weights the trainer syncs.
 
