@@ -23,9 +23,10 @@ from plugins.hooks import LIVE_STATUSES, TERMINAL_STATUSES, RayJobHook
 from plugins.links import RAY_JOB_URL_KEY, WANDB_URL_KEY, RayJobLink, WandbRunLink
 from plugins.s3 import S3Store
 from plugins.stage_cache import StageCache
-from plugins.stage_cli import INPUT_ERROR_EXIT, build_entrypoint, failure_message, output_uri_for, submission_id_for, unknown_conf
+from plugins.stage_cli import build_entrypoint, failure_message, output_uri_for, submission_id_for, unknown_conf
 from plugins.triggers import RayJobTrigger, job_event
 from tasks.common import allowlist, names
+from tasks.common.stages import INPUT_ERROR_EXIT
 
 if TYPE_CHECKING:
     from airflow.sdk import Context

@@ -21,11 +21,10 @@ import shlex
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-#: What a stage prints as its last line when it stops on something only its input can fix (bad config,
-#: missing or corrupt data: tasks/common/stage.py), and the exit status it then has. Such a failure would
-#: fail again the same way, so it is not retried.
-STAGE_ERROR_PREFIX = "error: "
-INPUT_ERROR_EXIT = 2
+# What a stage prints as its last line when it stops on something only its input can fix (bad config, missing
+# or corrupt data), and the exit status it then has: the contract in tasks/common/stages.py. Such a failure
+# would fail again the same way, so it is not retried.
+from tasks.common.stages import ERROR_PREFIX
 
 _FLAG_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
 _MAX_SUBMISSION_ID = 120
@@ -95,8 +94,8 @@ def build_entrypoint(module: str, output: str, run_id: str, args: Mapping[str, A
 def stage_cause(log: str) -> str | None:
     """The one-line cause a stage printed before exiting (``error: …``, tasks/common/stage.py), if any."""
     for line in reversed(log.splitlines()):
-        if line.startswith(STAGE_ERROR_PREFIX):
-            return line[len(STAGE_ERROR_PREFIX) :].strip()
+        if line.startswith(ERROR_PREFIX):
+            return line[len(ERROR_PREFIX) :].strip()
     return None
 
 

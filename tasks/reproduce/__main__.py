@@ -5,7 +5,7 @@
 
 <manifest URI> is a stage folder or its manifest.json, s3://… or local. Exit status: 0 reproduced
 (metrics match, with --check), 1 metrics or inputs differ (the table, then a one-line summary),
-2 refused or failed (one line on stderr). See tasks/reproduce/__init__.py for what is checked.
+2 refused or failed (one line on stderr). See tasks/reproduce/rerun.py for what is checked.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tasks import reproduce
+from tasks.reproduce import rerun as reproduce
 
 
 class _Parser(argparse.ArgumentParser):

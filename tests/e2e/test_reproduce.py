@@ -15,12 +15,12 @@ import sys
 
 import pytest
 
-from tasks import reproduce
 from tasks.common import manifest as manifests
 from tasks.common import stage, storage
 from tasks.common.config import make_config
 from tasks.data.__main__ import prepare
 from tasks.data.config import PrepareDataConfig
+from tasks.reproduce import rerun as reproduce
 from tasks.sft.config import SFTConfig
 
 from conftest import REPO, SCRATCH

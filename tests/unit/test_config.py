@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 
 from tasks.common.config import ConfigError, make_config, parse_config
+from tasks.common.stages import STAGES, config_class
 from tasks.rl.config import RLConfig
 from tasks.sft.config import SFTConfig
-from tasks.validate import STAGE_CONFIGS, config_class
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -112,7 +112,7 @@ def test_a_fields_declared_limits_are_enforced_and_are_its_json_schema():
     assert param_schema(EvalConfig, "judge_model")["type"] == "string"  # its pattern needs a character
 
 
-@pytest.mark.parametrize("module", sorted(STAGE_CONFIGS))
+@pytest.mark.parametrize("module", sorted(s.package for s in STAGES.values()))
 def test_every_stage_prints_its_help(module):
     """`python -m tasks.<stage> --help` as a newcomer types it: exit 0 and every flag listed (a "95%" in a help
     text once crashed argparse's formatting)."""

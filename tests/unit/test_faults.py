@@ -26,7 +26,7 @@ from botocore.config import Config
 from botocore.exceptions import ClientError
 
 from tasks.common import manifest as manifests
-from tasks.common import stage, storage
+from tasks.common import stage, stages, storage
 from tasks.common.config import ConfigError, make_config
 from tasks.common.nn.workers import busy_resources
 from tasks.data.__main__ import prepare
@@ -134,9 +134,9 @@ def run_prepare_subprocess(tmp_path: Path, mounts: dict[Path, str], env: dict, *
 @pytest.mark.parametrize(
     "where, options, exit_code, cause",
     [
-        ("work", "size=256k", stage.TRY_AGAIN_EXIT, "no space left on the device (ENOSPC)"),
-        ("output", "size=256k", stage.TRY_AGAIN_EXIT, "no space left on the device (ENOSPC)"),
-        ("output", "ro", stage.INPUT_ERROR_EXIT, "read-only file system (EROFS)"),
+        ("work", "size=256k", stages.TRY_AGAIN_EXIT, "no space left on the device (ENOSPC)"),
+        ("output", "size=256k", stages.TRY_AGAIN_EXIT, "no space left on the device (ENOSPC)"),
+        ("output", "ro", stages.INPUT_ERROR_EXIT, "read-only file system (EROFS)"),
     ],
 )
 def test_a_full_or_read_only_folder_is_one_line_naming_it_and_exits_by_whether_a_retry_helps(tmp_path, where, options, exit_code, cause):
@@ -203,7 +203,7 @@ def test_a_placement_that_times_out_on_a_busy_cluster_exits_75_naming_what_it_la
         )
     finally:
         shutil.rmtree(temp_dir, ignore_errors=True)
-    assert done.returncode == stage.TRY_AGAIN_EXIT, done.stdout[-2000:] + done.stderr[-3000:]
+    assert done.returncode == stages.TRY_AGAIN_EXIT, done.stdout[-2000:] + done.stderr[-3000:]
     line = done.stderr.strip().splitlines()[-1]
     assert line.startswith("error: actor_num_gpus_per_node: the actor workers need 1 bundle(s) of {'CPU': 1} and found no room after 3 s: "), line
     assert "missing CPU 1 (needs 1, 0 free of 1), held by other jobs; a retry may succeed once they finish" in line, line
