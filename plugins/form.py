@@ -15,12 +15,12 @@ from airflow.sdk import Param
 
 from tasks.common import names
 from tasks.common.config import param_schema
+from tasks.common.stages import PIPELINE_TASKS, STAGES, config_class
 from tasks.promote.config import DEFAULT_GATE  # {}: the gate made from the metrics the run declares
 from tasks.promote.gate import RULE_KINDS
-from tasks.validate import config_class
 
-#: The stages that train, and so checkpoint (the fault_injection Param names one).
-TRAINING_STAGES = ("sft", "reward_model", "rl", "dpo", "kto")
+#: The pipeline's tasks whose stage trains, and so checkpoints (the fault_injection Param names one).
+TRAINING_TASKS = tuple(task for task, name in PIPELINE_TASKS.items() if STAGES[name].trains)
 
 
 def promotion_param(default: bool) -> Param:
@@ -49,6 +49,7 @@ STAGE_PARAMS = {
     # every training stage's (training_args below); seed and apply_chat_template eval's too
     "apply_chat_template": ("tasks.sft", "apply_chat_template", "Apply chat template"),
     "lora_rank": ("tasks.sft", "lora_rank", "LoRA rank"),
+    "checkpoints_per_stage": ("tasks.sft", "num_checkpoints", "Checkpoints per stage"),
     "seed": ("tasks.sft", "seed", "Seed"),
     "zero_stage": ("tasks.sft", "zero_stage", "DeepSpeed ZeRO stage"),
     "sft_steps": ("tasks.sft", "max_steps", "SFT steps"),
@@ -85,6 +86,35 @@ STAGE_PARAMS = {
     "eval_lm_eval_limit": ("tasks.eval", "lm_eval_limit", "Eval lm-eval documents"),
 }
 
+#: The pipeline tasks a stage-backed Param feeds, where that is not every task that runs its stage's module. In
+#: each the flag is the field's name (STAGE_PARAMS); the DAG takes its flags from here (form_flags).
+FEEDS = {
+    "seed": ("prepare_data", *TRAINING_TASKS, "eval"),
+    "apply_chat_template": (*TRAINING_TASKS, "eval"),
+    "lora_rank": TRAINING_TASKS,
+    "zero_stage": TRAINING_TASKS,
+    "checkpoints_per_stage": TRAINING_TASKS,
+    **{name: ("rl", "eval") for name in ("generate_max_len", "environment", "max_turns", "max_episode_tokens")},
+    "dpo_beta": ("dpo",),
+    "kto_beta": ("kto",),
+}
+
+
+def tasks_running(module: str) -> tuple[str, ...]:
+    return tuple(task for task, name in PIPELINE_TASKS.items() if STAGES[name].package == module)
+
+
+def form_flags(task_id: str) -> dict[str, str]:
+    """The flags the pipeline task `task_id` takes from the form: {stage field: its Param's template}. A field the
+    form may send emptied (null) renders as ''."""
+    flags = {}
+    for name, (module, field_name, _) in STAGE_PARAMS.items():
+        if task_id in FEEDS.get(name, tasks_running(module)):
+            nullable = "null" in PARAMS[name].schema["type"]
+            flags[field_name] = ("{{ params.%s or '' }}" if nullable else "{{ params.%s }}") % name
+    return flags
+
+
 #: Where the run starts from another default than the stage's own, and why. The stages keep the peers'
 #: defaults (OpenRLHF's λ 0.95, no PPO-ptx) for a team's own data; the form's are the demo's measured recipe.
 PIPELINE_DEFAULTS = {
@@ -92,9 +122,10 @@ PIPELINE_DEFAULTS = {
     "rl_steps": (30, "the demo's RL recipe as measured on seeds 0, 1 and 2 (docs/design-notes.md)"),
     "gae_lambda": (0.8, "the demo's style comes after the digits: with 0.95 the digit tokens carried much of its advantage noise"),
     "ptx_coef": (0.5, "PPO-ptx on the run's SFT split: without it the demo's accuracy held on one seed of three"),
-    "colocate_all_models": (True, "one GPU per stage, as the pool slots count them (STAGE_GPUS); the local Ray head has 2 CPUs"),
+    "colocate_all_models": (True, "one GPU per stage, as the pool slots count them (tasks.common.stages); the local Ray head has 2 CPUs"),
     "preference_learning_rate": (2e-5, "the DPO and KTO learning checks' rate (tests/e2e/test_learning.py)"),
     "dpo_beta": (0.5, "the DPO learning check's β, with the NLL term below"),
+    "checkpoints_per_stage": (5, "a rerun of a failed stage loses at most a fifth of its steps"),
 }
 
 #: The pipeline's own narrowing of a stage field's schema, and why.
@@ -158,14 +189,6 @@ PARAMS = {
         "(direct preference optimisation on the preference data, no reward model).",
     ),
     **{name: stage_param(name) for name in STAGE_PARAMS},
-    "checkpoints_per_stage": Param(
-        5,
-        type="integer",
-        title="Checkpoints per stage",
-        minimum=0,
-        maximum=1000,
-        description="Resumable checkpoints each training stage writes, evenly spaced (0: none). A rerun of a failed stage resumes from its newest one.",
-    ),
     "use_cache": Param(
         True,
         type="boolean",
@@ -206,7 +229,7 @@ PARAMS = {
         title="Fault injection (testing)",
         description='Testing only: {"stage": "rl", "after_step": 12} fails that stage once, right after its checkpoint '
         "of that step (a multiple of its checkpoint interval); its rerun resumes from there.",
-        properties={"stage": {"type": "string", "enum": list(TRAINING_STAGES)}, "after_step": {"type": "integer", "minimum": 1}},
+        properties={"stage": {"type": "string", "enum": list(TRAINING_TASKS)}, "after_step": {"type": "integer", "minimum": 1}},
         additionalProperties=False,
     ),
 }

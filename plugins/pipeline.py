@@ -4,7 +4,7 @@
 
 validate -> prepare_data -> sft -> choose_method -> (reward_model -> rl | dpo | kto) -> eval -> promote -> champion
 
-`validate` builds every stage's config from the flags its task would submit (tasks/validate.py: the stage
+`validate` builds every stage's config from the flags its task would submit (tasks/common/stages.py: the stage
 configs need only the standard library and yaml), so a form the stages would refuse fails before any Ray job.
 
 Every stage is a RayJobOperator running ``python -m tasks.<stage>`` on the Ray cluster; it returns the URI
@@ -28,33 +28,25 @@ from datetime import timedelta
 
 from airflow.sdk import DAG, Asset, Param, chain, task
 
-from plugins.form import PARAMS, promotion_param
+from plugins.form import PARAMS, form_flags, promotion_param
 from plugins.hooks import RayJobHook, RayUnreachableError
 from plugins.notifiers import WebhookNotifier
 from plugins.operators import OUTPUT_ROOT, RayJobOperator
 from plugins.s3 import S3Error, S3Store, split_uri
 from tasks.common import names
+from tasks.common.stages import PIPELINE_TASKS, STAGES
 
 #: A model's registry folder (champion.json, history/, candidates/), templated like the stages' output.
 REGISTRY = OUTPUT_ROOT + "/models/{{ params.model_name }}"
 
 #: Where prepare_data registers dataset versions: <root>/<name>/<version>/ (tasks/data/versions.py).
 DATASETS_ROOT = OUTPUT_ROOT + "/datasets"
-#: prepare_data's flags that come from the Params of the same name (the column mapping and the checks).
-DATASET_FLAGS = ("input_key", "output_key", "chosen_key", "rejected_key", "label_key", "messages_key", "eval_fraction", "max_bad_fraction")
 
-#: GPUs each stage asks Ray for with the DAG's layout (the RL models colocated on the actor's GPU).
-STAGE_GPUS = {"prepare_data": 0, "sft": 1, "reward_model": 1, "rl": 1, "dpo": 1, "kto": 1, "eval": 1, "promote": 0}
 #: Lineage in the Assets view: base model and data -> SFT -> reward model -> policy -> report -> champion.
 ASSETS = {
     name: Asset(name=f"rlhf_flow.{name}", uri=f"rlhf-flow://assets/{name}")
     for name in ("prepared_data", "sft_model", "reward_model", "policy", "eval_report", "champion")
 }
-
-
-def save_steps(steps: int, checkpoints: int) -> int:
-    """Checkpoint interval giving `checkpoints` evenly spaced checkpoints over `steps` (0: none)."""
-    return -(-int(steps) // int(checkpoints)) if int(checkpoints) > 0 else 0
 
 
 def fail_after(stage: str, fault: dict) -> int:
@@ -77,13 +69,13 @@ def branch_for(params) -> list[str]:
 
 def planned_problems(dag, params, context, cluster: dict[str, float] | None = None) -> list[str]:
     """Each stage on this run's path with the flags its operator would submit (an upstream stage's output as a
-    placeholder URI), checked by the stage's own config (tasks.validate: standard library and yaml, no model
+    placeholder URI), checked by the stage's own config (tasks.common.stages: standard library and yaml, no model
     loaded): one line per stage that would refuse them, and, given the Ray cluster's total resources, per
     stage whose worker groups it could never place."""
     from airflow.sdk.definitions.xcom_arg import XComArg
 
     from tasks.common.config import ConfigError
-    from tasks.validate import oversized, stage_config
+    from tasks.common.stages import oversized, stage_config
 
     running = {"prepare_data", "sft", *branch_for(params), "eval", "promote"}
 
@@ -136,25 +128,18 @@ def missing_inputs(params, render) -> list[str]:
     return problems
 
 
-def training_args(stage: str, steps_param: str) -> dict:
-    """The flags every training stage gets from the run form, beside its own."""
-    return {
-        "seed": "{{ params.seed }}",
-        "zero_stage": "{{ params.zero_stage }}",
-        "save_steps": "{{ save_steps(params.%s, params.checkpoints_per_stage) }}" % steps_param,
-        "fail_after_step": "{{ fail_after('%s', params.fault_injection) }}" % stage,
-        "apply_chat_template": "{{ params.apply_chat_template }}",
-        "lora_rank": "{{ params.lora_rank }}",
-    }
-
-
-def stage(task_id: str, module: str, args: dict, inlets: list[str] = (), outlet: str | None = None, **kwargs) -> RayJobOperator:
+def stage(task_id: str, args: dict, inlets: list[str] = (), outlet: str | None = None, **kwargs) -> RayJobOperator:
+    """The stage task `task_id`: its flags from the form (plugins.form.form_flags), then `args`, what is wired by
+    hand (upstream outputs, the stage's constants; one may override a form flag). A training stage's fault
+    injection comes from the fault_injection Param."""
+    name = PIPELINE_TASKS[task_id]
+    fault = {"fail_after_step": "{{ fail_after('%s', params.fault_injection) }}" % task_id} if STAGES[name].trains else {}
     return RayJobOperator(
         task_id=task_id,
-        module=module,
-        args=args,
+        module=STAGES[name].package,
+        args={**form_flags(task_id), **fault, **args},
         pool=names.GPU_POOL,
-        pool_slots=max(1, STAGE_GPUS[task_id]),
+        pool_slots=max(1, STAGES[PIPELINE_TASKS[task_id]].gpus),  # the GPUs it asks Ray for
         inlets=[ASSETS[name] for name in inlets],
         outlets=[ASSETS[outlet]] if outlet else [],
         **kwargs,
@@ -181,7 +166,7 @@ def build_pipeline(
         params=params,
         # A scheduled run fails with nobody watching: post it to the webhook (plugins/notifiers.py).
         on_failure_callback=WebhookNotifier("nightly_failure") if schedule is not None else None,
-        user_defined_macros={"save_steps": save_steps, "fail_after": fail_after, "fixed_data": fixed_data},
+        user_defined_macros={"fail_after": fail_after, "fixed_data": fixed_data},
         default_args={
             "retries": 1,
             "retry_delay": timedelta(seconds=30),
@@ -208,14 +193,7 @@ def build_pipeline(
 
         prepare_data = stage(
             "prepare_data",
-            "tasks.data",
-            {
-                "source": "{{ params.dataset }}",
-                "base_model": "{{ params.base_model }}",
-                "seed": "{{ params.seed }}",
-                "datasets_root": DATASETS_ROOT,
-                **{name: ("{{ params.%s or '' }}" if name.endswith("_key") else "{{ params.%s }}") % name for name in DATASET_FLAGS},
-            },
+            {"source": "{{ params.dataset }}", "base_model": "{{ params.base_model }}", "datasets_root": DATASETS_ROOT},
             outlet="prepared_data",
             # A file's content or dataset:<name>'s newest version may change under the same flags: only the demo
             # and a pinned version are the same data whenever the flags are.
@@ -223,14 +201,7 @@ def build_pipeline(
         )
         sft = stage(
             "sft",
-            "tasks.sft",
-            {
-                "pretrain": prepare_data.output,
-                "dataset": prepare_data.output,
-                "max_steps": "{{ params.sft_steps }}",
-                "learning_rate": "{{ params.sft_learning_rate }}",
-                **training_args("sft", "sft_steps"),
-            },
+            {"pretrain": prepare_data.output, "dataset": prepare_data.output},
             inlets=["prepared_data"],
             outlet="sft_model",
         )
@@ -242,45 +213,19 @@ def build_pipeline(
         method = choose_method()
         reward_model = stage(
             "reward_model",
-            "tasks.reward_model",
-            {
-                "pretrain": sft.output,
-                "dataset": prepare_data.output,
-                "max_steps": "{{ params.rm_steps }}",
-                "learning_rate": "{{ params.rm_learning_rate }}",
-                **training_args("reward_model", "rm_steps"),
-            },
+            {"pretrain": sft.output, "dataset": prepare_data.output},
             inlets=["sft_model", "prepared_data"],
             outlet="reward_model",
         )
-        # With an environment: RL's episodes and eval's play the same one, within the same limits.
-        episode_args = {
-            "env_path": "{{ params.environment or '' }}",
-            "max_turns": "{{ params.max_turns }}",
-            "max_episode_tokens": "{{ params.max_episode_tokens }}",
-        }
+        # With an environment, RL's episodes and eval's play the same one, within the same limits (form.FEEDS).
         rl = stage(
             "rl",
-            "tasks.rl",
             {
                 "pretrain": sft.output,
                 "reward_pretrain": "{{ ti.xcom_pull(task_ids='reward_model') or '' }}",  # none with an environment
                 "prompt_data": prepare_data.output,
-                "generate_max_len": "{{ params.generate_max_len }}",
-                **episode_args,
-                "max_steps": "{{ params.rl_steps }}",
-                "actor_learning_rate": "{{ params.actor_learning_rate }}",
-                "critic_learning_rate": "{{ params.critic_learning_rate }}",
-                "init_kl_coef": "{{ params.init_kl_coef }}",
-                "lambd": "{{ params.gae_lambda }}",
                 # PPO-ptx on the run's own SFT split: the demo's accuracy held on every seed only with it (docs/design-notes.md).
-                "ptx_coef": "{{ params.ptx_coef }}",
                 "pretrain_data": "{{ ti.xcom_pull(task_ids='prepare_data') if params.ptx_coef else '' }}",
-                "advantage_estimator": "{{ params.advantage_estimator }}",
-                "n_samples_per_prompt": "{{ params.n_samples_per_prompt }}",
-                "colocate_all_models": "{{ params.colocate_all_models }}",
-                "rollout_engine": "{{ params.rollout_engine }}",
-                **training_args("rl", "rl_steps"),
             },
             inlets=["sft_model", "reward_model"],
             outlet="policy",
@@ -289,23 +234,10 @@ def build_pipeline(
         # DPO on the demo's style pairs (right answers both sides) with an NLL term on the chosen side, which
         # keeps the answers' likelihood from sliding (without it, accuracy fell 25 points for 27 of style);
         # KTO on the unpaired thumbs-up/down split.
-        preference_args = {
-            "pretrain": sft.output,
-            "dataset": prepare_data.output,
-            "max_steps": "{{ params.preference_steps }}",
-            "learning_rate": "{{ params.preference_learning_rate }}",
-        }
+        preference_args = {"pretrain": sft.output, "dataset": prepare_data.output}
         dpo = stage(
             "dpo",
-            "tasks.preference",
-            {
-                **preference_args,
-                **training_args("dpo", "preference_steps"),
-                "method": "dpo",
-                "dataset_split": "style_pairs",
-                "beta": "{{ params.dpo_beta }}",
-                "nll_loss_coef": 0.5,
-            },
+            {**preference_args, "method": "dpo", "dataset_split": "style_pairs", "nll_loss_coef": 0.5},
             inlets=["sft_model", "prepared_data"],
             outlet="policy",
         )
@@ -313,42 +245,20 @@ def build_pipeline(
         # lost 29 points of accuracy for 39 of style; 0.3 gained 14 and 38).
         kto = stage(
             "kto",
-            "tasks.preference",
-            {
-                **preference_args,
-                **training_args("kto", "preference_steps"),
-                "method": "kto",
-                "dataset_split": "unpaired",
-                "beta": "{{ params.kto_beta }}",
-                "undesirable_weight": 0.3,
-            },
+            {**preference_args, "method": "kto", "dataset_split": "unpaired", "undesirable_weight": 0.3},
             inlets=["sft_model", "prepared_data"],
             outlet="policy",
         )
         eval_ = stage(
             "eval",
-            "tasks.eval",
             {
                 "baseline": sft.output,
                 "policy": "{{ ti.xcom_pull(task_ids='rl') or ti.xcom_pull(task_ids='dpo') or ti.xcom_pull(task_ids='kto') }}",
                 "reward_pretrain": "{{ ti.xcom_pull(task_ids='reward_model') or '' }}",
                 "dataset": prepare_data.output,
                 "registry": REGISTRY,
-                "max_samples": "{{ params.eval_max_samples }}",
-                "generate_max_len": "{{ params.generate_max_len }}",
-                **episode_args,
-                # The demo's own metrics (answer and style) when the data is the demo's; else what the form declares.
-                "metrics": "{{ params.eval_metrics or '' }}",
+                # The demo's own metrics (answer and style) when the data is the demo's; else the form's file.
                 "metric_func": "{{ params.eval_metric_func or ('tasks/data/demo_metrics.py' if params.dataset == 'demo' else '') }}",
-                "n_samples_per_prompt": "{{ params.eval_samples_per_prompt }}",
-                "slice_key": "{{ params.eval_slice_key or '' }}",
-                "judge_url": "{{ params.eval_judge_url or '' }}",
-                "judge_model": "{{ params.eval_judge_model }}",
-                "lm_eval_tasks": "{{ params.eval_lm_eval_tasks or '' }}",
-                "lm_eval_include_path": "{{ params.eval_lm_eval_include_path or '' }}",
-                "lm_eval_limit": "{{ params.eval_lm_eval_limit }}",
-                "seed": "{{ params.seed }}",
-                "apply_chat_template": "{{ params.apply_chat_template }}",
             },
             inlets=["policy"],
             outlet="eval_report",
@@ -359,7 +269,6 @@ def build_pipeline(
         )
         promote = stage(
             "promote",
-            "tasks.promote",
             {
                 "evaluation": eval_.output,
                 "registry": REGISTRY,

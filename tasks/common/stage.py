@@ -24,10 +24,11 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from tasks.common import cost, storage, user_code
+from tasks.common import cost, provenance, storage, user_code
 from tasks.common import manifest as manifests
 from tasks.common.checkpoint import CheckpointStore
 from tasks.common.config import ConfigError, StageConfig, parse_config, split_list
+from tasks.common.stages import ERROR_PREFIX, INPUT_ERROR_EXIT, TRY_AGAIN_EXIT
 from tasks.common.storage import StorageError
 from tasks.common.tracking import MetricsTracker
 
@@ -39,9 +40,6 @@ class InjectedFailure(RuntimeError):
 
 
 USER_ERRORS = (ConfigError, StorageError, InjectedFailure)
-#: A stage's exit status when its input must change before it can succeed (plugins/operators.py does not
-#: retry it), and when the same input may succeed later (EX_TEMPFAIL).
-INPUT_ERROR_EXIT, TRY_AGAIN_EXIT = 2, 75
 
 
 class StageRun:
@@ -55,9 +53,10 @@ class StageRun:
         self.input_manifests: dict[str, str] = {}  # {input stage folder: sha256 of its manifest.json}, for reruns
         self.user_code: dict[str, dict[str, str]] = {}  # {flag: {file URI: sha256}}: the team's Python files it ran
         self.resumed_from = 0  # the checkpoint step this run started from (0: from scratch)
+        self.checkpoint_every = 0  # steps between checkpoints, once resume() knows the run's steps
         self.placements: list = []  # the placement groups its workers held (each once), for the cost
         self.started = time.time()
-        manifests.code_digest()  # of the code as the stage starts, not as it is when the stage commits
+        provenance.code_digest()  # of the code as the stage starts, not as it is when the stage commits
         self.tracker = MetricsTracker(
             self.workdir / "metrics.jsonl",
             use_wandb=cfg.use_wandb,
@@ -112,14 +111,17 @@ class StageRun:
     def checkpoints(self) -> CheckpointStore:
         return CheckpointStore(self.cfg.ckpt_path or storage.join(self.cfg.output, "checkpoints"), keep=self.cfg.max_ckpt_num)
 
-    def resume(self, restore: Callable[[str], None]) -> int:
+    def resume(self, restore: Callable[[str], None], steps: int) -> int:
         """Restore the newest complete checkpoint (when --load_checkpoint); returns its step, 0 if none.
 
         `restore(uri)` gets the checkpoint's URI: every process (driver, each worker on its own node)
-        fetches the part it needs into its own local folder (CheckpointStore.fetch / manifest.fetch)."""
+        fetches the part it needs into its own local folder (CheckpointStore.fetch / manifest.fetch). `steps`:
+        how many the run makes in all, over which --num_checkpoints spaces its checkpoints."""
+        self.cfg.check_fault_step(steps)
+        self.checkpoint_every = self.cfg.checkpoint_interval(steps)
         step = self.checkpoints.latest()
         if not self.cfg.load_checkpoint:
-            if step is not None and self.cfg.save_steps:
+            if step is not None and self.checkpoint_every:
                 # Writing beside another run's checkpoints would leave a later resume picking theirs.
                 raise ConfigError(
                     f"load_checkpoint: {self.checkpoints.root} holds checkpoints up to step {step} of an earlier run; "
@@ -134,11 +136,12 @@ class StageRun:
         return step
 
     def saves_at(self, step: int) -> bool:
-        """Whether `checkpoint(step, …)` commits one (every --save_steps steps)."""
-        return bool(self.cfg.save_steps) and step % self.cfg.save_steps == 0
+        """Whether `checkpoint(step, …)` commits one (every checkpoint interval: --save_steps, or the spacing of
+        --num_checkpoints over the run's steps)."""
+        return bool(self.checkpoint_every) and step % self.checkpoint_every == 0
 
     def checkpoint(self, step: int, save: Callable[[Path, str], dict | None]) -> None:
-        """Every --save_steps steps, committed as step_<step>: `save(folder, uri)` writes this process's part
+        """At every checkpoint step (saves_at), committed as step_<step>: `save(folder, uri)` writes this process's part
         of the state into `folder` and has each worker upload its own part under `uri` (workers on other
         nodes cannot write into this process's folder); it returns the files they uploaded ({relpath
         under uri: {size, sha256}}), which the manifest, written last, lists with the folder's."""
@@ -212,7 +215,7 @@ def main(stage: str, config_cls: type, work: Callable, argv: list[str] | None = 
         # Ray streams the workers' output to this process: stop it first, so the cause is the last line.
         if "ray" in sys.modules and sys.modules["ray"].is_initialized():
             sys.modules["ray"].shutdown()
-        print(f"error: {cause}", file=sys.stderr, flush=True)
+        print(f"{ERROR_PREFIX}{cause}", file=sys.stderr, flush=True)
         # Exit 2 says "fix the input": the orchestrator does not retry it. An unreachable or overloaded
         # store, a full disk or a busy cluster is worth another try.
         sys.exit(TRY_AGAIN_EXIT if getattr(cause, "transient", False) else INPUT_ERROR_EXIT)

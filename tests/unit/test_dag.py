@@ -21,131 +21,49 @@ ORDER = ["validate", "prepare_data", "sft", "choose_method", "reward_model", "rl
 BRANCHES = {"rl": ["reward_model", "rl"], "dpo": ["dpo"], "kto": ["kto"]}
 
 
-def training(stage: str, steps: str) -> dict:
-    """The flags every training stage gets beside its own."""
-    return {
-        "seed": "params.seed",
-        "zero_stage": "params.zero_stage",
-        "save_steps": "{{ save_steps(params.%s, params.checkpoints_per_stage) }}" % steps,
-        "fail_after_step": "{{ fail_after('%s', params.fault_injection) }}" % stage,
-        "apply_chat_template": "params.apply_chat_template",
-        "lora_rank": "params.lora_rank",
-    }
-
-
-EPISODES = {"env_path": "params.environment or ''", "max_turns": "params.max_turns", "max_episode_tokens": "params.max_episode_tokens"}
 REGISTRY = "s3://{{ params.bucket or conn.rlhf_s3.extra_dejson.get('bucket') or 'rlhf-flow' }}/{{ params.prefix }}/models/{{ params.model_name }}"
-# What each stage gets: flag -> upstream task whose manifest URI it receives, or the param it comes from.
+FAULT = "{{ fail_after('%s', params.fault_injection) }}"
+# What each stage gets by hand, beside its flags from the form (plugins.form.form_flags, checked below): flag ->
+# upstream task whose manifest URI it receives, or the template or constant it is.
 WIRING = {
-    "prepare_data": (
-        "tasks.data",
-        {
-            "source": "params.dataset",
-            "base_model": "params.base_model",
-            "seed": "params.seed",
-            "datasets_root": REGISTRY.replace("/models/{{ params.model_name }}", "/datasets"),
-            # Column names: the form sends an emptied field as null, which renders as "".
-            **{k: "params.%s or ''" % k for k in ("input_key", "output_key", "chosen_key", "rejected_key", "label_key", "messages_key")},
-            **{k: f"params.{k}" for k in ("eval_fraction", "max_bad_fraction")},
-        },
-    ),
-    "sft": (
-        "tasks.sft",
-        {
-            "pretrain": "prepare_data",
-            "dataset": "prepare_data",
-            "max_steps": "params.sft_steps",
-            "learning_rate": "params.sft_learning_rate",
-            **training("sft", "sft_steps"),
-        },
-    ),
-    "reward_model": (
-        "tasks.reward_model",
-        {
-            "pretrain": "sft",
-            "dataset": "prepare_data",
-            "max_steps": "params.rm_steps",
-            "learning_rate": "params.rm_learning_rate",
-            **training("reward_model", "rm_steps"),
-        },
-    ),
-    "rl": (
-        "tasks.rl",
-        {
-            "pretrain": "sft",
-            "reward_pretrain": "{{ ti.xcom_pull(task_ids='reward_model') or '' }}",
-            "prompt_data": "prepare_data",
-            "generate_max_len": "params.generate_max_len",
-            **EPISODES,
-            "max_steps": "params.rl_steps",
-            "actor_learning_rate": "params.actor_learning_rate",
-            "critic_learning_rate": "params.critic_learning_rate",
-            "init_kl_coef": "params.init_kl_coef",
-            "lambd": "params.gae_lambda",
-            "ptx_coef": "params.ptx_coef",
-            "pretrain_data": "{{ ti.xcom_pull(task_ids='prepare_data') if params.ptx_coef else '' }}",  # PPO-ptx's SFT rows
-            "advantage_estimator": "params.advantage_estimator",
-            "n_samples_per_prompt": "params.n_samples_per_prompt",
-            "colocate_all_models": "params.colocate_all_models",
-            "rollout_engine": "params.rollout_engine",
-            **training("rl", "rl_steps"),
-        },
-    ),
+    "prepare_data": {
+        "source": "params.dataset",
+        "base_model": "params.base_model",
+        "datasets_root": REGISTRY.replace("/models/{{ params.model_name }}", "/datasets"),
+    },
+    "sft": {"pretrain": "prepare_data", "dataset": "prepare_data", "fail_after_step": FAULT % "sft"},
+    "reward_model": {"pretrain": "sft", "dataset": "prepare_data", "fail_after_step": FAULT % "reward_model"},
+    "rl": {
+        "pretrain": "sft",
+        "reward_pretrain": "{{ ti.xcom_pull(task_ids='reward_model') or '' }}",
+        "prompt_data": "prepare_data",
+        "pretrain_data": "{{ ti.xcom_pull(task_ids='prepare_data') if params.ptx_coef else '' }}",  # PPO-ptx's SFT rows
+        "fail_after_step": FAULT % "rl",
+    },
     **{
-        method: (
-            "tasks.preference",
-            {
-                "method": method,
-                "pretrain": "sft",
-                "dataset": "prepare_data",
-                "max_steps": "params.preference_steps",
-                "learning_rate": "params.preference_learning_rate",
-                "beta": f"params.{method}_beta",
-                **training(method, "preference_steps"),
-                **extra,
-            },
-        )
+        method: {"method": method, "pretrain": "sft", "dataset": "prepare_data", "fail_after_step": FAULT % method, **extra}
         for method, extra in (
             ("dpo", {"dataset_split": "style_pairs", "nll_loss_coef": 0.5}),
             ("kto", {"dataset_split": "unpaired", "undesirable_weight": 0.3}),
         )
     },
-    "eval": (
-        "tasks.eval",
-        {
-            "baseline": "sft",
-            "dataset": "prepare_data",
-            "max_samples": "params.eval_max_samples",
-            "seed": "params.seed",
-            "generate_max_len": "params.generate_max_len",
-            **EPISODES,
-            "apply_chat_template": "params.apply_chat_template",
-            # whichever branch ran: a template over both branches' XComs
-            "policy": "{{ ti.xcom_pull(task_ids='rl') or ti.xcom_pull(task_ids='dpo') or ti.xcom_pull(task_ids='kto') }}",
-            "reward_pretrain": "{{ ti.xcom_pull(task_ids='reward_model') or '' }}",
-            "registry": REGISTRY,
-            "metrics": "params.eval_metrics or ''",
-            "n_samples_per_prompt": "params.eval_samples_per_prompt",
-            # the demo's own metrics for the demo's data
-            "metric_func": "params.eval_metric_func or ('tasks/data/demo_metrics.py' if params.dataset == 'demo' else '')",
-            "slice_key": "params.eval_slice_key or ''",
-            "judge_url": "params.eval_judge_url or ''",
-            "judge_model": "params.eval_judge_model",
-            "lm_eval_tasks": "params.eval_lm_eval_tasks or ''",
-            "lm_eval_include_path": "params.eval_lm_eval_include_path or ''",
-            "lm_eval_limit": "params.eval_lm_eval_limit",
-        },
-    ),
-    "promote": (
-        "tasks.promote",
-        {
-            "evaluation": "eval",
-            "registry": REGISTRY,
-            "gate": "{{ params.promotion_gate | tojson }}",
-            "allow_promotion": "params.allow_promotion",
-            "promoted_by": "{{ dag.dag_id }} run {{ run_id }}",
-        },
-    ),
+    "eval": {
+        "baseline": "sft",
+        "dataset": "prepare_data",
+        # whichever branch ran: a template over both branches' XComs
+        "policy": "{{ ti.xcom_pull(task_ids='rl') or ti.xcom_pull(task_ids='dpo') or ti.xcom_pull(task_ids='kto') }}",
+        "reward_pretrain": "{{ ti.xcom_pull(task_ids='reward_model') or '' }}",
+        "registry": REGISTRY,
+        # the demo's own metrics for the demo's data: overrides the form's flag
+        "metric_func": "params.eval_metric_func or ('tasks/data/demo_metrics.py' if params.dataset == 'demo' else '')",
+    },
+    "promote": {
+        "evaluation": "eval",
+        "registry": REGISTRY,
+        "gate": "{{ params.promotion_gate | tojson }}",
+        "allow_promotion": "params.allow_promotion",
+        "promoted_by": "{{ dag.dag_id }} run {{ run_id }}",
+    },
 }
 
 
@@ -208,12 +126,15 @@ def test_dag_settings(dag, dagbag):
 
 
 def test_stage_tasks_share_the_gpu_pool_cache_deadline_and_lineage(dag):
-    from plugins.pipeline import STAGE_GPUS
     from tasks.common.names import GPU_POOL  # the pool tools/stack creates
+    from tasks.common.stages import PIPELINE_TASKS, STAGES
 
-    for task_id, gpus in STAGE_GPUS.items():
+    ray_tasks = {t.task_id for t in dag.tasks if type(t).__name__ == "RayJobOperator"}
+    assert ray_tasks == set(PIPELINE_TASKS)  # the registry names every stage task, and nothing else
+    for task_id, name in PIPELINE_TASKS.items():
         task = dag.get_task(task_id)
-        assert task.pool == GPU_POOL and task.pool_slots == max(1, gpus), task_id
+        assert task.module == STAGES[name].package
+        assert task.pool == GPU_POOL and task.pool_slots == max(1, STAGES[name].gpus), task_id
         assert task.deadline_minutes == "{{ params.stage_deadline_minutes }}"
         # prepare_data reuses an output only when the data cannot have changed under the same flags.
         assert task.cache == {"eval": False, "promote": False, "prepare_data": "{{ params.use_cache and fixed_data(params.dataset) }}"}.get(
@@ -247,13 +168,15 @@ def test_task_order(dag):
 
 
 def test_stage_inputs_are_upstream_manifests_and_params(dag):
+    """Each stage task's flags: its hand wiring (WIRING: upstream manifests, templates, constants) and, for the rest,
+    exactly the form's fields that feed it, each rendering its Param under the stage field's name."""
     from airflow.sdk.definitions.xcom_arg import XComArg
 
-    for task_id, (module, wiring) in WIRING.items():
+    from plugins.form import FEEDS, PARAMS, STAGE_PARAMS, tasks_running
+
+    for task_id, wiring in WIRING.items():
         task = dag.get_task(task_id)
         assert type(task).__name__ == "RayJobOperator"
-        assert task.module == module
-        assert set(task.args) == set(wiring), task_id
         for flag, source in wiring.items():
             value = task.args[flag]
             if not isinstance(source, str) or source.startswith(("{{", "s3://")) or source in ("dpo", "kto", "style_pairs", "unpaired"):
@@ -263,7 +186,26 @@ def test_stage_inputs_are_upstream_manifests_and_params(dag):
             else:
                 assert isinstance(value, XComArg), (task_id, flag, value)
                 assert value.operator.task_id == source and value.key == "return_value", (task_id, flag)
+        from_form = {
+            field_name: name
+            for name, (module, field_name, _) in STAGE_PARAMS.items()
+            if task_id in FEEDS.get(name, tasks_running(module)) and field_name not in wiring
+        }
+        assert set(task.args) == set(wiring) | set(from_form), task_id
+        for field_name, name in from_form.items():
+            empty_as = " or ''" if "null" in PARAMS[name].schema["type"] else ""  # the form sends an emptied field as null
+            assert task.args[field_name] == "{{ params.%s%s }}" % (name, empty_as), (task_id, field_name)
         assert task.output_root == REGISTRY.removesuffix("/models/{{ params.model_name }}")
+    # A few by name: a Param whose field is named otherwise, the two betas, what every training stage shares.
+    assert dag.get_task("rl").args["lambd"] == "{{ params.gae_lambda }}"
+    assert dag.get_task("rl").args["env_path"] == dag.get_task("eval").args["env_path"] == "{{ params.environment or '' }}"
+    assert (dag.get_task("dpo").args["beta"], dag.get_task("kto").args["beta"]) == ("{{ params.dpo_beta }}", "{{ params.kto_beta }}")
+    for task_id in ("sft", "reward_model", "rl", "dpo", "kto"):
+        assert dag.get_task(task_id).args["num_checkpoints"] == "{{ params.checkpoints_per_stage }}"
+        assert dag.get_task(task_id).args["seed"] == "{{ params.seed }}"
+    assert "num_checkpoints" not in dag.get_task("eval").args and dag.get_task("eval").args["seed"] == "{{ params.seed }}"
+    # Every stage-backed field of the form reaches a stage.
+    assert all(FEEDS.get(name, tasks_running(module)) for name, (module, _, _) in STAGE_PARAMS.items())
 
 
 def test_params_form(dag):
@@ -414,7 +356,7 @@ def test_the_form_refuses_what_its_stage_would_and_starts_where_the_stage_does_u
 
     from plugins import form as pipeline
     from tasks.common.config import ConfigError, make_config
-    from tasks.validate import config_class
+    from tasks.common.stages import config_class
 
     checked = 0
     for name, (module, field_name, _) in pipeline.STAGE_PARAMS.items():
@@ -496,7 +438,7 @@ print({{"files": files, "plugins": [p.name for p in plugins], "errors": errors, 
 
 def test_the_first_task_checks_every_stage_on_the_runs_path_with_the_stages_own_configs(dag, monkeypatch):
     """The flags each stage operator would submit, rendered from the Params with upstream outputs as
-    placeholders, through tasks.validate: the defaults pass; what a stage would refuse after the others spent
+    placeholders, through tasks.common.stages: the defaults pass; what a stage would refuse after the others spent
     their compute is named now, one line per stage; a stage off the run's path is not checked."""
     from airflow.sdk.execution_time.context import ConnectionAccessor
 

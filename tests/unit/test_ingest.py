@@ -395,28 +395,16 @@ def test_the_pipeline_flags_parse_in_every_stage_config():
     from airflow.sdk.definitions.xcom_arg import XComArg
 
     from plugins.form import DEFAULTS
-    from plugins.pipeline import build_pipeline, fail_after, fixed_data, save_steps
+    from plugins.pipeline import build_pipeline, fail_after, fixed_data
     from plugins.stage_cli import render_flags
-    from tasks.eval.config import EvalConfig
-    from tasks.preference.config import PreferenceConfig
-    from tasks.reward_model.config import RewardModelConfig
-    from tasks.rl.config import RLConfig
-    from tasks.sft.config import SFTConfig
+    from tasks.common.stages import STAGES
 
-    configs = {
-        "tasks.data": PrepareDataConfig,
-        "tasks.sft": SFTConfig,
-        "tasks.reward_model": RewardModelConfig,
-        "tasks.rl": RLConfig,
-        "tasks.preference": PreferenceConfig,
-        "tasks.eval": EvalConfig,
-    }
+    configs = {s.package: s.config_class() for s in STAGES.values() if s.name != "promote"}
     dag = build_pipeline("ingest_flags", None, "", allow_promotion=False)
     env = jinja2.Environment()
     upstream = "s3://b/p/runs/d/r/stage/manifest.json"
     context = {
         "params": {**DEFAULTS, "bucket": "b"},
-        "save_steps": save_steps,
         "fail_after": fail_after,
         "fixed_data": fixed_data,
         "ti": type("TI", (), {"xcom_pull": lambda self, task_ids: upstream})(),
