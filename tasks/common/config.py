@@ -53,9 +53,13 @@ class StageConfig:
     use_wandb: bool = field(default=False, metadata={"help": "log metrics to wandb as well (WANDB_MODE=offline works)"})
     wandb_project: str = field(default="rlhf-flow", metadata={"help": "wandb project name"})
 
+    def __post_init__(self) -> None:
+        # Every construction is checked: make_config's, dataclasses.replace's, a caller's own.
+        self.validate()
+
     def validate(self) -> None:
         """Refuse values no stage can use: first every field's declared limits (its metadata), then the
-        checks that span fields. Subclasses extend this and call super()."""
+        checks that span fields. Subclasses extend this and call super(); __post_init__ runs it."""
         for f in dataclasses.fields(self):
             check_declared(f, getattr(self, f.name))
         if not self.output:
@@ -101,6 +105,14 @@ class TrainingConfig(StageConfig):
     max_samples: int = field(default=0, metadata={"help": "use only the first this many rows of the training data (0: all)", "min": 0})
     apply_chat_template: bool = field(default=False, metadata={"help": "wrap each prompt in the tokenizer's chat template as a user turn"})
     save_steps: int = field(default=0, metadata={"help": "write a resumable checkpoint every this many steps (0: never)", "min": 0})
+    num_checkpoints: int = field(
+        default=0,
+        metadata={
+            "help": "write this many resumable checkpoints, evenly spaced over the steps the stage runs (wins over --save_steps; 0: every --save_steps)",
+            "min": 0,
+            "max": 1000,
+        },
+    )
     ckpt_path: str = field(default="", metadata={"help": "where checkpoints go (default <output>/checkpoints); each step_<n>/ has its own manifest"})
     load_checkpoint: bool = field(default=True, metadata={"help": "resume from the newest complete checkpoint under ckpt_path when one exists"})
     max_ckpt_num: int = field(default=3, metadata={"help": "keep this many newest checkpoints (0: all)", "min": 0})
@@ -135,10 +147,20 @@ class TrainingConfig(StageConfig):
         },
     )
 
+    def checkpoint_interval(self, steps: int) -> int:
+        """Steps between resumable checkpoints in a run of `steps` steps (0: none)."""
+        return -(-steps // self.num_checkpoints) if self.num_checkpoints else self.save_steps
+
+    def check_fault_step(self, steps: int) -> None:
+        """--fail_after_step must name a checkpoint step of a run of `steps` steps."""
+        every = self.checkpoint_interval(steps)
+        if self.fail_after_step and (not every or self.fail_after_step % every):
+            how = f"--num_checkpoints {self.num_checkpoints} over {steps} steps" if self.num_checkpoints else "--save_steps"
+            raise ConfigError(f"fail_after_step: {self.fail_after_step} is not a checkpoint step; use a multiple of {every} ({how})")
+
     def validate(self) -> None:
         super().validate()
-        if self.fail_after_step and (not self.save_steps or self.fail_after_step % self.save_steps):
-            raise ConfigError(f"fail_after_step: {self.fail_after_step} is not a checkpoint step; use a multiple of --save_steps ({self.save_steps})")
+        self.check_fault_step(getattr(self, "max_steps", 0))  # RL's num_episodes runs are checked again once their steps are known
         if self.torch_compile and self.zero_stage == 3:
             raise ConfigError(
                 "torch_compile: ZeRO-3 gathers each block's weights through hooks a compiled block does not run; use --zero_stage 2 or drop --torch_compile"
@@ -157,6 +179,48 @@ class TrainingConfig(StageConfig):
         names = [n.strip() for n in self.target_modules.split(",")]
         if not all(names) or ("all-linear" in names and len(names) > 1):
             raise ConfigError(f"target_modules: {self.target_modules!r} is not a module list; use all-linear or comma-separated names such as q_proj,v_proj")
+
+
+@dataclass
+class SingleGroupTrainingConfig(TrainingConfig):
+    """A stage that trains one model in one data-parallel worker group on rows of a dataset: SFT, the reward model,
+    DPO/KTO. A stage restates a field only for its own default or help (`restate`)."""
+
+    pretrain: str = field(default="", metadata={"help": "model to start from: a stage output URI, a local folder or a hub id"})
+    dataset: str = field(default="", metadata={"help": "a stage output URI or a JSONL/Parquet/CSV file"})
+    dataset_split: str = field(default="", metadata={"help": "which split of a stage output's datasets to train on"})
+    max_steps: int = field(default=100, metadata={"help": "optimizer steps", "min": 1, "max": 1_000_000})
+    train_batch_size: int = field(default=128, metadata={"help": "rows per optimizer step", "min": 1})
+    learning_rate: float = field(default=1e-4, metadata={"help": "peak learning rate (AdamW)", "exclusive_min": 0, "max": 1})
+    lr_warmup_steps: int = field(default=10, metadata={"help": "linear warmup steps"})
+    lr_scheduler: str = field(default="constant", metadata={"help": "after warmup: constant, or cosine down to 0.1 of the peak", "choices": LR_SCHEDULERS})
+    max_len: int = field(
+        default=512,
+        metadata={
+            "help": "longest prompt+response in tokens; longer rows lose the start of their prompt (then the end of the response) and are counted",
+            "min": 1,
+        },
+    )
+    logging_steps: int = field(default=25, metadata={"help": "log metrics every this many steps", "min": 1})
+    num_nodes: int = field(default=1, metadata={"help": "nodes of the data-parallel worker group", "min": 1})
+    num_gpus_per_node: int = field(default=1, metadata={"help": "workers per node, one GPU each (one CPU on a CPU-only cluster)", "min": 1})
+
+    def validate(self) -> None:
+        super().validate()
+        for name in ("pretrain", "dataset"):
+            if not getattr(self, name):
+                raise ConfigError(f"{name}: missing; pass --{name} <URI>")
+        check_batch(
+            "train_batch_size", self.train_batch_size, self.micro_train_batch_size, self.num_nodes * self.num_gpus_per_node, "num_nodes × num_gpus_per_node"
+        )
+
+
+def restate(base: type, name: str, default: Any = dataclasses.MISSING, help: str | None = None) -> Any:
+    """`base`'s field `name` with another default and/or help, its limits kept: what a stage's config declares to
+    change a shared field (e.g. `max_steps: int = restate(SingleGroupTrainingConfig, "max_steps", 500)`)."""
+    f = next(f for f in dataclasses.fields(base) if f.name == name)
+    metadata = {**f.metadata, **({"help": help} if help else {})}
+    return field(default=f.default if default is dataclasses.MISSING else default, metadata=metadata)
 
 
 def _number(value) -> str:
@@ -300,12 +364,11 @@ def parse_config(cls: type, argv: list[str] | None = None, prog: str | None = No
 
 
 def make_config(cls: type, values: dict[str, Any]):
-    """Build and validate `cls` from a mapping (used by tests and in-process callers too)."""
+    """Build `cls` from a mapping, each value converted to its field's type (used by tests and in-process callers
+    too); constructing it validates it."""
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - set(fields))
     if unknown:
         raise ConfigError(f"{unknown[0]}: unknown field for {cls.__name__}; known fields: {', '.join(fields)}")
     converted = {name: _convert(name, _field_type(cls, fields[name]), v) for name, v in values.items()}
-    cfg = cls(**converted)
-    cfg.validate()
-    return cfg
+    return cls(**converted)

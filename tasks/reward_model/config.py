@@ -1,43 +1,24 @@
 from dataclasses import dataclass, field
 
-from tasks.common.config import LR_SCHEDULERS, ConfigError, TrainingConfig, check_batch
+from tasks.common.config import SingleGroupTrainingConfig as Base
+from tasks.common.config import restate
 
 
 @dataclass
-class RewardModelConfig(TrainingConfig):
+class RewardModelConfig(Base):
     """Pairwise (Bradley-Terry) reward model: a scalar head on the SFT model, trained on chosen/rejected pairs."""
 
-    pretrain: str = field(default="", metadata={"help": "model to start from (the SFT output URI); the scalar head starts fresh"})
-    dataset: str = field(default="", metadata={"help": "preference pairs: a stage output URI or a JSONL/Parquet/CSV file"})
-    dataset_split: str = field(default="preference", metadata={"help": "split of a stage output's datasets to train on"})
+    pretrain: str = restate(Base, "pretrain", help="model to start from (the SFT output URI); the scalar head starts fresh")
+    dataset: str = restate(Base, "dataset", help="preference pairs: a stage output URI or a JSONL/Parquet/CSV file")
+    dataset_split: str = restate(Base, "dataset_split", "preference")
     eval_split: str = field(default="preference_eval", metadata={"help": "held-out pairs for pairwise accuracy and reward statistics"})
     prompt_key: str = field(default="prompt", metadata={"help": "dataset column holding the prompt"})
     chosen_key: str = field(default="chosen", metadata={"help": "dataset column holding the preferred response"})
     rejected_key: str = field(default="rejected", metadata={"help": "dataset column holding the other response"})
-    max_steps: int = field(default=300, metadata={"help": "optimizer steps", "min": 1, "max": 1_000_000})
-    train_batch_size: int = field(default=128, metadata={"help": "pairs per optimizer step", "min": 1})
-    learning_rate: float = field(default=3e-4, metadata={"help": "peak learning rate (AdamW)", "exclusive_min": 0, "max": 1})
-    lr_warmup_steps: int = field(default=50, metadata={"help": "linear warmup steps"})
-    lr_scheduler: str = field(default="constant", metadata={"help": "after warmup: constant, or cosine down to 0.1 of the peak", "choices": LR_SCHEDULERS})
-    max_len: int = field(
-        default=512,
-        metadata={
-            "help": "longest prompt+response in tokens; longer ones lose the start of their prompt (then the end of the response) and are counted",
-            "min": 1,
-        },
-    )
+    max_steps: int = restate(Base, "max_steps", 300)
+    train_batch_size: int = restate(Base, "train_batch_size", help="pairs per optimizer step")
+    learning_rate: float = restate(Base, "learning_rate", 3e-4)
+    lr_warmup_steps: int = restate(Base, "lr_warmup_steps", 50)
     packing_samples: bool = field(
         default=False, metadata={"help": "pack each micro-batch's sequences into one: no padding, and no token attends across sequences"}
     )
-    logging_steps: int = field(default=25, metadata={"help": "log metrics every this many steps", "min": 1})
-    num_nodes: int = field(default=1, metadata={"help": "nodes of the data-parallel worker group", "min": 1})
-    num_gpus_per_node: int = field(default=1, metadata={"help": "workers per node, one GPU each (one CPU on a CPU-only cluster)", "min": 1})
-
-    def validate(self) -> None:
-        super().validate()
-        for name in ("pretrain", "dataset"):
-            if not getattr(self, name):
-                raise ConfigError(f"{name}: missing; pass --{name} <URI>")
-        check_batch(
-            "train_batch_size", self.train_batch_size, self.micro_train_batch_size, self.num_nodes * self.num_gpus_per_node, "num_nodes × num_gpus_per_node"
-        )
