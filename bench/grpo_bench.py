@@ -228,8 +228,8 @@ def bench_hf_generate(bench_dir: Path, batch: int = 64) -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
+    from tasks.common.nn.engines.hf_engine import HFRolloutEngine
     from tasks.common.nn.models import load_causal_lm, load_tokenizer
-    from tasks.common.nn.rollout import HFRolloutEngine
 
     device = torch.device("cuda" if on_gpu() else "cpu")
     model = load_causal_lm(str(bench_dir / "model")).to(device, torch.bfloat16 if on_gpu() else torch.float32)
@@ -283,7 +283,7 @@ def bench_hf_generate(bench_dir: Path, batch: int = 64) -> None:
 
 
 def bench_vocab_passes(bench_dir: Path, repeats: int = 10) -> None:
-    """The passes over the vocabulary as the stages run them on CUDA (compiled: losses.token_logprobs,
+    """The passes over the vocabulary as the stages run them on CUDA (compiled: vocab.token_logprobs,
     token_entropy; rollout.sample_next) against the eager float32 ones they replaced (2026-12-05), on one machine:
     RL's log-probabilities and logged entropy of a training micro-batch's completions (64 x 256 tokens through the
     chunked head, forward and backward), and the decode's sampling of 64 rows, once a token. Random weights of the
@@ -291,8 +291,8 @@ def bench_vocab_passes(bench_dir: Path, repeats: int = 10) -> None:
     import torch
     import torch.nn.functional as F
 
-    from tasks.common.nn import losses
-    from tasks.common.nn.rollout import fused_sample, sample_next
+    from tasks.common.nn import vocab
+    from tasks.common.nn.engines.hf_engine import fused_sample, sample_next
 
     config = json.loads((bench_dir / "model" / "config.json").read_text())
     device = torch.device("cuda" if on_gpu() else "cpu")
@@ -311,7 +311,7 @@ def bench_vocab_passes(bench_dir: Path, repeats: int = 10) -> None:
         return torch.stack([logprobs, entropy])
 
     def train_micro_batch():  # the actor's: entropy logged, not trained on
-        logprobs, _ = losses.head_logprobs(hidden, head, labels, 1.0, return_entropy=True, entropy_grad=False)
+        logprobs, _ = vocab.head_logprobs(hidden, head, labels, 1.0, return_entropy=True, entropy_grad=False)
         logprobs.sum().backward()
 
     def eager_sample():
@@ -329,11 +329,11 @@ def bench_vocab_passes(bench_dir: Path, repeats: int = 10) -> None:
 
     result = {"train_tokens": tokens, "vocab_size": config["vocab_size"], "hidden_size": config["hidden_size"], "sample_rows": logits.size(0)}
     result["train_micro_batch_s"] = round(seconds(train_micro_batch, repeats), 4)
-    compiled_chunk, losses._chunk_logprobs = losses._chunk_logprobs, eager_chunk
+    compiled_chunk, vocab._chunk_logprobs = vocab._chunk_logprobs, eager_chunk
     try:
         result["train_micro_batch_s_eager"] = round(seconds(train_micro_batch, repeats), 4)
     finally:
-        losses._chunk_logprobs = compiled_chunk
+        vocab._chunk_logprobs = compiled_chunk
     result["sample_ms_per_token"] = round(1e3 * seconds(lambda: sample_next(logits), COMPLETION_TOKENS), 4)
     result["sample_ms_per_token_eager"] = round(1e3 * seconds(eager_sample, COMPLETION_TOKENS), 4)
     save(bench_dir, "vocab_passes", result)
@@ -473,8 +473,8 @@ def bench_sft_profile(
     from tasks.common.nn.losses import policy_loss
     from tasks.common.nn.models import load_causal_lm, use_liger
     from tasks.common.nn.strategy import DeepSpeedStrategy
+    from tasks.common.nn.supervised import micro_batch_loss
     from tasks.rl.experience import response_logprobs
-    from tasks.sft.trainer import micro_batch_loss
 
     batch, seq, prompt = (PROMPTS_PER_STEP * GROUP, PROMPT_TOKENS + COMPLETION_TOKENS, PROMPT_TOKENS) if rl_shape else (8, 2048, 1024)
     strategy = DeepSpeedStrategy(
@@ -731,7 +731,7 @@ def bench_ours(
         {
             "micro_batch": micro,
             "liger": liger and not compile_blocks,  # --torch_compile takes the place of Liger's block kernels
-            "chunked_logprobs": liger,  # the log-probs a chunk of tokens at a time (losses.head_logprobs), compiled or not
+            "chunked_logprobs": liger,  # the log-probs a chunk of tokens at a time (vocab.head_logprobs), compiled or not
             "torch_compile": compile_blocks,
             "lora_rank": lora_rank,
             "gradient_checkpointing": checkpointing,

@@ -36,6 +36,7 @@ from typing import Any, Mapping
 from plugins.s3 import S3Store, split_uri
 from plugins.stage_cli import render_flag_value
 from tasks.common import manifest as manifests
+from tasks.common import provenance
 
 #: Flags that say where the output goes and which run it belongs to, not what is computed.
 NOT_IN_KEY = frozenset({"output", "run_id"})
@@ -46,14 +47,14 @@ def is_manifest_uri(value: Any) -> bool:
 
 
 def code_digest(working_dir: str | None) -> str:
-    """sha256 over the stage code a job runs (tasks.common.manifest.code_digest of ``working_dir``, the digest
+    """sha256 over the stage code a job runs (tasks.common.provenance.code_digest of ``working_dir``, the digest
     each stage records), or the installed rlhf-flow version when no code is shipped."""
     if not working_dir:
         try:
             return "rlhf-flow==" + metadata.version("rlhf-flow")
         except metadata.PackageNotFoundError:
             return "unknown"
-    return manifests.code_digest(working_dir)
+    return provenance.code_digest(working_dir)
 
 
 def cache_key(module: str, args: Mapping[str, str], input_digests: Mapping[str, str], code: str) -> str:

@@ -15,12 +15,13 @@ from __future__ import annotations
 import torch
 
 from tasks.common.nn import data, lora
-from tasks.common.nn.losses import dpo_loss, kto_kl_baseline, kto_loss, sft_loss
+from tasks.common.nn.losses import sft_loss
 from tasks.common.nn.models import kernels, load_causal_lm, load_tokenizer, resolve_model, sequence_logprobs
 from tasks.common.nn.strategy import DeepSpeedStrategy
 from tasks.common.nn.workers import TrainingWorker, placed_group, shard, train_steps
 from tasks.common.stage import StageRun
 from tasks.preference.config import PreferenceConfig
+from tasks.preference.losses import dpo_loss, kto_kl_baseline, kto_loss
 
 
 def keys(cfg: PreferenceConfig) -> list[str]:

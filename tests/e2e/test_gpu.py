@@ -246,8 +246,8 @@ def test_sft_loss_through_ligers_fused_linear_cross_entropy_gives_the_eager_loss
     and every parameter's gradient."""
     from tasks.common.nn import data as batches
     from tasks.common.nn.models import load_causal_lm, token_nll_sum, use_liger
+    from tasks.common.nn.supervised import micro_batch_inputs, micro_batch_loss
     from tasks.data import demo
-    from tasks.sft.trainer import micro_batch_inputs, micro_batch_loss
 
     assert use_liger(True), "liger-kernel is missing: the gpu extra installs it"
     tok = demo.build_tokenizer()
@@ -282,8 +282,8 @@ def test_the_compiled_vocabulary_passes_give_the_eager_numbers():
     training and scoring) and sample_next's exponential race (the hf engine's decode). Against eager float32
     log-softmax on the same bf16 logits of a 152k vocabulary: values, the entropy in autograd and out of it, the
     gradients to the hidden states and the head; the race's draws follow the tempered softmax."""
-    from tasks.common.nn.losses import head_logprobs
-    from tasks.common.nn.rollout import sample_next
+    from tasks.common.nn.engines.hf_engine import sample_next
+    from tasks.common.nn.vocab import head_logprobs
 
     torch.manual_seed(0)
     device, vocab = torch.device("cuda"), 151936
@@ -362,8 +362,8 @@ def test_the_decode_loop_replayed_as_cuda_graphs_matches_the_eager_one_and_reads
     the weights in place), and so are those of the --torch_compile path (the decode forward compiled, the sibling
     projections fused); its sampled tokens' log-probabilities are the trainer's at the temperature."""
     from tasks.common.nn import data as batches
+    from tasks.common.nn.engines.hf_engine import HFRolloutEngine
     from tasks.common.nn.models import load_causal_lm
-    from tasks.common.nn.rollout import HFRolloutEngine
     from tasks.data import demo
     from tasks.rl.experience import response_logprobs
 
@@ -410,8 +410,8 @@ def test_the_flash_kvcache_decode_attention_matches_sdpa_and_decodes_as_the_trai
     from types import SimpleNamespace
 
     from tasks.common.nn import data as batches
+    from tasks.common.nn.engines.hf_engine import DECODE_ATTENTION, FLASH_DECODE_ATTENTION, HFRolloutEngine, flash_kvcache_attention, packed_gqa_sdpa
     from tasks.common.nn.models import load_causal_lm
-    from tasks.common.nn.rollout import DECODE_ATTENTION, FLASH_DECODE_ATTENTION, HFRolloutEngine, flash_kvcache_attention, packed_gqa_sdpa
     from tasks.data import demo
     from tasks.rl.experience import response_logprobs
 

@@ -5,20 +5,9 @@ import math
 import pytest
 import torch
 
-from tasks.common.nn.losses import (
-    aggregate,
-    bradley_terry_loss,
-    fused_entropy,
-    fused_token_logprobs,
-    kl_loss,
-    logprob_mismatch,
-    masked_mean,
-    policy_loss,
-    sft_loss,
-    token_logprobs,
-    value_loss,
-)
+from tasks.common.nn.losses import aggregate, bradley_terry_loss, kl_loss, logprob_mismatch, masked_mean, policy_loss, sft_loss, value_loss
 from tasks.common.nn.models import sequence_logprobs
+from tasks.common.nn.vocab import fused_entropy, fused_token_logprobs, token_logprobs
 from tasks.rl.advantages import (
     compute_advantages,
     discounted_returns,
@@ -406,7 +395,7 @@ def test_head_logprobs_a_chunk_at_a_time_equal_the_full_logits_values_and_gradie
     """head_logprobs (what a Liger-loaded model uses: no full logits) against token_logprobs(head(hidden)),
     chunks that do not divide the tokens, a temperature, the entropy too; gradients to the hidden states and
     the head's weight."""
-    from tasks.common.nn.losses import head_logprobs
+    from tasks.common.nn.vocab import head_logprobs
 
     torch.manual_seed(0)
     hidden = torch.randn(2, 7, 8, requires_grad=True)
@@ -535,7 +524,7 @@ def test_actor_logprobs_at_the_temperature_are_those_generate_sampled_from():
     """HF generate's processed scores (logits / temperature) give the sampled tokens the log-probs that
     response_logprobs computes at that temperature; untempered ones differ."""
     from tasks.common.nn.data import encode_prompt
-    from tasks.common.nn.rollout import HFRolloutEngine
+    from tasks.common.nn.engines.hf_engine import HFRolloutEngine
     from tasks.data import demo
     from tasks.rl.experience import response_logprobs
 

@@ -644,7 +644,7 @@ def test_cache_hit_reuses_the_earlier_output_without_a_job(env, capfd):
 
 def test_cache_key_covers_flags_inputs_and_code(tmp_path):
     from plugins import stage_cache
-    from tasks.common import manifest as manifests
+    from tasks.common import provenance
 
     base = stage_cache.cache_key("tasks.sft", {"max_steps": "10", "output": "s3://a/x"}, {"pretrain": "d1"}, "c1")
     assert base == stage_cache.cache_key("tasks.sft", {"max_steps": "10", "output": "s3://b/y"}, {"pretrain": "d1"}, "c1")
@@ -658,7 +658,7 @@ def test_cache_key_covers_flags_inputs_and_code(tmp_path):
     (tmp_path / "tasks").mkdir()
     (tmp_path / "tasks" / "a.py").write_text("x = 1\n")
     first = stage_cache.code_digest(str(tmp_path))
-    manifests.code_digest.cache_clear()  # computed once per process and folder
+    provenance.code_digest.cache_clear()  # computed once per process and folder
     (tmp_path / "tasks" / "a.py").write_text("x = 2\n")
     assert stage_cache.code_digest(str(tmp_path)) != first
 

@@ -3,7 +3,9 @@
 import pytest
 import torch
 
-from tasks.common.nn.losses import DPO_LOSS_TYPES, bradley_terry_loss, dpo_loss, kto_kl_baseline, kto_loss
+from tasks.common.nn.losses import bradley_terry_loss
+from tasks.preference.config import DPO_LOSS_TYPES
+from tasks.preference.losses import dpo_loss, kto_kl_baseline, kto_loss
 
 T = torch.tensor
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tasks.common import manifest as mf
-from tasks.common import storage
+from tasks.common import provenance, storage
 from tasks.common.storage import NotFoundError, StorageError
 
 from conftest import free_port
@@ -187,9 +187,9 @@ def test_config_hash_and_build_manifest(monkeypatch):
     assert m["config_hash"] == mf.config_hash({"lr": 1e-5}) and m["model"] == "model"
     assert m["code_version"] == "abc123" and m["created_at"].endswith("+00:00")
     assert m["versions"]["python"] == "%d.%d.%d" % sys.version_info[:3]
-    assert "torch" in m["versions"] and set(m["versions"]) <= {"python", "lock", "cpu_numerics", *mf.TRACKED_PACKAGES}
+    assert "torch" in m["versions"] and set(m["versions"]) <= {"python", "lock", "cpu_numerics", *provenance.TRACKED_PACKAGES}
     # The lock `make install` recorded in the venv, and the CPU code paths tasks/__init__.py pins.
-    lock = Path(sys.prefix) / mf.LOCK_RECORD
+    lock = Path(sys.prefix) / provenance.LOCK_RECORD
     if lock.exists():
         assert m["versions"]["lock"] == "dev sha256:" + json.loads(lock.read_text())["sha256"]
     assert "MKL_CBWR=AVX2,STRICT" in m["versions"]["cpu_numerics"]

@@ -1,9 +1,7 @@
-"""Loss functions shared by the stages: small, pure, tensor in, tensor out.
+"""Loss functions shared by the stages: small, pure, tensor in, tensor out (the log-probabilities and entropies
+they take come from tasks.common.nn.vocab).
 
     loss = sft_loss(token_logprobs, loss_mask)
-    logprobs = head_logprobs(hidden, lm_head, labels)         # token_logprobs(lm_head(hidden), labels), a chunk at a time
-    entropy = token_entropy(logits, temperature=0.7)          # of the sampling distribution, per token
-    nll = fused_linear_nll_sum(hidden, lm_head.weight, labels, mask)   # Σ -logprobs under the mask, Liger's fused kernel (CUDA)
     loss = bradley_terry_loss(chosen_scores, rejected_scores)
     loss, clip_frac = policy_loss(logprobs, old_logprobs, advantages, mask, clip_eps=0.2)
     loss, clip_frac = policy_loss(..., clip_eps_low=0.2, clip_eps_high=0.28, dual_clip=3.0,
@@ -19,13 +17,10 @@ Shapes: per-token tensors are [batch, tokens] with a 0/1 mask of the same shape.
 
 from __future__ import annotations
 
-import functools
 import math
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-import torch.utils.checkpoint
 
 # Bounds that keep one far-off token from overflowing a step (issue 52, item 5).
 LOG_RATIO_CLAMP = 20.0  # |log π/π_old| before exp, as verl and OpenRLHF: e^20 ≈ 4.9e8; e^89 is inf in float32
@@ -54,126 +49,6 @@ def last_token_index(mask: torch.Tensor) -> torch.Tensor:
     """Index of the last 1 in each row of a 0/1 mask ([B, T] -> [B])."""
     positions = torch.arange(mask.size(1), device=mask.device).expand_as(mask)
     return (positions * mask.long()).argmax(dim=1)
-
-
-def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log p(labels[t] | ·) under softmax(logits / temperature), logits of the same length: [B, T, V], [B, T] -> [B, T].
-
-    The temperature is applied inside either path, in float32 after the upcast: dividing the bf16 logits
-    beforehand would round them again and, on a GPU, write one more [B, T, V] copy.
-
-    On a GPU this runs compiled (fused_token_logprobs): eager PyTorch makes a float32 copy of the logits,
-    log-softmaxes it and, in backward, scatters into a zero tensor of the same size. At 8 × 2048 tokens and
-    a 152k vocabulary each of those is 10 GB written and read; compiled, one pass reads the logits each way.
-    """
-    if logits.is_cuda:
-        return _compiled_token_logprobs()(logits, labels, temperature)
-    return torch.gather(F.log_softmax(tempered(logits.float(), temperature), dim=-1), -1, labels.unsqueeze(-1)).squeeze(-1)
-
-
-def tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """logits / temperature: the logits of the distribution sampled at that temperature (vLLM's and HF's
-    sampling divide them the same way). At 1.0 the logits themselves, so untempered paths stay bit-for-bit."""
-    return logits if temperature == 1.0 else logits / temperature
-
-
-def fused_token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """token_logprobs as logit[label] - logsumexp(logits), written so torch.compile fuses it: the label's
-    logit is picked by comparison rather than gather, so backward is one elementwise expression
-    (onehot - softmax) × grad instead of a scatter. Eager, it would build a [B, T, V] mask: compile it."""
-    x = tempered(logits.float(), temperature)
-    hit = torch.arange(x.size(-1), device=x.device) == labels.unsqueeze(-1)
-    return torch.where(hit, x, 0.0).sum(-1) - torch.logsumexp(x, dim=-1)
-
-
-@functools.cache
-def _compiled_token_logprobs():
-    return torch.compile(fused_token_logprobs, dynamic=True)
-
-
-def head_logprobs(
-    hidden: torch.Tensor,
-    head: Callable,
-    labels: torch.Tensor,
-    temperature: float = 1.0,
-    return_entropy: bool = False,
-    chunk_tokens: int = 1024,
-    entropy_grad: bool = True,
-):
-    """token_logprobs(head(hidden), labels, temperature) (and the distribution's entropy) without ever holding
-    the logits of more than `chunk_tokens` tokens: [..., H] hidden states, [...] labels -> [...].
-    entropy_grad=False leaves the entropy out of autograd: logged, not trained on, it then costs no backward
-    passes over the vocabulary.
-
-    The logits are the largest tensor of a causal LM's step (8 × 2048 tokens × a 152k vocabulary is 10 GB in
-    float32, and eager backward makes two more); here each chunk's logits are made, reduced to log-probs and
-    dropped, and the backward pass remakes them one chunk at a time (activation checkpointing), so the peak is
-    one chunk's. The same numbers as the full-logits path, to float rounding (tests/unit/test_math.py)."""
-    shape = labels.shape
-    flat_hidden, flat_labels = hidden.reshape(-1, hidden.size(-1)), labels.reshape(-1)
-    checkpointed = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in _parameters(head)))
-    parts = []
-    for start in range(0, flat_labels.numel(), chunk_tokens):
-        args = (head, flat_hidden[start : start + chunk_tokens], flat_labels[start : start + chunk_tokens], temperature, return_entropy, entropy_grad)
-        parts.append(torch.utils.checkpoint.checkpoint(_chunk_logprobs, *args, use_reentrant=False) if checkpointed else _chunk_logprobs(*args))
-    out = torch.cat(parts, dim=-1)
-    if not return_entropy:
-        return out.reshape(shape)
-    entropy = out[1].reshape(shape)
-    return out[0].reshape(shape), (entropy if entropy_grad else entropy.detach())
-
-
-def _parameters(head) -> list[torch.Tensor]:
-    return list(head.parameters()) if isinstance(head, torch.nn.Module) else []
-
-
-def _chunk_logprobs(head, hidden, labels, temperature: float, return_entropy: bool, entropy_grad: bool = True) -> torch.Tensor:
-    """One chunk of head_logprobs: [N, H] -> [N] log-probs, or [2, N] log-probs and entropies."""
-    logits = head(hidden)
-    logprobs = token_logprobs(logits, labels, temperature)
-    if not return_entropy:
-        return logprobs
-    return torch.stack([logprobs, token_entropy(logits, temperature, entropy_grad)])
-
-
-def token_entropy(logits: torch.Tensor, temperature: float = 1.0, grad: bool = True) -> torch.Tensor:
-    """Entropy of softmax(logits / temperature) over the last dimension: [..., V] -> [...]; outside autograd
-    unless grad. On a GPU compiled (fused_entropy), as token_logprobs is: eager, the upcast, log-softmax, exp
-    and product each wrote a float32 copy of the logits, 0.6 GB each for 1,024 tokens of a 152k vocabulary."""
-    with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
-        return (_compiled_entropy() if logits.is_cuda else fused_entropy)(logits, temperature)
-
-
-def fused_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """-Σ p log p, written so torch.compile fuses it into reductions over the logits as they are."""
-    log_p = tempered(logits.float(), temperature)
-    log_p = log_p - torch.logsumexp(log_p, dim=-1, keepdim=True)
-    return -(log_p.exp() * log_p).sum(-1)
-
-
-@functools.cache
-def _compiled_entropy():
-    return torch.compile(fused_entropy, dynamic=True)
-
-
-def fused_linear_nll_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Σ -log softmax(hidden @ weight.T)[label] over the positions where mask is 1: [..., H], [V, H], [...], [...] -> [].
-    Liger's fused linear cross-entropy (CUDA only; its kernels are Triton's): a chunk of tokens at a time it makes
-    the logits in the weight's precision, and one kernel reduces them and writes their gradient in place, float32
-    inside; the head's gradients are taken then, in the forward pass, so backward only scales them. Against
-    head_logprobs it never writes float32 logits nor remakes them in backward (on the H200 the log-softmax and the
-    copies were 56 of SFT's 195 ms of kernels a step: bench/RESULTS.md, 2026-12-04 seventh lease)."""
-    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
-
-    targets = labels.masked_fill(mask == 0, -100)  # Liger's ignore_index
-    return liger_fused_linear_cross_entropy(
-        hidden.reshape(-1, hidden.size(-1)),
-        weight,
-        targets.reshape(-1),
-        reduction="sum",
-        accum_dtype=torch.float32,  # the head's gradient summed over chunks in float32, not bf16
-        chunk_mem_const=8,  # chunks of ~1k tokens rather than ~128 at a 152k vocabulary: 8x fewer launches
-    )
 
 
 def sft_loss(logprobs: torch.Tensor, loss_mask: torch.Tensor, num_tokens: torch.Tensor | float | None = None) -> torch.Tensor:
@@ -452,97 +327,3 @@ def kl_loss(
 #     loss, chosen_r, rejected_r = dpo_loss(pi_c, pi_r, None, None, reference_free=True)
 #     z0 = kto_kl_baseline(pi_mismatched, ref_mismatched, reduce_mean=all_reduce_mean)  # mean, then clamp
 #     loss, rewards = kto_loss(pi, ref, desirable, z0, beta=0.1)                          # KTO
-
-DPO_LOSS_TYPES = ("sigmoid", "ipo")
-
-
-def dpo_loss(
-    policy_chosen: torch.Tensor,
-    policy_rejected: torch.Tensor,
-    ref_chosen: torch.Tensor | None,
-    ref_rejected: torch.Tensor | None,
-    beta: float = 0.1,
-    loss_type: str = "sigmoid",
-    label_smoothing: float = 0.0,
-    reference_free: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Pairwise preference loss on h = (log π(y_w) - log π(y_l)) - (log π_ref(y_w) - log π_ref(y_l)).
-
-    sigmoid: -log σ(βh), Rafailov et al. 2023 (DPO), eq. 7; with label_smoothing ε the target is
-             flipped with probability ε, -(1-ε)·log σ(βh) - ε·log σ(-βh) (conservative DPO, cDPO;
-             Mitchell 2023), 0 ≤ ε < 0.5.
-    ipo:     (h - 1/(2β))², Azar et al. 2023 (IPO), eq. 17; no label smoothing.
-    reference_free: the reference terms are 0 (ref_chosen / ref_rejected may be None).
-
-    Returns (mean loss, chosen_rewards, rejected_rewards) with the implicit rewards
-    β·(log π(y) - log π_ref(y)) per pair, detached (for logging: margins, accuracies).
-    """
-    if loss_type not in DPO_LOSS_TYPES:
-        raise ValueError(f"dpo loss_type: unknown {loss_type!r}; use {', '.join(DPO_LOSS_TYPES)}")
-    if beta <= 0:
-        raise ValueError(f"dpo beta: must be > 0, got {beta}")
-    if not 0.0 <= label_smoothing < 0.5:
-        raise ValueError(f"dpo label_smoothing: must be in [0, 0.5), got {label_smoothing}")
-    if loss_type == "ipo" and label_smoothing != 0.0:
-        raise ValueError(f"dpo label_smoothing: must be 0 with loss_type 'ipo', got {label_smoothing}")
-    policy_chosen, policy_rejected = policy_chosen.float(), policy_rejected.float()
-    if reference_free:
-        ref_chosen, ref_rejected = torch.zeros_like(policy_chosen), torch.zeros_like(policy_rejected)
-    elif ref_chosen is None or ref_rejected is None:
-        raise ValueError("dpo: ref_chosen and ref_rejected are needed unless reference_free=True")
-    else:
-        ref_chosen, ref_rejected = ref_chosen.float(), ref_rejected.float()
-    logits = (policy_chosen - policy_rejected) - (ref_chosen - ref_rejected)
-    if loss_type == "sigmoid":
-        losses = -F.logsigmoid(beta * logits) * (1.0 - label_smoothing) - F.logsigmoid(-beta * logits) * label_smoothing
-    else:
-        losses = (logits - 1.0 / (2.0 * beta)) ** 2
-    chosen_rewards = beta * (policy_chosen - ref_chosen).detach()
-    rejected_rewards = beta * (policy_rejected - ref_rejected).detach()
-    return losses.mean(), chosen_rewards, rejected_rewards
-
-
-def kto_kl_baseline(
-    policy_mismatched_logps: torch.Tensor, ref_mismatched_logps: torch.Tensor, reduce_mean: Callable[[torch.Tensor], torch.Tensor] | None = None
-) -> torch.Tensor:
-    """KTO's reference point z0 = max(0, mean(log π - log π_ref)) over mismatched (prompt, other completion)
-    pairs, detached. Ethayarajh et al. 2024 (KTO), §4. With data parallelism `reduce_mean` averages this
-    worker's mean over the world (strategy.all_reduce(·, op="mean")) before the clamp: clamping each
-    worker's mean first would bias z0 upwards (local means -1.0 and 0.5 give 0.25 instead of 0).
-    """
-    local = (policy_mismatched_logps.float() - ref_mismatched_logps.float()).mean().detach()
-    return (local if reduce_mean is None else reduce_mean(local)).clamp(min=0)
-
-
-def kto_loss(
-    policy_logps: torch.Tensor,
-    ref_logps: torch.Tensor,
-    desirable: torch.Tensor,
-    kl_baseline: torch.Tensor | float,
-    beta: float = 0.1,
-    desirable_weight: float = 1.0,
-    undesirable_weight: float = 1.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Kahneman-Tversky loss on unpaired examples, Ethayarajh et al. 2024 (KTO), eq. 8, in the form
-    of TRL / OpenRLHF. With r = log π(y|x) - log π_ref(y|x) and z0 = kl_baseline (clamped at 0,
-    detached; see `kto_kl_baseline`):
-
-        desirable:   λ_D·(1 - σ(β(r - z0)))
-        undesirable: λ_U·(1 - σ(β(z0 - r)))
-
-    averaged over all B examples. `desirable` is a bool [B].
-    Returns (loss, rewards) with rewards = β·r, detached.
-    """
-    if beta <= 0:
-        raise ValueError(f"kto beta: must be > 0, got {beta}")
-    if desirable_weight <= 0 or undesirable_weight <= 0:
-        raise ValueError(f"kto weights: must be > 0, got {desirable_weight} and {undesirable_weight}")
-    log_ratio = policy_logps.float() - ref_logps.float()
-    z0 = torch.as_tensor(kl_baseline, dtype=log_ratio.dtype, device=log_ratio.device).detach().clamp(min=0)
-    desirable = desirable.to(device=log_ratio.device, dtype=torch.bool)
-    losses = torch.where(
-        desirable,
-        desirable_weight * (1.0 - torch.sigmoid(beta * (log_ratio - z0))),
-        undesirable_weight * (1.0 - torch.sigmoid(beta * (z0 - log_ratio))),
-    )
-    return losses.mean(), (beta * log_ratio).detach()

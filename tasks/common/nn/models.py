@@ -15,7 +15,7 @@ adapter merged in (tasks.common.nn.lora.merged_checkpoint), made once per node a
 
 The training stages load their models with `kernels(cfg)`: FlashAttention-2 when asked for, and on CUDA
 Liger's Triton kernels (RMSNorm, SwiGLU, RoPE) with log-probabilities taken from the last hidden states a
-chunk of tokens at a time (losses.head_logprobs), so no step holds the full [tokens, vocabulary] logits.
+chunk of tokens at a time (vocab.head_logprobs), so no step holds the full [tokens, vocabulary] logits.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ import torch
 from tasks.common import manifest as manifests
 from tasks.common import storage
 from tasks.common.nn import lora
-from tasks.common.nn.losses import fused_linear_nll_sum, head_logprobs, last_token_index, token_entropy, token_logprobs
+from tasks.common.nn.losses import last_token_index
+from tasks.common.nn.vocab import fused_linear_nll_sum, head_logprobs, token_entropy, token_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -267,7 +268,7 @@ def token_nll_sum(
 ) -> torch.Tensor | None:
     """Σ -log p(input_ids[:, t+1] | tokens ≤ t) over the positions t where target_mask ([B, T-1]) is 1, for rows
     padded to one width (their attention_mask) or packed into one (its sequence_index, as packed_logprobs), through
-    Liger's fused linear cross-entropy (losses.fused_linear_nll_sum). None where that kernel does not apply: off
+    Liger's fused linear cross-entropy (vocab.fused_linear_nll_sum). None where that kernel does not apply: off
     CUDA, without Liger (load_causal_lm's `liger`), or a head that is not a plain bias-free linear layer (LoRA on
     the head; ZeRO-3's shards): the caller then takes the log-probabilities' path."""
     chunked = _chunked_head(model)
