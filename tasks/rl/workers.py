@@ -86,7 +86,7 @@ class _Trainer(TrainingWorker):
         (rows × prompt width + longest response) stays within the budget, each trimmed to its rows. Every rank
         runs as many as the rank that needs the most: ZeRO-2 reduces the gradients on every backward."""
         lengths = (exp.prompt_width + response_used(exp)).tolist()
-        budget = self.cfg.max_tokens_per_gpu
+        budget = self.cfg.token_budget()
         count = int(self.strategy.all_reduce(len(token_batches(lengths, budget)), op="max").item())
         return [trimmed(exp, rows) for rows in token_batches(lengths, budget, min_count=count)]
 
@@ -96,7 +96,7 @@ class _Trainer(TrainingWorker):
         varies: the accumulation boundary is set by hand, on the last one only (before its forward, as DeepSpeed
         asks), and each loss is already its share of the minibatch's (the losses' normalizer), so backward does not
         divide it (_backward_step: scale_wrt_gas=False)."""
-        if not self.cfg.max_tokens_per_gpu:
+        if not self.cfg.token_budget():
             mbs = list(_micro_batches(minibatch, self.micro))
             yield from ((mb, len(mbs)) for mb in mbs)
             return
@@ -106,7 +106,7 @@ class _Trainer(TrainingWorker):
             yield mb, len(mbs)
 
     def _backward_step(self, loss: torch.Tensor) -> None:
-        self.engine.backward(loss, scale_wrt_gas=not self.cfg.max_tokens_per_gpu)
+        self.engine.backward(loss, scale_wrt_gas=not self.cfg.token_budget())
         self.engine.step()  # the optimizer steps only at the accumulation boundary
 
     def _mean_stats(self, stats: dict[str, list[float]]) -> dict[str, float]:
@@ -253,7 +253,7 @@ class ActorWorker(_Trainer):
         stats: dict[str, list[float]] = {"policy_loss": [], "clip_fraction": [], "entropy": []}
         sync_gaps = []  # the largest |engine - actor| log-probability gap of each micro-batch
         loss_agg = "seq_mean_token_sum_norm" if cfg.advantage_estimator == "dr_grpo" else "token_mean"
-        by_tokens = bool(cfg.max_tokens_per_gpu)
+        by_tokens = bool(cfg.token_budget())
         for minibatch in minibatches:
             minibatch = minibatch.to(device)
             # By token budget every loss term is its micro-batch's share of the minibatch's: divided by the whole
@@ -500,7 +500,7 @@ class CriticWorker(_Trainer):
     def train(self, minibatches: list[Experience]) -> dict[str, float]:
         self.engine.train()
         stats: dict[str, list[float]] = {"value_loss": [], "value_clip_fraction": []}
-        by_tokens = bool(self.cfg.max_tokens_per_gpu)
+        by_tokens = bool(self.cfg.token_budget())
         for minibatch in minibatches:
             minibatch = minibatch.to(self.strategy.device)
             tokens = loss_normalizer(minibatch.action_mask) if by_tokens else None  # each loss its share of the minibatch's

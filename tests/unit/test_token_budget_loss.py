@@ -207,6 +207,24 @@ def test_the_config_takes_the_budget_and_refuses_reject_without_old_logprobs():
     make_config(RLConfig, {**one_update, "max_tokens_per_gpu": 4096, "max_epochs": 2})  # two updates: old log-probs are scored
 
 
+def test_by_default_long_responses_train_by_the_tokens_of_a_micro_batch_of_the_longest_rows():
+    """RLConfig.token_budget: --max_tokens_per_gpu when given; else, over 256 new tokens, micro_train_batch_size rows of
+    prompt_max_len + generate_max_len (or the actor's share of the batch when that is 0); short ones by count."""
+    from tasks.common.config import make_config
+    from tasks.rl.config import RLConfig
+
+    base = {"output": "o", "pretrain": "p", "reward_pretrain": "r", "prompt_data": "d", "prompt_max_len": 128, "micro_train_batch_size": 8}
+    assert make_config(RLConfig, {**base, "generate_max_len": 256}).token_budget() == 0  # the demo's and the 256-token bench's
+    assert make_config(RLConfig, {**base, "generate_max_len": 4096}).token_budget() == 8 * (128 + 4096)
+    assert make_config(RLConfig, {**base, "generate_max_len": 4096, "max_tokens_per_gpu": 16384}).token_budget() == 16384
+    whole_share = {**base, "micro_train_batch_size": 0, "train_batch_size": 64, "rollout_batch_size": 64, "generate_max_len": 1024}
+    assert make_config(RLConfig, whole_share).token_budget() == 64 * (128 + 1024)
+    episodes = {**base, "env_path": "calculator", "generate_max_len": 64, "max_episode_tokens": 2048}
+    assert make_config(RLConfig, episodes).token_budget() == 8 * (128 + 2048)  # an episode's tokens, not one turn's
+    one_update = {**base, "generate_max_len": 4096, "init_kl_coef": 0, "max_epochs": 1, "rollout_batch_size": 64, "train_batch_size": 64}
+    assert make_config(RLConfig, {**one_update, "is_correction": "reject"}).token_budget() == 0  # reject needs old log-probs
+
+
 @pytest.mark.parametrize("estimator", ["group_norm", "dr_grpo"])
 def test_one_deepspeed_actor_update_by_token_budget_is_the_padded_ones(estimator):
     """ActorWorker.train through DeepSpeed (ZeRO-2, CPU, a world of one), two minibatches: by count (all 8 rows in one
