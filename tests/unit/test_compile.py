@@ -8,6 +8,7 @@ import torch
 from tasks.common.config import ConfigError, make_config
 from tasks.common.nn.losses import sft_loss
 from tasks.common.nn.models import compile_blocks
+from tasks.common.nn.strategy import enable_checkpointing
 from tasks.common.nn.supervised import micro_batch_logprobs
 from tasks.data import demo
 from tasks.sft.config import SFTConfig
@@ -17,7 +18,7 @@ from tasks.sft.config import SFTConfig
 def test_compiled_blocks_match_eager_loss_and_gradients():
     tokenizer = demo.build_tokenizer()
     model = demo.build_base_model(tokenizer)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_checkpointing(model)
     model.train()
     ids = [tokenizer.encode(text) for text in ("12+34=046", "05+05=010 is the sum")]
     masks = [[0] * 6 + [1] * (len(row) - 6) for row in ids]
@@ -62,7 +63,7 @@ def test_compiled_blocks_share_their_graphs_across_layers(checkpointing):
     model = demo.build_base_model(tokenizer, hidden_size=32, num_layers=12)
     model.set_attn_implementation("layer_index_sdpa")
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model)
     model.train()
     ids = torch.tensor([tokenizer.encode("12+34=046"), tokenizer.encode("05+05=010")])
 

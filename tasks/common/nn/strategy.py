@@ -144,9 +144,7 @@ class DeepSpeedStrategy:
         import deepspeed
 
         if self.gradient_checkpointing:
-            # Recompute activations in backward: less memory for more compute. use_reentrant=False is
-            # the variant that works with frozen inputs (embeddings) and ZeRO-3.
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_checkpointing(model)  # recompute activations in backward: less memory for more compute
             if lora.is_peft_model(model):
                 # The frozen embeddings' output needs requires_grad, or checkpointed blocks of a LoRA
                 # model would have nothing to differentiate and its adapters would get no gradient.
@@ -278,3 +276,12 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+def enable_checkpointing(model) -> None:
+    """Activation checkpointing, use_reentrant=False: the variant that works with frozen inputs and ZeRO-3.
+    transformers 5.24 renamed gradient_checkpointing_enable (the old name goes in v6); older ones have only it."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
 from dataclasses import dataclass, field
 
@@ -169,6 +170,9 @@ class HFRolloutEngine:
         # Parameters are graph inputs, so updates are read.
         self.decode_forward = torch.compile(model, dynamic=False) if compile_decode else model
         self.fused = FusedSiblings(lora.unwrap(model)) if fuse_projections else None
+        # transformers 5.24 names the forward's KV cache `cache` (`past_key_values` goes in 5.40); older ones, the
+        # GPU image's 5.17 among them, only know `past_key_values`.
+        self.cache_arg = "cache" if "cache" in inspect.signature(lora.unwrap(model).forward).parameters else "past_key_values"
 
     def captured(self) -> bool:
         """Whether decode steps ran from CUDA graphs: at least one captured, and none that failed to be."""
@@ -231,7 +235,7 @@ class HFRolloutEngine:
             use_cache=True,
             logits_to_keep=1,
         )
-        for i, layer in enumerate(out.past_key_values.layers):
+        for i, layer in enumerate(getattr(out, self.cache_arg).layers):
             s.cache.update(layer.keys[inverse], layer.values[inverse], i)
         return out.logits[inverse, -1]
 
@@ -242,7 +246,7 @@ class HFRolloutEngine:
             input_ids=s.token[:, None],
             position_ids=s.position[:, None],
             attention_mask=s.mask,
-            past_key_values=s.cache,
+            **{self.cache_arg: s.cache},
             cache_position=s.cache_position,
             use_cache=True,
         ).logits[:, -1]
