@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import random
 
-from tasks.data.demo import SPECIAL_TOKENS
+from tasks.data import demo
 
 CHARACTERS = list("0123456789+-*/=()<>: ") + [chr(c) for c in range(ord("a"), ord("z") + 1)]
 EOS = "<eos>"
@@ -31,16 +31,7 @@ BASE_MODEL = {"hidden_size": 64, "num_layers": 1, "max_positions": 128}
 
 def build_tokenizer():
     """A character-level tokenizer over the agentic tasks' characters, as an HF fast tokenizer."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + CHARACTERS)}
-    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    core.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=core, bos_token="<bos>", eos_token=EOS, pad_token="<pad>", unk_token="<unk>", padding_side="left", model_max_length=128
-    )
+    return demo.build_tokenizer(CHARACTERS, max_length=128)
 
 
 def calculator_rows(a: int, b: int) -> dict:

@@ -114,12 +114,13 @@ def make_datasets(seed: int = 0) -> dict[str, list[dict]]:
     }
 
 
-def build_tokenizer():
-    """A character-level tokenizer (16 + letters ids) wrapped as an HF fast tokenizer."""
+def build_tokenizer(characters: list[str] = CHARACTERS, max_length: int = 64):
+    """A character-level tokenizer (the special tokens, then one id per character) wrapped as an HF fast tokenizer;
+    the agentic tasks' (tasks.data.agentic) has more characters."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + CHARACTERS)}
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + characters)}
     core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.decoder = decoders.Fuse()
@@ -130,7 +131,7 @@ def build_tokenizer():
         pad_token="<pad>",
         unk_token="<unk>",
         padding_side="left",
-        model_max_length=64,
+        model_max_length=max_length,
     )
 
 

@@ -17,8 +17,9 @@ import torch
 from tasks.common.nn import data, lora
 from tasks.common.nn.losses import sft_loss
 from tasks.common.nn.models import kernels, load_causal_lm, load_tokenizer, resolve_model, sequence_logprobs
+from tasks.common.nn.single_group import train_single_group
 from tasks.common.nn.strategy import DeepSpeedStrategy
-from tasks.common.nn.workers import TrainingWorker, placed_group, shard, train_steps
+from tasks.common.nn.workers import TrainingWorker, shard
 from tasks.common.stage import StageRun
 from tasks.preference.config import PreferenceConfig
 from tasks.preference.losses import dpo_loss, kto_kl_baseline, kto_loss
@@ -190,28 +191,13 @@ def _mean(x: torch.Tensor) -> torch.Tensor:
 
 
 def train(cfg: PreferenceConfig, run: StageRun) -> None:
-    run.input("dataset", cfg.dataset)
-    run.input("pretrain", cfg.pretrain)
     if cfg.ref_pretrain:
         run.input("ref_pretrain", cfg.ref_pretrain)
-    with placed_group(PreferenceWorker, cfg.num_nodes, cfg.num_gpus_per_node, "preference") as group:
-        info = group.run("setup", cfg)[0]
-        print(
-            f"preference ({cfg.method}): {info['examples']} examples, {info['truncated']} sequences cut to {cfg.max_len} tokens, {group.world_size} worker(s)",
-            flush=True,
-        )
-        stats = train_steps(run, group, cfg.max_steps, cfg.logging_steps)
-        group.run("save_model", str(run.workdir / "model"))
+    info, stats, metrics = train_single_group(
+        run, cfg, PreferenceWorker, lambda info: f"{cfg.method}, {info['examples']} examples, {info['truncated']} sequences cut to {cfg.max_len} tokens"
+    )
     run.commit(
-        metrics={
-            **{k: round(v, 5) for k, v in stats.items()},
-            "method": cfg.method,
-            "steps": cfg.max_steps,
-            "examples": info["examples"],
-            "truncated": info["truncated"],
-            "workers": group.world_size,
-            "trainable_params": info["trainable_params"],
-        },
+        metrics={**{k: round(v, 5) for k, v in stats.items()}, "method": cfg.method, "steps": cfg.max_steps, "examples": info["examples"], **metrics},
         model="model",
         **lora.manifest_fields(cfg),
     )

@@ -11,8 +11,9 @@ import torch
 from tasks.common.nn import data, lora
 from tasks.common.nn.losses import bradley_terry_loss
 from tasks.common.nn.models import kernels, load_scalar_model, load_tokenizer, packed_scores, resolve_model, sequence_scores
+from tasks.common.nn.single_group import train_single_group
 from tasks.common.nn.strategy import DeepSpeedStrategy
-from tasks.common.nn.workers import TrainingWorker, placed_group, shard, train_steps
+from tasks.common.nn.workers import TrainingWorker, shard
 from tasks.common.stage import StageRun
 from tasks.reward_model.config import RewardModelConfig
 
@@ -114,36 +115,24 @@ class RewardModelWorker(TrainingWorker):
 
 
 def train(cfg: RewardModelConfig, run: StageRun) -> None:
-    run.input("dataset", cfg.dataset)
-    run.input("pretrain", cfg.pretrain)
-    with placed_group(RewardModelWorker, cfg.num_nodes, cfg.num_gpus_per_node, "reward_model") as group:
-        info = group.run("setup", cfg)[0]
-        print(
-            f"reward_model: {info['pairs']} pairs, {info['eval_pairs']} held out, {info['truncated']} sequences truncated "
-            f"({info['eval_truncated']} held out) to {cfg.max_len} tokens, {group.world_size} worker(s)",
-            flush=True,
-        )
-        stats = train_steps(run, group, cfg.max_steps, cfg.logging_steps)
+    def summary(info: dict) -> str:
+        return f"{info['pairs']} pairs, {info['eval_pairs']} held out, {info['truncated']} sequences truncated ({info['eval_truncated']} held out) to {cfg.max_len} tokens"
+
+    def held_out(group, stats) -> tuple[dict, tuple]:
+        """Pairwise accuracy and the reward statistics on the held-out pairs; the model saves the statistics."""
         shares = group.run("score_held_out")
         chosen = torch.tensor([s for c, _ in shares for s in c])
         rejected = torch.tensor([s for _, r in shares for s in r])
-        accuracy = (chosen > rejected).float().mean().item()
         scores = torch.cat([chosen, rejected])
-        reward_mean, reward_std = scores.mean().item(), scores.std().item()
-        run.tracker.log(cfg.max_steps, {"eval_pairwise_accuracy": accuracy, "reward_mean": reward_mean, "reward_std": reward_std})
-        group.run("save_model", str(run.workdir / "model"), reward_mean, reward_std)
+        found = {"eval_pairwise_accuracy": (chosen > rejected).float().mean().item(), "reward_mean": scores.mean().item(), "reward_std": scores.std().item()}
+        run.tracker.log(cfg.max_steps, found)
+        return found, (found["reward_mean"], found["reward_std"])
+
+    info, stats, metrics = train_single_group(run, cfg, RewardModelWorker, summary, after=held_out)
+    metrics["eval_pairwise_accuracy"] = round(metrics["eval_pairwise_accuracy"], 4)
     run.commit(
-        metrics={
-            "train_loss": round(stats["loss"], 5) if stats else None,
-            "eval_pairwise_accuracy": round(accuracy, 4),
-            "reward_mean": reward_mean,
-            "reward_std": reward_std,
-            "truncated": info["truncated"],
-            "eval_truncated": info["eval_truncated"],
-            "workers": group.world_size,
-            "trainable_params": info["trainable_params"],
-        },
+        metrics={"train_loss": round(stats["loss"], 5) if stats else None, "eval_truncated": info["eval_truncated"], **metrics},
         # An adapter output keeps the statistics in its manifest; loading it writes them into the merged config.json.
         model="model",
-        **lora.manifest_fields(cfg, reward_mean=reward_mean, reward_std=reward_std),
+        **lora.manifest_fields(cfg, reward_mean=metrics["reward_mean"], reward_std=metrics["reward_std"]),
     )

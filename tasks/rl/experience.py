@@ -89,3 +89,27 @@ def make_experience(
         kl,
         behaviour_logprobs=rollout.logprobs,
     )
+
+
+def response_lengths(lengths: torch.Tensor, cap: int | None) -> dict[str, float]:
+    """The step's response lengths (model tokens per sample): mean, max and, for one-turn responses, the share that
+    reached `cap` without an EOS (verl's response_length/clip_ratio)."""
+    stats = {"response_length": lengths.float().mean().item(), "response_length_max": lengths.max().item()}
+    if cap:
+        stats["response_truncated"] = (lengths >= cap).float().mean().item()
+    return stats
+
+
+def fresh_groups(rollout: Rollout, updates: int, n: int, max_staleness: int) -> tuple[torch.Tensor, dict[str, float]]:
+    """Which rows to train on, by groups of `n` (a group's samples are consecutive): those whose samples' oldest
+    tokens are at most `max_staleness` versions behind `updates`; and the staleness statistics logged."""
+    oldest = rollout.oldest_versions()
+    newest = rollout.versions.masked_fill(rollout.response_mask == 0, -1).max(-1).values
+    behind = updates - oldest
+    keep = (behind <= max_staleness).view(-1, n).all(-1).repeat_interleave(n)
+    return keep, {
+        "staleness": behind.max().item(),
+        "staleness_mean": behind.float().mean().item(),
+        "partial_fraction": (newest > oldest).float().mean().item(),
+        "dropped_stale": int((~keep).sum()),
+    }

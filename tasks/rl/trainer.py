@@ -19,160 +19,32 @@ import shutil
 import tempfile
 import time
 from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from tasks.common import manifest as manifests
 from tasks.common import resume_check, storage
-from tasks.common.config import ConfigError, split_list
+from tasks.common.config import ConfigError
 from tasks.common.nn import data, lora
 from tasks.common.nn.engines.rollout import Rollout, concat_rollouts
-from tasks.common.nn.environment import EnvError, check_environment, episode_stats, load_environment
+from tasks.common.nn.environment import EnvError, check_environment, load_environment
 from tasks.common.nn.models import load_tokenizer, resolve_model
-from tasks.common.nn.rewards import RewardBatch, RewardError, RewardSource, build_reward_batch, make_reward_source
-from tasks.common.nn.workers import Placement, WorkerGroup, cluster_has_gpus, connect_ray, merge_uploads, shard
+from tasks.common.nn.rewards import build_reward_batch
+from tasks.common.nn.workers import cluster_has_gpus, connect_ray, gather, merge_uploads, shard
 from tasks.common.stage import StageRun
-from tasks.common.stages import oversized
 from tasks.rl.advantages import group_keep_mask
 from tasks.rl.config import RLConfig
-from tasks.rl.experience import Experience, make_experience
+from tasks.rl.engine_slots import Generated
+from tasks.rl.experience import Experience, fresh_groups, make_experience, response_lengths
 from tasks.rl.kl_controller import make_kl_controller
-from tasks.rl.workers import ActorWorker, CriticWorker, ReferenceWorker, RewardWorker, RolloutEngineWorker
+from tasks.rl.placement import place
+from tasks.rl.prompts import load_prompts
 
 MAX_FILTER_ROUNDS = 8  # rollouts drawn per step before dynamic filtering gives up
 #: What a resume is checked on (tasks.common.resume_check): each step's, remembered in every checkpoint.
 CHECKED_METRICS = ("reward", "kl", "entropy", "grad_norm")
 HISTORY_FILE = "metrics_history.json"  # in a checkpoint's controller/: the last resume_check.WINDOW steps' CHECKED_METRICS
-
-
-@dataclass
-class Prompts:
-    ids: list[list[int]]
-    texts: list  # as the dataset gave them (strings or chat messages): what reward functions and endpoints get
-    labels: list[str | None]
-    truncated: int
-    rows: list[dict] | None = None  # whole rows, every column: what environments are reset with (--env_path)
-
-
-def load_prompts(cfg: RLConfig, run: StageRun, tokenizer) -> Prompts:
-    """The prompts encoded as SFT encoded them (strings or chat messages, with --apply_chat_template the
-    template's rendering up to the assistant's opening); a prompt over prompt_max_len loses its start,
-    keeping the opening the response follows, and is counted."""
-    keys = [cfg.input_key] + ([cfg.label_key] if cfg.label_key else [])
-    rows = data.load_rows(run.input("prompt_data", cfg.prompt_data), cfg.prompt_split, keys, cfg.max_samples)
-    texts = list(rows[cfg.input_key])
-    labels = [None if v is None else str(v) for v in rows[cfg.label_key]] if cfg.label_key else [None] * len(texts)
-    ids = [data.encode_prompt(tokenizer, text, cfg.apply_chat_template) for text in texts]
-    truncated = sum(len(p) > cfg.prompt_max_len for p in ids)
-    return Prompts([p[-cfg.prompt_max_len :] for p in ids], texts, labels, truncated, rows.to_list() if cfg.env_path else None)
-
-
-def check_fits(cfg: RLConfig, layout: list[list[str]]) -> None:
-    """Refuse at once a layout that needs more devices than the whole cluster has (Ray would wait): the validate
-    task's check (tasks.common.stages.oversized), again here for a stage started from its CLI."""
-    import ray
-
-    for problem in oversized({"colocate_all_models": cfg}, ray.cluster_resources()):
-        groups = ", ".join(f"[{' + '.join(m)}] × {cfg.group_size(m[0])}" for m in layout)
-        raise ConfigError(f"{problem} (worker groups: {groups})")
-
-
-class RemoteRewardModels(RewardSource):
-    """Reward models served by a RewardWorker group, behind the RewardSource interface."""
-
-    def __init__(self, group: WorkerGroup):
-        self.group = group
-
-    def score(self, batch: RewardBatch) -> torch.Tensor:
-        parts = [select_batch(batch, rows) for rows in shard(list(range(len(batch))), self.group.world_size)]
-        return torch.cat(self.group.scatter("score", parts))
-
-
-@dataclass
-class Generated:
-    """What a rollout engine slot gives back: the rollout (its `versions` set by engines of their own), the
-    environment's rewards with episodes (None: the reward source scores it) and episode statistics."""
-
-    rollout: Rollout
-    rewards: torch.Tensor | None = None
-    stats: dict[str, float] | None = None
-
-
-def merge_generated(parts: list, pad_token_id: int, seconds: float) -> Generated:
-    """One Generated from the workers' shares: Rollouts, or Episodes (None for a worker without rows)."""
-    parts = [p for p in parts if p is not None]
-    if isinstance(parts[0], Rollout):
-        return Generated(concat_rollouts([p for p in parts if p.sequences.size(0)], pad_token_id))
-    stats = episode_stats([s for p in parts for s in p.summaries], seconds, max(p.stats["time_env_s"] for p in parts))
-    return Generated(concat_rollouts([p.rollout for p in parts], pad_token_id), torch.cat([p.rewards for p in parts]), stats)
-
-
-class ActorGroupEngine:
-    """The rollout engine slot as the controller sees it: `start(method, items)` then `finish(handle)`, and
-    `sync_weights()` after each update; method is "generate" (prompt ids) or "run_episodes" (dataset rows,
-    --env_path). The engines live in the actor workers (items sharded over its ranks): transformers `generate`
-    on the trained module itself, nothing to sync; or one vLLM engine per rank on the rank's GPU
-    (tasks.common.nn.engines.vllm_engine), loaded with the new weights in place."""
-
-    def __init__(self, actor: WorkerGroup, pad_token_id: int, vllm: bool = False):
-        self.actor, self.pad_token_id, self.vllm = actor, pad_token_id, vllm
-
-    def start(self, method: str, items: list):
-        return time.time(), self.actor.scatter_async(method, shard(items, self.actor.world_size))
-
-    def finish(self, handle) -> Generated:
-        started, futures = handle
-        return merge_generated(gather(futures), self.pad_token_id, time.time() - started)
-
-    def sync_weights(self, version: int) -> None:
-        """The actor's weights after `version` updates to the engines."""
-        if self.vllm:
-            self.actor.run("sync_weights")
-
-
-class EngineGroup(ActorGroupEngine):
-    """Rollout engines on devices of their own (RolloutEngineWorker): vLLM engines on GPUs (--vllm_num_engines),
-    fed after each update by the actor's rank 0 over NCCL, or one transformers engine (--async_train without
-    vLLM), fed the weights through Ray's object store (with --lora_rank, vLLM engines are fed the adapter alone
-    that way). Calls on an engine run in order, so an update sent
-    while rollouts are queued reaches only the rollouts started after it: with --async_train the controller
-    keeps up to --max_staleness rollouts in flight, each token tagged with the weight version it used. With
-    `partial` (--partial_rollouts) an update goes beside the queue and reaches running episodes at their next turn."""
-
-    def __init__(self, engines: WorkerGroup, actor: WorkerGroup, pad_token_id: int, vllm: bool, partial: bool = False, adapter: bool = False):
-        super().__init__(actor, pad_token_id, vllm)
-        self.engines, self.adapter = engines, adapter
-        self.send = engines.run_beside_async if partial else engines.run_async
-        if vllm and not adapter:
-            host, port = actor.run("weight_channel_address")[0]
-            world = 1 + engines.world_size
-            gather([actor.run_async("open_weight_channel", host, port, world), engines.run_async("open_weight_channel", host, port, world)])
-            self.shapes = actor.run("weight_shapes")[0]
-
-    def start(self, method: str, items: list):
-        return time.time(), self.engines.scatter_async(method, shard(items, self.engines.world_size))
-
-    def sync_weights(self, version: int) -> None:
-        if self.adapter:  # LoRA: the adapter alone (a few MB) through Ray's object store
-            adapter = self.actor.run_async("adapter_weights")  # every rank (ZeRO-3 gathers); rank 0's holds it
-            gather([*adapter, self.send("load_adapter", adapter[0], version)])
-            return
-        if self.vllm:
-            gather([self.actor.run_async("send_weights"), self.send("receive_weights", self.shapes, version)])
-            return
-        state = self.actor.run_async("engine_state")  # every rank (ZeRO-3 gathers); rank 0's holds the weights
-        gather([*state, self.send("load_state", state[0], version)])
-
-
-def response_lengths(lengths: torch.Tensor, cap: int | None) -> dict[str, float]:
-    """The step's response lengths (model tokens per sample): mean, max and, for one-turn responses, the share that
-    reached `cap` without an EOS (verl's response_length/clip_ratio)."""
-    stats = {"response_length": lengths.float().mean().item(), "response_length_max": lengths.max().item()}
-    if cap:
-        stats["response_truncated"] = (lengths >= cap).float().mean().item()
-    return stats
 
 
 class Controller:
@@ -209,56 +81,8 @@ class Controller:
         self.kl_ctl = make_kl_controller(cfg.init_kl_coef, cfg.kl_target or None, cfg.kl_horizon)
         self.history: list[dict] = []  # the newest steps' CHECKED_METRICS, checkpointed: what a resume is checked against
         self.steps_done = 0  # updates this process ran (the resumed ones not counted): a resume must reach self.steps
-        self._place()
-
-    def _place(self) -> None:
-        cfg, run = self.cfg, self.run
-        roles = cfg.roles()
-        critic_uri = ""
-        if "critic" in roles:
-            critic_uri = run.input("critic_pretrain", cfg.critic_pretrain or (split_list(cfg.reward_pretrain) or [cfg.pretrain])[0])
-        if "reward" in roles:
-            run.input("reward_pretrain", cfg.reward_pretrain)
-        else:
-            cfg.remote_rm_url = run.code_input("remote_rm_url", cfg.remote_rm_url, RewardError)
-        self.layout = cfg.placement_plan()
-        check_fits(cfg, self.layout)
-        classes = {"actor": ActorWorker, "ref": ReferenceWorker, "critic": CriticWorker, "reward": RewardWorker}
-        self.placements, self.groups = [], {}
-        for members in self.layout:
-            self.placements.append(
-                Placement.create(
-                    getattr(cfg, f"{members[0]}_num_nodes"), getattr(cfg, f"{members[0]}_num_gpus_per_node"), members[0], resources=cfg.resources(members[0])
-                )
-            )
-        run.placements.extend(self.placements)  # what the stage held, for its cost
-        self._check_outputs_reachable()
-        for members, placement in zip(self.layout, self.placements):
-            for role in members:
-                self.groups[role] = WorkerGroup(classes[role], placement, role, fraction=1.0 / len(members))
-        setup_args = {"actor": (cfg, self.updates), "ref": (cfg,), "critic": (cfg, critic_uri, self.updates), "reward": (cfg,)}
-        if cfg.separate_engines():
-            placement = Placement.create(1, cfg.rollout_engines(), "rollout")
-            self.placements.append(placement)
-            run.placements.append(placement)
-            self.groups["rollout"] = WorkerGroup(RolloutEngineWorker, placement, "rollout")
-            roles = roles + ["rollout"]
-            setup_args["rollout"] = (cfg,)
-        gather([self.groups[role].run_async("setup", *setup_args[role]) for role in roles])
-        if cfg.separate_engines():
-            self.engine = EngineGroup(
-                self.groups["rollout"],
-                self.groups["actor"],
-                self.tokenizer.pad_token_id,
-                vllm=cfg.vllm_num_engines > 0,
-                partial=cfg.partial_rollouts,
-                adapter=cfg.lora_rank > 0,
-            )
-        else:
-            self.engine = ActorGroupEngine(self.groups["actor"], self.tokenizer.pad_token_id, vllm=cfg.vllm_num_engines > 0)
-        self.reward: RewardSource | None = (
-            RemoteRewardModels(self.groups["reward"]) if "reward" in self.groups else None if cfg.env_path else make_reward_source("", cfg.remote_rm_url)
-        )
+        placed = place(cfg, run, self.tokenizer.pad_token_id, self.updates)
+        self.layout, self.placements, self.groups, self.engine, self.reward = placed.layout, placed.placements, placed.groups, placed.engine, placed.reward
         layout = ", ".join(f"[{' + '.join(m)}] × {self.groups[m[0]].world_size}" for m in self.layout)
         print(
             f"rl: {len(self.prompts.ids)} prompts ({self.prompts.truncated} cut to {cfg.prompt_max_len} tokens), {self.steps} steps; placement groups {layout}",
@@ -270,20 +94,6 @@ class Controller:
             print("rl: KL off (init_kl_coef 0, no kl_target): no reference model", flush=True)
         elif "ref" not in self.groups:
             print("rl: reference = the actor's base with its LoRA adapters off (no reference model loaded)", flush=True)
-
-    def _check_outputs_reachable(self) -> None:
-        """Workers upload checkpoints and the final model themselves: a folder on the driver's node is out
-        of reach of those on other nodes. Checked once the bundles have nodes, before any worker starts."""
-        import ray
-
-        here = ray.get_runtime_context().get_node_id()
-        if all(node == here for placement in self.placements for node in placement.node_ids()):
-            return
-        for name in ("output", "ckpt_path", "save_path"):
-            value = getattr(self.cfg, name)
-            if value and not storage.is_s3(value):
-                self.shutdown()
-                raise ConfigError(f"{name}: {value} is a folder on the driver's node, which workers on other nodes cannot write to; pass an s3:// URI")
 
     # ------------------------------------------------------------------ one step
 
@@ -492,28 +302,6 @@ class Controller:
             placement.remove()
 
 
-def fresh_groups(rollout: Rollout, updates: int, n: int, max_staleness: int) -> tuple[torch.Tensor, dict[str, float]]:
-    """Which rows to train on, by groups of `n` (a group's samples are consecutive): those whose samples' oldest
-    tokens are at most `max_staleness` versions behind `updates`; and the staleness statistics logged."""
-    oldest = rollout.oldest_versions()
-    newest = rollout.versions.masked_fill(rollout.response_mask == 0, -1).max(-1).values
-    behind = updates - oldest
-    keep = (behind <= max_staleness).view(-1, n).all(-1).repeat_interleave(n)
-    return keep, {
-        "staleness": behind.max().item(),
-        "staleness_mean": behind.float().mean().item(),
-        "partial_fraction": (newest > oldest).float().mean().item(),
-        "dropped_stale": int((~keep).sum()),
-    }
-
-
-def gather(futures: list) -> list:
-    """ray.get over futures and lists of futures, flattened, in order."""
-    import ray
-
-    return ray.get([f for item in futures for f in (item if isinstance(item, list) else [item])])
-
-
 def per_rank(exp: Experience, plan: list[torch.Tensor], world_size: int) -> list[list[Experience]]:
     """For each rank of a group, its share of every minibatch of the plan."""
     out: list[list[Experience]] = [[] for _ in range(world_size)]
@@ -521,14 +309,6 @@ def per_rank(exp: Experience, plan: list[torch.Tensor], world_size: int) -> list
         for rank, rows in enumerate(shard(index, world_size)):
             out[rank].append(exp.minibatch(rows))
     return out
-
-
-def select_batch(batch: RewardBatch, rows: list[int]) -> RewardBatch:
-    return RewardBatch(
-        batch.sequences[rows],
-        batch.attention_mask[rows],
-        *([field[i] for i in rows] for field in (batch.queries, batch.prompts, batch.responses, batch.labels)),
-    )
 
 
 def check_resumed_step(start: int, step: int, last: int, before: list[dict], record: dict) -> None:

@@ -12,9 +12,10 @@ import torch
 
 from tasks.common.nn import data, lora
 from tasks.common.nn.models import kernels, load_causal_lm, load_tokenizer, resolve_model
+from tasks.common.nn.single_group import train_single_group
 from tasks.common.nn.strategy import DeepSpeedStrategy
 from tasks.common.nn.supervised import micro_batch_loss, tokenize_rows
-from tasks.common.nn.workers import TrainingWorker, placed_group, shard, train_steps
+from tasks.common.nn.workers import TrainingWorker, shard
 from tasks.common.stage import StageRun
 from tasks.sft.config import SFTConfig
 
@@ -69,26 +70,12 @@ class SFTWorker(TrainingWorker):
 
 
 def train(cfg: SFTConfig, run: StageRun) -> None:
-    run.input("dataset", cfg.dataset)
-    run.input("pretrain", cfg.pretrain)
-    with placed_group(SFTWorker, cfg.num_nodes, cfg.num_gpus_per_node, "sft") as group:
-        info = group.run("setup", cfg)[0]
-        print(
-            f"sft: {info['rows']} rows, {info['truncated']} truncated to {cfg.max_len} tokens, {group.world_size} worker(s), "
-            f"{info['trainable_params']} of {info['total_params']} parameters trained",
-            flush=True,
-        )
-        stats = train_steps(run, group, cfg.max_steps, cfg.logging_steps)
-        group.run("save_model", str(run.workdir / "model"))
+    def summary(info: dict) -> str:
+        return f"{info['rows']} rows, {info['truncated']} truncated to {cfg.max_len} tokens, {info['trainable_params']} of {info['total_params']} parameters trained"
+
+    info, stats, metrics = train_single_group(run, cfg, SFTWorker, summary)
     run.commit(
-        metrics={
-            "train_loss": round(stats["loss"], 5) if stats else None,
-            "steps": cfg.max_steps,
-            "rows": info["rows"],
-            "truncated": info["truncated"],
-            "workers": group.world_size,
-            "trainable_params": info["trainable_params"],
-        },
+        metrics={"train_loss": round(stats["loss"], 5) if stats else None, "steps": cfg.max_steps, "rows": info["rows"], **metrics},
         model="model",
         **lora.manifest_fields(cfg),
     )

@@ -24,8 +24,7 @@ from tasks.data import agentic
 from tasks.data.demo import build_base_model
 from tasks.rl.advantages import discounted_returns, gae
 from tasks.rl.config import RLConfig
-from tasks.rl.experience import response_logprobs
-from tasks.rl.trainer import fresh_groups
+from tasks.rl.experience import fresh_groups, response_logprobs
 
 from tiny_chat import build_tokenizer as build_chat_tokenizer
 

@@ -133,7 +133,7 @@ def test_sft_learns_only_the_final_assistant_turn(tok):
 def test_reward_model_preference_and_rl_see_the_sft_rendering(tok, tmp_path):
     from tasks.preference.trainer import tokenize as preference_tokenize
     from tasks.reward_model.trainer import tokenize_pairs
-    from tasks.rl.trainer import load_prompts
+    from tasks.rl.prompts import load_prompts
     from tasks.sft.trainer import tokenize as sft_tokenize
 
     rows = [{"prompt": r["messages"][:-1], "chosen": r["chosen"], "rejected": r["rejected"], "response": r["chosen"]} for r in chat_rows(6)]
@@ -157,7 +157,7 @@ def test_reward_model_preference_and_rl_see_the_sft_rendering(tok, tmp_path):
 def test_truncation_keeps_the_answer_and_is_counted_in_every_stage(tok, tmp_path):
     from tasks.preference.trainer import tokenize as preference_tokenize
     from tasks.reward_model.trainer import tokenize_pairs
-    from tasks.rl.trainer import load_prompts
+    from tasks.rl.prompts import load_prompts
     from tasks.sft.trainer import tokenize as sft_tokenize
 
     columns = {"prompt": [CONVERSATION, "1+1"], "response": ["7", "2"], "chosen": ["7", "2"], "rejected": ["7, I think", "2"]}

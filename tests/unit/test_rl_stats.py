@@ -6,7 +6,7 @@ pytest tests/unit/test_rl_stats.py
 import pytest
 import torch
 
-from tasks.rl.trainer import response_lengths
+from tasks.rl.experience import response_lengths
 
 
 def test_mean_max_and_the_share_cut_at_the_cap():

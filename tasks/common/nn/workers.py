@@ -380,39 +380,6 @@ def placed_group(worker_cls: type, num_nodes: int, gpus_per_node: int, name: str
         placement.remove()
 
 
-#: The statistics a progress line shows, of those a one-group stage's step returns.
-PROGRESS_METRICS = ("loss", "accuracy", "reward_accuracy")
-
-
-def train_steps(run, group: WorkerGroup, max_steps: int, logging_steps: int) -> dict:
-    """The driver's loop of a one-group training stage (SFT, reward model, preference): resume from the
-    newest checkpoint, then `train_step` on every rank per step, logging rank 0's (global) statistics (and on
-    CUDA the ranks' largest peak of GPU memory) and checkpointing at each checkpoint step (run.saves_at). Returns the last step's statistics ({} when none ran).
-
-    Each step's calls are queued on the workers before its results are read: the peak right behind the step, and
-    the next step too unless this one is checkpointed (its state must be saved first). So between steps the
-    GPU waits for no round trip to this process, nor for its logging."""
-    run.placements.append(group.placement)  # what the stage held, for its cost
-    start = run.resume(lambda uri: group.run("load_state", uri), max_steps)
-    stats: dict = {}
-    queued = group.run_async("train_step") if start < max_steps else None
-    for step in range(start + 1, max_steps + 1):
-        logged = step % logging_steps == 0 or step == max_steps
-        peaks = group.run_async("gpu_peak_gb") if logged and group.placement.use_gpu else []
-        current, queued = queued, None
-        if step < max_steps and not run.saves_at(step):
-            queued = group.run_async("train_step")
-        stats = ray.get(current)[0]
-        if logged:
-            gb = [g for g in ray.get(peaks) if g is not None]
-            run.tracker.log(step, {**stats, **({"gpu_peak_gb": round(max(gb), 2)} if gb else {})})
-        run.tracker.progress(step, max_steps, {k: v for k, v in stats.items() if k in PROGRESS_METRICS})
-        run.checkpoint(step, lambda local, uri: merge_uploads(group.run("save_state", uri)))
-        if queued is None and step < max_steps:
-            queued = group.run_async("train_step")
-    return stats
-
-
 def shard(items: Sequence, parts: int) -> list:
     """`items` cut into `parts` contiguous, nearly equal pieces (the first ones one longer)."""
     size, extra = divmod(len(items), parts)
@@ -422,3 +389,10 @@ def shard(items: Sequence, parts: int) -> list:
         out.append(items[start:end])
         start = end
     return out
+
+
+def gather(futures: list) -> list:
+    """ray.get over futures and lists of futures, flattened, in order."""
+    import ray
+
+    return ray.get([f for item in futures for f in (item if isinstance(item, list) else [item])])
