@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 CALIBRATION_FILE = "eos_calibration.json"
-BENCH_TEMPERATURE = 1.0  # bench/grpo_bench.py: vLLM's SamplingParams, the RL stage's --temperature default, TRL's default
+BENCH_TEMPERATURE = 1.0  # bench/engine_bench.py's vLLM SamplingParams, the RL stage's --temperature default, TRL's default
 PROMPT_TOKENS = 128  # the bench's prompts: 128 letters, one token each
 
 

@@ -25,11 +25,11 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from grpo_bench import COMPLETION_TOKENS, GROUP, PROMPT_TOKENS, PROMPTS_PER_STEP, REWARD_FILE, save  # noqa: E402
+from common import COMPLETION_TOKENS, GROUP, PROMPT_TOKENS, PROMPTS_PER_STEP, REWARD_FILE, save  # noqa: E402
 from peer_run import fail_unless_ran, run_stamped, step_summary  # noqa: E402
 
 STEP_LINE = re.compile(r"Global step (\d+): (\{.*\})")
-# OpenRLHF's timing keys -> ours (grpo_bench's time_*_s)
+# OpenRLHF's timing keys -> ours (stage_bench.bench_ours's time_*_s)
 SPLIT = {
     "generation": "time_generate_s",
     "make_experience": "time_make_experience_s",

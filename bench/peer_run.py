@@ -15,7 +15,7 @@ import threading
 import time
 from pathlib import Path
 
-from grpo_bench import COMPLETION_TOKENS, GROUP, PROMPTS_PER_STEP, ROOT, steady_median
+from common import COMPLETION_TOKENS, GROUP, PROMPTS_PER_STEP, ROOT, steady_median
 
 
 def run_stamped(argv: list[str], log: Path, marker: str, timeout_s: float, env: dict | None = None) -> tuple[int, list[tuple[float, str]], float]:

@@ -30,7 +30,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import grpo_bench as gb  # noqa: E402
+from bench import common  # noqa: E402
+from bench.trl_bench import grpo_config_kwargs, load_reward, step_clock  # noqa: E402
 
 PROMPTS, GROUP = 16, 8  # 128 completions a step
 # Adam moves every weight by about the learning rate a step, the zero rows that keep EOS's channel constant too: at
@@ -96,7 +97,7 @@ def per_step(bench_dir: Path, shape: str, system: str, records: list[dict], cap:
     med = {k: round(statistics.median(r[k] for r in tail), 3) for k in tail[0] if k.startswith("time_") and k.endswith("_s") and k != "time_s"}
     completions = PROMPTS * GROUP
     lengths = [r["response_length"] for r in tail]
-    rate = [completions * (gb.PROMPT_TOKENS + r["response_length"]) / r["time_step_s"] for r in tail]
+    rate = [completions * (common.PROMPT_TOKENS + r["response_length"]) / r["time_step_s"] for r in tail]
     save(
         bench_dir,
         shape,
@@ -128,7 +129,7 @@ def ours(
     shape = shape_name(bench_dir, cap, lora_rank)
     system = ("ours" if engine == "vllm" else "ours_transformers") + ("_token_budget" if max_tokens_per_gpu else "")
     out = bench_dir / "out" / f"realistic_{shape}_{system}"
-    args = gb.grpo_args(bench_dir, out, steps, micro)
+    args = common.grpo_args(bench_dir, out, steps, micro)
     args.update(
         pretrain=model_dir(bench_dir, cap),
         n_samples_per_prompt=GROUP,
@@ -147,10 +148,10 @@ def ours(
         args.update(lora_rank=lora_rank, lora_alpha=2 * lora_rank, target_modules="all-linear")
     if max_tokens_per_gpu:  # micro-batches by token budget, each trimmed to its rows (--max_tokens_per_gpu)
         args.update(max_tokens_per_gpu=max_tokens_per_gpu)
-    if not gb.on_gpu():
+    if not common.on_gpu():
         args.update(flash_attn=False, enable_prefix_caching=False)
     with GPUPeak() as peak:
-        gb.run_stage("tasks.rl", args, bench_dir / f"realistic_{shape}_{system}.log")
+        common.run_stage("tasks.rl", args, bench_dir / f"realistic_{shape}_{system}.log")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     per_step(
         bench_dir,
@@ -176,7 +177,7 @@ def vllm_alone(bench_dir: Path, cap: int, gpu_memory_utilization: float, command
         skip_tokenizer_init=True,
         dtype="bfloat16",
         gpu_memory_utilization=gpu_memory_utilization,
-        max_model_len=gb.PROMPT_TOKENS + cap,
+        max_model_len=common.PROMPT_TOKENS + cap,
         enable_prefix_caching=True,
         seed=0,
     )
@@ -214,48 +215,27 @@ def vllm_alone(bench_dir: Path, cap: int, gpu_memory_utilization: float, command
 
 def trl(bench_dir: Path, cap: int, steps: int, micro: int, command: str) -> None:
     """TRL's GRPOTrainer with vLLM colocated, the same 128 completions a step (micro-batches of `micro`, one update)."""
-    import importlib.util
-
     import trl as trl_lib
     from datasets import load_dataset
-    from transformers import AutoTokenizer, TrainerCallback
+    from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    spec = importlib.util.spec_from_file_location("bench_reward", gb.REWARD_FILE)
-    reward = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(reward)
+    reward = load_reward()
     model = model_dir(bench_dir, cap)
-
-    class StepLog(TrainerCallback):
-        def __init__(self):
-            self.stamps, self.logs = [], []
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self.stamps.append(time.time())
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            self.logs.append(dict(logs or {}))
-
-    clock = StepLog()
+    clock = step_clock()()
     args = GRPOConfig(
-        output_dir=str(bench_dir / "out" / "realistic_trl"),
-        max_steps=steps,
-        per_device_train_batch_size=micro,
-        gradient_accumulation_steps=PROMPTS * GROUP // micro,  # one generation of 128 completions, one update
-        num_generations=GROUP,
-        max_completion_length=cap,
-        temperature=1.0,
-        learning_rate=LR,
-        bf16=True,
-        beta=0.0,
-        gradient_checkpointing=True,
-        logging_steps=1,
-        report_to=[],
-        save_strategy="no",
-        seed=0,
-        use_vllm=True,
-        vllm_mode="colocate",
-        vllm_gpu_memory_utilization=0.3,
+        **grpo_config_kwargs(
+            bench_dir / "out" / "realistic_trl",
+            steps,
+            per_device_train_batch_size=micro,
+            gradient_accumulation_steps=PROMPTS * GROUP // micro,  # one generation of 128 completions, one update
+            num_generations=GROUP,  # this file's GROUP (the same 8 as the bench's)
+            max_completion_length=cap,
+            temperature=1.0,
+            learning_rate=LR,
+            bf16=True,
+            use_vllm=True,
+        )
     )
     tokenizer = AutoTokenizer.from_pretrained(model)
     dataset = load_dataset("json", data_files=str(bench_dir / "prompts.jsonl"), split="train")
@@ -275,7 +255,7 @@ def trl(bench_dir: Path, cap: int, steps: int, micro: int, command: str) -> None
         "trl_vllm",
         {
             "step_s": round(step, 3),
-            "tokens_per_s_per_gpu": round(PROMPTS * GROUP * (gb.PROMPT_TOKENS + mean_len) / step) if mean_len else None,
+            "tokens_per_s_per_gpu": round(PROMPTS * GROUP * (common.PROMPT_TOKENS + mean_len) / step) if mean_len else None,
             "response_length_mean": round(mean_len, 1) if mean_len else None,
             "response_length_max": max((x.get("completions/max_length", 0) for x in logs), default=None),
             "truncation_rate": round(statistics.mean(x.get("completions/clipped_ratio", 0) for x in logs), 4) if logs else None,
@@ -316,7 +296,7 @@ def main() -> None:
     parser.add_argument("--lora_rank", type=int, default=0)
     parser.add_argument("--max_tokens_per_gpu", type=int, default=0, help="ours: training micro-batches by this token budget (0: --micro rows each)")
     parser.add_argument("--gpu_memory_utilization", type=float, default=0.35)
-    parser.add_argument("--into", type=Path, default=gb.ROOT / "bench" / "results.json", help="collect: the summary to merge into")
+    parser.add_argument("--into", type=Path, default=common.ROOT / "bench" / "results.json", help="collect: the summary to merge into")
     parser.add_argument("--machine", default="", help="collect: the GPU the runs were made on")
     parser.add_argument("--date", default=time.strftime("%Y-%m-%d"), help="collect: the day they were made")
     a = parser.parse_args()

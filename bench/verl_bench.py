@@ -29,13 +29,13 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from grpo_bench import COMPLETION_TOKENS, GROUP, PROMPT_TOKENS, PROMPTS_PER_STEP, REWARD_FILE, save  # noqa: E402
+from common import COMPLETION_TOKENS, GROUP, PROMPT_TOKENS, PROMPTS_PER_STEP, REWARD_FILE, save  # noqa: E402
 from peer_run import fail_unless_ran, run_stamped, step_summary  # noqa: E402
 
 # verl's console logger prints each step's metrics as "step:N - key:value - key:value ..." (numpy scalars as np.float64(x))
 STEP_LINE = re.compile(r"(?:^|[\s)])step:(\d+) - (.*)$")
 NUMBER = re.compile(r"^(?:np\.\w+\()?(-?(?:[0-9.]+(?:e[-+]?\d+)?|nan|inf))\)?$")
-# verl's timing keys (timing_s/<name>) -> ours (grpo_bench's time_*_s); the others keep verl's name
+# verl's timing keys (timing_s/<name>) -> ours (stage_bench.bench_ours's time_*_s); the others keep verl's name
 SPLIT = {
     "gen": "time_generate_s",
     "reward": "time_reward_s",

@@ -9,8 +9,8 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
+from bench.common import build_tokenizer
 from bench.eos_model import BENCH_TEMPERATURE, CALIBRATION_FILE, _prompt_ids, build, engineer, length_stats, set_eos_scale
-from bench.grpo_bench import build_tokenizer
 
 TARGET, CAP, SAMPLES = 20, 80, 256
 
