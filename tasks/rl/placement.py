@@ -19,9 +19,10 @@ from tasks.common.nn.rewards import RewardBatch, RewardError, RewardSource, make
 from tasks.common.nn.workers import Placement, WorkerGroup, gather, shard
 from tasks.common.stage import StageRun
 from tasks.common.stages import oversized
+from tasks.rl.actor import ActorWorker
 from tasks.rl.config import RLConfig
 from tasks.rl.engine_slots import ActorGroupEngine, EngineGroup
-from tasks.rl.workers import ActorWorker, CriticWorker, ReferenceWorker, RewardWorker, RolloutEngineWorker
+from tasks.rl.workers import CriticWorker, ReferenceWorker, RewardWorker, RolloutEngineWorker
 
 
 @dataclass

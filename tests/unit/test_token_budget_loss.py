@@ -232,8 +232,8 @@ def test_one_deepspeed_actor_update_by_token_budget_is_the_padded_ones(estimator
     gradient norms, and one optimizer step per minibatch either way."""
     from tasks.common.config import make_config
     from tasks.common.nn.strategy import DeepSpeedStrategy
+    from tasks.rl.actor import ActorWorker
     from tasks.rl.config import RLConfig
-    from tasks.rl.workers import ActorWorker
 
     base = {"output": "o", "pretrain": "p", "reward_pretrain": "r", "prompt_data": "d", "advantage_estimator": estimator, "n_samples_per_prompt": 2}
     results = {}
