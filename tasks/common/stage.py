@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from tasks.common import cost, provenance, storage, user_code
+from tasks.common import cost, errors, provenance, storage, user_code
 from tasks.common import manifest as manifests
 from tasks.common.checkpoint import CheckpointStore
 from tasks.common.config import ConfigError, StageConfig, parse_config, split_list
@@ -247,10 +247,10 @@ def known_fault(error: BaseException) -> BaseException | None:
     without a file (a socket, a signal) is no disk's."""
     if isinstance(error, USER_ERRORS) or getattr(error, "transient", False) is True:
         return error
-    if not storage.disk_fault(error):
+    if not errors.disk_fault(error):
         return None
-    if storage.fault_path(error):
-        return storage.disk_error(error, storage.fault_path(error))
-    if storage.disk_action(error) == "write":
-        return storage.disk_error(error, tempfile.gettempdir(), "write in the working folder")
+    if errors.fault_path(error):
+        return errors.disk_error(error, errors.fault_path(error))
+    if errors.disk_action(error) == "write":
+        return errors.disk_error(error, tempfile.gettempdir(), "write in the working folder")
     return None

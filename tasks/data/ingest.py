@@ -28,7 +28,7 @@ import json
 import time
 from pathlib import Path
 
-from tasks.common import cost, storage
+from tasks.common import cost, errors
 from tasks.common import manifest as manifests
 from tasks.common.config import ConfigError
 from tasks.data import sources, versions
@@ -312,8 +312,8 @@ def write_splits(splits: dict[str, list[dict]], data_dir: Path) -> dict[str, str
                 f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
         except OSError as error:
             # A write names no file, and the scratch folder is gone (its space freed) by the time the stage reports.
-            if storage.disk_fault(error):
-                raise storage.disk_error(error, path) from None
+            if errors.disk_fault(error):
+                raise errors.disk_error(error, path) from None
             raise
     return {name: f"{data_dir.name}/{name}.jsonl" for name in splits}
 

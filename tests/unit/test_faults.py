@@ -25,8 +25,8 @@ import pytest
 from botocore.config import Config
 from botocore.exceptions import ClientError
 
+from tasks.common import errors, stage, stages, storage
 from tasks.common import manifest as manifests
-from tasks.common import stage, stages, storage
 from tasks.common.config import ConfigError, make_config
 from tasks.common.nn.workers import busy_resources
 from tasks.data.__main__ import prepare
@@ -105,7 +105,7 @@ def test_invalid_utf8_in_a_csv_cell_counts_and_fails_the_threshold_with_the_fix(
     [(errno.ENOSPC, True), (errno.EDQUOT, True), (errno.EROFS, False), (errno.EACCES, False), (errno.EPERM, False), (errno.ENOENT, None)],
 )
 def test_disk_faults_are_classified_by_errno(code, transient):
-    fault = storage.disk_fault(OSError(code, os.strerror(code), "/somewhere/file"))
+    fault = errors.disk_fault(OSError(code, os.strerror(code), "/somewhere/file"))
     assert (fault[1] if fault else None) == transient
 
 
