@@ -107,7 +107,14 @@ def build_tokenizer(vocab_size: int):
     vocab.update({"<eos>": len(vocab), "<pad>": len(vocab) + 1})
     vocab.update({f"<x{i}>": i for i in range(len(vocab), vocab_size)})
     return Qwen2Tokenizer(
-        vocab=vocab, merges=[], eos_token="<eos>", pad_token="<pad>", unk_token=None, bos_token=None, padding_side="left", model_max_length=4096
+        vocab=vocab,
+        merges=[],
+        eos_token="<eos>",
+        pad_token="<pad>",
+        unk_token=None,
+        bos_token=None,
+        padding_side="left",
+        model_max_length=4096,
     )
 
 
@@ -117,10 +124,19 @@ def setup(bench_dir: Path, shape: str, eos_cap: int = 0, eos_mean: float = 1000)
 
     cfg = SHAPES[shape]
     tokenizer = build_tokenizer(cfg["vocab_size"])
-    config = Qwen2Config(**cfg, max_position_embeddings=4096, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+    config = Qwen2Config(
+        **cfg,
+        max_position_embeddings=4096,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+    )
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config).to(torch.bfloat16)
-    model.generation_config.eos_token_id, model.generation_config.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = (
+        tokenizer.eos_token_id,
+        tokenizer.pad_token_id,
+    )
     model.save_pretrained(bench_dir / "model")
     tokenizer.save_pretrained(bench_dir / "model")
     rng = random.Random(0)
@@ -142,7 +158,14 @@ def setup(bench_dir: Path, shape: str, eos_cap: int = 0, eos_mean: float = 1000)
         sys.path.insert(0, str(ROOT))
         from bench.eos_model import build
 
-        record = build(bench_dir / "model", bench_dir / f"model_eos{eos_cap}", eos_mean, eos_cap, temperature=1.0, prompts_file=bench_dir / "prompts.jsonl")
+        record = build(
+            bench_dir / "model",
+            bench_dir / f"model_eos{eos_cap}",
+            eos_mean,
+            eos_cap,
+            temperature=1.0,
+            prompts_file=bench_dir / "prompts.jsonl",
+        )
         print(f"setup: model_eos{eos_cap}: {json.dumps(record)}", flush=True)
 
 
@@ -173,7 +196,9 @@ def train_suffix(checkpointing: bool, zero_stage: int) -> str:
 
 
 def run_stage(module: str, args: dict, log: Path) -> None:
-    argv = [sys.executable, "-m", module] + [x for k, v in args.items() for x in ((f"--{k}", str(v)) if v is not True else (f"--{k}",))]
+    argv = [sys.executable, "-m", module] + [
+        x for k, v in args.items() for x in ((f"--{k}", str(v)) if v is not True else (f"--{k}",))
+    ]
     print(" ".join(argv), flush=True)
     with open(log, "w") as f:
         done = subprocess.run(argv, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)

@@ -16,7 +16,18 @@ import statistics
 import time
 from pathlib import Path
 
-from bench.common import COMPLETION_TOKENS, GROUP, HBM_BYTES_PER_S, PROMPT_TOKENS, PROMPTS_PER_STEP, kernel_events, on_gpu, parameters, save, sync
+from bench.common import (
+    COMPLETION_TOKENS,
+    GROUP,
+    HBM_BYTES_PER_S,
+    PROMPT_TOKENS,
+    PROMPTS_PER_STEP,
+    kernel_events,
+    on_gpu,
+    parameters,
+    save,
+    sync,
+)
 
 
 def decode_floor(bench_dir: Path, batch: int) -> float:
@@ -39,7 +50,9 @@ def bench_vllm(bench_dir: Path, batches=(64, 256, 1024)) -> None:
     startup = time.time() - t0
     rng = random.Random(1)
     vocab = llm.llm_engine.model_config.hf_config.vocab_size
-    params = SamplingParams(temperature=1.0, max_tokens=COMPLETION_TOKENS, ignore_eos=True, logprobs=0, detokenize=False)
+    params = SamplingParams(
+        temperature=1.0, max_tokens=COMPLETION_TOKENS, ignore_eos=True, logprobs=0, detokenize=False
+    )
     result = {"startup_s": round(startup, 1)}
     for batch in (8,) + tuple(batches):  # 8: warm-up
         prompts = [{"prompt_token_ids": [rng.randrange(2, vocab) for _ in range(PROMPT_TOKENS)]} for _ in range(batch)]
@@ -87,7 +100,15 @@ def bench_hf_generate(bench_dir: Path, batch: int = 64) -> None:
             continue
         # EOS ignored: every completion is COMPLETION_TOKENS long
         compiled, fused = "compiled" in name, "fused" in name
-        engine = HFRolloutEngine(model, tokenizer, device, cuda_graphs=graphs, ignore_eos=True, compile_decode=compiled, fuse_projections=fused)
+        engine = HFRolloutEngine(
+            model,
+            tokenizer,
+            device,
+            cuda_graphs=graphs,
+            ignore_eos=True,
+            compile_decode=compiled,
+            fuse_projections=fused,
+        )
         engine.decode_attention = attention or engine.decode_attention
 
         def timed() -> tuple[float, int]:
@@ -114,7 +135,9 @@ def bench_hf_generate(bench_dir: Path, batch: int = 64) -> None:
             events = sorted(kernel_events(prof), key=lambda e: -e.self_device_time_total)
             result[f"step_gpu_ms_{name}"] = round(sum(e.self_device_time_total for e in events) / 1e3, 3)
             result[f"step_kernels_{name}"] = sum(e.count for e in events)
-            result[f"top_kernels_{name}"] = [(e.key[:90], round(e.self_device_time_total / 1e3, 3), e.count) for e in events[:8]]
+            result[f"top_kernels_{name}"] = [
+                (e.key[:90], round(e.self_device_time_total / 1e3, 3), e.count) for e in events[:8]
+            ]
     save(bench_dir, "hf_generate", result)
 
 
@@ -163,7 +186,12 @@ def bench_vocab_passes(bench_dir: Path, repeats: int = 10) -> None:
         sync()
         return (time.time() - t) / n
 
-    result = {"train_tokens": tokens, "vocab_size": config["vocab_size"], "hidden_size": config["hidden_size"], "sample_rows": logits.size(0)}
+    result = {
+        "train_tokens": tokens,
+        "vocab_size": config["vocab_size"],
+        "hidden_size": config["hidden_size"],
+        "sample_rows": logits.size(0),
+    }
     result["train_micro_batch_s"] = round(seconds(train_micro_batch, repeats), 4)
     compiled_chunk, vocab._chunk_logprobs = vocab._chunk_logprobs, eager_chunk
     try:

@@ -39,7 +39,9 @@ import numpy as np
 import torch
 
 CALIBRATION_FILE = "eos_calibration.json"
-BENCH_TEMPERATURE = 1.0  # bench/engine_bench.py's vLLM SamplingParams, the RL stage's --temperature default, TRL's default
+BENCH_TEMPERATURE = (
+    1.0  # bench/engine_bench.py's vLLM SamplingParams, the RL stage's --temperature default, TRL's default
+)
 PROMPT_TOKENS = 128  # the bench's prompts: 128 letters, one token each
 
 
@@ -62,9 +64,13 @@ def engineer(model, eos_id: int, channel: int | None = None, value: float | None
         head.weight = torch.nn.Parameter(embed.detach().clone())
         model.config.tie_word_embeddings = False
     if channel is None:  # the channel least read at the output and least written at the input
-        channel = int((m.norm.weight.float().abs() * head.weight.float().norm(dim=0) * embed.float().norm(dim=0)).argmin())
+        channel = int(
+            (m.norm.weight.float().abs() * head.weight.float().norm(dim=0) * embed.float().norm(dim=0)).argmin()
+        )
     c = channel
-    if value is None:  # c adds 1% to the embeddings' mean square: the norms scale the rest by 0.5% at layer 0, less after
+    if (
+        value is None
+    ):  # c adds 1% to the embeddings' mean square: the norms scale the rest by 0.5% at layer 0, less after
         value = (0.01 * embed.shape[1]) ** 0.5 * embed.float().pow(2).mean().sqrt().item()
     embed[:, c] = value
     for layer in m.layers:
@@ -72,7 +78,13 @@ def engineer(model, eos_id: int, channel: int | None = None, value: float | None
             proj.weight[c] = 0
             if proj.bias is not None:
                 proj.bias[c] = 0
-        for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.mlp.gate_proj, layer.mlp.up_proj):
+        for proj in (
+            layer.self_attn.q_proj,
+            layer.self_attn.k_proj,
+            layer.self_attn.v_proj,
+            layer.mlp.gate_proj,
+            layer.mlp.up_proj,
+        ):
             proj.weight[:, c] = 0  # nothing reads it
         layer.input_layernorm.weight[c] = layer.post_attention_layernorm.weight[c] = 0
     m.norm.weight[c] = 1
@@ -99,20 +111,29 @@ def _prompt_ids(tokenizer, prompts, n: int) -> torch.Tensor:
     return torch.tensor([ids[i % len(ids)][:width] for i in range(n)])
 
 
-def _generate(model, tokenizer, prompts: torch.Tensor, cap: int, temperature: float, eos_id: int, batch: int, ban_eos: bool) -> torch.Tensor:
+def _generate(
+    model, tokenizer, prompts: torch.Tensor, cap: int, temperature: float, eos_id: int, batch: int, ban_eos: bool
+) -> torch.Tensor:
     from transformers import GenerationConfig
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
     sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0, eos_token_id=eos_id, pad_token_id=pad)
-    config = GenerationConfig(**sampling, max_new_tokens=cap, min_new_tokens=cap if ban_eos else 0)  # min_new_tokens: EOS banned
+    config = GenerationConfig(
+        **sampling, max_new_tokens=cap, min_new_tokens=cap if ban_eos else 0
+    )  # min_new_tokens: EOS banned
     device = next(model.parameters()).device
-    out = [model.generate(p.to(device), attention_mask=torch.ones_like(p, device=device), generation_config=config).cpu() for p in prompts.split(batch)]
+    out = [
+        model.generate(p.to(device), attention_mask=torch.ones_like(p, device=device), generation_config=config).cpu()
+        for p in prompts.split(batch)
+    ]
     width = max(o.shape[1] for o in out)
     return torch.cat([torch.nn.functional.pad(o, (0, width - o.shape[1]), value=pad) for o in out])
 
 
 @torch.no_grad()
-def hazard_inputs(model, sequences: torch.Tensor, prompt_len: int, eos_id: int, channel: int, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+def hazard_inputs(
+    model, sequences: torch.Tensor, prompt_len: int, eos_id: int, channel: int, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """For each generated position t of each sequence: u_t (the normed channel, EOS's logit per unit b) and
     logsumexp over every other token of logit / T. Both are (sequences, cap) and independent of b."""
     device, head = next(model.parameters()).device, model.get_output_embeddings()
@@ -192,7 +213,9 @@ def calibrate(
         return survival(b, u, lse, temperature)[1].sum(1).mean().item()
 
     if not mean_length(0.0) > target_mean:
-        raise ValueError(f"even with b = 0 the mean length ({mean_length(0.0):.1f}) is not above the target {target_mean}")
+        raise ValueError(
+            f"even with b = 0 the mean length ({mean_length(0.0):.1f}) is not above the target {target_mean}"
+        )
     lo, hi = 0.0, 1.0
     while mean_length(hi) > target_mean:
         lo, hi = hi, hi * 2
@@ -226,32 +249,66 @@ def vllm_lengths(model_dir, prompts: torch.Tensor, cap: int, temperature: float,
     """The same sampling through vLLM, from the saved folder: what vLLM-based systems (ours, TRL, verl, OpenRLHF) get."""
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=str(model_dir), dtype="bfloat16", gpu_memory_utilization=0.5, max_model_len=prompts.shape[1] + cap, seed=seed)
+    llm = LLM(
+        model=str(model_dir),
+        dtype="bfloat16",
+        gpu_memory_utilization=0.5,
+        max_model_len=prompts.shape[1] + cap,
+        seed=seed,
+    )
     params = SamplingParams(temperature=temperature, top_p=1.0, max_tokens=cap, detokenize=False)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts.tolist()], params, use_tqdm=False)
     return [len(o.outputs[0].token_ids) for o in outs]  # EOS included, as HF's lengths here
 
 
-def build(model_dir, out_dir, target_mean: float, cap: int, temperature: float = BENCH_TEMPERATURE, prompts_file=None, verify_vllm: int = 0, **kwargs) -> dict:
+def build(
+    model_dir,
+    out_dir,
+    target_mean: float,
+    cap: int,
+    temperature: float = BENCH_TEMPERATURE,
+    prompts_file=None,
+    verify_vllm: int = 0,
+    **kwargs,
+) -> dict:
     """Load a saved model, engineer it, calibrate it (on the GPU if there is one) and save the model, its
     tokenizer and eos_calibration.json to out_dir; with verify_vllm, then sample that many responses through vLLM."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gpu = torch.cuda.is_available()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16 if gpu else torch.float32).to("cuda" if gpu else "cpu").eval()
+    model = (
+        AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16 if gpu else torch.float32)
+        .to("cuda" if gpu else "cpu")
+        .eval()
+    )
     done = engineer(model, tokenizer.eos_token_id, kwargs.pop("channel", None))
     prompts = None
     if prompts_file and Path(prompts_file).exists():
         prompts = [json.loads(line)["prompt"] for line in Path(prompts_file).read_text().splitlines() if line.strip()]
     scale = kwargs.pop("scale", None)
     if scale is None:
-        record = calibrate(model, tokenizer, done["channel"], target_mean, temperature, cap=cap, prompts=prompts, **kwargs)
+        record = calibrate(
+            model, tokenizer, done["channel"], target_mean, temperature, cap=cap, prompts=prompts, **kwargs
+        )
     else:  # an earlier calibration's b for the same weights (same seed and shape): no sampling
         b = set_eos_scale(model, tokenizer.eos_token_id, done["channel"], scale)
-        record = dict(b=b, channel=done["channel"], eos_token_id=tokenizer.eos_token_id, target_mean=target_mean, cap=cap, given_scale=True)
-        record.update(sampling=dict(temperature=temperature, top_p=1.0, top_k=0, prompt_tokens=PROMPT_TOKENS), seconds={})
-    record.update(value=model.model.embed_tokens.weight[0, done["channel"]].item(), untied_embeddings=done["untied"], source=str(model_dir))
+        record = dict(
+            b=b,
+            channel=done["channel"],
+            eos_token_id=tokenizer.eos_token_id,
+            target_mean=target_mean,
+            cap=cap,
+            given_scale=True,
+        )
+        record.update(
+            sampling=dict(temperature=temperature, top_p=1.0, top_k=0, prompt_tokens=PROMPT_TOKENS), seconds={}
+        )
+    record.update(
+        value=model.model.embed_tokens.weight[0, done["channel"]].item(),
+        untied_embeddings=done["untied"],
+        source=str(model_dir),
+    )
     record.update(device=torch.cuda.get_device_name() if gpu else "cpu", dtype=str(model.dtype).removeprefix("torch."))
     need = record["sampling"]["prompt_tokens"] + cap  # vLLM refuses a max_model_len past max_position_embeddings
     if model.config.max_position_embeddings < need:
@@ -267,7 +324,9 @@ def build(model_dir, out_dir, target_mean: float, cap: int, temperature: float =
         gc.collect()
         torch.cuda.empty_cache()
         t = time.time()
-        lengths = vllm_lengths(out_dir, _prompt_ids(tokenizer, prompts, verify_vllm), cap, temperature, kwargs.get("seed", 0))
+        lengths = vllm_lengths(
+            out_dir, _prompt_ids(tokenizer, prompts, verify_vllm), cap, temperature, kwargs.get("seed", 0)
+        )
         record["measured_vllm"] = length_stats(lengths, cap)
         record["seconds"]["verify_vllm"] = round(time.time() - t, 1)
         (out_dir / CALIBRATION_FILE).write_text(json.dumps(record, indent=2) + "\n")
@@ -281,13 +340,30 @@ def main() -> None:
     parser.add_argument("--target_mean", type=float, default=1000)
     parser.add_argument("--cap", type=int, default=4096, help="max new tokens")
     parser.add_argument("--temperature", type=float, default=BENCH_TEMPERATURE)
-    parser.add_argument("--prompts", type=Path, help="jsonl with a 'prompt' field; default: prompts.jsonl beside --model, else 128 random letters")
-    parser.add_argument("--samples", type=int, default=64, help="responses (EOS banned, cap tokens each) the hazards are measured on")
-    parser.add_argument("--verify", type=int, default=128, help="responses sampled with EOS live to measure the lengths (0: none)")
-    parser.add_argument("--verify_vllm", type=int, default=0, help="then sample this many through vLLM from the saved folder (GPU, vllm installed)")
+    parser.add_argument(
+        "--prompts",
+        type=Path,
+        help="jsonl with a 'prompt' field; default: prompts.jsonl beside --model, else 128 random letters",
+    )
+    parser.add_argument(
+        "--samples", type=int, default=64, help="responses (EOS banned, cap tokens each) the hazards are measured on"
+    )
+    parser.add_argument(
+        "--verify", type=int, default=128, help="responses sampled with EOS live to measure the lengths (0: none)"
+    )
+    parser.add_argument(
+        "--verify_vllm",
+        type=int,
+        default=0,
+        help="then sample this many through vLLM from the saved folder (GPU, vllm installed)",
+    )
     parser.add_argument("--batch", type=int, default=128, help="sequences per generate call")
     parser.add_argument("--channel", type=int, help="hidden channel to reserve (default: the least used)")
-    parser.add_argument("--scale", type=float, help="EOS's logit scale b from an earlier calibration of the same weights (with --channel): no calibration")
+    parser.add_argument(
+        "--scale",
+        type=float,
+        help="EOS's logit scale b from an earlier calibration of the same weights (with --channel): no calibration",
+    )
     a = parser.parse_args()
     prompts = a.prompts or a.model.parent / "prompts.jsonl"
     record = build(

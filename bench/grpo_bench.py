@@ -30,7 +30,9 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `bench.…` below, `tasks.…` in the benchmarks
+sys.path.insert(
+    0, str(Path(__file__).resolve().parents[1])
+)  # the repo root: `bench.…` below, `tasks.…` in the benchmarks
 
 from bench.common import ROOT, SHAPES, setup  # noqa: E402
 from bench.engine_bench import bench_hf_generate, bench_vllm, bench_vocab_passes  # noqa: E402
@@ -42,35 +44,85 @@ from bench.trl_bench import bench_trl  # noqa: E402
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=["setup", "vllm", "hf_generate", "vocab_passes", "sft", "sft_profile", "ours", "trl", "eval", "report"])
+    parser.add_argument(
+        "what",
+        choices=["setup", "vllm", "hf_generate", "vocab_passes", "sft", "sft_profile", "ours", "trl", "eval", "report"],
+    )
     parser.add_argument("--dir", type=Path, default=Path("/tmp/bench"))
     parser.add_argument("--shape", default="qwen2-0.5b", choices=sorted(SHAPES))
-    parser.add_argument("--mode", default="vllm", choices=["hf", "vllm"], help="trl: generate with HF generate or vLLM colocate; ours: engine")
+    parser.add_argument(
+        "--mode",
+        default="vllm",
+        choices=["hf", "vllm"],
+        help="trl: generate with HF generate or vLLM colocate; ours: engine",
+    )
     parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--micro", type=int, default=16, help="ours: sequences per forward/backward and per log-probability pass")
+    parser.add_argument(
+        "--micro", type=int, default=16, help="ours: sequences per forward/backward and per log-probability pass"
+    )
     parser.add_argument(
         "--layout",
         default="colocated",
-        choices=["colocated", "async", "actor_ref_vllm", "agentic", "agentic_slow_tool", "agentic_separate", "agentic_async"],
+        choices=[
+            "colocated",
+            "async",
+            "actor_ref_vllm",
+            "agentic",
+            "agentic_slow_tool",
+            "agentic_separate",
+            "agentic_async",
+        ],
         help="ours: one GPU; two with async rollouts; two with actor+ref on one and vLLM on the other",
     )
-    parser.add_argument("--lr", type=float, default=1e-6, help="ours: actor learning rate (a learning check uses a larger one)")
+    parser.add_argument(
+        "--lr", type=float, default=1e-6, help="ours: actor learning rate (a learning check uses a larger one)"
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results.json")
     parser.add_argument("--command", default="bash bench/gpu/run.sh", help="recorded in results.json")
-    parser.add_argument("--compile", action="store_true", help="sft, sft_profile, ours: --torch_compile (each transformer block compiled)")
-    parser.add_argument("--no_liger", action="store_true", help="sft, ours: --use_liger_kernel false (the eager kernels and full logits)")
-    parser.add_argument("--lora_rank", type=int, default=0, help="ours: LoRA adapters of this rank on every linear layer")
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="sft, sft_profile, ours: --torch_compile (each transformer block compiled)",
+    )
+    parser.add_argument(
+        "--no_liger",
+        action="store_true",
+        help="sft, ours: --use_liger_kernel false (the eager kernels and full logits)",
+    )
+    parser.add_argument(
+        "--lora_rank", type=int, default=0, help="ours: LoRA adapters of this rank on every linear layer"
+    )
     parser.add_argument("--sdpa", action="store_true", help="sft, ours: --flash_attn false (PyTorch's SDPA kernels)")
-    parser.add_argument("--no_gc", action="store_true", help="sft, sft_profile, ours: --gradient_checkpointing false (activations kept, no recomputed forward)")
-    parser.add_argument("--rl_shape", action="store_true", help="sft_profile: the RL training phase's micro-batch (64 x 384 tokens) in place of SFT's rows")
+    parser.add_argument(
+        "--no_gc",
+        action="store_true",
+        help="sft, sft_profile, ours: --gradient_checkpointing false (activations kept, no recomputed forward)",
+    )
+    parser.add_argument(
+        "--rl_shape",
+        action="store_true",
+        help="sft_profile: the RL training phase's micro-batch (64 x 384 tokens) in place of SFT's rows",
+    )
     parser.add_argument(
         "--per_tensor_check",
         action="store_true",
         help="sft_profile: ZeRO-1/2's checks of each gradient tensor back (DeepSpeed's inf/NaN pass and norm; what they cost)",
     )
-    parser.add_argument("--eos_cap", type=int, default=0, help="setup: also <dir>/model_eos<cap>, EOS at a hazard calibrated to --eos_mean under this cap")
-    parser.add_argument("--eos_mean", type=float, default=1000, help="setup: the mean response length (tokens) --eos_cap's model is calibrated to")
-    parser.add_argument("--zero_stage", type=int, default=2, choices=[0, 1, 2, 3], help="sft, sft_profile, ours: DeepSpeed's ZeRO stage")
+    parser.add_argument(
+        "--eos_cap",
+        type=int,
+        default=0,
+        help="setup: also <dir>/model_eos<cap>, EOS at a hazard calibrated to --eos_mean under this cap",
+    )
+    parser.add_argument(
+        "--eos_mean",
+        type=float,
+        default=1000,
+        help="setup: the mean response length (tokens) --eos_cap's model is calibrated to",
+    )
+    parser.add_argument(
+        "--zero_stage", type=int, default=2, choices=[0, 1, 2, 3], help="sft, sft_profile, ours: DeepSpeed's ZeRO stage"
+    )
     a = parser.parse_args()
     a.dir.mkdir(parents=True, exist_ok=True)
     if a.what == "setup":
@@ -82,10 +134,23 @@ def main() -> None:
     elif a.what == "vocab_passes":
         bench_vocab_passes(a.dir)
     elif a.what == "sft":
-        bench_sft(a.dir, a.steps, compile_blocks=a.compile, liger=not a.no_liger, flash=not a.sdpa, checkpointing=not a.no_gc, zero_stage=a.zero_stage)
+        bench_sft(
+            a.dir,
+            a.steps,
+            compile_blocks=a.compile,
+            liger=not a.no_liger,
+            flash=not a.sdpa,
+            checkpointing=not a.no_gc,
+            zero_stage=a.zero_stage,
+        )
     elif a.what == "sft_profile":
         bench_sft_profile(
-            a.dir, compile_blocks=a.compile, checkpointing=not a.no_gc, zero_stage=a.zero_stage, rl_shape=a.rl_shape, per_tensor_check=a.per_tensor_check
+            a.dir,
+            compile_blocks=a.compile,
+            checkpointing=not a.no_gc,
+            zero_stage=a.zero_stage,
+            rl_shape=a.rl_shape,
+            per_tensor_check=a.per_tensor_check,
         )
     elif a.what == "ours":
         bench_ours(

@@ -41,14 +41,27 @@ def count(prof) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--zero_stage", type=int, default=2, choices=[0, 1, 2, 3])
-    parser.add_argument("--eager", action="store_true", help="no compiled blocks (the default compiles them, as the GPU bench does)")
-    parser.add_argument("--per_tensor_check", action="store_true", help="ZeRO-1/2's checks of each gradient tensor back (DeepSpeed's inf/NaN pass and norm)")
+    parser.add_argument(
+        "--eager", action="store_true", help="no compiled blocks (the default compiles them, as the GPU bench does)"
+    )
+    parser.add_argument(
+        "--per_tensor_check",
+        action="store_true",
+        help="ZeRO-1/2's checks of each gradient tensor back (DeepSpeed's inf/NaN pass and norm)",
+    )
     parser.add_argument("--out", type=Path, help="also write the counts here (JSON)")
     a = parser.parse_args()
 
     # The bench's 0.5B shape (its layers, its tied embeddings) at a tiny width.
     config = Qwen2Config(
-        **{**SHAPES["qwen2-0.5b"], "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1}
+        **{
+            **SHAPES["qwen2-0.5b"],
+            "vocab_size": 512,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+        }
     )
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config).to(torch.bfloat16)
@@ -81,7 +94,14 @@ def main() -> None:
         "optimizer": type(engine.optimizer).__name__,
         **counts,
     }
-    print(json.dumps({k: v if not isinstance(v, dict) else {x: y for x, y in v.items() if x != "most_called"} for k, v in result.items()}))
+    print(
+        json.dumps(
+            {
+                k: v if not isinstance(v, dict) else {x: y for x, y in v.items() if x != "most_called"}
+                for k, v in result.items()
+            }
+        )
+    )
     if a.out:
         a.out.write_text(json.dumps(result, indent=1) + "\n")
 

@@ -103,9 +103,13 @@ def parse_steps(stamped: list[tuple[float, str]]) -> list[dict]:
     return records
 
 
-def bench_openrlhf(bench_dir: Path, steps: int = 12, micro: int = 16, vllm_sleep: bool = False, timeout_s: float = 480) -> None:
+def bench_openrlhf(
+    bench_dir: Path, steps: int = 12, micro: int = 16, vllm_sleep: bool = False, timeout_s: float = 480
+) -> None:
     if importlib.util.find_spec("openrlhf") is None:
-        raise SystemExit("openrlhf is not importable: bash bench/gpu/openrlhf.sh install, and PYTHONPATH=/tmp/site-openrlhf:$PYTHONPATH")
+        raise SystemExit(
+            "openrlhf is not importable: bash bench/gpu/openrlhf.sh install, and PYTHONPATH=/tmp/site-openrlhf:$PYTHONPATH"
+        )
     name = "openrlhf" + ("" if micro == 16 else f"_m{micro}") + ("_sleep" if vllm_sleep else "")
     (bench_dir / "openrlhf_reward.py").write_text(REWARD_ADAPTER.format(path=str(REWARD_FILE)))
     argv = openrlhf_command(bench_dir, steps, micro, vllm_sleep)
@@ -118,13 +122,23 @@ def bench_openrlhf(bench_dir: Path, steps: int = 12, micro: int = 16, vllm_sleep
         bench_dir,
         name,
         {
-            **step_summary(records, records[0].get("timing/step_total", 0.0), start, prefix="timing/", split=SPLIT, returncode=returncode),
+            **step_summary(
+                records,
+                records[0].get("timing/step_total", 0.0),
+                start,
+                prefix="timing/",
+                split=SPLIT,
+                returncode=returncode,
+            ),
             "response_length_mean": [r.get("rollout/response_length_mean") for r in records],
             "reward_curve": [round(r["rollout/reward_mean"], 4) for r in records if "rollout/reward_mean" in r],
             "micro_batch": micro,
             "vllm_sleep": vllm_sleep,
             "openrlhf": importlib.metadata.version("openrlhf"),
-            "patches": ["samples_generator: SamplingParams(ignore_eos=True) (bench/gpu/openrlhf.sh)", "reward: bench/reward.py wrapped in a dict"],
+            "patches": [
+                "samples_generator: SamplingParams(ignore_eos=True) (bench/gpu/openrlhf.sh)",
+                "reward: bench/reward.py wrapped in a dict",
+            ],
             "command": shlex.join(argv),
         },
     )
@@ -134,8 +148,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", type=Path, default=Path("/tmp/bench"))
     parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--micro", type=int, default=16, help="sequences per forward/backward (train and rollout micro-batch)")
-    parser.add_argument("--vllm_sleep", action="store_true", help="--vllm.enable_sleep: vLLM frees its memory while the actor trains")
+    parser.add_argument(
+        "--micro", type=int, default=16, help="sequences per forward/backward (train and rollout micro-batch)"
+    )
+    parser.add_argument(
+        "--vllm_sleep", action="store_true", help="--vllm.enable_sleep: vLLM frees its memory while the actor trains"
+    )
     parser.add_argument("--timeout_s", type=float, default=480, help="kill the run after this many seconds")
     parser.add_argument("--print_command", action="store_true", help="print the command line and stop")
     a = parser.parse_args()

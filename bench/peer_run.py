@@ -18,7 +18,9 @@ from pathlib import Path
 from common import COMPLETION_TOKENS, GROUP, PROMPTS_PER_STEP, ROOT, steady_median
 
 
-def run_stamped(argv: list[str], log: Path, marker: str, timeout_s: float, env: dict | None = None) -> tuple[int, list[tuple[float, str]], float]:
+def run_stamped(
+    argv: list[str], log: Path, marker: str, timeout_s: float, env: dict | None = None
+) -> tuple[int, list[tuple[float, str]], float]:
     """Run argv from the repo root, its output into log; every line holding marker comes back with its arrival time.
     Returns (exit code, stamped lines, start time)."""
     # Unbuffered: each line is stamped as it arrives. No log dedup: Ray would fold similar lines of several workers.
@@ -26,7 +28,9 @@ def run_stamped(argv: list[str], log: Path, marker: str, timeout_s: float, env: 
     stamped, start = [], time.time()
     with (
         open(log, "w") as f,
-        subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True) as proc,
+        subprocess.Popen(
+            argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        ) as proc,
     ):
         # A hung run ends here, not at the device call's limit: the phase still returns and its logs come back.
         watchdog = threading.Timer(timeout_s, lambda: os.killpg(proc.pid, signal.SIGKILL))
@@ -49,15 +53,23 @@ def fail_unless_ran(what: str, returncode: int, records: list[dict], log: Path, 
     on a short lease the steps that ran are what there is."""
     if not ((returncode == 0 and records) or (returncode == STOPPED and len(records) >= min_steps)):
         tail = log.read_text().splitlines()[-40:]
-        raise SystemExit(f"{what} failed ({returncode}, {len(records)} steps logged); last lines of {log}:\n" + "\n".join(tail))
+        raise SystemExit(
+            f"{what} failed ({returncode}, {len(records)} steps logged); last lines of {log}:\n" + "\n".join(tail)
+        )
 
 
-def step_summary(records: list[dict], first_step_s: float, start: float, prefix: str, split: dict[str, str], returncode: int = 0) -> dict:
+def step_summary(
+    records: list[dict], first_step_s: float, start: float, prefix: str, split: dict[str, str], returncode: int = 0
+) -> dict:
     """Step 1 from the peer's own total (the driver's start-up is no step), then the wall time between step lines;
     the median after the first two steps. split maps the peer's timing names (after prefix) to ours."""
     times = [first_step_s] + [b["t"] - a["t"] for a, b in zip(records, records[1:])]
     tail = records[2:] or records
-    parts = {ours: round(statistics.median(r[prefix + k] for r in tail), 4) for k, ours in split.items() if prefix + k in records[-1]}
+    parts = {
+        ours: round(statistics.median(r[prefix + k] for r in tail), 4)
+        for k, ours in split.items()
+        if prefix + k in records[-1]
+    }
     generate = parts.get("time_generate_s")
     return {
         "step_s": round(steady_median(times), 4),

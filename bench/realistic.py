@@ -65,7 +65,12 @@ class GPUPeak:
     def _poll(self):
         while not self._stop.wait(1.0):
             try:
-                used = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10)
+                used = subprocess.run(
+                    ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                    capture_output=True,
+                    text=True,
+                    timeout=10,
+                )
                 self.peak_mib = max([self.peak_mib, *(int(x) for x in used.stdout.split())])
             except (OSError, ValueError, subprocess.TimeoutExpired):
                 return
@@ -82,7 +87,9 @@ class GPUPeak:
 def model_dir(bench_dir: Path, cap: int) -> Path:
     path = bench_dir / f"model_eos{cap}"
     if not (path / "config.json").exists():
-        raise SystemExit(f"{path}: no EOS-calibrated model; run grpo_bench.py setup --dir {bench_dir} --eos_cap {cap} first")
+        raise SystemExit(
+            f"{path}: no EOS-calibrated model; run grpo_bench.py setup --dir {bench_dir} --eos_cap {cap} first"
+        )
     return path
 
 
@@ -91,10 +98,16 @@ def calibration(bench_dir: Path, cap: int) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def per_step(bench_dir: Path, shape: str, system: str, records: list[dict], cap: int, command: str, peak: GPUPeak, extra: dict) -> None:
+def per_step(
+    bench_dir: Path, shape: str, system: str, records: list[dict], cap: int, command: str, peak: GPUPeak, extra: dict
+) -> None:
     """Medians over the steps after the first (start-up, CUDA graphs, compilation) of a run's metrics.jsonl."""
     tail = records[1:] or records
-    med = {k: round(statistics.median(r[k] for r in tail), 3) for k in tail[0] if k.startswith("time_") and k.endswith("_s") and k != "time_s"}
+    med = {
+        k: round(statistics.median(r[k] for r in tail), 3)
+        for k in tail[0]
+        if k.startswith("time_") and k.endswith("_s") and k != "time_s"
+    }
     completions = PROMPTS * GROUP
     lengths = [r["response_length"] for r in tail]
     rate = [completions * (common.PROMPT_TOKENS + r["response_length"]) / r["time_step_s"] for r in tail]
@@ -106,12 +119,16 @@ def per_step(bench_dir: Path, shape: str, system: str, records: list[dict], cap:
             "step_s": med["time_step_s"],
             **{k.removeprefix("time_").removesuffix("_s") + "_s": v for k, v in med.items() if k != "time_step_s"},
             "tokens_per_s_per_gpu": round(statistics.median(rate)),  # one GPU
-            "generated_tokens_per_s": round(statistics.median(completions * r["response_length"] / r["time_generate_s"] for r in tail)),
+            "generated_tokens_per_s": round(
+                statistics.median(completions * r["response_length"] / r["time_generate_s"] for r in tail)
+            ),
             "response_length_mean": round(statistics.mean(lengths), 1),
             "response_length_max": max(r["response_length_max"] for r in tail),
             "truncation_rate": round(statistics.mean(r.get("response_truncated", 0.0) for r in tail), 4),
             # The longest sample decodes through the whole generate phase: its tokens over that phase's time.
-            "longest_sample_tokens_per_s": round(statistics.median(r["response_length_max"] / r["time_generate_s"] for r in tail), 1),
+            "longest_sample_tokens_per_s": round(
+                statistics.median(r["response_length_max"] / r["time_generate_s"] for r in tail), 1
+            ),
             "gpu_peak_gb": peak.gb,
             "steps_measured": len(tail),
             "completions_per_step": completions,
@@ -124,7 +141,15 @@ def per_step(bench_dir: Path, shape: str, system: str, records: list[dict], cap:
 
 
 def ours(
-    bench_dir: Path, cap: int, engine: str, steps: int, micro: int, lora_rank: int, gpu_memory_utilization: float, max_tokens_per_gpu: int, command: str
+    bench_dir: Path,
+    cap: int,
+    engine: str,
+    steps: int,
+    micro: int,
+    lora_rank: int,
+    gpu_memory_utilization: float,
+    max_tokens_per_gpu: int,
+    command: str,
 ) -> None:
     shape = shape_name(bench_dir, cap, lora_rank)
     system = ("ours" if engine == "vllm" else "ours_transformers") + ("_token_budget" if max_tokens_per_gpu else "")
@@ -184,7 +209,9 @@ def vllm_alone(bench_dir: Path, cap: int, gpu_memory_utilization: float, command
     startup = time.time() - t0
     tokenizer = AutoTokenizer.from_pretrained(model)
     rows = [json.loads(line)["prompt"] for line in (bench_dir / "prompts.jsonl").read_text().splitlines()]
-    params = SamplingParams(n=GROUP, temperature=1.0, max_tokens=cap, stop_token_ids=[tokenizer.eos_token_id], logprobs=0, detokenize=False)
+    params = SamplingParams(
+        n=GROUP, temperature=1.0, max_tokens=cap, stop_token_ids=[tokenizer.eos_token_id], logprobs=0, detokenize=False
+    )
     rounds = []
     for k in range(3):  # the first warms up; the stage's prompts, as its steps take them
         prompts = [{"prompt_token_ids": tokenizer(text)["input_ids"]} for text in rows[k * PROMPTS : (k + 1) * PROMPTS]]
@@ -241,7 +268,14 @@ def trl(bench_dir: Path, cap: int, steps: int, micro: int, command: str) -> None
     dataset = load_dataset("json", data_files=str(bench_dir / "prompts.jsonl"), split="train")
     with GPUPeak() as peak:
         start = time.time()
-        trainer = GRPOTrainer(model=str(model), reward_funcs=reward.trl_reward, args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=[clock])
+        trainer = GRPOTrainer(
+            model=str(model),
+            reward_funcs=reward.trl_reward,
+            args=args,
+            train_dataset=dataset,
+            processing_class=tokenizer,
+            callbacks=[clock],
+        )
         clock.stamps.append(time.time())
         setup_s = clock.stamps[0] - start
         trainer.train()
@@ -255,10 +289,14 @@ def trl(bench_dir: Path, cap: int, steps: int, micro: int, command: str) -> None
         "trl_vllm",
         {
             "step_s": round(step, 3),
-            "tokens_per_s_per_gpu": round(PROMPTS * GROUP * (common.PROMPT_TOKENS + mean_len) / step) if mean_len else None,
+            "tokens_per_s_per_gpu": round(PROMPTS * GROUP * (common.PROMPT_TOKENS + mean_len) / step)
+            if mean_len
+            else None,
             "response_length_mean": round(mean_len, 1) if mean_len else None,
             "response_length_max": max((x.get("completions/max_length", 0) for x in logs), default=None),
-            "truncation_rate": round(statistics.mean(x.get("completions/clipped_ratio", 0) for x in logs), 4) if logs else None,
+            "truncation_rate": round(statistics.mean(x.get("completions/clipped_ratio", 0) for x in logs), 4)
+            if logs
+            else None,
             "gpu_peak_gb": peak.gb,
             "setup_s": round(setup_s, 1),
             "steps_measured": len(times),
@@ -289,20 +327,39 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("what", choices=["ours", "vllm", "trl", "collect"])
     parser.add_argument("--dir", type=Path, required=True)
-    parser.add_argument("--cap", type=int, default=4096, help="max new tokens a response (the EOS model calibrated for it)")
+    parser.add_argument(
+        "--cap", type=int, default=4096, help="max new tokens a response (the EOS model calibrated for it)"
+    )
     parser.add_argument("--engine", default="vllm", choices=["vllm", "transformers"], help="ours: the rollout engine")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--micro", type=int, default=8, help="training micro-batch (sequences)")
     parser.add_argument("--lora_rank", type=int, default=0)
-    parser.add_argument("--max_tokens_per_gpu", type=int, default=0, help="ours: training micro-batches by this token budget (0: --micro rows each)")
+    parser.add_argument(
+        "--max_tokens_per_gpu",
+        type=int,
+        default=0,
+        help="ours: training micro-batches by this token budget (0: --micro rows each)",
+    )
     parser.add_argument("--gpu_memory_utilization", type=float, default=0.35)
-    parser.add_argument("--into", type=Path, default=common.ROOT / "bench" / "results.json", help="collect: the summary to merge into")
+    parser.add_argument(
+        "--into", type=Path, default=common.ROOT / "bench" / "results.json", help="collect: the summary to merge into"
+    )
     parser.add_argument("--machine", default="", help="collect: the GPU the runs were made on")
     parser.add_argument("--date", default=time.strftime("%Y-%m-%d"), help="collect: the day they were made")
     a = parser.parse_args()
     command = "python bench/realistic.py " + " ".join(sys.argv[1:])
     if a.what == "ours":
-        ours(a.dir, a.cap, a.engine, a.steps, a.micro, a.lora_rank, a.gpu_memory_utilization, a.max_tokens_per_gpu, command)
+        ours(
+            a.dir,
+            a.cap,
+            a.engine,
+            a.steps,
+            a.micro,
+            a.lora_rank,
+            a.gpu_memory_utilization,
+            a.max_tokens_per_gpu,
+            command,
+        )
     elif a.what == "collect":  # here, on the results a device call brought back: --dir is that results folder
         collect(a.dir, a.into, a.machine, a.date)
     elif a.what == "vllm":

@@ -32,14 +32,21 @@ def report(bench_dir: Path, out: Path, command: str) -> None:
     candidates = sorted(
         (r["step_s"], name)
         for name, r in results.items()
-        if name.startswith("ours_vllm") and not any(k in name for k in ("async", "agentic", "noliger", "lora", "sdpa", "_compile", "_nogc", "_zero", "_1p5b"))
+        if name.startswith("ours_vllm")
+        and not any(
+            k in name for k in ("async", "agentic", "noliger", "lora", "sdpa", "_compile", "_nogc", "_zero", "_1p5b")
+        )
     )
     best = candidates[0][1] if candidates else "ours_vllm"
     ours, trl_hf, trl_vllm = get(best, "step_s"), get("trl_hf", "step_s"), get("trl_vllm", "step_s")
 
     def fastest(peer: str, shape: str = "") -> tuple[float | None, str | None]:
         """A peer's fastest run on the same work at one shape ("" or "_1p5b"): (step seconds, run name)."""
-        runs = ((r["step_s"], n) for n, r in results.items() if n.startswith(peer) and n.endswith("_1p5b") == (shape == "_1p5b"))
+        runs = (
+            (r["step_s"], n)
+            for n, r in results.items()
+            if n.startswith(peer) and n.endswith("_1p5b") == (shape == "_1p5b")
+        )
         return min(runs, default=(None, None))
 
     def ratio(slower: float | None, faster: float | None) -> float | None:
@@ -76,14 +83,27 @@ def report(bench_dir: Path, out: Path, command: str) -> None:
         "grpo_verl_run": verl_run,
         "grpo_ours_run": best,
         "rollout_tokens_per_s": get(best, "rollout_tokens_per_s"),
-        "grpo_step_s_ours_2gpu_async": min((r["step_s"] for n, r in results.items() if "async" in n and "agentic" not in n), default=None),
+        "grpo_step_s_ours_2gpu_async": min(
+            (r["step_s"] for n, r in results.items() if "async" in n and "agentic" not in n), default=None
+        ),
         # agentic_<key> (colocated, one GPU), agentic_separate_<key> and agentic_async_<key> (the engine on a second GPU)
-        **{f"eval_{engine}_{key}": get(f"eval_{engine}", key) for engine in ("vllm", "hf") for key in ("side_s", "stage_s", "tokens_per_s")},
+        **{
+            f"eval_{engine}_{key}": get(f"eval_{engine}", key)
+            for engine in ("vllm", "hf")
+            for key in ("side_s", "stage_s", "tokens_per_s")
+        },
         **{
             "agentic_" + n.split("_agentic")[1].lstrip("_") + ("_" if n.split("_agentic")[1] else "") + key: r.get(key)
             for n, r in results.items()
             if "_agentic" in n
-            for key in ("step_s", "episodes_per_s", "turns_per_episode", "time_generate_s", "time_train_s", "time_weight_sync_s")
+            for key in (
+                "step_s",
+                "episodes_per_s",
+                "turns_per_episode",
+                "time_generate_s",
+                "time_train_s",
+                "time_weight_sync_s",
+            )
         },
         "vllm_standalone_tokens_per_s": get("vllm", "tokens_per_s_64"),
         "hf_generate_tokens_per_s": {
@@ -97,7 +117,9 @@ def report(bench_dir: Path, out: Path, command: str) -> None:
         },
         "vllm_standalone_tokens_per_s_by_batch": {b: get("vllm", f"tokens_per_s_{b}") for b in (64, 256, 1024)},
         "decode_floor_tokens_per_s": get("vllm", "decode_floor_tokens_per_s_64"),
-        "decode_floor_tokens_per_s_by_batch": {b: get("vllm", f"decode_floor_tokens_per_s_{b}") for b in (64, 256, 1024)},
+        "decode_floor_tokens_per_s_by_batch": {
+            b: get("vllm", f"decode_floor_tokens_per_s_{b}") for b in (64, 256, 1024)
+        },
         "sft_mfu": max((r["mfu"] for n, r in results.items() if n in ("sft", "sft_compile")), default=None),
         "sft_mfu_by_run": {n: results[n]["mfu"] for n in ("sft", "sft_compile") if n in results},
         # 6 N + attention, recomputation not counted (standard_flops_per_token); from step_s for runs recorded before it
@@ -128,7 +150,8 @@ def report(bench_dir: Path, out: Path, command: str) -> None:
         },
         # LoRA (rank 64, every linear layer, the adapter alone synced to vLLM) beside full fine-tuning, same work
         "lora_vs_full": {
-            key: [get("ours_vllm_m64_lora64", key), get("ours_vllm_m64", key)] for key in ("step_s", "time_generate_s", "time_train_s", "time_weight_sync_s")
+            key: [get("ours_vllm_m64_lora64", key), get("ours_vllm_m64", key)]
+            for key in ("step_s", "time_generate_s", "time_train_s", "time_weight_sync_s")
         },
         # The 1.5B shape (SHAPE=qwen2.5-1.5b; the runs' names end in _1p5b): the same work, LoRA where it should pay in memory
         "grpo_step_s_ours_1p5b": ours_1p5b,
@@ -142,7 +165,12 @@ def report(bench_dir: Path, out: Path, command: str) -> None:
         "grpo_verl_1p5b_run": verl_1p5b_run,
         # The hf engine (the actor's own decode loop, its steps replayed as CUDA graphs) in place of vLLM, same work
         **{f"grpo_step_s_ours_hf{shape}": get(f"ours_hf_m64{shape}", "step_s") for shape in ("", "_1p5b")},
-        **{f"speedup_hf_vs_trl_vllm{shape}": ratio(get(f"trl_vllm{shape}", "step_s"), get(f"ours_hf_m64{shape}", "step_s")) for shape in ("", "_1p5b")},
+        **{
+            f"speedup_hf_vs_trl_vllm{shape}": ratio(
+                get(f"trl_vllm{shape}", "step_s"), get(f"ours_hf_m64{shape}", "step_s")
+            )
+            for shape in ("", "_1p5b")
+        },
         "lora_vs_full_1p5b": {
             attention: {
                 key: [get(f"ours_vllm_m64_lora64{suffix}_1p5b", key), get(f"ours_vllm_m64{suffix}_1p5b", key)]

@@ -51,7 +51,12 @@ def bench_sft(
     checkpointing: bool = True,
     zero_stage: int = 2,
 ) -> None:
-    name = ("sft_compile" if compile_blocks else "sft") + ("" if liger else "_noliger") + ("" if flash else "_sdpa") + train_suffix(checkpointing, zero_stage)
+    name = (
+        ("sft_compile" if compile_blocks else "sft")
+        + ("" if liger else "_noliger")
+        + ("" if flash else "_sdpa")
+        + train_suffix(checkpointing, zero_stage)
+    )
     out = bench_dir / "out" / name
     run_stage(
         "tasks.sft",
@@ -145,12 +150,20 @@ def bench_sft_profile(
     from tasks.common.nn.supervised import micro_batch_loss
     from tasks.rl.experience import response_logprobs
 
-    batch, seq, prompt = (PROMPTS_PER_STEP * GROUP, PROMPT_TOKENS + COMPLETION_TOKENS, PROMPT_TOKENS) if rl_shape else (8, 2048, 1024)
+    batch, seq, prompt = (
+        (PROMPTS_PER_STEP * GROUP, PROMPT_TOKENS + COMPLETION_TOKENS, PROMPT_TOKENS) if rl_shape else (8, 2048, 1024)
+    )
     strategy = DeepSpeedStrategy(
-        zero_stage=zero_stage, bf16=on_gpu(), micro_batch_size=batch, gradient_checkpointing=checkpointing, torch_compile=compile_blocks
+        zero_stage=zero_stage,
+        bf16=on_gpu(),
+        micro_batch_size=batch,
+        gradient_checkpointing=checkpointing,
+        torch_compile=compile_blocks,
     )
     liger = use_liger(True)
-    engine = strategy.prepare(load_causal_lm(str(bench_dir / "model"), flash_attn=True, liger=liger, torch_compile=compile_blocks), 1e-5, 100)
+    engine = strategy.prepare(
+        load_causal_lm(str(bench_dir / "model"), flash_attn=True, liger=liger, torch_compile=compile_blocks), 1e-5, 100
+    )
     engine.train()
     if per_tensor_check:
         deepspeed_gradient_checks(engine)
@@ -167,7 +180,9 @@ def bench_sft_profile(
 
     def step():
         if rl_shape:
-            logprobs, _ = response_logprobs(engine, sequences, torch.ones_like(sequences), prompt, return_entropy=True, entropy_grad=False)
+            logprobs, _ = response_logprobs(
+                engine, sequences, torch.ones_like(sequences), prompt, return_entropy=True, entropy_grad=False
+            )
             engine.backward(policy_loss(logprobs, logprobs.detach(), advantages, action_mask)[0])
         else:
             engine.backward(micro_batch_loss(engine, ids, masks, 0, False, strategy.device, tokens))
@@ -198,7 +213,9 @@ def bench_sft_profile(
     host = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:12]
     # Where the host waits for the GPU, by call site: one more step, with Python stacks recorded (slower, so it is
     # kept out of the timed steps above). A value read on the host (.item(), `if tensor`) or a data-dependent shape.
-    with profile(activities=activities, with_stack=True, experimental_config=_ExperimentalConfig(verbose=True)) as traced:  # verbose: the stacks
+    with profile(
+        activities=activities, with_stack=True, experimental_config=_ExperimentalConfig(verbose=True)
+    ) as traced:  # verbose: the stacks
         step()
         sync()
     waits = host_call_sites(traced, ("aten::_local_scalar_dense", "aten::nonzero"))
@@ -215,7 +232,9 @@ def bench_sft_profile(
             "idle_s_per_step": round(step_s - busy, 4),
             "kernel_s_by_kind": {k: round(v, 4) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
             "top_kernels_ms_per_step": {e.key[:100]: round(e.self_device_time_total / 1e3 / steps, 2) for e in top},
-            "top_host_ops_ms_and_calls_per_step": {e.key[:100]: [round(e.self_cpu_time_total / 1e3 / steps, 2), e.count // steps] for e in host},
+            "top_host_ops_ms_and_calls_per_step": {
+                e.key[:100]: [round(e.self_cpu_time_total / 1e3 / steps, 2), e.count // steps] for e in host
+            },
             "host_waits_by_call_site": waits,
             "batch": batch,
             "seq_len": seq,
@@ -224,7 +243,9 @@ def bench_sft_profile(
             "torch_compile": compile_blocks,
             "liger": liger,
             "per_tensor_check": per_tensor_check,
-            "loss": "the actor's: response_logprobs, policy_loss" if rl_shape else "micro_batch_loss (SFT's path: Liger's fused linear cross-entropy on CUDA)",
+            "loss": "the actor's: response_logprobs, policy_loss"
+            if rl_shape
+            else "micro_batch_loss (SFT's path: Liger's fused linear cross-entropy on CUDA)",
             "compiled_graphs": counters["stats"]["unique_graphs"],
         },
     )
@@ -234,7 +255,9 @@ def deepspeed_gradient_checks(engine) -> None:
     """ZeRO-1/2's step checks the gradients tensor by tensor again (inf/NaN, then the norm), with DeepSpeed's own
     methods in place of strategy.fuse_zero_step_checks': the before of a before/after on one machine."""
     if "check_overflow" not in vars(engine.optimizer):
-        raise SystemExit(f"--per_tensor_check: {type(engine.optimizer).__name__} checks as DeepSpeed does already (bf16 ZeRO-1/2 is what it changes)")
+        raise SystemExit(
+            f"--per_tensor_check: {type(engine.optimizer).__name__} checks as DeepSpeed does already (bf16 ZeRO-1/2 is what it changes)"
+        )
     del engine.optimizer.check_overflow, engine.optimizer.get_grad_norm_direct
 
 
@@ -243,7 +266,9 @@ def host_call_sites(prof, names: tuple[str, ...], frames: int = 4) -> list[list]
     sites: dict[tuple, int] = {}
     for e in prof.events():
         if e.name in names:
-            own = [f for f in e.stack if not f.startswith(("torch/", "<built-in", "nn.Module:")) and "/torch/" not in f][:frames]
+            own = [
+                f for f in e.stack if not f.startswith(("torch/", "<built-in", "nn.Module:")) and "/torch/" not in f
+            ][:frames]
             key = (e.name, " <- ".join(own))
             sites[key] = sites.get(key, 0) + 1
     return [[name, calls, where] for (name, where), calls in sorted(sites.items(), key=lambda kv: -kv[1])[:15]]
@@ -304,7 +329,13 @@ def bench_ours(
     if engine == "vllm" and layout == "colocated":
         args.update(vllm_num_engines=1, vllm_gpu_memory_utilization=0.3)
     elif engine == "vllm" and layout == "actor_ref_vllm":
-        args.update(vllm_num_engines=1, vllm_gpu_memory_utilization=0.6, colocate_all_models=False, colocate_actor_ref=True, init_kl_coef=0.01)
+        args.update(
+            vllm_num_engines=1,
+            vllm_gpu_memory_utilization=0.6,
+            colocate_all_models=False,
+            colocate_actor_ref=True,
+            init_kl_coef=0.01,
+        )
     elif engine == "vllm" and layout.startswith("agentic"):
         # Multi-turn episodes in a tool loop: AGENTIC_TURNS turns of AGENTIC_TURN_TOKENS tokens, the same tokens a step as above;
         # colocated on one GPU (agentic, or agentic_slow_tool with a tool of 20-200 ms), or the engine on a GPU of its
@@ -330,7 +361,14 @@ def bench_ours(
     tail = records[2:] or records
     split = {
         key: round(statistics.median(r[key] for r in tail), 4)
-        for key in ("time_step_s", "time_generate_s", "time_reward_s", "time_inference_s", "time_train_s", "time_weight_sync_s")
+        for key in (
+            "time_step_s",
+            "time_generate_s",
+            "time_reward_s",
+            "time_inference_s",
+            "time_train_s",
+            "time_weight_sync_s",
+        )
     }
     step = split["time_step_s"]
     tokens = PROMPTS_PER_STEP * GROUP * COMPLETION_TOKENS
@@ -344,9 +382,18 @@ def bench_ours(
         "train_tokens_per_s": round(train_tokens / split["time_train_s"]),
         # forward+backward (6 N) and the recomputed forward (2 N) in training; with KL, one more forward (2 N) each
         # for the old and the reference log-probabilities (without, the actor skips its scoring pass)
-        "mfu": round((6 + 2 * checkpointing + (4 if layout == "actor_ref_vllm" else 0)) * parameters(bench_dir) * train_tokens / step / BF16_PEAK_FLOPS, 4),
+        "mfu": round(
+            (6 + 2 * checkpointing + (4 if layout == "actor_ref_vllm" else 0))
+            * parameters(bench_dir)
+            * train_tokens
+            / step
+            / BF16_PEAK_FLOPS,
+            4,
+        ),
         # the training phase alone, counted the standard way
-        "train_mfu_standard": standard_mfu(bench_dir, train_tokens, PROMPT_TOKENS + COMPLETION_TOKENS, split["time_train_s"]),
+        "train_mfu_standard": standard_mfu(
+            bench_dir, train_tokens, PROMPT_TOKENS + COMPLETION_TOKENS, split["time_train_s"]
+        ),
         # the actor's training phase alone (a colocated engine asleep), torch's allocator, the largest over steps
         "train_gpu_peak_gb": max((r["train_gpu_peak_gb"] for r in records if "train_gpu_peak_gb" in r), default=None),
         "attention": _attention_kernel(bench_dir / f"{name}.log", flash),
@@ -358,7 +405,12 @@ def bench_ours(
         "learning_rate": lr,
     }
     if layout.startswith("agentic"):
-        result.update({key: round(statistics.median(r[key] for r in tail), 4) for key in ("episodes_per_s", "turns_per_episode", "time_env_s")})
+        result.update(
+            {
+                key: round(statistics.median(r[key] for r in tail), 4)
+                for key in ("episodes_per_s", "turns_per_episode", "time_env_s")
+            }
+        )
         for key in ("staleness", "partial_fraction", "mismatch_kl"):
             if key in records[-1]:
                 result[key] = [round(r[key], 4) for r in records]

@@ -92,10 +92,24 @@ def bench_trl(bench_dir: Path, mode: str, steps: int = 12) -> None:
     clock = step_clock()()
     start = time.time()
     trainer = GRPOTrainer(
-        model=str(bench_dir / "model"), reward_funcs=reward.trl_reward, args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=[clock]
+        model=str(bench_dir / "model"),
+        reward_funcs=reward.trl_reward,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[clock],
     )
     clock.stamps.append(time.time())
     setup_s = clock.stamps[0] - start
     trainer.train()
     times = [b - a for a, b in zip(clock.stamps, clock.stamps[1:])]
-    save(bench_dir, f"trl_{mode}", {"step_s": round(steady_median(times), 4), "setup_s": round(setup_s, 1), "steps": len(times), "trl": trl.__version__})
+    save(
+        bench_dir,
+        f"trl_{mode}",
+        {
+            "step_s": round(steady_median(times), 4),
+            "setup_s": round(setup_s, 1),
+            "steps": len(times),
+            "trl": trl.__version__,
+        },
+    )

@@ -66,12 +66,17 @@ def write_data(bench_dir: Path) -> Path:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    prompts = [json.loads(line)["prompt"] for line in (bench_dir / "prompts.jsonl").read_text().splitlines() if line.strip()]
+    prompts = [
+        json.loads(line)["prompt"] for line in (bench_dir / "prompts.jsonl").read_text().splitlines() if line.strip()
+    ]
     rows = [
         {
             "data_source": "bench",
             "prompt": [{"role": "user", "content": text}],
-            "reward_model": {"style": "rule", "ground_truth": ""},  # the reward needs none, verl's reward loop reads the key
+            "reward_model": {
+                "style": "rule",
+                "ground_truth": "",
+            },  # the reward needs none, verl's reward loop reads the key
             "extra_info": {"index": i},
         }
         for i, text in enumerate(prompts)
@@ -145,7 +150,12 @@ def verl_command(bench_dir: Path, steps: int, micro: int, vllm_sleep: bool, sdpa
         "hydra.run.dir": out / "hydra",  # else hydra writes outputs/<date>/ into the repo
     }
     if sdpa:  # without flash-attn: SDPA, and padded rows (verl's remove-padding path packs rows for flash-attn's varlen kernel)
-        args.update({"+actor_rollout_ref.model.override_config.attn_implementation": "sdpa", "actor_rollout_ref.model.use_remove_padding": False})
+        args.update(
+            {
+                "+actor_rollout_ref.model.override_config.attn_implementation": "sdpa",
+                "actor_rollout_ref.model.use_remove_padding": False,
+            }
+        )
     return [sys.executable, "-m", "verl.trainer.main_ppo", *(f"{k}={hydra_value(v)}" for k, v in args.items())]
 
 
@@ -170,23 +180,41 @@ def parse_steps(stamped: list[tuple[float, str]]) -> list[dict]:
 
 
 def bench_verl(
-    bench_dir: Path, steps: int = 12, micro: int = 16, vllm_sleep: bool = False, sdpa: bool = False, v0: bool = False, timeout_s: float = 480
+    bench_dir: Path,
+    steps: int = 12,
+    micro: int = 16,
+    vllm_sleep: bool = False,
+    sdpa: bool = False,
+    v0: bool = False,
+    timeout_s: float = 480,
 ) -> None:
     if importlib.util.find_spec("verl") is None:
-        raise SystemExit("verl is not importable: bash bench/gpu/verl.sh install, and PYTHONPATH=/tmp/site-verl:$PYTHONPATH")
-    name = "verl" + ("" if micro == 16 else f"_m{micro}") + ("_sleep" if vllm_sleep else "") + ("_sdpa" if sdpa else "") + ("_v0" if v0 else "")
+        raise SystemExit(
+            "verl is not importable: bash bench/gpu/verl.sh install, and PYTHONPATH=/tmp/site-verl:$PYTHONPATH"
+        )
+    name = (
+        "verl"
+        + ("" if micro == 16 else f"_m{micro}")
+        + ("_sleep" if vllm_sleep else "")
+        + ("_sdpa" if sdpa else "")
+        + ("_v0" if v0 else "")
+    )
     write_data(bench_dir)
     argv = verl_command(bench_dir, steps, micro, vllm_sleep, sdpa, v0)
     print(shlex.join(argv), flush=True)
     log = bench_dir / f"{name}.log"
-    returncode, stamped, start = run_stamped(argv, log, marker="step:", timeout_s=timeout_s, env={"HYDRA_FULL_ERROR": "1"})
+    returncode, stamped, start = run_stamped(
+        argv, log, marker="step:", timeout_s=timeout_s, env={"HYDRA_FULL_ERROR": "1"}
+    )
     records = [r for r in parse_steps(stamped) if "timing_s/step" in r]
     fail_unless_ran("verl main_ppo", returncode, records, log)
     save(
         bench_dir,
         name,
         {
-            **step_summary(records, records[0]["timing_s/step"], start, prefix="timing_s/", split=SPLIT, returncode=returncode),
+            **step_summary(
+                records, records[0]["timing_s/step"], start, prefix="timing_s/", split=SPLIT, returncode=returncode
+            ),
             "response_length_mean": [r.get("response_length/mean") for r in records],
             "reward_curve": [round(r["critic/score/mean"], 4) for r in records if "critic/score/mean" in r],
             "micro_batch": micro,
@@ -210,10 +238,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", type=Path, default=Path("/tmp/bench"))
     parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--micro", type=int, default=16, help="sequences per forward/backward (actor update and old log-prob pass)")
-    parser.add_argument("--vllm_sleep", action="store_true", help="verl's default free_cache_engine: vLLM frees its memory while the actor trains")
-    parser.add_argument("--sdpa", action="store_true", help="SDPA attention in the actor, rows padded (no flash-attn needed)")
-    parser.add_argument("--v0", action="store_true", help="trainer.use_v1=False: the legacy RayPPOTrainer (no TransferQueue)")
+    parser.add_argument(
+        "--micro", type=int, default=16, help="sequences per forward/backward (actor update and old log-prob pass)"
+    )
+    parser.add_argument(
+        "--vllm_sleep",
+        action="store_true",
+        help="verl's default free_cache_engine: vLLM frees its memory while the actor trains",
+    )
+    parser.add_argument(
+        "--sdpa", action="store_true", help="SDPA attention in the actor, rows padded (no flash-attn needed)"
+    )
+    parser.add_argument(
+        "--v0", action="store_true", help="trainer.use_v1=False: the legacy RayPPOTrainer (no TransferQueue)"
+    )
     parser.add_argument("--timeout_s", type=float, default=480, help="kill the run after this many seconds")
     parser.add_argument("--print_command", action="store_true", help="print the command line and stop")
     a = parser.parse_args()

@@ -39,7 +39,11 @@ CALLS = [  # (name, prompts, per-token log-probs, greedy)
 
 def gpu_utilisation():
     """Start sampling nvidia-smi's utilisation; the returned function stops it and gives the mean (percent)."""
-    proc = subprocess.Popen(["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits", "-lms", "100"], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits", "-lms", "100"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
 
     def stop() -> float:
         proc.terminate()
@@ -53,7 +57,13 @@ def run_config(bench_dir: Path, name: str) -> dict:
     inproc, extra = CONFIGS[name]
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if inproc else "1"
     if inproc:  # the external_launcher executor, as in the RL and eval workers: a torch.distributed world of one
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + random.randrange(1000)))
+        os.environ.update(
+            RANK="0",
+            LOCAL_RANK="0",
+            WORLD_SIZE="1",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(29500 + random.randrange(1000)),
+        )
     from vllm import LLM, SamplingParams
 
     model = str(bench_dir / "model")
@@ -77,7 +87,13 @@ def run_config(bench_dir: Path, name: str) -> dict:
 
     def call(n: int, logprobs: bool, greedy: bool, profile: cProfile.Profile | None = None) -> dict:
         prompts = [{"prompt_token_ids": [rng.randrange(2, vocab) for _ in range(PROMPT_TOKENS)]} for _ in range(n)]
-        params = SamplingParams(temperature=0.0 if greedy else 1.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0 if logprobs else None, detokenize=False)
+        params = SamplingParams(
+            temperature=0.0 if greedy else 1.0,
+            max_tokens=NEW_TOKENS,
+            ignore_eos=True,
+            logprobs=0 if logprobs else None,
+            detokenize=False,
+        )
         stop = gpu_utilisation()
         t = time.perf_counter()
         if profile:
@@ -106,7 +122,9 @@ def run_config(bench_dir: Path, name: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dir", type=Path, default=Path("/tmp/bench"))
-    parser.add_argument("--config", choices=sorted(CONFIGS), help="run one configuration here (the parent runs each in a child)")
+    parser.add_argument(
+        "--config", choices=sorted(CONFIGS), help="run one configuration here (the parent runs each in a child)"
+    )
     args = parser.parse_args()
     (args.dir / "results").mkdir(parents=True, exist_ok=True)
     if args.config:
@@ -115,13 +133,19 @@ def main() -> None:
     results = {}
     for name in CONFIGS:
         t = time.time()
-        proc = subprocess.run([sys.executable, __file__, "--dir", str(args.dir), "--config", name], capture_output=True, text=True)
+        proc = subprocess.run(
+            [sys.executable, __file__, "--dir", str(args.dir), "--config", name], capture_output=True, text=True
+        )
         lines = [line for line in proc.stdout.splitlines() if line.startswith("PROBE ")]
-        results[name] = json.loads(lines[-1][6:]) if lines else {"error": (proc.stderr.strip().splitlines() or ["no output"])[-1]}
+        results[name] = (
+            json.loads(lines[-1][6:]) if lines else {"error": (proc.stderr.strip().splitlines() or ["no output"])[-1]}
+        )
         print(f"{name}: {time.time() - t:.0f} s {json.dumps(results[name])}", flush=True)
         if not lines:
             print(proc.stderr[-3000:], flush=True)
-        (args.dir / "results" / "vllm_probe.json").write_text(json.dumps(results, indent=2) + "\n")  # after each: a cut-off call keeps the rest
+        (args.dir / "results" / "vllm_probe.json").write_text(
+            json.dumps(results, indent=2) + "\n"
+        )  # after each: a cut-off call keeps the rest
 
 
 if __name__ == "__main__":

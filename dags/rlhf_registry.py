@@ -47,10 +47,16 @@ with DAG(
             description="The move is refused if the champion is no longer at this version (0: none yet).",
         ),
         "candidate": Param(
-            "", type="string", title="Candidate run id (promote)", description="The run id of a judged candidate (the registry view lists them)."
+            "",
+            type="string",
+            title="Candidate run id (promote)",
+            description="The run id of a judged candidate (the registry view lists them).",
         ),
         "override_gate": Param(
-            False, type="boolean", title="Override the gate (promote)", description="Promote a candidate that failed its gate; say why in the reason."
+            False,
+            type="boolean",
+            title="Override the gate (promote)",
+            description="Promote a candidate that failed its gate; say why in the reason.",
         ),
         "to_version": Param(1, type="integer", minimum=1, title="Version to roll back to (rollback)"),
         "requested_by": Param("", type="string", title="Your name", description="Recorded in the history."),
@@ -67,7 +73,16 @@ with DAG(
     promote = RayJobOperator(
         task_id="promote",
         module="tasks.registry",
-        args={"action": "promote", **MOVE, "candidate": "{{ params.candidate }}", "override_gate": "{{ params.override_gate }}"},
+        args={
+            "action": "promote",
+            **MOVE,
+            "candidate": "{{ params.candidate }}",
+            "override_gate": "{{ params.override_gate }}",
+        },
     )
-    rollback = RayJobOperator(task_id="rollback", module="tasks.registry", args={"action": "rollback", **MOVE, "to_version": "{{ params.to_version }}"})
+    rollback = RayJobOperator(
+        task_id="rollback",
+        module="tasks.registry",
+        args={"action": "rollback", **MOVE, "to_version": "{{ params.to_version }}"},
+    )
     choose_action() >> [list_, promote, rollback]

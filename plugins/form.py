@@ -118,11 +118,20 @@ def form_flags(task_id: str) -> dict[str, str]:
 #: Where the run starts from another default than the stage's own, and why. The stages keep the peers'
 #: defaults (OpenRLHF's λ 0.95, no PPO-ptx) for a team's own data; the form's are the demo's measured recipe.
 PIPELINE_DEFAULTS = {
-    "rm_steps": (100, "the demo's reward model: its run's claim (tests/e2e/test_e2e.py) holds with 100 steps on 2 cores"),
+    "rm_steps": (
+        100,
+        "the demo's reward model: its run's claim (tests/e2e/test_e2e.py) holds with 100 steps on 2 cores",
+    ),
     "rl_steps": (30, "the demo's RL recipe as measured on seeds 0, 1 and 2 (docs/design-notes.md)"),
-    "gae_lambda": (0.8, "the demo's style comes after the digits: with 0.95 the digit tokens carried much of its advantage noise"),
+    "gae_lambda": (
+        0.8,
+        "the demo's style comes after the digits: with 0.95 the digit tokens carried much of its advantage noise",
+    ),
     "ptx_coef": (0.5, "PPO-ptx on the run's SFT split: without it the demo's accuracy held on one seed of three"),
-    "colocate_all_models": (True, "one GPU per stage, as the pool slots count them (tasks.common.stages); the local Ray head has 2 CPUs"),
+    "colocate_all_models": (
+        True,
+        "one GPU per stage, as the pool slots count them (tasks.common.stages); the local Ray head has 2 CPUs",
+    ),
     "preference_learning_rate": (2e-5, "the DPO and KTO learning checks' rate (tests/e2e/test_learning.py)"),
     "dpo_beta": (0.5, "the DPO learning check's β, with the NLL term below"),
     "checkpoints_per_stage": (5, "a rerun of a failed stage loses at most a fifth of its steps"),
@@ -221,7 +230,12 @@ PARAMS = {
         "Must include a metric the reward model does not produce (not only reward_mean). Empty ({}): no "
         "declared 0/1 metric drops more than 2 points, KL to the SFT model stays under 2, and one of them "
         "gains beyond noise. A report whose reward-hacking alarm went off never passes.",
-        additionalProperties={"type": "object", "minProperties": 1, "additionalProperties": False, "properties": {k: {"type": "number"} for k in RULE_KINDS}},
+        additionalProperties={
+            "type": "object",
+            "minProperties": 1,
+            "additionalProperties": False,
+            "properties": {k: {"type": "number"} for k in RULE_KINDS},
+        },
     ),
     "fault_injection": Param(
         {},
@@ -229,7 +243,10 @@ PARAMS = {
         title="Fault injection (testing)",
         description='Testing only: {"stage": "rl", "after_step": 12} fails that stage once, right after its checkpoint '
         "of that step (a multiple of its checkpoint interval); its rerun resumes from there.",
-        properties={"stage": {"type": "string", "enum": list(TRAINING_TASKS)}, "after_step": {"type": "integer", "minimum": 1}},
+        properties={
+            "stage": {"type": "string", "enum": list(TRAINING_TASKS)},
+            "after_step": {"type": "integer", "minimum": 1},
+        },
         additionalProperties=False,
     ),
 }
@@ -237,7 +254,16 @@ PARAMS = {
 #: The form's sections, in order (Airflow's trigger form groups a Param by its `section`). What a run needs to start
 #: stays in the first, "Run Parameters" (no section, open); every other starts folded, Advanced last.
 SECTIONS = {
-    "Data": ["input_key", "output_key", "chosen_key", "rejected_key", "label_key", "messages_key", "eval_fraction", "max_bad_fraction"],
+    "Data": [
+        "input_key",
+        "output_key",
+        "chosen_key",
+        "rejected_key",
+        "label_key",
+        "messages_key",
+        "eval_fraction",
+        "max_bad_fraction",
+    ],
     "Training, every stage": ["seed", "lora_rank", "zero_stage", "apply_chat_template"],
     "SFT": ["sft_steps", "sft_learning_rate"],
     "Reward model": ["rm_steps", "rm_learning_rate"],
@@ -265,7 +291,10 @@ SECTIONS = {
 for _section, _names in SECTIONS.items():
     for _name in _names:
         PARAMS[_name].schema["section"] = _section
-PARAMS = {name: PARAMS[name] for name in [n for n in PARAMS if "section" not in PARAMS[n].schema] + [n for ns in SECTIONS.values() for n in ns]}
+PARAMS = {
+    name: PARAMS[name]
+    for name in [n for n in PARAMS if "section" not in PARAMS[n].schema] + [n for ns in SECTIONS.values() for n in ns]
+}
 
 #: The run form's defaults by Param name.
 DEFAULTS = {name: param.value for name, param in PARAMS.items()}

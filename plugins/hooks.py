@@ -175,8 +175,12 @@ class RayJobHook(BaseHook):
     def _auth_refused(self, status: int) -> RayAuthError:
         where = f"the password of Airflow connection {self.ray_conn_id!r}" if self.ray_conn_id else "RAY_AUTH_TOKEN"
         if status == 401:
-            return RayAuthError(f"Ray Jobs API at {self.address} asks for a token (HTTP 401): set {where} to the cluster's token (its nodes' RAY_AUTH_TOKEN)")
-        return RayAuthError(f"Ray Jobs API at {self.address} refused the token (HTTP 403): {where} must be the cluster's token (its nodes' RAY_AUTH_TOKEN)")
+            return RayAuthError(
+                f"Ray Jobs API at {self.address} asks for a token (HTTP 401): set {where} to the cluster's token (its nodes' RAY_AUTH_TOKEN)"
+            )
+        return RayAuthError(
+            f"Ray Jobs API at {self.address} refused the token (HTTP 403): {where} must be the cluster's token (its nodes' RAY_AUTH_TOKEN)"
+        )
 
     def _ray_auth_error(self, exc: BaseException) -> RayAuthError | None:
         """Ray's own AuthenticationError (raised by JobSubmissionClient on 401/403) as a one-line RayAuthError."""
@@ -261,7 +265,12 @@ class RayJobHook(BaseHook):
         import requests
 
         try:
-            response = requests.get(f"{self.address}/api/v0/nodes", params={"detail": "1"}, headers=self.auth_headers(), timeout=self.http_timeout)
+            response = requests.get(
+                f"{self.address}/api/v0/nodes",
+                params={"detail": "1"},
+                headers=self.auth_headers(),
+                timeout=self.http_timeout,
+            )
             if response.status_code in AUTH_REFUSED:
                 raise self._auth_refused(response.status_code)
             response.raise_for_status()
@@ -317,7 +326,9 @@ class RayJobHook(BaseHook):
                     text = await resp.text()
                     if resp.status != 200:
                         first = " ".join(text.split())[:200]
-                        raise RuntimeError(f"Ray Jobs API at {self.address}: {method} {path} -> HTTP {resp.status}: {first}")
+                        raise RuntimeError(
+                            f"Ray Jobs API at {self.address}: {method} {path} -> HTTP {resp.status}: {first}"
+                        )
                     try:
                         return await resp.json(content_type=None)
                     except ValueError as exc:

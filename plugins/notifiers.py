@@ -54,15 +54,21 @@ def webhook_url(conn_id: str) -> str | None:
 def post_json(url: str, payload: dict) -> int:
     """POST payload as JSON; returns the HTTP status, raises with one line on anything but 2xx."""
     if not url.startswith(("http://", "https://")):
-        raise ValueError(f"url: {url[:80]!r} is not an http(s) URL; set the webhook Param or the rlhf_webhook connection's host")
-    request = urllib.request.Request(url, data=json.dumps(payload, default=str).encode(), method="POST", headers={"Content-Type": "application/json"})
+        raise ValueError(
+            f"url: {url[:80]!r} is not an http(s) URL; set the webhook Param or the rlhf_webhook connection's host"
+        )
+    request = urllib.request.Request(
+        url, data=json.dumps(payload, default=str).encode(), method="POST", headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
             return response.status
     except urllib.error.HTTPError as e:
         raise RuntimeError(f"webhook {url} answered HTTP {e.code}: check the rlhf_webhook connection") from None
     except (urllib.error.URLError, OSError) as e:
-        raise RuntimeError(f"webhook {url} unreachable ({getattr(e, 'reason', e)}): check the rlhf_webhook connection") from None
+        raise RuntimeError(
+            f"webhook {url} unreachable ({getattr(e, 'reason', e)}): check the rlhf_webhook connection"
+        ) from None
 
 
 def _read_s3_json(uri: str) -> dict:
@@ -93,7 +99,14 @@ class WebhookNotifier(BaseNotifier):
 
     template_fields = ("url", "manifest")
 
-    def __init__(self, event: str, url: str = "", conn_id: str = names.WEBHOOK_CONN, manifest: str | None = None, read=_read_s3_json):
+    def __init__(
+        self,
+        event: str,
+        url: str = "",
+        conn_id: str = names.WEBHOOK_CONN,
+        manifest: str | None = None,
+        read=_read_s3_json,
+    ):
         """``manifest``: the promote stage's manifest URI (default: the XCom of the task it is the callback of)."""
         super().__init__()
         if event not in EVENTS:
@@ -119,7 +132,9 @@ class WebhookNotifier(BaseNotifier):
                 "text": f"{dag_id} run {run_id} FAILED" + (f" at {failed}" if failed else "") + f": {reason}"[:300],
             }
         if not str(self.manifest).startswith("s3://"):
-            raise ValueError(f"manifest: {str(self.manifest)[:80]!r} is not the promote stage's manifest URI; attach the decision notifier to the promote task")
+            raise ValueError(
+                f"manifest: {str(self.manifest)[:80]!r} is not the promote stage's manifest URI; attach the decision notifier to the promote task"
+            )
         decision = decision_payload(self.manifest, self.read)
         shown = ", ".join(f"{k} {v:.3f}" for k, v in sorted(decision["metrics"].items()) if isinstance(v, (int, float)))
         return {**base, **decision, "text": f"{dag_id} run {run_id}: {decision['decision']} ({shown})"}
@@ -127,7 +142,9 @@ class WebhookNotifier(BaseNotifier):
     def notify(self, context: dict[str, Any]) -> None:
         url = self.url or webhook_url(self.conn_id)
         if not url:
-            self.log.warning("No webhook: set the %s connection or the url; not posting the %s event", self.conn_id, self.event)
+            self.log.warning(
+                "No webhook: set the %s connection or the url; not posting the %s event", self.conn_id, self.event
+            )
             return
         payload = self.payload(context)
         status = post_json(url, payload)

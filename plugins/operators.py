@@ -158,7 +158,9 @@ class RayJobOperator(BaseOperator):
         self.env_vars = dict(env_vars or {})
         bad = sorted(k for k in self.env_vars if _SECRET_ENV.search(k))
         if bad:
-            raise ValueError(f"env_vars {bad} look like credentials: never ship secrets in a Ray runtime_env; give the Ray nodes their own access instead")
+            raise ValueError(
+                f"env_vars {bad} look like credentials: never ship secrets in a Ray runtime_env; give the Ray nodes their own access instead"
+            )
         self.poll_interval = poll_interval
         self.follow_before_defer = follow_before_defer
         self.python = python
@@ -193,7 +195,9 @@ class RayJobOperator(BaseOperator):
     def runtime_env(self) -> dict[str, Any]:
         # The operator's allow-lists (tasks/common/allowlist.py) as this side has them: one setting rules both sides.
         allowed = {k: os.environ[k] for k in OPERATOR_ENV_VARS if k in os.environ}
-        env: dict[str, Any] = {"env_vars": {**DEFAULT_ENV_VARS, **allowed, **{k: str(v) for k, v in self.env_vars.items()}}}
+        env: dict[str, Any] = {
+            "env_vars": {**DEFAULT_ENV_VARS, **allowed, **{k: str(v) for k, v in self.env_vars.items()}}
+        }
         working_dir = self.code_dir()
         if working_dir:
             env["working_dir"] = str(working_dir)
@@ -222,12 +226,29 @@ class RayJobOperator(BaseOperator):
             cache = self.stage_cache()
             key = (state.get(CACHE_KEY_KEY) if state else None) or cache.key(self.module, self.args, self.code_dir())
             cache.record(
-                key, {"manifest": manifest, "dag_id": dag_id, "run_id": run_id, "task_id": task_id, "module": self.module, "submission_id": submission_id}
+                key,
+                {
+                    "manifest": manifest,
+                    "dag_id": dag_id,
+                    "run_id": run_id,
+                    "task_id": task_id,
+                    "module": self.module,
+                    "submission_id": submission_id,
+                },
             )
             self.log.info("Cached as %s", key)
-        metrics = {k: v for k, v in (record.get("metrics") or {}).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        metrics = {
+            k: v
+            for k, v in (record.get("metrics") or {}).items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
         for outlet in self.outlets or []:
-            context["outlet_events"][outlet].extra = {"manifest": manifest, "metrics": metrics, "cache_hit": cache_hit, "stage": record.get("stage")}
+            context["outlet_events"][outlet].extra = {
+                "manifest": manifest,
+                "metrics": metrics,
+                "cache_hit": cache_hit,
+                "stage": record.get("stage"),
+            }
         if "wandb.json" in (record.get("files") or {}):
             url = self.s3.read_json(manifest.removesuffix("manifest.json") + "wandb.json").get("url")
             if url:
@@ -256,7 +277,15 @@ class RayJobOperator(BaseOperator):
 
     # ------------------------------------------------------------------ execution
 
-    def _find_job(self, hook: RayJobHook, base: str, try_number: int, manifest: str, stored: str | None = None, recompute: bool = False) -> tuple[str, str]:
+    def _find_job(
+        self,
+        hook: RayJobHook,
+        base: str,
+        try_number: int,
+        manifest: str,
+        stored: str | None = None,
+        recompute: bool = False,
+    ) -> tuple[str, str]:
         """Decide what this attempt does. Returns (action, submission_id); action in submit/reattach/done.
 
         ``stored`` is the id an earlier attempt kept in the task state store; it is looked at first. With
@@ -283,7 +312,11 @@ class RayJobOperator(BaseOperator):
             "Earlier job %s ended %s%s",
             base,
             status,
-            "" if status != "SUCCEEDED" else " (its result is recomputed)" if recompute or result() is False else " without a manifest",
+            ""
+            if status != "SUCCEEDED"
+            else " (its result is recomputed)"
+            if recompute or result() is False
+            else " without a manifest",
         )
 
         # The base job ended without a result: later attempts run under "{base}-try{n}". Look at those too,
@@ -314,7 +347,11 @@ class RayJobOperator(BaseOperator):
             return None
         problems = self.stage_cache().output_problems(manifest)
         if problems:
-            self.log.warning("The committed output at %s changed since it was written (%s): computing it again", manifest, "; ".join(problems[:3]))
+            self.log.warning(
+                "The committed output at %s changed since it was written (%s): computing it again",
+                manifest,
+                "; ".join(problems[:3]),
+            )
         return not problems
 
     def check_conf(self, context: Context) -> None:
@@ -341,7 +378,8 @@ class RayJobOperator(BaseOperator):
         key = cache.key(self.module, self.args, self.code_dir())
         if recompute:
             self.log.info(
-                "Cleared by a user (try %s starts a new budget): computing the stage again, neither the cache nor an earlier result is reused", try_number
+                "Cleared by a user (try %s starts a new budget): computing the stage again, neither the cache nor an earlier result is reused",
+                try_number,
             )
         elif as_bool(self.cache):
             hit = cache.lookup(key)
@@ -351,7 +389,9 @@ class RayJobOperator(BaseOperator):
             self.log.info("Cache miss: key %s", key)
 
         state = context.get("task_state_store")
-        action, sid = self._find_job(hook, base, try_number, manifest, state.get(SUBMISSION_ID_KEY) if state else None, recompute=recompute)
+        action, sid = self._find_job(
+            hook, base, try_number, manifest, state.get(SUBMISSION_ID_KEY) if state else None, recompute=recompute
+        )
         self.submission_id = sid
         context["ti"].xcom_push(key=RAY_JOB_URL_KEY, value=hook.dashboard_url(sid))
         if action == "done":
@@ -363,7 +403,9 @@ class RayJobOperator(BaseOperator):
             )
             return self.finish(context, manifest, sid)
         if action == "reattach":
-            self.log.info("Ray job %s is still running: reattaching, not submitting. Dashboard: %s", sid, hook.dashboard_url(sid))
+            self.log.info(
+                "Ray job %s is still running: reattaching, not submitting. Dashboard: %s", sid, hook.dashboard_url(sid)
+            )
         else:
             entrypoint = self.entrypoint(context)
             runtime_env = self.runtime_env()
@@ -428,7 +470,9 @@ class RayJobOperator(BaseOperator):
                 logs = hook.get_job_logs(sid)
                 for line in logs.splitlines():
                     self.log.info("[ray %s] %s", sid, line)
-                return job_event(sid, status, str(getattr(info, "message", "") or ""), logs, getattr(info, "driver_exit_code", None))
+                return job_event(
+                    sid, status, str(getattr(info, "message", "") or ""), logs, getattr(info, "driver_exit_code", None)
+                )
             time.sleep(min(self.poll_interval, max(0.0, until - time.monotonic())))
         return None
 

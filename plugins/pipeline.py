@@ -95,7 +95,9 @@ def planned_problems(dag, params, context, cluster: dict[str, float] | None = No
         args = {k: placeholder(v.operator.task_id) if isinstance(v, XComArg) else v for k, v in op.args.items()}
         flags = op.render_template(args, {**context, "params": params, "ti": PlannedXComs()})
         try:
-            configs[op.task_id] = stage_config(op.module, {"output": "s3://validate/output", "run_id": context["run_id"], **flags})
+            configs[op.task_id] = stage_config(
+                op.module, {"output": "s3://validate/output", "run_id": context["run_id"], **flags}
+            )
         except ConfigError as e:
             problems.append(f"{op.task_id}: {e}")
     return problems + (oversized(configs, cluster) if cluster is not None else [])
@@ -133,7 +135,9 @@ def stage(task_id: str, args: dict, inlets: list[str] = (), outlet: str | None =
     hand (upstream outputs, the stage's constants; one may override a form flag). A training stage's fault
     injection comes from the fault_injection Param."""
     name = PIPELINE_TASKS[task_id]
-    fault = {"fail_after_step": "{{ fail_after('%s', params.fault_injection) }}" % task_id} if STAGES[name].trains else {}
+    fault = (
+        {"fail_after_step": "{{ fail_after('%s', params.fault_injection) }}" % task_id} if STAGES[name].trains else {}
+    )
     return RayJobOperator(
         task_id=task_id,
         module=STAGES[name].package,
@@ -147,14 +151,22 @@ def stage(task_id: str, args: dict, inlets: list[str] = (), outlet: str | None =
 
 
 def build_pipeline(
-    dag_id: str, schedule, description: str, allow_promotion: bool, doc_md: str | None = None, tags: tuple[str, ...] = (), dataset: str | None = None
+    dag_id: str,
+    schedule,
+    description: str,
+    allow_promotion: bool,
+    doc_md: str | None = None,
+    tags: tuple[str, ...] = (),
+    dataset: str | None = None,
 ) -> DAG:
     """The pipeline DAG; `allow_promotion` is the default of the Param of that name, `dataset` (when given)
     the default of the dataset Param: a scheduled run takes no form, so its data comes from here."""
     params = {**PARAMS, "allow_promotion": promotion_param(allow_promotion)}
     if dataset:
         base = PARAMS["dataset"]
-        params["dataset"] = Param(dataset, description=base.description, **{k: v for k, v in base.schema.items() if k != "default"})
+        params["dataset"] = Param(
+            dataset, description=base.description, **{k: v for k, v in base.schema.items() if k != "default"}
+        )
     with DAG(
         dag_id=dag_id,
         description=description,
@@ -182,14 +194,18 @@ def build_pipeline(
             from airflow.sdk.exceptions import AirflowFailException
 
             context = {**context, "dag": dag, "params": params}
-            problems = missing_inputs(params, lambda template: dag.get_task("prepare_data").render_template(template, context))
+            problems = missing_inputs(
+                params, lambda template: dag.get_task("prepare_data").render_template(template, context)
+            )
             try:
                 cluster = RayJobHook().cluster_resources()
             except RayUnreachableError as e:  # every stage would fail to submit: say so now
                 cluster, problems = None, problems + [f"ray: {e}"]
             problems += planned_problems(dag, params, context, cluster)
             if problems:
-                raise AirflowFailException("this run's Params would fail its stages; fix them and trigger again:\n" + "\n".join(problems))
+                raise AirflowFailException(
+                    "this run's Params would fail its stages; fix them and trigger again:\n" + "\n".join(problems)
+                )
 
         prepare_data = stage(
             "prepare_data",
@@ -289,7 +305,11 @@ def build_pipeline(
             record = S3Store(names.S3_CONN).read_json(decision_manifest)
             if not record["metrics"].get("promoted"):
                 raise AirflowSkipException(record.get("decision", "not promoted"))
-            outlet_events[ASSETS["champion"]].extra = {"champion": record["champion"], "decision": record["decision"], "promotion": decision_manifest}
+            outlet_events[ASSETS["champion"]].extra = {
+                "champion": record["champion"],
+                "decision": record["decision"],
+                "promotion": decision_manifest,
+            }
             return record["champion"]
 
         chain(validate(), prepare_data, sft, method, [reward_model, dpo, kto])

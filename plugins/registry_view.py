@@ -20,7 +20,16 @@ import re
 from fastapi import FastAPI, Query
 from fastapi.responses import HTMLResponse
 
-from plugins.reports import bad, can_read_runs_of, check_location, check_prefix, check_served, list_pages, read_object, served_buckets
+from plugins.reports import (
+    bad,
+    can_read_runs_of,
+    check_location,
+    check_prefix,
+    check_served,
+    list_pages,
+    read_object,
+    served_buckets,
+)
 from plugins.s3 import split_uri
 from tasks.common import cost, names
 
@@ -82,7 +91,9 @@ def listing(root: str) -> dict:
 
 
 @app.get("/api", dependencies=[can_read_runs])
-def registry_json(bucket: str | None = Query(None), prefix: str = Query("rlhf-flow"), model_name: str = Query("demo-policy")) -> dict:
+def registry_json(
+    bucket: str | None = Query(None), prefix: str = Query("rlhf-flow"), model_name: str = Query("demo-policy")
+) -> dict:
     return listing(served_root(bucket, prefix, model_name))
 
 
@@ -91,7 +102,9 @@ def _metrics(m: dict) -> str:
 
 
 @app.get("/", response_class=HTMLResponse, dependencies=[can_read_runs])
-def registry_page(bucket: str | None = Query(None), prefix: str = Query("rlhf-flow"), model_name: str = Query("demo-policy")):
+def registry_page(
+    bucket: str | None = Query(None), prefix: str = Query("rlhf-flow"), model_name: str = Query("demo-policy")
+):
     data = listing(served_root(bucket, prefix, model_name))
     e = html.escape
     champ = data["champion"]

@@ -36,7 +36,11 @@ BUCKET = re.compile(names.BUCKET_PATTERN)
 PREFIX = re.compile(r"^[A-Za-z0-9._\-/]{0,200}$")
 DAG_ID = re.compile(r"^[A-Za-z0-9_.\-]{1,250}$")
 RUN_ID = re.compile(r"^[A-Za-z0-9_.:+\-]{1,250}$")
-FILES = {"report.html": "text/html; charset=utf-8", "report.json": "application/json", "report.md": "text/markdown; charset=utf-8"}
+FILES = {
+    "report.html": "text/html; charset=utf-8",
+    "report.json": "application/json",
+    "report.md": "text/markdown; charset=utf-8",
+}
 CHART = re.compile(r"^chart_[a-z]{1,20}\.svg$")
 # report.html is data from S3: no scripts, nothing loaded from elsewhere, framed only by Airflow's UI.
 CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src data:; frame-ancestors 'self'"
@@ -83,7 +87,8 @@ def check_served(bucket: str) -> None:
     served = served_buckets()[1]
     if bucket not in served:
         raise HTTPException(
-            403, f"bucket: {bucket[:80]!r} is not served here: add it to the extra 'buckets' of the {AWS_CONN_ID} connection (served: {', '.join(served)})"
+            403,
+            f"bucket: {bucket[:80]!r} is not served here: add it to the extra 'buckets' of the {AWS_CONN_ID} connection (served: {', '.join(served)})",
         )
 
 
@@ -109,7 +114,9 @@ def check_prefix(prefix: str, dag_id: str | None) -> None:
     used = {DEFAULTS["prefix"]} | {str(c["prefix"]).strip("/") for c in run_confs(dag_id) if c.get("prefix")}
     if prefix.strip("/") not in used:
         whose = f"of DAG {dag_id!r} " if dag_id else ""
-        raise HTTPException(404, f"prefix: no run {whose}writes under {prefix[:80]!r} (runs use: {', '.join(sorted(used)[:20])})")
+        raise HTTPException(
+            404, f"prefix: no run {whose}writes under {prefix[:80]!r} (runs use: {', '.join(sorted(used)[:20])})"
+        )
 
 
 def run_location(dag_id: str, run_id: str) -> str:
@@ -150,7 +157,9 @@ def eval_output(dag_id: str, run_id: str) -> str | None:
 
     with create_session() as session:
         value = session.scalar(
-            XComModel.get_many(key="return_value", run_id=run_id, dag_ids=dag_id, task_ids="eval", map_indexes=-1).with_only_columns(XComModel.value)
+            XComModel.get_many(
+                key="return_value", run_id=run_id, dag_ids=dag_id, task_ids="eval", map_indexes=-1
+            ).with_only_columns(XComModel.value)
         )
     if isinstance(value, str) and value.startswith("s3://") and value.endswith("/manifest.json"):
         return value.removesuffix("/manifest.json")
@@ -165,7 +174,9 @@ def list_pages(bucket: str, prefix: str, field: str = "Contents") -> list[str]:
         return store.folders(uri) if field == "CommonPrefixes" else [obj["Key"] for obj in store.objects(uri)]
     except S3Error as e:
         if e.code == "NoSuchBucket":
-            raise HTTPException(404, f"bucket: {bucket!r} does not exist: create it or fix the {AWS_CONN_ID} connection's extra") from None
+            raise HTTPException(
+                404, f"bucket: {bucket!r} does not exist: create it or fix the {AWS_CONN_ID} connection's extra"
+            ) from None
         raise _s3_failed(e, f"listing s3://{bucket}/{prefix} failed") from None
 
 
@@ -210,7 +221,12 @@ can_read_runs = can_read_runs_of()
 
 
 @app.get("/", response_class=HTMLResponse, dependencies=[can_read_runs])
-def index(request: Request, bucket: str | None = Query(None), prefix: str = Query(DEFAULTS["prefix"]), dag_id: str = Query(DEFAULTS["dag_id"])) -> HTMLResponse:
+def index(
+    request: Request,
+    bucket: str | None = Query(None),
+    prefix: str = Query(DEFAULTS["prefix"]),
+    dag_id: str = Query(DEFAULTS["dag_id"]),
+) -> HTMLResponse:
     bucket = bucket or served_buckets()[0]
     root = check_location(bucket, prefix, dag_id)
     check_served(bucket)
@@ -265,4 +281,6 @@ def report_file(dag_id: str, run_id: str, name: str) -> Response:
     data = read_object(uri)
     if data is None:
         raise HTTPException(404, f"{uri} does not exist: the run's eval stage has not committed a report (yet)")
-    return Response(data, media_type=media, headers={"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff"})
+    return Response(
+        data, media_type=media, headers={"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff"}
+    )

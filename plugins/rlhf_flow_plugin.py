@@ -33,7 +33,24 @@ class RlhfFlowPlugin(AirflowPlugin):
         {"app": registry_app, "url_prefix": REGISTRY_PREFIX, "name": "rlhf-flow registry"},
     ]
     external_views = [
-        {"name": "RLHF reports", "href": f"{URL_PREFIX}/", "destination": "nav", "category": "browse", "url_route": "rlhf-reports"},
-        {"name": "RLHF registry", "href": f"{REGISTRY_PREFIX}/", "destination": "nav", "category": "browse", "url_route": "rlhf-registry"},
-        {"name": "Report", "href": f"{URL_PREFIX}/dags/{{DAG_ID}}/runs/{{RUN_ID}}/report.html", "destination": "dag_run", "url_route": "rlhf-report"},
+        {
+            "name": "RLHF reports",
+            "href": f"{URL_PREFIX}/",
+            "destination": "nav",
+            "category": "browse",
+            "url_route": "rlhf-reports",
+        },
+        {
+            "name": "RLHF registry",
+            "href": f"{REGISTRY_PREFIX}/",
+            "destination": "nav",
+            "category": "browse",
+            "url_route": "rlhf-registry",
+        },
+        {
+            "name": "Report",
+            "href": f"{URL_PREFIX}/dags/{{DAG_ID}}/runs/{{RUN_ID}}/report.html",
+            "destination": "dag_run",
+            "url_route": "rlhf-report",
+        },
     ]

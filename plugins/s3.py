@@ -71,7 +71,9 @@ class S3Store:
 
             cause = " ".join(str(exc).split())[:300] or type(exc).__name__
             code = exc.response.get("Error", {}).get("Code", "") if isinstance(exc, ClientError) else None
-            raise S3Error(f"S3 ({self.aws_conn_id}): cannot {action} {uri}: {cause}", code, isinstance(exc, BotoCoreError)) from exc
+            raise S3Error(
+                f"S3 ({self.aws_conn_id}): cannot {action} {uri}: {cause}", code, isinstance(exc, BotoCoreError)
+            ) from exc
 
     # ------------------------------------------------------------------ objects
 

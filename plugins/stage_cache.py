@@ -121,7 +121,9 @@ class StageCache:
             return hashlib.sha256(self.store.read_text(where).encode()).hexdigest()
         if where.startswith("s3://"):
             _, key = split_uri(where)
-            listed = [o for o in self.store.objects(where) if o["Key"] == key or o["Key"].startswith(key.rstrip("/") + "/")]
+            listed = [
+                o for o in self.store.objects(where) if o["Key"] == key or o["Key"].startswith(key.rstrip("/") + "/")
+            ]
             entries = sorted((o["Key"][len(key) :], o["Size"], o.get("ETag", "")) for o in listed)
             return "s3:" + hashlib.sha256(json.dumps(entries).encode()).hexdigest() if entries else None
         if where.endswith(".py") or where.startswith(("/", "file://")):
@@ -144,7 +146,10 @@ class StageCache:
         problems = self.output_problems(manifest)
         if problems:
             self.log.warning(
-                "Cache entry %s points at %s, whose files changed since they were committed (%s): not reusing it", key, manifest, "; ".join(problems[:3])
+                "Cache entry %s points at %s, whose files changed since they were committed (%s): not reusing it",
+                key,
+                manifest,
+                "; ".join(problems[:3]),
             )
             return None
         return manifest

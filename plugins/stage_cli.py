@@ -83,7 +83,9 @@ def render_flags(args: Mapping[str, Any] | None) -> list[str]:
     return out
 
 
-def build_entrypoint(module: str, output: str, run_id: str, args: Mapping[str, Any] | None, python: str = "python") -> str:
+def build_entrypoint(
+    module: str, output: str, run_id: str, args: Mapping[str, Any] | None, python: str = "python"
+) -> str:
     """``python -m <module> --output <output> --run_id <run_id> --flag value ...``, shell-quoted."""
     if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*", module or ""):
         raise ValueError(f"Bad module name {module!r}")
@@ -107,7 +109,9 @@ def failure_message(event: Mapping[str, Any], submission_id: str | None = None) 
     cause = stage_cause(tail)
     if cause:
         exit_code = event.get("exit_code")
-        headline = f"{cause} (Ray job {sid} {event.get('status')}" + (f", exit code {exit_code})" if exit_code is not None else ")")
+        headline = f"{cause} (Ray job {sid} {event.get('status')}" + (
+            f", exit code {exit_code})" if exit_code is not None else ")"
+        )
     else:
         message = " ".join(str(event.get("message") or "").split())
         if len(message) > 300:

@@ -42,7 +42,13 @@ def log_tail(logs: str, n: int = LOG_TAIL_LINES) -> str:
 
 def job_event(submission_id: str, status: str, message: str, logs: str, exit_code: int | None = None) -> dict[str, Any]:
     """What the operator's ``execute_complete`` gets when a job ended, from the trigger or from the worker."""
-    return {"status": status, "submission_id": submission_id, "message": message, "log_tail": log_tail(logs), "exit_code": exit_code}
+    return {
+        "status": status,
+        "submission_id": submission_id,
+        "message": message,
+        "log_tail": log_tail(logs),
+        "exit_code": exit_code,
+    }
 
 
 class RayJobTrigger(BaseTrigger):
@@ -134,7 +140,9 @@ class RayJobTrigger(BaseTrigger):
             try:
                 info = await hook.get_status(self.submission_id)
                 if info is None:
-                    yield await self._event("MISSING", f"Ray at {self.address} does not know job {self.submission_id}", logs)
+                    yield await self._event(
+                        "MISSING", f"Ray at {self.address} does not know job {self.submission_id}", logs
+                    )
                     return
                 status = str(info.get("status") or "UNKNOWN")
                 terminal = status in TERMINAL_STATUSES
@@ -167,7 +175,9 @@ class RayJobTrigger(BaseTrigger):
             ran_s = time.time() - float(info.get("start_time") or time.time() * 1000) / 1000
             if self.deadline_s is not None and ran_s > self.deadline_s:
                 await self._stop_and_wait(hook)
-                yield await self._event("DEADLINE", f"ran {ran_s:.0f}s, past its deadline of {self.deadline_s:.0f}s: stopped", logs)
+                yield await self._event(
+                    "DEADLINE", f"ran {ran_s:.0f}s, past its deadline of {self.deadline_s:.0f}s: stopped", logs
+                )
                 return
             await asyncio.sleep(self.poll_interval)
 

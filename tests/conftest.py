@@ -17,7 +17,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 # Under pytest-xdist (`make test TEST_WORKERS=n`) each worker has its own scratch: its own in-process
 # Airflow DB, caches and Ray head folders, as two sessions would.
-SCRATCH = Path(os.environ.get("RLHF_TEST_SCRATCH", REPO / ".scratch" / "test")) / os.environ.get("PYTEST_XDIST_WORKER", "")
+SCRATCH = Path(os.environ.get("RLHF_TEST_SCRATCH", REPO / ".scratch" / "test")) / os.environ.get(
+    "PYTEST_XDIST_WORKER", ""
+)
 SCRATCH.mkdir(parents=True, exist_ok=True)
 
 os.environ.setdefault("AIRFLOW_HOME", str(SCRATCH / "airflow-inproc"))
@@ -86,7 +88,9 @@ def pytest_collection_finish(session):
     """Under `--dist loadgroup`, refuse to run when xdist did not group the stack's tests (it marks their node ids
     `@stack`): each worker would start a stack and a demo run of its own."""
     if getattr(session.config.option, "loadgroup", False) and os.environ.get("PYTEST_XDIST_WORKER"):
-        loose = [item.nodeid for item in session.items if item.get_closest_marker("xdist_group") and "@" not in item.nodeid]
+        loose = [
+            item.nodeid for item in session.items if item.get_closest_marker("xdist_group") and "@" not in item.nodeid
+        ]
         if loose:
             raise pytest.UsageError(
                 f"pytest-xdist did not group {loose[0]} with the other stack tests (a pytest/xdist version "
@@ -143,7 +147,16 @@ import subprocess  # noqa: E402
 import time  # noqa: E402
 
 from tools.stack.api import AirflowAPI  # noqa: E402
-from tools.stack.config import RAY_WORKER_PORTS, Config, StackError, _all_procs, airflow_login, conn_ray, conn_s3, process_env  # noqa: E402
+from tools.stack.config import (  # noqa: E402
+    RAY_WORKER_PORTS,
+    Config,
+    StackError,
+    _all_procs,
+    airflow_login,
+    conn_ray,
+    conn_s3,
+    process_env,
+)
 from tools.stack.health import wait_healthy  # noqa: E402
 from tools.stack.processes import live_pids, pid_file, remove_scratch, running, start_ray, stop_process  # noqa: E402
 from tools.stack.s3 import s3_client  # noqa: E402
@@ -208,7 +221,9 @@ def ray_address(ray_head) -> str:
 @pytest.fixture(scope="session")
 def airflow_db():
     """The in-process Airflow metadata DB (SQLite under AIRFLOW_HOME), migrated."""
-    subprocess.run([sys.executable, "-m", "airflow", "db", "migrate"], check=True, capture_output=True, env=os.environ.copy())
+    subprocess.run(
+        [sys.executable, "-m", "airflow", "db", "migrate"], check=True, capture_output=True, env=os.environ.copy()
+    )
 
 
 @pytest.fixture(scope="session")
@@ -282,7 +297,9 @@ class LiveStack:
 
     def stack(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
         """Run ``python -m tools.stack <args>`` against this stack."""
-        return subprocess.run([*STACK_CMD, *args], env=self.env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+        return subprocess.run(
+            [*STACK_CMD, *args], env=self.env, cwd=REPO, capture_output=True, text=True, timeout=timeout
+        )
 
     def pids(self) -> dict:
         """{process name: pid} of the stack's running processes."""
@@ -291,7 +308,9 @@ class LiveStack:
     def stage_env(self) -> dict:
         """The environment of a stage run as a plain process against this stack: its S3 emulator and its Ray
         head (RAY_ADDRESS), nothing of the in-process fixtures' S3 or Ray."""
-        env = process_env(self.cfg, {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "RAY_", "RLHF_"))})
+        env = process_env(
+            self.cfg, {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "RAY_", "RLHF_"))}
+        )
         env["RAY_ADDRESS"] = f"127.0.0.1:{self.cfg.ray_port}"
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
         return env
@@ -325,7 +344,10 @@ def live_stack():
     parent = REPO / ".scratch" / "test-stack"
     scratch = parent / str(os.getpid())
     _clear_stale(parent, scratch)
-    ports = {k: _stack_port() for k in ("airflow_port", "s3_port", "ray_port", "dashboard_port", "ray_client_port", "ray_agent_port")}
+    ports = {
+        k: _stack_port()
+        for k in ("airflow_port", "s3_port", "ray_port", "dashboard_port", "ray_client_port", "ray_agent_port")
+    }
     env = stack_subprocess_env(scratch, **ports)
     t0 = time.monotonic()
     up = subprocess.run([*STACK_CMD, "up"], env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
@@ -343,7 +365,9 @@ def live_stack():
         timeout=300,
     )  # fmt: skip
     if down.returncode != 0:
-        print(f"live_stack teardown: `python -m tools.stack down` failed:\n{down.stdout}\n{down.stderr}", file=sys.stderr)
+        print(
+            f"live_stack teardown: `python -m tools.stack down` failed:\n{down.stdout}\n{down.stderr}", file=sys.stderr
+        )
 
 
 class DemoRun:
@@ -356,7 +380,9 @@ class DemoRun:
         self.run_id = run["dag_run_id"]
 
     def xcom(self, task_id: str):
-        entry = self.live.rest("GET", f"/api/v2/dags/rlhf_pipeline/dagRuns/{self.run_id}/taskInstances/{task_id}/xcomEntries/return_value")
+        entry = self.live.rest(
+            "GET", f"/api/v2/dags/rlhf_pipeline/dagRuns/{self.run_id}/taskInstances/{task_id}/xcomEntries/return_value"
+        )
         value = entry["value"]
         return json.loads(value) if isinstance(value, str) and value.startswith('"') else value
 
@@ -371,7 +397,11 @@ class DemoRun:
 @pytest.fixture(scope="session")
 def demo_run(live_stack) -> DemoRun:
     done = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "demo.py"), "--timeout", "2400"], env=live_stack.env, capture_output=True, text=True, timeout=2700
+        [sys.executable, str(REPO / "tools" / "demo.py"), "--timeout", "2400"],
+        env=live_stack.env,
+        capture_output=True,
+        text=True,
+        timeout=2700,
     )
     print(done.stdout[-6000:])
     assert done.returncode == 0, f"demo failed:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"

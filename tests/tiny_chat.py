@@ -86,7 +86,11 @@ def chat_rows(n: int = 48, seed: int = 0) -> list[dict]:
         answer = str(a + b)
         rows.append(
             {
-                "messages": [{"role": "system", "content": "Add."}, {"role": "user", "content": f"{a}+{b}"}, {"role": "assistant", "content": answer}],
+                "messages": [
+                    {"role": "system", "content": "Add."},
+                    {"role": "user", "content": f"{a}+{b}"},
+                    {"role": "assistant", "content": answer},
+                ],
                 "chosen": answer,
                 "rejected": f"{answer}, I think",
                 "label": answer,

@@ -61,7 +61,9 @@ def wait_for_dag(api: AirflowAPI, cfg: Config, dag_id: str, t0: float, timeout: 
             errors = api.get("/api/v2/importErrors", limit=20).get("import_errors", [])
             msg = f"DAG {dag_id} did not appear within {timeout:.0f}s (DAG folder {cfg.dags_folder})"
             for err in errors:
-                msg += f"\n  import error in {err.get('filename')}:\n    " + str(err.get("stack_trace", "")).strip()[-2000:].replace("\n", "\n    ")
+                msg += f"\n  import error in {err.get('filename')}:\n    " + str(err.get("stack_trace", "")).strip()[
+                    -2000:
+                ].replace("\n", "\n    ")
             raise SystemExit(msg)
         time.sleep(2)
 
@@ -80,7 +82,10 @@ class StageProgress:
         self.polled, self.printed, self.last = 0.0, time.monotonic(), {}
 
     def _get(self, path: str):
-        req = urllib.request.Request(f"{self.cfg.dashboard_url}{path}", headers={"Accept": "application/json", **ray_auth_headers(self.cfg.scratch)})
+        req = urllib.request.Request(
+            f"{self.cfg.dashboard_url}{path}",
+            headers={"Accept": "application/json", **ray_auth_headers(self.cfg.scratch)},
+        )
         with urllib.request.urlopen(req, timeout=10) as response:
             return json.load(response)
 
@@ -115,7 +120,11 @@ class StageProgress:
                 log(self.t0, f"{label:<24} {line}")
                 self.last[label], self.printed = line, now
         if now - self.printed >= HEARTBEAT_S:  # nothing running yet (queued, scheduled) or no log line so far
-            active = [f"{task_label(ti)} {ti.get('state')}" for ti in tis if ti.get("state") not in (None, "success", "skipped", "failed", "upstream_failed")]
+            active = [
+                f"{task_label(ti)} {ti.get('state')}"
+                for ti in tis
+                if ti.get("state") not in (None, "success", "skipped", "failed", "upstream_failed")
+            ]
             log(self.t0, "waiting: " + (", ".join(active) or "for the scheduler"))
             self.printed = now
 
@@ -317,7 +326,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"Airflow UI: {cfg.airflow_url}  (login {user} / {password})  this run: {ui}")
     print(f"Ray dashboard: {cfg.dashboard_url}  (it asks for the token in {ray_token_file(cfg.scratch)})")
     root = f"s3://{bucket}/{run_prefix.split('/runs/', 1)[0]}"
-    print(f"The trained policy as a plain HF folder: make export RUN='{run_id}' ROOT={root} OUT=./policy  (tools/export.py)")
+    print(
+        f"The trained policy as a plain HF folder: make export RUN='{run_id}' ROOT={root} OUT=./policy  (tools/export.py)"
+    )
     return code
 
 

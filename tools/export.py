@@ -38,7 +38,13 @@ def use_local_stack() -> None:
     from tools.stack.processes import current_config
 
     env = current_config().env()
-    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL_S3", "RLHF_BUCKET"):
+    for key in (
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_DEFAULT_REGION",
+        "AWS_ENDPOINT_URL_S3",
+        "RLHF_BUCKET",
+    ):
         os.environ.setdefault(key, env[key])
 
 
@@ -58,13 +64,17 @@ def run_policy(root: str, dag_id: str, run_id: str) -> str:
     for stage in ("rl", "dpo", "kto"):
         if manifests.manifest_digest(storage.join(run, stage)):
             return storage.join(run, stage)
-    raise ExportError(f"run: no committed policy under {run}/ (eval, rl, dpo or kto); check --run, --dag and --root (the form's bucket and prefix)")
+    raise ExportError(
+        f"run: no committed policy under {run}/ (eval, rl, dpo or kto); check --run, --dag and --root (the form's bucket and prefix)"
+    )
 
 
 def champion_policy(root: str, model_name: str) -> str:
     champion, _ = Registry(storage.join(root, "models", model_name)).champion()
     if not champion:
-        raise ExportError(f"champion: nothing promoted yet in {storage.join(root, 'models', model_name)}; export a run's policy with --run")
+        raise ExportError(
+            f"champion: nothing promoted yet in {storage.join(root, 'models', model_name)}; export a run's policy with --run"
+        )
     return champion["policy"]
 
 
@@ -87,20 +97,28 @@ def main(argv: list[str] | None = None) -> int:
     what.add_argument("--champion", action="store_true", help="the registry's champion")
     parser.add_argument("--out", type=Path, default=Path("exported-model"), help="a new or empty local folder")
     parser.add_argument("--dag", default=names.PIPELINE_DAG, help="--run: the DAG the run belongs to")
-    parser.add_argument("--model_name", default="demo-policy", help="--champion: the registry's model name (the form's)")
-    parser.add_argument("--root", help="the form's s3://<bucket>/<prefix> (default: the local stack's bucket, prefix rlhf-flow)")
+    parser.add_argument(
+        "--model_name", default="demo-policy", help="--champion: the registry's model name (the form's)"
+    )
+    parser.add_argument(
+        "--root", help="the form's s3://<bucket>/<prefix> (default: the local stack's bucket, prefix rlhf-flow)"
+    )
     args = parser.parse_args(argv)
     try:
         use_local_stack()
         root = args.root or default_root()
-        uri = args.uri or (champion_policy(root, args.model_name) if args.champion else run_policy(root, args.dag, args.run))
+        uri = args.uri or (
+            champion_policy(root, args.model_name) if args.champion else run_policy(root, args.dag, args.run)
+        )
         out = export(uri, args.out)
     except (ExportError, storage.StorageError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"exported {uri} to {out}/, every file checked against its manifest. Load it with:")
     print("    from transformers import AutoModelForCausalLM, AutoTokenizer")
-    print(f'    model, tokenizer = AutoModelForCausalLM.from_pretrained("{out}"), AutoTokenizer.from_pretrained("{out}")')
+    print(
+        f'    model, tokenizer = AutoModelForCausalLM.from_pretrained("{out}"), AutoTokenizer.from_pretrained("{out}")'
+    )
     return 0
 
 

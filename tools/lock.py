@@ -112,11 +112,15 @@ def generate(names: list[str]) -> None:
             cmd.append(f"--constraint=locks/{spec['pins']}")
         if spec["pins"] == "pins-cpu.txt":
             if not CPU_WHEELS.is_dir():
-                raise LockError(f"{name}: the CPU torch wheel folder {CPU_WHEELS} is missing; run `make lock` on the development machine image, which has it")
+                raise LockError(
+                    f"{name}: the CPU torch wheel folder {CPU_WHEELS} is missing; run `make lock` on the development machine image, which has it"
+                )
             cmd.append(f"--find-links={CPU_WHEELS}")
         done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env={**os.environ, "DS_BUILD_OPS": "0"})
         if done.returncode != 0:
-            raise LockError(f"{name}: uv could not resolve .[{','.join(spec['extras'])}]: {done.stderr.strip()[-2000:]}")
+            raise LockError(
+                f"{name}: uv could not resolve .[{','.join(spec['extras'])}]: {done.stderr.strip()[-2000:]}"
+            )
         resolved = "".join(line + "\n" for line in work.read_text().splitlines() if line and not line.startswith("#"))
         shutil.rmtree(work.parent, ignore_errors=True)
         header = (
@@ -140,7 +144,9 @@ def check(pyproject: Path = REPO / "pyproject.toml", locks: Path = LOCKS) -> lis
             continue
         found = HEADER.search(path.read_text())
         if not found or found.group(1) != digest:
-            problems.append(f"locks/{name}.txt: stale against pyproject.toml's dependencies; run `make lock` and commit locks/")
+            problems.append(
+                f"locks/{name}.txt: stale against pyproject.toml's dependencies; run `make lock` and commit locks/"
+            )
     return problems
 
 

@@ -157,7 +157,12 @@ class Store:
         meta_path = path.with_suffix(".json")
         old = json.loads(meta_path.read_text()) if meta_path.exists() else None
         data_path = path.with_name(f"{path.name}.{hashlib.sha256(key.etag.encode()).hexdigest()[:16]}.data")
-        meta = {"key": key_name, "etag": key.etag, "content_type": key.metadata.get("Content-Type"), "data": data_path.name}
+        meta = {
+            "key": key_name,
+            "etag": key.etag,
+            "content_type": key.metadata.get("Content-Type"),
+            "data": data_path.name,
+        }
         try:
             _write(data_path, key.value)
             _write(meta_path, json.dumps(meta).encode())
@@ -246,7 +251,11 @@ class WriteThrough:
             try:
                 self.store.sync()
             except Exception as error:  # a full disk, a read-only folder, …: undo it, so nothing unstored is listed
-                print(f"s3: cannot store {environ.get('REQUEST_METHOD')} {environ.get('PATH_INFO')}: {error}; undone", file=sys.stderr, flush=True)
+                print(
+                    f"s3: cannot store {environ.get('REQUEST_METHOD')} {environ.get('PATH_INFO')}: {error}; undone",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 try:
                     self.store.rollback()
                 except Exception as undo:  # the folder could not even be read back: say so, still answer 500

@@ -60,7 +60,9 @@ def allowed_entries(value: str | None = None) -> list[tuple[str, int | None]]:
             if "/" in host:
                 ipaddress.ip_network(host, strict=False)
         except ValueError:
-            raise ValueError(f"{ENV}: {entry.strip()!r} is not host, host:port, an IP address or a network like 10.0.0.0/8") from None
+            raise ValueError(
+                f"{ENV}: {entry.strip()!r} is not host, host:port, an IP address or a network like 10.0.0.0/8"
+            ) from None
         entries.append((host, port))
     return entries
 

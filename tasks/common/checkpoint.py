@@ -51,7 +51,15 @@ class CheckpointStore:
         storage.delete(storage.join(uri, manifests.MANIFEST))
         return uri
 
-    def commit(self, local_dir: str | Path, step: int, run_id: str, config: dict, metrics: dict | None = None, uploaded: dict | None = None) -> str:
+    def commit(
+        self,
+        local_dir: str | Path,
+        step: int,
+        run_id: str,
+        config: dict,
+        metrics: dict | None = None,
+        uploaded: dict | None = None,
+    ) -> str:
         """Upload one checkpoint (manifest last, also listing the `uploaded` files workers put there),
         then delete the oldest beyond `keep`."""
         manifest = manifests.build_manifest("checkpoint", run_id, config, {}, metrics or {}, step=step)

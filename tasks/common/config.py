@@ -42,12 +42,22 @@ class ConfigError(ValueError):
 class StageConfig:
     """Fields every stage shares."""
 
-    output: str = field(default="", metadata={"help": "URI (s3://… or a local folder) the stage writes its output and manifest.json to"})
-    run_id: str = field(default="local", metadata={"help": "pipeline run this output belongs to (recorded in the manifest)"})
-    seed: int = field(default=0, metadata={"help": "random seed for data order, initialisation and sampling", "min": 0, "max": 2**31 - 1})
+    output: str = field(
+        default="", metadata={"help": "URI (s3://… or a local folder) the stage writes its output and manifest.json to"}
+    )
+    run_id: str = field(
+        default="local", metadata={"help": "pipeline run this output belongs to (recorded in the manifest)"}
+    )
+    seed: int = field(
+        default=0,
+        metadata={"help": "random seed for data order, initialisation and sampling", "min": 0, "max": 2**31 - 1},
+    )
     zero_stage: int = field(
         default=2,
-        metadata={"help": "DeepSpeed ZeRO stage: 0 (off), 1 (optimizer state sharded), 2 (also gradients) or 3 (also parameters)", "choices": (0, 1, 2, 3)},
+        metadata={
+            "help": "DeepSpeed ZeRO stage: 0 (off), 1 (optimizer state sharded), 2 (also gradients) or 3 (also parameters)",
+            "choices": (0, 1, 2, 3),
+        },
     )
     bf16: bool = field(default=False, metadata={"help": "train in bfloat16 (GPU); fp32 otherwise"})
     use_wandb: bool = field(default=False, metadata={"help": "log metrics to wandb as well (WANDB_MODE=offline works)"})
@@ -85,10 +95,17 @@ class TrainingConfig(StageConfig):
             "min": 0,
         },
     )
-    gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations in backward: less memory, more compute"})
-    adam_offload: bool = field(default=False, metadata={"help": "keep Adam's state on the CPU (DeepSpeedCPUAdam; JIT-builds its op once)"})
+    gradient_checkpointing: bool = field(
+        default=False, metadata={"help": "recompute activations in backward: less memory, more compute"}
+    )
+    adam_offload: bool = field(
+        default=False, metadata={"help": "keep Adam's state on the CPU (DeepSpeedCPUAdam; JIT-builds its op once)"}
+    )
     flash_attn: bool = field(
-        default=False, metadata={"help": "FlashAttention-2 kernels; PyTorch's SDPA kernels (logged) when the flash-attn package or a GPU is missing"}
+        default=False,
+        metadata={
+            "help": "FlashAttention-2 kernels; PyTorch's SDPA kernels (logged) when the flash-attn package or a GPU is missing"
+        },
     )
     torch_compile: bool = field(
         default=False,
@@ -102,9 +119,15 @@ class TrainingConfig(StageConfig):
             "help": "Liger's Triton kernels (RMSNorm, SwiGLU, RoPE) and log-probs taken from the last hidden states a chunk of tokens at a time, never the full logits; on CUDA with liger-kernel (the gpu extra), eager kernels on CPU; --torch_compile takes its place"
         },
     )
-    max_samples: int = field(default=0, metadata={"help": "use only the first this many rows of the training data (0: all)", "min": 0})
-    apply_chat_template: bool = field(default=False, metadata={"help": "wrap each prompt in the tokenizer's chat template as a user turn"})
-    save_steps: int = field(default=0, metadata={"help": "write a resumable checkpoint every this many steps (0: never)", "min": 0})
+    max_samples: int = field(
+        default=0, metadata={"help": "use only the first this many rows of the training data (0: all)", "min": 0}
+    )
+    apply_chat_template: bool = field(
+        default=False, metadata={"help": "wrap each prompt in the tokenizer's chat template as a user turn"}
+    )
+    save_steps: int = field(
+        default=0, metadata={"help": "write a resumable checkpoint every this many steps (0: never)", "min": 0}
+    )
     num_checkpoints: int = field(
         default=0,
         metadata={
@@ -113,8 +136,13 @@ class TrainingConfig(StageConfig):
             "max": 1000,
         },
     )
-    ckpt_path: str = field(default="", metadata={"help": "where checkpoints go (default <output>/checkpoints); each step_<n>/ has its own manifest"})
-    load_checkpoint: bool = field(default=True, metadata={"help": "resume from the newest complete checkpoint under ckpt_path when one exists"})
+    ckpt_path: str = field(
+        default="",
+        metadata={"help": "where checkpoints go (default <output>/checkpoints); each step_<n>/ has its own manifest"},
+    )
+    load_checkpoint: bool = field(
+        default=True, metadata={"help": "resume from the newest complete checkpoint under ckpt_path when one exists"}
+    )
     max_ckpt_num: int = field(default=3, metadata={"help": "keep this many newest checkpoints (0: all)", "min": 0})
     fail_after_step: int = field(
         default=0,
@@ -123,7 +151,12 @@ class TrainingConfig(StageConfig):
             "min": 0,
         },
     )
-    save_path: str = field(default="", metadata={"help": "also write the final HF model here (a folder or s3:// URI); the stage output stays --output"})
+    save_path: str = field(
+        default="",
+        metadata={
+            "help": "also write the final HF model here (a folder or s3:// URI); the stage output stays --output"
+        },
+    )
     # LoRA (tasks.common.nn.lora): low-rank adapters through peft; the base weights stay frozen.
     lora_rank: int = field(
         default=0,
@@ -134,11 +167,15 @@ class TrainingConfig(StageConfig):
             "fix": "use 0 (full fine-tuning) or a rank such as 8",
         },
     )
-    lora_alpha: int = field(default=16, metadata={"help": "LoRA scaling: the adapters' update is multiplied by lora_alpha / lora_rank"})
+    lora_alpha: int = field(
+        default=16, metadata={"help": "LoRA scaling: the adapters' update is multiplied by lora_alpha / lora_rank"}
+    )
     lora_dropout: float = field(default=0.0, metadata={"help": "dropout on the adapters' input, in [0, 1)"})
     target_modules: str = field(
         default="all-linear",
-        metadata={"help": "modules LoRA adapts: all-linear (every linear layer but the output head) or comma-separated names such as q_proj,v_proj"},
+        metadata={
+            "help": "modules LoRA adapts: all-linear (every linear layer but the output head) or comma-separated names such as q_proj,v_proj"
+        },
     )
     merge_lora: bool = field(
         default=False,
@@ -155,12 +192,20 @@ class TrainingConfig(StageConfig):
         """--fail_after_step must name a checkpoint step of a run of `steps` steps."""
         every = self.checkpoint_interval(steps)
         if self.fail_after_step and (not every or self.fail_after_step % every):
-            how = f"--num_checkpoints {self.num_checkpoints} over {steps} steps" if self.num_checkpoints else "--save_steps"
-            raise ConfigError(f"fail_after_step: {self.fail_after_step} is not a checkpoint step; use a multiple of {every} ({how})")
+            how = (
+                f"--num_checkpoints {self.num_checkpoints} over {steps} steps"
+                if self.num_checkpoints
+                else "--save_steps"
+            )
+            raise ConfigError(
+                f"fail_after_step: {self.fail_after_step} is not a checkpoint step; use a multiple of {every} ({how})"
+            )
 
     def validate(self) -> None:
         super().validate()
-        self.check_fault_step(getattr(self, "max_steps", 0))  # RL's num_episodes runs are checked again once their steps are known
+        self.check_fault_step(
+            getattr(self, "max_steps", 0)
+        )  # RL's num_episodes runs are checked again once their steps are known
         if self.torch_compile and self.zero_stage == 3:
             raise ConfigError(
                 "torch_compile: ZeRO-3 gathers each block's weights through hooks a compiled block does not run; use --zero_stage 2 or drop --torch_compile"
@@ -178,7 +223,9 @@ class TrainingConfig(StageConfig):
             raise ConfigError(f"lora_dropout: must be in [0, 1), got {self.lora_dropout}")
         names = [n.strip() for n in self.target_modules.split(",")]
         if not all(names) or ("all-linear" in names and len(names) > 1):
-            raise ConfigError(f"target_modules: {self.target_modules!r} is not a module list; use all-linear or comma-separated names such as q_proj,v_proj")
+            raise ConfigError(
+                f"target_modules: {self.target_modules!r} is not a module list; use all-linear or comma-separated names such as q_proj,v_proj"
+            )
 
 
 @dataclass
@@ -186,14 +233,21 @@ class SingleGroupTrainingConfig(TrainingConfig):
     """A stage that trains one model in one data-parallel worker group on rows of a dataset: SFT, the reward model,
     DPO/KTO. A stage restates a field only for its own default or help (`restate`)."""
 
-    pretrain: str = field(default="", metadata={"help": "model to start from: a stage output URI, a local folder or a hub id"})
+    pretrain: str = field(
+        default="", metadata={"help": "model to start from: a stage output URI, a local folder or a hub id"}
+    )
     dataset: str = field(default="", metadata={"help": "a stage output URI or a JSONL/Parquet/CSV file"})
     dataset_split: str = field(default="", metadata={"help": "which split of a stage output's datasets to train on"})
     max_steps: int = field(default=100, metadata={"help": "optimizer steps", "min": 1, "max": 1_000_000})
     train_batch_size: int = field(default=128, metadata={"help": "rows per optimizer step", "min": 1})
-    learning_rate: float = field(default=1e-4, metadata={"help": "peak learning rate (AdamW)", "exclusive_min": 0, "max": 1})
+    learning_rate: float = field(
+        default=1e-4, metadata={"help": "peak learning rate (AdamW)", "exclusive_min": 0, "max": 1}
+    )
     lr_warmup_steps: int = field(default=10, metadata={"help": "linear warmup steps"})
-    lr_scheduler: str = field(default="constant", metadata={"help": "after warmup: constant, or cosine down to 0.1 of the peak", "choices": LR_SCHEDULERS})
+    lr_scheduler: str = field(
+        default="constant",
+        metadata={"help": "after warmup: constant, or cosine down to 0.1 of the peak", "choices": LR_SCHEDULERS},
+    )
     max_len: int = field(
         default=512,
         metadata={
@@ -203,7 +257,9 @@ class SingleGroupTrainingConfig(TrainingConfig):
     )
     logging_steps: int = field(default=25, metadata={"help": "log metrics every this many steps", "min": 1})
     num_nodes: int = field(default=1, metadata={"help": "nodes of the data-parallel worker group", "min": 1})
-    num_gpus_per_node: int = field(default=1, metadata={"help": "workers per node, one GPU each (one CPU on a CPU-only cluster)", "min": 1})
+    num_gpus_per_node: int = field(
+        default=1, metadata={"help": "workers per node, one GPU each (one CPU on a CPU-only cluster)", "min": 1}
+    )
 
     def validate(self) -> None:
         super().validate()
@@ -211,7 +267,11 @@ class SingleGroupTrainingConfig(TrainingConfig):
             if not getattr(self, name):
                 raise ConfigError(f"{name}: missing; pass --{name} <URI>")
         check_batch(
-            "train_batch_size", self.train_batch_size, self.micro_train_batch_size, self.num_nodes * self.num_gpus_per_node, "num_nodes × num_gpus_per_node"
+            "train_batch_size",
+            self.train_batch_size,
+            self.micro_train_batch_size,
+            self.num_nodes * self.num_gpus_per_node,
+            "num_nodes × num_gpus_per_node",
         )
 
 
@@ -288,9 +348,13 @@ def split_list(value: str) -> list[str]:
 def check_batch(name: str, batch: int, micro: int, world: int, world_flag: str) -> None:
     """Refuse a global batch that `world` workers cannot split evenly into micro-batches of `micro`."""
     if batch % world:
-        raise ConfigError(f"{name}: {batch} does not split over {world} workers ({world_flag}); use a multiple of {world}")
+        raise ConfigError(
+            f"{name}: {batch} does not split over {world} workers ({world_flag}); use a multiple of {world}"
+        )
     if micro and (batch // world) % micro:
-        raise ConfigError(f"micro_train_batch_size: {micro} must divide each worker's share of {name}, {batch // world}")
+        raise ConfigError(
+            f"micro_train_batch_size: {micro} must divide each worker's share of {name}, {batch // world}"
+        )
 
 
 def micro_batches(batch: int, micro: int, world: int) -> tuple[int, int]:
@@ -336,9 +400,13 @@ def parse_config(cls: type, argv: list[str] | None = None, prog: str | None = No
     for name, f in fields.items():
         kind = _field_type(cls, f)
         help_text = f.metadata.get("help", "").replace("%", "%%")  # argparse %-formats help: "95%" would crash --help
-        names = [f"--{name}"] + [f"--{alias}" for alias in f.metadata.get("aliases", ())]  # a peer's flag name for the same thing
+        names = [f"--{name}"] + [
+            f"--{alias}" for alias in f.metadata.get("aliases", ())
+        ]  # a peer's flag name for the same thing
         if kind is bool:
-            parser.add_argument(*names, dest=name, nargs="?", const="true", default=None, metavar="BOOL", help=help_text)
+            parser.add_argument(
+                *names, dest=name, nargs="?", const="true", default=None, metavar="BOOL", help=help_text
+            )
         else:
             parser.add_argument(*names, dest=name, default=None, metavar=kind.__name__.upper(), help=help_text)
     # argparse's own errors are already one line; exit code 2 like every usage error.
@@ -354,7 +422,9 @@ def parse_config(cls: type, argv: list[str] | None = None, prog: str | None = No
             raise ConfigError(f"config: {args.config} must hold a mapping of field: value")
         unknown = sorted(set(loaded) - set(fields))
         if unknown:
-            raise ConfigError(f"config: unknown field {unknown[0]!r} in {args.config}; known fields: {', '.join(fields)}")
+            raise ConfigError(
+                f"config: unknown field {unknown[0]!r} in {args.config}; known fields: {', '.join(fields)}"
+            )
         values.update(loaded)
     for name in fields:
         flag = getattr(args, name)

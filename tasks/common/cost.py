@@ -45,7 +45,12 @@ def held_resources(placements: Iterable[Any], driver_cpus: float = 1, driver_gpu
 def stage_cost(wall_time_s: float, gpus: float, cpus: float) -> dict:
     """The cost fields a stage's manifest records in its metrics."""
     wall = _number("wall_time_s", wall_time_s)
-    return {"wall_time_s": round(wall, 1), "gpus": _number("gpus", gpus), "cpus": _number("cpus", cpus), "gpu_hours": round(gpus * wall / 3600, 4)}
+    return {
+        "wall_time_s": round(wall, 1),
+        "gpus": _number("gpus", gpus),
+        "cpus": _number("cpus", cpus),
+        "gpu_hours": round(gpus * wall / 3600, 4),
+    }
 
 
 def manifest_dir(value: Any) -> str | None:

@@ -41,8 +41,16 @@ class PreconditionFailed(StorageError):
 #: the fix). A full disk or quota may be freed by retention or by other jobs finishing; a read-only or
 #: forbidden folder stays so until someone changes it.
 DISK_FAULTS = {
-    errno.ENOSPC: ("no space left on the device", True, "free space there or point it at a larger disk; a retry may succeed once space is freed"),
-    errno.EDQUOT: ("disk quota exceeded", True, "free space there or raise the quota; a retry may succeed once space is freed"),
+    errno.ENOSPC: (
+        "no space left on the device",
+        True,
+        "free space there or point it at a larger disk; a retry may succeed once space is freed",
+    ),
+    errno.EDQUOT: (
+        "disk quota exceeded",
+        True,
+        "free space there or raise the quota; a retry may succeed once space is freed",
+    ),
     errno.EROFS: ("read-only file system", False, "remount it read-write or point it at a writable folder"),
     errno.EACCES: ("permission denied", False, "fix its permissions or point it at a folder this user may write"),
     errno.EPERM: ("operation not permitted", False, "fix its permissions or point it at a folder this user may write"),
@@ -98,5 +106,9 @@ def disk_error(exc: OSError, path: str | os.PathLike, action: str = "", target: 
     action = action or disk_action(exc)
     what, transient, fix = disk_fault(exc) or (one_line(exc.strerror or exc), False, "check the folder")
     name = errno.errorcode.get(exc.errno, str(exc.errno))
-    where = f"{target}: {what} ({name}) at {path}" if target and str(target) != str(path) else f"{path}: {what} ({name})"
-    return StorageError(f"cannot {action} {where}, {free_space(path)} there: {fix}", str(target or path), transient=transient)
+    where = (
+        f"{target}: {what} ({name}) at {path}" if target and str(target) != str(path) else f"{path}: {what} ({name})"
+    )
+    return StorageError(
+        f"cannot {action} {where}, {free_space(path)} there: {fix}", str(target or path), transient=transient
+    )

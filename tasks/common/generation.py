@@ -13,7 +13,10 @@ class GenerationConfig:
     """How a response is sampled."""
 
     generate_max_len: int = field(default=16, metadata={"help": "new tokens per response", "min": 1, "max": 65_536})
-    temperature: float = field(default=1.0, metadata={"help": "sampling temperature (RL's rollouts; eval's sampled metrics)", "exclusive_min": 0})
+    temperature: float = field(
+        default=1.0,
+        metadata={"help": "sampling temperature (RL's rollouts; eval's sampled metrics)", "exclusive_min": 0},
+    )
 
 
 @dataclass
@@ -27,7 +30,9 @@ class EpisodeConfig(GenerationConfig):
             "aliases": ["agent_func_path"],
         },
     )
-    max_turns: int = field(default=4, metadata={"help": "model turns per episode at most (with --env_path)", "min": 1, "max": 1000})
+    max_turns: int = field(
+        default=4, metadata={"help": "model turns per episode at most (with --env_path)", "min": 1, "max": 1000}
+    )
     max_episode_tokens: int = field(
         default=64,
         metadata={
@@ -38,5 +43,8 @@ class EpisodeConfig(GenerationConfig):
     )
     env_step_timeout: float = field(
         default=30.0,
-        metadata={"help": "seconds an environment's reset or step may take before its episode ends with reward 0 (with --env_path)", "exclusive_min": 0},
+        metadata={
+            "help": "seconds an environment's reset or step may take before its episode ends with reward 0 (with --env_path)",
+            "exclusive_min": 0,
+        },
     )

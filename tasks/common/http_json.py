@@ -36,7 +36,10 @@ class _SameHostRedirects(urllib.request.HTTPRedirectHandler):
     """Follows a redirect only within the origin (scheme, host, port) of the request."""
 
     def redirect_request(self, req, fp, code, msg, headers, newurl):
-        old, new = urllib.parse.urlsplit(req.full_url), urllib.parse.urlsplit(urllib.parse.urljoin(req.full_url, newurl))
+        old, new = (
+            urllib.parse.urlsplit(req.full_url),
+            urllib.parse.urlsplit(urllib.parse.urljoin(req.full_url, newurl)),
+        )
         if (old.scheme, old.hostname, old.port) != (new.scheme, new.hostname, new.port):
             raise _CrossHostRedirect(f"{code} redirect to {new.scheme}://{new.netloc}, another host: not followed")
         return super().redirect_request(req, fp, code, msg, headers, newurl)
@@ -46,7 +49,9 @@ _OPENER = urllib.request.build_opener(_SameHostRedirects)
 
 
 def _post_once(url: str, payload: bytes, headers: dict, timeout: float, who: str, error: type[Exception]) -> Any:
-    request = urllib.request.Request(url, data=payload, method="POST", headers={"Content-Type": "application/json", "Accept": "application/json"})
+    request = urllib.request.Request(
+        url, data=payload, method="POST", headers={"Content-Type": "application/json", "Accept": "application/json"}
+    )
     for name, value in headers.items():
         # Unredirected: urllib copies ordinary headers onto a redirect's request, these it never does.
         request.add_unredirected_header(name, value)
@@ -72,7 +77,14 @@ def _post_once(url: str, payload: bytes, headers: dict, timeout: float, who: str
 
 
 def post_json(
-    url: str, payload: Any, who: str, error: type[Exception], headers: dict | None = None, timeout: float = 30, retries: int = 3, backoff: float = 1.0
+    url: str,
+    payload: Any,
+    who: str,
+    error: type[Exception],
+    headers: dict | None = None,
+    timeout: float = 30,
+    retries: int = 3,
+    backoff: float = 1.0,
 ) -> Any:
     """The decoded JSON reply to POSTing ``payload`` as JSON to ``url`` (an allowed host: allowlist.check_url)."""
     allowlist.check_url(url, who, error)

@@ -65,7 +65,15 @@ def config_hash(config: dict) -> str:
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 
 
-def build_manifest(stage: str, run_id: str, config: dict, inputs: dict, metrics: dict, input_manifests: dict | None = None, **extra: Any) -> dict:
+def build_manifest(
+    stage: str,
+    run_id: str,
+    config: dict,
+    inputs: dict,
+    metrics: dict,
+    input_manifests: dict | None = None,
+    **extra: Any,
+) -> dict:
     """A manifest for ``commit``; ``extra`` adds stage fields such as ``model="model"``.
 
     ``input_manifests`` ({input stage folder URI: sha256 of its manifest.json bytes}, see
@@ -161,7 +169,10 @@ def commit(local_dir: str | os.PathLike, uri: str, manifest: dict, uploaded: dic
     for rel, entry in (uploaded or {}).items():
         _check_relpath(rel, uri)
         if files.setdefault(rel, entry) != entry:
-            raise StorageError(f"{storage.join(uri, rel)} was written twice with different contents: give each writer its own file names", uri)
+            raise StorageError(
+                f"{storage.join(uri, rel)} was written twice with different contents: give each writer its own file names",
+                uri,
+            )
     # The store's own checksum of each file (S3's ETag), so a reuse can check the files without reading
     # them. A local folder's "ETag" is the sha256 itself (storage.list_files).
     etags = {rel: etag for rel, _, etag in storage.list_files(uri, etags=True)} if storage.is_s3(uri) else {}
@@ -220,16 +231,24 @@ def read_manifest(uri: str) -> dict:
     try:
         m = storage.read_json(storage.join(directory, MANIFEST))
     except NotFoundError:
-        raise NotFoundError(f"no manifest.json at {directory}: the stage writing it did not finish (rerun it) or the URI is wrong", directory) from None
+        raise NotFoundError(
+            f"no manifest.json at {directory}: the stage writing it did not finish (rerun it) or the URI is wrong",
+            directory,
+        ) from None
     if not isinstance(m, dict) or m.get("format") != FORMAT:
         got = m.get("format") if isinstance(m, dict) else type(m).__name__
-        raise StorageError(f"{storage.join(directory, MANIFEST)} is not a {FORMAT} manifest (format={got!r}): recommit the stage with this code", directory)
+        raise StorageError(
+            f"{storage.join(directory, MANIFEST)} is not a {FORMAT} manifest (format={got!r}): recommit the stage with this code",
+            directory,
+        )
     files = m.get("files")
     if not isinstance(files, dict):
         raise StorageError(f"manifest at {directory} has no 'files' table: recommit the stage", directory)
     for rel, entry in files.items():
         _check_relpath(rel, directory)
-        if not (isinstance(entry, dict) and isinstance(entry.get("size"), int) and isinstance(entry.get("sha256"), str)):
+        if not (
+            isinstance(entry, dict) and isinstance(entry.get("size"), int) and isinstance(entry.get("sha256"), str)
+        ):
             raise StorageError(f"manifest at {directory} has a bad entry for {rel!r}: recommit the stage", directory)
     m["uri"] = directory
     return m
@@ -263,7 +282,9 @@ def local_cache_dir(uri: str) -> Path:
     S3 endpoint too: two stacks on one host (two emulators, a test's and the developer's) may hold different
     objects under the same bucket and key."""
     uri = _dir_uri(uri)
-    root = os.environ.get("RLHF_CACHE_DIR") or os.path.join(tempfile.gettempdir(), f"rlhf-flow-cache-{os.getuid() if hasattr(os, 'getuid') else 'user'}")
+    root = os.environ.get("RLHF_CACHE_DIR") or os.path.join(
+        tempfile.gettempdir(), f"rlhf-flow-cache-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
+    )
     slug = re.sub(r"[^A-Za-z0-9._-]+", "_", uri).strip("_")[-80:]  # readable, bounded length
     where = f"{storage.endpoint()} {uri}" if storage.is_s3(uri) else uri
     path = Path(root) / f"{slug}-{hashlib.sha256(where.encode()).hexdigest()[:12]}"
@@ -329,7 +350,10 @@ def fetch(uri: str, local_dir: str | os.PathLike, subdir: str | None = None) -> 
         prefix = subdir.strip("/") + "/"
         selected = {rel: e for rel, e in files.items() if rel.startswith(prefix)}
         if not selected:
-            raise NotFoundError(f"manifest at {directory} lists no files under {subdir!r}: check the subdir or the stage that wrote it", directory)
+            raise NotFoundError(
+                f"manifest at {directory} lists no files under {subdir!r}: check the subdir or the stage that wrote it",
+                directory,
+            )
     local = storage.local_path(local_dir)
     local.mkdir(parents=True, exist_ok=True)
     cache_manifest = local / MANIFEST
@@ -353,7 +377,9 @@ def fetch(uri: str, local_dir: str | os.PathLike, subdir: str | None = None) -> 
             try:
                 storage.download_file(src, target)
             except NotFoundError:
-                raise NotFoundError(f"missing {src}: listed in {directory}/{MANIFEST} but not in storage; {repair_hint(directory)}", src) from None
+                raise NotFoundError(
+                    f"missing {src}: listed in {directory}/{MANIFEST} but not in storage; {repair_hint(directory)}", src
+                ) from None
             size = _local_size(target)
             if size != expected["size"]:
                 target.unlink(missing_ok=True)

@@ -22,7 +22,19 @@ from pathlib import Path
 
 # Versions recorded for reproducibility, the packages that decide a stage's numbers; read from package
 # metadata so nothing heavy is imported.
-TRACKED_PACKAGES = ("torch", "transformers", "tokenizers", "accelerate", "peft", "deepspeed", "numpy", "safetensors", "ray", "datasets", "vllm")
+TRACKED_PACKAGES = (
+    "torch",
+    "transformers",
+    "tokenizers",
+    "accelerate",
+    "peft",
+    "deepspeed",
+    "numpy",
+    "safetensors",
+    "ray",
+    "datasets",
+    "vllm",
+)
 # Written by `make install` and the images (tools/lock.py): which lock the environment was installed from.
 LOCK_RECORD = "rlhf-flow-lock.json"
 # The CPU code paths tasks/__init__.py pins; recorded because they change floats as much as a version does.

@@ -62,7 +62,9 @@ class Registry:
         try:
             return json.loads(data), etag
         except ValueError:
-            raise storage.StorageError(f"invalid JSON in {self.champion_uri}: restore it from history/", self.champion_uri) from None
+            raise storage.StorageError(
+                f"invalid JSON in {self.champion_uri}: restore it from history/", self.champion_uri
+            ) from None
 
     def promote(self, entry: dict[str, Any], expected_version: int, promoted_by: str) -> dict:
         """Make ``entry`` (at least ``policy``: a manifest URI) the champion, if the champion is still
@@ -95,13 +97,16 @@ class Registry:
             storage.write_if(self.champion_uri, (json.dumps(new, indent=2, sort_keys=True) + "\n").encode(), etag)
         except storage.PreconditionFailed:
             raise StaleChampion(
-                f"{self.champion_uri} changed while promoting (another promoter won): evaluate against the new champion and promote again", self.champion_uri
+                f"{self.champion_uri} changed while promoting (another promoter won): evaluate against the new champion and promote again",
+                self.champion_uri,
             ) from None
         # Only the CAS winner gets here, so history entries are never contended.
         storage.write_json(self.history_uri(new["version"]), new)
         return new
 
-    def promote_candidate(self, run_id: str, expected_version: int, promoted_by: str, override_gate: bool = False, reason: str = "") -> dict:
+    def promote_candidate(
+        self, run_id: str, expected_version: int, promoted_by: str, override_gate: bool = False, reason: str = ""
+    ) -> dict:
         """Manually make a judged candidate (candidates/<run_id>.json) the champion. One that failed its gate
         needs ``override_gate`` (recorded in the history with the reason)."""
         if not promoted_by:
@@ -110,11 +115,19 @@ class Registry:
             record = storage.read_json(self.candidate_uri(run_id))
         except storage.NotFoundError:
             known = ", ".join(c["run_id"] for c in self.candidates()[-5:]) or "none"
-            raise ConfigError(f"candidate: no candidate {run_id!r} in {self.root}/candidates; pass a judged run id (newest: {known})") from None
+            raise ConfigError(
+                f"candidate: no candidate {run_id!r} in {self.root}/candidates; pass a judged run id (newest: {known})"
+            ) from None
         if not record.get("passed") and not override_gate:
-            raise ConfigError(f"candidate: {run_id!r} failed its gate ({record.get('decision')}); pass --override_gate true with --reason to promote it anyway")
+            raise ConfigError(
+                f"candidate: {run_id!r} failed its gate ({record.get('decision')}); pass --override_gate true with --reason to promote it anyway"
+            )
         entry = {k: record[k] for k in ("policy", "evaluation", "run_id", "metrics", "gate", "reasons") if k in record}
-        return self._swap({**entry, "action": "manual promote", "reason": reason, "override_gate": bool(override_gate)}, expected_version, promoted_by)
+        return self._swap(
+            {**entry, "action": "manual promote", "reason": reason, "override_gate": bool(override_gate)},
+            expected_version,
+            promoted_by,
+        )
 
     def rollback(self, to_version: int, expected_version: int, promoted_by: str, reason: str = "") -> dict:
         """Make the champion of ``to_version`` (any earlier version) the champion again, as a new version."""
@@ -129,16 +142,29 @@ class Registry:
         try:
             earlier = storage.read_json(self.history_uri(to_version))
         except storage.NotFoundError:
-            raise ConfigError(f"to_version: no history entry {self.history_uri(to_version)}; pass a version the listing shows") from None
+            raise ConfigError(
+                f"to_version: no history entry {self.history_uri(to_version)}; pass a version the listing shows"
+            ) from None
         entry = {
-            k: v for k, v in earlier.items() if k not in ("version", "promoted_at", "promoted_by", "previous", "previous_version", "reason", "override_gate")
+            k: v
+            for k, v in earlier.items()
+            if k
+            not in ("version", "promoted_at", "promoted_by", "previous", "previous_version", "reason", "override_gate")
         }
-        return self._swap({**entry, "action": "rollback", "rolled_back_to": to_version, "reason": reason}, expected_version, promoted_by)
+        return self._swap(
+            {**entry, "action": "rollback", "rolled_back_to": to_version, "reason": reason},
+            expected_version,
+            promoted_by,
+        )
 
     def history(self) -> list[dict]:
         """Every promotion, oldest first."""
         prefix = storage.join(self.root, "history")
-        return [storage.read_json(storage.join(prefix, rel)) for rel, _ in storage.list_files(prefix) if rel.endswith(".json")]
+        return [
+            storage.read_json(storage.join(prefix, rel))
+            for rel, _ in storage.list_files(prefix)
+            if rel.endswith(".json")
+        ]
 
     def record_candidate(self, run_id: str, record: dict) -> str:
         uri = self.candidate_uri(run_id)
@@ -148,7 +174,11 @@ class Registry:
     def candidates(self) -> list[dict]:
         """Every judged candidate, oldest judged first."""
         prefix = storage.join(self.root, "candidates")
-        found = [storage.read_json(storage.join(prefix, rel)) for rel, _ in storage.list_files(prefix) if rel.endswith(".json")]
+        found = [
+            storage.read_json(storage.join(prefix, rel))
+            for rel, _ in storage.list_files(prefix)
+            if rel.endswith(".json")
+        ]
         return sorted(found, key=lambda c: c.get("judged_at", ""))
 
     def listing(self, with_cost: bool = True) -> dict:

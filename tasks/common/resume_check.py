@@ -43,7 +43,9 @@ def remember(history: list[dict], record: dict, window: int = WINDOW) -> list[di
     return [*history, record][-window:] if window > 0 else []
 
 
-def band(values: list[float], stds: float = BAND_STDS, relative: float = BAND_RELATIVE, floor: float = BAND_FLOOR) -> tuple[float, float]:
+def band(
+    values: list[float], stds: float = BAND_STDS, relative: float = BAND_RELATIVE, floor: float = BAND_FLOOR
+) -> tuple[float, float]:
     """(low, high): min and max of `values`, widened by max(stds × their population std, relative × max |value|, floor)."""
     if not values:
         raise ValueError("band: no values")
@@ -54,7 +56,9 @@ def band(values: list[float], stds: float = BAND_STDS, relative: float = BAND_RE
     return low - margin, high + margin
 
 
-def band_problem(history: list[dict], record: dict, names: tuple[str, ...] | list[str], min_history: int = MIN_HISTORY, **band_args) -> str | None:
+def band_problem(
+    history: list[dict], record: dict, names: tuple[str, ...] | list[str], min_history: int = MIN_HISTORY, **band_args
+) -> str | None:
     """The first of `names` whose value in `record` lies outside the band of its values in `history` (or is not
     finite), as one phrase; None when all are inside. Not checked: a metric the history or the record lacks (a
     checkpoint written before it was logged, a configuration that does not log it), one with fewer than `min_history`

@@ -56,7 +56,10 @@ def _objects(bucket: str, prefix: str) -> list[dict]:
     out = []
     try:
         for page in storage.client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/"):
-            out += [{"Key": o["Key"], "Size": o["Size"], "LastModified": o["LastModified"].timestamp()} for o in page.get("Contents", [])]
+            out += [
+                {"Key": o["Key"], "Size": o["Size"], "LastModified": o["LastModified"].timestamp()}
+                for o in page.get("Contents", [])
+            ]
     except storage._S3_ERRORS as e:
         raise storage._wrap(e, f"s3://{bucket}/{prefix}", "list") from None
     return out
@@ -86,7 +89,13 @@ def _registry_roots(bucket: str, key: str, objects: list[dict]) -> set[str]:
     return {r for r in roots if r}
 
 
-def plan(root: str, max_age_days: float, multipart_age_hours: float = 24, dags: Iterable[str] = PIPELINE_DAGS, now: float | None = None) -> dict:
+def plan(
+    root: str,
+    max_age_days: float,
+    multipart_age_hours: float = 24,
+    dags: Iterable[str] = PIPELINE_DAGS,
+    now: float | None = None,
+) -> dict:
     """What retention would delete and why; nothing is deleted here."""
     bucket, key = _check(root, max_age_days, multipart_age_hours)
     now = time.time() if now is None else now
@@ -114,7 +123,15 @@ def plan(root: str, max_age_days: float, multipart_age_hours: float = 24, dags: 
             m = promote.get("metrics") or {}
             status = "promoted" if m.get("promoted") else ("passed" if m.get("passed") else "rejected")
         expire = status in ("failed", "rejected") and now - newest > max_age_days * 86400
-        verdicts.append({"run": f"{dag}/{run}", "status": status, "age_days": round((now - newest) / 86400, 2), "expire": expire, "stages": stages})
+        verdicts.append(
+            {
+                "run": f"{dag}/{run}",
+                "status": status,
+                "age_days": round((now - newest) / 86400, 2),
+                "expire": expire,
+                "stages": stages,
+            }
+        )
         if not expire:  # a run that stays keeps its inputs, wherever they live
             protected_roots |= {f"{base}/runs/{dag}/{run}/{s}" for s in stages if read(f"{base}/runs/{dag}/{run}/{s}")}
 
@@ -157,7 +174,9 @@ def plan(root: str, max_age_days: float, multipart_age_hours: float = 24, dags: 
         for page in storage.client().get_paginator("list_multipart_uploads").paginate(Bucket=bucket, Prefix=top):
             for u in page.get("Uploads", []):
                 if now - u["Initiated"].timestamp() > multipart_age_hours * 3600:
-                    multipart.append({"Key": u["Key"], "UploadId": u["UploadId"], "Initiated": u["Initiated"].isoformat()})
+                    multipart.append(
+                        {"Key": u["Key"], "UploadId": u["UploadId"], "Initiated": u["Initiated"].isoformat()}
+                    )
     except storage._S3_ERRORS as e:
         raise storage._wrap(e, root, "list multipart uploads under") from None
 
@@ -184,7 +203,9 @@ def apply(p: dict) -> dict:
     try:
         for batch in (manifests, rest):
             for i in range(0, len(batch), 1000):  # DeleteObjects takes at most 1000 keys
-                resp = s3.delete_objects(Bucket=bucket, Delete={"Objects": [{"Key": k} for k in batch[i : i + 1000]], "Quiet": True})
+                resp = s3.delete_objects(
+                    Bucket=bucket, Delete={"Objects": [{"Key": k} for k in batch[i : i + 1000]], "Quiet": True}
+                )
                 if resp.get("Errors"):
                     e = resp["Errors"][0]
                     raise storage.StorageError(
@@ -196,7 +217,12 @@ def apply(p: dict) -> dict:
             s3.abort_multipart_upload(Bucket=bucket, Key=u["Key"], UploadId=u["UploadId"])
     except storage._S3_ERRORS as e:
         raise storage._wrap(e, p["root"], "delete under") from None
-    return {"objects": len(keys), "bytes": p["bytes"], "cache_entries": len(p["cache_entries"]), "multipart": len(p["multipart"])}
+    return {
+        "objects": len(keys),
+        "bytes": p["bytes"],
+        "cache_entries": len(p["cache_entries"]),
+        "multipart": len(p["multipart"]),
+    }
 
 
 def describe(p: dict, dry_run: bool = True) -> str:
@@ -212,7 +238,8 @@ def describe(p: dict, dry_run: bool = True) -> str:
             lines += [f"  - {f}" for f in v["delete"]] + [f"  = {f} (lineage)" for f in v["keep"]]
     lines += [f"cache entry {verb}: s3://{p['bucket']}/{o['Key']}" for o in p["cache_entries"]]
     lines += [
-        f"unfinished upload {'would be aborted' if dry_run else 'aborted'}: s3://{p['bucket']}/{u['Key']} (started {u['Initiated']})" for u in p["multipart"]
+        f"unfinished upload {'would be aborted' if dry_run else 'aborted'}: s3://{p['bucket']}/{u['Key']} (started {u['Initiated']})"
+        for u in p["multipart"]
     ]
     lines.append(
         f"total {verb}: {len(p['objects'])} object(s), {p['bytes']} bytes, {len(p['cache_entries'])} cache entr(ies); unfinished uploads: {len(p['multipart'])}"

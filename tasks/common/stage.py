@@ -109,7 +109,9 @@ class StageRun:
 
     @property
     def checkpoints(self) -> CheckpointStore:
-        return CheckpointStore(self.cfg.ckpt_path or storage.join(self.cfg.output, "checkpoints"), keep=self.cfg.max_ckpt_num)
+        return CheckpointStore(
+            self.cfg.ckpt_path or storage.join(self.cfg.output, "checkpoints"), keep=self.cfg.max_ckpt_num
+        )
 
     def resume(self, restore: Callable[[str], None], steps: int) -> int:
         """Restore the newest complete checkpoint (when --load_checkpoint); returns its step, 0 if none.
@@ -156,7 +158,9 @@ class StageRun:
             shutil.rmtree(local, ignore_errors=True)
         print(f"{self.stage}: checkpoint {uri}", flush=True)
         if step == getattr(self.cfg, "fail_after_step", 0) and self.resumed_from < step:
-            raise InjectedFailure(f"{self.stage}: injected failure after the checkpoint of step {step} (--fail_after_step); a rerun resumes from it")
+            raise InjectedFailure(
+                f"{self.stage}: injected failure after the checkpoint of step {step} (--fail_after_step); a rerun resumes from it"
+            )
 
     def remote_output(self, rel: str) -> str:
         """The URI under --output where workers upload `rel` themselves (a group spanning nodes cannot
@@ -171,13 +175,22 @@ class StageRun:
         `uploaded` under --output themselves, see remote_output)."""
         self.tracker.close()
         # The driver holds the one CPU its Ray job reserves (RayJobOperator's entrypoint_num_cpus).
-        metrics = {**metrics, **cost.stage_cost(time.time() - self.started, **cost.held_resources(self.placements, driver_cpus=1))}
+        metrics = {
+            **metrics,
+            **cost.stage_cost(time.time() - self.started, **cost.held_resources(self.placements, driver_cpus=1)),
+        }
         if self.resumed_from:
             extra = {"resumed_from_step": self.resumed_from, **extra}
         if self.user_code:
             extra = {"user_code": self.user_code, **extra}
         manifest = manifests.build_manifest(
-            self.stage, self.cfg.run_id, self.cfg.to_dict(), self.inputs, metrics, input_manifests=self.input_manifests, **extra
+            self.stage,
+            self.cfg.run_id,
+            self.cfg.to_dict(),
+            self.inputs,
+            metrics,
+            input_manifests=self.input_manifests,
+            **extra,
         )
         committed = manifests.commit(self.workdir, self.cfg.output, manifest, uploaded=uploaded)
         print(f"committed {self.stage} output to {committed['uri']}", flush=True)

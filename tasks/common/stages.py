@@ -54,12 +54,35 @@ class Stage:
 STAGES = {
     s.name: s
     for s in (
-        Stage("prepare_data", "tasks.data", "tasks.data.config:PrepareDataConfig", "tasks.data.__main__:prepare", trains=False, gpus=0),
+        Stage(
+            "prepare_data",
+            "tasks.data",
+            "tasks.data.config:PrepareDataConfig",
+            "tasks.data.__main__:prepare",
+            trains=False,
+            gpus=0,
+        ),
         Stage("sft", "tasks.sft", "tasks.sft.config:SFTConfig", "tasks.sft.trainer:train", trains=True, gpus=1),
-        Stage("reward_model", "tasks.reward_model", "tasks.reward_model.config:RewardModelConfig", "tasks.reward_model.trainer:train", trains=True, gpus=1),
+        Stage(
+            "reward_model",
+            "tasks.reward_model",
+            "tasks.reward_model.config:RewardModelConfig",
+            "tasks.reward_model.trainer:train",
+            trains=True,
+            gpus=1,
+        ),
         Stage("rl", "tasks.rl", "tasks.rl.config:RLConfig", "tasks.rl.trainer:train", trains=True, gpus=1),
-        Stage("preference", "tasks.preference", "tasks.preference.config:PreferenceConfig", "tasks.preference.trainer:train", trains=True, gpus=1),
-        Stage("eval", "tasks.eval", "tasks.eval.config:EvalConfig", "tasks.eval.evaluate:evaluate", trains=False, gpus=1),
+        Stage(
+            "preference",
+            "tasks.preference",
+            "tasks.preference.config:PreferenceConfig",
+            "tasks.preference.trainer:train",
+            trains=True,
+            gpus=1,
+        ),
+        Stage(
+            "eval", "tasks.eval", "tasks.eval.config:EvalConfig", "tasks.eval.evaluate:evaluate", trains=False, gpus=1
+        ),
         Stage(
             "promote",
             "tasks.promote",

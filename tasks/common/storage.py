@@ -36,13 +36,23 @@ import botocore.exceptions
 from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
 
-from tasks.common.errors import NotFoundError, PreconditionFailed, StorageError, disk_error, disk_fault, fault_path, one_line
+from tasks.common.errors import (
+    NotFoundError,
+    PreconditionFailed,
+    StorageError,
+    disk_error,
+    disk_fault,
+    fault_path,
+    one_line,
+)
 
 MB = 1024 * 1024
 FILE_WORKERS = 8  # files transferred at once by upload_dir/download_dir
 PART_THREADS = 8  # parts of one large file transferred at once
 # Multipart above 8 MB: parts retry independently and large checkpoints use several connections.
-TRANSFER_CONFIG = TransferConfig(multipart_threshold=8 * MB, multipart_chunksize=8 * MB, max_concurrency=PART_THREADS, use_threads=True)
+TRANSFER_CONFIG = TransferConfig(
+    multipart_threshold=8 * MB, multipart_chunksize=8 * MB, max_concurrency=PART_THREADS, use_threads=True
+)
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -84,7 +94,8 @@ def inside(root: str | os.PathLike, rel: str, source: str = "") -> Path:
         if target.is_relative_to(base) and target != base:
             return target
     raise StorageError(
-        f"{source or 'download'}: the key {text!r} leads outside {base}; refusing to write it (remove or rename that object in storage)", source or None
+        f"{source or 'download'}: the key {text!r} leads outside {base}; refusing to write it (remove or rename that object in storage)",
+        source or None,
     )
 
 
@@ -172,19 +183,29 @@ def _wrap(exc: BaseException, uri: str, action: str) -> StorageError:
         return exc
     cause = one_line(exc)
     if isinstance(exc, (botocore.exceptions.ConnectionError, botocore.exceptions.HTTPClientError)):
-        return StorageError(f"cannot reach S3 endpoint {endpoint()} for {uri}: {cause} (start the S3 service or fix AWS_ENDPOINT_URL_S3)", uri, transient=True)
+        return StorageError(
+            f"cannot reach S3 endpoint {endpoint()} for {uri}: {cause} (start the S3 service or fix AWS_ENDPOINT_URL_S3)",
+            uri,
+            transient=True,
+        )
     if isinstance(exc, botocore.exceptions.NoCredentialsError):
-        return StorageError(f"no AWS credentials to {action} {uri}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY", uri)
+        return StorageError(
+            f"no AWS credentials to {action} {uri}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY", uri
+        )
     if isinstance(exc, botocore.exceptions.ClientError):
         err = exc.response.get("Error", {})
         code = str(err.get("Code", ""))
         bucket = split_s3(uri)[0] if is_s3(uri) else "?"
         if code == "NoSuchBucket":
-            return NotFoundError(f"no bucket '{bucket}' at {endpoint()} for {uri}: create the bucket or fix the URI", uri)
+            return NotFoundError(
+                f"no bucket '{bucket}' at {endpoint()} for {uri}: create the bucket or fix the URI", uri
+            )
         if code in ("404", "NoSuchKey", "NotFound"):
             return NotFoundError(f"no object at {uri}: check the URI or rerun the step that writes it", uri)
         if code in ("403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
-            return StorageError(f"access denied to {action} {uri} ({code}): check the AWS_* credentials for {endpoint()}", uri)
+            return StorageError(
+                f"access denied to {action} {uri} ({code}): check the AWS_* credentials for {endpoint()}", uri
+            )
         status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
         busy = status >= 500 or code in ("SlowDown", "Throttling", "ThrottlingException", "RequestTimeout")
         return StorageError(f"cannot {action} {uri}: {code}: {err.get('Message') or cause}", uri, transient=busy)
@@ -404,7 +425,12 @@ def write_if(uri: str, data: bytes, etag: str | None) -> None:
     try:
         client().put_object(Bucket=bucket, Key=key, Body=data, **condition)
     except botocore.exceptions.ClientError as e:
-        if e.response.get("Error", {}).get("Code") in ("PreconditionFailed", "ConditionalRequestConflict", "412", "409"):
+        if e.response.get("Error", {}).get("Code") in (
+            "PreconditionFailed",
+            "ConditionalRequestConflict",
+            "412",
+            "409",
+        ):
             raise lost from None
         raise _wrap(e, uri, "write") from None
     except _S3_ERRORS as e:

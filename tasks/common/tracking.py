@@ -31,7 +31,13 @@ def _format(value) -> str:
 
 def _duration(seconds: float) -> str:
     seconds = int(round(seconds))
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+    return (
+        f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+        if seconds >= 3600
+        else f"{seconds // 60}m{seconds % 60:02d}s"
+        if seconds >= 60
+        else f"{seconds}s"
+    )
 
 
 def progress_line(name: str, step: int, total: int, first_step: int, elapsed_s: float, metrics: dict) -> str:
@@ -44,7 +50,15 @@ def progress_line(name: str, step: int, total: int, first_step: int, elapsed_s: 
 
 
 class MetricsTracker:
-    def __init__(self, path: Path, use_wandb: bool = False, project: str = "rlhf-flow", run_name: str = "", config: dict | None = None, name: str = ""):
+    def __init__(
+        self,
+        path: Path,
+        use_wandb: bool = False,
+        project: str = "rlhf-flow",
+        run_name: str = "",
+        config: dict | None = None,
+        name: str = "",
+    ):
         self.path = Path(path)
         self.name = name or run_name or "stage"
         self._progress_from: tuple[int, float] | None = None  # (first step, its start) of this process's steps
@@ -57,14 +71,21 @@ class MetricsTracker:
         if use_wandb:
             import wandb
 
-            self.wandb_run = wandb.init(project=project, name=run_name or None, config=config or {}, reinit="finish_previous")
+            self.wandb_run = wandb.init(
+                project=project, name=run_name or None, config=config or {}, reinit="finish_previous"
+            )
             self._write_wandb_record()
 
     def _write_wandb_record(self) -> None:
         """wandb.json: where this stage's wandb run lives (an offline run has no URL until synced)."""
         run = self.wandb_run
         mode = "offline" if getattr(run, "offline", False) else str(getattr(run.settings, "mode", "online"))
-        record = {"url": None if mode == "offline" else (run.url or None), "run_id": run.id, "project": run.project, "mode": mode}
+        record = {
+            "url": None if mode == "offline" else (run.url or None),
+            "run_id": run.id,
+            "project": run.project,
+            "mode": mode,
+        }
         (self.path.parent / WANDB_FILE).write_text(json.dumps(record) + "\n")
 
     def log(self, step: int, metrics: dict) -> None:

@@ -28,7 +28,9 @@ _PIN = re.compile(r"#sha256=([0-9a-f]{64})$")
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("RLHF_CACHE_DIR") or os.path.join(tempfile.gettempdir(), f"rlhf-flow-cache-{os.getuid() if hasattr(os, 'getuid') else 'user'}")
+    root = os.environ.get("RLHF_CACHE_DIR") or os.path.join(
+        tempfile.gettempdir(), f"rlhf-flow-cache-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
+    )
     return Path(root) / "user_code"
 
 
@@ -42,7 +44,9 @@ def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def fetch(spec: str, who: str, error: type[Exception], source: str = "pinned", cached: bool = False) -> tuple[Path, str]:
+def fetch(
+    spec: str, who: str, error: type[Exception], source: str = "pinned", cached: bool = False
+) -> tuple[Path, str]:
     """(a local copy of the file ``spec`` names, its sha256), checked against the pin when ``spec`` has one
     (``source``: where the pin came from, for the error). ``cached``: a pinned file already in the cache is
     used without asking its source again (a worker importing what its stage pinned); otherwise the source is
@@ -64,7 +68,9 @@ def fetch(spec: str, who: str, error: type[Exception], source: str = "pinned", c
         raise error(f"{who}: {uri} cannot be fetched: {e}") from None
     digest = sha256_bytes(data)
     if pinned and digest != pinned:
-        raise error(f"{who}: {uri} has sha256 {digest} but {pinned} was {source}: the file changed since; restore it, or pass the new file under a new name")
+        raise error(
+            f"{who}: {uri} has sha256 {digest} but {pinned} was {source}: the file changed since; restore it, or pass the new file under a new name"
+        )
     target = cache_dir() / digest / (Path(uri).name or "file.py")  # the name keeps tracebacks readable
     if not target.is_file():
         storage.write_bytes(str(target), data)  # temp file + rename: a reader never sees half of it

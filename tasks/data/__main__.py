@@ -33,19 +33,25 @@ def check_base_model(uri: str) -> None:
         if not storage.exists(storage.join(uri, "config.json")):
             raise ConfigError(f"base_model: no model at {uri} (no config.json there): fix the URI or upload the model")
     elif os.environ.get("HF_HUB_OFFLINE") == "1":
-        raise ConfigError(f"base_model: {uri!r} is a hub id, and HF_HUB_OFFLINE=1 forbids fetching it: pass a model URI")
+        raise ConfigError(
+            f"base_model: {uri!r} is a hub id, and HF_HUB_OFFLINE=1 forbids fetching it: pass a model URI"
+        )
 
 
 def demo_splits(cfg: PrepareDataConfig, data_dir: Path) -> tuple[dict, dict]:
     """A built-in task's splits written under data_dir (the demo's, or an agentic task's); returns (datasets, metrics)."""
-    splits = {"demo": demo.make_datasets, "calculator": agentic.calculator_datasets, "guess": agentic.guess_datasets}[cfg.source](seed=cfg.seed)
+    splits = {"demo": demo.make_datasets, "calculator": agentic.calculator_datasets, "guess": agentic.guess_datasets}[
+        cfg.source
+    ](seed=cfg.seed)
     for name, rows in splits.items():
         with open(data_dir / f"{name}.jsonl", "w") as f:
             f.writelines(json.dumps(row) + "\n" for row in rows)
         print(f"{name}: {len(rows)} rows", flush=True)
     metrics = {f"rows_{name}": len(rows) for name, rows in splits.items()}
     if cfg.source == "demo":
-        metrics["sft_terse_fraction"] = round(sum(row["style"] == demo.TERSE for row in splits["sft"]) / len(splits["sft"]), 4)
+        metrics["sft_terse_fraction"] = round(
+            sum(row["style"] == demo.TERSE for row in splits["sft"]) / len(splits["sft"]), 4
+        )
     return {name: f"data/{name}.jsonl" for name in splits}, metrics
 
 

@@ -44,16 +44,25 @@ def calculator_trace(a: int, b: int, use_tool: bool) -> list[dict]:
     if not use_tool:
         return [{"prompt": row["prompt"], "response": row["label"]}]
     call = f"<calc>{a}*{b}</calc>"
-    return [{"prompt": row["prompt"], "response": call}, {"prompt": f"{row['prompt']}{call}{EOS}<result>{a * b}</result>", "response": row["label"]}]
+    return [
+        {"prompt": row["prompt"], "response": call},
+        {"prompt": f"{row['prompt']}{call}{EOS}<result>{a * b}</result>", "response": row["label"]},
+    ]
 
 
-def calculator_datasets(seed: int = 0, tool_fraction: float = 0.3, n_train: int = 4000, n_eval: int = 200) -> dict[str, list[dict]]:
+def calculator_datasets(
+    seed: int = 0, tool_fraction: float = 0.3, n_train: int = 4000, n_eval: int = 200
+) -> dict[str, list[dict]]:
     rng = random.Random(seed)
     pairs = [(a, b) for a in range(100, 1000) for b in range(2, 10)]
     rng.shuffle(pairs)
     train, test = pairs[:n_train], pairs[n_train : n_train + n_eval]
     sft = [r for a, b in train for r in calculator_trace(a, b, rng.random() < tool_fraction)]
-    return {"sft": sft, "prompts": [calculator_rows(a, b) for a, b in train], "eval": [calculator_rows(a, b) for a, b in test]}
+    return {
+        "sft": sft,
+        "prompts": [calculator_rows(a, b) for a, b in train],
+        "eval": [calculator_rows(a, b) for a, b in test],
+    }
 
 
 def guess_trace(target: int, rng: random.Random) -> list[dict]:
@@ -70,7 +79,9 @@ def guess_trace(target: int, rng: random.Random) -> list[dict]:
         history += f"{guess}{EOS}{feedback}"
 
 
-def guess_datasets(seed: int = 0, n_traces: int = 2000, n_prompts: int = 1000, n_eval: int = 200) -> dict[str, list[dict]]:
+def guess_datasets(
+    seed: int = 0, n_traces: int = 2000, n_prompts: int = 1000, n_eval: int = 200
+) -> dict[str, list[dict]]:
     rng = random.Random(seed)
     low, high = GUESS_RANGE
 

@@ -47,7 +47,9 @@ def parse_dataset_ref(source: str) -> tuple[str, str]:
     """`dataset:<name>[@<version>]` -> (name, version or '')."""
     name, _, version = source[len(DATASET_PREFIX) :].partition("@")
     if not NAME.match(name) or (version and not NAME.match(version)):
-        raise ConfigError(f"source: {source!r} is not a dataset reference; use dataset:<name> or dataset:<name>@<version>")
+        raise ConfigError(
+            f"source: {source!r} is not a dataset reference; use dataset:<name> or dataset:<name>@<version>"
+        )
     return name, version
 
 
@@ -70,20 +72,43 @@ class PrepareDataConfig(StageConfig):
         },
     )
     base_model: str = field(
-        default="demo", metadata={"help": "'demo' builds a tiny Llama offline; otherwise a model URI or hub id recorded for the next stages"}
+        default="demo",
+        metadata={
+            "help": "'demo' builds a tiny Llama offline; otherwise a model URI or hub id recorded for the next stages"
+        },
     )
     datasets_root: str = field(
-        default="", metadata={"help": "where dataset versions are registered: <root>/<name>/<version>/ (the pipeline passes <bucket root>/datasets)"}
+        default="",
+        metadata={
+            "help": "where dataset versions are registered: <root>/<name>/<version>/ (the pipeline passes <bucket root>/datasets)"
+        },
     )
-    dataset_name: str = field(default="", metadata={"help": "name to register a file source under (default: its file name without extension)"})
-    input_key: str = field(default="prompt", metadata={"help": "column holding the prompt (not read when --messages_key is set)", "max_length": 200})
+    dataset_name: str = field(
+        default="", metadata={"help": "name to register a file source under (default: its file name without extension)"}
+    )
+    input_key: str = field(
+        default="prompt",
+        metadata={"help": "column holding the prompt (not read when --messages_key is set)", "max_length": 200},
+    )
     output_key: str = field(
         default="",
-        metadata={"help": "column holding the SFT response (default: the final assistant turn of --messages_key, else --chosen_key)", "max_length": 200},
+        metadata={
+            "help": "column holding the SFT response (default: the final assistant turn of --messages_key, else --chosen_key)",
+            "max_length": 200,
+        },
     )
-    chosen_key: str = field(default="chosen", metadata={"help": "column holding the preferred response ('' for SFT-only data)", "max_length": 200})
-    rejected_key: str = field(default="rejected", metadata={"help": "column holding the other response ('' for SFT-only data)", "max_length": 200})
-    label_key: str = field(default="", metadata={"help": "column holding a reference answer for exact-match eval ('' for none)", "max_length": 200})
+    chosen_key: str = field(
+        default="chosen",
+        metadata={"help": "column holding the preferred response ('' for SFT-only data)", "max_length": 200},
+    )
+    rejected_key: str = field(
+        default="rejected",
+        metadata={"help": "column holding the other response ('' for SFT-only data)", "max_length": 200},
+    )
+    label_key: str = field(
+        default="",
+        metadata={"help": "column holding a reference answer for exact-match eval ('' for none)", "max_length": 200},
+    )
     messages_key: str = field(
         default="",
         metadata={
@@ -100,8 +125,14 @@ class PrepareDataConfig(StageConfig):
             "fix": "use a fraction such as 0.1",
         },
     )
-    max_chars: int = field(default=16000, metadata={"help": "a row whose prompt plus longest response is longer (characters) is rejected", "min": 1})
-    max_bad_fraction: float = field(default=0.05, metadata={"help": "fail when more than this fraction of the rows fails validation", "min": 0, "max": 1})
+    max_chars: int = field(
+        default=16000,
+        metadata={"help": "a row whose prompt plus longest response is longer (characters) is rejected", "min": 1},
+    )
+    max_bad_fraction: float = field(
+        default=0.05,
+        metadata={"help": "fail when more than this fraction of the rows fails validation", "min": 0, "max": 1},
+    )
 
     def validate(self) -> None:
         super().validate()
@@ -111,15 +142,21 @@ class PrepareDataConfig(StageConfig):
         if kind == "demo":
             return
         if self.dataset_name and not NAME.match(self.dataset_name):
-            raise ConfigError(f"dataset_name: {self.dataset_name!r} is not a usable name; use letters, digits, '.', '_' and '-'")
+            raise ConfigError(
+                f"dataset_name: {self.dataset_name!r} is not a usable name; use letters, digits, '.', '_' and '-'"
+            )
         if kind == "file" and not storage.exists(self.source):
             raise ConfigError(f"source: no dataset at {self.source}: fix the URI or upload the dataset")
         if kind == "hub" and os.environ.get("HF_HUB_OFFLINE") == "1":
-            raise ConfigError(f"source: {self.source!r} is a hub id, and HF_HUB_OFFLINE=1 forbids fetching it: pass a JSONL, Parquet or CSV file URI")
+            raise ConfigError(
+                f"source: {self.source!r} is a hub id, and HF_HUB_OFFLINE=1 forbids fetching it: pass a JSONL, Parquet or CSV file URI"
+            )
         if kind == "file" and os.path.splitext(self.source)[1].lower() not in FILE_FORMATS:
             raise ConfigError(f"source: {self.source} has an unknown format; use a .jsonl, .parquet or .csv file")
         if not self.datasets_root:
-            raise ConfigError("datasets_root: missing; pass --datasets_root s3://bucket/prefix/datasets (where dataset versions are registered)")
+            raise ConfigError(
+                "datasets_root: missing; pass --datasets_root s3://bucket/prefix/datasets (where dataset versions are registered)"
+            )
         if kind == "dataset":
             parse_dataset_ref(self.source)  # a registered version keeps the mapping and split it was made with
         else:
@@ -128,12 +165,18 @@ class PrepareDataConfig(StageConfig):
     def validate_mapping(self) -> None:
         """The mapping can produce at least one split, and a pair has both sides."""
         if not (self.input_key or self.messages_key):
-            raise ConfigError("input_key: empty and no --messages_key; pass the prompt column (--input_key) or a chat column (--messages_key)")
+            raise ConfigError(
+                "input_key: empty and no --messages_key; pass the prompt column (--input_key) or a chat column (--messages_key)"
+            )
         if bool(self.chosen_key) != bool(self.rejected_key):
             missing = "rejected_key" if self.chosen_key else "chosen_key"
-            raise ConfigError(f"{missing}: empty while the other side of the pair is set; pass both --chosen_key and --rejected_key, or neither")
+            raise ConfigError(
+                f"{missing}: empty while the other side of the pair is set; pass both --chosen_key and --rejected_key, or neither"
+            )
         if not (self.output_key or self.chosen_key or self.messages_key):
-            raise ConfigError("output_key: nothing to train on; pass --output_key (SFT), --chosen_key/--rejected_key (pairs) or --messages_key")
+            raise ConfigError(
+                "output_key: nothing to train on; pass --output_key (SFT), --chosen_key/--rejected_key (pairs) or --messages_key"
+            )
 
     def mapping(self) -> dict[str, str]:
         """The column mapping as used (empty: unused), recorded in a version's manifest and its id."""

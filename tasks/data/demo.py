@@ -62,8 +62,14 @@ def verdict(baseline: dict, policy: dict) -> tuple[bool, str]:
     gain = policy["sampled_preferred_style_rate"] - baseline["sampled_preferred_style_rate"]
     change = policy["accuracy"] - baseline["accuracy"]
     ok = gain >= MIN_STYLE_GAIN and change >= -MAX_ACCURACY_DROP
-    head = "PASS: the policy gained the preferred style with accuracy held" if ok else "FAIL: the demo's claim does not hold"
-    return ok, (f"{head} (preferred style {gain:+.3f}, needs +{MIN_STYLE_GAIN:.2f} or more; accuracy {change:+.3f}, needs -{MAX_ACCURACY_DROP:.2f} or better)")
+    head = (
+        "PASS: the policy gained the preferred style with accuracy held"
+        if ok
+        else "FAIL: the demo's claim does not hold"
+    )
+    return ok, (
+        f"{head} (preferred style {gain:+.3f}, needs +{MIN_STYLE_GAIN:.2f} or more; accuracy {change:+.3f}, needs -{MAX_ACCURACY_DROP:.2f} or better)"
+    )
 
 
 def make_datasets(seed: int = 0) -> dict[str, list[dict]]:
@@ -87,19 +93,32 @@ def make_datasets(seed: int = 0) -> dict[str, list[dict]]:
         for a, b in split:
             # Half the pairs carry a wrong answer on both sides: the preference is about style only.
             answer = answer_text(a, b) if rng.random() < 0.5 else f"{rng.randrange(199):03d}"
-            rows.append({"prompt": prompt_text(a, b), "chosen": styled(answer, TERSE), "rejected": styled(answer, WORDY)})
+            rows.append(
+                {"prompt": prompt_text(a, b), "chosen": styled(answer, TERSE), "rejected": styled(answer, WORDY)}
+            )
         return rows
 
     def style_pairs(split):
         # DPO's pairs: the right answer in both styles. Unlike the reward model's pairs, these carry no
         # wrong answers, because DPO with an NLL term (the pipeline's default) also imitates the chosen side.
-        return [{"prompt": prompt_text(a, b), "chosen": styled(answer_text(a, b), TERSE), "rejected": styled(answer_text(a, b), WORDY)} for a, b in split]
+        return [
+            {
+                "prompt": prompt_text(a, b),
+                "chosen": styled(answer_text(a, b), TERSE),
+                "rejected": styled(answer_text(a, b), WORDY),
+            }
+            for a, b in split
+        ]
 
     def unpaired(split):
         # KTO's data: one completion per prompt with a thumbs up (terse) or down (wordy), answers right,
         # so what separates the two labels is the style alone.
         return [
-            {"prompt": prompt_text(a, b), "completion": styled(answer_text(a, b), TERSE if i % 2 == 0 else WORDY), "label": i % 2 == 0}
+            {
+                "prompt": prompt_text(a, b),
+                "completion": styled(answer_text(a, b), TERSE if i % 2 == 0 else WORDY),
+                "label": i % 2 == 0,
+            }
             for i, (a, b) in enumerate(split)
         ]
 

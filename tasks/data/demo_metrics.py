@@ -13,6 +13,8 @@ from tasks.data.demo import extract_answer, is_preferred_style
 def metrics(prompts, responses, labels, rows):
     out = {}
     if labels is not None:
-        out["accuracy"] = [None if label is None else float(extract_answer(r) == label) for r, label in zip(responses, labels)]
+        out["accuracy"] = [
+            None if label is None else float(extract_answer(r) == label) for r, label in zip(responses, labels)
+        ]
     out["preferred_style_rate"] = [float(is_preferred_style(r)) for r in responses]
     return out

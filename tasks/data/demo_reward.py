@@ -44,7 +44,9 @@ def response_of(query: str, prompt: str) -> str:
 
 def reward_func(queries: list[str], prompts: list[str], labels: list[str | None]) -> torch.Tensor:
     if not len(queries) == len(prompts) == len(labels):
-        raise ValueError(f"demo reward: {len(queries)} queries, {len(prompts)} prompts, {len(labels)} labels; need one each")
+        raise ValueError(
+            f"demo reward: {len(queries)} queries, {len(prompts)} prompts, {len(labels)} labels; need one each"
+        )
     rewards = []
     for query, prompt, label in zip(queries, prompts, labels):
         answer = extract_answer(response_of(query, prompt))

@@ -90,7 +90,11 @@ def split_messages(value, key: str) -> tuple[list[dict], str | None]:
         raise BadRow("empty_field", key)
     turns = []
     for message in value:
-        if not (isinstance(message, dict) and isinstance(message.get("role"), str) and isinstance(message.get("content"), str)):
+        if not (
+            isinstance(message, dict)
+            and isinstance(message.get("role"), str)
+            and isinstance(message.get("content"), str)
+        ):
             raise BadRow("bad_messages", key)
         turns.append({"role": message["role"], "content": message["content"]})
     final = None
@@ -202,7 +206,9 @@ def check_columns(rows: list[tuple[int, sources.Row]], cfg: PrepareDataConfig, s
     for flag, column in cfg.mapping().items():
         if column and column not in columns:
             optional = "" if flag in ("input_key", "messages_key") else f", or --{flag} '' to not use one"
-            raise ConfigError(f"{flag}: no column {column!r} in {source} (columns: {', '.join(sorted(columns))}); pass --{flag} <column>{optional}")
+            raise ConfigError(
+                f"{flag}: no column {column!r} in {source} (columns: {', '.join(sorted(columns))}); pass --{flag} <column>{optional}"
+            )
 
 
 def validate(rows: list[tuple[int, sources.Row]], cfg: PrepareDataConfig) -> tuple[list[dict], list[dict], dict]:
@@ -250,8 +256,9 @@ def describe(summary: dict) -> str:
         f"{name} {c['count']} (rows {', '.join(map(str, c['rows']))}{', …' if c['count'] > len(c['rows']) else ''})"
         for name, c in sorted(summary["checks"].items())
     )
-    return f"validation: {summary['rows']} rows, {summary['kept']} kept, {summary['bad']} bad ({100 * summary['bad_fraction']:.1f}%)" + (
-        f": {checks}" if checks else ""
+    return (
+        f"validation: {summary['rows']} rows, {summary['kept']} kept, {summary['bad']} bad ({100 * summary['bad_fraction']:.1f}%)"
+        + (f": {checks}" if checks else "")
     )
 
 
@@ -261,7 +268,11 @@ def check_threshold(summary: dict, cfg: PrepareDataConfig, source: str) -> None:
         return
     parts = []
     for name, c in sorted(summary["checks"].items(), key=lambda kv: -kv[1]["count"]):
-        fields = f"{', '.join(f'--{flag} {col}' for flag, col in cfg.mapping().items() if col in c['fields'])}; " if c["fields"] else ""
+        fields = (
+            f"{', '.join(f'--{flag} {col}' for flag, col in cfg.mapping().items() if col in c['fields'])}; "
+            if c["fields"]
+            else ""
+        )
         fix = f"raise --max_chars {cfg.max_chars}" if name == "too_long" else FIXES[name]
         parts.append(f"{name} {c['count']} ({fields}rows {', '.join(map(str, c['rows']))}: {fix})")
     raise ConfigError(
@@ -294,9 +305,14 @@ def make_splits(train: list[dict], held: list[dict], cfg: PrepareDataConfig) -> 
         splits["unpaired"] = [
             row
             for r in train
-            for row in ({"prompt": r["prompt"], "completion": r["chosen"], "label": True}, {"prompt": r["prompt"], "completion": r["rejected"], "label": False})
+            for row in (
+                {"prompt": r["prompt"], "completion": r["chosen"], "label": True},
+                {"prompt": r["prompt"], "completion": r["rejected"], "label": False},
+            )
         ]
-        splits["preference_eval"] = [{"prompt": r["prompt"], "chosen": r["chosen"], "rejected": r["rejected"]} for r in held]
+        splits["preference_eval"] = [
+            {"prompt": r["prompt"], "chosen": r["chosen"], "rejected": r["rejected"]} for r in held
+        ]
     splits["prompts"] = unique_prompts(train, with_label)
     splits["eval"] = unique_prompts(held, with_label)
     return splits
@@ -358,7 +374,9 @@ def ingest(cfg: PrepareDataConfig, workdir: Path) -> dict:
     check_threshold(summary, cfg, cfg.source)
     if not train or not held:
         side, flag = ("training", "lower --eval_fraction") if not train else ("held-out", "raise --eval_fraction")
-        raise ConfigError(f"eval_fraction: {cfg.eval_fraction} leaves the {side} side of {summary['kept']} rows empty; {flag} or add rows")
+        raise ConfigError(
+            f"eval_fraction: {cfg.eval_fraction} leaves the {side} side of {summary['kept']} rows empty; {flag} or add rows"
+        )
 
     splits = make_splits(train, held, cfg)
     local = workdir / "version"
@@ -381,7 +399,14 @@ def ingest(cfg: PrepareDataConfig, workdir: Path) -> dict:
         **cost.stage_cost(time.time() - started, gpus=0, cpus=1),
     }
     manifest = manifests.build_manifest(
-        "dataset", cfg.run_id, cfg.to_dict(), {"source": cfg.source}, metrics, datasets=datasets, dataset=info, validation=summary
+        "dataset",
+        cfg.run_id,
+        cfg.to_dict(),
+        {"source": cfg.source},
+        metrics,
+        datasets=datasets,
+        dataset=info,
+        validation=summary,
     )
     committed, created = versions.register(cfg.datasets_root, name, version, local, manifest)
     print(f"dataset {name}: {'registered' if created else 'found'} version {version} at {committed['uri']}", flush=True)

@@ -111,7 +111,9 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[int, Row]]:
             try:
                 rows = json.load(f)
             except ValueError as error:
-                raise ConfigError(f"source: {path.name} is not valid JSON ({error}); fix the file or write it as JSONL, one row a line") from None
+                raise ConfigError(
+                    f"source: {path.name} is not valid JSON ({error}); fix the file or write it as JSONL, one row a line"
+                ) from None
             for number, row in enumerate(rows, start=1):
                 yield number, checked_text(row) if isinstance(row, dict) else None
             return
@@ -131,7 +133,9 @@ def _parquet_rows(path: Path) -> Iterator[tuple[int, Row]]:
     try:
         table = pq.ParquetFile(path)
     except Exception as error:  # pyarrow raises ArrowInvalid, OSError, …
-        raise ConfigError(f"source: {path.name} is not a readable Parquet file ({' '.join(str(error).split())[:200]}); fix or re-export it") from None
+        raise ConfigError(
+            f"source: {path.name} is not a readable Parquet file ({' '.join(str(error).split())[:200]}); fix or re-export it"
+        ) from None
     number = 0
     for batch in table.iter_batches(batch_size=4096):
         for row in batch.to_pylist():

@@ -53,7 +53,9 @@ def _read_listing(root: str, name: str) -> tuple[dict, str | None]:
     try:
         return json.loads(data), etag
     except ValueError:
-        raise storage.StorageError(f"invalid JSON in {uri}: restore it (each version folder's manifest.json has its entry)", uri) from None
+        raise storage.StorageError(
+            f"invalid JSON in {uri}: restore it (each version folder's manifest.json has its entry)", uri
+        ) from None
 
 
 def listing(root: str, name: str) -> dict:
@@ -109,7 +111,9 @@ def resolve(root: str, name: str, version: str = "") -> dict:
     known = [v["version"] for v in listing(root, name)["versions"]]
     if not version:
         if not known:
-            raise ConfigError(f"source: no dataset {name!r} registered under {root}; ingest a file first (--source <file URI> --dataset_name {name})")
+            raise ConfigError(
+                f"source: no dataset {name!r} registered under {root}; ingest a file first (--source <file URI> --dataset_name {name})"
+            )
         version = known[-1]
     found = find(root, name, version)
     if found is None:

@@ -10,10 +10,15 @@ from tasks.eval import metrics
 class EvalConfig(EpisodeConfig, StageConfig):
     """Compare a baseline policy (the SFT model, also the KL reference) with a trained policy on held-out prompts."""
 
-    baseline: str = field(default="", metadata={"help": "the starting policy (SFT output URI); also the reference for KL"})
+    baseline: str = field(
+        default="", metadata={"help": "the starting policy (SFT output URI); also the reference for KL"}
+    )
     policy: str = field(default="", metadata={"help": "the trained policy (RL output URI)"})
     reward_pretrain: str = field(
-        default="", metadata={"help": "reward model (output URI) whose mean score is reported; without one (DPO, KTO) reward_mean is left out"}
+        default="",
+        metadata={
+            "help": "reward model (output URI) whose mean score is reported; without one (DPO, KTO) reward_mean is left out"
+        },
     )
     registry: str = field(
         default="",
@@ -21,14 +26,27 @@ class EvalConfig(EpisodeConfig, StageConfig):
             "help": "a model registry folder (s3://…/models/<name>): its champion, when there is one, is evaluated on the same prompts for the promotion gate"
         },
     )
-    dataset: str = field(default="", metadata={"help": "held-out prompts, with labels when there are reference answers: a stage output URI or a file"})
+    dataset: str = field(
+        default="",
+        metadata={
+            "help": "held-out prompts, with labels when there are reference answers: a stage output URI or a file"
+        },
+    )
     dataset_split: str = field(default="eval", metadata={"help": "split of a stage output's datasets to evaluate on"})
-    input_key: str = field(default="prompt", metadata={"help": "dataset column holding the prompt: a string or a list of chat messages"})
+    input_key: str = field(
+        default="prompt", metadata={"help": "dataset column holding the prompt: a string or a list of chat messages"}
+    )
     label_key: str = field(
-        default="label", metadata={"help": "dataset column holding the reference answer; without it (or empty) the accuracy metrics are left out"}
+        default="label",
+        metadata={
+            "help": "dataset column holding the reference answer; without it (or empty) the accuracy metrics are left out"
+        },
     )
     apply_chat_template: bool = field(
-        default=False, metadata={"help": "render each prompt with the tokenizer's chat template, as the trained stages did (needed for chat-message prompts)"}
+        default=False,
+        metadata={
+            "help": "render each prompt with the tokenizer's chat template, as the trained stages did (needed for chat-message prompts)"
+        },
     )
     metrics: str = field(
         default="",
@@ -52,10 +70,23 @@ class EvalConfig(EpisodeConfig, StageConfig):
             "max": 256,
         },
     )
-    pass_k: str = field(default="", metadata={"help": "the k of pass@k, comma-separated (default: 1 and n_samples_per_prompt)"})
-    slice_key: str = field(default="", metadata={"help": "a dataset column: every metric is also reported per value of it, with intervals", "max_length": 200})
-    bootstrap_resamples: int = field(default=2000, metadata={"help": "resamples of the paired bootstrap behind every 95% interval", "min": 100})
-    win_margin: float = field(default=0.1, metadata={"help": "reward-model score difference within which a pairwise comparison is a tie", "min": 0})
+    pass_k: str = field(
+        default="", metadata={"help": "the k of pass@k, comma-separated (default: 1 and n_samples_per_prompt)"}
+    )
+    slice_key: str = field(
+        default="",
+        metadata={
+            "help": "a dataset column: every metric is also reported per value of it, with intervals",
+            "max_length": 200,
+        },
+    )
+    bootstrap_resamples: int = field(
+        default=2000, metadata={"help": "resamples of the paired bootstrap behind every 95% interval", "min": 100}
+    )
+    win_margin: float = field(
+        default=0.1,
+        metadata={"help": "reward-model score difference within which a pairwise comparison is a tie", "min": 0},
+    )
     judge_url: str = field(
         default="",
         metadata={
@@ -64,8 +95,13 @@ class EvalConfig(EpisodeConfig, StageConfig):
             "max_length": 500,
         },
     )
-    judge_model: str = field(default="judge", metadata={"help": "the model name the judge endpoint serves", "pattern": r"\S", "max_length": 200})
-    max_samples: int = field(default=500, metadata={"help": "evaluate on the first this many prompts", "min": 1, "max": 1_000_000})
+    judge_model: str = field(
+        default="judge",
+        metadata={"help": "the model name the judge endpoint serves", "pattern": r"\S", "max_length": 200},
+    )
+    max_samples: int = field(
+        default=500, metadata={"help": "evaluate on the first this many prompts", "min": 1, "max": 1_000_000}
+    )
     num_shown_samples: int = field(default=8, metadata={"help": "generations shown side by side in the report"})
     lm_eval_tasks: str = field(
         default="",
@@ -75,11 +111,22 @@ class EvalConfig(EpisodeConfig, StageConfig):
         },
     )
     lm_eval_include_path: str = field(
-        default="", metadata={"help": "a folder (local or s3://) of lm-eval task YAMLs, a team's own tasks, added to lm-eval's", "max_length": 1000}
+        default="",
+        metadata={
+            "help": "a folder (local or s3://) of lm-eval task YAMLs, a team's own tasks, added to lm-eval's",
+            "max_length": 1000,
+        },
     )
-    lm_eval_limit: int = field(default=0, metadata={"help": "the first this many documents of each lm-eval task (0: all)", "min": 0, "max": 1_000_000})
-    lm_eval_num_fewshot: int = field(default=-1, metadata={"help": "few-shot examples per lm-eval prompt (-1: each task's own setting)", "min": -1})
-    lm_eval_batch_size: int = field(default=16, metadata={"help": "sequences per forward pass in the lm-eval tasks", "min": 1})
+    lm_eval_limit: int = field(
+        default=0,
+        metadata={"help": "the first this many documents of each lm-eval task (0: all)", "min": 0, "max": 1_000_000},
+    )
+    lm_eval_num_fewshot: int = field(
+        default=-1, metadata={"help": "few-shot examples per lm-eval prompt (-1: each task's own setting)", "min": -1}
+    )
+    lm_eval_batch_size: int = field(
+        default=16, metadata={"help": "sequences per forward pass in the lm-eval tasks", "min": 1}
+    )
     rollout_engine: str = field(
         default="auto",
         metadata={
@@ -124,10 +171,14 @@ class EvalConfig(EpisodeConfig, StageConfig):
         for name in ("judge_url", "metric_func", "env_path"):  # before any Ray job: only what the operator allows
             check_reach(getattr(self, name), name, ConfigError)
         if self.lm_eval_include_path and not self.lm_eval_tasks:
-            raise ConfigError("lm_eval_include_path: names task files but --lm_eval_tasks names no task to run; add the tasks' names")
+            raise ConfigError(
+                "lm_eval_include_path: names task files but --lm_eval_tasks names no task to run; add the tasks' names"
+            )
         bad = [k for k in self.ks() if not 0 < k <= self.n_samples_per_prompt]
         if bad:
-            raise ConfigError(f"pass_k: {bad[0]} is not between 1 and n_samples_per_prompt ({self.n_samples_per_prompt})")
+            raise ConfigError(
+                f"pass_k: {bad[0]} is not between 1 and n_samples_per_prompt ({self.n_samples_per_prompt})"
+            )
 
     def metric_names(self) -> list[str]:
         # A regex may hold commas: everything after "regex:" is its pattern when it comes last.

@@ -101,7 +101,9 @@ def compare(candidate: dict[str, list], reference: dict[str, list], cfg: EvalCon
     out = {}
     for name in candidate:
         if name in reference:
-            delta, interval = stats.delta_interval(candidate[name], reference[name], seed=cfg.seed, resamples=cfg.bootstrap_resamples)
+            delta, interval = stats.delta_interval(
+                candidate[name], reference[name], seed=cfg.seed, resamples=cfg.bootstrap_resamples
+            )
             if delta is not None:
                 out[name] = {"delta": delta, "interval": interval}
     return out
@@ -109,21 +111,41 @@ def compare(candidate: dict[str, list], reference: dict[str, list], cfg: EvalCon
 
 def summarise(scores: dict[str, dict[str, list]], verifiable: list[str], cfg: EvalConfig) -> dict:
     """The report's numbers from the per-prompt scores of each side (baseline, policy, champion)."""
-    means = {side: {m: round(v, 4) for m, vals in s.items() if (v := metric_lib.mean(vals)) is not None} for side, s in scores.items()}
-    intervals = {side: {m: stats.mean_interval(vals, seed=cfg.seed, resamples=cfg.bootstrap_resamples) for m, vals in s.items()} for side, s in scores.items()}
+    means = {
+        side: {m: round(v, 4) for m, vals in s.items() if (v := metric_lib.mean(vals)) is not None}
+        for side, s in scores.items()
+    }
+    intervals = {
+        side: {m: stats.mean_interval(vals, seed=cfg.seed, resamples=cfg.bootstrap_resamples) for m, vals in s.items()}
+        for side, s in scores.items()
+    }
     references = [side for side in ("baseline", "champion") if side in scores]
     comparisons = {ref: compare(scores["policy"], scores[ref], cfg) for ref in references}
     win_rates = {
         ref: {
             "reward_model": stats.win_rate(
-                scores["policy"]["reward_mean"], scores[ref]["reward_mean"], margin=cfg.win_margin, seed=cfg.seed, resamples=cfg.bootstrap_resamples
+                scores["policy"]["reward_mean"],
+                scores[ref]["reward_mean"],
+                margin=cfg.win_margin,
+                seed=cfg.seed,
+                resamples=cfg.bootstrap_resamples,
             )
         }
         for ref in references
         if "reward_mean" in scores["policy"]
     }
-    alarms = [f"against the {ref}: {line}" for ref in references for line in stats.hacking_alarms(comparisons[ref], verifiable)]
-    return {"metrics": means, "intervals": intervals, "comparisons": comparisons, "win_rates": win_rates, "alarms": alarms}
+    alarms = [
+        f"against the {ref}: {line}"
+        for ref in references
+        for line in stats.hacking_alarms(comparisons[ref], verifiable)
+    ]
+    return {
+        "metrics": means,
+        "intervals": intervals,
+        "comparisons": comparisons,
+        "win_rates": win_rates,
+        "alarms": alarms,
+    }
 
 
 def slices(scores: dict[str, dict[str, list]], keys: list, cfg: EvalConfig) -> dict:
@@ -142,12 +164,19 @@ def slices(scores: dict[str, dict[str, list]], keys: list, cfg: EvalConfig) -> d
                 picked = [values[i] for i in index]
                 value = metric_lib.mean(picked)
                 if value is not None:
-                    out[key][side][name] = {"mean": round(value, 4), "interval": stats.mean_interval(picked, seed=cfg.seed, resamples=cfg.bootstrap_resamples)}
+                    out[key][side][name] = {
+                        "mean": round(value, 4),
+                        "interval": stats.mean_interval(picked, seed=cfg.seed, resamples=cfg.bootstrap_resamples),
+                    }
     return {"key": cfg.slice_key, "groups": out, "smallest": min(out, key=lambda k: out[k]["prompts"]) if out else None}
 
 
 def ci(interval, signed: bool = True) -> str:
-    return (f"[{interval[0]:+.3f}, {interval[1]:+.3f}]" if signed else f"[{interval[0]:.3f}, {interval[1]:.3f}]") if interval else ""
+    return (
+        (f"[{interval[0]:+.3f}, {interval[1]:+.3f}]" if signed else f"[{interval[0]:.3f}, {interval[1]:.3f}]")
+        if interval
+        else ""
+    )
 
 
 def markdown(report: dict) -> str:
@@ -184,7 +213,10 @@ def markdown(report: dict) -> str:
     if not report.get("labelled", True):
         lines.append("No reference answers (no label column): the metrics that need them are left out.")
     lines += ["", "| prompt | label | baseline | policy |", "|---|---|---|---|"]
-    lines += [f"| `{s['prompt']}` | {'–' if s['label'] is None else s['label']} | `{s['baseline']}` | `{s['policy']}` |" for s in report["samples"]]
+    lines += [
+        f"| `{s['prompt']}` | {'–' if s['label'] is None else s['label']} | `{s['baseline']}` | `{s['policy']}` |"
+        for s in report["samples"]
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -197,9 +229,14 @@ def evaluate(cfg: EvalConfig, run: StageRun) -> None:
     metric_file = run.code_input("metric_func", cfg.metric_func, metric_lib.MetricError) if cfg.metric_func else None
     scorers = metric_lib.resolve(names, metric_file)
     if labels is None:
-        print(f"eval: no reference answers (column {cfg.label_key!r}) in {cfg.dataset}; the metrics that need them are left out, the others stay", flush=True)
+        print(
+            f"eval: no reference answers (column {cfg.label_key!r}) in {cfg.dataset}; the metrics that need them are left out, the others stay",
+            flush=True,
+        )
     if cfg.slice_key and cfg.slice_key not in rows.column_names:
-        raise metric_lib.MetricError(f"slice_key: the dataset has no column {cfg.slice_key!r}; it has {rows.column_names}")
+        raise metric_lib.MetricError(
+            f"slice_key: the dataset has no column {cfg.slice_key!r}; it has {rows.column_names}"
+        )
     texts = list(rows[cfg.input_key])
     records = rows.to_list()
     if cfg.env_path:  # a file that does not load or reset fails here, before any model generates
@@ -234,12 +271,18 @@ def evaluate(cfg: EvalConfig, run: StageRun) -> None:
     declared = [m for m in scores["baseline"] if m not in MODEL_METRICS and not m.startswith("pass@")]
     verifiable = [m for m in declared if metric_lib.is_success_metric(scores["baseline"][m])]
     summary = summarise(scores, verifiable, cfg)
-    order = declared + [m for m in scores["baseline"] if m.startswith("pass@")] + [m for m in MODEL_METRICS if m in scores["baseline"]]
+    order = (
+        declared
+        + [m for m in scores["baseline"] if m.startswith("pass@")]
+        + [m for m in MODEL_METRICS if m in scores["baseline"]]
+    )
     base_metrics, pol_metrics = summary["metrics"]["baseline"], summary["metrics"]["policy"]
     report = {
         **summary,
         "champion": {"version": champion["version"], "policy": champion["policy"]} if champion else None,
-        "delta": {k: round(pol_metrics[k] - base_metrics[k], 4) for k in order if k in base_metrics and k in pol_metrics},
+        "delta": {
+            k: round(pol_metrics[k] - base_metrics[k], 4) for k in order if k in base_metrics and k in pol_metrics
+        },
         "order": order,
         "declared_metrics": declared,
         "verifiable_metrics": verifiable,
@@ -252,7 +295,9 @@ def evaluate(cfg: EvalConfig, run: StageRun) -> None:
         "cost": lineage_cost(cfg.policy),
         "samples": [
             {"prompt": shown(p), "label": label, "baseline": b, "policy": q}
-            for p, label, b, q in list(zip(texts, labels or [None] * len(texts), greedy["baseline"], greedy["policy"]))[: cfg.num_shown_samples]
+            for p, label, b, q in list(zip(texts, labels or [None] * len(texts), greedy["baseline"], greedy["policy"]))[
+                : cfg.num_shown_samples
+            ]
         ],
     }
     if lm_eval_tables:
@@ -265,7 +310,8 @@ def evaluate(cfg: EvalConfig, run: StageRun) -> None:
                 outcomes, [0.5] * len(outcomes), margin=0.0, seed=cfg.seed, resamples=cfg.bootstrap_resamples
             )
             print(
-                f"eval: the judge {cfg.judge_model} at {cfg.judge_url} compared the policy with the {ref} on {len(outcomes)} prompts, both orders", flush=True
+                f"eval: the judge {cfg.judge_model} at {cfg.judge_url} compared the policy with the {ref} on {len(outcomes)} prompts, both orders",
+                flush=True,
             )
     if cfg.slice_key:
         report["slices"] = slices(scores, list(rows[cfg.slice_key]), cfg)
@@ -277,4 +323,7 @@ def evaluate(cfg: EvalConfig, run: StageRun) -> None:
     # report.html and chart_*.svg: the same report with the policy's training curves, readable as files
     write_report(run.workdir, report, policy_uri=cfg.policy, run_id=cfg.run_id)
     print(table, flush=True)
-    run.commit(metrics={f"{side}_{k}": v for side in ("baseline", "policy") for k, v in report["metrics"][side].items()}, report="report.json")
+    run.commit(
+        metrics={f"{side}_{k}": v for side in ("baseline", "policy") for k, v in report["metrics"][side].items()},
+        report="report.json",
+    )

@@ -20,9 +20,7 @@ from tasks.common import allowlist, http_json
 from tasks.common.config import ConfigError
 
 API_KEY_ENV = "RLHF_JUDGE_API_KEY"
-INSTRUCTIONS = (
-    "You compare two responses to the same prompt and say which one is better: more correct, more helpful, clearer. Answer with exactly one word: A, B or tie."
-)
+INSTRUCTIONS = "You compare two responses to the same prompt and say which one is better: more correct, more helpful, clearer. Answer with exactly one word: A, B or tie."
 _VERDICT = re.compile(r"\b(A|B|tie)\b", re.I)
 
 
@@ -31,7 +29,9 @@ class JudgeError(ConfigError):
 
 
 def question(prompt: str, first: str, second: str) -> str:
-    return f"Prompt:\n{prompt}\n\nResponse A:\n{first}\n\nResponse B:\n{second}\n\nWhich response is better: A, B or tie?"
+    return (
+        f"Prompt:\n{prompt}\n\nResponse A:\n{first}\n\nResponse B:\n{second}\n\nWhich response is better: A, B or tie?"
+    )
 
 
 def verdict(text: str) -> float:
@@ -41,7 +41,9 @@ def verdict(text: str) -> float:
 
 
 class ChatJudge:
-    def __init__(self, url: str, model: str, timeout: float = 60, retries: int = 3, backoff: float = 1.0, workers: int = 8):
+    def __init__(
+        self, url: str, model: str, timeout: float = 60, retries: int = 3, backoff: float = 1.0, workers: int = 8
+    ):
         allowlist.check_url(url, "judge_url", JudgeError)  # the key below goes to this host only
         self.url = url.rstrip("/") + "/chat/completions"
         self.model, self.timeout, self.retries, self.backoff, self.workers = model, timeout, retries, backoff, workers
@@ -56,7 +58,10 @@ class ChatJudge:
                 "model": self.model,
                 "temperature": 0,
                 "max_tokens": 8,
-                "messages": [{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": question(prompt, first, second)}],
+                "messages": [
+                    {"role": "system", "content": INSTRUCTIONS},
+                    {"role": "user", "content": question(prompt, first, second)},
+                ],
             },
             who="judge_url",
             error=JudgeError,
@@ -68,13 +73,19 @@ class ChatJudge:
         try:
             return verdict(reply["choices"][0]["message"]["content"])
         except (KeyError, IndexError, TypeError):
-            raise JudgeError(f"judge_url: {self.url} answered without choices[0].message.content: {str(reply)[:120]!r}") from None
+            raise JudgeError(
+                f"judge_url: {self.url} answered without choices[0].message.content: {str(reply)[:120]!r}"
+            ) from None
 
     def compare(self, prompts: Sequence[str], candidate: Sequence[str], reference: Sequence[str]) -> list[float]:
         """Per prompt, the candidate's outcome against the reference, both orders asked (see the module)."""
 
         def both_orders(i: int) -> float:
-            return (self.ask(prompts[i], candidate[i], reference[i]) + 1.0 - self.ask(prompts[i], reference[i], candidate[i])) / 2
+            return (
+                self.ask(prompts[i], candidate[i], reference[i])
+                + 1.0
+                - self.ask(prompts[i], reference[i], candidate[i])
+            ) / 2
 
         with ThreadPoolExecutor(max_workers=self.workers) as pool:
             return list(pool.map(both_orders, range(len(prompts))))

@@ -61,7 +61,14 @@ def per_document_scores(samples: dict[str, list[dict]]) -> dict[str, list[float]
 
 
 def run_tasks(
-    model, tokenizer, tasks: list[str], manager, limit: int = 0, num_fewshot: int | None = None, batch_size: int = 16, seed: int = 0
+    model,
+    tokenizer,
+    tasks: list[str],
+    manager,
+    limit: int = 0,
+    num_fewshot: int | None = None,
+    batch_size: int = 16,
+    seed: int = 0,
 ) -> tuple[dict[str, list[float]], dict]:
     """`tasks` on the loaded `model`: (per-document scores by metric name, lm-eval's aggregate results by task)."""
     from lm_eval import simple_evaluate

@@ -105,7 +105,9 @@ def builtin(name: str) -> Scorer:
             re.compile(pattern)
         except re.error as exc:
             raise MetricError(f"metrics: {name!r} is not a valid regular expression ({exc})") from exc
-        return lambda prompts, responses, labels, rows: {name: regex_match(pattern, responses, labels)} if labels else {}
+        return lambda prompts, responses, labels, rows: (
+            {name: regex_match(pattern, responses, labels)} if labels else {}
+        )
     if name in LABELLED:
         return lambda prompts, responses, labels, rows: {name: LABELLED[name](responses, labels)} if labels else {}
     if name in UNLABELLED:
@@ -120,20 +122,36 @@ def resolve(names: Sequence[str], metric_file: str | None = None) -> list[Scorer
     file:// or s3:// URI of a .py file)."""
     scorers = [builtin(n) for n in names]
     if metric_file:
-        scorers.append(user_code.load_function(metric_file, "metrics", who="metric_func", error=MetricError, signature="prompts, responses, labels, rows"))
+        scorers.append(
+            user_code.load_function(
+                metric_file,
+                "metrics",
+                who="metric_func",
+                error=MetricError,
+                signature="prompts, responses, labels, rows",
+            )
+        )
     return scorers
 
 
 def score(
-    scorers: Sequence[Scorer], prompts: Sequence[Any], responses: Sequence[str], labels: Sequence[str | None] | None, rows: Sequence[dict]
+    scorers: Sequence[Scorer],
+    prompts: Sequence[Any],
+    responses: Sequence[str],
+    labels: Sequence[str | None] | None,
+    rows: Sequence[dict],
 ) -> dict[str, Scores]:
     """{metric name: one score (float or None) per response}, checked: one score per response, numbers only."""
     out: dict[str, Scores] = {}
     for scorer in scorers:
-        for name, values in (scorer(list(prompts), list(responses), None if labels is None else list(labels), list(rows)) or {}).items():
+        for name, values in (
+            scorer(list(prompts), list(responses), None if labels is None else list(labels), list(rows)) or {}
+        ).items():
             values = list(values)
             if len(values) != len(responses):
-                raise MetricError(f"metric {name!r}: {len(values)} scores for {len(responses)} responses; return one per response")
+                raise MetricError(
+                    f"metric {name!r}: {len(values)} scores for {len(responses)} responses; return one per response"
+                )
             if name in out:
                 raise MetricError(f"metric {name!r}: given twice (a built-in and the metric file?); rename one")
             bad = [v for v in values if v is not None and not isinstance(v, (int, float))]

@@ -31,7 +31,15 @@ CHARTS = {
 }
 COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e")
 # The metrics table's rows when the report gives no order (older reports); any other metric follows.
-ORDER = ("accuracy", "preferred_style_rate", "sampled_accuracy", "sampled_preferred_style_rate", "reward_mean", "kl_to_ref", "response_length")
+ORDER = (
+    "accuracy",
+    "preferred_style_rate",
+    "sampled_accuracy",
+    "sampled_preferred_style_rate",
+    "reward_mean",
+    "kl_to_ref",
+    "response_length",
+)
 
 
 # ---------------------------------------------------------------- reading the curves
@@ -66,7 +74,11 @@ def training_metrics(policy_uri: str) -> tuple[list[dict], str | None]:
     stage output (a hub id, a plain folder) or its stage wrote no metrics.jsonl."""
     if not policy_uri:
         return [], None
-    is_output = storage.is_s3(policy_uri) or policy_uri.endswith(manifests.MANIFEST) or ((storage.local_path(policy_uri) / manifests.MANIFEST).is_file())
+    is_output = (
+        storage.is_s3(policy_uri)
+        or policy_uri.endswith(manifests.MANIFEST)
+        or ((storage.local_path(policy_uri) / manifests.MANIFEST).is_file())
+    )
     if not is_output:
         return [], None
     m = manifests.read_manifest(policy_uri)
@@ -76,7 +88,9 @@ def training_metrics(policy_uri: str) -> tuple[list[dict], str | None]:
     uri = storage.join(m["uri"], METRICS_FILE)
     data = storage.read_bytes(uri)
     if len(data) != entry["size"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
-        raise storage.StorageError(f"{uri} does not match its manifest (size or sha256): rerun the stage that wrote it", uri)
+        raise storage.StorageError(
+            f"{uri} does not match its manifest (size or sha256): rerun the stage that wrote it", uri
+        )
     return parse_metrics(data.decode("utf-8", errors="replace")), uri
 
 
@@ -141,7 +155,9 @@ def svg_line_chart(title: str, lines: dict[str, list[tuple[float, float]]], widt
         if len(pts) == 1:  # one logged step: a dot, a one-point polyline draws nothing
             out.append(f'<circle cx="{sx(pts[0][0]):.1f}" cy="{sy(pts[0][1]):.1f}" r="3" fill="{color}"/>')
         else:
-            out.append(f'<polyline class="series" data-name="{html.escape(name)}" points="{coords}" fill="none" stroke="{color}" stroke-width="1.8"/>')
+            out.append(
+                f'<polyline class="series" data-name="{html.escape(name)}" points="{coords}" fill="none" stroke="{color}" stroke-width="1.8"/>'
+            )
         lx = left + 8 + i * 130
         out.append(
             f'<line x1="{lx}" x2="{lx + 16}" y1="{top + 10}" y2="{top + 10}" stroke="{color}" stroke-width="3"/>'
@@ -192,7 +208,10 @@ def metrics_table(report: dict) -> str:
     head = "".join(f"<th>{html.escape(s)}</th>" for s in sides)
     rows = [f'<table id="metrics"><tr><th>metric</th>{head}<th>change (policy − baseline)</th></tr>']
     for k in names:
-        cells = "".join(f'<td class="num">{_num(report["metrics"][s].get(k, "–"))}{_interval(intervals.get(s, {}).get(k))}</td>' for s in sides)
+        cells = "".join(
+            f'<td class="num">{_num(report["metrics"][s].get(k, "–"))}{_interval(intervals.get(s, {}).get(k))}</td>'
+            for s in sides
+        )
         change = ""
         if isinstance(base.get(k), (int, float)) and isinstance(pol.get(k), (int, float)):
             d = pol[k] - base[k]
@@ -202,7 +221,9 @@ def metrics_table(report: dict) -> str:
 
 
 def win_rates_table(report: dict) -> str:
-    rows = ['<table id="win-rates"><tr><th>policy against</th><th>judge</th><th>win rate</th><th>wins</th><th>ties</th><th>losses</th></tr>']
+    rows = [
+        '<table id="win-rates"><tr><th>policy against</th><th>judge</th><th>win rate</th><th>wins</th><th>ties</th><th>losses</th></tr>'
+    ]
     for ref, judges in report.get("win_rates", {}).items():
         for judge, w in judges.items():
             rows.append(
@@ -257,14 +278,20 @@ def render_html(report: dict, chart_svgs: dict[str, str], metrics_uri: str | Non
     parts.append("<h2>Training curves of the policy</h2>")
     if chart_svgs:
         parts.append(f'<p class="note">From <code>{e(metrics_uri or "")}</code>, per logged step.</p>')
-        parts.append('<div class="charts">' + "".join(f'<figure id="chart-{e(n)}">{s}</figure>' for n, s in chart_svgs.items()) + "</div>")
+        parts.append(
+            '<div class="charts">'
+            + "".join(f'<figure id="chart-{e(n)}">{s}</figure>' for n, s in chart_svgs.items())
+            + "</div>"
+        )
     else:
         parts.append(
             '<p class="note">None: the policy is not a stage output with a metrics.jsonl (a hub id or plain folder), '
             "or its stage logged no reward, KL or loss.</p>"
         )
     if report.get("samples"):
-        parts.append("<h2>Samples (greedy)</h2><table><tr><th>prompt</th><th>label</th><th>baseline</th><th>policy</th></tr>")
+        parts.append(
+            "<h2>Samples (greedy)</h2><table><tr><th>prompt</th><th>label</th><th>baseline</th><th>policy</th></tr>"
+        )
         parts += [
             f"<tr><td><code>{e(str(s['prompt']))}</code></td><td>{e('–' if s['label'] is None else str(s['label']))}</td>"
             f"<td><code>{e(str(s['baseline']))}</code></td><td><code>{e(str(s['policy']))}</code></td></tr>"
@@ -273,7 +300,9 @@ def render_html(report: dict, chart_svgs: dict[str, str], metrics_uri: str | Non
         parts.append("</table>")
     if report.get("inputs"):
         parts.append(
-            "<h2>Inputs</h2><table>" + "".join(f"<tr><td>{e(k)}</td><td><code>{e(str(v))}</code></td></tr>" for k, v in report["inputs"].items()) + "</table>"
+            "<h2>Inputs</h2><table>"
+            + "".join(f"<tr><td>{e(k)}</td><td><code>{e(str(v))}</code></td></tr>" for k, v in report["inputs"].items())
+            + "</table>"
         )
     parts.append("</body></html>")
     return "\n".join(parts) + "\n"

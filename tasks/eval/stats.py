@@ -39,14 +39,20 @@ def _interval(values: np.ndarray, seed: int, resamples: int, level: float) -> li
     return [round(float(lo), 4), round(float(hi), 4)]
 
 
-def mean_interval(values: Sequence[float | None], seed: int = 0, resamples: int = RESAMPLES, level: float = LEVEL) -> list[float] | None:
+def mean_interval(
+    values: Sequence[float | None], seed: int = 0, resamples: int = RESAMPLES, level: float = LEVEL
+) -> list[float] | None:
     """The bootstrap interval of the mean of the scored values (None when fewer than two are scored)."""
     scored = np.array([v for v in values if v is not None], dtype=float)
     return _interval(scored, seed, resamples, level) if len(scored) > 1 else None
 
 
 def delta_interval(
-    candidate: Sequence[float | None], reference: Sequence[float | None], seed: int = 0, resamples: int = RESAMPLES, level: float = LEVEL
+    candidate: Sequence[float | None],
+    reference: Sequence[float | None],
+    seed: int = 0,
+    resamples: int = RESAMPLES,
+    level: float = LEVEL,
 ) -> tuple[float | None, list[float] | None]:
     """(mean of candidate - reference, its paired bootstrap interval) over the prompts both score."""
     if len(candidate) != len(reference):
@@ -65,7 +71,12 @@ def significant(interval: Sequence[float] | None) -> int:
 
 
 def win_rate(
-    candidate: Sequence[float], reference: Sequence[float], margin: float = 0.0, seed: int = 0, resamples: int = RESAMPLES, level: float = LEVEL
+    candidate: Sequence[float],
+    reference: Sequence[float],
+    margin: float = 0.0,
+    seed: int = 0,
+    resamples: int = RESAMPLES,
+    level: float = LEVEL,
 ) -> dict:
     """Per prompt, the candidate wins when its score beats the reference's by more than ``margin``, loses
     when it trails by more, and ties otherwise. ``rate`` = (wins + ties / 2) / prompts, with its interval."""

@@ -48,7 +48,10 @@ def summed_logprobs(model, rollout: Rollout, batch_size: int = 256) -> torch.Ten
     device = next(model.parameters()).device
     out = []
     for i in range(0, rollout.sequences.size(0), batch_size):
-        seqs, mask = rollout.sequences[i : i + batch_size].to(device), rollout.attention_mask[i : i + batch_size].to(device)
+        seqs, mask = (
+            rollout.sequences[i : i + batch_size].to(device),
+            rollout.attention_mask[i : i + batch_size].to(device),
+        )
         logprobs = sequence_logprobs(model, seqs, mask, start=rollout.prompt_width - 1)
         out.append((logprobs * rollout.response_mask[i : i + batch_size].to(device)).sum(-1).cpu())
     return torch.cat(out)
@@ -57,7 +60,9 @@ def summed_logprobs(model, rollout: Rollout, batch_size: int = 256) -> torch.Ten
 class EvalWorker(Worker):
     def setup(self, cfg: EvalConfig, baseline_uri: str) -> None:
         self.cfg = cfg
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        )
         self.baseline_uri = baseline_uri
         path = resolve_model(baseline_uri)
         # --bf16 halves the KL pass's work; on CUDA Liger's kernels take the log-probs a chunk of tokens at a time,
@@ -65,15 +70,25 @@ class EvalWorker(Worker):
         self.load_kwargs = {"dtype": torch.bfloat16 if cfg.bf16 else torch.float32, "liger": use_liger(True)}
         self.reference = self._load(path)
         # Raw scores (not standardised), summed over the models of a comma-separated list, as in RL.
-        self.reward = RewardModels(cfg.reward_pretrain, device=self.device, normalize=False) if cfg.reward_pretrain else None
+        self.reward = (
+            RewardModels(cfg.reward_pretrain, device=self.device, normalize=False) if cfg.reward_pretrain else None
+        )
         # lm-eval's registry (thousands of task files: seconds to scan) once, unknown task names refused before any side runs
-        self.lm_eval = lm_eval_tasks.task_manager(split_list(cfg.lm_eval_tasks), self._include_path()) if cfg.lm_eval_tasks else None
+        self.lm_eval = (
+            lm_eval_tasks.task_manager(split_list(cfg.lm_eval_tasks), self._include_path())
+            if cfg.lm_eval_tasks
+            else None
+        )
         self.vllm = None
-        self.engine_name, why = cfg.choose_rollout_engine(self.device.type == "cuda", importlib.util.find_spec("vllm") is not None)
+        self.engine_name, why = cfg.choose_rollout_engine(
+            self.device.type == "cuda", importlib.util.find_spec("vllm") is not None
+        )
         print(f"eval: rollout engine {self.engine_name} ({why})", flush=True)
         if self.engine_name == "vllm":
             if self.device.type != "cuda":
-                raise ConfigError("rollout_engine: vLLM generates on a GPU and this eval worker has none; use --rollout_engine transformers")
+                raise ConfigError(
+                    "rollout_engine: vLLM generates on a GPU and this eval worker has none; use --rollout_engine transformers"
+                )
             self.vllm = make_engine(
                 "vllm",
                 load_tokenizer(path),
@@ -100,7 +115,9 @@ class EvalWorker(Worker):
 
     def _engine(self, model, tokenizer):
         if self.vllm is None:
-            return make_engine("transformers", tokenizer, module=model, device=self.device, cuda_graphs=self.device.type == "cuda")
+            return make_engine(
+                "transformers", tokenizer, module=model, device=self.device, cuda_graphs=self.device.type == "cuda"
+            )
         self.vllm.load_named((name, param.data) for name, param in model.named_parameters())
         return self.vllm
 
@@ -128,7 +145,11 @@ class EvalWorker(Worker):
         sampled_texts = sampled.texts(tokenizer)
         lap("sampled")
         # the baseline's KL to itself is 0 by definition: no pass
-        kl = [0.0] * len(sampled_texts) if model is self.reference else (summed_logprobs(model, sampled) - summed_logprobs(self.reference, sampled)).tolist()
+        kl = (
+            [0.0] * len(sampled_texts)
+            if model is self.reference
+            else (summed_logprobs(model, sampled) - summed_logprobs(self.reference, sampled)).tolist()
+        )
         lap("kl")
         out = {
             "greedy": greedy,
@@ -142,7 +163,9 @@ class EvalWorker(Worker):
             "engine": "vLLM" if self.vllm is not None else "transformers",
         }
         if self.reward is not None:
-            batch = build_reward_batch(sampled, tokenizer, repeat(prompts, n), repeat(labels, n) if labels is not None else None)
+            batch = build_reward_batch(
+                sampled, tokenizer, repeat(prompts, n), repeat(labels, n) if labels is not None else None
+            )
             out["reward_mean"] = self.reward.score(batch).tolist()
             lap("reward")
         if cfg.env_path:

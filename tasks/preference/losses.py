@@ -62,7 +62,9 @@ def dpo_loss(
 
 
 def kto_kl_baseline(
-    policy_mismatched_logps: torch.Tensor, ref_mismatched_logps: torch.Tensor, reduce_mean: Callable[[torch.Tensor], torch.Tensor] | None = None
+    policy_mismatched_logps: torch.Tensor,
+    ref_mismatched_logps: torch.Tensor,
+    reduce_mean: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """KTO's reference point z0 = max(0, mean(log π - log π_ref)) over mismatched (prompt, other completion)
     pairs, detached. Ethayarajh et al. 2024 (KTO), §4. With data parallelism `reduce_mean` averages this

@@ -52,7 +52,10 @@ def tokenize(rows, tokenizer, cfg: PreferenceConfig) -> tuple[list[list[int]], l
 @torch.no_grad()
 def _no_grad_logps(model, prompts, responses, pad_id, device, batch_size=256) -> torch.Tensor:
     return torch.cat(
-        [summed_logps(model, prompts[i : i + batch_size], responses[i : i + batch_size], pad_id, device) for i in range(0, len(prompts), batch_size)]
+        [
+            summed_logps(model, prompts[i : i + batch_size], responses[i : i + batch_size], pad_id, device)
+            for i in range(0, len(prompts), batch_size)
+        ]
     )
 
 
@@ -79,7 +82,9 @@ class PreferenceWorker(TrainingWorker):
         self.micro = self.strategy.micro_batch_size
         model = lora.apply_lora(load_causal_lm(path, **kernels(cfg)), cfg)
         counts = lora.param_counts(model)  # before ZeRO-3 partitions the parameters
-        self.engine = self.strategy.prepare(model, cfg.learning_rate, cfg.max_steps, cfg.lr_warmup_steps, lr_scheduler=cfg.lr_scheduler)
+        self.engine = self.strategy.prepare(
+            model, cfg.learning_rate, cfg.max_steps, cfg.lr_warmup_steps, lr_scheduler=cfg.lr_scheduler
+        )
         self.sampler = data.BatchSampler(n, cfg.train_batch_size, cfg.seed)
         self.reference, self.ref_logps = None, None
         if not cfg.reference_free:
@@ -111,7 +116,9 @@ class PreferenceWorker(TrainingWorker):
             return self.ref_logps[column][rows].to(self.strategy.device)
         if self.reference is None:  # reference-free DPO
             return torch.zeros(len(rows), device=self.strategy.device)
-        return _no_grad_logps(self.reference, *self._sequences(rows, column), self.tokenizer.pad_token_id, self.strategy.device)
+        return _no_grad_logps(
+            self.reference, *self._sequences(rows, column), self.tokenizer.pad_token_id, self.strategy.device
+        )
 
     def _policy_logps(self, rows: list[int], columns: list[str]) -> list[torch.Tensor]:
         """The policy's log-probabilities of several columns in one forward pass."""
@@ -130,9 +137,18 @@ class PreferenceWorker(TrainingWorker):
         chunks = [batch[i : i + self.micro] for i in range(0, len(batch), self.micro)]
         z0 = None
         if cfg.method == "kto":
-            policy = _no_grad_logps(self.engine.module, *self._sequences(batch, "mismatched"), self.tokenizer.pad_token_id, self.strategy.device)
+            policy = _no_grad_logps(
+                self.engine.module,
+                *self._sequences(batch, "mismatched"),
+                self.tokenizer.pad_token_id,
+                self.strategy.device,
+            )
             # mean over the world first, then the clamp (kto_kl_baseline): clamping per worker biases z0 up
-            z0 = kto_kl_baseline(policy, self._reference_logps(batch, "mismatched"), reduce_mean=lambda local: self.strategy.all_reduce(local, op="mean"))
+            z0 = kto_kl_baseline(
+                policy,
+                self._reference_logps(batch, "mismatched"),
+                reduce_mean=lambda local: self.strategy.all_reduce(local, op="mean"),
+            )
         sums: dict[str, torch.Tensor] = {}
         for chunk in chunks:
             if cfg.method == "dpo":
@@ -183,7 +199,9 @@ class PreferenceWorker(TrainingWorker):
         return {**dict(zip(sums, means.tolist())), "lr": self.engine.get_lr()[0]}
 
     def save_model(self, out_dir: str) -> None:
-        self.strategy.save_hf(self.engine, self.tokenizer, out_dir, merge_lora=self.cfg.merge_lora, base_uri=self.cfg.pretrain)
+        self.strategy.save_hf(
+            self.engine, self.tokenizer, out_dir, merge_lora=self.cfg.merge_lora, base_uri=self.cfg.pretrain
+        )
 
 
 def _mean(x: torch.Tensor) -> torch.Tensor:
@@ -194,10 +212,21 @@ def train(cfg: PreferenceConfig, run: StageRun) -> None:
     if cfg.ref_pretrain:
         run.input("ref_pretrain", cfg.ref_pretrain)
     info, stats, metrics = train_single_group(
-        run, cfg, PreferenceWorker, lambda info: f"{cfg.method}, {info['examples']} examples, {info['truncated']} sequences cut to {cfg.max_len} tokens"
+        run,
+        cfg,
+        PreferenceWorker,
+        lambda info: (
+            f"{cfg.method}, {info['examples']} examples, {info['truncated']} sequences cut to {cfg.max_len} tokens"
+        ),
     )
     run.commit(
-        metrics={**{k: round(v, 5) for k, v in stats.items()}, "method": cfg.method, "steps": cfg.max_steps, "examples": info["examples"], **metrics},
+        metrics={
+            **{k: round(v, 5) for k, v in stats.items()},
+            "method": cfg.method,
+            "steps": cfg.max_steps,
+            "examples": info["examples"],
+            **metrics,
+        },
         model="model",
         **lora.manifest_fields(cfg),
     )

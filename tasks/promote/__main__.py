@@ -15,7 +15,11 @@ def promote(cfg: PromoteConfig, run: StageRun) -> None:
     side = "champion" if champion else "baseline"
     rules = cfg.rules() or default_rules(report)
     passed, reasons = judge(
-        report["metrics"]["policy"], report["metrics"][side], rules, comparison=report.get("comparisons", {}).get(side), alarms=report.get("alarms", [])
+        report["metrics"]["policy"],
+        report["metrics"][side],
+        rules,
+        comparison=report.get("comparisons", {}).get(side),
+        alarms=report.get("alarms", []),
     )
     if not cfg.rules():  # the default gate also asks for a gain beyond noise
         gained, line = real_gain(report, side)
@@ -38,10 +42,17 @@ def promote(cfg: PromoteConfig, run: StageRun) -> None:
     elif not cfg.allow_promotion:
         decision = "passed, not promoted: promotion is off for this run (allow_promotion false)"
     else:
-        promoted = registry.promote(entry, expected_version=champion["version"] if champion else 0, promoted_by=cfg.promoted_by or f"run {cfg.run_id}")
+        promoted = registry.promote(
+            entry,
+            expected_version=champion["version"] if champion else 0,
+            promoted_by=cfg.promoted_by or f"run {cfg.run_id}",
+        )
         decision = f"promoted: champion v{promoted['version']}"
     print(f"decision: {decision}", flush=True)
-    candidate = registry.record_candidate(cfg.run_id, {**entry, "decision": decision, "passed": passed, "against": champion, "promoted": promoted is not None})
+    candidate = registry.record_candidate(
+        cfg.run_id,
+        {**entry, "decision": decision, "passed": passed, "against": champion, "promoted": promoted is not None},
+    )
     (run.workdir / "decision.json").write_text(json.dumps({"decision": decision, "reasons": reasons}, indent=2))
     run.commit(
         metrics={

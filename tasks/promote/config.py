@@ -12,15 +12,22 @@ DEFAULT_GATE: dict = {}
 class PromoteConfig(StageConfig):
     """Judge an evaluated candidate against the gate; promote it to champion when it passes and promotion is allowed."""
 
-    evaluation: str = field(default="", metadata={"help": "the eval stage's output URI (its report holds candidate, baseline and champion metrics)"})
-    registry: str = field(default="", metadata={"help": "the model's registry folder, e.g. s3://bucket/prefix/models/<name>"})
+    evaluation: str = field(
+        default="",
+        metadata={"help": "the eval stage's output URI (its report holds candidate, baseline and champion metrics)"},
+    )
+    registry: str = field(
+        default="", metadata={"help": "the model's registry folder, e.g. s3://bucket/prefix/models/<name>"}
+    )
     gate: str = field(
         default=json.dumps(DEFAULT_GATE),
         metadata={
             "help": 'JSON rules per metric: {"accuracy": {"max_drop": 0.02}, ...} (min, max, min_gain, max_drop, min_gain_lower); {}: no declared 0/1 metric drops over 2 points, KL under 2, and one gains beyond noise'
         },
     )
-    allow_promotion: bool = field(default=True, metadata={"help": "false: judge and record the candidate, never promote (manual runs)"})
+    allow_promotion: bool = field(
+        default=True, metadata={"help": "false: judge and record the candidate, never promote (manual runs)"}
+    )
     promoted_by: str = field(default="", metadata={"help": "who or what promotes (recorded in the history)"})
 
     def validate(self) -> None:
@@ -34,4 +41,6 @@ class PromoteConfig(StageConfig):
         try:
             return json.loads(self.gate)
         except ValueError as e:
-            raise ConfigError(f'gate: not valid JSON ({e}); pass an object such as {{"accuracy": {{"max_drop": 0.02}}}}, or {{}}') from None
+            raise ConfigError(
+                f'gate: not valid JSON ({e}); pass an object such as {{"accuracy": {{"max_drop": 0.02}}}}, or {{}}'
+            ) from None

@@ -38,15 +38,21 @@ def check_rules(rules: dict) -> None:
         return
     for metric, rule in rules.items():
         if not isinstance(rule, dict) or not rule or set(rule) - set(RULE_KINDS):
-            raise ConfigError(f"gate: rule for {metric!r} must be an object with keys from {list(RULE_KINDS)}, got {rule!r}")
+            raise ConfigError(
+                f"gate: rule for {metric!r} must be an object with keys from {list(RULE_KINDS)}, got {rule!r}"
+            )
         for kind, value in rule.items():
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ConfigError(f"gate: {metric}.{kind} must be a number, got {value!r}")
     if not set(rules) - set(REWARD_METRICS):
-        raise ConfigError(f"gate: needs at least one metric the reward model does not produce (not only {list(REWARD_METRICS)}), such as accuracy or kl_to_ref")
+        raise ConfigError(
+            f"gate: needs at least one metric the reward model does not produce (not only {list(REWARD_METRICS)}), such as accuracy or kl_to_ref"
+        )
 
 
-def judge(candidate: dict, reference: dict, rules: dict, comparison: dict | None = None, alarms: list[str] | tuple = ()) -> tuple[bool, list[str]]:
+def judge(
+    candidate: dict, reference: dict, rules: dict, comparison: dict | None = None, alarms: list[str] | tuple = ()
+) -> tuple[bool, list[str]]:
     """(passed, one line per rule saying how it went). A metric missing on either side fails its rule, as
     does an interval rule without the interval; every alarm fails the gate."""
     reasons, passed = [], True
@@ -67,7 +73,10 @@ def judge(candidate: dict, reference: dict, rules: dict, comparison: dict | None
             elif not interval:
                 ok, line = False, f"{metric}: no interval of its change in the evaluation report"
             else:
-                ok, line = interval[0] >= bound, f"{metric} gain's 95% interval [{interval[0]:+.4f}, {interval[1]:+.4f}] starts >= {bound:+}"
+                ok, line = (
+                    interval[0] >= bound,
+                    f"{metric} gain's 95% interval [{interval[0]:+.4f}, {interval[1]:+.4f}] starts >= {bound:+}",
+                )
             reasons.append(("pass: " if ok else "FAIL: ") + line)
             passed = passed and ok
     for alarm in alarms:
@@ -87,9 +96,19 @@ def real_gain(report: dict, side: str) -> tuple[bool, str]:
     """Whether some declared 0/1 metric (greedy or sampled) gained beyond noise against `side`: the 95% interval
     of its change lies above 0. The default gate asks for one, so a candidate no better than the reference stays out."""
     comparison = report.get("comparisons", {}).get(side, {})
-    gains = [(m, c) for m in report.get("verifiable_metrics", []) if (c := comparison.get(m)) and c.get("interval") and c["interval"][0] > 0]
+    gains = [
+        (m, c)
+        for m in report.get("verifiable_metrics", [])
+        if (c := comparison.get(m)) and c.get("interval") and c["interval"][0] > 0
+    ]
     if not gains:
-        return False, f"FAIL: no declared metric gained beyond noise against the {side} (of {report.get('verifiable_metrics', [])})"
+        return (
+            False,
+            f"FAIL: no declared metric gained beyond noise against the {side} (of {report.get('verifiable_metrics', [])})",
+        )
     metric, change = max(gains, key=lambda g: g[1]["interval"][0])
     lo, hi = change["interval"]
-    return True, f"pass: {metric} gained {change['delta']:+.4f} (95% interval [{lo:+.4f}, {hi:+.4f}]) against the {side}"
+    return (
+        True,
+        f"pass: {metric} gained {change['delta']:+.4f} (95% interval [{lo:+.4f}, {hi:+.4f}]) against the {side}",
+    )

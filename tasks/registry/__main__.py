@@ -57,12 +57,18 @@ def parser() -> argparse.ArgumentParser:
             s.add_argument("--by", required=True, help="who promotes (recorded in the history)")
             s.add_argument("--reason", default="", help="why (recorded in the history)")
     sub.choices["promote"].add_argument("--candidate", required=True, help="the run id of a judged candidate")
-    sub.choices["promote"].add_argument("--override_gate", type=_bool, default=False, help="promote one that failed its gate")
+    sub.choices["promote"].add_argument(
+        "--override_gate", type=_bool, default=False, help="promote one that failed its gate"
+    )
     sub.choices["rollback"].add_argument("--to_version", type=int, required=True, help="the earlier champion version")
     r = sub.add_parser("retention", parents=[common])
     r.add_argument("--root", required=True, help="s3://<bucket>/<prefix> of the pipeline")
-    r.add_argument("--max_age_days", type=float, required=True, help="expire failed runs and rejected candidates older than this")
-    r.add_argument("--multipart_age_hours", type=float, default=24, help="abort unfinished multipart uploads older than this")
+    r.add_argument(
+        "--max_age_days", type=float, required=True, help="expire failed runs and rejected candidates older than this"
+    )
+    r.add_argument(
+        "--multipart_age_hours", type=float, default=24, help="abort unfinished multipart uploads older than this"
+    )
     r.add_argument("--dags", default=",".join(retention.PIPELINE_DAGS), help="comma list of the pipeline DAG ids")
     r.add_argument("--dry_run", type=_bool, default=True, help="list what would be deleted, delete nothing (default)")
     return p
@@ -96,7 +102,9 @@ def _table(listing: dict) -> str:
             if cost
             else "cost unknown"
         )
-        lines.append(f"  {c['run_id']}  {'PROMOTED' if c.get('promoted') else 'passed' if c.get('passed') else 'rejected'}  {shown}  [{spent}]")
+        lines.append(
+            f"  {c['run_id']}  {'PROMOTED' if c.get('promoted') else 'passed' if c.get('passed') else 'rejected'}  {shown}  [{spent}]"
+        )
     return "\n".join(lines)
 
 
@@ -118,7 +126,9 @@ def run(argv: list[str]) -> dict:
             result = reg.listing()
             text = _table(result)
         elif args.command == "promote":
-            result = reg.promote_candidate(args.candidate, args.expected_version, args.by, args.override_gate, args.reason)
+            result = reg.promote_candidate(
+                args.candidate, args.expected_version, args.by, args.override_gate, args.reason
+            )
             text = f"promoted {args.candidate}: champion v{result['version']} {result['policy']}"
         else:
             result = reg.rollback(args.to_version, args.expected_version, args.by, args.reason)
@@ -148,7 +158,9 @@ def _commit(args, result: dict, text: str) -> None:
         manifests.commit(
             local,
             args.output,
-            manifests.build_manifest(f"registry_{args.command}", args.run_id, config, {}, metrics, result="result.json", summary=text[-2000:]),
+            manifests.build_manifest(
+                f"registry_{args.command}", args.run_id, config, {}, metrics, result="result.json", summary=text[-2000:]
+            ),
         )
 
 

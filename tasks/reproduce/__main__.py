@@ -31,8 +31,17 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("manifest", help="the original stage output: its folder or manifest.json URI (s3://… or local)")
     p.add_argument("--output", required=True, help="a new, empty URI for the rerun's output (never the original's)")
     p.add_argument("--check", action="store_true", help="compare the rerun's metrics and inputs with the recorded ones")
-    p.add_argument("--rtol", type=float, default=reproduce.DEFAULT_RTOL, help="relative tolerance for float metrics (ints and strings compare exactly)")
-    p.add_argument("--allow_code_change", action="store_true", help="rerun even though this checkout's code version differs from the recorded one")
+    p.add_argument(
+        "--rtol",
+        type=float,
+        default=reproduce.DEFAULT_RTOL,
+        help="relative tolerance for float metrics (ints and strings compare exactly)",
+    )
+    p.add_argument(
+        "--allow_code_change",
+        action="store_true",
+        help="rerun even though this checkout's code version differs from the recorded one",
+    )
     return p
 
 
@@ -43,7 +52,9 @@ def main(argv: list[str] | None = None) -> None:
     if not args.rtol >= 0:
         parser().error(f"--rtol: must be >= 0, got {args.rtol}")
     try:
-        _, rows, matches, line = reproduce.reproduce(args.manifest, args.output, check=args.check, rtol=args.rtol, allow_code_change=args.allow_code_change)
+        _, rows, matches, line = reproduce.reproduce(
+            args.manifest, args.output, check=args.check, rtol=args.rtol, allow_code_change=args.allow_code_change
+        )
     except (reproduce.ReproduceError, *USER_ERRORS) as error:
         # A worker's error reaches us wrapped by Ray; the cause's one line is what the user needs.
         print(f"error: {getattr(error, 'cause', None) or error}", file=sys.stderr, flush=True)

@@ -58,9 +58,7 @@ class ReproduceError(ValueError):
 
 # Registry commands (promote, rollback, retention) are not stages: nothing names them in tasks.common.stages.
 REGISTRY_COMMANDS = "registry_"
-REGISTRY_REFUSAL = (
-    "it is a registry command (promote, rollback, retention) that changes the registry; run python -m tasks.registry list to see the registry's state instead"
-)
+REGISTRY_REFUSAL = "it is a registry command (promote, rollback, retention) that changes the registry; run python -m tasks.registry list to see the registry's state instead"
 
 # Config fields the rerun must not copy from the original: {field: value}.
 RESET_FIELDS = {
@@ -86,7 +84,9 @@ def stage_code(stage: str) -> tuple[type, Callable]:
         raise ReproduceError(f"stage: {stage} is not reproducible: {why}")
     entry = stages.STAGES.get(stage)
     if entry is None:
-        raise ReproduceError(f"stage: {stage!r} is not in tasks.common.stages.STAGES; add it there (known: {', '.join(stages.STAGES)})")
+        raise ReproduceError(
+            f"stage: {stage!r} is not in tasks.common.stages.STAGES; add it there (known: {', '.join(stages.STAGES)})"
+        )
     return entry.config_class(), entry.work_function()
 
 
@@ -127,7 +127,9 @@ def check_output(manifest: dict, output: str) -> None:
     if not output:
         raise ReproduceError("output: missing; pass --output <new URI> (s3://… or a local folder)")
     if same_uri(output, manifest["uri"]):
-        raise ReproduceError(f"output: {output} is the original's folder; pass another --output, the original stays as the reference")
+        raise ReproduceError(
+            f"output: {output} is the original's folder; pass another --output, the original stays as the reference"
+        )
     local = None if storage.is_s3(output) else storage.local_path(output)
     empty_dir = local is not None and local.is_dir() and not any(local.iterdir())
     if storage.exists(output) and not empty_dir:
@@ -152,7 +154,9 @@ def check_input(name: str, uri: str, digests: dict | None) -> str:
     if recorded:
         now = manifests.manifest_digest(uri)
         if now is None:
-            raise ReproduceError(f"inputs.{name}: {uri} has no manifest.json any more; restore it, or reproduce the stage that wrote it to that URI first")
+            raise ReproduceError(
+                f"inputs.{name}: {uri} has no manifest.json any more; restore it, or reproduce the stage that wrote it to that URI first"
+            )
         if now != recorded:
             raise ReproduceError(
                 f"inputs.{name}: {uri}/manifest.json changed since the original run (sha256 "
@@ -163,7 +167,9 @@ def check_input(name: str, uri: str, digests: dict | None) -> str:
     if not stored(uri):
         return "not checked (hub id or endpoint)"
     if not storage.exists(uri):
-        raise ReproduceError(f"inputs.{name}: {uri} no longer exists; restore it, or reproduce the stage that wrote it first")
+        raise ReproduceError(
+            f"inputs.{name}: {uri} no longer exists; restore it, or reproduce the stage that wrote it first"
+        )
     # Manifests written before input_manifests was recorded: existence is all we can check.
     return "exists" if digests is None else "exists (not a stage output)"
 
@@ -209,8 +215,14 @@ def check_code(manifest: dict, allow_change: bool) -> list[str]:
             f"now) though both are version {current}: uncommitted edits? restore them or pass --allow_code_change"
         )
     notes = [f"code {current} instead of the recorded {recorded} (--allow_code_change)"] if recorded != current else []
-    notes += [f"tasks/ code digest {now[:12]}… instead of the recorded {then[:12]}… (--allow_code_change)"] if then and then != now else []
-    notes += [] if then else ["the manifest records no code digest (written before it was): uncommitted edits go unseen"]
+    notes += (
+        [f"tasks/ code digest {now[:12]}… instead of the recorded {then[:12]}… (--allow_code_change)"]
+        if then and then != now
+        else []
+    )
+    notes += (
+        [] if then else ["the manifest records no code digest (written before it was): uncommitted edits go unseen"]
+    )
     return notes
 
 
@@ -316,7 +328,10 @@ def preflight(uri: str, output: str, allow_code_change: bool = False):
     for change in version_changes(manifest):
         print(f"reproduce: note: {change} since the original run; floats may differ", flush=True)
     if manifest.get("resumed_from_step"):
-        print(f"reproduce: note: the original resumed from its step {manifest['resumed_from_step']} checkpoint; this rerun starts from scratch", flush=True)
+        print(
+            f"reproduce: note: the original resumed from its step {manifest['resumed_from_step']} checkpoint; this rerun starts from scratch",
+            flush=True,
+        )
     return manifest, cfg, work
 
 
@@ -330,7 +345,9 @@ def run_stage(stage: str, cfg, work: Callable) -> dict:
     return manifests.read_manifest(cfg.output)
 
 
-def reproduce(uri: str, output: str, check: bool = False, rtol: float = DEFAULT_RTOL, allow_code_change: bool = False) -> tuple[dict, list, bool, str]:
+def reproduce(
+    uri: str, output: str, check: bool = False, rtol: float = DEFAULT_RTOL, allow_code_change: bool = False
+) -> tuple[dict, list, bool, str]:
     """Rerun the stage committed at `uri` into `output`. Returns (new manifest, comparison rows,
     matches, one-line summary); without `check` the rows are empty and matches is True."""
     manifest, cfg, work = preflight(uri, output, allow_code_change)
@@ -338,6 +355,8 @@ def reproduce(uri: str, output: str, check: bool = False, rtol: float = DEFAULT_
     if not check:
         return new, [], True, f"reproduce: {manifest['stage']} rerun committed to {new['uri']} (not checked)"
     print(files_line(manifest, new), flush=True)
-    rows = compare_metrics(manifest.get("metrics") or {}, new.get("metrics") or {}, rtol) + compare_inputs(manifest, new)
+    rows = compare_metrics(manifest.get("metrics") or {}, new.get("metrics") or {}, rtol) + compare_inputs(
+        manifest, new
+    )
     matches, line = summary(manifest["stage"], rows, rtol)
     return new, rows, matches, line

@@ -8,10 +8,14 @@ from tasks.common.config import restate
 class RewardModelConfig(Base):
     """Pairwise (Bradley-Terry) reward model: a scalar head on the SFT model, trained on chosen/rejected pairs."""
 
-    pretrain: str = restate(Base, "pretrain", help="model to start from (the SFT output URI); the scalar head starts fresh")
+    pretrain: str = restate(
+        Base, "pretrain", help="model to start from (the SFT output URI); the scalar head starts fresh"
+    )
     dataset: str = restate(Base, "dataset", help="preference pairs: a stage output URI or a JSONL/Parquet/CSV file")
     dataset_split: str = restate(Base, "dataset_split", "preference")
-    eval_split: str = field(default="preference_eval", metadata={"help": "held-out pairs for pairwise accuracy and reward statistics"})
+    eval_split: str = field(
+        default="preference_eval", metadata={"help": "held-out pairs for pairwise accuracy and reward statistics"}
+    )
     prompt_key: str = field(default="prompt", metadata={"help": "dataset column holding the prompt"})
     chosen_key: str = field(default="chosen", metadata={"help": "dataset column holding the preferred response"})
     rejected_key: str = field(default="rejected", metadata={"help": "dataset column holding the other response"})
@@ -20,5 +24,8 @@ class RewardModelConfig(Base):
     learning_rate: float = restate(Base, "learning_rate", 3e-4)
     lr_warmup_steps: int = restate(Base, "lr_warmup_steps", 50)
     packing_samples: bool = field(
-        default=False, metadata={"help": "pack each micro-batch's sequences into one: no padding, and no token attends across sequences"}
+        default=False,
+        metadata={
+            "help": "pack each micro-batch's sequences into one: no padding, and no token attends across sequences"
+        },
     )

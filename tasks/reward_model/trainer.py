@@ -10,7 +10,14 @@ import torch
 
 from tasks.common.nn import data, lora
 from tasks.common.nn.losses import bradley_terry_loss
-from tasks.common.nn.models import kernels, load_scalar_model, load_tokenizer, packed_scores, resolve_model, sequence_scores
+from tasks.common.nn.models import (
+    kernels,
+    load_scalar_model,
+    load_tokenizer,
+    packed_scores,
+    resolve_model,
+    sequence_scores,
+)
 from tasks.common.nn.single_group import train_single_group
 from tasks.common.nn.strategy import DeepSpeedStrategy
 from tasks.common.nn.workers import TrainingWorker, shard
@@ -68,7 +75,9 @@ class RewardModelWorker(TrainingWorker):
         self.chosen, self.rejected, truncated = tokenize_pairs(train_rows, self.tokenizer, cfg)
         eval_chosen, eval_rejected, eval_truncated = tokenize_pairs(eval_rows, self.tokenizer, cfg)
         # This worker scores its share of the held-out pairs at the end.
-        self.eval_chosen, self.eval_rejected = (shard(side, self.world_size)[self.rank] for side in (eval_chosen, eval_rejected))
+        self.eval_chosen, self.eval_rejected = (
+            shard(side, self.world_size)[self.rank] for side in (eval_chosen, eval_rejected)
+        )
         # A micro-batch of n pairs is 2n sequences in one forward pass.
         self.strategy = DeepSpeedStrategy.for_training(cfg, self.world_size, sequences_per_item=2)
         self.micro = self.strategy.micro_batch_size // 2
@@ -76,10 +85,18 @@ class RewardModelWorker(TrainingWorker):
         # With LoRA the score head trains in full beside the adapters (lora.apply_lora).
         model = lora.apply_lora(load_scalar_model(path, **kernels(cfg)), cfg, scalar=True)
         counts = lora.param_counts(model)  # before ZeRO-3 partitions the parameters
-        self.engine = self.strategy.prepare(model, cfg.learning_rate, cfg.max_steps, cfg.lr_warmup_steps, lr_scheduler=cfg.lr_scheduler)
+        self.engine = self.strategy.prepare(
+            model, cfg.learning_rate, cfg.max_steps, cfg.lr_warmup_steps, lr_scheduler=cfg.lr_scheduler
+        )
         self.sampler = data.BatchSampler(len(self.chosen), cfg.train_batch_size, cfg.seed)
         self.engine.train()
-        return {**counts, "pairs": len(self.chosen), "eval_pairs": len(eval_chosen), "truncated": truncated, "eval_truncated": eval_truncated}
+        return {
+            **counts,
+            "pairs": len(self.chosen),
+            "eval_pairs": len(eval_chosen),
+            "truncated": truncated,
+            "eval_truncated": eval_truncated,
+        }
 
     def train_step(self) -> dict:
         """One optimizer step on this worker's share of the next global batch; global means of the statistics.
@@ -106,12 +123,16 @@ class RewardModelWorker(TrainingWorker):
     def score_held_out(self) -> tuple[list[float], list[float]]:
         """Scores of this worker's share of the held-out pairs (chosen, rejected)."""
         self.engine.eval()
-        return evaluate_pairs(self.engine.module, self.eval_chosen, self.eval_rejected, self.tokenizer.pad_token_id, self.strategy.device)
+        return evaluate_pairs(
+            self.engine.module, self.eval_chosen, self.eval_rejected, self.tokenizer.pad_token_id, self.strategy.device
+        )
 
     def save_model(self, out_dir: str, reward_mean: float, reward_std: float) -> None:
         config = self.engine.module.config
         config.reward_mean, config.reward_std = reward_mean, reward_std
-        self.strategy.save_hf(self.engine, self.tokenizer, out_dir, merge_lora=self.cfg.merge_lora, base_uri=self.cfg.pretrain)
+        self.strategy.save_hf(
+            self.engine, self.tokenizer, out_dir, merge_lora=self.cfg.merge_lora, base_uri=self.cfg.pretrain
+        )
 
 
 def train(cfg: RewardModelConfig, run: StageRun) -> None:
@@ -124,14 +145,22 @@ def train(cfg: RewardModelConfig, run: StageRun) -> None:
         chosen = torch.tensor([s for c, _ in shares for s in c])
         rejected = torch.tensor([s for _, r in shares for s in r])
         scores = torch.cat([chosen, rejected])
-        found = {"eval_pairwise_accuracy": (chosen > rejected).float().mean().item(), "reward_mean": scores.mean().item(), "reward_std": scores.std().item()}
+        found = {
+            "eval_pairwise_accuracy": (chosen > rejected).float().mean().item(),
+            "reward_mean": scores.mean().item(),
+            "reward_std": scores.std().item(),
+        }
         run.tracker.log(cfg.max_steps, found)
         return found, (found["reward_mean"], found["reward_std"])
 
     info, stats, metrics = train_single_group(run, cfg, RewardModelWorker, summary, after=held_out)
     metrics["eval_pairwise_accuracy"] = round(metrics["eval_pairwise_accuracy"], 4)
     run.commit(
-        metrics={"train_loss": round(stats["loss"], 5) if stats else None, "eval_truncated": info["eval_truncated"], **metrics},
+        metrics={
+            "train_loss": round(stats["loss"], 5) if stats else None,
+            "eval_truncated": info["eval_truncated"],
+            **metrics,
+        },
         # An adapter output keeps the statistics in its manifest; loading it writes them into the merged config.json.
         model="model",
         **lora.manifest_fields(cfg, reward_mean=metrics["reward_mean"], reward_std=metrics["reward_std"]),

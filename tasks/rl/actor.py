@@ -14,7 +14,14 @@ from tasks.common.nn import data, lora
 from tasks.common.nn.engines import make_engine
 from tasks.common.nn.engines.rollout import Rollout
 from tasks.common.nn.engines.vllm_engine import gathered
-from tasks.common.nn.losses import aggregate, importance_weights, kl_loss, logprob_mismatch, loss_normalizer, policy_loss
+from tasks.common.nn.losses import (
+    aggregate,
+    importance_weights,
+    kl_loss,
+    logprob_mismatch,
+    loss_normalizer,
+    policy_loss,
+)
 from tasks.common.nn.models import kernels, load_causal_lm, load_tokenizer, resolve_model
 from tasks.common.nn.strategy import DeepSpeedStrategy
 from tasks.rl.config import RLConfig
@@ -40,7 +47,12 @@ class ActorWorker(Trainer):
 
             rows = data.load_rows(cfg.pretrain_data, cfg.pretrain_split, [cfg.input_key, cfg.output_key], 0)
             self.ptx_ids, self.ptx_masks, _ = tokenize_rows(
-                rows, self.tokenizer, cfg.input_key, cfg.output_key, cfg.apply_chat_template, cfg.prompt_max_len + cfg.generate_max_len
+                rows,
+                self.tokenizer,
+                cfg.input_key,
+                cfg.output_key,
+                cfg.apply_chat_template,
+                cfg.prompt_max_len + cfg.generate_max_len,
             )
             self.sampler = data.BatchSampler(len(self.ptx_ids), self.micro, cfg.seed + self.rank)
         if cfg.vllm_num_engines and not cfg.separate_engines():
@@ -68,7 +80,10 @@ class ActorWorker(Trainer):
 
     def generate(self, prompts: list[list[int]]) -> Rollout:
         rollout = self.rollout_engine.generate(
-            prompts, self.cfg.generate_max_len, self.cfg.temperature, batch_size=self.cfg.micro_rollout_batch_size or len(prompts)
+            prompts,
+            self.cfg.generate_max_len,
+            self.cfg.temperature,
+            batch_size=self.cfg.micro_rollout_batch_size or len(prompts),
         )
         return rollout.to("cpu")
 
@@ -105,7 +120,10 @@ class ActorWorker(Trainer):
 
     def weight_shapes(self) -> list[tuple[str, list[int], str]]:
         """(name, shape, dtype) of every parameter, whole (ZeRO-3 shards report their full shape)."""
-        return [(name, list(getattr(p, "ds_shape", p.shape)), str(p.dtype).removeprefix("torch.")) for name, p in self.engine.module.named_parameters()]
+        return [
+            (name, list(getattr(p, "ds_shape", p.shape)), str(p.dtype).removeprefix("torch."))
+            for name, p in self.engine.module.named_parameters()
+        ]
 
     @torch.no_grad()
     def engine_state(self) -> dict[str, torch.Tensor] | None:
@@ -147,7 +165,13 @@ class ActorWorker(Trainer):
         reference = lora.FrozenBase(self.engine.module)
         device = self.strategy.device
         ref = [
-            response_logprobs(reference, r.sequences.to(device), r.attention_mask.to(device), r.prompt_width, temperature=self.cfg.temperature).cpu()
+            response_logprobs(
+                reference,
+                r.sequences.to(device),
+                r.attention_mask.to(device),
+                r.prompt_width,
+                temperature=self.cfg.temperature,
+            ).cpu()
             for r in chunks(rollout, self.cfg.micro_rollout_batch_size)
         ]
         return self.logprobs(rollout), torch.cat(ref)
@@ -183,7 +207,9 @@ class ActorWorker(Trainer):
                 old = logprobs.detach() if mb.logprobs is None else mb.logprobs
                 is_weights = None
                 if mb.behaviour_logprobs is not None:  # the engine's policy against the trainer's, every step
-                    is_weights = importance_weights(old, mb.behaviour_logprobs, mb.action_mask, cfg.correction(), cfg.is_cap)
+                    is_weights = importance_weights(
+                        old, mb.behaviour_logprobs, mb.action_mask, cfg.correction(), cfg.is_cap
+                    )
                     mismatch = logprob_mismatch(old, mb.behaviour_logprobs, mb.action_mask, is_weights)
                     sync_gaps.append(mismatch.pop("engine_logprob_max_diff"))
                     for key, value in mismatch.items():
@@ -204,7 +230,9 @@ class ActorWorker(Trainer):
                 )
                 loss = p_loss
                 if cfg.use_kl_loss:
-                    loss = loss + kl_coef * kl_loss(logprobs, mb.ref_logprobs, mb.action_mask, cfg.kl_estimator, normalizer=tokens)
+                    loss = loss + kl_coef * kl_loss(
+                        logprobs, mb.ref_logprobs, mb.action_mask, cfg.kl_estimator, normalizer=tokens
+                    )
                 if cfg.ptx_coef:  # the mean over the micro-batches of each one's ptx batch, either way
                     ptx = self._ptx_loss()
                     loss = loss + cfg.ptx_coef * (ptx / n_micro if by_tokens else ptx)
@@ -232,7 +260,9 @@ class ActorWorker(Trainer):
         if sync_gaps:
             result["engine_logprob_max_diff"] = self.strategy.all_reduce(max(sync_gaps), op="max").item()
         if torch.cuda.is_available():
-            result["train_gpu_peak_gb"] = round(self.strategy.all_reduce(torch.cuda.max_memory_allocated() / 2**30, op="max").item(), 2)
+            result["train_gpu_peak_gb"] = round(
+                self.strategy.all_reduce(torch.cuda.max_memory_allocated() / 2**30, op="max").item(), 2
+            )
         return result
 
     def _normalizers(self, minibatch: Experience, loss_agg: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -244,7 +274,9 @@ class ActorWorker(Trainer):
         if self.cfg.correction() == "reject" and minibatch.behaviour_logprobs is not None:
             if minibatch.logprobs is None:
                 raise ValueError("max_tokens_per_gpu: --is_correction reject needs the rollout's old log-probabilities")
-            keep = importance_weights(minibatch.logprobs, minibatch.behaviour_logprobs, minibatch.action_mask, "reject", self.cfg.is_cap)
+            keep = importance_weights(
+                minibatch.logprobs, minibatch.behaviour_logprobs, minibatch.action_mask, "reject", self.cfg.is_cap
+            )
         return loss_normalizer(minibatch.action_mask, loss_agg, keep=keep), loss_normalizer(minibatch.action_mask)
 
     def _ptx_loss(self) -> torch.Tensor:
@@ -253,8 +285,15 @@ class ActorWorker(Trainer):
 
         batch = self.sampler.next()
         return micro_batch_loss(
-            self.engine, [self.ptx_ids[i] for i in batch], [self.ptx_masks[i] for i in batch], self.tokenizer.pad_token_id, False, self.strategy.device
+            self.engine,
+            [self.ptx_ids[i] for i in batch],
+            [self.ptx_masks[i] for i in batch],
+            self.tokenizer.pad_token_id,
+            False,
+            self.strategy.device,
         )
 
     def save_model(self, out_dir: str) -> None:
-        self.strategy.save_hf(self.engine, self.tokenizer, out_dir, merge_lora=self.cfg.merge_lora, base_uri=self.cfg.pretrain)
+        self.strategy.save_hf(
+            self.engine, self.tokenizer, out_dir, merge_lora=self.cfg.merge_lora, base_uri=self.cfg.pretrain
+        )

@@ -53,7 +53,9 @@ def kl_penalized_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Ten
     return rewards
 
 
-def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0, lambd: float = 0.95) -> tuple[torch.Tensor, torch.Tensor]:
+def gae(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0, lambd: float = 0.95
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation over response tokens; returns (advantages, returns).
 
     δ_t = r_t + γV_{t+1} - V_t,  A_t = Σ_l (γλ)^l δ_{t+l}  (Schulman et al. 2016, eqs. 11-16),

@@ -12,7 +12,14 @@ ROLLOUT_ENGINES = ("auto", "vllm", "transformers")
 HF_ENGINE_MAX_TOKENS = 256
 IS_CORRECTIONS = ("tis", "mis", "reject", "none")  # tasks.common.nn.losses.importance_weights
 
-ADVANTAGE_ESTIMATORS = ("gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo")  # tasks.rl.advantages
+ADVANTAGE_ESTIMATORS = (
+    "gae",
+    "reinforce",
+    "reinforce_baseline",
+    "rloo",
+    "group_norm",
+    "dr_grpo",
+)  # tasks.rl.advantages
 GROUP_ESTIMATORS = ("reinforce_baseline", "rloo", "group_norm", "dr_grpo")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
@@ -32,9 +39,14 @@ class RLConfig(EpisodeConfig, TrainingConfig):
     Flag names follow OpenRLHF's (--pretrain, --reward_pretrain, --actor_learning_rate, --init_kl_coef …).
     """
 
-    pretrain: str = field(default="", metadata={"help": "policy to start from (SFT output URI); also the frozen reference"})
+    pretrain: str = field(
+        default="", metadata={"help": "policy to start from (SFT output URI); also the frozen reference"}
+    )
     reward_pretrain: str = field(
-        default="", metadata={"help": "reward model URI, or several comma-separated (scores summed); the critic starts from the first"}
+        default="",
+        metadata={
+            "help": "reward model URI, or several comma-separated (scores summed); the critic starts from the first"
+        },
     )
     remote_rm_url: str = field(
         default="",
@@ -42,19 +54,31 @@ class RLConfig(EpisodeConfig, TrainingConfig):
             "help": "reward function file (.py defining reward_func(queries, prompts, labels)) or an http(s):// reward endpoint; wins over --reward_pretrain"
         },
     )
-    critic_pretrain: str = field(default="", metadata={"help": "critic to start from; default: the first reward model, else the policy"})
-    prompt_data: str = field(default="", metadata={"help": "prompts: a stage output URI (its 'prompts' split) or a file"})
-    prompt_split: str = field(default="prompts", metadata={"help": "split of a stage output's datasets holding the prompts"})
+    critic_pretrain: str = field(
+        default="", metadata={"help": "critic to start from; default: the first reward model, else the policy"}
+    )
+    prompt_data: str = field(
+        default="", metadata={"help": "prompts: a stage output URI (its 'prompts' split) or a file"}
+    )
+    prompt_split: str = field(
+        default="prompts", metadata={"help": "split of a stage output's datasets holding the prompts"}
+    )
     input_key: str = field(default="prompt", metadata={"help": "dataset column holding the prompt"})
-    label_key: str = field(default="", metadata={"help": "dataset column passed to a reward function or endpoint as labels"})
+    label_key: str = field(
+        default="", metadata={"help": "dataset column passed to a reward function or endpoint as labels"}
+    )
     pretrain_data: str = field(
         default="",
         metadata={
             "help": "PPO-ptx (InstructGPT): supervised data whose likelihood the actor keeps while RL trains, a stage output URI (its pretrain_split) or a file; needs --ptx_coef"
         },
     )
-    pretrain_split: str = field(default="sft", metadata={"help": "split of a stage output's datasets holding the PPO-ptx data"})
-    output_key: str = field(default="response", metadata={"help": "PPO-ptx data column holding the response (the prompt is input_key)"})
+    pretrain_split: str = field(
+        default="sft", metadata={"help": "split of a stage output's datasets holding the PPO-ptx data"}
+    )
+    output_key: str = field(
+        default="response", metadata={"help": "PPO-ptx data column holding the response (the prompt is input_key)"}
+    )
     ptx_coef: float = field(
         default=0.0,
         metadata={
@@ -65,42 +89,85 @@ class RLConfig(EpisodeConfig, TrainingConfig):
     )
     max_steps: int = field(default=40, metadata={"help": "rollout + update iterations", "min": 1, "max": 1_000_000})
     rollout_batch_size: int = field(default=128, metadata={"help": "prompts per rollout", "min": 1})
-    n_samples_per_prompt: int = field(default=1, metadata={"help": "responses sampled per prompt (a group, for the group estimators)", "min": 1, "max": 1024})
-    train_batch_size: int = field(default=64, metadata={"help": "sequences per optimizer step (a minibatch of the rollout)", "min": 1})
+    n_samples_per_prompt: int = field(
+        default=1,
+        metadata={"help": "responses sampled per prompt (a group, for the group estimators)", "min": 1, "max": 1024},
+    )
+    train_batch_size: int = field(
+        default=64, metadata={"help": "sequences per optimizer step (a minibatch of the rollout)", "min": 1}
+    )
     max_epochs: int = field(default=2, metadata={"help": "passes over each rollout", "min": 1})
-    prompt_max_len: int = field(default=256, metadata={"help": "longest prompt in tokens; longer prompts are cut from the left and counted", "min": 1})
-    actor_learning_rate: float = field(default=3e-5, metadata={"help": "policy learning rate (AdamW)", "exclusive_min": 0, "max": 1})
-    critic_learning_rate: float = field(default=1e-4, metadata={"help": "critic learning rate (AdamW)", "exclusive_min": 0, "max": 1})
+    prompt_max_len: int = field(
+        default=256,
+        metadata={"help": "longest prompt in tokens; longer prompts are cut from the left and counted", "min": 1},
+    )
+    actor_learning_rate: float = field(
+        default=3e-5, metadata={"help": "policy learning rate (AdamW)", "exclusive_min": 0, "max": 1}
+    )
+    critic_learning_rate: float = field(
+        default=1e-4, metadata={"help": "critic learning rate (AdamW)", "exclusive_min": 0, "max": 1}
+    )
     lr_warmup_steps: int = field(default=5, metadata={"help": "linear warmup in optimizer steps, then constant"})
     advantage_estimator: str = field(
-        default="gae", metadata={"help": "gae (with a critic), reinforce, reinforce_baseline, rloo, group_norm or dr_grpo", "choices": ADVANTAGE_ESTIMATORS}
+        default="gae",
+        metadata={
+            "help": "gae (with a critic), reinforce, reinforce_baseline, rloo, group_norm or dr_grpo",
+            "choices": ADVANTAGE_ESTIMATORS,
+        },
     )
     gamma: float = field(default=1.0, metadata={"help": "discount factor", "min": 0, "max": 1})
     lambd: float = field(default=0.95, metadata={"help": "GAE λ", "min": 0, "max": 1})
     eps_clip: float = field(default=0.2, metadata={"help": "PPO policy ratio clip ε", "exclusive_min": 0})
-    eps_clip_low: float = field(default=0.0, metadata={"help": "lower ratio clip ε (DAPO's clip-higher uses a larger upper one); 0 = eps_clip", "min": 0})
+    eps_clip_low: float = field(
+        default=0.0,
+        metadata={"help": "lower ratio clip ε (DAPO's clip-higher uses a larger upper one); 0 = eps_clip", "min": 0},
+    )
     eps_clip_high: float = field(default=0.0, metadata={"help": "upper ratio clip ε; 0 = eps_clip", "min": 0})
-    dual_clip: float = field(default=0.0, metadata={"help": "dual-clip bound c > 1 on the loss of negative advantages; 0 = off"})
-    entropy_coef: float = field(default=0.0, metadata={"help": "weight of the entropy bonus in the policy loss", "min": 0})
+    dual_clip: float = field(
+        default=0.0, metadata={"help": "dual-clip bound c > 1 on the loss of negative advantages; 0 = off"}
+    )
+    entropy_coef: float = field(
+        default=0.0, metadata={"help": "weight of the entropy bonus in the policy loss", "min": 0}
+    )
     use_kl_loss: bool = field(
-        default=False, metadata={"help": "put the KL to the reference in the loss (init_kl_coef × KL, estimator kl_estimator) instead of the reward"}
+        default=False,
+        metadata={
+            "help": "put the KL to the reference in the loss (init_kl_coef × KL, estimator kl_estimator) instead of the reward"
+        },
     )
     value_clip: float = field(default=0.2, metadata={"help": "critic value clip (relative to the rollout's values)"})
-    init_kl_coef: float = field(default=0.05, metadata={"help": "β of the KL penalty to the reference, in the reward", "min": 0, "max": 10})
-    kl_target: float = field(default=0.0, metadata={"help": "adaptive KL controller's target (summed KL per response); 0 keeps init_kl_coef fixed"})
+    init_kl_coef: float = field(
+        default=0.05, metadata={"help": "β of the KL penalty to the reference, in the reward", "min": 0, "max": 10}
+    )
+    kl_target: float = field(
+        default=0.0,
+        metadata={"help": "adaptive KL controller's target (summed KL per response); 0 keeps init_kl_coef fixed"},
+    )
     kl_horizon: int = field(default=10000, metadata={"help": "adaptive KL controller's horizon, in samples", "min": 1})
     kl_estimator: str = field(
         default="k1",
-        metadata={"help": "per-token KL estimator: k1, k2 or k3; each token's estimate is clamped to ±10 (reward and loss)", "choices": KL_ESTIMATORS},
+        metadata={
+            "help": "per-token KL estimator: k1, k2 or k3; each token's estimate is clamped to ±10 (reward and loss)",
+            "choices": KL_ESTIMATORS,
+        },
     )
-    save_value_network: bool = field(default=False, metadata={"help": "also save the critic (HF format) under critic/ in the output"})
-    normalize_reward: bool = field(default=True, metadata={"help": "standardise reward-model scores with the mean/std stored by its stage"})
+    save_value_network: bool = field(
+        default=False, metadata={"help": "also save the critic (HF format) under critic/ in the output"}
+    )
+    normalize_reward: bool = field(
+        default=True, metadata={"help": "standardise reward-model scores with the mean/std stored by its stage"}
+    )
     logging_steps: int = field(default=1, metadata={"help": "log metrics every this many steps", "min": 1})
     num_episodes: int = field(
         default=0,
-        metadata={"help": "passes over the prompts; when set, the stage runs num_episodes × ⌊prompts / rollout_batch_size⌋ steps instead of max_steps"},
+        metadata={
+            "help": "passes over the prompts; when set, the stage runs num_episodes × ⌊prompts / rollout_batch_size⌋ steps instead of max_steps"
+        },
     )
-    micro_rollout_batch_size: int = field(default=0, metadata={"help": "sequences per generate / inference call on one worker (0: its whole share at once)"})
+    micro_rollout_batch_size: int = field(
+        default=0,
+        metadata={"help": "sequences per generate / inference call on one worker (0: its whole share at once)"},
+    )
     max_tokens_per_gpu: int = field(
         default=0,
         metadata={
@@ -114,16 +181,24 @@ class RLConfig(EpisodeConfig, TrainingConfig):
             "help": "drop prompt groups whose rewards are all equal or whose mean is outside dynamic_filtering_reward_range, and refill from the prompts (DAPO)"
         },
     )
-    dynamic_filtering_reward_range: str = field(default="0 1", metadata={"help": "open interval (low high) a kept group's mean reward must lie in"})
-    reward_clip_range: str = field(default="", metadata={"help": "clip shaped rewards to this range, 'low high' (empty: no clipping)"})
+    dynamic_filtering_reward_range: str = field(
+        default="0 1", metadata={"help": "open interval (low high) a kept group's mean reward must lie in"}
+    )
+    reward_clip_range: str = field(
+        default="", metadata={"help": "clip shaped rewards to this range, 'low high' (empty: no clipping)"}
+    )
     # Where the models run: one worker group each, or colocated groups sharing one placement group.
     actor_num_nodes: int = field(default=1, metadata={"help": "nodes of the actor (policy) group", "min": 1})
-    actor_num_gpus_per_node: int = field(default=1, metadata={"help": "actor workers per node, one GPU each (one CPU on a CPU-only cluster)", "min": 1})
+    actor_num_gpus_per_node: int = field(
+        default=1, metadata={"help": "actor workers per node, one GPU each (one CPU on a CPU-only cluster)", "min": 1}
+    )
     critic_num_nodes: int = field(default=1, metadata={"help": "nodes of the critic group (gae only)", "min": 1})
     critic_num_gpus_per_node: int = field(default=1, metadata={"help": "critic workers per node", "min": 1})
     ref_num_nodes: int = field(default=1, metadata={"help": "nodes of the reference-model group", "min": 1})
     ref_num_gpus_per_node: int = field(default=1, metadata={"help": "reference workers per node", "min": 1})
-    reward_num_nodes: int = field(default=1, metadata={"help": "nodes of the reward-model group (with --reward_pretrain)", "min": 1})
+    reward_num_nodes: int = field(
+        default=1, metadata={"help": "nodes of the reward-model group (with --reward_pretrain)", "min": 1}
+    )
     reward_num_gpus_per_node: int = field(default=1, metadata={"help": "reward-model workers per node", "min": 1})
     actor_resources: str = field(
         default="",
@@ -131,12 +206,22 @@ class RLConfig(EpisodeConfig, TrainingConfig):
             "help": "custom Ray resources each actor bundle also asks for, a JSON object such as '{\"node_a\": 1}': the group goes only on nodes that advertise them (`ray start --resources`)"
         },
     )
-    critic_resources: str = field(default="", metadata={"help": "custom Ray resources of each critic bundle (JSON object)"})
-    ref_resources: str = field(default="", metadata={"help": "custom Ray resources of each reference bundle (JSON object)"})
-    reward_resources: str = field(default="", metadata={"help": "custom Ray resources of each reward-model bundle (JSON object)"})
-    colocate_actor_ref: bool = field(default=False, metadata={"help": "actor and reference share GPUs (one placement group, half a GPU each)"})
+    critic_resources: str = field(
+        default="", metadata={"help": "custom Ray resources of each critic bundle (JSON object)"}
+    )
+    ref_resources: str = field(
+        default="", metadata={"help": "custom Ray resources of each reference bundle (JSON object)"}
+    )
+    reward_resources: str = field(
+        default="", metadata={"help": "custom Ray resources of each reward-model bundle (JSON object)"}
+    )
+    colocate_actor_ref: bool = field(
+        default=False, metadata={"help": "actor and reference share GPUs (one placement group, half a GPU each)"}
+    )
     colocate_critic_reward: bool = field(default=False, metadata={"help": "critic and reward models share GPUs"})
-    colocate_all_models: bool = field(default=False, metadata={"help": "every model shares the actor's GPUs (fractions of one placement group)"})
+    colocate_all_models: bool = field(
+        default=False, metadata={"help": "every model shares the actor's GPUs (fractions of one placement group)"}
+    )
     rollout_engine: str = field(
         default="auto",
         metadata={
@@ -146,16 +231,23 @@ class RLConfig(EpisodeConfig, TrainingConfig):
     )
     vllm_num_engines: int = field(
         default=0,
-        metadata={"help": "vLLM rollout engines (GPU only); 0 with the vllm engine: one per actor GPU, inside the actor workers (--colocate_all_models)"},
+        metadata={
+            "help": "vLLM rollout engines (GPU only); 0 with the vllm engine: one per actor GPU, inside the actor workers (--colocate_all_models)"
+        },
     )
     vllm_tensor_parallel_size: int = field(default=1, metadata={"help": "GPUs per vLLM engine"})
     vllm_gpu_memory_utilization: float = field(
-        default=0.4, metadata={"help": "fraction of its GPU's memory a vLLM engine may take; the rest is the colocated trainer's"}
+        default=0.4,
+        metadata={"help": "fraction of its GPU's memory a vLLM engine may take; the rest is the colocated trainer's"},
     )
-    enable_prefix_caching: bool = field(default=False, metadata={"help": "vLLM's prefix cache (shared prompt prefixes computed once)"})
+    enable_prefix_caching: bool = field(
+        default=False, metadata={"help": "vLLM's prefix cache (shared prompt prefixes computed once)"}
+    )
     vllm_enable_sleep: bool = field(
         default=False,
-        metadata={"help": "vLLM gives its weights and KV cache back while the actor trains (sleep level 1), and takes them again for the next rollout"},
+        metadata={
+            "help": "vLLM gives its weights and KV cache back while the actor trains (sleep level 1), and takes them again for the next rollout"
+        },
     )
     async_train: bool = field(
         default=False,
@@ -181,8 +273,12 @@ class RLConfig(EpisodeConfig, TrainingConfig):
             "help": "off-policy correction of the policy loss by the engine's log-probabilities of the sampled tokens, w = π_old/μ per token: tis (weight min(w, is_cap)), mis (IcePop: weight w inside [1/is_cap, is_cap], 0 outside; the dropped tokens still count in the token-mean denominator), reject (weight 1 inside the band; tokens outside leave the loss, its denominator included) or none; auto: tis with --async_train, else none"
         },
     )
-    is_cap: float = field(default=2.0, metadata={"help": "the importance weight's cap (tis) or band [1/is_cap, is_cap] (mis, reject)"})
-    ignore_eos: bool = field(default=False, metadata={"help": "benchmarks: every response is generate_max_len tokens, EOS or not"})
+    is_cap: float = field(
+        default=2.0, metadata={"help": "the importance weight's cap (tis) or band [1/is_cap, is_cap] (mis, reject)"}
+    )
+    ignore_eos: bool = field(
+        default=False, metadata={"help": "benchmarks: every response is generate_max_len tokens, EOS or not"}
+    )
 
     def choose_rollout_engine(self, has_gpus: bool, has_vllm: bool) -> tuple[str, str]:
         """(engine, why) for this run on a cluster with or without GPUs and the vllm package: --rollout_engine, or for
@@ -198,7 +294,10 @@ class RLConfig(EpisodeConfig, TrainingConfig):
             return "transformers", "the vllm package is not installed (the gpu extra)"
         longest = max(self.generate_max_len, self.max_episode_tokens if self.env_path else 0)
         if longest <= HF_ENGINE_MAX_TOKENS:
-            return "transformers", f"responses of at most {longest} tokens: measured faster up to {HF_ENGINE_MAX_TOKENS}"
+            return (
+                "transformers",
+                f"responses of at most {longest} tokens: measured faster up to {HF_ENGINE_MAX_TOKENS}",
+            )
         if not self.colocate_all_models:
             return "transformers", "vLLM would need GPUs of its own: set --vllm_num_engines, or --colocate_all_models"
         return "vllm", f"responses of up to {longest} tokens: vLLM measured faster above {HF_ENGINE_MAX_TOKENS}"
@@ -212,7 +311,9 @@ class RLConfig(EpisodeConfig, TrainingConfig):
     def separate_engines(self) -> bool:
         """Rollout engines on devices of their own (RolloutEngineWorker), rather than inside the actor workers: vLLM
         engines unless colocated, or with --async_train one transformers engine."""
-        return (self.vllm_num_engines > 0 and not self.colocate_all_models) or (self.async_train and not self.vllm_num_engines)
+        return (self.vllm_num_engines > 0 and not self.colocate_all_models) or (
+            self.async_train and not self.vllm_num_engines
+        )
 
     def rollout_engines(self) -> int:
         """How many RolloutEngineWorkers a run with separate engines places."""
@@ -246,7 +347,9 @@ class RLConfig(EpisodeConfig, TrainingConfig):
         """Whether the actor scores a rollout before training on it. Only the KL (against the reference) and
         a rollout feeding several optimizer updates need that pass: with one update, the log-probabilities
         before it are the update's own forward, detached (ratio 1), so the pass is skipped, as TRL does."""
-        one_update = self.max_epochs == 1 and self.train_batch_size == self.rollout_batch_size * self.n_samples_per_prompt
+        one_update = (
+            self.max_epochs == 1 and self.train_batch_size == self.rollout_batch_size * self.n_samples_per_prompt
+        )
         return self.uses_kl() or not one_update
 
     def roles(self) -> list[str]:
@@ -266,7 +369,14 @@ class RLConfig(EpisodeConfig, TrainingConfig):
         roles = self.roles()
         if self.colocate_all_models:
             return [roles]
-        together = [mates for flag, mates in ((self.colocate_actor_ref, {"actor", "ref"}), (self.colocate_critic_reward, {"critic", "reward"})) if flag]
+        together = [
+            mates
+            for flag, mates in (
+                (self.colocate_actor_ref, {"actor", "ref"}),
+                (self.colocate_critic_reward, {"critic", "reward"}),
+            )
+            if flag
+        ]
         plan, placed = [], set()
         for role in roles:
             if role in placed:
@@ -279,7 +389,9 @@ class RLConfig(EpisodeConfig, TrainingConfig):
     def devices_needed(self) -> int:
         """Devices (GPUs, or CPUs on a CPU-only cluster) the run holds at once: a bundle per worker of each placement
         group, and the rollout engines of their own."""
-        return sum(self.group_size(members[0]) for members in self.placement_plan()) + (self.rollout_engines() if self.separate_engines() else 0)
+        return sum(self.group_size(members[0]) for members in self.placement_plan()) + (
+            self.rollout_engines() if self.separate_engines() else 0
+        )
 
     def group_size(self, role: str) -> int:
         return getattr(self, f"{role}_num_nodes") * getattr(self, f"{role}_num_gpus_per_node")
@@ -299,7 +411,9 @@ class RLConfig(EpisodeConfig, TrainingConfig):
             raise ConfigError(f"{name}: {text!r} is not a non-empty JSON object; {hint}")
         for key, amount in value.items():
             if key in ("CPU", "GPU", "memory", "object_store_memory"):
-                raise ConfigError(f"{name}: {key} comes from --{role}_num_gpus_per_node, not from custom resources; {hint}")
+                raise ConfigError(
+                    f"{name}: {key} comes from --{role}_num_gpus_per_node, not from custom resources; {hint}"
+                )
             if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not amount > 0:
                 raise ConfigError(f"{name}: {key!r} needs a positive number, got {amount!r}; {hint}")
         return {key: float(amount) for key, amount in value.items()}
@@ -312,7 +426,9 @@ class RLConfig(EpisodeConfig, TrainingConfig):
         try:
             low, high = (float(x) for x in text)
         except ValueError:
-            raise ConfigError(f"{name}: {getattr(self, name)!r} is not two numbers; pass 'low high', e.g. '0 1'") from None
+            raise ConfigError(
+                f"{name}: {getattr(self, name)!r} is not two numbers; pass 'low high', e.g. '0 1'"
+            ) from None
         if not low < high:
             raise ConfigError(f"{name}: low {low} must be below high {high}")
         return low, high
@@ -326,12 +442,19 @@ class RLConfig(EpisodeConfig, TrainingConfig):
             [("colocate_all_models", "actor", role) for role in ("critic", "ref", "reward")]
             if self.colocate_all_models
             else [
-                (flag, a, b) for flag, a, b in (("colocate_actor_ref", "actor", "ref"), ("colocate_critic_reward", "critic", "reward")) if getattr(self, flag)
+                (flag, a, b)
+                for flag, a, b in (
+                    ("colocate_actor_ref", "actor", "ref"),
+                    ("colocate_critic_reward", "critic", "reward"),
+                )
+                if getattr(self, flag)
             ]
         )
         for flag, a, b in shared:
             if b in self.roles() and a in self.roles() and self.resources(b) and self.resources(b) != self.resources(a):
-                raise ConfigError(f"{b}_resources: with --{flag} the {b} group sits on the {a}'s bundles; set --{a}_resources instead, or drop --{b}_resources")
+                raise ConfigError(
+                    f"{b}_resources: with --{flag} the {b} group sits on the {a}'s bundles; set --{a}_resources instead, or drop --{b}_resources"
+                )
         if self.colocate_all_models:
             for role in self.roles()[1:]:
                 if self.group_size(role) != self.group_size("actor"):
@@ -341,10 +464,16 @@ class RLConfig(EpisodeConfig, TrainingConfig):
                     )
         for flag, a, b in (("colocate_actor_ref", "actor", "ref"), ("colocate_critic_reward", "critic", "reward")):
             if getattr(self, flag) and {a, b} <= set(self.roles()) and self.group_size(a) != self.group_size(b):
-                raise ConfigError(f"{b}_num_gpus_per_node: {flag} needs the {b} group the {a}'s size ({self.group_size(a)}), got {self.group_size(b)}")
+                raise ConfigError(
+                    f"{b}_num_gpus_per_node: {flag} needs the {b} group the {a}'s size ({self.group_size(a)}), got {self.group_size(b)}"
+                )
         for role in [r for r in ("actor", "critic") if r in self.roles()]:
             check_batch(
-                "train_batch_size", self.train_batch_size, self.micro_train_batch_size, self.group_size(role), f"{role}_num_nodes × {role}_num_gpus_per_node"
+                "train_batch_size",
+                self.train_batch_size,
+                self.micro_train_batch_size,
+                self.group_size(role),
+                f"{role}_num_nodes × {role}_num_gpus_per_node",
             )
         if self.vllm_num_engines < 0 or self.micro_rollout_batch_size < 0 or self.num_episodes < 0:
             raise ConfigError("vllm_num_engines, micro_rollout_batch_size and num_episodes must not be negative")
@@ -362,9 +491,13 @@ class RLConfig(EpisodeConfig, TrainingConfig):
                     f"GPU; use --vllm_num_engines {self.group_size('actor')} (the actor's size)"
                 )
             if self.async_train and self.colocate_all_models:
-                raise ConfigError("async_train: needs vLLM engines on GPUs of their own; drop --colocate_all_models, or drop --async_train")
+                raise ConfigError(
+                    "async_train: needs vLLM engines on GPUs of their own; drop --colocate_all_models, or drop --async_train"
+                )
             if self.lora_rank > 512:
-                raise ConfigError(f"lora_rank: vLLM's LoRA layers hold ranks up to 512, got {self.lora_rank}; use 512 or less, or --vllm_num_engines 0")
+                raise ConfigError(
+                    f"lora_rank: vLLM's LoRA layers hold ranks up to 512, got {self.lora_rank}; use 512 or less, or --vllm_num_engines 0"
+                )
             if not 0 < self.vllm_gpu_memory_utilization < 1:
                 raise ConfigError(
                     f"vllm_gpu_memory_utilization: {self.vllm_gpu_memory_utilization} leaves the colocated trainer no memory; use a fraction such as 0.3"
@@ -379,22 +512,30 @@ class RLConfig(EpisodeConfig, TrainingConfig):
                 if getattr(self, name) != default:
                     raise ConfigError(f"{name}: only applies to vLLM engines; set --vllm_num_engines too, or drop it")
         # The transformers engine of --async_train without vLLM loads full weights; vLLM engines take adapters.
-        if self.async_train and (self.dynamic_filtering or (self.lora_rank and not self.vllm_num_engines) or self.max_staleness < 1):
+        if self.async_train and (
+            self.dynamic_filtering or (self.lora_rank and not self.vllm_num_engines) or self.max_staleness < 1
+        ):
             raise ConfigError(
                 "async_train: needs a fixed rollout, --max_staleness of 1 or more, and vLLM engines with LoRA; "
                 "drop --dynamic_filtering, set --vllm_num_engines with --lora_rank, or drop --async_train"
             )
         if self.partial_rollouts and not self.async_train:
-            raise ConfigError("partial_rollouts: weights change under running rollouts only with --async_train; add it, or drop --partial_rollouts")
+            raise ConfigError(
+                "partial_rollouts: weights change under running rollouts only with --async_train; add it, or drop --partial_rollouts"
+            )
         dynamic_range = self.interval("dynamic_filtering_reward_range")
         if self.dynamic_filtering and (dynamic_range is None or self.n_samples_per_prompt < 2):
-            raise ConfigError("dynamic_filtering: needs n_samples_per_prompt of 2 or more and a dynamic_filtering_reward_range 'low high'")
+            raise ConfigError(
+                "dynamic_filtering: needs n_samples_per_prompt of 2 or more and a dynamic_filtering_reward_range 'low high'"
+            )
         self.interval("reward_clip_range")
         for name in ("pretrain", "prompt_data"):
             if not getattr(self, name):
                 raise ConfigError(f"{name}: missing; pass --{name} <URI>")
         if self.is_correction not in ("auto", *IS_CORRECTIONS) or not self.is_cap > 1:
-            raise ConfigError(f"is_correction: use auto, {', '.join(IS_CORRECTIONS)} with an is_cap above 1; got {self.is_correction!r} and {self.is_cap}")
+            raise ConfigError(
+                f"is_correction: use auto, {', '.join(IS_CORRECTIONS)} with an is_cap above 1; got {self.is_correction!r} and {self.is_cap}"
+            )
         if self.max_tokens_per_gpu and self.correction() == "reject" and not self.needs_old_logprobs():
             # The kept tokens are the denominator, known before the update only from the rollout's old log-probs.
             raise ConfigError(
@@ -403,9 +544,13 @@ class RLConfig(EpisodeConfig, TrainingConfig):
         for name in ("remote_rm_url", "env_path"):  # before any Ray job: only what the operator allows
             check_reach(getattr(self, name), name, ConfigError)
         if not (self.reward_pretrain or self.remote_rm_url or self.env_path):
-            raise ConfigError("reward_pretrain: missing; pass --reward_pretrain <URI>, --remote_rm_url <file.py or URL> or --env_path <environment>")
+            raise ConfigError(
+                "reward_pretrain: missing; pass --reward_pretrain <URI>, --remote_rm_url <file.py or URL> or --env_path <environment>"
+            )
         if self.advantage_estimator in GROUP_ESTIMATORS and self.n_samples_per_prompt < 2:
-            raise ConfigError(f"n_samples_per_prompt: {self.advantage_estimator} compares samples of one prompt; use 2 or more")
+            raise ConfigError(
+                f"n_samples_per_prompt: {self.advantage_estimator} compares samples of one prompt; use 2 or more"
+            )
         if (self.rollout_batch_size * self.n_samples_per_prompt) % self.train_batch_size:
             raise ConfigError(
                 f"train_batch_size: {self.train_batch_size} must divide rollout_batch_size × n_samples_per_prompt "
@@ -414,4 +559,6 @@ class RLConfig(EpisodeConfig, TrainingConfig):
         if self.dual_clip and self.dual_clip <= 1:
             raise ConfigError(f"dual_clip: {self.dual_clip} must be greater than 1 (or 0 for off)")
         if bool(self.ptx_coef) != bool(self.pretrain_data):
-            raise ConfigError("ptx_coef: PPO-ptx needs both --pretrain_data <URI> and a positive --ptx_coef; set both, or neither")
+            raise ConfigError(
+                "ptx_coef: PPO-ptx needs both --pretrain_data <URI> and a positive --ptx_coef; set both, or neither"
+            )

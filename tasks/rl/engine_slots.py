@@ -31,7 +31,9 @@ def merge_generated(parts: list, pad_token_id: int, seconds: float) -> Generated
     if isinstance(parts[0], Rollout):
         return Generated(concat_rollouts([p for p in parts if p.sequences.size(0)], pad_token_id))
     stats = episode_stats([s for p in parts for s in p.summaries], seconds, max(p.stats["time_env_s"] for p in parts))
-    return Generated(concat_rollouts([p.rollout for p in parts], pad_token_id), torch.cat([p.rewards for p in parts]), stats)
+    return Generated(
+        concat_rollouts([p.rollout for p in parts], pad_token_id), torch.cat([p.rewards for p in parts]), stats
+    )
 
 
 class ActorGroupEngine:
@@ -66,14 +68,27 @@ class EngineGroup(ActorGroupEngine):
     keeps up to --max_staleness rollouts in flight, each token tagged with the weight version it used. With
     `partial` (--partial_rollouts) an update goes beside the queue and reaches running episodes at their next turn."""
 
-    def __init__(self, engines: WorkerGroup, actor: WorkerGroup, pad_token_id: int, vllm: bool, partial: bool = False, adapter: bool = False):
+    def __init__(
+        self,
+        engines: WorkerGroup,
+        actor: WorkerGroup,
+        pad_token_id: int,
+        vllm: bool,
+        partial: bool = False,
+        adapter: bool = False,
+    ):
         super().__init__(actor, pad_token_id, vllm)
         self.engines, self.adapter = engines, adapter
         self.send = engines.run_beside_async if partial else engines.run_async
         if vllm and not adapter:
             host, port = actor.run("weight_channel_address")[0]
             world = 1 + engines.world_size
-            gather([actor.run_async("open_weight_channel", host, port, world), engines.run_async("open_weight_channel", host, port, world)])
+            gather(
+                [
+                    actor.run_async("open_weight_channel", host, port, world),
+                    engines.run_async("open_weight_channel", host, port, world),
+                ]
+            )
             self.shapes = actor.run("weight_shapes")[0]
 
     def start(self, method: str, items: list):

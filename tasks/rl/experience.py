@@ -27,7 +27,9 @@ class Experience:
     returns: torch.Tensor
     scores: torch.Tensor
     kl: torch.Tensor
-    behaviour_logprobs: torch.Tensor | None = None  # the rollout engine's (the policy that sampled): correction, mismatch
+    behaviour_logprobs: torch.Tensor | None = (
+        None  # the rollout engine's (the policy that sampled): correction, mismatch
+    )
 
     def minibatch(self, index: torch.Tensor) -> "Experience":
         fields = {k: (v[index] if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
@@ -37,11 +39,19 @@ class Experience:
         return Experience(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()})
 
 
-def response_logprobs(model, rollout_sequences, attention_mask, prompt_width, return_entropy=False, temperature=1.0, entropy_grad=True):
+def response_logprobs(
+    model, rollout_sequences, attention_mask, prompt_width, return_entropy=False, temperature=1.0, entropy_grad=True
+):
     """Log-probabilities of the response tokens only, at the sampling temperature: [B, R] (the prompt's are
     never computed)."""
     return sequence_logprobs(
-        model, rollout_sequences, attention_mask, return_entropy=return_entropy, temperature=temperature, start=prompt_width - 1, entropy_grad=entropy_grad
+        model,
+        rollout_sequences,
+        attention_mask,
+        return_entropy=return_entropy,
+        temperature=temperature,
+        start=prompt_width - 1,
+        entropy_grad=entropy_grad,
     )
 
 
@@ -51,7 +61,13 @@ def response_values(critic, sequences, attention_mask, prompt_width):
 
 
 def make_experience(
-    rollout: Rollout, logprobs: torch.Tensor | None, ref_logprobs: torch.Tensor | None, values: torch.Tensor | None, scores: torch.Tensor, cfg, kl_coef: float
+    rollout: Rollout,
+    logprobs: torch.Tensor | None,
+    ref_logprobs: torch.Tensor | None,
+    values: torch.Tensor | None,
+    scores: torch.Tensor,
+    cfg,
+    kl_coef: float,
 ) -> Experience:
     """One scored rollout batch with its advantages; `values` is None for critic-free estimators, and
     `logprobs` None when the actor scored nothing (no KL, one update: RLConfig.needs_old_logprobs).

@@ -39,7 +39,9 @@ def place(cfg: RLConfig, run: StageRun, pad_token_id: int, updates: int) -> Plac
     roles = cfg.roles()
     critic_uri = ""
     if "critic" in roles:
-        critic_uri = run.input("critic_pretrain", cfg.critic_pretrain or (split_list(cfg.reward_pretrain) or [cfg.pretrain])[0])
+        critic_uri = run.input(
+            "critic_pretrain", cfg.critic_pretrain or (split_list(cfg.reward_pretrain) or [cfg.pretrain])[0]
+        )
     if "reward" in roles:
         run.input("reward_pretrain", cfg.reward_pretrain)
     else:
@@ -51,7 +53,10 @@ def place(cfg: RLConfig, run: StageRun, pad_token_id: int, updates: int) -> Plac
     for members in layout:
         placements.append(
             Placement.create(
-                getattr(cfg, f"{members[0]}_num_nodes"), getattr(cfg, f"{members[0]}_num_gpus_per_node"), members[0], resources=cfg.resources(members[0])
+                getattr(cfg, f"{members[0]}_num_nodes"),
+                getattr(cfg, f"{members[0]}_num_gpus_per_node"),
+                members[0],
+                resources=cfg.resources(members[0]),
             )
         )
     run.placements.extend(placements)  # what the stage held, for its cost
@@ -80,7 +85,11 @@ def place(cfg: RLConfig, run: StageRun, pad_token_id: int, updates: int) -> Plac
     else:
         engine = ActorGroupEngine(groups["actor"], pad_token_id, vllm=cfg.vllm_num_engines > 0)
     reward: RewardSource | None = (
-        RemoteRewardModels(groups["reward"]) if "reward" in groups else None if cfg.env_path else make_reward_source("", cfg.remote_rm_url)
+        RemoteRewardModels(groups["reward"])
+        if "reward" in groups
+        else None
+        if cfg.env_path
+        else make_reward_source("", cfg.remote_rm_url)
     )
     return Placed(layout, placements, groups, engine, reward)
 
@@ -110,7 +119,9 @@ def check_outputs_reachable(cfg: RLConfig, placements: list[Placement], groups: 
                 group.shutdown()
             for placement in placements:
                 placement.remove()
-            raise ConfigError(f"{name}: {value} is a folder on the driver's node, which workers on other nodes cannot write to; pass an s3:// URI")
+            raise ConfigError(
+                f"{name}: {value} is a folder on the driver's node, which workers on other nodes cannot write to; pass an s3:// URI"
+            )
 
 
 class RemoteRewardModels(RewardSource):

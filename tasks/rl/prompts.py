@@ -28,4 +28,6 @@ def load_prompts(cfg: RLConfig, run: StageRun, tokenizer) -> Prompts:
     labels = [None if v is None else str(v) for v in rows[cfg.label_key]] if cfg.label_key else [None] * len(texts)
     ids = [data.encode_prompt(tokenizer, text, cfg.apply_chat_template) for text in texts]
     truncated = sum(len(p) > cfg.prompt_max_len for p in ids)
-    return Prompts([p[-cfg.prompt_max_len :] for p in ids], texts, labels, truncated, rows.to_list() if cfg.env_path else None)
+    return Prompts(
+        [p[-cfg.prompt_max_len :] for p in ids], texts, labels, truncated, rows.to_list() if cfg.env_path else None
+    )

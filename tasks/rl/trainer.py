@@ -44,7 +44,9 @@ from tasks.rl.prompts import load_prompts
 MAX_FILTER_ROUNDS = 8  # rollouts drawn per step before dynamic filtering gives up
 #: What a resume is checked on (tasks.common.resume_check): each step's, remembered in every checkpoint.
 CHECKED_METRICS = ("reward", "kl", "entropy", "grad_norm")
-HISTORY_FILE = "metrics_history.json"  # in a checkpoint's controller/: the last resume_check.WINDOW steps' CHECKED_METRICS
+HISTORY_FILE = (
+    "metrics_history.json"  # in a checkpoint's controller/: the last resume_check.WINDOW steps' CHECKED_METRICS
+)
 
 
 class Controller:
@@ -68,10 +70,16 @@ class Controller:
             cfg.env_path = run.code_input("env_path", cfg.env_path, EnvError)  # the workers import exactly these bytes
             check_environment(load_environment(cfg.env_path), self.prompts.rows[0], cfg.env_step_timeout)
         if cfg.pretrain_data:  # PPO-ptx rows: the actor workers read them; checked and recorded here first
-            data.load_rows(run.input("pretrain_data", cfg.pretrain_data), cfg.pretrain_split, [cfg.input_key, cfg.output_key], 1)
-        self.steps = cfg.num_episodes * (len(self.prompts.ids) // cfg.rollout_batch_size) if cfg.num_episodes else cfg.max_steps
+            data.load_rows(
+                run.input("pretrain_data", cfg.pretrain_data), cfg.pretrain_split, [cfg.input_key, cfg.output_key], 1
+            )
+        self.steps = (
+            cfg.num_episodes * (len(self.prompts.ids) // cfg.rollout_batch_size) if cfg.num_episodes else cfg.max_steps
+        )
         if self.steps < 1:
-            raise ConfigError(f"num_episodes: {len(self.prompts.ids)} prompts make no rollout batch of {cfg.rollout_batch_size}; lower rollout_batch_size")
+            raise ConfigError(
+                f"num_episodes: {len(self.prompts.ids)} prompts make no rollout batch of {cfg.rollout_batch_size}; lower rollout_batch_size"
+            )
         group = cfg.rollout_batch_size * cfg.n_samples_per_prompt
         self.updates = self.steps * cfg.max_epochs * (group // cfg.train_batch_size)
         self.sampler = data.BatchSampler(len(self.prompts.ids), cfg.rollout_batch_size, cfg.seed)
@@ -79,16 +87,27 @@ class Controller:
         self.started = 0  # rollouts started so far (the run starts no more than its steps)
         self.generator = torch.Generator().manual_seed(cfg.seed)
         self.kl_ctl = make_kl_controller(cfg.init_kl_coef, cfg.kl_target or None, cfg.kl_horizon)
-        self.history: list[dict] = []  # the newest steps' CHECKED_METRICS, checkpointed: what a resume is checked against
+        self.history: list[
+            dict
+        ] = []  # the newest steps' CHECKED_METRICS, checkpointed: what a resume is checked against
         self.steps_done = 0  # updates this process ran (the resumed ones not counted): a resume must reach self.steps
         placed = place(cfg, run, self.tokenizer.pad_token_id, self.updates)
-        self.layout, self.placements, self.groups, self.engine, self.reward = placed.layout, placed.placements, placed.groups, placed.engine, placed.reward
+        self.layout, self.placements, self.groups, self.engine, self.reward = (
+            placed.layout,
+            placed.placements,
+            placed.groups,
+            placed.engine,
+            placed.reward,
+        )
         layout = ", ".join(f"[{' + '.join(m)}] × {self.groups[m[0]].world_size}" for m in self.layout)
         print(
             f"rl: {len(self.prompts.ids)} prompts ({self.prompts.truncated} cut to {cfg.prompt_max_len} tokens), {self.steps} steps; placement groups {layout}",
             flush=True,
         )
-        where = ", ".join(f"{role} on node(s) {sorted({n[:8] for n in g.nodes})} via {g.rendezvous}" for role, g in self.groups.items())
+        where = ", ".join(
+            f"{role} on node(s) {sorted({n[:8] for n in g.nodes})} via {g.rendezvous}"
+            for role, g in self.groups.items()
+        )
         print(f"rl: driver on node {self.groups['actor'].driver_node[:8]}; {where}", flush=True)
         if not cfg.uses_kl():
             print("rl: KL off (init_kl_coef 0, no kl_target): no reference model", flush=True)
@@ -121,7 +140,11 @@ class Controller:
             kept.append((rollout.select(rows), scores[rows]))
             have += rows.numel() // n
         timing["filter_kept_fraction"] = cfg.rollout_batch_size / generated
-        return concat_rollouts([r for r, _ in kept], self.tokenizer.pad_token_id), torch.cat([s for _, s in kept]), timing
+        return (
+            concat_rollouts([r for r, _ in kept], self.tokenizer.pad_token_id),
+            torch.cat([s for _, s in kept]),
+            timing,
+        )
 
     def _start_rollout(self):
         """Draw a rollout's prompt rows and start generating it: (rows, engine handle). The samples of one prompt
@@ -154,7 +177,9 @@ class Controller:
             out, index = self._drop_stale(out, index, step, timing)
         if out.rewards is not None:
             return out.rollout, out.rewards
-        batch = build_reward_batch(out.rollout, self.tokenizer, [self.prompts.texts[i] for i in index], [self.prompts.labels[i] for i in index])
+        batch = build_reward_batch(
+            out.rollout, self.tokenizer, [self.prompts.texts[i] for i in index], [self.prompts.labels[i] for i in index]
+        )
         scores = self.reward.score(batch).float()
         timing["time_reward_s"] += time.time() - t1
         return out.rollout, scores
@@ -172,7 +197,9 @@ class Controller:
                 "updates old; the engines fell behind the trainer"
             )
         rows = keep.nonzero().squeeze(-1)
-        return Generated(out.rollout.select(rows), None if out.rewards is None else out.rewards[rows], out.stats), [index[i] for i in rows.tolist()]
+        return Generated(out.rollout.select(rows), None if out.rewards is None else out.rewards[rows], out.stats), [
+            index[i] for i in rows.tolist()
+        ]
 
     def in_waves(self, calls: dict[str, tuple[str, list, tuple]]) -> dict[str, list]:
         """Run {role: (method, per-rank shards, extra args)}: groups on separate placement groups at
@@ -186,7 +213,10 @@ class Controller:
                 waves[k][role] = (method, shards, args)
         results = {}
         for wave in waves:
-            futures = {role: self.groups[role].scatter_async(method, shards, *args) for role, (method, shards, args) in wave.items()}
+            futures = {
+                role: self.groups[role].scatter_async(method, shards, *args)
+                for role, (method, shards, args) in wave.items()
+            }
             results.update({role: gather(f) for role, f in futures.items()})
         return results
 
@@ -195,7 +225,9 @@ class Controller:
         rows = list(range(rollout.sequences.size(0)))
         # LoRA: the actor returns (log-probabilities, reference ones); KL off: no reference at all.
         own_reference = "ref" not in self.groups and self.cfg.uses_kl()
-        actor_method = ("reference_logprobs" if own_reference else "logprobs") if self.cfg.needs_old_logprobs() else None
+        actor_method = (
+            ("reference_logprobs" if own_reference else "logprobs") if self.cfg.needs_old_logprobs() else None
+        )
         calls = {
             role: (method, [rollout.select(r) for r in shard(rows, self.groups[role].world_size)], ())
             for role, method in (("actor", actor_method), ("ref", "logprobs"), ("critic", "values"))
@@ -209,7 +241,11 @@ class Controller:
 
     def minibatch_plan(self, n: int) -> list[torch.Tensor]:
         """Row indices of each minibatch: max_epochs shuffled passes in train_batch_size pieces."""
-        return [index for _ in range(self.cfg.max_epochs) for index in torch.randperm(n, generator=self.generator).split(self.cfg.train_batch_size)]
+        return [
+            index
+            for _ in range(self.cfg.max_epochs)
+            for index in torch.randperm(n, generator=self.generator).split(self.cfg.train_batch_size)
+        ]
 
     def step(self, step: int) -> Experience:
         cfg = self.cfg
@@ -235,7 +271,13 @@ class Controller:
         self.kl_ctl.update(sequence_kl, n_steps=exp.sequences.size(0))
         self.steps_done += 1
         # Every step, whatever --logging_steps: a resume is checked against the steps right before it.
-        record = {"step": step, "reward": scores.mean().item(), "kl": sequence_kl, "entropy": stats.get("entropy"), "grad_norm": stats.get("grad_norm")}
+        record = {
+            "step": step,
+            "reward": scores.mean().item(),
+            "kl": sequence_kl,
+            "entropy": stats.get("entropy"),
+            "grad_norm": stats.get("grad_norm"),
+        }
         self.history = resume_check.remember(self.history, record)
         self.run.tracker.progress(step, self.steps, {"reward": record["reward"], "kl": sequence_kl})
         if step % cfg.logging_steps == 0 or step == self.steps:
@@ -267,16 +309,24 @@ class Controller:
         nodes); the controller's state goes into `local`. Returns what the workers uploaded."""
         import ray
 
-        futures = {role: self.groups[role].run_async("save_state", storage.join(uri, role)) for role in self.trained_groups()}
+        futures = {
+            role: self.groups[role].run_async("save_state", storage.join(uri, role)) for role in self.trained_groups()
+        }
         uploaded = {}
         for role, ranks in futures.items():
             uploaded.update(merge_uploads(ray.get(ranks), prefix=role))
         (local / "controller").mkdir()
         torch.save(
-            {"sampler": self.sampler.state_dict(), "generator": self.generator.get_state(), "kl": self.kl_ctl.state_dict()},
+            {
+                "sampler": self.sampler.state_dict(),
+                "generator": self.generator.get_state(),
+                "kl": self.kl_ctl.state_dict(),
+            },
             local / "controller" / "controller.pt",
         )
-        (local / "controller" / HISTORY_FILE).write_text(json.dumps({"window": resume_check.WINDOW, "steps": self.history}) + "\n")
+        (local / "controller" / HISTORY_FILE).write_text(
+            json.dumps({"window": resume_check.WINDOW, "steps": self.history}) + "\n"
+        )
         return uploaded
 
     def load_state(self, uri: str) -> None:
@@ -322,7 +372,8 @@ def check_resumed_step(start: int, step: int, last: int, before: list[dict], rec
         )
     if step == last:
         print(
-            f"rl: resumed steps {start + 1}-{step} inside the band of steps {before[0]['step']}-{before[-1]['step']} ({', '.join(CHECKED_METRICS)})", flush=True
+            f"rl: resumed steps {start + 1}-{step} inside the band of steps {before[0]['step']}-{before[-1]['step']} ({', '.join(CHECKED_METRICS)})",
+            flush=True,
         )
 
 
@@ -335,13 +386,19 @@ def train(cfg: RLConfig, run: StageRun) -> None:
             # checkpoint are lost (the sampler had drawn their prompts); start only the steps left.
             controller.engine.sync_weights(start)
             controller.started = start
-        before = list(controller.history)  # the steps the checkpoint remembers: the resumed ones must stay in their band
+        before = list(
+            controller.history
+        )  # the steps the checkpoint remembers: the resumed ones must stay in their band
         if start and len(before) < resume_check.MIN_HISTORY:  # none: a checkpoint from before the history was kept
             print(
                 f"rl: the step {start} checkpoint remembers {len(before)} steps' metrics, fewer than {resume_check.MIN_HISTORY}; the resumed steps are not band-checked",
                 flush=True,
             )
-        last_checked = min(start + resume_check.CHECKED_STEPS, controller.steps) if start and len(before) >= resume_check.MIN_HISTORY else 0
+        last_checked = (
+            min(start + resume_check.CHECKED_STEPS, controller.steps)
+            if start and len(before) >= resume_check.MIN_HISTORY
+            else 0
+        )
         exp = None
         for step in range(start + 1, controller.steps + 1):
             exp = controller.step(step)
@@ -362,7 +419,9 @@ def train(cfg: RLConfig, run: StageRun) -> None:
             uploaded.update(merge_uploads([files], prefix=folder))
     finally:
         controller.shutdown()
-    final = {"final_reward": exp.scores.mean().item(), "final_kl": exp.kl.sum(-1).mean().item()} if exp is not None else {}
+    final = (
+        {"final_reward": exp.scores.mean().item(), "final_kl": exp.kl.sum(-1).mean().item()} if exp is not None else {}
+    )
     groups = controller.groups
     run.commit(
         metrics={

@@ -69,7 +69,9 @@ def trimmed(exp: Experience, rows: list[int]) -> Experience:
             value = value[:, left : mb.prompt_width + keep]
         elif isinstance(value, torch.Tensor) and value.dim() >= 2:
             if value.size(1) != width:
-                raise ValueError(f"Experience.{name}: {list(value.shape)} is not per response token ([B, {width}]); say how to trim it")
+                raise ValueError(
+                    f"Experience.{name}: {list(value.shape)} is not per response token ([B, {width}]); say how to trim it"
+                )
             value = value[:, :keep]
         fields[name] = value
     fields["prompt_width"] = mb.prompt_width - left
@@ -135,11 +137,15 @@ class RolloutEngineWorker(Worker):
             self.engine = vllm_engine_for(cfg, path, self.tokenizer, seed=seed)
         else:
             torch.manual_seed(seed)
-            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+            device = (
+                torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+            )
             self.model = load_causal_lm(path, dtype=model_dtype(cfg)).to(device).eval()
             # Eager steps: new weights load on another thread while it generates, and a kernel of that thread's on
             # the default stream would break a capture.
-            self.engine = make_engine("transformers", self.tokenizer, module=self.model, device=device, ignore_eos=cfg.ignore_eos)
+            self.engine = make_engine(
+                "transformers", self.tokenizer, module=self.model, device=device, ignore_eos=cfg.ignore_eos
+            )
         self.episodes = episode_runner_for(cfg, self.engine, self.tokenizer, policy_version=self.newest_weights)
 
     def generate(self, prompts: list[list[int]]) -> Rollout:
@@ -181,7 +187,9 @@ class RolloutEngineWorker(Worker):
             # Parameters only (buffers such as rotary frequencies stay), so not strict; but every name must land.
             unexpected = self.model.load_state_dict(dict(weights), strict=False).unexpected_keys
             if unexpected:
-                raise RuntimeError(f"rollout engine: the actor's weights {unexpected[:3]} have no place in the engine's model")
+                raise RuntimeError(
+                    f"rollout engine: the actor's weights {unexpected[:3]} have no place in the engine's model"
+                )
         self.version = version
 
     def open_weight_channel(self, host: str, port: int, world_size: int) -> None:
@@ -265,11 +273,15 @@ class CriticWorker(Trainer):
         by_tokens = bool(self.cfg.token_budget())
         for minibatch in minibatches:
             minibatch = minibatch.to(self.strategy.device)
-            tokens = loss_normalizer(minibatch.action_mask) if by_tokens else None  # each loss its share of the minibatch's
+            tokens = (
+                loss_normalizer(minibatch.action_mask) if by_tokens else None
+            )  # each loss its share of the minibatch's
             share = 0.0
             for mb, _ in self._micro_steps(minibatch):
                 values = response_values(self.engine.module, mb.sequences, mb.attention_mask, mb.prompt_width)
-                v_loss, v_clip = value_loss(values, mb.values, mb.returns, mb.action_mask, self.cfg.value_clip, normalizer=tokens)
+                v_loss, v_clip = value_loss(
+                    values, mb.values, mb.returns, mb.action_mask, self.cfg.value_clip, normalizer=tokens
+                )
                 self._backward_step(v_loss)
                 stats["value_clip_fraction"].append(v_clip.item())
                 if by_tokens:
@@ -298,7 +310,13 @@ class ReferenceWorker(Worker):
         device = self.strategy.device
         return torch.cat(
             [
-                response_logprobs(self.model, r.sequences.to(device), r.attention_mask.to(device), r.prompt_width, temperature=self.cfg.temperature).cpu()
+                response_logprobs(
+                    self.model,
+                    r.sequences.to(device),
+                    r.attention_mask.to(device),
+                    r.prompt_width,
+                    temperature=self.cfg.temperature,
+                ).cpu()
                 for r in chunks(rollout, self.cfg.micro_rollout_batch_size)
             ]
         )
@@ -310,7 +328,11 @@ class RewardWorker(Worker):
     def setup(self, cfg: RLConfig) -> None:
         self.strategy = DeepSpeedStrategy(zero_stage=0, bf16=cfg.bf16, seed=cfg.seed)
         self.models = RewardModels(
-            cfg.reward_pretrain, self.strategy.device, model_dtype(cfg), cfg.normalize_reward, batch_size=cfg.micro_rollout_batch_size or 256
+            cfg.reward_pretrain,
+            self.strategy.device,
+            model_dtype(cfg),
+            cfg.normalize_reward,
+            batch_size=cfg.micro_rollout_batch_size or 256,
         )
 
     def score(self, batch: RewardBatch) -> torch.Tensor:

@@ -17,5 +17,8 @@ class SFTConfig(Base):
     learning_rate: float = restate(Base, "learning_rate", 1e-3)
     lr_warmup_steps: int = restate(Base, "lr_warmup_steps", 20)
     packing_samples: bool = field(
-        default=False, metadata={"help": "pack each micro-batch's rows into one sequence: no padding, and no token attends across rows"}
+        default=False,
+        metadata={
+            "help": "pack each micro-batch's rows into one sequence: no padding, and no token attends across rows"
+        },
     )

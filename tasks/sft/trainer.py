@@ -35,7 +35,9 @@ class SFTWorker(TrainingWorker):
         self.cfg = cfg
         model = lora.apply_lora(load_causal_lm(path, **kernels(cfg)), cfg)
         counts = lora.param_counts(model)  # before ZeRO-3 partitions the parameters
-        self.engine = self.strategy.prepare(model, cfg.learning_rate, cfg.max_steps, cfg.lr_warmup_steps, lr_scheduler=cfg.lr_scheduler)
+        self.engine = self.strategy.prepare(
+            model, cfg.learning_rate, cfg.max_steps, cfg.lr_warmup_steps, lr_scheduler=cfg.lr_scheduler
+        )
         self.sampler = data.BatchSampler(len(self.ids), cfg.train_batch_size, cfg.seed)
         self.engine.train()
         return {"rows": len(self.ids), "truncated": truncated, **counts}
@@ -66,7 +68,9 @@ class SFTWorker(TrainingWorker):
         return {"loss": mean_loss.item(), "lr": self.engine.get_lr()[0], "epoch": self.sampler.epoch}
 
     def save_model(self, out_dir: str) -> None:
-        self.strategy.save_hf(self.engine, self.tokenizer, out_dir, merge_lora=self.cfg.merge_lora, base_uri=self.cfg.pretrain)
+        self.strategy.save_hf(
+            self.engine, self.tokenizer, out_dir, merge_lora=self.cfg.merge_lora, base_uri=self.cfg.pretrain
+        )
 
 
 def train(cfg: SFTConfig, run: StageRun) -> None:
@@ -75,7 +79,12 @@ def train(cfg: SFTConfig, run: StageRun) -> None:
 
     info, stats, metrics = train_single_group(run, cfg, SFTWorker, summary)
     run.commit(
-        metrics={"train_loss": round(stats["loss"], 5) if stats else None, "steps": cfg.max_steps, "rows": info["rows"], **metrics},
+        metrics={
+            "train_loss": round(stats["loss"], 5) if stats else None,
+            "steps": cfg.max_steps,
+            "rows": info["rows"],
+            **metrics,
+        },
         model="model",
         **lora.manifest_fields(cfg),
     )

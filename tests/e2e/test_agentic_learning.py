@@ -79,7 +79,9 @@ def cli(ray_address, module, **values):
     return done.stdout
 
 
-def held_out(ray_address, root, arm: str, sft: str, policy: str, eval_rows: str, env: str = "calculator", limits=LIMITS) -> dict:
+def held_out(
+    ray_address, root, arm: str, sft: str, policy: str, eval_rows: str, env: str = "calculator", limits=LIMITS
+) -> dict:
     """The eval stage in the environment: greedy episodes on the held-out rows, the SFT model and the policy."""
     out = root / f"eval-{arm}"
     cli(
@@ -111,9 +113,22 @@ def test_calculator_rl_raises_success_over_a_zero_reward_control(seed, ray_addre
     results = {}
     for arm, env in (("calculator", "calculator"), ("control", str(REPO / "tests" / "rewards" / "zero_env.py"))):
         out = str(root / f"rl-{arm}")
-        cli(ray_address, "tasks.rl", output=out, pretrain=sft, prompt_data=task["prompts"], env_path=env, seed=seed, **RL)
+        cli(
+            ray_address,
+            "tasks.rl",
+            output=out,
+            pretrain=sft,
+            prompt_data=task["prompts"],
+            env_path=env,
+            seed=seed,
+            **RL,
+        )
         results[arm] = held_out(ray_address, root, arm, sft, out, task["eval"])
-    calc, control, start = results["calculator"]["policy"], results["control"]["policy"], results["calculator"]["baseline"]
+    calc, control, start = (
+        results["calculator"]["policy"],
+        results["control"]["policy"],
+        results["calculator"]["baseline"],
+    )
     print(
         f"seed {seed}: success {start['env_success']:.3f} (sft) -> {control['env_success']:.3f} (control), "
         f"{calc['env_success']:.3f} (calculator); tool calls {start['env_tool_calls']:.2f} -> {control['env_tool_calls']:.2f}, "
@@ -123,7 +138,9 @@ def test_calculator_rl_raises_success_over_a_zero_reward_control(seed, ray_addre
     assert calc["env_tool_calls"] > control["env_tool_calls"], results
 
 
-def test_rl_stage_runs_episodes_with_a_critic_resumes_checked_and_refuses_a_broken_environment_before_placing_workers(ray_address, tmp_path):
+def test_rl_stage_runs_episodes_with_a_critic_resumes_checked_and_refuses_a_broken_environment_before_placing_workers(
+    ray_address, tmp_path
+):
     """gae (a critic over the model's tokens only) on the calculator from the untrained base model, five steps,
     interrupted after its step-3 checkpoint (--fail_after_step) and rerun: the rerun resumes from it, its first
     resumed steps stay inside the band of steps 1-3 (tasks/common/resume_check.py), and the manifest records the
@@ -151,27 +168,44 @@ def test_rl_stage_runs_episodes_with_a_critic_resumes_checked_and_refuses_a_brok
     }
     failed = run_cli("tasks.rl", *flags(values), ray=ray_address)
     assert failed.returncode == 75, failed.stderr[-3000:]  # a crash: worth a retry
-    assert failed.stderr.strip().splitlines()[-1] == "error: rl: injected failure after the checkpoint of step 3 (--fail_after_step); a rerun resumes from it"
+    assert (
+        failed.stderr.strip().splitlines()[-1]
+        == "error: rl: injected failure after the checkpoint of step 3 (--fail_after_step); a rerun resumes from it"
+    )
     stdout = cli(ray_address, "tasks.rl", **values)
     assert f"rl: resumed from {out}/checkpoints/step_3" in stdout
-    assert "rl: resumed steps 4-5 inside the band of steps 1-3 (reward, kl, entropy, grad_norm)" in stdout, stdout[-3000:]
+    assert "rl: resumed steps 4-5 inside the band of steps 1-3 (reward, kl, entropy, grad_norm)" in stdout, stdout[
+        -3000:
+    ]
     manifest = manifests.read_manifest(str(out))
     assert (manifest["planned_steps"], manifest["resumed_from_step"], manifest["done_steps"]) == (5, 3, 5)
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [4, 5]
     last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
-    assert {"value_loss", "kl", "turns_per_episode", "tool_calls_per_episode", "episodes_per_s", "env_errors"} <= set(last), last
+    assert {"value_loss", "kl", "turns_per_episode", "tool_calls_per_episode", "episodes_per_s", "env_errors"} <= set(
+        last
+    ), last
     broken = tmp_path / "broken_env.py"
     broken.write_text(
         "class Environment:\n    def reset(self, row):\n        return row['missing']\n    def step(self, action):\n        return None, 0.0, True, {}\n"
     )
     done = run_cli(
         "tasks.rl",
-        *flags({"output": str(root / "rl-broken"), "pretrain": task["base"], "prompt_data": task["prompts"], "agent_func_path": str(broken), **RL}),
+        *flags(
+            {
+                "output": str(root / "rl-broken"),
+                "pretrain": task["base"],
+                "prompt_data": task["prompts"],
+                "agent_func_path": str(broken),
+                **RL,
+            }
+        ),
         ray=ray_address,
     )
     assert done.returncode != 0
     last_line = done.stderr.strip().splitlines()[-1]
-    assert last_line.startswith(f"error: env_path: {broken}: reset failed on the first prompt row (KeyError: 'missing')"), last_line
+    assert last_line.startswith(
+        f"error: env_path: {broken}: reset failed on the first prompt row (KeyError: 'missing')"
+    ), last_line
     assert "placement groups" not in done.stdout  # no worker was placed
 
 
@@ -186,12 +220,26 @@ def test_async_calculator_rl_with_stale_rollouts_and_correction_still_learns(ray
     sft = sft_model(ray_address, root, task, 0, reuse=True)
     runs = {}
     for arm, env, extra in (
-        ("async", "calculator", {"async_train": True, "max_staleness": 2, "partial_rollouts": True, "is_correction": "tis"}),
+        (
+            "async",
+            "calculator",
+            {"async_train": True, "max_staleness": 2, "partial_rollouts": True, "is_correction": "tis"},
+        ),
         ("control", str(REPO / "tests" / "rewards" / "zero_env.py"), {}),
     ):
         out = root / f"rl-{arm}"
         if arm == "async" or not (out / "manifest.json").exists():
-            cli(ray_address, "tasks.rl", output=str(out), pretrain=sft, prompt_data=task["prompts"], env_path=env, seed=0, **RL, **extra)
+            cli(
+                ray_address,
+                "tasks.rl",
+                output=str(out),
+                pretrain=sft,
+                prompt_data=task["prompts"],
+                env_path=env,
+                seed=0,
+                **RL,
+                **extra,
+            )
         runs[arm] = held_out(ray_address, root, arm, sft, str(out), task["eval"])["policy"]
     logged = [json.loads(line) for line in (root / "rl-async" / "metrics.jsonl").read_text().splitlines()]
     print(
@@ -231,7 +279,10 @@ def test_at_staleness_4_the_correction_leaves_less_of_the_mismatch_than_none(ray
             is_correction=correction,
         )
         logged[correction] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][4:]
-    mean = {c: {k: sum(r[k] for r in rows) / len(rows) for k in ("mismatch_kl", "corrected_mismatch_kl")} for c, rows in logged.items()}
+    mean = {
+        c: {k: sum(r[k] for r in rows) / len(rows) for k in ("mismatch_kl", "corrected_mismatch_kl")}
+        for c, rows in logged.items()
+    }
     print(f"staleness 4, steps 5-16: {mean}")
     assert all(r["staleness"] == 4 for rows in logged.values() for r in rows)
     assert mean["none"]["mismatch_kl"] > 0 and mean["tis"]["mismatch_kl"] > 0
@@ -250,7 +301,11 @@ def test_guess_rl_solves_in_fewer_turns_than_a_zero_reward_control(seed, ray_add
     root = SCRATCH / "agentic" / f"guess-seed{seed}"
     task = write_task(root, seed, "guess")
     sft = sft_model(ray_address, root, task, seed)
-    limits = {"generate_max_len": GUESS_LIMITS.max_turn_tokens, "max_turns": GUESS_LIMITS.max_turns, "max_episode_tokens": GUESS_LIMITS.max_episode_tokens}
+    limits = {
+        "generate_max_len": GUESS_LIMITS.max_turn_tokens,
+        "max_turns": GUESS_LIMITS.max_turns,
+        "max_episode_tokens": GUESS_LIMITS.max_episode_tokens,
+    }
     results = {}
     for arm, env in (("guess", "guess"), ("control", str(REPO / "tests" / "rewards" / "zero_guess_env.py"))):
         out = str(root / f"rl-{arm}")
@@ -262,7 +317,14 @@ def test_guess_rl_solves_in_fewer_turns_than_a_zero_reward_control(seed, ray_add
             prompt_data=task["prompts"],
             env_path=env,
             seed=seed,
-            **{**RL, **limits, "n_samples_per_prompt": 8, "rollout_batch_size": 16, "actor_learning_rate": 3e-4, "max_steps": 60},
+            **{
+                **RL,
+                **limits,
+                "n_samples_per_prompt": 8,
+                "rollout_batch_size": 16,
+                "actor_learning_rate": 3e-4,
+                "max_steps": 60,
+            },
         )
         results[arm] = held_out(ray_address, root, arm, sft, out, task["eval"], env="guess", limits=GUESS_LIMITS)
     guess, control = results["guess"]["policy"], results["control"]["policy"]

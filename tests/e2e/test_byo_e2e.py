@@ -72,7 +72,9 @@ def byo_run(s3_server, ray_head, tmp_path_factory):
     saved = os.environ.get("RLHF_CACHE_DIR")
     os.environ["RLHF_CACHE_DIR"] = str(root / "cache")  # this process's fetches of the outputs
 
-    subprocess.run([sys.executable, "-m", "airflow", "db", "migrate"], check=True, capture_output=True, env=os.environ.copy())
+    subprocess.run(
+        [sys.executable, "-m", "airflow", "db", "migrate"], check=True, capture_output=True, env=os.environ.copy()
+    )
     s3, bucket = s3_server.client(), s3_server.bucket
     prefix = f"byo-{uuid.uuid4().hex[:8]}"  # a fresh prefix: no cached stage or earlier version is reused
 
@@ -80,7 +82,9 @@ def byo_run(s3_server, ray_head, tmp_path_factory):
     for path in sorted(p for p in model_dir.rglob("*") if p.is_file()):
         s3.upload_file(str(path), bucket, f"{prefix}/base-models/tiny-chat/{path.relative_to(model_dir)}")
     rows = team_rows()
-    s3.put_object(Bucket=bucket, Key=f"{prefix}/raw/{DATASET}.jsonl", Body="".join(json.dumps(r) + "\n" for r in rows).encode())
+    s3.put_object(
+        Bucket=bucket, Key=f"{prefix}/raw/{DATASET}.jsonl", Body="".join(json.dumps(r) + "\n" for r in rows).encode()
+    )
 
     conf = {
         "bucket": bucket,
@@ -133,7 +137,11 @@ def byo_run(s3_server, ray_head, tmp_path_factory):
 def manifest_of(byo_run):
     from tasks.common import manifest as manifests
 
-    return {stage: manifests.read_manifest(uri) for stage, uri in byo_run["uris"].items() if byo_run["states"].get(stage) == "success"}
+    return {
+        stage: manifests.read_manifest(uri)
+        for stage, uri in byo_run["uris"].items()
+        if byo_run["states"].get(stage) == "success"
+    }
 
 
 @pytest.mark.slow  # make test-all: the team's own data down the whole DAG (dag.test, 150 s)
@@ -178,7 +186,11 @@ def test_prepare_data_validated_and_registered_the_dataset_version(byo_run, mani
     # Validation: every row read, the repeats counted under `duplicate` (by row number, 1-based) and left out.
     summary = m["validation"]
     repeats = [len(rows) - len(REPEATED) + 1 + k for k in range(len(REPEATED))]
-    assert summary["rows"] == len(rows) and summary["kept"] == len(rows) - len(REPEATED) and summary["bad"] == len(REPEATED)
+    assert (
+        summary["rows"] == len(rows)
+        and summary["kept"] == len(rows) - len(REPEATED)
+        and summary["bad"] == len(REPEATED)
+    )
     assert summary["checks"] == {"duplicate": {"count": len(REPEATED), "rows": repeats, "fields": {}}}
     assert summary["unlabelled"] == 0
     assert m["metrics"]["rows_read"] == len(rows) and m["metrics"]["rows_bad"] == len(REPEATED)
@@ -186,7 +198,11 @@ def test_prepare_data_validated_and_registered_the_dataset_version(byo_run, mani
     # The registered version: its manifest, row counts and listing; the stage output holds the same splits.
     version = manifests.read_manifest(info["uri"])
     counts = version["dataset"]["rows"]
-    assert set(counts) == set(m["datasets"]) == {"sft", "preference", "style_pairs", "unpaired", "preference_eval", "prompts", "eval"}
+    assert (
+        set(counts)
+        == set(m["datasets"])
+        == {"sft", "preference", "style_pairs", "unpaired", "preference_eval", "prompts", "eval"}
+    )
     assert counts == {split: m["metrics"][f"rows_{split}"] for split in counts}
     assert counts["sft"] + counts["preference_eval"] == summary["kept"] and counts["preference"] == counts["sft"] > 0
     assert counts["unpaired"] == 2 * counts["preference"] and counts["eval"] > 0 and counts["prompts"] > 0
@@ -218,12 +234,16 @@ def test_the_training_stages_trained_lora_adapters_with_the_chat_template(byo_ru
     assert rl["config"]["advantage_estimator"] == "group_norm" and rl["config"]["n_samples_per_prompt"] == 2
     assert rl["metrics"]["steps"] == 2
     assert rl["metrics"]["ref_workers"] == 0  # LoRA: the reference is the actor with its adapters off
-    assert rl["inputs"]["reward_pretrain"] == uris["reward_model"] and rl["inputs"]["prompt_data"] == uris["prepare_data"]
+    assert (
+        rl["inputs"]["reward_pretrain"] == uris["reward_model"] and rl["inputs"]["prompt_data"] == uris["prepare_data"]
+    )
     assert "critic_pretrain" not in rl["inputs"]  # a group estimator: no critic
 
     evaluated = manifest_of["eval"]
     assert evaluated["config"]["apply_chat_template"] is True
-    assert evaluated["inputs"]["policy"] == uris["rl"] and evaluated["inputs"]["reward_pretrain"] == uris["reward_model"]
+    assert (
+        evaluated["inputs"]["policy"] == uris["rl"] and evaluated["inputs"]["reward_pretrain"] == uris["reward_model"]
+    )
 
 
 @pytest.mark.slow  # make test-all: the team's own data down the whole DAG (dag.test, 150 s)
@@ -306,7 +326,9 @@ def test_a_plain_model_folder_on_s3_resolves_to_a_local_copy(s3_server, tmp_path
     first = resolve_model(uri)
     assert sorted(os.listdir(first)) == sorted(os.listdir(model_dir)) and resolve_model(uri + "/") == first
     config = json.loads((model_dir / "config.json").read_text())
-    s3.put_object(Bucket=s3_server.bucket, Key=f"{prefix}/config.json", Body=json.dumps({**config, "rms_norm_eps": 1e-5}).encode())
+    s3.put_object(
+        Bucket=s3_server.bucket, Key=f"{prefix}/config.json", Body=json.dumps({**config, "rms_norm_eps": 1e-5}).encode()
+    )
     second = resolve_model(uri)
     assert second != first and AutoConfig.from_pretrained(second).rms_norm_eps == 1e-5
     # Not a model folder (no config.json, no manifest): the stage-output error, as before.
@@ -324,7 +346,10 @@ def test_the_evaluation_scores_the_teams_data_with_intervals_and_the_default_gat
     uris = byo_run["uris"]
     report = storage.read_json(manifests.resolve(manifests.read_manifest(uris["eval"]), "report"))
     assert report["declared_metrics"] == ["exact_match", "sampled_exact_match"]
-    assert "accuracy" not in report["metrics"]["policy"] and "sampled_preferred_style_rate" not in report["metrics"]["policy"]
+    assert (
+        "accuracy" not in report["metrics"]["policy"]
+        and "sampled_preferred_style_rate" not in report["metrics"]["policy"]
+    )
     for side in ("baseline", "policy"):
         for metric in ("exact_match", "sampled_exact_match", "reward_mean", "kl_to_ref"):
             value, (lo, hi) = report["metrics"][side][metric], report["intervals"][side][metric]
@@ -333,5 +358,7 @@ def test_the_evaluation_scores_the_teams_data_with_intervals_and_the_default_gat
     judged = report["win_rates"]["baseline"]["reward_model"]
     assert judged["wins"] + judged["ties"] + judged["losses"] == report["num_prompts"]
     decision = storage.read_json(uris["promote"].replace("manifest.json", "decision.json"))
-    assert decision["reasons"][0].startswith("pass: exact_match drop") or decision["reasons"][0].startswith("FAIL: exact_match drop")
+    assert decision["reasons"][0].startswith("pass: exact_match drop") or decision["reasons"][0].startswith(
+        "FAIL: exact_match drop"
+    )
     assert any("kl_to_ref" in r for r in decision["reasons"]) and "gained" in decision["reasons"][-1]

@@ -77,7 +77,16 @@ def run_stages(ray_address, root, seed: int, names: tuple[str, ...]) -> dict:
                 "pretrain_data": out["data"] if DEFAULTS["ptx_coef"] else "",
             },
         ),
-        "eval": ("tasks.eval", {"output": out["eval"], "baseline": out["sft"], "policy": out["rl"], "reward_pretrain": out["rm"], "dataset": out["data"]}),
+        "eval": (
+            "tasks.eval",
+            {
+                "output": out["eval"],
+                "baseline": out["sft"],
+                "policy": out["rl"],
+                "reward_pretrain": out["rm"],
+                "dataset": out["data"],
+            },
+        ),
     }
     for name in names:
         module, values = stages[name]

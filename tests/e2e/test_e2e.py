@@ -52,7 +52,9 @@ def test_the_demo_is_never_silent_and_shows_each_stages_progress(demo_run):
 
 def test_each_stage_ran_as_exactly_one_ray_job(demo_run):
     live = demo_run.live
-    with urllib.request.urlopen(urllib.request.Request(f"{live.ray_dashboard}/api/jobs/", headers=live.ray_headers()), timeout=30) as response:
+    with urllib.request.urlopen(
+        urllib.request.Request(f"{live.ray_dashboard}/api/jobs/", headers=live.ray_headers()), timeout=30
+    ) as response:
         jobs = json.load(response)
     for stage in STAGES:  # this run's jobs: other runs may share the stack (a nightly run that came due, say)
         sid = submission_id_for("rlhf_pipeline", demo_run.run_id, stage)
@@ -64,7 +66,11 @@ def test_stages_pass_checkpoints_through_their_manifests(demo_run):
     live = demo_run.live
     uris = {stage: demo_run.xcom(stage) for stage in STAGES}
     for stage, uri in uris.items():
-        assert uri.startswith(f"s3://{live.bucket}/") and "/runs/rlhf_pipeline/" in uri and uri.endswith(f"/{stage}/manifest.json")
+        assert (
+            uri.startswith(f"s3://{live.bucket}/")
+            and "/runs/rlhf_pipeline/" in uri
+            and uri.endswith(f"/{stage}/manifest.json")
+        )
     manifests = {stage: demo_run.read_json(uri) for stage, uri in uris.items()}
     assert manifests["sft"]["inputs"]["pretrain"] == uris["prepare_data"]
     assert manifests["rl"]["inputs"] == {
@@ -98,13 +104,16 @@ def test_no_secret_reaches_rays_api_or_logs(demo_run):
     live = demo_run.live
     secret = s3_keys(live.scratch)[1].encode()
     with urllib.request.urlopen(
-        urllib.request.Request(f"{live.ray_dashboard}/api/v0/actors?detail=1&limit=10000", headers=live.ray_headers()), timeout=60
+        urllib.request.Request(f"{live.ray_dashboard}/api/v0/actors?detail=1&limit=10000", headers=live.ray_headers()),
+        timeout=60,
     ) as response:
         actors = response.read()
     # The RL stage's worker actors are listed with their runtime_env (it carries their forwarded settings).
     assert actors.count(b"RLHF_") >= 4 and b"serialized_runtime_env" in actors
     assert secret not in actors
-    with urllib.request.urlopen(urllib.request.Request(f"{live.ray_dashboard}/api/jobs/", headers=live.ray_headers()), timeout=30) as response:
+    with urllib.request.urlopen(
+        urllib.request.Request(f"{live.ray_dashboard}/api/jobs/", headers=live.ray_headers()), timeout=30
+    ) as response:
         assert secret not in response.read()
     logs = [live.cfg.ray_temp_dir, live.cfg.logs, live.cfg.airflow_home / "logs"]
     read = [p for root in logs for p in root.rglob("*") if p.is_file() and not p.is_symlink()]
@@ -118,10 +127,16 @@ def test_the_report_views_serve_only_served_buckets_and_existing_runs(demo_run):
     live = demo_run.live
     s3 = live.s3()
     s3.create_bucket(Bucket="other-tenant")
-    s3.put_object(Bucket="other-tenant", Key=f"rlhf-flow/runs/rlhf_pipeline/{demo_run.run_id}/eval/report.json", Body=b'{"secret": "of another tenant"}')
+    s3.put_object(
+        Bucket="other-tenant",
+        Key=f"rlhf-flow/runs/rlhf_pipeline/{demo_run.run_id}/eval/report.json",
+        Body=b'{"secret": "of another tenant"}',
+    )
 
     def get(path: str) -> tuple[int, str]:
-        request = urllib.request.Request(f"{live.airflow_url}{path}", headers={"Authorization": f"Bearer {live.token()}"})
+        request = urllib.request.Request(
+            f"{live.airflow_url}{path}", headers={"Authorization": f"Bearer {live.token()}"}
+        )
         try:
             with urllib.request.urlopen(request, timeout=60) as response:
                 return response.status, response.read().decode()
@@ -134,7 +149,10 @@ def test_the_report_views_serve_only_served_buckets_and_existing_runs(demo_run):
     for path, want in [
         ("/rlhf-flow/?bucket=other-tenant", (403, "bucket: 'other-tenant' is not served here")),
         ("/rlhf-flow/?prefix=elsewhere", (404, "prefix: no run of DAG 'rlhf_pipeline' writes under")),
-        ("/rlhf-flow/dags/rlhf_pipeline/runs/manual__never/report.json", (404, "run_id: DAG 'rlhf_pipeline' has no run")),
+        (
+            "/rlhf-flow/dags/rlhf_pipeline/runs/manual__never/report.json",
+            (404, "run_id: DAG 'rlhf_pipeline' has no run"),
+        ),
         ("/rlhf-registry/api?bucket=other-tenant", (403, "bucket: 'other-tenant' is not served here")),
     ]:
         status, body = get(path)

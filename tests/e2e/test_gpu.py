@@ -44,7 +44,9 @@ from test_stages import cli_env, flags
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not (torch.cuda.is_available() and importlib.util.find_spec("vllm")), reason="needs a CUDA GPU and vllm"),
+    pytest.mark.skipif(
+        not (torch.cuda.is_available() and importlib.util.find_spec("vllm")), reason="needs a CUDA GPU and vllm"
+    ),
 ]
 
 ROOT = SCRATCH / "gpu"
@@ -96,7 +98,9 @@ def gpu_ray():
     deadline = time.time() + 120
     while time.time() < deadline:
         if proc.poll() is not None:
-            pytest.fail(f"ray start exited with {proc.returncode}: run `ray start --head` by hand to see why", pytrace=False)
+            pytest.fail(
+                f"ray start exited with {proc.returncode}: run `ray start --head` by hand to see why", pytrace=False
+            )
         with socket.socket() as s:
             if s.connect_ex(("127.0.0.1", port)) == 0:
                 break
@@ -113,7 +117,12 @@ def cli(ray: str, module: str, **values) -> str:
     still shows which stage it was in and how far that stage got."""
     start, lines = time.time(), []
     with subprocess.Popen(
-        [sys.executable, "-m", module, *flags(values)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=cli_env(ray), cwd=REPO
+        [sys.executable, "-m", module, *flags(values)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=cli_env(ray),
+        cwd=REPO,
     ) as proc:
         for line in proc.stdout:
             print(f"[{module}] {line}", end="", flush=True)
@@ -145,7 +154,16 @@ def data():
 def test_every_stage_runs_on_the_gpu_path(gpu_ray, data):
     out = {name: str(ROOT / name) for name in ("sft", "rm", "ppo", "dpo", "eval")}
     log = cli(
-        gpu_ray, "tasks.sft", output=out["sft"], pretrain=data, dataset=data, max_steps=20, zero_stage=2, packing_samples=True, torch_compile=True, **GPU_FLAGS
+        gpu_ray,
+        "tasks.sft",
+        output=out["sft"],
+        pretrain=data,
+        dataset=data,
+        max_steps=20,
+        zero_stage=2,
+        packing_samples=True,
+        torch_compile=True,
+        **GPU_FLAGS,
     )
     if importlib.util.find_spec("flash_attn") is None:
         assert "flash_attn:" in log  # the fallback to SDPA is said
@@ -224,7 +242,11 @@ def test_liger_kernels_give_the_eager_loss_and_gradients():
     path = ROOT / "liger-base"
     demo.build_base_model(tok, seed=1).save_pretrained(path)
     tok.save_pretrained(path)
-    ids, mask = batches.pad([batches.encode_prompt(tok, p) for p in ("3+4=7", "37+45=82", "1+1=2 is the sum")], tok.pad_token_id, side="left")
+    ids, mask = batches.pad(
+        [batches.encode_prompt(tok, p) for p in ("3+4=7", "37+45=82", "1+1=2 is the sum")],
+        tok.pad_token_id,
+        side="left",
+    )
     ids, mask = ids.cuda(), mask.cuda()
     runs = []
     for liger in (False, True):  # eager first: Liger's RoPE replaces the architecture's function for the process
@@ -314,7 +336,9 @@ def test_the_compiled_vocabulary_passes_give_the_eager_numbers():
     assert torch.allclose(torch.bincount(token, minlength=3) / 200000, tempered, atol=0.005)
     assert torch.allclose(logprob, tempered.log()[token], atol=1e-5)
     token, logprob = sample_next(logits[:2].to(torch.bfloat16), temperature=0.5, greedy=True)
-    assert token.tolist() == [0, 0] and torch.allclose(logprob, torch.log_softmax(logits[:2].to(torch.bfloat16).float(), -1)[:, 0])
+    assert token.tolist() == [0, 0] and torch.allclose(
+        logprob, torch.log_softmax(logits[:2].to(torch.bfloat16).float(), -1)[:, 0]
+    )
 
 
 def test_flash_attn_packed_rows_give_each_sequences_own_logprobs_and_gradients():
@@ -347,7 +371,9 @@ def test_flash_attn_packed_rows_give_each_sequences_own_logprobs_and_gradients()
             per_seq = [logprobs[k, : len(s) - 1] for k, s in enumerate(seqs)]
         total = torch.cat(per_seq).float().sum()
         total.backward()
-        runs.append((torch.cat(per_seq).float().detach().cpu(), {n: p.grad.float().cpu() for n, p in model.named_parameters()}))
+        runs.append(
+            (torch.cat(per_seq).float().detach().cpu(), {n: p.grad.float().cpu() for n, p in model.named_parameters()})
+        )
     (sdpa, sdpa_grads), (flash, flash_grads) = runs
     print(f"flash-attn varlen against sdpa: max log-prob gap {(flash - sdpa).abs().max().item():.4f}")
     assert torch.allclose(flash, sdpa, atol=0.05)  # bf16 kernels of different accumulation orders
@@ -381,7 +407,9 @@ def test_the_decode_loop_replayed_as_cuda_graphs_matches_the_eager_one_and_reads
         a, b, c = (e.generate(prompts, max_new_tokens=24, greedy=True) for e in (graphs, eager, compiled))
         extra = a.prompt_width - b.prompt_width
         for fast in (a, c):
-            assert torch.equal(fast.sequences[:, extra:], b.sequences.to(fast.sequences.device)), f"after {update} updates"
+            assert torch.equal(fast.sequences[:, extra:], b.sequences.to(fast.sequences.device)), (
+                f"after {update} updates"
+            )
             assert torch.allclose(fast.logprobs, b.logprobs, atol=1e-4)
         assert a.texts(tok) == a.to("cpu").texts(tok)  # decoded where the engine left them (eval decodes on the GPU)
         with torch.no_grad():  # an optimizer step's way: the same tensors, new values
@@ -392,7 +420,9 @@ def test_the_decode_loop_replayed_as_cuda_graphs_matches_the_eager_one_and_reads
     torch.manual_seed(0)
     rollout = graphs.generate(prompts * 8, max_new_tokens=24, temperature=0.7)
     model.set_attn_implementation("sdpa")  # flash-attn takes half precision only; this float32 check compares at 1e-3
-    trainer = response_logprobs(model, rollout.sequences.to(device), rollout.attention_mask.to(device), rollout.prompt_width, temperature=0.7).cpu()
+    trainer = response_logprobs(
+        model, rollout.sequences.to(device), rollout.attention_mask.to(device), rollout.prompt_width, temperature=0.7
+    ).cpu()
     gap = ((trainer - rollout.logprobs.cpu()).abs() * rollout.response_mask.cpu()).max().item()
     print(f"decode steps as CUDA graphs: sampled tokens' log-prob gap to the trainer's {gap:.2e}")
     assert gap < 1e-3
@@ -410,7 +440,13 @@ def test_the_flash_kvcache_decode_attention_matches_sdpa_and_decodes_as_the_trai
     from types import SimpleNamespace
 
     from tasks.common.nn import data as batches
-    from tasks.common.nn.engines.hf_engine import DECODE_ATTENTION, FLASH_DECODE_ATTENTION, HFRolloutEngine, flash_kvcache_attention, packed_gqa_sdpa
+    from tasks.common.nn.engines.hf_engine import (
+        DECODE_ATTENTION,
+        FLASH_DECODE_ATTENTION,
+        HFRolloutEngine,
+        flash_kvcache_attention,
+        packed_gqa_sdpa,
+    )
     from tasks.common.nn.models import load_causal_lm
     from tasks.data import demo
     from tasks.rl.experience import response_logprobs
@@ -421,7 +457,9 @@ def test_the_flash_kvcache_decode_attention_matches_sdpa_and_decodes_as_the_trai
     q = torch.randn(5, heads, 1, dim, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(5, kv, length, dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     mask = torch.zeros(5, 1, 1, length, dtype=torch.bool, device="cuda")
-    for row, (start, end) in enumerate([(0, 50), (3, 50), (17, 50), (0, 96), (40, 70)]):  # left padding, then written slots
+    for row, (start, end) in enumerate(
+        [(0, 50), (3, 50), (17, 50), (0, 96), (40, 70)]
+    ):  # left padding, then written slots
         mask[row, ..., start:end] = True
     want, _ = packed_gqa_sdpa(module, q, k, v, mask, scaling=dim**-0.5)
     got, _ = flash_kvcache_attention(module, q, k, v, mask, scaling=dim**-0.5)
@@ -437,13 +475,17 @@ def test_the_flash_kvcache_decode_attention_matches_sdpa_and_decodes_as_the_trai
     model = load_causal_lm(str(path), dtype=torch.bfloat16, flash_attn=True).cuda()
     gaps = {}
     for attention in (FLASH_DECODE_ATTENTION, DECODE_ATTENTION):
-        engine = HFRolloutEngine(model, tok, torch.device("cuda"), cuda_graphs=True, compile_decode=True, fuse_projections=True)
+        engine = HFRolloutEngine(
+            model, tok, torch.device("cuda"), cuda_graphs=True, compile_decode=True, fuse_projections=True
+        )
         assert engine.decode_attention == FLASH_DECODE_ATTENTION  # the model trains with flash-attn
         engine.decode_attention = attention
         torch.manual_seed(0)
         rollout = engine.generate(prompts, max_new_tokens=24, temperature=0.7)
         assert engine.captured()
-        trainer = response_logprobs(model, rollout.sequences.cuda(), rollout.attention_mask.cuda(), rollout.prompt_width, temperature=0.7).cpu()
+        trainer = response_logprobs(
+            model, rollout.sequences.cuda(), rollout.attention_mask.cuda(), rollout.prompt_width, temperature=0.7
+        ).cpu()
         gaps[attention] = ((trainer.float() - rollout.logprobs.cpu()).abs() * rollout.response_mask.cpu()).max().item()
     print(f"bf16 decode: sampled tokens' log-prob gap to the trainer's {gaps}")
     assert gaps[FLASH_DECODE_ATTENTION] <= 2 * gaps[DECODE_ATTENTION] + 1e-2
@@ -453,7 +495,15 @@ def test_rl_with_the_hf_engine_on_the_gpu(gpu_ray, data):
     """GRPO with rollouts from the actor's own decode loop, its steps replayed as CUDA graphs (no vLLM): the engine reads the trained
     weights in place, so its log-probabilities stay the actor's step after step."""
     out = str(ROOT / "grpo-hf")
-    cli(gpu_ray, "tasks.rl", output=out, pretrain=data, prompt_data=data, **{**GRPO, **STYLE, "vllm_num_engines": 0, "max_steps": 4}, **GPU_FLAGS)
+    cli(
+        gpu_ray,
+        "tasks.rl",
+        output=out,
+        pretrain=data,
+        prompt_data=data,
+        **{**GRPO, **STYLE, "vllm_num_engines": 0, "max_steps": 4},
+        **GPU_FLAGS,
+    )
     gaps = [r["engine_logprob_max_diff"] for r in metrics(out)]
     print(f"grpo with the hf engine: engine vs actor log-probability gap per step {gaps}")
     assert len(gaps) == 4 and max(gaps) < 0.25
@@ -477,7 +527,17 @@ def test_rl_with_lora_hands_vllm_the_adapter_alone_and_its_rollouts_follow_it(gp
             output=out,
             pretrain=sft,
             prompt_data=data,
-            **{**GRPO, **GPU_FLAGS, **STYLE, **layout, "max_steps": 6, "lora_rank": 16, "lora_alpha": 32, "actor_learning_rate": 2e-3, "init_kl_coef": 0.001},
+            **{
+                **GRPO,
+                **GPU_FLAGS,
+                **STYLE,
+                **layout,
+                "max_steps": 6,
+                "lora_rank": 16,
+                "lora_alpha": 32,
+                "actor_learning_rate": 2e-3,
+                "init_kl_coef": 0.001,
+            },
         )
         logged = metrics(out)
         gaps, kl = [r["engine_logprob_max_diff"] for r in logged], [r["kl"] for r in logged]

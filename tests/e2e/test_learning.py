@@ -32,7 +32,13 @@ ESTIMATORS = {
     # estimator: RL flags beyond the shared ones (group estimators sample 4 answers for each of 32 prompts)
     "gae": {},  # the demo's RL stage as the DAG runs it (dag_default_flags), PPO-ptx off
     # GRPO as TRL runs it by default: no KL, one update per rollout, so the actor skips its scoring pass.
-    "group_norm": {"rollout_batch_size": 32, "n_samples_per_prompt": 4, "train_batch_size": 128, "max_epochs": 1, "init_kl_coef": 0.0},
+    "group_norm": {
+        "rollout_batch_size": 32,
+        "n_samples_per_prompt": 4,
+        "train_batch_size": 128,
+        "max_epochs": 1,
+        "init_kl_coef": 0.0,
+    },
     "rloo": {"rollout_batch_size": 32, "n_samples_per_prompt": 4},
     "reinforce_baseline": {"rollout_batch_size": 32, "n_samples_per_prompt": 4},
 }
@@ -54,7 +60,12 @@ def trained(demo_run):
     import shutil
 
     shutil.rmtree(ROOT, ignore_errors=True)
-    return {"data": demo_run.xcom("prepare_data"), "sft": demo_run.xcom("sft"), "rm": demo_run.xcom("reward_model"), "live": demo_run.live}
+    return {
+        "data": demo_run.xcom("prepare_data"),
+        "sft": demo_run.xcom("sft"),
+        "rm": demo_run.xcom("reward_model"),
+        "live": demo_run.live,
+    }
 
 
 def models(trained, ray_address, seed: int) -> dict:
@@ -68,8 +79,22 @@ def policy_metrics(trained, ray_address, estimator: str, reward: str, seed: int)
     start = models(trained, ray_address, seed)
     name = f"{estimator}-{reward}-seed{seed}"
     rl, ev = str(ROOT / f"rl-{name}"), str(ROOT / f"eval-{name}")
-    rl_flags = {**dag_default_flags("tasks.rl", seed), "ptx_coef": 0.0, "advantage_estimator": estimator, **ESTIMATORS[estimator], **REWARDS[reward]}
-    cli(trained["live"], "tasks.rl", output=rl, pretrain=start["sft"], reward_pretrain=start["rm"], prompt_data=start["data"], **rl_flags)
+    rl_flags = {
+        **dag_default_flags("tasks.rl", seed),
+        "ptx_coef": 0.0,
+        "advantage_estimator": estimator,
+        **ESTIMATORS[estimator],
+        **REWARDS[reward],
+    }
+    cli(
+        trained["live"],
+        "tasks.rl",
+        output=rl,
+        pretrain=start["sft"],
+        reward_pretrain=start["rm"],
+        prompt_data=start["data"],
+        **rl_flags,
+    )
     cli(
         trained["live"],
         "tasks.eval",
@@ -88,7 +113,9 @@ def policy_metrics(trained, ray_address, estimator: str, reward: str, seed: int)
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("estimator", ["gae", "group_norm", "rloo", "reinforce_baseline"])
 def test_estimator_learns_from_a_reward_model_and_from_a_reward_function(estimator, seed, trained, ray_address):
-    control, with_rm, exact = (policy_metrics(trained, ray_address, estimator, reward, seed) for reward in ("control", "rm", "exact"))
+    control, with_rm, exact = (
+        policy_metrics(trained, ray_address, estimator, reward, seed) for reward in ("control", "rm", "exact")
+    )
     print(
         f"{estimator}, seed {seed}: style {control['sampled_preferred_style_rate']:.3f} -> {with_rm['sampled_preferred_style_rate']:.3f} (rm); "
         f"sampled accuracy {control['sampled_accuracy']:.3f} -> {exact['sampled_accuracy']:.3f} (exact match)"
@@ -135,7 +162,11 @@ def test_rl_that_games_its_reward_model_sets_off_the_alarm_and_the_gate_refuses(
     assert delta["reward_mean"]["interval"][0] > 0 and delta["accuracy"]["interval"][1] < 0
     assert any("reward hacking suspected" in alarm and "accuracy fell" in alarm for alarm in report["alarms"])
 
-    done = run_cli("tasks.promote", *flags({"output": promote, "evaluation": ev, "registry": str(tmp_path / "registry"), "run_id": "gamed"}), ray=ray_address)
+    done = run_cli(
+        "tasks.promote",
+        *flags({"output": promote, "evaluation": ev, "registry": str(tmp_path / "registry"), "run_id": "gamed"}),
+        ray=ray_address,
+    )
     assert done.returncode == 0, f"tasks.promote failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
     assert "decision: rejected: the gate failed" in done.stdout
     assert "FAIL: against the baseline: reward hacking suspected" in done.stdout
@@ -163,7 +194,15 @@ def test_preference_method_raises_the_style_rate_and_keeps_accuracy(method, trai
         learning_rate=2e-5,
         **PREFERENCE[method],
     )
-    cli(trained["live"], "tasks.eval", output=ev, baseline=trained["sft"], policy=out, dataset=trained["data"], metric_func=DEMO_METRICS)
+    cli(
+        trained["live"],
+        "tasks.eval",
+        output=ev,
+        baseline=trained["sft"],
+        policy=out,
+        dataset=trained["data"],
+        metric_func=DEMO_METRICS,
+    )
     path, _ = manifests.fetch(ev, ROOT / f"fetched-{method}")
     metrics = json.loads((path / "report.json").read_text())["metrics"]
     sft, policy = metrics["baseline"], metrics["policy"]
@@ -187,7 +226,9 @@ def test_exports_load_with_the_auto_classes_and_give_the_trained_answers(trained
 
     sft, rm = (download(trained["live"], trained[name], "model/", ROOT / f"export-{name}") for name in ("sft", "rm"))
     tokenizer = AutoTokenizer.from_pretrained(sft / "model")
-    eval_rows = download(trained["live"], trained["data"], "data/eval.jsonl", ROOT / "export-data") / "data" / "eval.jsonl"
+    eval_rows = (
+        download(trained["live"], trained["data"], "data/eval.jsonl", ROOT / "export-data") / "data" / "eval.jsonl"
+    )
     rows = [json.loads(line) for line in eval_rows.read_text().splitlines()[:64]]
     for row in rows[:8]:
         assert tokenizer(row["prompt"])["input_ids"] == data.encode_prompt(tokenizer, row["prompt"])
@@ -204,7 +245,10 @@ def test_exports_load_with_the_auto_classes_and_give_the_trained_answers(trained
     rm_tokenizer = AutoTokenizer.from_pretrained(rm / "model")
     terse, wordy = rows[0]["prompt"] + rows[0]["label"], rows[0]["prompt"] + rows[0]["label"] + " is the sum"
     with torch.no_grad():
-        scores = [scorer(**rm_tokenizer(text + rm_tokenizer.eos_token, return_tensors="pt")).logits.item() for text in (terse, wordy)]
+        scores = [
+            scorer(**rm_tokenizer(text + rm_tokenizer.eos_token, return_tensors="pt")).logits.item()
+            for text in (terse, wordy)
+        ]
     assert scores[0] > scores[1]  # it prefers the terse style, as trained
 
 

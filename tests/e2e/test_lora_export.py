@@ -50,8 +50,13 @@ def env(ray_address, s3_server, tmp_path_factory):
         "root": root,
         "s3": s3_server,
         "base": build_chat_model(root / "base"),
-        "sft_data": write_jsonl(root / "sft.jsonl", [{"prompt": p, "response": r["chosen"]} for p, r in zip(prompts, rows)]),
-        "pairs": write_jsonl(root / "pairs.jsonl", [{"prompt": p, "chosen": r["chosen"], "rejected": r["rejected"]} for p, r in zip(prompts, rows)]),
+        "sft_data": write_jsonl(
+            root / "sft.jsonl", [{"prompt": p, "response": r["chosen"]} for p, r in zip(prompts, rows)]
+        ),
+        "pairs": write_jsonl(
+            root / "pairs.jsonl",
+            [{"prompt": p, "chosen": r["chosen"], "rejected": r["rejected"]} for p, r in zip(prompts, rows)],
+        ),
         "prompts": write_jsonl(root / "prompts.jsonl", [{"prompt": p} for p in prompts]),
     }
     for key, value in saved.items():
@@ -167,11 +172,15 @@ def test_target_modules_naming_no_module_is_refused_naming_the_ones_there(tmp_pa
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(build_chat_model(tmp_path / "m"))
-    cfg = make_config(SFTConfig, {"output": "o", "pretrain": "m", "dataset": "d", "lora_rank": 4, "target_modules": "q_proj,qkv"})
+    cfg = make_config(
+        SFTConfig, {"output": "o", "pretrain": "m", "dataset": "d", "lora_rank": 4, "target_modules": "q_proj,qkv"}
+    )
     with pytest.raises(ConfigError) as caught:
         lora.apply_lora(model, cfg)
     assert str(caught.value).startswith("target_modules: qkv name no module of ")
-    assert str(caught.value).endswith("; use all-linear or some of down_proj,gate_proj,k_proj,lm_head,o_proj,q_proj,up_proj,v_proj")
+    assert str(caught.value).endswith(
+        "; use all-linear or some of down_proj,gate_proj,k_proj,lm_head,o_proj,q_proj,up_proj,v_proj"
+    )
     cfg.target_modules = "q_proj,v_proj"
     trainable = [n for n, p in lora.apply_lora(model, cfg).named_parameters() if p.requires_grad]
     assert trainable and all(".q_proj.lora_" in n or ".v_proj.lora_" in n for n in trainable)
@@ -192,7 +201,10 @@ def test_lora_sft_trains_only_the_adapters_and_exports_them_naming_the_base(env,
     assert not any(f.endswith("model.safetensors") and f != "adapter_model.safetensors" for f in model_files)
 
     # Trained: the adapters only, as many parameters as rank-4 LoRA on every linear layer but the head has.
-    fresh = lora.apply_lora(AutoModelForCausalLM.from_pretrained(env["base"]), make_config(SFTConfig, {"output": "o", "pretrain": "m", "dataset": "d", **LORA}))
+    fresh = lora.apply_lora(
+        AutoModelForCausalLM.from_pretrained(env["base"]),
+        make_config(SFTConfig, {"output": "o", "pretrain": "m", "dataset": "d", **LORA}),
+    )
     expected = sum(p.numel() for n, p in fresh.named_parameters() if "lora_" in n)
     assert m["metrics"]["trainable_params"] == expected < 0.1 * sum(p.numel() for p in fresh.parameters())
     path, _ = manifests.fetch(sft_adapter, tmp_path, subdir="model")
@@ -224,7 +236,9 @@ def test_merged_export_gives_the_logits_of_base_plus_adapter(env, sft_adapter, t
 
     merged = AutoModelForCausalLM.from_pretrained(folder).eval()
     adapter_dir, _ = manifests.fetch(sft_adapter, tmp_path, subdir="model")
-    base_plus_adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(env["base"]), str(adapter_dir)).eval()
+    base_plus_adapter = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(env["base"]), str(adapter_dir)
+    ).eval()
     base = AutoModelForCausalLM.from_pretrained(env["base"]).eval()
     assert_close(causal_logits(merged), causal_logits(base_plus_adapter))  # same seed, same steps: the same adapter
     assert_close(causal_logits(AutoModelForCausalLM.from_pretrained(resolve_model(sft_adapter))), causal_logits(merged))

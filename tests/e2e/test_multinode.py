@@ -81,7 +81,11 @@ def two_nodes(s3_server):
         return env
 
     _temp_dir(head)
-    procs = {"ray-head": launch(head, "ray-head", ray_command(head) + ["--resources", json.dumps({"node_a": 100})], node_env("node_a"))}
+    procs = {
+        "ray-head": launch(
+            head, "ray-head", ray_command(head) + ["--resources", json.dumps({"node_a": 100})], node_env("node_a")
+        )
+    }
     second = Config(scratch=root / "ray_b")  # only for its own short --temp-dir
     _temp_dir(second)
     address = f"127.0.0.1:{head.ray_port}"
@@ -119,9 +123,16 @@ def two_nodes(s3_server):
             time.sleep(1)
         exposed = [s for proc in procs.values() for s in _listening(proc.pid) if s[0] not in LOOPBACK_IPS]
         assert not exposed, f"listening beyond 127.0.0.1: {exposed}"
-        ids = {name: next(n["node_id"] for n in nodes if name in n.get("resources_total", {})) for name in ("node_a", "node_b")}
+        ids = {
+            name: next(n["node_id"] for n in nodes if name in n.get("resources_total", {}))
+            for name in ("node_a", "node_b")
+        }
         assert ids["node_a"] != ids["node_b"]
-        yield {"address": address, "driver_tmp": scratch["driver_tmp"], **{name: {"id": ids[name], "scratch": scratch[name]} for name in ids}}
+        yield {
+            "address": address,
+            "driver_tmp": scratch["driver_tmp"],
+            **{name: {"id": ids[name], "scratch": scratch[name]} for name in ids},
+        }
     finally:
         for name in ("ray-node-b", "ray-head"):  # only the processes started here, by pid
             if name in procs:
@@ -139,7 +150,15 @@ def inputs(two_nodes, s3_server):
     stage.run("prepare_data", make_config(PrepareDataConfig, {"output": out["prepare_data"]}), prepare)
     done = run_cli(
         "tasks.reward_model",
-        *flags({"output": out["reward_model"], "pretrain": out["prepare_data"], "dataset": out["prepare_data"], "max_steps": 2, "train_batch_size": 16}),
+        *flags(
+            {
+                "output": out["reward_model"],
+                "pretrain": out["prepare_data"],
+                "dataset": out["prepare_data"],
+                "max_steps": 2,
+                "train_batch_size": 16,
+            }
+        ),
         ray=two_nodes["address"],
     )
     assert done.returncode == 0, done.stderr[-3000:]
@@ -147,7 +166,9 @@ def inputs(two_nodes, s3_server):
 
 
 @pytest.mark.slow  # 85 s: make test-all (the refusals below stay in make test)
-def test_rl_stage_spans_two_nodes_checkpoints_through_s3_and_resumes(two_nodes, inputs, s3_server, tmp_path, monkeypatch):
+def test_rl_stage_spans_two_nodes_checkpoints_through_s3_and_resumes(
+    two_nodes, inputs, s3_server, tmp_path, monkeypatch
+):
     # The driver's own temp and cache folders are neither node's.
     monkeypatch.setenv("TMPDIR", str(two_nodes["driver_tmp"]))
     monkeypatch.setenv("RLHF_CACHE_DIR", str(two_nodes["driver_tmp"] / "cache"))
@@ -174,31 +195,47 @@ def test_rl_stage_spans_two_nodes_checkpoints_through_s3_and_resumes(two_nodes, 
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     log = done.stdout + done.stderr
     # Each group on the node its resources name; a group off the driver's node joins its world over TCP.
-    driver_node = next(line for line in log.splitlines() if line.startswith("rl: driver on node")).split()[4].rstrip(";")
+    driver_node = (
+        next(line for line in log.splitlines() if line.startswith("rl: driver on node")).split()[4].rstrip(";")
+    )
     for role, node in (("actor", a), ("ref", a), ("critic", b), ("reward", b)):
         rendezvous = "file" if node["id"][:8] == driver_node else "tcp"
         assert f"{role} on node(s) ['{node['id'][:8]}'] via {rendezvous}" in log, log[-3000:]
     assert "via tcp" in log  # one of the two nodes is not the driver's
     # Every rank wrote its checkpoint files in its own node's scratch and uploaded them itself.
-    assert f"ActorWorker rank 0 on node {a['id'][:8]}: wrote" in log and f"in {a['scratch']}, uploaded them to {out}/checkpoints/step_2/actor" in log
-    assert f"CriticWorker rank 0 on node {b['id'][:8]}: wrote" in log and f"in {b['scratch']}, uploaded them to {out}/checkpoints/step_2/critic" in log
+    assert (
+        f"ActorWorker rank 0 on node {a['id'][:8]}: wrote" in log
+        and f"in {a['scratch']}, uploaded them to {out}/checkpoints/step_2/actor" in log
+    )
+    assert (
+        f"CriticWorker rank 0 on node {b['id'][:8]}: wrote" in log
+        and f"in {b['scratch']}, uploaded them to {out}/checkpoints/step_2/critic" in log
+    )
     # The committed checkpoint holds both nodes' ranks' DeepSpeed files (model states, ZeRO-2 shard, RNG)
     # and the driver's controller state, listed by one manifest written after all of them.
     for step in (2, 4):
         files = manifests.read_manifest(f"{out}/checkpoints/step_{step}")["files"]
         for role in ("actor", "critic"):
             mine = [f for f in files if f.startswith(f"{role}/")]
-            assert f"{role}/rng_rank0.pt" in mine and any("zero_pp_rank_0" in f for f in mine) and any("model_states" in f for f in mine), files
+            assert (
+                f"{role}/rng_rank0.pt" in mine
+                and any("zero_pp_rank_0" in f for f in mine)
+                and any("model_states" in f for f in mine)
+            ), files
         assert "controller/controller.pt" in files
     committed = manifests.read_manifest(out)["files"]
     assert "model/model.safetensors" in committed and "critic/model.safetensors" in committed
     # Workers read their inputs into their own node's cache: the reward model only where the critic
     # and reward groups run, and nothing into the driver's cache but what the driver itself reads.
-    cached = {name: " ".join(p.name for p in (node["scratch"] / "cache").iterdir()) for name, node in (("a", a), ("b", b))}
+    cached = {
+        name: " ".join(p.name for p in (node["scratch"] / "cache").iterdir()) for name, node in (("a", a), ("b", b))
+    }
     assert "reward_model" in cached["b"] and "reward_model" not in cached["a"], cached
     assert "prepare_data" in cached["a"]
     assert not (two_nodes["driver_tmp"] / "must-not-reach-a-worker").exists()
-    assert not any(two_nodes["driver_tmp"].glob("rlhf-state-*")) and not any(two_nodes["driver_tmp"].glob("rlhf-model-*"))
+    assert not any(two_nodes["driver_tmp"].glob("rlhf-state-*")) and not any(
+        two_nodes["driver_tmp"].glob("rlhf-model-*")
+    )
 
     # A rerun resumes from the newest checkpoint: each rank fetches it from S3 into its own node's folder.
     done = run_cli("tasks.rl", *flags({**args, "max_steps": 6}), ray=two_nodes["address"])
@@ -232,7 +269,9 @@ def test_a_local_output_is_refused_when_workers_sit_on_other_nodes(two_nodes, in
     )
     assert done.returncode == 2, done.stderr[-3000:]
     line = done.stderr.strip().splitlines()[-1]
-    assert line == (f"error: output: {tmp_path / 'rl'} is a folder on the driver's node, which workers on other nodes cannot write to; pass an s3:// URI"), line
+    assert line == (
+        f"error: output: {tmp_path / 'rl'} is a folder on the driver's node, which workers on other nodes cannot write to; pass an s3:// URI"
+    ), line
 
 
 @pytest.mark.slow  # make test-all: a second Ray node (60 s to start)
@@ -263,7 +302,10 @@ RL = {"output": "o", "pretrain": "p", "reward_pretrain": "r", "prompt_data": "d"
 @pytest.mark.parametrize(
     "value,message",
     [
-        ("node_a", r"^actor_resources: 'node_a' is not JSON; pass a JSON object of custom resources, e\.g\. --actor_resources '\{\"node_a\": 1\}'$"),
+        (
+            "node_a",
+            r"^actor_resources: 'node_a' is not JSON; pass a JSON object of custom resources, e\.g\. --actor_resources '\{\"node_a\": 1\}'$",
+        ),
         ("[1]", r"^actor_resources: '\[1\]' is not a non-empty JSON object"),
         ('{"CPU": 2}', r"^actor_resources: CPU comes from --actor_num_gpus_per_node, not from custom resources"),
         ('{"node_a": 0}', r"^actor_resources: 'node_a' needs a positive number, got 0"),
@@ -275,7 +317,10 @@ def test_resources_flags_are_validated_in_one_line(value, message):
 
 
 def test_a_colocated_group_cannot_ask_for_resources_of_its_own():
-    with pytest.raises(ConfigError, match=r"^reward_resources: with --colocate_critic_reward the reward group sits on the critic's bundles"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^reward_resources: with --colocate_critic_reward the reward group sits on the critic's bundles",
+    ):
         make_config(RLConfig, {**RL, "colocate_critic_reward": True, "reward_resources": '{"node_b": 1}'})
     cfg = make_config(RLConfig, {**RL, "colocate_critic_reward": True, "critic_resources": '{"node_b": 1}'})
     assert cfg.resources("critic") == {"node_b": 1.0} and cfg.resources("reward") == {}

@@ -47,13 +47,23 @@ def wait_run(live, dag_id: str, run_id: str, timeout: float = 1800) -> str:
 
 def ray_jobs(live, prefix: str) -> dict[str, str]:
     """{submission id: status} of the Ray jobs whose id starts with `prefix`."""
-    with urllib.request.urlopen(urllib.request.Request(f"{live.ray_dashboard}/api/jobs/", headers=live.ray_headers()), timeout=30) as response:
-        return {j["submission_id"]: j["status"] for j in json.load(response) if (j.get("submission_id") or "").startswith(prefix)}
+    with urllib.request.urlopen(
+        urllib.request.Request(f"{live.ray_dashboard}/api/jobs/", headers=live.ray_headers()), timeout=30
+    ) as response:
+        return {
+            j["submission_id"]: j["status"]
+            for j in json.load(response)
+            if (j.get("submission_id") or "").startswith(prefix)
+        }
 
 
 def running_job(live, dag_id: str, run_id: str, task_id: str, timeout: float = 300) -> str:
     prefix = submission_id_for(dag_id, run_id, task_id)
-    return wait(f"{task_id}'s Ray job to run", lambda: next((s for s, st in ray_jobs(live, prefix).items() if st == "RUNNING"), None), timeout)
+    return wait(
+        f"{task_id}'s Ray job to run",
+        lambda: next((s for s, st in ray_jobs(live, prefix).items() if st == "RUNNING"), None),
+        timeout,
+    )
 
 
 def s3_json(live, uri: str) -> dict:
@@ -62,7 +72,9 @@ def s3_json(live, uri: str) -> dict:
 
 
 def xcom(live, dag_id: str, run_id: str, task_id: str, key: str = "return_value"):
-    value = live.rest("GET", f"/api/v2/dags/{dag_id}/dagRuns/{run_id}/taskInstances/{task_id}/xcomEntries/{key}")["value"]
+    value = live.rest("GET", f"/api/v2/dags/{dag_id}/dagRuns/{run_id}/taskInstances/{task_id}/xcomEntries/{key}")[
+        "value"
+    ]
     return json.loads(value) if isinstance(value, str) and value.startswith('"') else value
 
 
@@ -70,7 +82,9 @@ def test_a_failed_stage_reruns_alone_from_its_checkpoint_across_restarts(demo_ru
     live, dag_id = demo_run.live, "rlhf_pipeline"
     # The demo's Params (its data, SFT and reward model are cache hits) with a shorter RL stage that fails
     # right after its step-6 checkpoint (it checkpoints every 3 steps) and a smaller evaluation.
-    run_id = trigger(live, dag_id, {"rl_steps": 12, "eval_max_samples": 50, "fault_injection": {"stage": "rl", "after_step": 6}})
+    run_id = trigger(
+        live, dag_id, {"rl_steps": 12, "eval_max_samples": 50, "fault_injection": {"stage": "rl", "after_step": 6}}
+    )
 
     # Restart the scheduler and the triggerer while RL's job runs: the run carries on with that job.
     running_job(live, dag_id, run_id, "rl")
@@ -83,7 +97,11 @@ def test_a_failed_stage_reruns_alone_from_its_checkpoint_across_restarts(demo_ru
 
     # The RL stage fails after its step-6 checkpoint; an operator clears it through the REST API.
     wait("rl to fail", lambda: task_states(live, dag_id, run_id).get("rl") in ("up_for_retry", "failed"), 900, every=2)
-    live.rest("POST", f"/api/v2/dags/{dag_id}/clearTaskInstances", {"dag_run_id": run_id, "task_ids": ["rl"], "only_failed": False, "dry_run": False})
+    live.rest(
+        "POST",
+        f"/api/v2/dags/{dag_id}/clearTaskInstances",
+        {"dag_run_id": run_id, "task_ids": ["rl"], "only_failed": False, "dry_run": False},
+    )
     assert wait_run(live, dag_id, run_id) == "success", task_states(live, dag_id, run_id)
 
     # The upstream stages ran no job (the demo's outputs); RL ran twice: the failed job, then the rerun.
@@ -100,7 +118,10 @@ def test_a_failed_stage_reruns_alone_from_its_checkpoint_across_restarts(demo_ru
     assert rl["inputs"]["pretrain"] == xcom(live, dag_id, run_id, "sft")  # the same run's upstream manifests
     # Each attempt's driver log sits beside the manifest; the task links to its Ray job.
     output = f"rlhf-flow/runs/{dag_id}/{key_safe(run_id)}/rl"
-    logs = {o["Key"].rsplit("/", 1)[1] for o in live.s3().list_objects_v2(Bucket=live.bucket, Prefix=f"{output}/logs/")["Contents"]}
+    logs = {
+        o["Key"].rsplit("/", 1)[1]
+        for o in live.s3().list_objects_v2(Bucket=live.bucket, Prefix=f"{output}/logs/")["Contents"]
+    }
     assert logs == {f"{sid}.log" for sid in rl_jobs}
     assert xcom(live, dag_id, run_id, "rl", "ray_job_url").startswith(f"{live.ray_dashboard}/#/jobs/")
 
@@ -108,7 +129,10 @@ def test_a_failed_stage_reruns_alone_from_its_checkpoint_across_restarts(demo_ru
     events = live.rest("GET", "/api/v2/assets/events", source_run_id=run_id, limit=100)["asset_events"]
     by_task = {e["source_task_id"]: e for e in events}
     assert set(by_task) == {"prepare_data", "sft", "reward_model", "rl", "eval"}
-    assert by_task["sft"]["extra"]["manifest"] == xcom(live, dag_id, run_id, "sft") and by_task["sft"]["extra"]["cache_hit"] is True
+    assert (
+        by_task["sft"]["extra"]["manifest"] == xcom(live, dag_id, run_id, "sft")
+        and by_task["sft"]["extra"]["cache_hit"] is True
+    )
     assert by_task["rl"]["extra"]["metrics"]["wall_time_s"] > 0 and by_task["rl"]["extra"]["cache_hit"] is False
 
     # A committed output damaged in the store: clearing its task (succeeded) computes it again, the damaged
@@ -119,7 +143,11 @@ def test_a_failed_stage_reruns_alone_from_its_checkpoint_across_restarts(demo_ru
     damaged = "report.json"
     body = live.s3().get_object(Bucket=bucket, Key=f"{key}/{damaged}")["Body"].read()
     live.s3().put_object(Bucket=bucket, Key=f"{key}/{damaged}", Body=bytes(b ^ 0xFF for b in body[:32]) + body[32:])
-    live.rest("POST", f"/api/v2/dags/{dag_id}/clearTaskInstances", {"dag_run_id": run_id, "task_ids": ["eval"], "only_failed": False, "dry_run": False})
+    live.rest(
+        "POST",
+        f"/api/v2/dags/{dag_id}/clearTaskInstances",
+        {"dag_run_id": run_id, "task_ids": ["eval"], "only_failed": False, "dry_run": False},
+    )
     assert wait_run(live, dag_id, run_id) == "success", task_states(live, dag_id, run_id)
     jobs = ray_jobs(live, submission_id_for(dag_id, run_id, "eval"))
     assert sorted(jobs.values()) == ["SUCCEEDED", "SUCCEEDED"], jobs  # the clear ran a second job
@@ -144,7 +172,14 @@ def test_marking_failed_stops_the_ray_job(target, demo_run):
         live.rest("PATCH", f"/api/v2/dags/{dag_id}/dagRuns/{run_id}/taskInstances/sft", {"new_state": "failed"})
     else:
         live.rest("PATCH", f"/api/v2/dags/{dag_id}/dagRuns/{run_id}", {"state": "failed"})
-    assert wait(f"{sid} to stop", lambda: ray_jobs(live, sid).get(sid) if ray_jobs(live, sid).get(sid) != "RUNNING" else None, 90) == "STOPPED"
+    assert (
+        wait(
+            f"{sid} to stop",
+            lambda: ray_jobs(live, sid).get(sid) if ray_jobs(live, sid).get(sid) != "RUNNING" else None,
+            90,
+        )
+        == "STOPPED"
+    )
     assert wait_run(live, dag_id, run_id, timeout=120) == "failed"
 
 
@@ -161,7 +196,10 @@ def test_nightly_promotes_the_better_policy_only(demo_run):
 
     # The second night reused the unchanged stages (same data, flags and code): no Ray job, the first
     # night's manifests, cache hits in their Asset events.
-    events = {e["source_task_id"]: e for e in live.rest("GET", "/api/v2/assets/events", source_run_id=worse, limit=100)["asset_events"]}
+    events = {
+        e["source_task_id"]: e
+        for e in live.rest("GET", "/api/v2/assets/events", source_run_id=worse, limit=100)["asset_events"]
+    }
     for task_id in ("prepare_data", "sft", "reward_model"):
         assert ray_jobs(live, submission_id_for(dag_id, worse, task_id)) == {}, task_id
         assert xcom(live, dag_id, worse, task_id) == xcom(live, dag_id, good, task_id)
@@ -180,7 +218,10 @@ def test_nightly_promotes_the_better_policy_only(demo_run):
     assert judged[worse]["decision"].startswith("rejected")
     assert judged[worse]["against"]["version"] == 1  # judged against the champion, on the same prompts
     report = s3_json(live, xcom(live, dag_id, worse, "eval").replace("manifest.json", "report.json"))
-    assert report["metrics"]["champion"]["sampled_preferred_style_rate"] > report["metrics"]["policy"]["sampled_preferred_style_rate"]
+    assert (
+        report["metrics"]["champion"]["sampled_preferred_style_rate"]
+        > report["metrics"]["policy"]["sampled_preferred_style_rate"]
+    )
 
     # One champion Asset event, from the good night, carrying the new champion.
     asset = live.rest("GET", "/api/v2/assets", name_pattern="rlhf_flow.champion")["assets"][0]

@@ -32,7 +32,10 @@ TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 def post_job(dashboard: str, body: dict, headers: dict | None = None) -> tuple[int, str]:
     """(status, body) of a plain POST /api/jobs/, as any process on the machine could send it."""
     req = urllib.request.Request(
-        f"{dashboard}/api/jobs/", data=json.dumps(body).encode(), headers={"Content-Type": "application/json", **(headers or {})}, method="POST"
+        f"{dashboard}/api/jobs/",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", **(headers or {})},
+        method="POST",
     )
     try:
         with urllib.request.urlopen(req, timeout=30) as r:
@@ -76,7 +79,9 @@ def test_the_stack_makes_one_private_token_and_gives_it_to_ray_and_the_connectio
     assert json.loads(env[names.conn_env(names.RAY_CONN)])["password"] == token
     assert "RAY_AUTH_TOKEN" not in env  # the processes read the file
     # Another cluster's token in the caller's environment would win over the file: it is dropped.
-    assert "RAY_AUTH_TOKEN" not in process_env(Config(scratch=tmp_path), {"RAY_AUTH_TOKEN": "other-cluster", "PATH": "/usr/bin"})
+    assert "RAY_AUTH_TOKEN" not in process_env(
+        Config(scratch=tmp_path), {"RAY_AUTH_TOKEN": "other-cluster", "PATH": "/usr/bin"}
+    )
 
 
 def test_the_trigger_serializes_the_connection_name_never_the_token(ray_head):
@@ -95,7 +100,11 @@ def test_an_unauthenticated_job_submission_is_refused(ray_head):
     sid = unique("anon")
     status, body = post_job(ray_head, {"entrypoint": "echo this must not run", "submission_id": sid})
     assert status == 401, body
-    status, body = post_job(ray_head, {"entrypoint": "echo this must not run", "submission_id": sid}, {"Authorization": "Bearer not-the-token"})
+    status, body = post_job(
+        ray_head,
+        {"entrypoint": "echo this must not run", "submission_id": sid},
+        {"Authorization": "Bearer not-the-token"},
+    )
     assert status == 403, body
     # Nor may an anonymous client read what runs (job list, entrypoints, metadata).
     with pytest.raises(urllib.error.HTTPError) as listing:
@@ -109,7 +118,12 @@ def test_the_hook_submits_with_the_connection_token(ray_head):
     token = connection_token(ray_head)
     hook = RayJobHook()  # address and token from AIRFLOW_CONN_RLHF_RAY
     sid = unique("hook")
-    hook.submit(entrypoint="echo accepted with the token", submission_id=sid, runtime_env={"env_vars": {"PYTHONUNBUFFERED": "1"}}, entrypoint_num_cpus=0)
+    hook.submit(
+        entrypoint="echo accepted with the token",
+        submission_id=sid,
+        runtime_env={"env_vars": {"PYTHONUNBUFFERED": "1"}},
+        entrypoint_num_cpus=0,
+    )
     assert wait_done(hook, sid) == "SUCCEEDED", hook.get_job_logs(sid)
     assert "accepted with the token" in hook.get_job_logs(sid)
     # The trigger's side (aiohttp, the connection read without blocking the loop) carries it too.
@@ -117,7 +131,9 @@ def test_the_hook_submits_with_the_connection_token(ray_head):
     assert "accepted with the token" in asyncio.run(RayJobHook(names.RAY_CONN, address=ray_head).get_logs(sid))
     # The token is in none of what Ray keeps about the job.
     info = hook.get_job_info(sid)
-    assert token not in json.dumps({"runtime_env": info.runtime_env, "metadata": info.metadata, "entrypoint": info.entrypoint}, default=str)
+    assert token not in json.dumps(
+        {"runtime_env": info.runtime_env, "metadata": info.metadata, "entrypoint": info.entrypoint}, default=str
+    )
 
 
 @pytest.mark.e2e
@@ -150,9 +166,13 @@ def test_a_wrong_token_in_the_connection_is_one_line_naming_it(ray_head, monkeyp
         RayJobHook("ray_wrong").cluster_resources()
     for err in (sync_err.value, async_err.value, nodes_err.value):
         message = str(err)
-        assert "\n" not in message and "'ray_wrong'" in message and "HTTP 403" in message and ray_head in message, message
+        assert "\n" not in message and "'ray_wrong'" in message and "HTTP 403" in message and ray_head in message, (
+            message
+        )
         assert "0" * 64 not in message
-        assert isinstance(err, RayUnreachableError)  # the run's validate task reports it as it reports an unreachable cluster
+        assert isinstance(
+            err, RayUnreachableError
+        )  # the run's validate task reports it as it reports an unreachable cluster
 
 
 @pytest.mark.e2e
@@ -166,6 +186,8 @@ def test_a_job_whose_runtime_env_has_no_token_still_runs_stage_drivers_and_worke
         "print('driver', ray.get(ray.remote(lambda: 6 * 7).remote()), os.environ['RAY_AUTH_MODE'], 'RAY_AUTH_TOKEN' in os.environ)"
     )
     runtime_env = {"env_vars": {"PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}}
-    hook.submit(entrypoint=f'{sys.executable} -c "{code}"', submission_id=sid, runtime_env=runtime_env, entrypoint_num_cpus=0)
+    hook.submit(
+        entrypoint=f'{sys.executable} -c "{code}"', submission_id=sid, runtime_env=runtime_env, entrypoint_num_cpus=0
+    )
     assert wait_done(hook, sid) == "SUCCEEDED", hook.get_job_logs(sid)
     assert "driver 42 token False" in hook.get_job_logs(sid)

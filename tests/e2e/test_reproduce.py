@@ -45,7 +45,9 @@ def original(s3_server, ray_address):
     root = s3_server.uri("reproduce/r1")
     out = {"root": root, "prepare_data": f"{root}/prepare_data", "sft": f"{root}/sft"}
     try:
-        stage.run("prepare_data", make_config(PrepareDataConfig, {"output": out["prepare_data"], "run_id": "r1"}), prepare)
+        stage.run(
+            "prepare_data", make_config(PrepareDataConfig, {"output": out["prepare_data"], "run_id": "r1"}), prepare
+        )
         done = run_cli(
             "tasks.sft",
             *flags(
@@ -82,14 +84,20 @@ def test_the_manifest_pins_its_input_manifests(original):
 @pytest.mark.slow  # make test-all: needs an SFT run to reproduce (50 s)
 def test_sft_reproduces_with_identical_metrics_and_weights(original, ray_address):
     new_uri = f"{original['root']}-reproduced/sft"
-    done = run_cli("tasks.reproduce", f"{original['sft']}/manifest.json", "--output", new_uri, "--check", ray=ray_address)
+    done = run_cli(
+        "tasks.reproduce", f"{original['sft']}/manifest.json", "--output", new_uri, "--check", ray=ray_address
+    )
     if done.returncode == 2 and done.stderr.startswith("error: code_digest: "):
         pytest.skip(f"tasks/ was edited while this test ran, so there is nothing to reproduce: {done.stderr.strip()}")
     assert done.returncode == 0, f"reproduce failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     assert done.stdout.strip().splitlines()[-1].startswith("reproduce: sft reproduced: "), done.stdout[-3000:]
-    assert f"reproduce: input dataset: {original['prepare_data']}: same manifest sha256" in done.stdout, done.stdout[-3000:]
+    assert f"reproduce: input dataset: {original['prepare_data']}: same manifest sha256" in done.stdout, done.stdout[
+        -3000:
+    ]
     # Every output file but metrics.jsonl (each line has its time_s) came out byte-identical, the weights included.
-    assert re.search(r"^reproduce: files: (\d+) of (\d+) byte-identical to the original's; differ: metrics.jsonl$", done.stdout, re.M), done.stdout[-3000:]
+    assert re.search(
+        r"^reproduce: files: (\d+) of (\d+) byte-identical to the original's; differ: metrics.jsonl$", done.stdout, re.M
+    ), done.stdout[-3000:]
 
     old, new = manifests.read_manifest(original["sft"]), manifests.read_manifest(new_uri)
     assert new["run_id"] == "reproduce-r1" and "resumed_from_step" not in new
@@ -102,7 +110,10 @@ def test_sft_reproduces_with_identical_metrics_and_weights(original, ray_address
 
     assert computed(new["metrics"]) == computed(old["metrics"]) and old["metrics"]["train_loss"] is not None
     # Same seed, same data order, same init, one worker: the weights are bit-identical, not just the loss.
-    assert new["files"]["model/model.safetensors"] == old["files"]["model/model.safetensors"], (old["metrics"], new["metrics"])
+    assert new["files"]["model/model.safetensors"] == old["files"]["model/model.safetensors"], (
+        old["metrics"],
+        new["metrics"],
+    )
     assert new["inputs"] == old["inputs"] and new["input_manifests"] == old["input_manifests"]
 
     def curve(uri):  # the per-step log without its timings
@@ -156,24 +167,37 @@ def test_a_rewritten_input_is_refused(tmp_path, monkeypatch):
     monkeypatch.setenv("RLHF_CODE_VERSION", CODE)
     data = commit_local(tmp_path, "data", "prepare_data", {"seed": 0}, {})
     pinned = {data: manifests.manifest_digest(data)}
-    sft = commit_local(tmp_path, "sft", "sft", sft_config(data, str(tmp_path / "sft")), {"pretrain": data, "dataset": data}, input_manifests=pinned)
+    sft = commit_local(
+        tmp_path,
+        "sft",
+        "sft",
+        sft_config(data, str(tmp_path / "sft")),
+        {"pretrain": data, "dataset": data},
+        input_manifests=pinned,
+    )
     manifest, cfg, _ = reproduce.preflight(sft, str(tmp_path / "again"))  # unchanged: accepted
     assert cfg.run_id == "reproduce-r1" and cfg.output == str(tmp_path / "again")
 
     commit_local(tmp_path, "data2", "prepare_data", {"seed": 1}, {})
     (tmp_path / "data" / "manifest.json").write_bytes((tmp_path / "data2" / "manifest.json").read_bytes())
-    with pytest.raises(reproduce.ReproduceError, match=r"^inputs\.dataset: .*/data/manifest\.json changed since the original run"):
+    with pytest.raises(
+        reproduce.ReproduceError, match=r"^inputs\.dataset: .*/data/manifest\.json changed since the original run"
+    ):
         reproduce.preflight(sft, str(tmp_path / "again"))
 
 
 def test_an_input_disagreeing_with_the_config_and_a_gone_input_are_refused(tmp_path, monkeypatch):
     monkeypatch.setenv("RLHF_CODE_VERSION", CODE)
     gone = str(tmp_path / "gone")
-    sft = commit_local(tmp_path, "sft", "sft", sft_config(gone, str(tmp_path / "sft")), {"pretrain": gone, "dataset": gone})
+    sft = commit_local(
+        tmp_path, "sft", "sft", sft_config(gone, str(tmp_path / "sft")), {"pretrain": gone, "dataset": gone}
+    )
     with pytest.raises(reproduce.ReproduceError, match=rf"^inputs\.dataset: {gone} no longer exists"):
         reproduce.preflight(sft, str(tmp_path / "again"))
     odd = commit_local(tmp_path, "odd", "sft", sft_config(gone, str(tmp_path / "odd")), {"pretrain": "/elsewhere"})
-    with pytest.raises(reproduce.ReproduceError, match=r"^inputs\.pretrain: the manifest records /elsewhere but its config names"):
+    with pytest.raises(
+        reproduce.ReproduceError, match=r"^inputs\.pretrain: the manifest records /elsewhere but its config names"
+    ):
         reproduce.preflight(odd, str(tmp_path / "again"))
 
 
@@ -181,8 +205,17 @@ def test_uncommitted_code_edits_are_refused(tmp_path, monkeypatch):
     """Same code_version (git HEAD sees no uncommitted edit), other tasks/ code: refused unless allowed."""
     monkeypatch.setenv("RLHF_CODE_VERSION", CODE)
     data = commit_local(tmp_path, "data", "prepare_data", {"seed": 0}, {})
-    sft = commit_local(tmp_path, "sft", "sft", sft_config(data, str(tmp_path / "sft")), {"pretrain": data, "dataset": data}, code_digest="0" * 64)
-    with pytest.raises(reproduce.ReproduceError, match=r"^code_digest: tasks/ differs from the code that ran .*--allow_code_change$"):
+    sft = commit_local(
+        tmp_path,
+        "sft",
+        "sft",
+        sft_config(data, str(tmp_path / "sft")),
+        {"pretrain": data, "dataset": data},
+        code_digest="0" * 64,
+    )
+    with pytest.raises(
+        reproduce.ReproduceError, match=r"^code_digest: tasks/ differs from the code that ran .*--allow_code_change$"
+    ):
         reproduce.preflight(sft, str(tmp_path / "again"))
     _, cfg, _ = reproduce.preflight(sft, str(tmp_path / "again"), allow_code_change=True)
     assert cfg.output == str(tmp_path / "again")
@@ -199,7 +232,14 @@ def test_registry_writing_stages_are_refused(tmp_path, monkeypatch):
 def test_metric_comparison_rules():
     recorded = {"steps": 6, "method": "dpo", "loss": 0.5, "wall_time_s": 10.0, "gpu_hours": 0.0, "rows": 100}
     rows = reproduce.compare_metrics(recorded, {**recorded, "loss": 0.5 * (1 + 5e-7), "wall_time_s": 99.0}, 1e-6)
-    assert {k: v for k, _, _, v in rows} == {"steps": "ok", "method": "ok", "loss": "ok", "wall_time_s": "ignored", "gpu_hours": "ignored", "rows": "ok"}
+    assert {k: v for k, _, _, v in rows} == {
+        "steps": "ok",
+        "method": "ok",
+        "loss": "ok",
+        "wall_time_s": "ignored",
+        "gpu_hours": "ignored",
+        "rows": "ok",
+    }
     assert reproduce.summary("sft", rows, 1e-6)[0]
     rows = reproduce.compare_metrics(recorded, {**recorded, "loss": 0.5 * (1 + 2e-6), "steps": 7, "rows": 100.0}, 1e-6)
     verdicts = {k: v for k, _, _, v in rows}

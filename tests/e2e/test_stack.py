@@ -67,7 +67,10 @@ def test_status_and_down_of_a_stack_never_started(tmp_path):
     for cmd in (["status"], ["down"]):
         out = subprocess.run([*STACK_CMD, *cmd], env=env, cwd=REPO, capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
-    assert "stopped" in subprocess.run([*STACK_CMD, "status"], env=env, cwd=REPO, capture_output=True, text=True, timeout=60).stdout
+    assert (
+        "stopped"
+        in subprocess.run([*STACK_CMD, "status"], env=env, cwd=REPO, capture_output=True, text=True, timeout=60).stdout
+    )
 
 
 # ----------------------------------------------------------------------------------------- e2e
@@ -78,7 +81,9 @@ def test_up_is_healthy(live_stack):
     health = airflow_health(live_stack.cfg)
     for component in ("metadatabase", "scheduler", "triggerer", "dag_processor"):
         assert health[component] == "healthy", health
-    with urllib.request.urlopen(urllib.request.Request(f"{live_stack.ray_dashboard}/api/version", headers=live_stack.ray_headers()), timeout=10) as r:
+    with urllib.request.urlopen(
+        urllib.request.Request(f"{live_stack.ray_dashboard}/api/version", headers=live_stack.ray_headers()), timeout=10
+    ) as r:
         assert json.load(r)["ray_version"]
     live_stack.s3().head_bucket(Bucket=live_stack.bucket)
     # The login works and the REST API answers with it.
@@ -154,7 +159,9 @@ def test_s3_objects_survive_the_emulator_being_killed():
         big = os.urandom(9 * 1024 * 1024)  # uploaded in parts: its ETag is not an MD5 of the bytes
         (scratch / "big").write_bytes(big)
         s3.upload_file(str(scratch / "big"), "another", "model/weights.bin")
-        before = {b: {o["Key"]: o["ETag"] for o in s3.list_objects_v2(Bucket=b)["Contents"]} for b in (cfg.bucket, "another")}
+        before = {
+            b: {o["Key"]: o["ETag"] for o in s3.list_objects_v2(Bucket=b)["Contents"]} for b in (cfg.bucket, "another")
+        }
         assert before["another"]["model/weights.bin"].endswith('-2"')
 
         proc = running(cfg, "s3")
@@ -162,7 +169,9 @@ def test_s3_objects_survive_the_emulator_being_killed():
         proc.wait(30)
         run("up", "s3")
         s3 = s3_client(cfg)
-        after = {b: {o["Key"]: o["ETag"] for o in s3.list_objects_v2(Bucket=b)["Contents"]} for b in (cfg.bucket, "another")}
+        after = {
+            b: {o["Key"]: o["ETag"] for o in s3.list_objects_v2(Bucket=b)["Contents"]} for b in (cfg.bucket, "another")
+        }
         assert after == before
         obj = s3.get_object(Bucket=cfg.bucket, Key=key)
         assert obj["Body"].read() == b'{"stage": "sft"}' and obj["ContentType"] == "application/json"
@@ -200,12 +209,19 @@ def test_two_ups_at_once_leave_one_whole_stack():
     remove_scratch(scratch)
     env = stack_subprocess_env(scratch, s3_port=_stack_port())
     try:
-        procs = [subprocess.Popen([*STACK_CMD, "up", "s3"], env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+        procs = [
+            subprocess.Popen(
+                [*STACK_CMD, "up", "s3"], env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+            for _ in range(2)
+        ]
         outs = [p.communicate(timeout=120)[0] for p in procs]
         assert [p.returncode for p in procs] == [0, 0], outs
         assert sum("s3       started" in o for o in outs) == 1 and sum("already running" in o for o in outs) == 1, outs
         cfg = Config.load(scratch)
-        s3_procs = [p for p in psutil.process_iter(["cmdline"]) if str(cfg.s3_data) in " ".join(p.info["cmdline"] or [])]
+        s3_procs = [
+            p for p in psutil.process_iter(["cmdline"]) if str(cfg.s3_data) in " ".join(p.info["cmdline"] or [])
+        ]
         assert len(s3_procs) == 1 and running(cfg, "s3").pid == s3_procs[0].pid
     finally:
         subprocess.run([*STACK_CMD, "down"], env=env, cwd=REPO, capture_output=True, timeout=120)

@@ -28,7 +28,11 @@ from conftest import REPO, SCRATCH
 
 def cli_env(ray: str = "") -> dict:
     """This environment for a stage's `python -m` process: the repository importable, `ray` the cluster's address."""
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])), "RAY_ADDRESS": ray}
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        "RAY_ADDRESS": ray,
+    }
 
 
 def run_cli(*args, ray: str = "", env: dict | None = None):
@@ -107,13 +111,21 @@ def test_every_stage_commits_a_manifest_with_its_lineage(chain):
         m = manifests.read_manifest(uri)
         assert m["stage"] == name and m["files"] and m["config_hash"]
         assert "metrics.jsonl" in m["files"]
-    assert manifests.read_manifest(chain["sft"])["inputs"] == {"pretrain": chain["prepare_data"], "dataset": chain["prepare_data"]}
+    assert manifests.read_manifest(chain["sft"])["inputs"] == {
+        "pretrain": chain["prepare_data"],
+        "dataset": chain["prepare_data"],
+    }
     assert manifests.read_manifest(chain["rl"])["inputs"]["reward_pretrain"] == chain["reward_model"]
-    assert manifests.read_manifest(chain["rl"])["metrics"]["steps"] == 2  # --num_episodes 1 over --max_samples 32 prompts, 16 a step
+    assert (
+        manifests.read_manifest(chain["rl"])["metrics"]["steps"] == 2
+    )  # --num_episodes 1 over --max_samples 32 prompts, 16 a step
     assert manifests.read_manifest(chain["reward_model"])["metrics"]["workers"] == 2
     assert "critic/model.safetensors" in manifests.read_manifest(chain["rl"])["files"]  # --save_value_network
     # Each stage's cost: what it held (its driver's CPU plus a CPU per worker bundle here; no GPU) and GPU-hours.
-    held = {name: {k: manifests.read_manifest(uri)["metrics"][k] for k in ("gpus", "cpus", "gpu_hours")} for name, uri in chain.items()}
+    held = {
+        name: {k: manifests.read_manifest(uri)["metrics"][k] for k in ("gpus", "cpus", "gpu_hours")}
+        for name, uri in chain.items()
+    }
     # RL: [actor+ref] and [critic+reward]; eval: its worker's bundle (tasks/eval/worker.py)
     cpus = {"prepare_data": 1, "sft": 2, "reward_model": 3, "rl": 3, "eval": 2}
     assert held == {name: {"gpus": 0, "cpus": n, "gpu_hours": 0.0} for name, n in cpus.items()}
@@ -138,7 +150,16 @@ def test_metrics_are_logged_per_step(chain, tmp_path):
     assert steps == [2, 4, 6]
     rl_path, _ = manifests.fetch(chain["rl"], tmp_path / "rl")
     rl_metrics = [json.loads(line) for line in (rl_path / "metrics.jsonl").read_text().splitlines()]
-    assert {"reward", "kl", "policy_loss", "value_loss", "clip_fraction", "entropy", "ptx_loss", "time_generate_s"} <= set(rl_metrics[0])
+    assert {
+        "reward",
+        "kl",
+        "policy_loss",
+        "value_loss",
+        "clip_fraction",
+        "entropy",
+        "ptx_loss",
+        "time_generate_s",
+    } <= set(rl_metrics[0])
     wandb_runs = list((SCRATCH / "wandb" / "wandb").glob("offline-run-*"))
     assert wandb_runs, "use_wandb wrote no offline wandb run"
 
@@ -179,16 +200,39 @@ def test_cli_refuses_bad_config_in_one_line(tmp_path):
     (tmp_path / "c.yaml").write_text("max_steps: 10\nlearning_rat: 0.1\n")
     done = run_cli("tasks.sft", "--config", str(tmp_path / "c.yaml"), "--output", str(tmp_path))
     assert done.returncode == 2
-    assert done.stderr.strip() == f"error: config: unknown field 'learning_rat' in {tmp_path / 'c.yaml'}; known fields: " + ", ".join(
-        f for f in SFTConfig.__dataclass_fields__
+    assert (
+        done.stderr.strip()
+        == f"error: config: unknown field 'learning_rat' in {tmp_path / 'c.yaml'}; known fields: "
+        + ", ".join(f for f in SFTConfig.__dataclass_fields__)
     )
-    done = run_cli("tasks.rl", "--output", str(tmp_path), "--pretrain", "x", "--reward_pretrain", "y", "--prompt_data", "z", "--kl_estimator", "k9")
+    done = run_cli(
+        "tasks.rl",
+        "--output",
+        str(tmp_path),
+        "--pretrain",
+        "x",
+        "--reward_pretrain",
+        "y",
+        "--prompt_data",
+        "z",
+        "--kl_estimator",
+        "k9",
+    )
     assert done.returncode == 2 and done.stderr.strip() == "error: kl_estimator: 'k9' is not a choice; use k1, k2 or k3"
 
 
 def test_missing_upstream_checkpoint_is_refused_naming_the_uri(s3_server, ray_address, tmp_path):
     missing = s3_server.uri("stages/never-written/sft")
-    done = run_cli("tasks.reward_model", "--output", str(tmp_path / "rm"), "--pretrain", missing, "--dataset", missing, ray=ray_address)
+    done = run_cli(
+        "tasks.reward_model",
+        "--output",
+        str(tmp_path / "rm"),
+        "--pretrain",
+        missing,
+        "--dataset",
+        missing,
+        ray=ray_address,
+    )
     assert done.returncode == 2
     line = done.stderr.strip().splitlines()[-1]
     assert line.startswith("error: ") and missing in line
@@ -298,7 +342,10 @@ def test_sft_flags_take_effect(chain, s3_server, ray_address, tmp_path):
     """--max_samples cuts the rows; --save_path gets a copy of the final model; --flash_attn falls back to SDPA
     on CPU and says so; --gradient_checkpointing recomputes activations, which changes memory, not the loss."""
     outs, logs = {}, {}
-    for name, extra in (("plain", {}), ("flags", {"save_path": str(tmp_path / "copy"), "flash_attn": True, "gradient_checkpointing": True})):
+    for name, extra in (
+        ("plain", {}),
+        ("flags", {"save_path": str(tmp_path / "copy"), "flash_attn": True, "gradient_checkpointing": True}),
+    ):
         outs[name] = s3_server.uri(f"stages/run1/sft_{name}")
         done = run_cli(
             "tasks.sft",
@@ -318,7 +365,11 @@ def test_sft_flags_take_effect(chain, s3_server, ray_address, tmp_path):
         )
         assert done.returncode == 0, done.stderr[-3000:]
         logs[name] = done.stderr
-    assert manifests.read_manifest(outs["flags"])["metrics"]["rows"] == 64 < manifests.read_manifest(chain["sft"])["metrics"]["rows"]
+    assert (
+        manifests.read_manifest(outs["flags"])["metrics"]["rows"]
+        == 64
+        < manifests.read_manifest(chain["sft"])["metrics"]["rows"]
+    )
     assert (tmp_path / "copy" / "model.safetensors").is_file() and (tmp_path / "copy" / "config.json").is_file()
     assert "flash_attn: a CUDA GPU is missing; using PyTorch's SDPA attention kernels instead" in logs["flags"]
     assert "flash_attn" not in logs["plain"]
@@ -385,11 +436,15 @@ def test_rl_run_killed_after_a_checkpoint_resumes_to_the_same_metrics(chain, s3_
     killed = s3_server.uri("stages/run1/rl_killed")
     command = [sys.executable, "-m", "tasks.rl", *flags({**args, "output": killed, "save_steps": 2})]
     env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_ADDRESS": ray_address}
-    proc = subprocess.Popen(command, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        command, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     try:
         deadline = time.time() + 300
         while not storage.exists(f"{killed}/checkpoints/step_2/manifest.json"):
-            assert proc.poll() is None and time.time() < deadline, "the run ended or stalled before its first checkpoint"
+            assert proc.poll() is None and time.time() < deadline, (
+                "the run ended or stalled before its first checkpoint"
+            )
             time.sleep(0.5)
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
@@ -411,7 +466,16 @@ def test_rl_run_killed_after_a_checkpoint_resumes_to_the_same_metrics(chain, s3_
 
 @pytest.mark.slow  # the chain: make test-all (see above)
 def test_rl_refuses_what_cannot_run_here_in_one_line(chain, ray_address, tmp_path):
-    base = ["--output", str(tmp_path / "rl"), "--pretrain", chain["sft"], "--reward_pretrain", chain["reward_model"], "--prompt_data", chain["prepare_data"]]
+    base = [
+        "--output",
+        str(tmp_path / "rl"),
+        "--pretrain",
+        chain["sft"],
+        "--reward_pretrain",
+        chain["reward_model"],
+        "--prompt_data",
+        chain["prepare_data"],
+    ]
     done = run_cli("tasks.rl", *base, "--vllm_num_engines", "1", ray=ray_address)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1] == (
@@ -421,10 +485,14 @@ def test_rl_refuses_what_cannot_run_here_in_one_line(chain, ray_address, tmp_pat
     done = run_cli("tasks.rl", *base, ray=ray_address)  # four separate groups of one CPU each on a 2-CPU cluster
     assert done.returncode == 2
     line = done.stderr.strip().splitlines()[-1]
-    assert line.startswith("error: colocate_all_models: its worker groups need 4 CPUs at once and the Ray cluster has 2;")
+    assert line.startswith(
+        "error: colocate_all_models: its worker groups need 4 CPUs at once and the Ray cluster has 2;"
+    )
     assert line.endswith("(worker groups: [actor] × 1, [ref] × 1, [critic] × 1, [reward] × 1)")
     done = run_cli("tasks.rl", *base, "--vllm_tensor_parallel_size", "2")
-    assert done.stderr.strip() == ("error: vllm_tensor_parallel_size: only applies to vLLM engines; set --vllm_num_engines too, or drop it")
+    assert done.stderr.strip() == (
+        "error: vllm_tensor_parallel_size: only applies to vLLM engines; set --vllm_num_engines too, or drop it"
+    )
     assert not (tmp_path / "rl").exists()
 
 
@@ -432,7 +500,9 @@ def test_rl_refuses_what_cannot_run_here_in_one_line(chain, ray_address, tmp_pat
 @pytest.mark.parametrize(
     "method,extra",
     [
-        pytest.param("dpo", {"ref_offload": True, "num_gpus_per_node": 2}, marks=pytest.mark.slow),  # 2 workers, 63 s: make test-all
+        pytest.param(
+            "dpo", {"ref_offload": True, "num_gpus_per_node": 2}, marks=pytest.mark.slow
+        ),  # 2 workers, 63 s: make test-all
         ("dpo", {"loss_type": "ipo"}),
         ("kto", {"desirable_weight": 1.5}),
     ],
@@ -458,7 +528,11 @@ def test_preference_stage_trains_and_logs_its_metrics(method, extra, chain, s3_s
     assert done.returncode == 0, done.stderr[-3000:]
     logged = metrics_of(out, tmp_path)
     assert [r["step"] for r in logged] == [1, 2, 3]
-    expected = {"loss", "margin", "reward_accuracy", "chosen_reward", "rejected_reward"} if method == "dpo" else {"loss", "margin", "kl"}
+    expected = (
+        {"loss", "margin", "reward_accuracy", "chosen_reward", "rejected_reward"}
+        if method == "dpo"
+        else {"loss", "margin", "kl"}
+    )
     assert expected <= set(logged[0])
     m = manifests.read_manifest(out)
     assert m["metrics"]["method"] == method and m["inputs"]["pretrain"] == chain["sft"]
@@ -473,5 +547,8 @@ def test_preference_stage_refuses_bad_input_in_one_line(chain, ray_address, tmp_
     line = done.stderr.strip().splitlines()[-1]
     assert line.startswith("error: dataset: key 'thumbs' missing") and "keys present: prompt, completion, label" in line
     done = run_cli("tasks.preference", *base, "--loss_type", "ipo", "--label_smoothing", "0.1")
-    assert done.stderr.strip() == "error: label_smoothing: conservative DPO smooths the sigmoid loss; use 0 with --loss_type ipo"
+    assert (
+        done.stderr.strip()
+        == "error: label_smoothing: conservative DPO smooths the sigmoid loss; use 0 with --loss_type ipo"
+    )
     assert not (tmp_path / "p").exists()

@@ -77,7 +77,9 @@ def find_run(api, since: float, timeout: float = 60) -> dict:
             if (run.get("conf") or {}).get("eval_max_samples") == EVAL_SAMPLES and run_after(run) >= since - 5:
                 return run
         time.sleep(2)
-    raise AssertionError(f"no {DAG} run with eval_max_samples={EVAL_SAMPLES} appeared within {timeout:.0f}s of the form's Trigger")
+    raise AssertionError(
+        f"no {DAG} run with eval_max_samples={EVAL_SAMPLES} appeared within {timeout:.0f}s of the form's Trigger"
+    )
 
 
 def run_after(run: dict) -> float:
@@ -111,7 +113,10 @@ def browser_run(live_stack):
     """One pass through the UI; yields (live_stack, the finished run, the Playwright page, its base URL)."""
     sync_api = pytest.importorskip("playwright.sync_api", reason="pip install 'rlhf-flow[dev]'")
     if not os.access(CHROMIUM, os.X_OK):
-        pytest.fail(f"RLHF_CHROMIUM: no browser at {CHROMIUM}: apt-get install chromium, or point RLHF_CHROMIUM at one", pytrace=False)
+        pytest.fail(
+            f"RLHF_CHROMIUM: no browser at {CHROMIUM}: apt-get install chromium, or point RLHF_CHROMIUM at one",
+            pytrace=False,
+        )
     base = live_stack.airflow_url
     with sync_api.sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
@@ -168,6 +173,8 @@ def test_the_reports_page_lists_the_run_and_opens_its_report(browser_run):
 
 def test_stage_tasks_link_to_their_ray_job(browser_run):
     live, run, _, _ = browser_run
-    links = live.rest("GET", f"/api/v2/dags/{DAG}/dagRuns/{urllib.parse.quote(run['dag_run_id'], safe='')}/taskInstances/eval/links")
+    links = live.rest(
+        "GET", f"/api/v2/dags/{DAG}/dagRuns/{urllib.parse.quote(run['dag_run_id'], safe='')}/taskInstances/eval/links"
+    )
     assert {"Ray job", "wandb run"} <= set(links["extra_links"]), links
     assert links["extra_links"]["Ray job"].startswith(f"{live.ray_dashboard}/#/jobs/airflow-{DAG}--"), links

@@ -18,7 +18,14 @@ from tasks.common.envs import calculator, guess
 from tasks.common.nn import data
 from tasks.common.nn.engines.hf_engine import HFRolloutEngine
 from tasks.common.nn.engines.rollout import Completion, Rollout
-from tasks.common.nn.environment import EnvError, EpisodeLimits, EpisodeRunner, check_environment, load_environment, observation_ids
+from tasks.common.nn.environment import (
+    EnvError,
+    EpisodeLimits,
+    EpisodeRunner,
+    check_environment,
+    load_environment,
+    observation_ids,
+)
 from tasks.common.nn.losses import importance_weights, logprob_mismatch, policy_loss
 from tasks.data import agentic
 from tasks.data.demo import build_base_model
@@ -45,7 +52,12 @@ class RecordingEngine(HFRolloutEngine):
 
     def generate(self, prompt_ids, max_new_tokens, temperature=1.0, greedy=False, batch_size=256):
         rollout = super().generate(prompt_ids, max_new_tokens, temperature, greedy, batch_size)
-        self.calls.append([[t for t, m in zip(ids, mask) if m] for ids, mask in zip(rollout.responses.tolist(), rollout.response_mask.tolist())])
+        self.calls.append(
+            [
+                [t for t, m in zip(ids, mask) if m]
+                for ids, mask in zip(rollout.responses.tolist(), rollout.response_mask.tolist())
+            ]
+        )
         return rollout
 
 
@@ -83,7 +95,12 @@ def test_calculator_answers_a_call_and_scores_the_answer():
     env = calculator.Environment()
     assert env.reset({"prompt": "347*8=", "label": "2776"}) is None
     assert env.step("<calc>347*8</calc>") == ("<result>2776</result>", 0.0, False, {"tool_call": True})
-    assert env.step("<calc>347**8</calc>") == ("<result>error</result>", 0.0, False, {"tool_call": True, "tool_error": True})
+    assert env.step("<calc>347**8</calc>") == (
+        "<result>error</result>",
+        0.0,
+        False,
+        {"tool_call": True, "tool_error": True},
+    )
     assert env.step(" 2776") == (None, 1.0, True, {"success": True})
     assert env.step("2775")[1:3] == (0.0, True)
 
@@ -106,13 +123,20 @@ def test_a_bad_environment_file_is_refused_in_one_line_naming_it(tmp_path):
     cases = {
         "broken.py": ("import nowhere_to_be_found\n", "failed to import: ModuleNotFoundError"),
         "empty.py": ("X = 1\n", "defines no class Environment with reset(row) and step(action)"),
-        "half.py": ("class Environment:\n    def reset(self, row):\n        return None\n", "defines no class Environment"),
+        "half.py": (
+            "class Environment:\n    def reset(self, row):\n        return None\n",
+            "defines no class Environment",
+        ),
     }
     for name, (body, words) in cases.items():
         path = env_file(tmp_path, body, name)
         with pytest.raises(EnvError) as caught:
             load_environment(path)
-        assert str(caught.value).startswith(f"env_path: {path}") and words in str(caught.value) and "\n" not in str(caught.value)
+        assert (
+            str(caught.value).startswith(f"env_path: {path}")
+            and words in str(caught.value)
+            and "\n" not in str(caught.value)
+        )
     with pytest.raises(EnvError, match="not found"):
         load_environment(str(tmp_path / "missing.py"))
 
@@ -128,7 +152,9 @@ def test_an_environment_whose_reset_raises_stops_before_training(tmp_path):
                 return None, 0.0, True, {}
     """,
     )
-    with pytest.raises(EnvError, match=r"reset failed on the first prompt row \(KeyError: 'target'\); fix Environment.reset"):
+    with pytest.raises(
+        EnvError, match=r"reset failed on the first prompt row \(KeyError: 'target'\); fix Environment.reset"
+    ):
         check_environment(load_environment(path), {"prompt": "1"}, timeout=5)
     check_environment(load_environment("calculator"), {"prompt": "1*2=", "label": "2"}, timeout=5)
 
@@ -157,7 +183,9 @@ def test_rl_config_takes_the_environment_flags_and_openrlhfs_name(tmp_path):
     cfg = parse_config(RLConfig, base + ["--agent_func_path", "calculator", "--max_turns", "3"])
     assert (cfg.env_path, cfg.max_turns) == ("calculator", 3)
     assert "reward" not in cfg.roles()  # the environment gives the rewards
-    assert parse_config(RLConfig, base + ["--env_path", "guess", "--async_train"]).separate_engines()  # episodes on the engine
+    assert parse_config(
+        RLConfig, base + ["--env_path", "guess", "--async_train"]
+    ).separate_engines()  # episodes on the engine
     with pytest.raises(ConfigError, match="max_turns"):
         parse_config(RLConfig, base + ["--env_path", "guess", "--max_turns", "0"])
     with pytest.raises(ConfigError, match="^partial_rollouts: .*--async_train"):
@@ -171,7 +199,12 @@ def test_episodes_keep_the_engines_tokens_and_mask_the_observations(tiny, tmp_pa
     model, tokenizer = tiny
     torch.manual_seed(0)
     engine = RecordingEngine(model, tokenizer)
-    runner = EpisodeRunner(engine, tokenizer, load_environment(env_file(tmp_path, ECHO)), EpisodeLimits(max_turns=3, max_episode_tokens=60, max_turn_tokens=6))
+    runner = EpisodeRunner(
+        engine,
+        tokenizer,
+        load_environment(env_file(tmp_path, ECHO)),
+        EpisodeLimits(max_turns=3, max_episode_tokens=60, max_turn_tokens=6),
+    )
     rows = [{"prompt": f"{a}*{b}="} for a, b in ((123, 4), (56, 7), (9, 9))]
     result = runner.run(rows)
     rollout = result.rollout
@@ -184,10 +217,16 @@ def test_episodes_keep_the_engines_tokens_and_mask_the_observations(tiny, tmp_pa
         assert model_ids == generated, "the model's tokens are exactly what the engine generated, never re-tokenized"
         observations = [
             t
-            for t, m, a in zip(rollout.responses[i].tolist(), rollout.response_mask[i].tolist(), rollout.attention_mask[i, rollout.prompt_width :].tolist())
+            for t, m, a in zip(
+                rollout.responses[i].tolist(),
+                rollout.response_mask[i].tolist(),
+                rollout.attention_mask[i, rollout.prompt_width :].tolist(),
+            )
             if a and not m
         ]
-        expected = [tok for k in range(1, episode.turns) for tok in tokenizer.encode(f"ok{k}", add_special_tokens=False)]
+        expected = [
+            tok for k in range(1, episode.turns) for tok in tokenizer.encode(f"ok{k}", add_special_tokens=False)
+        ]
         assert observations == expected
         assert episode.turns == 3 and episode.reward == pytest.approx(1.5) and episode.tool_calls == 3
     assert result.rewards.tolist() == pytest.approx([1.5, 1.5, 1.5])
@@ -298,7 +337,10 @@ def test_async_steps_run_concurrently(tiny, tmp_path):
     """,
     )
     runner = EpisodeRunner(
-        HFRolloutEngine(model, tokenizer), tokenizer, load_environment(path), EpisodeLimits(max_turns=1, max_episode_tokens=8, max_turn_tokens=4)
+        HFRolloutEngine(model, tokenizer),
+        tokenizer,
+        load_environment(path),
+        EpisodeLimits(max_turns=1, max_episode_tokens=8, max_turn_tokens=4),
     )
     result = runner.run([{"prompt": "1*1="}] * 16)
     assert result.stats["time_env_s"] < 2.0
@@ -375,7 +417,9 @@ class StepwiseEngine:
         time.sleep(self.step_s)  # a decode step's time on the GPU
         finished = []
         for key, request in list(self.live.items()):
-            logprobs = torch.log_softmax(self.model(torch.tensor([request["ids"] + request["out"]])).logits[0, -1].float(), -1)
+            logprobs = torch.log_softmax(
+                self.model(torch.tensor([request["ids"] + request["out"]])).logits[0, -1].float(), -1
+            )
             token = int(logprobs.argmax())
             request["out"].append(token)
             request["logprobs"].append(float(logprobs[token]))
@@ -401,7 +445,13 @@ def test_a_request_level_engine_takes_each_turn_into_its_running_batch(tiny, tmp
         in_flight_at_load.append(len(engine.live))
         return len(in_flight_at_load)
 
-    runner = EpisodeRunner(engine, tokenizer, env, EpisodeLimits(max_turns=3, max_episode_tokens=60, max_turn_tokens=8), policy_version=policy_version)
+    runner = EpisodeRunner(
+        engine,
+        tokenizer,
+        env,
+        EpisodeLimits(max_turns=3, max_episode_tokens=60, max_turn_tokens=8),
+        policy_version=policy_version,
+    )
     result = runner.run([{"prompt": "3*4=", "delay": 0.0}, {"prompt": "9*9=", "delay": 0.1}])
     runner.close()
     assert [e.turns for e in result.episodes] == [3, 3] and result.rewards.tolist() == [3.0, 3.0]
@@ -466,13 +516,19 @@ def test_importance_weights_truncate_or_mask_by_the_ratio_to_the_behaviour_polic
 def test_policy_loss_weighs_each_token_by_its_importance_weight():
     # ρ = 1 (π = π_old), A = (1, 2): token losses -1 and -2; weights (0.5, 2) give (-0.5 - 4) / 2 = -2.25.
     logprobs = torch.zeros(1, 2)
-    loss, _ = policy_loss(logprobs, logprobs, torch.tensor([[1.0, 2.0]]), torch.ones(1, 2), 0.2, is_weights=torch.tensor([[0.5, 2.0]]))
+    loss, _ = policy_loss(
+        logprobs, logprobs, torch.tensor([[1.0, 2.0]]), torch.ones(1, 2), 0.2, is_weights=torch.tensor([[0.5, 2.0]])
+    )
     assert loss.item() == pytest.approx(-2.25)
 
 
 def test_logprob_mismatch_reports_the_mean_the_largest_gap_and_the_kl():
     # log w = (0.5, -0.5, 3.0 masked): mean 0, max 0.5; k3 = mean(e^0.5 - 1.5, e^-0.5 - 0.5).
-    old, behaviour, mask = torch.tensor([[0.0, -1.0, 3.0]]), torch.tensor([[-0.5, -0.5, 0.0]]), torch.tensor([[1, 1, 0]])
+    old, behaviour, mask = (
+        torch.tensor([[0.0, -1.0, 3.0]]),
+        torch.tensor([[-0.5, -0.5, 0.0]]),
+        torch.tensor([[1, 1, 0]]),
+    )
     stats = logprob_mismatch(old, behaviour, mask)
     assert stats["mismatch_log_ratio_mean"] == pytest.approx(0.0)
     assert stats["engine_logprob_max_diff"] == pytest.approx(0.5)
@@ -485,7 +541,11 @@ def test_the_corrected_mismatch_is_what_the_importance_weights_leave():
     # r = (e^1.5 / 2, 1, 1): only the first token's excess over the cap is left. The band is [1/2, 2]: the first
     # token is masked out. reject (what mis meant before IcePop) gives the others weight 1, so they keep all of
     # theirs (r = w); mis, IcePop's weight w, corrects them fully (r = 1), so nothing is left.
-    old, behaviour, mask = torch.tensor([[0.0, -1.0, -0.8]]), torch.tensor([[-1.5, -0.5, -1.0]]), torch.tensor([[1, 1, 1]])
+    old, behaviour, mask = (
+        torch.tensor([[0.0, -1.0, -0.8]]),
+        torch.tensor([[-1.5, -0.5, -1.0]]),
+        torch.tensor([[1, 1, 1]]),
+    )
     k3 = lambda log_r: math.exp(log_r) - 1 - log_r  # noqa: E731
     tis = logprob_mismatch(old, behaviour, mask, importance_weights(old, behaviour, mask, "tis", cap=2.0))
     assert tis["corrected_mismatch_kl"] == pytest.approx(k3(1.5 - math.log(2)) / 3, rel=1e-5)
@@ -509,7 +569,9 @@ def test_the_hf_engine_reports_the_behaviour_log_probabilities_the_trainer_compu
         EpisodeLimits(max_turns=2, max_episode_tokens=40, max_turn_tokens=5),
     )
     rollout = runner.run([{"prompt": "12*3="}, {"prompt": "4*5="}], temperature=temperature).rollout
-    trainer = response_logprobs(model, rollout.sequences, rollout.attention_mask, rollout.prompt_width, temperature=temperature)
+    trainer = response_logprobs(
+        model, rollout.sequences, rollout.attention_mask, rollout.prompt_width, temperature=temperature
+    )
     mask = rollout.response_mask
     assert rollout.logprobs is not None and (rollout.logprobs * (1 - mask)).abs().max() == 0
     assert ((trainer - rollout.logprobs).abs() * mask).max() < 1e-4
@@ -546,10 +608,17 @@ def test_fresh_groups_drop_whole_groups_past_the_staleness_bound():
     a bound of 2 its whole group (rows 2 and 3) goes; a row that spans two versions counts as partial."""
     versions = torch.tensor([[4, 4, 5], [3, 3, 3], [1, 5, 5], [4, 4, 0]])
     mask = torch.tensor([[1, 1, 1], [1, 1, 1], [1, 1, 1], [1, 1, 0]])  # row 3's last token is padding: not counted
-    rollout = Rollout(torch.zeros(4, 4, dtype=torch.long), torch.ones(4, 4, dtype=torch.long), mask, 1, versions=versions)
+    rollout = Rollout(
+        torch.zeros(4, 4, dtype=torch.long), torch.ones(4, 4, dtype=torch.long), mask, 1, versions=versions
+    )
     keep, stats = fresh_groups(rollout, updates=5, n=2, max_staleness=2)
     assert keep.tolist() == [True, True, False, False]
-    assert stats == {"staleness": 4, "staleness_mean": pytest.approx((1 + 2 + 4 + 1) / 4), "partial_fraction": 0.5, "dropped_stale": 2}
+    assert stats == {
+        "staleness": 4,
+        "staleness_mean": pytest.approx((1 + 2 + 4 + 1) / 4),
+        "partial_fraction": 0.5,
+        "dropped_stale": 2,
+    }
 
 
 SLOW_STEP = """
@@ -565,7 +634,9 @@ SLOW_STEP = """
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("partial", [True, pytest.param(False, marks=pytest.mark.slow)])  # the queue's order: make test-all
+@pytest.mark.parametrize(
+    "partial", [True, pytest.param(False, marks=pytest.mark.slow)]
+)  # the queue's order: make test-all
 def test_weights_sent_beside_a_running_rollout_reach_its_next_turn(partial, ray_driver, tiny, tmp_path):
     """A transformers rollout engine of its own (RolloutEngineWorker on the real Ray head) runs two-turn episodes
     whose environment waits 1.5 s a step. New weights sent while the first step waits: with --partial_rollouts

@@ -38,7 +38,22 @@ def c(text: str) -> list[int]:
 
 
 # The conversation above, rendered up to the assistant's opening.
-CONVERSATION_IDS = [BOS, SYSTEM, *c("Add."), END, USER, *c("1+2"), END, ASSISTANT, *c("3"), END, USER, *c("3+4"), END, ASSISTANT]
+CONVERSATION_IDS = [
+    BOS,
+    SYSTEM,
+    *c("Add."),
+    END,
+    USER,
+    *c("1+2"),
+    END,
+    ASSISTANT,
+    *c("3"),
+    END,
+    USER,
+    *c("3+4"),
+    END,
+    ASSISTANT,
+]
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +65,9 @@ def stage_config(module: str, values: dict):
     """A validated stage config with the placeholders its validate() asks for."""
     import importlib
 
-    cls = {"sft": "SFTConfig", "reward_model": "RewardModelConfig", "preference": "PreferenceConfig", "rl": "RLConfig"}[module]
+    cls = {"sft": "SFTConfig", "reward_model": "RewardModelConfig", "preference": "PreferenceConfig", "rl": "RLConfig"}[
+        module
+    ]
     required = {"output": "unused", "pretrain": "unused", "dataset": "unused"}
     if module == "rl":
         required = {"output": "unused", "pretrain": "unused", "prompt_data": "unused", "remote_rm_url": "unused.py"}
@@ -75,15 +92,15 @@ def test_responses_close_the_turn_as_the_template_does(tok):
     assert data.encode_response(other, "7") == [*c("7"), EOS]
     assert data.stop_token_ids(other) == [EOS, END]
     assert data.stop_token_ids(tok) == [END]
-    assert data.stop_token_ids(demo.build_tokenizer()) == [demo.build_tokenizer().eos_token_id]  # no template: EOS alone
+    assert data.stop_token_ids(demo.build_tokenizer()) == [
+        demo.build_tokenizer().eos_token_id
+    ]  # no template: EOS alone
 
 
 def test_a_turn_separator_after_the_end_token_is_left_to_the_next_turn(tok):
     """ChatML-like templates write '<|im_end|>\\n': generation stops at the token, so responses end there."""
     chatml = build_tokenizer()
-    chatml.chat_template = (
-        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
-    )
+    chatml.chat_template = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
     assert data.turn_end_text(chatml) == "<|end|>\n"
     assert data.encode_response(chatml, "7", chat_template=True) == [*c("7"), END]
 
@@ -105,9 +122,13 @@ def test_chat_prompts_are_refused_in_one_line_without_the_template(tok):
     assert str(e.value) == (
         "apply_chat_template: the prompt is a list of chat messages, which only the tokenizer's chat template can render; pass --apply_chat_template"
     )
-    with pytest.raises(ConfigError, match=r"^apply_chat_template: the tokenizer of .* has no chat template; drop --apply_chat_template"):
+    with pytest.raises(
+        ConfigError, match=r"^apply_chat_template: the tokenizer of .* has no chat template; drop --apply_chat_template"
+    ):
         data.encode_prompt(demo.build_tokenizer(), CONVERSATION, chat_template=True)
-    with pytest.raises(ConfigError, match=r"^prompt: a chat message must be an object with string 'role' and 'content'"):
+    with pytest.raises(
+        ConfigError, match=r"^prompt: a chat message must be an object with string 'role' and 'content'"
+    ):
         data.encode_prompt(tok, [{"role": "user"}], chat_template=True)
 
 
@@ -125,7 +146,9 @@ def test_fit_cuts_the_prompt_from_the_left_first():
 def test_sft_learns_only_the_final_assistant_turn(tok):
     from tasks.sft.trainer import tokenize
 
-    ids, masks, truncated = tokenize({"prompt": [CONVERSATION], "response": ["7"]}, tok, stage_config("sft", {"apply_chat_template": True}))
+    ids, masks, truncated = tokenize(
+        {"prompt": [CONVERSATION], "response": ["7"]}, tok, stage_config("sft", {"apply_chat_template": True})
+    )
     assert ids == [CONVERSATION_IDS + [*c("7"), END]] and truncated == 0
     assert masks == [[0] * len(CONVERSATION_IDS) + [1, 1]]  # system, user and the earlier answer: masked out
 
@@ -136,10 +159,15 @@ def test_reward_model_preference_and_rl_see_the_sft_rendering(tok, tmp_path):
     from tasks.rl.prompts import load_prompts
     from tasks.sft.trainer import tokenize as sft_tokenize
 
-    rows = [{"prompt": r["messages"][:-1], "chosen": r["chosen"], "rejected": r["rejected"], "response": r["chosen"]} for r in chat_rows(6)]
+    rows = [
+        {"prompt": r["messages"][:-1], "chosen": r["chosen"], "rejected": r["rejected"], "response": r["chosen"]}
+        for r in chat_rows(6)
+    ]
     columns = {k: [r[k] for r in rows] for k in rows[0]}
     sft_ids, _, _ = sft_tokenize(columns, tok, stage_config("sft", {"apply_chat_template": True}))
-    rejected_ids, _, _ = sft_tokenize({**columns, "response": columns["rejected"]}, tok, stage_config("sft", {"apply_chat_template": True}))
+    rejected_ids, _, _ = sft_tokenize(
+        {**columns, "response": columns["rejected"]}, tok, stage_config("sft", {"apply_chat_template": True})
+    )
     chosen, rejected, _ = tokenize_pairs(columns, tok, stage_config("reward_model", {"apply_chat_template": True}))
     assert chosen == sft_ids and rejected == rejected_ids
     prompts, responses, _ = preference_tokenize(columns, tok, stage_config("preference", {"apply_chat_template": True}))
@@ -160,20 +188,31 @@ def test_truncation_keeps_the_answer_and_is_counted_in_every_stage(tok, tmp_path
     from tasks.rl.prompts import load_prompts
     from tasks.sft.trainer import tokenize as sft_tokenize
 
-    columns = {"prompt": [CONVERSATION, "1+1"], "response": ["7", "2"], "chosen": ["7", "2"], "rejected": ["7, I think", "2"]}
+    columns = {
+        "prompt": [CONVERSATION, "1+1"],
+        "response": ["7", "2"],
+        "chosen": ["7", "2"],
+        "rejected": ["7, I think", "2"],
+    }
     ids, masks, truncated = sft_tokenize(columns, tok, stage_config("sft", {"apply_chat_template": True, "max_len": 8}))
     assert truncated == 2 and ids[0] == CONVERSATION_IDS[-6:] + [*c("7"), END] and masks[0][-2:] == [1, 1]
     assert ids[1] == [USER, *c("1+1"), END, ASSISTANT, *c("2"), END]  # 9 tokens with its BOS: over 8, so also cut
-    chosen, rejected, truncated = tokenize_pairs(columns, tok, stage_config("reward_model", {"apply_chat_template": True, "max_len": 16}))
+    chosen, rejected, truncated = tokenize_pairs(
+        columns, tok, stage_config("reward_model", {"apply_chat_template": True, "max_len": 16})
+    )
     assert truncated == 2 and all(len(s) <= 16 for s in chosen + rejected)
     assert chosen[0][-2:] == [*c("7"), END] and rejected[0][-len("7, I think") - 1 :] == [*c("7, I think"), END]
     assert chosen[0][:-2] == rejected[0][: -len("7, I think") - 1]  # one prompt for both sides
-    _, _, truncated = preference_tokenize(columns, tok, stage_config("preference", {"apply_chat_template": True, "max_len": 16}))
+    _, _, truncated = preference_tokenize(
+        columns, tok, stage_config("preference", {"apply_chat_template": True, "max_len": 16})
+    )
     assert truncated == 2
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in columns["prompt"]))
     loaded = load_prompts(
-        stage_config("rl", {"prompt_data": str(path), "apply_chat_template": True, "prompt_max_len": 8}), SimpleNamespace(input=lambda name, uri: uri), tok
+        stage_config("rl", {"prompt_data": str(path), "apply_chat_template": True, "prompt_max_len": 8}),
+        SimpleNamespace(input=lambda name, uri: uri),
+        tok,
     )
     assert loaded.truncated == 1 and loaded.ids[0] == CONVERSATION_IDS[-8:] and loaded.ids[0][-1] == ASSISTANT
 
@@ -184,7 +223,9 @@ def test_truncation_keeps_the_answer_and_is_counted_in_every_stage(tok, tmp_path
 def test_generation_stops_at_the_end_of_turn_and_texts_strip_it(tok):
     other = build_tokenizer()
     other.eos_token = "<eos>"  # EOS and end of turn differ: both stop a response
-    assert response_mask(torch.tensor([[9, END, 9, 9], [9, EOS, 9, 9], [9, 9, 9, 9]]), data.stop_token_ids(other)).tolist() == [
+    assert response_mask(
+        torch.tensor([[9, END, 9, 9], [9, EOS, 9, 9], [9, 9, 9, 9]]), data.stop_token_ids(other)
+    ).tolist() == [
         [1, 1, 0, 0],
         [1, 1, 0, 0],
         [1, 1, 1, 1],
@@ -192,7 +233,9 @@ def test_generation_stops_at_the_end_of_turn_and_texts_strip_it(tok):
     prompt = data.encode_prompt(tok, "1+2", True)
     sequences = torch.tensor([prompt + [*c("3"), END, PAD]])
     responses = sequences[:, len(prompt) :]
-    rollout = Rollout(sequences, torch.ones_like(sequences), response_mask(responses, data.stop_token_ids(tok)), len(prompt))
+    rollout = Rollout(
+        sequences, torch.ones_like(sequences), response_mask(responses, data.stop_token_ids(tok)), len(prompt)
+    )
     assert rollout.response_mask.tolist() == [[1, 1, 0]] and rollout.texts(tok) == ["3"]
 
 
@@ -208,7 +251,11 @@ def test_the_rollout_engine_stops_on_the_chat_models_end_token(tok, tmp_path):
     model.lm_head = head
     engine = HFRolloutEngine(model, tok)
     rollout = engine.generate([data.encode_prompt(tok, CONVERSATION, True)], max_new_tokens=4, greedy=True)
-    assert rollout.responses[0, 0].item() == END and rollout.response_lengths().tolist() == [1] and rollout.texts(tok) == [""]
+    assert (
+        rollout.responses[0, 0].item() == END
+        and rollout.response_lengths().tolist() == [1]
+        and rollout.texts(tok) == [""]
+    )
 
 
 # ---------------------------------------------------------------------------------------------- eval
@@ -243,13 +290,20 @@ def test_eval_of_chat_prompts_with_and_without_reference_answers(labelled, tok, 
         assert {"reward_mean", "kl_to_ref", "response_length"} <= set(report["metrics"][side])
         # No metric declared: exact_match (the built-in) when there are labels; absent, not 0, without
         assert ({"exact_match", "sampled_exact_match"} <= set(report["metrics"][side])) == labelled
-    assert report["labelled"] is labelled and report["metrics"]["policy"]["kl_to_ref"] == 0  # the same model on both sides
+    assert (
+        report["labelled"] is labelled and report["metrics"]["policy"]["kl_to_ref"] == 0
+    )  # the same model on both sides
     assert report["samples"][0]["prompt"] == "system: Add. | user: " + rows[0]["prompt"][1]["content"]
     manifest = json.loads((out / "manifest.json").read_text())
     assert ("policy_exact_match" in manifest["metrics"]) == labelled and "policy_reward_mean" in manifest["metrics"]
     if not labelled:
-        assert "No reference answers (no label column): the metrics that need them are left out." in (out / "report.md").read_text()
-        passed, reasons = judge(report["metrics"]["policy"], report["metrics"]["baseline"], {"exact_match": {"max_drop": 0.02}})
+        assert (
+            "No reference answers (no label column): the metrics that need them are left out."
+            in (out / "report.md").read_text()
+        )
+        passed, reasons = judge(
+            report["metrics"]["policy"], report["metrics"]["baseline"], {"exact_match": {"max_drop": 0.02}}
+        )
         assert not passed and reasons == ["FAIL: exact_match: missing from the evaluation report"]
 
 
@@ -284,7 +338,9 @@ def test_sft_stage_trains_on_chat_conversations(ray_address, tmp_path):
         "0",
     ]
     env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_ADDRESS": ray_address}
-    done = subprocess.run([sys.executable, "-m", "tasks.sft", *args], capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
+    done = subprocess.run(
+        [sys.executable, "-m", "tasks.sft", *args], capture_output=True, text=True, env=env, timeout=300, cwd=REPO
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     manifest = json.loads((out / "manifest.json").read_text())
     # <bos><|system|>Add.<|end|><|user|>a+b<|end|><|assistant|> is 13 tokens, with the answer 15 or 16: every row is cut

@@ -25,7 +25,9 @@ def test_compiled_blocks_match_eager_loss_and_gradients():
 
     def loss_and_grad():
         model.zero_grad()
-        logprobs, loss_mask = micro_batch_logprobs(model, ids, masks, tokenizer.pad_token_id, False, torch.device("cpu"))
+        logprobs, loss_mask = micro_batch_logprobs(
+            model, ids, masks, tokenizer.pad_token_id, False, torch.device("cpu")
+        )
         loss = sft_loss(logprobs, loss_mask[:, 1:])
         loss.backward()
         return loss.item(), torch.cat([p.grad.flatten() for p in model.parameters()])
@@ -83,6 +85,8 @@ def test_compiled_blocks_share_their_graphs_across_layers(checkpointing):
 
 def test_torch_compile_refuses_zero3_and_models_without_blocks():
     with pytest.raises(ConfigError, match="torch_compile: ZeRO-3"):
-        make_config(SFTConfig, {"output": "out", "pretrain": "m", "dataset": "d", "torch_compile": True, "zero_stage": 3})
+        make_config(
+            SFTConfig, {"output": "out", "pretrain": "m", "dataset": "d", "torch_compile": True, "zero_stage": 3}
+        )
     with pytest.raises(ValueError, match="torch_compile: Linear has no transformer blocks"):
         compile_blocks(torch.nn.Linear(2, 2))

@@ -14,15 +14,33 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_yaml_then_flags(tmp_path):
-    (tmp_path / "sft.yaml").write_text("pretrain: base\ndataset: d.jsonl\nmax_steps: 7\nlearning_rate: 0.01\nbf16: true\n")
+    (tmp_path / "sft.yaml").write_text(
+        "pretrain: base\ndataset: d.jsonl\nmax_steps: 7\nlearning_rate: 0.01\nbf16: true\n"
+    )
     cfg = parse_config(SFTConfig, ["--config", str(tmp_path / "sft.yaml"), "--output", "out", "--max_steps", "9"])
     assert (cfg.pretrain, cfg.max_steps, cfg.learning_rate, cfg.bf16, cfg.output) == ("base", 9, 0.01, True, "out")
 
 
 def test_bare_bool_flag_means_true():
-    cfg = parse_config(RLConfig, ["--output", "o", "--pretrain", "p", "--reward_pretrain", "r", "--prompt_data", "d", "--use_wandb"])
+    cfg = parse_config(
+        RLConfig, ["--output", "o", "--pretrain", "p", "--reward_pretrain", "r", "--prompt_data", "d", "--use_wandb"]
+    )
     assert cfg.use_wandb is True
-    cfg = parse_config(RLConfig, ["--output", "o", "--pretrain", "p", "--reward_pretrain", "r", "--prompt_data", "d", "--normalize_reward", "false"])
+    cfg = parse_config(
+        RLConfig,
+        [
+            "--output",
+            "o",
+            "--pretrain",
+            "p",
+            "--reward_pretrain",
+            "r",
+            "--prompt_data",
+            "d",
+            "--normalize_reward",
+            "false",
+        ],
+    )
     assert cfg.normalize_reward is False
 
 
@@ -31,8 +49,14 @@ def test_bare_bool_flag_means_true():
     [
         ({"output": "o", "dataset": "d"}, "pretrain: missing; pass --pretrain <URI>"),
         ({"output": "o", "pretrain": "p", "dataset": "d", "max_steps": "ten"}, "max_steps: 'ten' is not a valid int"),
-        ({"output": "o", "pretrain": "p", "dataset": "d", "zero_stage": 5}, "zero_stage: 5 is not a choice; use 0, 1, 2 or 3"),
-        ({"output": "o", "pretrain": "p", "dataset": "d", "bf16": "maybe"}, "bf16: 'maybe' is not a boolean; use true or false"),
+        (
+            {"output": "o", "pretrain": "p", "dataset": "d", "zero_stage": 5},
+            "zero_stage: 5 is not a choice; use 0, 1, 2 or 3",
+        ),
+        (
+            {"output": "o", "pretrain": "p", "dataset": "d", "bf16": "maybe"},
+            "bf16: 'maybe' is not a boolean; use true or false",
+        ),
         ({"pretrain": "p", "dataset": "d"}, "output: missing; pass --output s3://bucket/prefix/… or a local folder"),
     ],
 )
@@ -46,18 +70,31 @@ def test_rl_refuses_what_it_cannot_do():
     base = {"output": "o", "pretrain": "p", "reward_pretrain": "r", "prompt_data": "d"}
     with pytest.raises(ConfigError, match="advantage_estimator: 'vtrace' is not a choice; use gae, reinforce,"):
         make_config(RLConfig, {**base, "advantage_estimator": "vtrace"})
-    with pytest.raises(ConfigError, match="train_batch_size: 48 must divide rollout_batch_size × n_samples_per_prompt = 128"):
+    with pytest.raises(
+        ConfigError, match="train_batch_size: 48 must divide rollout_batch_size × n_samples_per_prompt = 128"
+    ):
         make_config(RLConfig, {**base, "train_batch_size": 48})
 
 
 def test_rl_group_estimators_need_groups_and_a_reward():
     base = {"output": "o", "pretrain": "p", "prompt_data": "d"}
-    with pytest.raises(ConfigError, match="reward_pretrain: missing; pass --reward_pretrain <URI>, --remote_rm_url <file.py or URL> or --env_path"):
+    with pytest.raises(
+        ConfigError,
+        match="reward_pretrain: missing; pass --reward_pretrain <URI>, --remote_rm_url <file.py or URL> or --env_path",
+    ):
         make_config(RLConfig, base)
     with pytest.raises(ConfigError, match="n_samples_per_prompt: rloo compares samples of one prompt; use 2 or more"):
         make_config(RLConfig, {**base, "remote_rm_url": "r.py", "advantage_estimator": "rloo"})
     cfg = make_config(
-        RLConfig, {**base, "remote_rm_url": "r.py", "advantage_estimator": "rloo", "n_samples_per_prompt": 4, "rollout_batch_size": 16, "train_batch_size": 32}
+        RLConfig,
+        {
+            **base,
+            "remote_rm_url": "r.py",
+            "advantage_estimator": "rloo",
+            "n_samples_per_prompt": 4,
+            "rollout_batch_size": 16,
+            "train_batch_size": 32,
+        },
     )
     assert cfg.n_samples_per_prompt == 4
 
@@ -99,7 +136,13 @@ def test_a_fields_declared_limits_are_enforced_and_are_its_json_schema():
         assert str(error.value) == message
     with pytest.raises(ConfigError, match=r"^judge_url: 'ftp://x' is not of the form "):
         make_config(EvalConfig, {"output": "o", "baseline": "b", "policy": "p", "dataset": "d", "judge_url": "ftp://x"})
-    assert param_schema(RLConfig, "lambd") == {"default": 0.95, "type": "number", "description": "GAE λ", "minimum": 0, "maximum": 1}
+    assert param_schema(RLConfig, "lambd") == {
+        "default": 0.95,
+        "type": "number",
+        "description": "GAE λ",
+        "minimum": 0,
+        "maximum": 1,
+    }
     assert param_schema(RLConfig, "kl_estimator")["enum"] == ["k1", "k2", "k3"]
     assert param_schema(PrepareDataConfig, "eval_fraction") | {"description": ""} == {
         "default": 0.1,
@@ -108,7 +151,10 @@ def test_a_fields_declared_limits_are_enforced_and_are_its_json_schema():
         "exclusiveMinimum": 0,
         "exclusiveMaximum": 1,
     }
-    assert param_schema(PrepareDataConfig, "label_key")["type"] == ["null", "string"]  # may be empty: the form sends null
+    assert param_schema(PrepareDataConfig, "label_key")["type"] == [
+        "null",
+        "string",
+    ]  # may be empty: the form sends null
     assert param_schema(EvalConfig, "judge_model")["type"] == "string"  # its pattern needs a character
 
 
@@ -116,7 +162,9 @@ def test_a_fields_declared_limits_are_enforced_and_are_its_json_schema():
 def test_every_stage_prints_its_help(module):
     """`python -m tasks.<stage> --help` as a newcomer types it: exit 0 and every flag listed (a "95%" in a help
     text once crashed argparse's formatting)."""
-    done = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, cwd=REPO, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", module, "--help"], capture_output=True, text=True, cwd=REPO, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     fields = [f.name for f in dataclasses.fields(config_class(module))]
     assert all(f"--{name}" in done.stdout for name in fields), [n for n in fields if f"--{n}" not in done.stdout]

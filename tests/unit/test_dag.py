@@ -17,7 +17,19 @@ from conftest import ray_headers
 
 REPO = Path(__file__).resolve().parents[2]
 DAGS = REPO / "dags"
-ORDER = ["validate", "prepare_data", "sft", "choose_method", "reward_model", "rl", "dpo", "kto", "eval", "promote", "champion"]
+ORDER = [
+    "validate",
+    "prepare_data",
+    "sft",
+    "choose_method",
+    "reward_model",
+    "rl",
+    "dpo",
+    "kto",
+    "eval",
+    "promote",
+    "champion",
+]
 BRANCHES = {"rl": ["reward_model", "rl"], "dpo": ["dpo"], "kto": ["kto"]}
 
 
@@ -41,7 +53,13 @@ WIRING = {
         "fail_after_step": FAULT % "rl",
     },
     **{
-        method: {"method": method, "pretrain": "sft", "dataset": "prepare_data", "fail_after_step": FAULT % method, **extra}
+        method: {
+            "method": method,
+            "pretrain": "sft",
+            "dataset": "prepare_data",
+            "fail_after_step": FAULT % method,
+            **extra,
+        }
         for method, extra in (
             ("dpo", {"dataset_split": "style_pairs", "nll_loss_coef": 0.5}),
             ("kto", {"dataset_split": "unpaired", "undesirable_weight": 0.3}),
@@ -137,9 +155,11 @@ def test_stage_tasks_share_the_gpu_pool_cache_deadline_and_lineage(dag):
         assert task.pool == GPU_POOL and task.pool_slots == max(1, STAGES[name].gpus), task_id
         assert task.deadline_minutes == "{{ params.stage_deadline_minutes }}"
         # prepare_data reuses an output only when the data cannot have changed under the same flags.
-        assert task.cache == {"eval": False, "promote": False, "prepare_data": "{{ params.use_cache and fixed_data(params.dataset) }}"}.get(
-            task_id, "{{ params.use_cache }}"
-        ), task_id
+        assert task.cache == {
+            "eval": False,
+            "promote": False,
+            "prepare_data": "{{ params.use_cache and fixed_data(params.dataset) }}",
+        }.get(task_id, "{{ params.use_cache }}"), task_id
     lineage = {
         t: ([a.name for a in dag.get_task(t).inlets], [a.name for a in dag.get_task(t).outlets])
         for t in ("prepare_data", "sft", "reward_model", "rl", "dpo", "eval", "champion")
@@ -158,9 +178,19 @@ def test_stage_tasks_share_the_gpu_pool_cache_deadline_and_lineage(dag):
 def test_task_order(dag):
     assert [t.task_id for t in dag.topological_sort()] == ORDER
     upstream = {t: dag.get_task(t).upstream_task_ids for t in ORDER}
-    assert upstream["validate"] == set() and upstream["prepare_data"] == {"validate"} and upstream["choose_method"] == {"sft"}
-    assert upstream["reward_model"] >= {"choose_method", "sft"} and upstream["rl"] >= {"reward_model", "sft", "choose_method"}
-    assert dag.get_task("rl").trigger_rule == "none_failed_min_one_success"  # runs with reward_model skipped (an environment)
+    assert (
+        upstream["validate"] == set()
+        and upstream["prepare_data"] == {"validate"}
+        and upstream["choose_method"] == {"sft"}
+    )
+    assert upstream["reward_model"] >= {"choose_method", "sft"} and upstream["rl"] >= {
+        "reward_model",
+        "sft",
+        "choose_method",
+    }
+    assert (
+        dag.get_task("rl").trigger_rule == "none_failed_min_one_success"
+    )  # runs with reward_model skipped (an environment)
     assert upstream["dpo"] >= {"choose_method", "sft"} and upstream["kto"] >= {"choose_method", "sft"}
     assert upstream["eval"] >= {"rl", "dpo", "kto"}
     assert dag.get_task("eval").trigger_rule == "none_failed_min_one_success"
@@ -179,7 +209,11 @@ def test_stage_inputs_are_upstream_manifests_and_params(dag):
         assert type(task).__name__ == "RayJobOperator"
         for flag, source in wiring.items():
             value = task.args[flag]
-            if not isinstance(source, str) or source.startswith(("{{", "s3://")) or source in ("dpo", "kto", "style_pairs", "unpaired"):
+            if (
+                not isinstance(source, str)
+                or source.startswith(("{{", "s3://"))
+                or source in ("dpo", "kto", "style_pairs", "unpaired")
+            ):
                 assert value == source, (task_id, flag, value)
             elif source.startswith("params."):
                 assert value == "{{ %s }}" % source, (task_id, flag, value)
@@ -193,17 +227,26 @@ def test_stage_inputs_are_upstream_manifests_and_params(dag):
         }
         assert set(task.args) == set(wiring) | set(from_form), task_id
         for field_name, name in from_form.items():
-            empty_as = " or ''" if "null" in PARAMS[name].schema["type"] else ""  # the form sends an emptied field as null
+            empty_as = (
+                " or ''" if "null" in PARAMS[name].schema["type"] else ""
+            )  # the form sends an emptied field as null
             assert task.args[field_name] == "{{ params.%s%s }}" % (name, empty_as), (task_id, field_name)
         assert task.output_root == REGISTRY.removesuffix("/models/{{ params.model_name }}")
     # A few by name: a Param whose field is named otherwise, the two betas, what every training stage shares.
     assert dag.get_task("rl").args["lambd"] == "{{ params.gae_lambda }}"
-    assert dag.get_task("rl").args["env_path"] == dag.get_task("eval").args["env_path"] == "{{ params.environment or '' }}"
-    assert (dag.get_task("dpo").args["beta"], dag.get_task("kto").args["beta"]) == ("{{ params.dpo_beta }}", "{{ params.kto_beta }}")
+    assert (
+        dag.get_task("rl").args["env_path"] == dag.get_task("eval").args["env_path"] == "{{ params.environment or '' }}"
+    )
+    assert (dag.get_task("dpo").args["beta"], dag.get_task("kto").args["beta"]) == (
+        "{{ params.dpo_beta }}",
+        "{{ params.kto_beta }}",
+    )
     for task_id in ("sft", "reward_model", "rl", "dpo", "kto"):
         assert dag.get_task(task_id).args["num_checkpoints"] == "{{ params.checkpoints_per_stage }}"
         assert dag.get_task(task_id).args["seed"] == "{{ params.seed }}"
-    assert "num_checkpoints" not in dag.get_task("eval").args and dag.get_task("eval").args["seed"] == "{{ params.seed }}"
+    assert (
+        "num_checkpoints" not in dag.get_task("eval").args and dag.get_task("eval").args["seed"] == "{{ params.seed }}"
+    )
     # Every stage-backed field of the form reaches a stage.
     assert all(FEEDS.get(name, tasks_running(module)) for name, (module, _, _) in STAGE_PARAMS.items())
 
@@ -445,13 +488,25 @@ def test_the_first_task_checks_every_stage_on_the_runs_path_with_the_stages_own_
     from plugins.pipeline import planned_problems
     from tools.stack.config import conn_s3
 
-    monkeypatch.setenv("AIRFLOW_CONN_RLHF_S3", conn_s3("http://127.0.0.1:9"))  # the templates read its bucket; nothing connects
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_RLHF_S3", conn_s3("http://127.0.0.1:9")
+    )  # the templates read its bucket; nothing connects
     defaults = dag.params.dump()
     context = {"run_id": "manual__2026-01-01T00:00:00+00:00", "dag": dag, "conn": ConnectionAccessor()}
     assert planned_problems(dag, defaults, context) == []
-    bad = {**defaults, "advantage_estimator": "group_norm", "n_samples_per_prompt": 1, "eval_metrics": "bleu", "promotion_gate": {"accuracy": {"most": 0.5}}}
+    bad = {
+        **defaults,
+        "advantage_estimator": "group_norm",
+        "n_samples_per_prompt": 1,
+        "eval_metrics": "bleu",
+        "promotion_gate": {"accuracy": {"most": 0.5}},
+    }
     problems = planned_problems(dag, bad, context)
-    assert [p.split(": ")[:2] for p in problems] == [["rl", "n_samples_per_prompt"], ["eval", "metrics"], ["promote", "gate"]], problems
+    assert [p.split(": ")[:2] for p in problems] == [
+        ["rl", "n_samples_per_prompt"],
+        ["eval", "metrics"],
+        ["promote", "gate"],
+    ], problems
     # The dpo branch does not run rl, so rl's estimator is nobody's problem there.
     assert [p.split(":")[0] for p in planned_problems(dag, {**bad, "method": "dpo"}, context)] == ["eval", "promote"]
     # A layout the Ray cluster could never place: every RL model on a worker of its own needs 4 devices at once.
@@ -487,7 +542,11 @@ def test_the_first_task_names_the_runs_s3_inputs_that_are_not_there(dag, s3_serv
     there = {"dataset": f"s3://{s3_server.bucket}/inputs/data.jsonl", "base_model": "demo", "environment": "calculator"}
     assert missing_inputs({**params, **there}, render) == []
     assert missing_inputs({**params, "dataset": "dataset:chats"}, render) == []
-    gone = {"dataset": "dataset:chatz", "base_model": f"s3://{s3_server.bucket}/models/none/", "eval_metric_func": f"s3://{s3_server.bucket}/m.py"}
+    gone = {
+        "dataset": "dataset:chatz",
+        "base_model": f"s3://{s3_server.bucket}/models/none/",
+        "eval_metric_func": f"s3://{s3_server.bucket}/m.py",
+    }
     problems = missing_inputs({**params, **gone}, render)
     assert problems == [
         f"dataset: s3://{s3_server.bucket}/p/datasets/chatz/ does not exist; upload it or fix the URI",
@@ -497,13 +556,24 @@ def test_the_first_task_names_the_runs_s3_inputs_that_are_not_there(dag, s3_serv
 
 
 @pytest.mark.e2e
-def test_a_refused_form_fails_the_validate_task_and_submits_no_ray_job(airflow_db, s3_server, ray_head, pipeline_to_test):
+def test_a_refused_form_fails_the_validate_task_and_submits_no_ray_job(
+    airflow_db, s3_server, ray_head, pipeline_to_test
+):
     from plugins.stage_cli import submission_id_for
 
-    dr = pipeline_to_test.test(run_conf={"bucket": s3_server.bucket, "prefix": "validate", "advantage_estimator": "rloo", "n_samples_per_prompt": 1})
+    dr = pipeline_to_test.test(
+        run_conf={
+            "bucket": s3_server.bucket,
+            "prefix": "validate",
+            "advantage_estimator": "rloo",
+            "n_samples_per_prompt": 1,
+        }
+    )
     states = {ti.task_id: str(getattr(ti.state, "value", ti.state)) for ti in dr.get_task_instances()}
     assert states["validate"] == "failed" and states["prepare_data"] == "upstream_failed", states
-    with urllib.request.urlopen(urllib.request.Request(f"{ray_head}/api/jobs/", headers=ray_headers()), timeout=30) as response:
+    with urllib.request.urlopen(
+        urllib.request.Request(f"{ray_head}/api/jobs/", headers=ray_headers()), timeout=30
+    ) as response:
         jobs = [j.get("submission_id") or "" for j in json.load(response)]
     assert not {submission_id_for("rlhf_pipeline", dr.run_id, t) for t in ORDER} & set(jobs), jobs
 
@@ -524,7 +594,13 @@ def test_pipeline_end_to_end(method, airflow_db, s3_server, ray_head, pipeline_t
     from plugins.stage_cli import key_safe
 
     dag = pipeline_to_test
-    agentic = {"method": "rl", "dataset": "calculator", "environment": "calculator", "generate_max_len": 24, "max_turns": 3}
+    agentic = {
+        "method": "rl",
+        "dataset": "calculator",
+        "environment": "calculator",
+        "generate_max_len": 24,
+        "max_turns": 3,
+    }
     conf = {
         "bucket": s3_server.bucket,
         "prefix": f"e2e-{method}",
@@ -538,13 +614,17 @@ def test_pipeline_end_to_end(method, airflow_db, s3_server, ray_head, pipeline_t
     }
     dr = dag.test(run_conf=conf)
     states = {ti.task_id: str(getattr(ti.state, "value", ti.state)) for ti in dr.get_task_instances()}
-    skipped = {t for branch, tasks in BRANCHES.items() if branch != method for t in tasks} - ({"rl"} if method == "agentic" else set())
+    skipped = {t for branch, tasks in BRANCHES.items() if branch != method for t in tasks} - (
+        {"rl"} if method == "agentic" else set()
+    )
     # A manual run judges its policy but may not promote it: the champion task is skipped.
     assert states == {t: "skipped" if t in skipped | {"champion"} else "success" for t in ORDER}, states
 
     base = f"e2e-{method}/runs/rlhf_pipeline/{key_safe(dr.run_id)}"
     s3 = s3_server.client()
-    for task_id in [t for t in ORDER if t not in skipped and t not in ("validate", "choose_method", "champion")]:  # no stage output
+    for task_id in [
+        t for t in ORDER if t not in skipped and t not in ("validate", "choose_method", "champion")
+    ]:  # no stage output
         body = s3.get_object(Bucket=s3_server.bucket, Key=f"{base}/{task_id}/manifest.json")["Body"].read()
         assert json.loads(body), task_id
     evaluated = json.loads(s3.get_object(Bucket=s3_server.bucket, Key=f"{base}/eval/manifest.json")["Body"].read())
@@ -566,7 +646,12 @@ def test_nightly_dataset_comes_from_the_environment():
         "print('RESULT', p.value, bag.dags['rlhf_pipeline'].params['dataset'], bool(p.description))"
     )
     done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, env={**os.environ, "RLHF_NIGHTLY_DATASET": "dataset:support-chats"}, timeout=300
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "RLHF_NIGHTLY_DATASET": "dataset:support-chats"},
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr[-2000:]
     result = next(line for line in done.stdout.splitlines() if line.startswith("RESULT"))
@@ -579,6 +664,12 @@ def test_the_form_is_grouped_by_stage():
 
     named = [n for names in SECTIONS.values() for n in names]
     assert len(named) == len(set(named)) and set(named) <= set(PARAMS), "each Param in one section"
-    assert [n for n in PARAMS if "section" not in PARAMS[n].schema] == ["bucket", "prefix", "dataset", "base_model", "method"]
+    assert [n for n in PARAMS if "section" not in PARAMS[n].schema] == [
+        "bucket",
+        "prefix",
+        "dataset",
+        "base_model",
+        "method",
+    ]
     assert list(SECTIONS)[-1] == "Advanced" and "fault_injection" in SECTIONS["Advanced"]
     assert {PARAMS[n].schema["section"] for n in SECTIONS["RL"]} == {"RL"}

@@ -35,7 +35,11 @@ def test_tokenizer_round_trip():
 
 def test_response_mask_stops_after_first_eos():
     eos = 2
-    assert response_mask(torch.tensor([[5, 6, 2, 0, 0], [5, 5, 5, 5, 5], [2, 0, 0, 0, 0]]), eos).tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
+    assert response_mask(torch.tensor([[5, 6, 2, 0, 0], [5, 5, 5, 5, 5], [2, 0, 0, 0, 0]]), eos).tolist() == [
+        [1, 1, 1, 0, 0],
+        [1, 1, 1, 1, 1],
+        [1, 0, 0, 0, 0],
+    ]
 
 
 def test_training_logprobs_match_generation_with_left_padded_prompts():
@@ -59,7 +63,9 @@ def test_training_logprobs_match_generation_with_left_padded_prompts():
         )
         gen_logprobs = torch.stack([torch.log_softmax(step.float(), -1) for step in out.logits], 1)
         gen_logprobs = gen_logprobs.gather(-1, out.sequences[:, rollout.prompt_width :].unsqueeze(-1)).squeeze(-1)
-        train_logprobs = sequence_logprobs(model, rollout.sequences, rollout.attention_mask)[:, rollout.prompt_width - 1 :]
+        train_logprobs = sequence_logprobs(model, rollout.sequences, rollout.attention_mask)[
+            :, rollout.prompt_width - 1 :
+        ]
     mask = rollout.response_mask.bool()
     assert torch.allclose(gen_logprobs[mask], train_logprobs[mask], atol=1e-4)
 
@@ -74,13 +80,23 @@ def test_cuda_graph_engine_matches_the_default_one_with_bucketed_prompt_widths()
     prompts = [encode_prompt(tok, p) for p in ("3+4=", "37+45=", "1+99=", "12+3=4+5+6+7+8=")]
     dynamic = HFRolloutEngine(model, tok).generate(prompts, max_new_tokens=8, greedy=True)
     assert dynamic.response_lengths().tolist() == [8, 8, 2, 2]
-    for batch_size in (4, 3):  # one chunk; two chunks of different raw widths and response widths, joined by concat_rollouts
-        static = HFRolloutEngine(model, tok, cuda_graphs=True).generate(prompts, max_new_tokens=8, greedy=True, batch_size=batch_size)
+    for batch_size in (
+        4,
+        3,
+    ):  # one chunk; two chunks of different raw widths and response widths, joined by concat_rollouts
+        static = HFRolloutEngine(model, tok, cuda_graphs=True).generate(
+            prompts, max_new_tokens=8, greedy=True, batch_size=batch_size
+        )
         assert static.prompt_width % STATIC_PROMPT_BUCKET == 0 and static.prompt_width > dynamic.prompt_width
-        assert torch.equal(static.responses, dynamic.responses) and torch.equal(static.response_mask, dynamic.response_mask)
+        assert torch.equal(static.responses, dynamic.responses) and torch.equal(
+            static.response_mask, dynamic.response_mask
+        )
         extra = static.prompt_width - dynamic.prompt_width
         assert torch.equal(static.sequences[:, extra:], dynamic.sequences)
-        assert torch.equal(static.attention_mask[:, extra:], dynamic.attention_mask) and not static.attention_mask[:, :extra].any()
+        assert (
+            torch.equal(static.attention_mask[:, extra:], dynamic.attention_mask)
+            and not static.attention_mask[:, :extra].any()
+        )
 
 
 def test_packed_grouped_query_attention_equals_attention_over_repeated_key_value_heads():
@@ -135,7 +151,9 @@ def test_a_compiled_decode_forward_is_one_graph_that_reads_updated_weights_besid
         ours = compiled.generate(prompts, max_new_tokens=6, greedy=True)
         eager = HFRolloutEngine(model, tok).generate(prompts, max_new_tokens=6, greedy=True)
         extra = ours.prompt_width - eager.prompt_width
-        assert torch.equal(ours.sequences[:, extra:], eager.sequences) and torch.allclose(ours.logprobs, eager.logprobs, atol=1e-5)
+        assert torch.equal(ours.sequences[:, extra:], eager.sequences) and torch.allclose(
+            ours.logprobs, eager.logprobs, atol=1e-5
+        )
         assert before is None or not torch.allclose(ours.logprobs, before)  # the update reached the compiled graph
         before = ours.logprobs
         with torch.no_grad():
@@ -154,7 +172,14 @@ def test_fused_sibling_projections_give_the_layers_outputs_and_carry_weight_upda
 
     from tasks.common.nn.fused_linears import FusedFollower, FusedLead, FusedSiblings
 
-    cfg = Qwen2Config(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    cfg = Qwen2Config(
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(cfg).eval()
 
@@ -196,7 +221,10 @@ def test_sample_next_draws_from_the_tempered_softmax_and_reports_its_log_probabi
     noise = torch.empty(logits.shape).exponential_()
     compiled = torch.compile(fused_sample, dynamic=True)
     for given in (noise, None):
-        (want_token, want_logprob), (got_token, got_logprob) = fused_sample(logits, given, 0.5), compiled(logits, given, 0.5)
+        (want_token, want_logprob), (got_token, got_logprob) = (
+            fused_sample(logits, given, 0.5),
+            compiled(logits, given, 0.5),
+        )
         assert torch.equal(got_token, want_token) and torch.allclose(got_logprob, want_logprob, atol=1e-6)
 
 
@@ -231,7 +259,9 @@ def test_a_batch_shape_reuses_its_decode_buffers_from_a_clean_start():
     state = engine.states[(4, 136)]
     short = engine.generate(prompts[:3] + prompts[:1], max_new_tokens=72, greedy=True)  # width 64: the same 136 slots
     assert list(engine.states) == [(4, 136)] and engine.states[(4, 136)] is state
-    alone = HFRolloutEngine(model, tok, cuda_graphs=True).generate(prompts[:3] + prompts[:1], max_new_tokens=72, greedy=True)
+    alone = HFRolloutEngine(model, tok, cuda_graphs=True).generate(
+        prompts[:3] + prompts[:1], max_new_tokens=72, greedy=True
+    )
     assert torch.equal(short.sequences, alone.sequences) and torch.equal(short.logprobs, alone.logprobs)
 
 
@@ -256,7 +286,9 @@ def test_a_group_of_samples_shares_one_prefill_and_decodes_as_if_alone():
         grouped = engine.generate([a, a, b, a, b], max_new_tokens=6, greedy=True)
         assert widths[0][0] == 2 and all(w == (5, 1) for w in widths[1:])  # the prefill: 2 rows; the decode: 5 rows
         for rows, prompt in (([0, 1, 3], a), ([2, 4], b)):
-            alone = HFRolloutEngine(model, tok, cuda_graphs=cuda_graphs, ignore_eos=True).generate([prompt], max_new_tokens=6, greedy=True)
+            alone = HFRolloutEngine(model, tok, cuda_graphs=cuda_graphs, ignore_eos=True).generate(
+                [prompt], max_new_tokens=6, greedy=True
+            )
             for row in rows:
                 assert torch.equal(grouped.responses[row], alone.responses[0])
                 assert torch.allclose(grouped.logprobs[row], alone.logprobs[0], atol=1e-5)

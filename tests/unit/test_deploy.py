@@ -73,7 +73,11 @@ def test_compose_has_the_whole_stack_with_celery_as_a_profile():
 def test_every_required_setting_is_in_the_env_example():
     text = (DOCKER / "compose.yaml").read_text()
     required = set(re.findall(r"\$\{([A-Z0-9_]+):\?", text))
-    example = dict(line.split("=", 1) for line in (DOCKER / ".env.example").read_text().splitlines() if line and not line.startswith("#"))
+    example = dict(
+        line.split("=", 1)
+        for line in (DOCKER / ".env.example").read_text().splitlines()
+        if line and not line.startswith("#")
+    )
     assert required and required <= set(example), required - set(example)
     assert all(example[k].startswith("change-me") for k in required if re.search("PASSWORD|SECRET|KEY|TOKEN", k))
 
@@ -98,7 +102,9 @@ def test_no_secret_is_baked_into_an_image():
     for dockerfile in DOCKER.glob("Dockerfile.*"):
         for line in dockerfile.read_text().splitlines():
             if re.match(r"^\s*(ENV|ARG)\b", line):
-                assert not re.search(r"PASSWORD|SECRET|ACCESS_KEY|TOKEN|FERNET|CONN_", line, re.I), f"{dockerfile.name}: {line}"
+                assert not re.search(r"PASSWORD|SECRET|ACCESS_KEY|TOKEN|FERNET|CONN_", line, re.I), (
+                    f"{dockerfile.name}: {line}"
+                )
             if re.match(r"^\s*(COPY|ADD)\b", line):
                 assert ".env" not in line and "secret" not in line.lower(), f"{dockerfile.name}: {line}"
 
@@ -142,9 +148,18 @@ _WORKERS = {
 _CLUSTER_SPEC = {
     "type": "object",
     "required": ["headGroupSpec", "workerGroupSpecs"],
-    "properties": {"rayVersion": {"type": "string"}, "enableInTreeAutoscaling": {"type": "boolean"}, "headGroupSpec": _GROUP, "workerGroupSpecs": _WORKERS},
+    "properties": {
+        "rayVersion": {"type": "string"},
+        "enableInTreeAutoscaling": {"type": "boolean"},
+        "headGroupSpec": _GROUP,
+        "workerGroupSpecs": _WORKERS,
+    },
 }
-_META = {"type": "object", "required": ["name"], "properties": {"name": {"type": "string", "pattern": "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"}}}
+_META = {
+    "type": "object",
+    "required": ["name"],
+    "properties": {"name": {"type": "string", "pattern": "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"}},
+}
 KUBERAY = {
     "RayCluster": {
         "type": "object",
@@ -179,7 +194,12 @@ KUBERAY = {
 
 
 def manifests() -> list[tuple[str, dict]]:
-    return [(f"{path.name}#{i}", doc) for path in sorted(K8S.glob("*.yaml")) for i, doc in enumerate(yaml.safe_load_all(path.read_text())) if doc]
+    return [
+        (f"{path.name}#{i}", doc)
+        for path in sorted(K8S.glob("*.yaml"))
+        for i, doc in enumerate(yaml.safe_load_all(path.read_text()))
+        if doc
+    ]
 
 
 def pod_templates(spec: dict) -> list[dict]:
@@ -203,7 +223,9 @@ def test_kubernetes_manifests_validate():
             jsonschema.validate(doc, KUBERAY[doc["kind"]])
             for template in pod_templates(doc["spec"]) + submitter_templates(doc["spec"]):
                 kubernetes_validate.validate(
-                    {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": template}, K8S_VERSION, strict=True
+                    {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": template},
+                    K8S_VERSION,
+                    strict=True,
                 )
         else:
             kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
@@ -216,7 +238,11 @@ def test_the_kubernetes_check_catches_a_broken_pod_template():
     template = pod_templates(cluster["spec"])[1]
     template["spec"]["containers"][0]["resourcez"] = template["spec"]["containers"][0].pop("resources")
     with pytest.raises(kubernetes_validate.ValidationError):
-        kubernetes_validate.validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": template}, K8S_VERSION, strict=True)
+        kubernetes_validate.validate(
+            {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": template},
+            K8S_VERSION,
+            strict=True,
+        )
 
 
 def test_gpu_workers_ask_for_gpus_and_write_to_their_own_disk():
@@ -246,7 +272,10 @@ def test_every_ray_pod_asks_for_the_token_from_one_secret():
             for container in template["spec"]["containers"]:
                 env = {e["name"]: e for e in container.get("env", [])}
                 assert env.get("RAY_AUTH_MODE", {}).get("value") == "token", (name, container["name"])
-                assert env.get("RAY_AUTH_TOKEN") == {"name": "RAY_AUTH_TOKEN", "valueFrom": secret}, (name, container["name"])
+                assert env.get("RAY_AUTH_TOKEN") == {"name": "RAY_AUTH_TOKEN", "valueFrom": secret}, (
+                    name,
+                    container["name"],
+                )
     assert kinds == {"RayCluster", "RayJob"}
 
 
@@ -286,13 +315,22 @@ def test_a_lock_made_from_other_ranges_is_stale(tmp_path):
     changed = (REPO / "pyproject.toml").read_text().replace('"pyyaml>=6"', '"pyyaml>=6.1"')
     (tmp_path / "pyproject.toml").write_text(changed)
     assert lock.check(tmp_path / "pyproject.toml", locks) == [
-        f"locks/{name}.txt: stale against pyproject.toml's dependencies; run `make lock` and commit locks/" for name in lock.SETS
+        f"locks/{name}.txt: stale against pyproject.toml's dependencies; run `make lock` and commit locks/"
+        for name in lock.SETS
     ]
     # A range in one extra stales only the sets that install it.
-    (tmp_path / "pyproject.toml").write_text((REPO / "pyproject.toml").read_text().replace('"liger-kernel>=0.8.5"', '"liger-kernel>=0.8.6"'))
-    assert lock.check(tmp_path / "pyproject.toml", locks) == ["locks/gpu.txt: stale against pyproject.toml's dependencies; run `make lock` and commit locks/"]
+    (tmp_path / "pyproject.toml").write_text(
+        (REPO / "pyproject.toml").read_text().replace('"liger-kernel>=0.8.5"', '"liger-kernel>=0.8.6"')
+    )
+    assert lock.check(tmp_path / "pyproject.toml", locks) == [
+        "locks/gpu.txt: stale against pyproject.toml's dependencies; run `make lock` and commit locks/"
+    ]
     # Edits outside the dependency tables leave the locks current.
-    (tmp_path / "pyproject.toml").write_text((REPO / "pyproject.toml").read_text().replace('addopts = "-ra"', 'addopts = "-ra -q"'))
+    (tmp_path / "pyproject.toml").write_text(
+        (REPO / "pyproject.toml").read_text().replace('addopts = "-ra"', 'addopts = "-ra -q"')
+    )
     assert lock.check(tmp_path / "pyproject.toml", locks) == []
     (locks / "gpu.txt").unlink()
-    assert lock.check(tmp_path / "pyproject.toml", locks) == ["locks/gpu.txt: missing; run `make lock` and commit locks/"]
+    assert lock.check(tmp_path / "pyproject.toml", locks) == [
+        "locks/gpu.txt: missing; run `make lock` and commit locks/"
+    ]

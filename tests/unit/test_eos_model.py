@@ -10,7 +10,15 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
 from bench.common import build_tokenizer
-from bench.eos_model import BENCH_TEMPERATURE, CALIBRATION_FILE, _prompt_ids, build, engineer, length_stats, set_eos_scale
+from bench.eos_model import (
+    BENCH_TEMPERATURE,
+    CALIBRATION_FILE,
+    _prompt_ids,
+    build,
+    engineer,
+    length_stats,
+    set_eos_scale,
+)
 
 TARGET, CAP, SAMPLES = 20, 80, 256
 
@@ -54,7 +62,12 @@ def test_calibrated_lengths_and_a_steady_hazard(models):
     # A standard untied Qwen2 checkpoint (what vLLM loads): lm_head.weight saved on its own.
     assert json.loads((root / "eos" / "config.json").read_text())["tie_word_embeddings"] is False
     generation = json.loads((root / "eos" / "generation_config.json").read_text())
-    assert (generation["do_sample"], generation["temperature"], generation["top_k"], generation["top_p"]) == (True, BENCH_TEMPERATURE, 0, 1.0)
+    assert (generation["do_sample"], generation["temperature"], generation["top_k"], generation["top_p"]) == (
+        True,
+        BENCH_TEMPERATURE,
+        0,
+        1.0,
+    )
     with safe_open(str(root / "eos" / "model.safetensors"), "pt") as f:
         assert {"lm_head.weight", "model.embed_tokens.weight"} <= set(f.keys())
 
@@ -63,10 +76,18 @@ def test_calibrated_lengths_and_a_steady_hazard(models):
     torch.manual_seed(1)
     prompts = _prompt_ids(tokenizer, None, SAMPLES)
     config = GenerationConfig(
-        do_sample=True, temperature=BENCH_TEMPERATURE, top_k=0, top_p=1.0, max_new_tokens=CAP, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id
+        do_sample=True,
+        temperature=BENCH_TEMPERATURE,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=CAP,
+        eos_token_id=eos,
+        pad_token_id=tokenizer.pad_token_id,
     )
     with torch.no_grad():
-        out = model.generate(prompts, attention_mask=torch.ones_like(prompts), generation_config=config)[:, prompts.shape[1] :]
+        out = model.generate(prompts, attention_mask=torch.ones_like(prompts), generation_config=config)[
+            :, prompts.shape[1] :
+        ]
     hit = out == eos
     lengths = torch.where(hit.any(1), hit.int().argmax(1) + 1, torch.full((SAMPLES,), CAP))
     stats = length_stats(lengths.tolist(), CAP)
@@ -77,7 +98,10 @@ def test_calibrated_lengths_and_a_steady_hazard(models):
     t = torch.arange(1, CAP + 1)
     at_risk, ended = (t[None] <= lengths[:, None]), (t[None] == lengths[:, None]) & hit.any(1)[:, None]
     half = CAP // 2
-    first, second = (ended[:, :half].sum() / at_risk[:, :half].sum()).item(), (ended[:, half:].sum() / at_risk[:, half:].sum()).item()
+    first, second = (
+        (ended[:, :half].sum() / at_risk[:, :half].sum()).item(),
+        (ended[:, half:].sum() / at_risk[:, half:].sum()).item(),
+    )
     assert 0.5 < second / first < 2, (first, second)
     predicted = record["predicted"]
     assert 0.8 < predicted["hazard_second_half"] / predicted["hazard_first_half"] < 1.25

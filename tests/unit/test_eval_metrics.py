@@ -16,7 +16,12 @@ from json_server import JSONServer
 
 
 def test_exact_match_normalises_and_leaves_unlabelled_rows_unscored():
-    assert metrics.exact_match(["Paris.", " the  Answer ", "Lyon", "x"], ["paris", "the answer", "Paris", None]) == [1.0, 1.0, 0.0, None]
+    assert metrics.exact_match(["Paris.", " the  Answer ", "Lyon", "x"], ["paris", "the answer", "Paris", None]) == [
+        1.0,
+        1.0,
+        0.0,
+        None,
+    ]
 
 
 def test_regex_compares_the_first_group_or_the_whole_match():
@@ -27,7 +32,10 @@ def test_regex_compares_the_first_group_or_the_whole_match():
 
 def test_json_valid_and_length():
     scorers = metrics.resolve(["json_valid", "length"])
-    assert metrics.score(scorers, ["p", "q"], ['{"a": 1}', "{a: 1}"], None, [{}, {}]) == {"json_valid": [1.0, 0.0], "length": [8.0, 6.0]}
+    assert metrics.score(scorers, ["p", "q"], ['{"a": 1}', "{a: 1}"], None, [{}, {}]) == {
+        "json_valid": [1.0, 0.0],
+        "length": [8.0, 6.0],
+    }
 
 
 def test_math_verify_compares_the_answers_mathematically():
@@ -51,7 +59,9 @@ def test_eval_config_reads_the_metric_list_and_refuses_bad_ones():
     from tasks.eval.config import EvalConfig
 
     base = {"output": "/tmp/x", "baseline": "a", "policy": "b", "dataset": "d"}
-    cfg = make_config(EvalConfig, {**base, "metrics": "exact_match, length,regex:(\\d+),(\\d+)", "n_samples_per_prompt": 4})
+    cfg = make_config(
+        EvalConfig, {**base, "metrics": "exact_match, length,regex:(\\d+),(\\d+)", "n_samples_per_prompt": 4}
+    )
     assert cfg.metric_names() == ["exact_match", "length", "regex:(\\d+),(\\d+)"]  # a pattern's commas stay its own
     assert cfg.ks() == [1, 4]
     with pytest.raises(ConfigError, match="unknown metric 'bleu'"):
@@ -148,9 +158,17 @@ def test_the_hacking_alarm_needs_both_a_significant_rise_and_fall():
     rise = {"delta": 0.8, "interval": [0.5, 1.1]}
     fall = {"delta": -0.1, "interval": [-0.15, -0.05]}
     alarms = stats.hacking_alarms({"reward_mean": rise, "accuracy": fall, "style": fall}, ["accuracy"])
-    assert alarms == ["reward hacking suspected: reward_mean rose +0.8000 (95% CI +0.5000 to +1.1000) while accuracy fell -0.1000 (95% CI -0.1500 to -0.0500)"]
-    assert stats.hacking_alarms({"reward_mean": rise, "accuracy": {"delta": -0.1, "interval": [-0.2, 0.01]}}, ["accuracy"]) == []
-    assert stats.hacking_alarms({"reward_mean": {"delta": 0.8, "interval": [-0.1, 1.1]}, "accuracy": fall}, ["accuracy"]) == []
+    assert alarms == [
+        "reward hacking suspected: reward_mean rose +0.8000 (95% CI +0.5000 to +1.1000) while accuracy fell -0.1000 (95% CI -0.1500 to -0.0500)"
+    ]
+    assert (
+        stats.hacking_alarms({"reward_mean": rise, "accuracy": {"delta": -0.1, "interval": [-0.2, 0.01]}}, ["accuracy"])
+        == []
+    )
+    assert (
+        stats.hacking_alarms({"reward_mean": {"delta": 0.8, "interval": [-0.1, 1.1]}, "accuracy": fall}, ["accuracy"])
+        == []
+    )
 
 
 # ---------------------------------------------------------------------------------------------- the LLM judge
@@ -171,11 +189,15 @@ def test_the_judge_asks_both_orders_and_cancels_a_position_bias(monkeypatch):
     monkeypatch.setenv("RLHF_JUDGE_API_KEY", "k-123")
     with JSONServer([(200, shorter_wins)], path="/v1") as server:
         judge = ChatJudge(server.url, model="tiny-judge")
-        outcomes = judge.compare(["p1", "p2", "p3"], ["short", "a longer answer", "same"], ["a longer answer", "short", "same"])
+        outcomes = judge.compare(
+            ["p1", "p2", "p3"], ["short", "a longer answer", "same"], ["a longer answer", "short", "same"]
+        )
     assert outcomes == [1.0, 0.0, 0.5]
     seen = server.requests
     assert len(seen) == 6 and {path for path, _, _ in seen} == {"/v1/chat/completions"}
-    assert {headers["Authorization"] for _, headers, _ in seen} == {"Bearer k-123"} and seen[0][2]["model"] == "tiny-judge"
+    assert {headers["Authorization"] for _, headers, _ in seen} == {"Bearer k-123"} and seen[0][2][
+        "model"
+    ] == "tiny-judge"
     asked = sorted(body["messages"][-1]["content"].split("Response A:\n")[1].split("\n")[0] for _, _, body in seen)
     assert asked.count("short") == 2 and asked.count("a longer answer") == 2  # each response shown first once
 
@@ -187,10 +209,14 @@ def test_the_judge_asks_both_orders_and_cancels_a_position_bias(monkeypatch):
 def test_the_judge_retries_what_is_transient_and_names_the_rest_in_one_line():
     from tasks.eval.judge import ChatJudge, JudgeError
 
-    with JSONServer([(503, {"error": "warming up"}), (503, {"error": "warming up"}), (200, shorter_wins)], path="/v1") as server:
+    with JSONServer(
+        [(503, {"error": "warming up"}), (503, {"error": "warming up"}), (200, shorter_wins)], path="/v1"
+    ) as server:
         assert ChatJudge(server.url, "j", backoff=0.01).compare(["p"], ["a"], ["bb"]) == [1.0]
     with JSONServer([(401, {"error": "bad key"})], path="/v1") as server:
-        with pytest.raises(JudgeError, match=r"^judge_url: http://127.0.0.1:\d+/v1/chat/completions answered HTTP 401 Unauthorized"):
+        with pytest.raises(
+            JudgeError, match=r"^judge_url: http://127.0.0.1:\d+/v1/chat/completions answered HTTP 401 Unauthorized"
+        ):
             ChatJudge(server.url, "j", backoff=0.01).compare(["p"], ["a"], ["bb"])
     with pytest.raises(JudgeError, match="not an http"):
         ChatJudge("localhost:8000", "j")
@@ -212,8 +238,16 @@ def test_the_gate_can_ask_for_a_gain_that_is_not_noise():
 
 
 def test_an_alarm_fails_the_gate_whatever_the_rules():
-    ok, reasons = judge({"accuracy": 0.9}, {"accuracy": 0.9}, {"accuracy": {"max_drop": 0.02}}, alarms=["against the baseline: reward hacking suspected: ..."])
-    assert not ok and reasons == ["pass: accuracy drop +0.0000 from 0.9000 <= 0.02", "FAIL: against the baseline: reward hacking suspected: ..."]
+    ok, reasons = judge(
+        {"accuracy": 0.9},
+        {"accuracy": 0.9},
+        {"accuracy": {"max_drop": 0.02}},
+        alarms=["against the baseline: reward hacking suspected: ..."],
+    )
+    assert not ok and reasons == [
+        "pass: accuracy drop +0.0000 from 0.9000 <= 0.02",
+        "FAIL: against the baseline: reward hacking suspected: ...",
+    ]
 
 
 # ---------------------------------------------------------------------------------------------- the stage
@@ -229,7 +263,10 @@ def test_eval_stage_scores_a_teams_own_data_with_its_metric_file(tmp_path, ray_d
     from tiny_chat import build_chat_model
 
     model = build_chat_model(tmp_path / "model")
-    rows = [{"prompt": f"question {i}?", "label": "ab"[i % 2], "topic": "even" if i % 2 == 0 else "odd", "w": i} for i in range(8)]
+    rows = [
+        {"prompt": f"question {i}?", "label": "ab"[i % 2], "topic": "even" if i % 2 == 0 else "odd", "w": i}
+        for i in range(8)
+    ]
     (tmp_path / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "team_metrics.py").write_text(
         "def metrics(prompts, responses, labels, rows):\n"
@@ -251,13 +288,26 @@ def test_eval_stage_scores_a_teams_own_data_with_its_metric_file(tmp_path, ray_d
         "bootstrap_resamples": 500,
     }
     with JSONServer([(200, shorter_wins)], path="/v1") as judge_server:
-        stage.run("eval", make_config(EvalConfig, {**flags, "judge_url": judge_server.url, "judge_model": "tiny-judge"}), evaluate)
+        stage.run(
+            "eval",
+            make_config(EvalConfig, {**flags, "judge_url": judge_server.url, "judge_model": "tiny-judge"}),
+            evaluate,
+        )
     report = json.loads((out / "report.json").read_text())
     policy = report["metrics"]["policy"]
 
-    assert report["declared_metrics"] == ["exact_match", "weight", "even", "sampled_exact_match", "sampled_weight", "sampled_even"]
+    assert report["declared_metrics"] == [
+        "exact_match",
+        "weight",
+        "even",
+        "sampled_exact_match",
+        "sampled_weight",
+        "sampled_even",
+    ]
     assert policy["weight"] == policy["sampled_weight"] == 3.5  # the mean of 0..7: rows line up with responses
-    assert policy["even"] == 0.5 and policy["pass@1_even"] == policy["pass@4_even"] == 0.5  # all or none of a prompt's samples
+    assert (
+        policy["even"] == 0.5 and policy["pass@1_even"] == policy["pass@4_even"] == 0.5
+    )  # all or none of a prompt's samples
     greedy = [s["policy"] for s in report["samples"]]
     assert policy["exact_match"] == sum(g.strip().lower() == r["label"] for g, r in zip(greedy, rows)) / 8
     lo, hi = report["intervals"]["policy"]["weight"]
@@ -282,12 +332,18 @@ def test_the_default_gate_is_made_from_the_declared_metrics():
     report = {
         "verifiable_metrics": ["exact_match", "sampled_exact_match"],
         "comparisons": {
-            "baseline": {"exact_match": {"delta": 0.01, "interval": [-0.02, 0.04]}, "sampled_exact_match": {"delta": 0.08, "interval": [0.03, 0.13]}},
+            "baseline": {
+                "exact_match": {"delta": 0.01, "interval": [-0.02, 0.04]},
+                "sampled_exact_match": {"delta": 0.08, "interval": [0.03, 0.13]},
+            },
             "champion": {"exact_match": {"delta": -0.01, "interval": [-0.04, 0.02]}},
         },
     }
     assert default_rules(report) == {"exact_match": {"max_drop": 0.02}, "kl_to_ref": {"max": 2.0}}
-    assert real_gain(report, "baseline") == (True, "pass: sampled_exact_match gained +0.0800 (95% interval [+0.0300, +0.1300]) against the baseline")
+    assert real_gain(report, "baseline") == (
+        True,
+        "pass: sampled_exact_match gained +0.0800 (95% interval [+0.0300, +0.1300]) against the baseline",
+    )
     ok, line = real_gain(report, "champion")
     assert not ok and line.startswith("FAIL: no declared metric gained beyond noise against the champion")
     check_rules({})  # {} is the default gate, not a malformed one
@@ -306,9 +362,21 @@ def test_lm_eval_sample_logs_become_one_score_per_document():
         ],
         # two filters of one task; a corpus-level metric's per-document value is a tuple, left to lm-eval's table
         "gsm": [
-            {"doc_id": 0, "filter": "strict-match", "metrics": ["exact_match", "bleu"], "exact_match": 1, "bleu": ("a", "b")},
+            {
+                "doc_id": 0,
+                "filter": "strict-match",
+                "metrics": ["exact_match", "bleu"],
+                "exact_match": 1,
+                "bleu": ("a", "b"),
+            },
             {"doc_id": 0, "filter": "flexible", "metrics": ["exact_match"], "exact_match": 0},
-            {"doc_id": 1, "filter": "strict-match", "metrics": ["exact_match", "bleu"], "exact_match": True, "bleu": ("c", "d")},
+            {
+                "doc_id": 1,
+                "filter": "strict-match",
+                "metrics": ["exact_match", "bleu"],
+                "exact_match": True,
+                "bleu": ("c", "d"),
+            },
         ],
     }
     assert per_document_scores(samples) == {
@@ -340,9 +408,13 @@ def test_eval_stage_runs_a_teams_own_lm_eval_tasks(tmp_path, ray_driver):
         "generation_kwargs:\n  until: ['<|end|>']\n  max_gen_toks: 3\n  do_sample: false\nmetric_list:\n  - metric: exact_match\n"
     )
     (tasks / "team_choice.yaml").write_text(
-        "task: team_choice\n" + data + "output_type: multiple_choice\ndoc_to_choice: '{{choices}}'\ndoc_to_target: '{{gold}}'\nmetric_list:\n  - metric: acc\n"
+        "task: team_choice\n"
+        + data
+        + "output_type: multiple_choice\ndoc_to_choice: '{{choices}}'\ndoc_to_target: '{{gold}}'\nmetric_list:\n  - metric: acc\n"
     )
-    (tmp_path / "eval.jsonl").write_text("".join(json.dumps({"prompt": f"q{i}?", "label": "a"}) + "\n" for i in range(2)))
+    (tmp_path / "eval.jsonl").write_text(
+        "".join(json.dumps({"prompt": f"q{i}?", "label": "a"}) + "\n" for i in range(2))
+    )
     out = tmp_path / "eval-out"
     stage.run(
         "eval",
@@ -364,11 +436,21 @@ def test_eval_stage_runs_a_teams_own_lm_eval_tasks(tmp_path, ray_driver):
     )
     report = json.loads((out / "report.json").read_text())
     policy = report["metrics"]["policy"]
-    for name, task, key in (("lm_eval/team_sums/exact_match", "team_sums", "exact_match,none"), ("lm_eval/team_choice/acc", "team_choice", "acc,none")):
-        assert name in report["declared_metrics"] and name in report["verifiable_metrics"]  # 0/1: the hacking alarm reads it
-        assert policy[name] == round(report["lm_eval"]["policy"][task][key], 4)  # lm-eval's own aggregate over the 5 documents
+    for name, task, key in (
+        ("lm_eval/team_sums/exact_match", "team_sums", "exact_match,none"),
+        ("lm_eval/team_choice/acc", "team_choice", "acc,none"),
+    ):
+        assert (
+            name in report["declared_metrics"] and name in report["verifiable_metrics"]
+        )  # 0/1: the hacking alarm reads it
+        assert policy[name] == round(
+            report["lm_eval"]["policy"][task][key], 4
+        )  # lm-eval's own aggregate over the 5 documents
         assert report["comparisons"]["baseline"][name] == {"delta": 0.0, "interval": [0.0, 0.0]}  # one model both sides
     with pytest.raises(LmEvalError, match="^lm_eval_tasks: 'team_nope' is not an lm-eval task nor in"):
         task_manager(["team_nope"], str(tasks))
     with pytest.raises(ConfigError, match="^lm_eval_include_path: names task files but --lm_eval_tasks names no task"):
-        make_config(EvalConfig, {"output": "o", "baseline": "b", "policy": "p", "dataset": "d", "lm_eval_include_path": str(tasks)})
+        make_config(
+            EvalConfig,
+            {"output": "o", "baseline": "b", "policy": "p", "dataset": "d", "lm_eval_include_path": str(tasks)},
+        )

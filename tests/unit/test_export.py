@@ -41,7 +41,9 @@ def test_a_runs_policy_and_the_champion_come_out_as_plain_hf_models(s3_server, t
 
     champion_uri = storage.join(root, "runs", "rlhf_pipeline", "manual__2", "rl")
     commit_model(tmp_path, champion_uri, seed=2)
-    Registry(storage.join(root, "models", "demo-policy")).promote({"policy": champion_uri}, expected_version=0, promoted_by="test")
+    Registry(storage.join(root, "models", "demo-policy")).promote(
+        {"policy": champion_uri}, expected_version=0, promoted_by="test"
+    )
     assert export.main(["--champion", "--root", root, "--out", str(tmp_path / "champion")]) == 0
     assert (tmp_path / "champion" / "config.json").exists()
 
@@ -63,5 +65,7 @@ def test_what_cannot_be_exported_is_one_line_and_nothing_is_overwritten(s3_serve
 
 @pytest.mark.parametrize("args", [["--help"]])
 def test_the_cli_prints_its_help(args):
-    done = subprocess.run([sys.executable, "-m", "tools.export", *args], cwd=REPO, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "tools.export", *args], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0 and "--champion" in done.stdout, done.stderr

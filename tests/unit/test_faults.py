@@ -46,7 +46,9 @@ def can_mount() -> bool:
     return probe.returncode == 0
 
 
-needs_mounts = pytest.mark.skipif(not can_mount(), reason="no user+mount namespaces here (unshare -rm), so no real full or read-only disk")
+needs_mounts = pytest.mark.skipif(
+    not can_mount(), reason="no user+mount namespaces here (unshare -rm), so no real full or read-only disk"
+)
 
 
 def in_mounts(command: list[str], mounts: dict[Path, str]) -> list[str]:
@@ -59,11 +61,20 @@ def prepare_config(tmp_path: Path, source: str, **flags) -> dict:
     base = tmp_path / "base-model"  # a folder the base-model check accepts: these runs are about data
     base.mkdir(exist_ok=True)
     (base / "config.json").write_text("{}")
-    return {"output": str(tmp_path / "out"), "source": source, "base_model": str(base), "datasets_root": str(tmp_path / "datasets"), **flags}
+    return {
+        "output": str(tmp_path / "out"),
+        "source": source,
+        "base_model": str(base),
+        "datasets_root": str(tmp_path / "datasets"),
+        **flags,
+    }
 
 
 def good_rows(n: int) -> list[dict]:
-    return [{"prompt": f"What is {i} plus {i + 1}?", "chosen": str(2 * i + 1), "rejected": f"{2 * i + 1}, probably"} for i in range(n)]
+    return [
+        {"prompt": f"What is {i} plus {i + 1}?", "chosen": str(2 * i + 1), "rejected": f"{2 * i + 1}, probably"}
+        for i in range(n)
+    ]
 
 
 # ----------------------------------------------------------------------------- invalid UTF-8
@@ -85,7 +96,9 @@ def test_invalid_utf8_in_a_value_is_a_bad_row_naming_its_column(tmp_path):
     assert check == {"count": 3, "rows": [41, 42, 43], "fields": {"prompt": 1, "chosen": 1, "rejected": 1}}
     assert m["validation"]["kept"] == 40
     written = b"".join(p.read_bytes() for p in Path(m["uri"]).rglob("*.jsonl"))
-    assert "\ufffd".encode() not in written and b"\\ufffd" not in written  # no replacement character stands in for the user's bytes
+    assert (
+        "\ufffd".encode() not in written and b"\\ufffd" not in written
+    )  # no replacement character stands in for the user's bytes
 
 
 def test_invalid_utf8_in_a_csv_cell_counts_and_fails_the_threshold_with_the_fix(tmp_path):
@@ -102,7 +115,14 @@ def test_invalid_utf8_in_a_csv_cell_counts_and_fails_the_threshold_with_the_fix(
 
 @pytest.mark.parametrize(
     "code, transient",
-    [(errno.ENOSPC, True), (errno.EDQUOT, True), (errno.EROFS, False), (errno.EACCES, False), (errno.EPERM, False), (errno.ENOENT, None)],
+    [
+        (errno.ENOSPC, True),
+        (errno.EDQUOT, True),
+        (errno.EROFS, False),
+        (errno.EACCES, False),
+        (errno.EPERM, False),
+        (errno.ENOENT, None),
+    ],
 )
 def test_disk_faults_are_classified_by_errno(code, transient):
     fault = errors.disk_fault(OSError(code, os.strerror(code), "/somewhere/file"))
@@ -115,9 +135,13 @@ def test_a_real_full_device_is_one_transient_line_with_the_free_space():
             f.write(b"x")
     error = stage.known_fault(full.value)
     assert isinstance(error, storage.StorageError) and error.transient
-    assert str(error).startswith("cannot write in the working folder ") and "no space left on the device (ENOSPC), " in str(error)
+    assert str(error).startswith(
+        "cannot write in the working folder "
+    ) and "no space left on the device (ENOSPC), " in str(error)
     assert " free of " in str(error) and "\n" not in str(error)
-    assert stage.known_fault(PermissionError(errno.EACCES, "Permission denied")) is None  # no file: a socket's, not a disk's
+    assert (
+        stage.known_fault(PermissionError(errno.EACCES, "Permission denied")) is None
+    )  # no file: a socket's, not a disk's
 
 
 def run_prepare_subprocess(tmp_path: Path, mounts: dict[Path, str], env: dict, **flags) -> subprocess.CompletedProcess:
@@ -139,7 +163,9 @@ def run_prepare_subprocess(tmp_path: Path, mounts: dict[Path, str], env: dict, *
         ("output", "ro", stages.INPUT_ERROR_EXIT, "read-only file system (EROFS)"),
     ],
 )
-def test_a_full_or_read_only_folder_is_one_line_naming_it_and_exits_by_whether_a_retry_helps(tmp_path, where, options, exit_code, cause):
+def test_a_full_or_read_only_folder_is_one_line_naming_it_and_exits_by_whether_a_retry_helps(
+    tmp_path, where, options, exit_code, cause
+):
     disk = tmp_path / "disk"
     disk.mkdir()
     env, flags = {}, {}
@@ -151,9 +177,13 @@ def test_a_full_or_read_only_folder_is_one_line_naming_it_and_exits_by_whether_a
     assert done.returncode == exit_code, done.stderr[-3000:]
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
     line = done.stderr.strip().splitlines()[-1]
-    assert line.startswith(f"error: cannot write {disk}/" if where == "work" else f"error: cannot upload to {disk}/out/"), line
+    assert line.startswith(
+        f"error: cannot write {disk}/" if where == "work" else f"error: cannot upload to {disk}/out/"
+    ), line
     assert str(disk / "out" if where == "output" else disk) in line and cause in line, line
-    assert (" free of 256.0 KiB there: free space there" if "size" in options else " there: remount it read-write") in line, line
+    assert (
+        " free of 256.0 KiB there: free space there" if "size" in options else " there: remount it read-write"
+    ) in line, line
     if where == "work":
         assert ", 0 B free of 256.0 KiB there" in line, line  # read as the write failed, before the scratch folder went
 
@@ -205,8 +235,12 @@ def test_a_placement_that_times_out_on_a_busy_cluster_exits_75_naming_what_it_la
         shutil.rmtree(temp_dir, ignore_errors=True)
     assert done.returncode == stages.TRY_AGAIN_EXIT, done.stdout[-2000:] + done.stderr[-3000:]
     line = done.stderr.strip().splitlines()[-1]
-    assert line.startswith("error: actor_num_gpus_per_node: the actor workers need 1 bundle(s) of {'CPU': 1} and found no room after 3 s: "), line
-    assert "missing CPU 1 (needs 1, 0 free of 1), held by other jobs; a retry may succeed once they finish" in line, line
+    assert line.startswith(
+        "error: actor_num_gpus_per_node: the actor workers need 1 bundle(s) of {'CPU': 1} and found no room after 3 s: "
+    ), line
+    assert "missing CPU 1 (needs 1, 0 free of 1), held by other jobs; a retry may succeed once they finish" in line, (
+        line
+    )
     assert "never: critic_num_gpus_per_node: the critic workers need 2 bundle(s)" in done.stdout, done.stdout
 
 
@@ -220,7 +254,9 @@ class Emulator:
         self.port = free_port()
         command = [sys.executable, str(REPO / "tools" / "s3_server.py"), "--port", str(self.port), "--data", str(data)]
         self.log = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen(in_mounts(command, mounts) if mounts else command, stdout=self.log, stderr=subprocess.STDOUT, env=ENV)
+        self.proc = subprocess.Popen(
+            in_mounts(command, mounts) if mounts else command, stdout=self.log, stderr=subprocess.STDOUT, env=ENV
+        )
         self.client = boto3.client(
             "s3",
             endpoint_url=f"http://127.0.0.1:{self.port}",
@@ -285,7 +321,9 @@ def test_the_emulator_keeps_what_it_acknowledged_across_kill_9_and_reads_its_old
     legacy.mkdir(parents=True)
     digest = __import__("hashlib").sha256(b"k").hexdigest()
     (legacy / f"{digest}.data").write_bytes(b"from before")
-    (legacy / f"{digest}.json").write_text(json.dumps({"key": "k", "etag": '"0123456789abcdef0123456789abcdef"', "content_type": None}))
+    (legacy / f"{digest}.json").write_text(
+        json.dumps({"key": "k", "etag": '"0123456789abcdef0123456789abcdef"', "content_type": None})
+    )
     s3 = Emulator(data)
     try:
         assert s3.client.get_object(Bucket="old", Key="k")["Body"].read() == b"from before"
@@ -298,7 +336,10 @@ def test_the_emulator_keeps_what_it_acknowledged_across_kill_9_and_reads_its_old
         before = {b: s3.keys(b) for b in ("old", "bkt")}
     finally:
         s3.stop(signal.SIGKILL)
-    assert sorted(p.name.count(".") for p in (data / "bkt").iterdir()) == [1, 2]  # one metadata file and its one data file
+    assert sorted(p.name.count(".") for p in (data / "bkt").iterdir()) == [
+        1,
+        2,
+    ]  # one metadata file and its one data file
     assert not list(data.rglob(".*.tmp"))
     s3 = Emulator(data)
     try:
@@ -321,4 +362,6 @@ def test_prepare_datas_own_tokenizer_adds_its_bos(tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(str(local))
     assert tokenizer.bos_token == "<bos>"
     assert tokenizer("12+34=")["input_ids"][0] == tokenizer.bos_token_id
-    assert tokenizer.encode("12+34=", add_special_tokens=False)[0] != tokenizer.bos_token_id  # the stages' own encoding is unchanged
+    assert (
+        tokenizer.encode("12+34=", add_special_tokens=False)[0] != tokenizer.bos_token_id
+    )  # the stages' own encoding is unchanged

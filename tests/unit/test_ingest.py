@@ -52,7 +52,15 @@ def write(path: Path, rows: list[dict], fmt: str | None = None) -> str:
 
 def qa_rows(n: int = 60) -> list[dict]:
     """User-style rows with their own column names: question, good, bad, answer."""
-    return [{"question": f"What is {i} plus {i + 1}?", "good": str(2 * i + 1), "bad": f"{2 * i + 1}, probably", "answer": str(2 * i + 1)} for i in range(n)]
+    return [
+        {
+            "question": f"What is {i} plus {i + 1}?",
+            "good": str(2 * i + 1),
+            "bad": f"{2 * i + 1}, probably",
+            "answer": str(2 * i + 1),
+        }
+        for i in range(n)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +74,13 @@ def base_model(tmp_path_factory) -> str:
 def run_prepare(tmp_path: Path, base_model: str, source: str, out: str | None = None, **flags) -> dict:
     """prepare_data in this process; returns its committed manifest."""
     out = out or str(tmp_path / "out")
-    values = {"output": out, "source": source, "base_model": base_model, "datasets_root": str(tmp_path / "datasets"), **flags}
+    values = {
+        "output": out,
+        "source": source,
+        "base_model": base_model,
+        "datasets_root": str(tmp_path / "datasets"),
+        **flags,
+    }
     stage.run("prepare_data", make_config(PrepareDataConfig, values), prepare)
     return manifests.read_manifest(out)
 
@@ -95,9 +109,14 @@ def test_jsonl_parquet_and_csv_give_the_same_canonical_splits(tmp_path, base_mod
 
     splits = outputs["jsonl"]
     by_question = {r["question"]: r for r in rows}
-    assert all(set(r) == {"prompt", "response"} and r["response"] == by_question[r["prompt"]]["good"] for r in splits["sft"])
+    assert all(
+        set(r) == {"prompt", "response"} and r["response"] == by_question[r["prompt"]]["good"] for r in splits["sft"]
+    )
     for name in ("preference", "style_pairs", "preference_eval"):
-        assert all(set(r) == {"prompt", "chosen", "rejected"} and r["rejected"] == by_question[r["prompt"]]["bad"] for r in splits[name])
+        assert all(
+            set(r) == {"prompt", "chosen", "rejected"} and r["rejected"] == by_question[r["prompt"]]["bad"]
+            for r in splits[name]
+        )
     assert splits["style_pairs"] == splits["preference"]
     # KTO: each pair as a thumbs-up (chosen) and a thumbs-down (rejected) completion.
     assert len(splits["unpaired"]) == 2 * len(splits["preference"])
@@ -108,7 +127,15 @@ def test_jsonl_parquet_and_csv_give_the_same_canonical_splits(tmp_path, base_mod
 
 def test_sft_only_data_with_an_output_column_and_no_label(tmp_path, base_model):
     rows = [{"instruction": f"Say {i}", "reply": f"{i}!"} for i in range(40)]
-    m = run_prepare(tmp_path, base_model, write(tmp_path / "sft.jsonl", rows), input_key="instruction", output_key="reply", chosen_key="", rejected_key="")
+    m = run_prepare(
+        tmp_path,
+        base_model,
+        write(tmp_path / "sft.jsonl", rows),
+        input_key="instruction",
+        output_key="reply",
+        chosen_key="",
+        rejected_key="",
+    )
     assert set(m["datasets"]) == {"sft", "prompts", "eval"}
     assert {r["response"] for r in split_rows(m["uri"], "sft")} <= {r["reply"] for r in rows}
     assert all(set(r) == {"prompt"} for r in split_rows(m["uri"], "eval"))  # no label_key: no label column
@@ -117,7 +144,14 @@ def test_sft_only_data_with_an_output_column_and_no_label(tmp_path, base_model):
 @pytest.mark.parametrize("fmt", ["jsonl", "parquet", "csv"])
 def test_a_messages_column_gives_chat_prompts_and_the_final_assistant_turn(tmp_path, base_model, fmt):
     rows = chat_rows(48)
-    m = run_prepare(tmp_path, base_model, write(tmp_path / f"chat.{fmt}", rows), messages_key="messages", label_key="label", max_bad_fraction=1.0)
+    m = run_prepare(
+        tmp_path,
+        base_model,
+        write(tmp_path / f"chat.{fmt}", rows),
+        messages_key="messages",
+        label_key="label",
+        max_bad_fraction=1.0,
+    )
     assert m["dataset_version"]["mapping"]["input_key"] == ""  # the messages give the prompt
     by_prompt = {json.dumps(r["messages"][:-1]): r for r in rows}
     sft = split_rows(m["uri"], "sft")
@@ -148,7 +182,10 @@ def near_copy_crossing_the_split(prompts: list[str], seed: int, fraction: float)
 
 def bad_rows_file(tmp_path: Path) -> tuple[str, dict[str, list[int]]]:
     """A JSONL file with 40 good rows, then one row failing each check; returns it and {check: its line numbers}."""
-    good = [{"prompt": f"Name a colour number {i}.", "chosen": f"colour {i}", "rejected": f"no idea {i}", "label": str(i)} for i in range(40)]
+    good = [
+        {"prompt": f"Name a colour number {i}.", "chosen": f"colour {i}", "rejected": f"no idea {i}", "label": str(i)}
+        for i in range(40)
+    ]
     trained, near = near_copy_crossing_the_split([r["prompt"] for r in good], seed=0, fraction=0.3)
     lines = [json.dumps(r) for r in good]
     bad = {
@@ -165,7 +202,9 @@ def bad_rows_file(tmp_path: Path) -> tuple[str, dict[str, list[int]]]:
     for check, extra in bad.items():
         numbers[check] = list(range(len(lines) + 1, len(lines) + 1 + len(extra)))
         lines += extra
-    lines.append(json.dumps({"prompt": "An unlabelled prompt", "chosen": "c", "rejected": "r"}))  # fine: label is optional
+    lines.append(
+        json.dumps({"prompt": "An unlabelled prompt", "chosen": "c", "rejected": "r"})
+    )  # fine: label is optional
     lines.append("")  # a blank line is no row
     path = tmp_path / "mixed.jsonl"
     path.write_text("\n".join(lines) + "\n")
@@ -175,7 +214,9 @@ def bad_rows_file(tmp_path: Path) -> tuple[str, dict[str, list[int]]]:
 
 def test_every_check_counts_its_rows_and_the_good_rows_are_kept(tmp_path, base_model, capsys):
     source, numbers = bad_rows_file(tmp_path)
-    m = run_prepare(tmp_path, base_model, source, label_key="label", eval_fraction=0.3, max_chars=100, max_bad_fraction=0.5)
+    m = run_prepare(
+        tmp_path, base_model, source, label_key="label", eval_fraction=0.3, max_chars=100, max_bad_fraction=0.5
+    )
     checks = m["validation"]["checks"]
     assert {name: c["rows"] for name, c in checks.items()} == numbers
     assert {name: c["count"] for name, c in checks.items()} == {name: len(rows) for name, rows in numbers.items()}
@@ -190,7 +231,11 @@ def test_every_check_counts_its_rows_and_the_good_rows_are_kept(tmp_path, base_m
     assert "validation: 50 rows, 41 kept, 9 bad (18.0%): duplicate 1 (rows 48); empty_field 1 (rows 44); " in printed
     held = {r["prompt"] for r in split_rows(m["uri"], "eval")}
     assert not held & {r["prompt"] for r in split_rows(m["uri"], "prompts")}
-    assert all(r["label"] is None for r in split_rows(m["uri"], "prompts") + split_rows(m["uri"], "eval") if r["prompt"] == "An unlabelled prompt")
+    assert all(
+        r["label"] is None
+        for r in split_rows(m["uri"], "prompts") + split_rows(m["uri"], "eval")
+        if r["prompt"] == "An unlabelled prompt"
+    )
 
 
 def test_bad_messages_are_counted(tmp_path, base_model):
@@ -201,7 +246,9 @@ def test_bad_messages_are_counted(tmp_path, base_model):
         {"messages": "not a list", "chosen": "a", "rejected": "b"},
         {"messages": [], "chosen": "a", "rejected": "b"},
     ]
-    m = run_prepare(tmp_path, base_model, write(tmp_path / "chat.jsonl", rows), messages_key="messages", max_bad_fraction=1.0)
+    m = run_prepare(
+        tmp_path, base_model, write(tmp_path / "chat.jsonl", rows), messages_key="messages", max_bad_fraction=1.0
+    )
     checks = m["validation"]["checks"]
     assert checks["bad_messages"]["rows"] == [31, 32, 33] and checks["bad_messages"]["fields"] == {"messages": 3}
     assert checks["empty_field"]["rows"] == [34]
@@ -236,7 +283,9 @@ def test_too_many_bad_rows_fail_the_step_in_one_line_naming_the_checks_and_flags
     )
     assert done.returncode == 2, done.stderr[-2000:]
     line = done.stderr.strip().splitlines()[-1]
-    assert line.startswith(f"error: max_bad_fraction: 9 of 50 rows of {source} (18.0%) failed validation, more than 0.05: "), line
+    assert line.startswith(
+        f"error: max_bad_fraction: 9 of 50 rows of {source} (18.0%) failed validation, more than 0.05: "
+    ), line
     assert f"too_long 1 (rows {numbers['too_long'][0]}: raise --max_chars 100)" in line
     assert f"missing_field 1 (--chosen_key chosen; rows {numbers['missing_field'][0]}: " in line
     assert line.endswith("fix the data or raise --max_bad_fraction")
@@ -247,7 +296,9 @@ def test_mapping_and_source_mistakes_are_one_line_config_errors(tmp_path, base_m
     source = write(tmp_path / "qa.jsonl", qa_rows(10))
     base = {"output": str(tmp_path / "out"), "base_model": base_model, "datasets_root": str(tmp_path / "datasets")}
     with pytest.raises(ConfigError) as error:
-        stage.run("prepare_data", make_config(PrepareDataConfig, {**base, "source": source, "input_key": "question"}), prepare)
+        stage.run(
+            "prepare_data", make_config(PrepareDataConfig, {**base, "source": source, "input_key": "question"}), prepare
+        )
     assert str(error.value) == (
         f"chosen_key: no column 'chosen' in {source} (columns: answer, bad, good, question); pass --chosen_key <column>, or --chosen_key '' to not use one"
     )
@@ -278,7 +329,9 @@ def test_the_split_is_deterministic_by_prompt_and_never_overlaps(tmp_path, base_
 
     def sides(seed: int, name: str) -> tuple[set, set]:
         m = run_prepare(tmp_path, base_model, source, out=str(tmp_path / name), seed=seed, eval_fraction=0.2)
-        train = {r["prompt"] for split in ("sft", "preference", "unpaired", "prompts") for r in split_rows(m["uri"], split)}
+        train = {
+            r["prompt"] for split in ("sft", "preference", "unpaired", "prompts") for r in split_rows(m["uri"], split)
+        }
         held = {r["prompt"] for split in ("preference_eval", "eval") for r in split_rows(m["uri"], split)}
         return train, held
 
@@ -298,7 +351,9 @@ def test_versions_on_s3_are_idempotent_immutable_and_resolvable(tmp_path, base_m
     root = s3_server.uri(f"ingest/{tmp_path.name}/datasets")
     source = s3_server.uri(f"ingest/{tmp_path.name}/raw/qa.parquet")
     s3_server.client().upload_file(write(tmp_path / "qa.parquet", qa_rows()), s3_server.bucket, source.split("/", 3)[3])
-    first = run_prepare(tmp_path, base_model, source, out=s3_server.uri(f"ingest/{tmp_path.name}/run1"), datasets_root=root, **QA)
+    first = run_prepare(
+        tmp_path, base_model, source, out=s3_server.uri(f"ingest/{tmp_path.name}/run1"), datasets_root=root, **QA
+    )
     info = first["dataset_version"]
     assert info["name"] == "qa" and info["uri"] == f"{root}/qa/{info['version']}"
     assert first["inputs"]["dataset"] == info["uri"]
@@ -308,7 +363,9 @@ def test_versions_on_s3_are_idempotent_immutable_and_resolvable(tmp_path, base_m
     assert version["dataset"]["split"] == {"seed": 0, "eval_fraction": 0.1, "max_chars": 16000}
 
     # The same data again: the same version, not rewritten, listed once.
-    again = run_prepare(tmp_path, base_model, source, out=s3_server.uri(f"ingest/{tmp_path.name}/run2"), datasets_root=root, **QA)
+    again = run_prepare(
+        tmp_path, base_model, source, out=s3_server.uri(f"ingest/{tmp_path.name}/run2"), datasets_root=root, **QA
+    )
     assert again["dataset_version"]["version"] == info["version"]
     assert manifests.read_manifest(info["uri"])["created_at"] == version["created_at"]
     assert [v["version"] for v in versions.listing(root, "qa")["versions"]] == [info["version"]]
@@ -327,22 +384,44 @@ def test_versions_on_s3_are_idempotent_immutable_and_resolvable(tmp_path, base_m
     assert sft_only["dataset_version"]["version"] != info["version"]
 
     # New data under the same name: a new version, the newest.
-    s3_server.client().upload_file(write(tmp_path / "qa2.parquet", qa_rows(80)), s3_server.bucket, source.split("/", 3)[3])
-    newer = run_prepare(tmp_path, base_model, source, out=s3_server.uri(f"ingest/{tmp_path.name}/run4"), datasets_root=root, **QA)
+    s3_server.client().upload_file(
+        write(tmp_path / "qa2.parquet", qa_rows(80)), s3_server.bucket, source.split("/", 3)[3]
+    )
+    newer = run_prepare(
+        tmp_path, base_model, source, out=s3_server.uri(f"ingest/{tmp_path.name}/run4"), datasets_root=root, **QA
+    )
     listed = [v["version"] for v in versions.listing(root, "qa")["versions"]]
     assert listed == [info["version"], sft_only["dataset_version"]["version"], newer["dataset_version"]["version"]]
 
-    nightly = run_prepare(tmp_path, base_model, "dataset:qa", out=s3_server.uri(f"ingest/{tmp_path.name}/run5"), datasets_root=root)
+    nightly = run_prepare(
+        tmp_path, base_model, "dataset:qa", out=s3_server.uri(f"ingest/{tmp_path.name}/run5"), datasets_root=root
+    )
     assert nightly["dataset_version"] == newer["dataset_version"]
     assert nightly["metrics"]["rows_sft"] == newer["metrics"]["rows_sft"]
     assert split_rows(nightly["uri"], "sft") == split_rows(newer["uri"], "sft")
-    pinned = run_prepare(tmp_path, base_model, f"dataset:qa@{info['version']}", out=s3_server.uri(f"ingest/{tmp_path.name}/run6"), datasets_root=root)
+    pinned = run_prepare(
+        tmp_path,
+        base_model,
+        f"dataset:qa@{info['version']}",
+        out=s3_server.uri(f"ingest/{tmp_path.name}/run6"),
+        datasets_root=root,
+    )
     assert pinned["dataset_version"]["version"] == info["version"]
 
-    with pytest.raises(ConfigError, match=f"^source: no version 'nope' of dataset 'qa' under {root}; registered: {listed[0]}"):
-        run_prepare(tmp_path, base_model, "dataset:qa@nope", out=s3_server.uri(f"ingest/{tmp_path.name}/run7"), datasets_root=root)
+    with pytest.raises(
+        ConfigError, match=f"^source: no version 'nope' of dataset 'qa' under {root}; registered: {listed[0]}"
+    ):
+        run_prepare(
+            tmp_path,
+            base_model,
+            "dataset:qa@nope",
+            out=s3_server.uri(f"ingest/{tmp_path.name}/run7"),
+            datasets_root=root,
+        )
     with pytest.raises(ConfigError, match=f"^source: no dataset 'other' registered under {root}; ingest a file first"):
-        run_prepare(tmp_path, base_model, "dataset:other", out=s3_server.uri(f"ingest/{tmp_path.name}/run7"), datasets_root=root)
+        run_prepare(
+            tmp_path, base_model, "dataset:other", out=s3_server.uri(f"ingest/{tmp_path.name}/run7"), datasets_root=root
+        )
 
 
 def test_a_stricter_threshold_than_a_version_passed_still_fails(tmp_path, base_model):
@@ -415,7 +494,10 @@ def test_the_pipeline_flags_parse_in_every_stage_config():
     for task in dag.tasks:
         if getattr(task, "module", None) not in configs:
             continue
-        args = {k: env.from_string(v).render(context) if isinstance(v, str) else upstream if isinstance(v, XComArg) else v for k, v in task.args.items()}
+        args = {
+            k: env.from_string(v).render(context) if isinstance(v, str) else upstream if isinstance(v, XComArg) else v
+            for k, v in task.args.items()
+        }
         cfg = parse_config(configs[task.module], ["--output", "s3://b/out", *render_flags(args)])
         if task.module != "tasks.data":
             assert cfg.apply_chat_template is False, task.task_id
@@ -423,4 +505,9 @@ def test_the_pipeline_flags_parse_in_every_stage_config():
             assert cfg.lora_rank == 0, task.task_id
     assert env.from_string(dag.get_task("prepare_data").cache).render(context) == "True"
     for dataset, cached in (("s3://b/raw/qa.jsonl", "False"), ("dataset:qa", "False"), ("dataset:qa@0123abcd", "True")):
-        assert env.from_string(dag.get_task("prepare_data").cache).render({**context, "params": {**context["params"], "dataset": dataset}}) == cached
+        assert (
+            env.from_string(dag.get_task("prepare_data").cache).render(
+                {**context, "params": {**context["params"], "dataset": dataset}}
+            )
+            == cached
+        )

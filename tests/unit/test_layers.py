@@ -53,7 +53,9 @@ def offending(folder: Path, allowed) -> dict[str, list[str]]:
 def test_a_stage_imports_only_tasks_common_and_itself(package):
     """What two stages share lives in tasks/common: a stage that reached into another would change with it."""
     own = f"tasks.{package}"
-    assert not offending(TASKS / package, lambda m: not within(m, "tasks") or within(m, "tasks.common") or within(m, own))
+    assert not offending(
+        TASKS / package, lambda m: not within(m, "tasks") or within(m, "tasks.common") or within(m, own)
+    )
 
 
 def test_tasks_common_imports_no_stage():
@@ -69,7 +71,11 @@ def test_tasks_never_import_airflow_and_plugins_never_import_torch():
 def main_call(package: str) -> tuple[str, str, str]:
     """(stage name, config class name, work function name) of the stage.main(...) call in the package's __main__."""
     tree = ast.parse((TASKS / package.removeprefix("tasks.") / "__main__.py").read_text())
-    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "main" and len(n.args) == 3]
+    calls = [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "main" and len(n.args) == 3
+    ]
     assert len(calls) == 1, package
     name, config, work = calls[0].args
     return name.value, config.id, work.id

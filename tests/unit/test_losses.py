@@ -33,7 +33,12 @@ def test_the_band_includes_its_bounds():
     old = torch.log(T([[2.0, 0.5, 2.5, 0.25]]))
     weights = importance_weights(old, torch.zeros(1, 4), torch.ones(1, 4), "mis", cap=2.0)
     assert weights.tolist()[0] == pytest.approx([2.0, 0.5, 0.0, 0.0], rel=1e-6)
-    assert importance_weights(old, torch.zeros(1, 4), torch.ones(1, 4), "reject", cap=2.0).tolist()[0] == [True, True, False, False]
+    assert importance_weights(old, torch.zeros(1, 4), torch.ones(1, 4), "reject", cap=2.0).tolist()[0] == [
+        True,
+        True,
+        False,
+        False,
+    ]
 
 
 def test_reject_is_a_keep_mask_with_the_same_band():
@@ -41,7 +46,9 @@ def test_reject_is_a_keep_mask_with_the_same_band():
 
 
 def test_tis_truncates_and_unknown_modes_are_refused():
-    assert importance_weights(OLD, BEHAVIOUR, MASK, "tis", cap=2.0).tolist()[0] == pytest.approx([1.5, 0.6, 2.0, 0.4, 0.0], rel=1e-6)
+    assert importance_weights(OLD, BEHAVIOUR, MASK, "tis", cap=2.0).tolist()[0] == pytest.approx(
+        [1.5, 0.6, 2.0, 0.4, 0.0], rel=1e-6
+    )
     assert importance_weights(OLD, BEHAVIOUR, MASK, "none") is None
     with pytest.raises(ValueError, match="is_correction: unknown 'vtrace'; use tis, mis, reject or none"):
         importance_weights(OLD, BEHAVIOUR, MASK, "vtrace")
@@ -51,7 +58,9 @@ def test_a_huge_mismatch_gives_finite_weights():
     # log w = ±200: e^200 is inf in float32; mis and tis clamp before exp, so the weights are 0 and cap (and 0).
     old = T([[200.0, -200.0]])
     assert importance_weights(old, torch.zeros(1, 2), torch.ones(1, 2), "mis", cap=2.0).tolist()[0] == [0.0, 0.0]
-    assert importance_weights(old, torch.zeros(1, 2), torch.ones(1, 2), "tis", cap=2.0).tolist()[0] == pytest.approx([2.0, 0.0])
+    assert importance_weights(old, torch.zeros(1, 2), torch.ones(1, 2), "tis", cap=2.0).tolist()[0] == pytest.approx(
+        [2.0, 0.0]
+    )
 
 
 # ---------------------------------------------------------------------------------------------- where the weights go
@@ -85,7 +94,15 @@ def test_reject_drops_a_fully_rejected_row_from_a_sequence_mean():
     # seq_mean_token_mean: row 1 keeps one token of two (loss -1 / 1), row 2 none: it leaves the mean, -1 not -0.5.
     logprobs = torch.zeros(2, 2, requires_grad=True)
     keep = T([[True, False], [False, False]])
-    loss, _ = policy_loss(logprobs, torch.zeros(2, 2), torch.ones(2, 2), torch.ones(2, 2), 0.2, loss_agg="seq_mean_token_mean", is_weights=keep)
+    loss, _ = policy_loss(
+        logprobs,
+        torch.zeros(2, 2),
+        torch.ones(2, 2),
+        torch.ones(2, 2),
+        0.2,
+        loss_agg="seq_mean_token_mean",
+        is_weights=keep,
+    )
     assert loss.item() == pytest.approx(-1.0)
     loss.backward()
     assert logprobs.grad.tolist() == [[-1.0, 0.0], [0.0, 0.0]]
@@ -93,7 +110,14 @@ def test_reject_drops_a_fully_rejected_row_from_a_sequence_mean():
 
 def test_a_micro_batch_with_every_token_rejected_gives_0_and_zero_gradients():
     logprobs = torch.zeros(1, 2, requires_grad=True)
-    loss, _ = policy_loss(logprobs, torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2), 0.2, is_weights=torch.zeros(1, 2, dtype=torch.bool))
+    loss, _ = policy_loss(
+        logprobs,
+        torch.zeros(1, 2),
+        torch.ones(1, 2),
+        torch.ones(1, 2),
+        0.2,
+        is_weights=torch.zeros(1, 2, dtype=torch.bool),
+    )
     loss.backward()
     assert loss.item() == 0.0 and logprobs.grad.tolist() == [[0.0, 0.0]]
 
@@ -166,7 +190,9 @@ def test_the_clamp_changes_no_value_inside_the_bound():
     logp, ref = T([math.log(0.5), 0.0, 0.0]), T([math.log(0.25), 2.0, -2.0])
     assert kl_estimate(logp, ref, "k1").tolist() == pytest.approx([0.693147, -2.0, 2.0], abs=1e-6)
     assert kl_estimate(logp, ref, "k2").tolist() == pytest.approx([0.240227, 2.0, 2.0], abs=1e-6)
-    assert kl_estimate(logp, ref, "k3").tolist() == pytest.approx([0.193147, math.exp(2) - 3, math.exp(-2) + 1], abs=1e-6)
+    assert kl_estimate(logp, ref, "k3").tolist() == pytest.approx(
+        [0.193147, math.exp(2) - 3, math.exp(-2) + 1], abs=1e-6
+    )
 
 
 def test_the_clamped_kl_has_finite_gradients_in_the_loss():

@@ -5,7 +5,16 @@ import math
 import pytest
 import torch
 
-from tasks.common.nn.losses import aggregate, bradley_terry_loss, kl_loss, logprob_mismatch, masked_mean, policy_loss, sft_loss, value_loss
+from tasks.common.nn.losses import (
+    aggregate,
+    bradley_terry_loss,
+    kl_loss,
+    logprob_mismatch,
+    masked_mean,
+    policy_loss,
+    sft_loss,
+    value_loss,
+)
 from tasks.common.nn.models import sequence_logprobs
 from tasks.common.nn.vocab import fused_entropy, fused_token_logprobs, token_logprobs
 from tasks.rl.advantages import (
@@ -25,7 +34,10 @@ T = torch.tensor
 
 
 def close(a, b, tol=1e-5):
-    assert torch.allclose(torch.as_tensor(a, dtype=torch.float32), torch.as_tensor(b, dtype=torch.float32), atol=tol), (a, b)
+    assert torch.allclose(torch.as_tensor(a, dtype=torch.float32), torch.as_tensor(b, dtype=torch.float32), atol=tol), (
+        a,
+        b,
+    )
 
 
 def test_masked_mean_ignores_masked_positions():
@@ -296,7 +308,9 @@ def test_group_estimators_force_gamma_one_and_clip_after_shaping():
     # dr_grpo with γ = 0.5 still sums undiscounted; reward_clip (-0.4, 0.4) clips the shaped ±0.5
     #   row 0: (0, 0.4) -> returns (0.4, 0.4);  row 1: (0, -0.4) -> (-0.4, -0.4);  rows 2, 3: 0
     with pytest.warns(UserWarning, match="gamma"):
-        adv, _ = compute_advantages("dr_grpo", SCORES, None, torch.ones(4, 2), None, n=2, gamma=0.5, reward_clip=(-0.4, 0.4))
+        adv, _ = compute_advantages(
+            "dr_grpo", SCORES, None, torch.ones(4, 2), None, n=2, gamma=0.5, reward_clip=(-0.4, 0.4)
+        )
     close(adv, [[0.4, 0.4], [-0.4, -0.4], [0.0, 0.0], [0.0, 0.0]])
 
 
@@ -454,7 +468,9 @@ def test_log_probs_from_a_start_position_are_the_full_ones_sliced_and_a_logged_e
 
     tok = demo.build_tokenizer()
     model = demo.build_base_model(tok, seed=1)
-    ids, mask = data.pad([data.encode_prompt(tok, p) for p in ("3+4=7", "37+45=82", "1+1=")], tok.pad_token_id, side="left")
+    ids, mask = data.pad(
+        [data.encode_prompt(tok, p) for p in ("3+4=7", "37+45=82", "1+1=")], tok.pad_token_id, side="left"
+    )
     start = 4
     for chunked in (False, True):
         model.chunked_logprobs = chunked
@@ -550,7 +566,10 @@ def test_actor_logprobs_at_the_temperature_are_those_generate_sampled_from():
         )
         sampled = torch.stack([torch.log_softmax(s.float(), -1) for s in out.scores], 1)
         sampled = sampled.gather(-1, out.sequences[:, width:].unsqueeze(-1)).squeeze(-1)
-        seqs, attention = out.sequences, torch.cat([rollout.attention_mask[:, :width], torch.ones_like(out.sequences[:, width:])], 1)
+        seqs, attention = (
+            out.sequences,
+            torch.cat([rollout.attention_mask[:, :width], torch.ones_like(out.sequences[:, width:])], 1),
+        )
         tempered = response_logprobs(model, seqs, attention, width, temperature=0.7)
         untempered = response_logprobs(model, seqs, attention, width)
     first = slice(0, 1)  # the first response token is never after an EOS, so always a response token
@@ -573,7 +592,9 @@ def test_policy_loss_gradient_is_finite_with_an_extreme_old_logprob_under_the_ma
     close(logp.grad, [[-1.1, 0.0]])
     # the same with the masked token's ratio clipped (its gradient path through clamp was the nan one)
     logp = T([[math.log(1.1), 0.0]]).requires_grad_(True)
-    loss, _ = policy_loss(logp, T([[0.0, -1000.0]]), T([[1.0, -1.0]]), T([[1, 0]]), dual_clip=3.0, loss_agg="seq_mean_token_mean")
+    loss, _ = policy_loss(
+        logp, T([[0.0, -1000.0]]), T([[1.0, -1.0]]), T([[1, 0]]), dual_clip=3.0, loss_agg="seq_mean_token_mean"
+    )
     loss.backward()
     close(loss, -1.1)
     close(logp.grad, [[-1.1, 0.0]])
@@ -605,4 +626,6 @@ def test_sft_loss_masked_mean_and_sync_check_ignore_nonfinite_masked_values():
     close(loss, 2.5)
     close(logprobs.grad, [[0.0, -0.5, -0.5]])
     close(masked_mean(T([[1.0, 2.0, float("inf")]]), T([[1, 1, 0]])), 1.5)
-    assert logprob_mismatch(T([[-1.0, float("-inf")]]), T([[-1.5, 0.0]]), T([[1, 0]]))["engine_logprob_max_diff"] == pytest.approx(0.5)
+    assert logprob_mismatch(T([[-1.0, float("-inf")]]), T([[-1.5, 0.0]]), T([[1, 0]]))[
+        "engine_logprob_max_diff"
+    ] == pytest.approx(0.5)

@@ -41,7 +41,9 @@ def connections(s3_server, receiver, monkeypatch):
     from tools.stack.config import conn_s3
 
     monkeypatch.setenv("AIRFLOW_CONN_RLHF_S3", conn_s3(s3_server.endpoint))
-    monkeypatch.setenv("AIRFLOW_CONN_RLHF_WEBHOOK", json.dumps({"conn_type": "http", "host": f"{receiver[0]}/hooks/rlhf"}))
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_RLHF_WEBHOOK", json.dumps({"conn_type": "http", "host": f"{receiver[0]}/hooks/rlhf"})
+    )
 
 
 def promote_output(s3_server, tmp_path, run: str, passed: bool, promoted: bool) -> str:
@@ -94,8 +96,13 @@ def test_promotion_and_rejection_post_the_gate_metrics(s3_server, receiver, conn
     assert path1 == "/hooks/rlhf"
     assert promotion["event"] == "promotion" and promotion["champion_version"] == 1
     assert promotion["metrics"] == {"accuracy": 0.846, "preferred_style_rate": 0.99, "kl_to_ref": 0.74}
-    assert promotion["gate"] == {"accuracy": {"max_drop": 0.02}} and promotion["reasons"][0].startswith("pass: accuracy")
-    assert promotion["text"] == "None run night1: promoted: champion v1 (accuracy 0.846, kl_to_ref 0.740, preferred_style_rate 0.990)"
+    assert promotion["gate"] == {"accuracy": {"max_drop": 0.02}} and promotion["reasons"][0].startswith(
+        "pass: accuracy"
+    )
+    assert (
+        promotion["text"]
+        == "None run night1: promoted: champion v1 (accuracy 0.846, kl_to_ref 0.740, preferred_style_rate 0.990)"
+    )
     assert rejection["event"] == "rejection" and rejection["decision"].startswith("rejected")
     assert rejection["metrics"]["preferred_style_rate"] == 0.6
 
@@ -108,7 +115,12 @@ def test_nightly_failure_posts_and_a_url_param_overrides_the_connection(receiver
     url, received = receiver
     with DAG("rlhf_nightly_notify_test", schedule=None, params={"webhook_url": f"{url}/from-param"}) as dag:
         pass
-    context = {"dag": dag, "run_id": "scheduled__2026-01-02T02:00:00+00:00", "reason": "task_failure", "params": {"webhook_url": f"{url}/from-param"}}
+    context = {
+        "dag": dag,
+        "run_id": "scheduled__2026-01-02T02:00:00+00:00",
+        "reason": "task_failure",
+        "params": {"webhook_url": f"{url}/from-param"},
+    }
     WebhookNotifier("nightly_failure")(dict(context))
     WebhookNotifier("nightly_failure", url="{{ params.webhook_url }}")(dict(context))
     (p1, first), (p2, second) = received

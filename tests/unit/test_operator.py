@@ -22,7 +22,15 @@ import pytest
 
 from plugins.hooks import RayJobHook, RayUnreachableError
 from plugins.operators import RayJobOperator, cleared_by_user
-from plugins.stage_cli import build_entrypoint, failure_message, key_safe, output_uri_for, render_flags, submission_id_for, unknown_conf
+from plugins.stage_cli import (
+    build_entrypoint,
+    failure_message,
+    key_safe,
+    output_uri_for,
+    render_flags,
+    submission_id_for,
+    unknown_conf,
+)
 from plugins.triggers import RayJobTrigger, split_new_lines
 
 REPO = Path(__file__).resolve().parents[2]
@@ -118,7 +126,9 @@ def make_dag(env, dag_id: str, args: dict, **operator_kwargs):
         DAG_FILE.format(
             dag_id=dag_id,
             args=args,
-            output_root="" if operator_kwargs.pop("default_output_root", False) else "\n        output_root=%r," % f"s3://{env['s3'].bucket}/optest",
+            output_root=""
+            if operator_kwargs.pop("default_output_root", False)
+            else "\n        output_root=%r," % f"s3://{env['s3'].bucket}/optest",
             working_dir=str(env["stage_dir"]),
             extra="".join(f"\n        {k}={v!r}," for k, v in operator_kwargs.items()),
         )
@@ -146,7 +156,9 @@ def xcom_return(dr, task_id: str):
     from airflow.utils.session import create_session
 
     with create_session() as session:
-        row = session.scalars(XComModel.get_many(run_id=dr.run_id, dag_ids=dr.dag_id, task_ids=task_id, key="return_value")).first()
+        row = session.scalars(
+            XComModel.get_many(run_id=dr.run_id, dag_ids=dr.dag_id, task_ids=task_id, key="return_value")
+        ).first()
         return XComModel.deserialize_value(row) if row is not None else None
 
 
@@ -207,7 +219,10 @@ def test_submission_id_format():
 def test_output_uri_is_key_safe():
     run_id = "manual__2026-11-30T08:47:45.202861+00:00"
     assert key_safe(run_id) == "manual__2026-11-30T08_47_45.202861_00_00"
-    assert output_uri_for("s3://b/p/", "rlhf_pipeline", run_id, "sft") == "s3://b/p/runs/rlhf_pipeline/manual__2026-11-30T08_47_45.202861_00_00/sft"
+    assert (
+        output_uri_for("s3://b/p/", "rlhf_pipeline", run_id, "sft")
+        == "s3://b/p/runs/rlhf_pipeline/manual__2026-11-30T08_47_45.202861_00_00/sft"
+    )
     assert output_uri_for("s3://b", "d", "r", "t") == "s3://b/runs/d/r/t"
 
 
@@ -242,7 +257,16 @@ def test_flag_rendering():
     entry = build_entrypoint("tasks.sft", "s3://b/o", "manual__2026-01-01T00:00:00+00:00", args)
     assert entry.startswith("python -m tasks.sft --output s3://b/o --run_id ")
     # The shell sees exactly the argv we meant: nothing is expanded or split.
-    assert shlex.split(entry) == ["python", "-m", "tasks.sft", "--output", "s3://b/o", "--run_id", "manual__2026-01-01T00:00:00+00:00", *flags]
+    assert shlex.split(entry) == [
+        "python",
+        "-m",
+        "tasks.sft",
+        "--output",
+        "s3://b/o",
+        "--run_id",
+        "manual__2026-01-01T00:00:00+00:00",
+        *flags,
+    ]
     with pytest.raises(ValueError, match="flag name"):
         render_flags({"bad key; rm": 1})
     with pytest.raises(ValueError, match="module"):
@@ -257,7 +281,11 @@ def test_runtime_env_carries_no_credentials(tmp_path, monkeypatch):
     renv = op.runtime_env()
     assert renv["working_dir"] == str(tmp_path)
     assert {".venv", ".scratch", ".git", "__pycache__", "tests", "bench", "docker", "*.whl"} <= set(renv["excludes"])
-    assert renv["env_vars"] == {"PYTHONUNBUFFERED": "1", "RLHF_ALLOWED_HOSTS": "judge.internal:443", "LOG_LEVEL": "debug"}
+    assert renv["env_vars"] == {
+        "PYTHONUNBUFFERED": "1",
+        "RLHF_ALLOWED_HOSTS": "judge.internal:443",
+        "LOG_LEVEL": "debug",
+    }
     for secret in ("AWS_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID", "WANDB_API_KEY", "HF_TOKEN", "DB_PASSWORD"):
         with pytest.raises(ValueError, match="credentials"):
             RayJobOperator(task_id="t", module="tasks.sft", env_vars={secret: "x"})
@@ -295,7 +323,13 @@ def test_stage_library_common_part_needs_no_torch():
 
 
 def test_trigger_serializes_and_rebuilds():
-    trig = RayJobTrigger(address="http://127.0.0.1:8265", submission_id="airflow-x--r--t", poll_interval=1.5, log_offset=7, not_before=1.8e9)
+    trig = RayJobTrigger(
+        address="http://127.0.0.1:8265",
+        submission_id="airflow-x--r--t",
+        poll_interval=1.5,
+        log_offset=7,
+        not_before=1.8e9,
+    )
     classpath, kwargs = trig.serialize()
     assert classpath == "plugins.triggers.RayJobTrigger"
     from airflow.sdk._shared.module_loading import import_string
@@ -345,7 +379,11 @@ def test_unreachable_s3_is_one_line_naming_the_uri(monkeypatch):
                 "conn_type": "aws",
                 "login": "AKIDEXAMPLE",
                 "password": "s3cr3t-pw",
-                "extra": {"endpoint_url": f"http://127.0.0.1:{port}", "region_name": "us-east-1", "config_kwargs": {"retries": {"total_max_attempts": 1}}},
+                "extra": {
+                    "endpoint_url": f"http://127.0.0.1:{port}",
+                    "region_name": "us-east-1",
+                    "config_kwargs": {"retries": {"total_max_attempts": 1}},
+                },
             }
         ),
     )
@@ -409,11 +447,19 @@ def test_job_succeeds_returns_manifest_and_streams_the_driver_log(env, capfd):
 
     # The driver's lines were streamed through the trigger's logger, the last (unterminated) one too.
     assert f"Following Ray job {sid}" in text
-    for line in ("driver line 0 message=hello world", "driver line 2 message=hello world", "final line without newline"):
+    for line in (
+        "driver line 0 message=hello world",
+        "driver line 2 message=hello world",
+        "final line without newline",
+    ):
         assert f"[ray {sid}] {line}" in text, line
     assert "Submitting Ray job" in text and f"/#/jobs/{sid}" in text
     # The driver log is also kept beside the manifest.
-    log = env["s3"].client().get_object(Bucket=env["s3"].bucket, Key=manifest.split("/", 3)[3].replace("manifest.json", f"logs/{sid}.log"))
+    log = (
+        env["s3"]
+        .client()
+        .get_object(Bucket=env["s3"].bucket, Key=manifest.split("/", 3)[3].replace("manifest.json", f"logs/{sid}.log"))
+    )
     assert "driver line 2 message=hello world" in log["Body"].read().decode()
 
 
@@ -433,7 +479,14 @@ def test_failing_module_fails_the_task_with_the_log_tail(env, capfd):
 
 
 def test_failure_message_is_one_line_cause_plus_tail():
-    msg = failure_message({"status": "STOPPED", "submission_id": "sid-1", "message": "Job was\nintentionally stopped.", "log_tail": "line a\nline b"})
+    msg = failure_message(
+        {
+            "status": "STOPPED",
+            "submission_id": "sid-1",
+            "message": "Job was\nintentionally stopped.",
+            "log_tail": "line a\nline b",
+        }
+    )
     first, *rest = msg.splitlines()
     assert first == "Ray job sid-1 STOPPED: Job was intentionally stopped."
     assert rest == ["--- last lines of the driver log ---", "line a", "line b"]
@@ -579,7 +632,9 @@ def test_on_kill_stops_the_job(env):
 
 def test_trigger_reports_an_unknown_job(ray_head):
     async def first_event():
-        return await anext(RayJobTrigger(address=ray_head, submission_id="airflow-never-submitted", poll_interval=0.2).run())
+        return await anext(
+            RayJobTrigger(address=ray_head, submission_id="airflow-never-submitted", poll_interval=0.2).run()
+        )
 
     event = asyncio.run(first_event())
     assert event.payload["status"] == "MISSING"
@@ -589,7 +644,9 @@ def test_trigger_reports_an_unknown_job(ray_head):
 def test_trigger_holds_its_event_until_not_before(ray_head):
     # The scheduler must see the deferral before the event (apache/airflow#66374): the operator sets not_before.
     async def first_event():
-        trigger = RayJobTrigger(address=ray_head, submission_id="airflow-never-submitted", poll_interval=0.2, not_before=time.time() + 2.0)
+        trigger = RayJobTrigger(
+            address=ray_head, submission_id="airflow-never-submitted", poll_interval=0.2, not_before=time.time() + 2.0
+        )
         return await anext(trigger.run())
 
     t0 = time.time()
@@ -647,7 +704,9 @@ def test_cache_key_covers_flags_inputs_and_code(tmp_path):
     from tasks.common import provenance
 
     base = stage_cache.cache_key("tasks.sft", {"max_steps": "10", "output": "s3://a/x"}, {"pretrain": "d1"}, "c1")
-    assert base == stage_cache.cache_key("tasks.sft", {"max_steps": "10", "output": "s3://b/y"}, {"pretrain": "d1"}, "c1")
+    assert base == stage_cache.cache_key(
+        "tasks.sft", {"max_steps": "10", "output": "s3://b/y"}, {"pretrain": "d1"}, "c1"
+    )
     for other in (
         stage_cache.cache_key("tasks.sft", {"max_steps": "11"}, {"pretrain": "d1"}, "c1"),
         stage_cache.cache_key("tasks.sft", {"max_steps": "10"}, {"pretrain": "d2"}, "c1"),
@@ -668,4 +727,7 @@ def test_default_output_root_takes_the_bucket_from_the_s3_connection(env, capfd)
     dag = make_dag(env, "optest_connbucket", {"message": "where"}, default_output_root=True)
     dr = run_dag(dag)
     assert ti_states(dr) == {"job": "success"}, "".join(capfd.readouterr())[-3000:]
-    assert xcom_return(dr, "job") == f"s3://{env['s3'].bucket}/optest-default/runs/optest_connbucket/{key_safe(dr.run_id)}/job/manifest.json"
+    assert (
+        xcom_return(dr, "job")
+        == f"s3://{env['s3'].bucket}/optest-default/runs/optest_connbucket/{key_safe(dr.run_id)}/job/manifest.json"
+    )

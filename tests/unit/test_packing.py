@@ -43,7 +43,12 @@ def test_packed_and_padded_sft_losses_and_gradients_match():
     packed_loss, packed_grad = loss_and_grad(True)
     assert abs(packed_loss - padded_loss) < 1e-5
     # Without a global token count (PPO-ptx's use) the loss is this micro-batch's token mean: here the same.
-    assert abs(micro_batch_loss(model, ids, masks, tokenizer.pad_token_id, False, torch.device("cpu")).item() - padded_loss) < 1e-6
+    assert (
+        abs(
+            micro_batch_loss(model, ids, masks, tokenizer.pad_token_id, False, torch.device("cpu")).item() - padded_loss
+        )
+        < 1e-6
+    )
     assert torch.allclose(packed_grad, padded_grad, atol=1e-5)
 
 
@@ -60,7 +65,9 @@ def test_packed_and_padded_reward_scores_and_gradients_match(tmp_path):
         model.zero_grad()
         c, r = pair_scores(model, chosen, rejected, tokenizer.pad_token_id, torch.device("cpu"), packed)
         bradley_terry_loss(c, r).backward()
-        return torch.cat([c, r]).detach(), torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        return torch.cat([c, r]).detach(), torch.cat(
+            [p.grad.flatten() for p in model.parameters() if p.grad is not None]
+        )
 
     padded_scores, padded_grad = scores_and_grad(False)
     packed_scores, packed_grad = scores_and_grad(True)
@@ -70,4 +77,6 @@ def test_packed_and_padded_reward_scores_and_gradients_match(tmp_path):
 
 def test_packing_is_a_flag():
     for config in (SFTConfig, RewardModelConfig):
-        assert make_config(config, {"output": "/tmp/x", "pretrain": "m", "dataset": "d", "packing_samples": True}).packing_samples
+        assert make_config(
+            config, {"output": "/tmp/x", "pretrain": "m", "dataset": "d", "packing_samples": True}
+        ).packing_samples

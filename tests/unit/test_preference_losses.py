@@ -11,7 +11,10 @@ T = torch.tensor
 
 
 def close(a, b, tol=1e-5):
-    assert torch.allclose(torch.as_tensor(a, dtype=torch.float32), torch.as_tensor(b, dtype=torch.float32), atol=tol), (a, b)
+    assert torch.allclose(torch.as_tensor(a, dtype=torch.float32), torch.as_tensor(b, dtype=torch.float32), atol=tol), (
+        a,
+        b,
+    )
 
 
 # Two pairs. logits h = (π_c - π_r) - (ref_c - ref_r):

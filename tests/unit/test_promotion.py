@@ -28,7 +28,9 @@ def test_gate_hand_computed():
     ]
     # Each rule failing alone fails the gate: too little gain, too much accuracy lost, too far from the SFT policy.
     for worse in ({"preferred_style_rate": 0.55}, {"accuracy": 0.77}, {"kl_to_ref": 2.5}):
-        ok, reasons = judge({"preferred_style_rate": 0.65, "accuracy": 0.79, "kl_to_ref": 1.5, **worse}, reference, RULES)
+        ok, reasons = judge(
+            {"preferred_style_rate": 0.65, "accuracy": 0.79, "kl_to_ref": 1.5, **worse}, reference, RULES
+        )
         assert not ok and sum(r.startswith("FAIL") for r in reasons) == 1, reasons
     ok, reasons = judge({"preferred_style_rate": 0.9}, reference, {"accuracy": {"min": 0.5}})
     assert not ok and reasons == ["FAIL: accuracy: missing from the evaluation report"]
@@ -57,7 +59,9 @@ def test_registry_promotion_is_a_compare_and_swap(where, s3_server, tmp_path):
 
     def contender(n: int) -> None:
         try:
-            results.append(reg.promote({"policy": f"s3://b/run{n}/rl/manifest.json"}, expected_version=1, promoted_by=f"p{n}"))
+            results.append(
+                reg.promote({"policy": f"s3://b/run{n}/rl/manifest.json"}, expected_version=1, promoted_by=f"p{n}")
+            )
         except StaleChampion as e:
             results.append(e)
 
@@ -76,7 +80,9 @@ def test_registry_promotion_is_a_compare_and_swap(where, s3_server, tmp_path):
         reg.promote({"policy": "s3://b/late/rl/manifest.json"}, expected_version=1, promoted_by="late")
 
 
-def evaluation(root: str, name: str, policy: dict, baseline: dict, champion: dict | None = None, version: int = 0, **extra) -> str:
+def evaluation(
+    root: str, name: str, policy: dict, baseline: dict, champion: dict | None = None, version: int = 0, **extra
+) -> str:
     """An eval stage output as the eval stage commits it: report.json (plus `extra` keys) + manifest.json."""
     out = f"{root}/{name}/eval"
     metrics = {"baseline": baseline, "policy": policy, **({"champion": champion} if champion else {})}
@@ -84,7 +90,13 @@ def evaluation(root: str, name: str, policy: dict, baseline: dict, champion: dic
     local = storage.local_path(f"{root}-local/{name}")
     local.mkdir(parents=True)
     (local / "report.json").write_text(json.dumps(report))
-    manifests.commit(local, out, manifests.build_manifest("eval", name, {}, {"policy": f"{root}/{name}/rl/manifest.json"}, {}, report="report.json"))
+    manifests.commit(
+        local,
+        out,
+        manifests.build_manifest(
+            "eval", name, {}, {"policy": f"{root}/{name}/rl/manifest.json"}, {}, report="report.json"
+        ),
+    )
     return out
 
 
@@ -92,7 +104,14 @@ def run_promote(evaluation_uri: str, registry: str, tmp_path, allow: bool = True
     out = str(tmp_path / f"promote-{evaluation_uri.rsplit('/', 2)[-2]}")
     cfg = make_config(
         PromoteConfig,
-        {"output": out, "evaluation": evaluation_uri, "registry": registry, "gate": json.dumps(rules), "allow_promotion": allow, "run_id": evaluation_uri},
+        {
+            "output": out,
+            "evaluation": evaluation_uri,
+            "registry": registry,
+            "gate": json.dumps(rules),
+            "allow_promotion": allow,
+            "run_id": evaluation_uri,
+        },
     )
     stage.run("promote", cfg, promote)
     return manifests.read_manifest(out)
@@ -135,14 +154,24 @@ def test_promote_refuses_a_candidate_whose_reward_model_was_gamed(tmp_path):
     from tasks.eval import stats
 
     root, registry = str(tmp_path / "runs"), str(tmp_path / "models" / "gamed")
-    comparison = {"reward_mean": {"delta": 1.2, "interval": [0.9, 1.5]}, "exact_match": {"delta": -0.2, "interval": [-0.3, -0.1]}}
+    comparison = {
+        "reward_mean": {"delta": 1.2, "interval": [0.9, 1.5]},
+        "exact_match": {"delta": -0.2, "interval": [-0.3, -0.1]},
+    }
     alarms = [f"against the baseline: {line}" for line in stats.hacking_alarms(comparison, ["exact_match"])]
     uri = evaluation(
-        root, "gamed", {"exact_match": 0.4, "reward_mean": 1.3}, {"exact_match": 0.6, "reward_mean": 0.1}, comparisons={"baseline": comparison}, alarms=alarms
+        root,
+        "gamed",
+        {"exact_match": 0.4, "reward_mean": 1.3},
+        {"exact_match": 0.6, "reward_mean": 0.1},
+        comparisons={"baseline": comparison},
+        alarms=alarms,
     )
     decided = run_promote(uri, registry, tmp_path, rules={"exact_match": {"min": 0.0}})
     assert decided["metrics"]["passed"] == 0 and decided["metrics"]["promoted"] == 0
     record = storage.read_json(Registry(registry).candidate_uri(uri))
     assert record["decision"] == "rejected: the gate failed"
     assert record["reasons"][0] == "pass: exact_match 0.4000 >= 0.0"
-    assert record["reasons"][1].startswith("FAIL: against the baseline: reward hacking suspected: reward_mean rose +1.2000")
+    assert record["reasons"][1].startswith(
+        "FAIL: against the baseline: reward hacking suspected: reward_mean rose +1.2000"
+    )

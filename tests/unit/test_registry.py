@@ -29,11 +29,19 @@ def candidate(reg: Registry, root: str, run: str, passed: bool, tmp_path, gpus: 
     """A run's stage outputs (data -> sft -> rl -> eval) with cost metrics, judged into candidates/."""
     base = f"{root}/runs/rlhf_nightly/{run}"
     data = commit_stage(f"{base}/prepare_data", "prepare_data", {"source": "demo"}, cost.stage_cost(10, 0, 1), tmp_path)
-    sft = commit_stage(f"{base}/sft", "sft", {"pretrain": data, "dataset": data}, cost.stage_cost(3600, gpus, 2), tmp_path)
-    rl = commit_stage(f"{base}/rl", "rl", {"pretrain": sft, "prompt_data": data}, cost.stage_cost(1800, 2 * gpus, 3), tmp_path)
+    sft = commit_stage(
+        f"{base}/sft", "sft", {"pretrain": data, "dataset": data}, cost.stage_cost(3600, gpus, 2), tmp_path
+    )
+    rl = commit_stage(
+        f"{base}/rl", "rl", {"pretrain": sft, "prompt_data": data}, cost.stage_cost(1800, 2 * gpus, 3), tmp_path
+    )
     # eval also scores the champion: that model's training is not this candidate's cost
     ev = commit_stage(
-        f"{base}/eval", "eval", {"policy": rl, "baseline": sft, "champion": f"{root}/runs/other/x/rl/manifest.json"}, cost.stage_cost(60, 0, 1), tmp_path
+        f"{base}/eval",
+        "eval",
+        {"policy": rl, "baseline": sft, "champion": f"{root}/runs/other/x/rl/manifest.json"},
+        cost.stage_cost(60, 0, 1),
+        tmp_path,
     )
     metrics = {"accuracy": 0.85, "preferred_style_rate": 0.99 if passed else 0.5}
     reg.record_candidate(
@@ -62,7 +70,12 @@ def test_promote_rollback_history_and_listing_with_cost(s3_server, tmp_path):
 
     # Roll back to v1: a new version (3) with v1's policy; history keeps every step.
     back = reg.rollback(to_version=1, expected_version=2, promoted_by="alice", reason="v2 regressed")
-    assert (back["version"], back["policy"], back["action"], back["rolled_back_to"]) == (3, first["policy"], "rollback", 1)
+    assert (back["version"], back["policy"], back["action"], back["rolled_back_to"]) == (
+        3,
+        first["policy"],
+        "rollback",
+        1,
+    )
     assert back["previous"] == second["policy"] and back["previous_version"] == 2 and back["reason"] == "v2 regressed"
     # A stale view (the caller still saw v2) is refused, and nothing moves.
     with pytest.raises(StaleChampion, match="version 3, not the version 2"):
@@ -75,7 +88,9 @@ def test_promote_rollback_history_and_listing_with_cost(s3_server, tmp_path):
         reg.promote_candidate("night3", expected_version=3, promoted_by="alice")
     with pytest.raises(ConfigError, match=r"^candidate: no candidate 'nope'.*night3"):
         reg.promote_candidate("nope", expected_version=3, promoted_by="alice")
-    forced = reg.promote_candidate("night3", expected_version=3, promoted_by="alice", override_gate=True, reason="hotfix")
+    forced = reg.promote_candidate(
+        "night3", expected_version=3, promoted_by="alice", override_gate=True, reason="hotfix"
+    )
     assert forced["version"] == 4 and forced["policy"] == bad["policy"] and forced["override_gate"] is True
 
     listing = reg.listing()
@@ -122,7 +137,12 @@ def test_cli_list_promote_rollback_and_one_line_errors(s3_server, tmp_path, caps
     candidate(reg, root, "night1", True, tmp_path)
     candidate(reg, root, "night2", True, tmp_path)
 
-    assert cli(["promote", "--registry", registry, "--candidate", "night1", "--expected_version", "0", "--by", "alice"])["version"] == 1
+    assert (
+        cli(["promote", "--registry", registry, "--candidate", "night1", "--expected_version", "0", "--by", "alice"])[
+            "version"
+        ]
+        == 1
+    )
     # The form RayJobOperator renders: --action instead of the first word, plus --output/--run_id (stage mode).
     out = s3_server.uri(f"reg-{tmp_path.name}/runs/rlhf_registry/m1/registry")
     cli(
@@ -144,7 +164,21 @@ def test_cli_list_promote_rollback_and_one_line_errors(s3_server, tmp_path, caps
         ]
     )
     assert manifests.read_manifest(out)["metrics"]["champion_version"] == 2
-    cli(["rollback", "--registry", registry, "--to_version", "1", "--expected_version", "2", "--by", "bob", "--reason", "regressed"])
+    cli(
+        [
+            "rollback",
+            "--registry",
+            registry,
+            "--to_version",
+            "1",
+            "--expected_version",
+            "2",
+            "--by",
+            "bob",
+            "--reason",
+            "regressed",
+        ]
+    )
     capsys.readouterr()
     cli(["list", "--registry", registry])
     table = capsys.readouterr().out
@@ -155,12 +189,29 @@ def test_cli_list_promote_rollback_and_one_line_errors(s3_server, tmp_path, caps
     t0 = time.monotonic()
     env = {**os.environ}
     listed = subprocess.run(
-        [sys.executable, "-m", "tasks.registry", "list", "--registry", registry, "--json", "true"], capture_output=True, text=True, env=env, timeout=60
+        [sys.executable, "-m", "tasks.registry", "list", "--registry", registry, "--json", "true"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
     )
     assert listed.returncode == 0, listed.stderr
     assert json.loads(listed.stdout)["champion"]["version"] == 3
     stale = subprocess.run(
-        [sys.executable, "-m", "tasks.registry", "rollback", "--registry", registry, "--to_version", "2", "--expected_version", "2", "--by", "bob"],
+        [
+            sys.executable,
+            "-m",
+            "tasks.registry",
+            "rollback",
+            "--registry",
+            registry,
+            "--to_version",
+            "2",
+            "--expected_version",
+            "2",
+            "--by",
+            "bob",
+        ],
         capture_output=True,
         text=True,
         env=env,
@@ -169,7 +220,11 @@ def test_cli_list_promote_rollback_and_one_line_errors(s3_server, tmp_path, caps
     assert stale.returncode == 2 and stale.stderr.count("\n") == 1
     assert stale.stderr.startswith("error: ") and "version 3, not the version 2" in stale.stderr
     missing = subprocess.run(
-        [sys.executable, "-m", "tasks.registry", "promote", "--registry", registry, "--candidate", "x"], capture_output=True, text=True, env=env, timeout=60
+        [sys.executable, "-m", "tasks.registry", "promote", "--registry", registry, "--candidate", "x"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
     )
     assert missing.returncode == 2 and missing.stderr.count("\n") == 1 and "--expected_version" in missing.stderr
     print(f"3 CLI processes: {time.monotonic() - t0:.1f} s")
@@ -203,7 +258,9 @@ def test_ui_view_lists_what_the_cli_lists(s3_server, tmp_path, monkeypatch):
     view = registry_view.listing(registry_view.registry_root(s3_server.bucket, f"reg-{tmp_path.name}", "demo-policy"))
     cli_view = reg.listing()
     assert view["champion"] == cli_view["champion"] and view["history"] == cli_view["history"]
-    assert [(c["run_id"], c["cost"]) for c in view["candidates"]] == [(c["run_id"], c["cost"]) for c in cli_view["candidates"]]
+    assert [(c["run_id"], c["cost"]) for c in view["candidates"]] == [
+        (c["run_id"], c["cost"]) for c in cli_view["candidates"]
+    ]
     with pytest.raises(HTTPException) as err:
         registry_view.registry_root("rlhf-flow", "p", "../etc")
     assert err.value.status_code == 400 and err.value.detail.startswith("model_name: ")

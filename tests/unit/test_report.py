@@ -66,7 +66,10 @@ def stage_output(tmp_path, name: str, records: list[dict] | None, raw: str | Non
 
 def polylines(svg: str) -> dict[str, list[tuple[float, float]]]:
     root = ET.fromstring(svg)
-    return {p.get("data-name"): [tuple(map(float, xy.split(","))) for xy in p.get("points").split()] for p in root.iter(f"{SVG}polyline")}
+    return {
+        p.get("data-name"): [tuple(map(float, xy.split(","))) for xy in p.get("points").split()]
+        for p in root.iter(f"{SVG}polyline")
+    }
 
 
 def test_rl_curves_become_three_charts_and_standalone_svg_files(tmp_path):
@@ -157,7 +160,9 @@ def test_wandb_json_lands_beside_metrics_in_offline_mode(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     from tasks.common.tracking import WANDB_FILE, MetricsTracker
 
-    tracker = MetricsTracker(tmp_path / "out" / "metrics.jsonl", use_wandb=True, project="rlhf-flow-test", run_name="sft-t")
+    tracker = MetricsTracker(
+        tmp_path / "out" / "metrics.jsonl", use_wandb=True, project="rlhf-flow-test", run_name="sft-t"
+    )
     tracker.log(1, {"loss": 1.0})
     tracker.close()
     record = json.loads((tmp_path / "out" / WANDB_FILE).read_text())
@@ -242,9 +247,16 @@ with DAG("links_probe", schedule=None):
 """)
     import os
 
-    env = {**os.environ, "AIRFLOW_HOME": str(tmp_path / "airflow"), "AIRFLOW__CORE__DAGS_FOLDER": str(dags), "AIRFLOW__CORE__LOAD_EXAMPLES": "False"}
+    env = {
+        **os.environ,
+        "AIRFLOW_HOME": str(tmp_path / "airflow"),
+        "AIRFLOW__CORE__DAGS_FOLDER": str(dags),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+    }
     subprocess.run([sys.executable, "-m", "airflow", "db", "migrate"], check=True, capture_output=True, env=env)
-    r = subprocess.run([sys.executable, "-c", f"DAGS = {str(dags)!r}\n" + code], capture_output=True, text=True, env=env)
+    r = subprocess.run(
+        [sys.executable, "-c", f"DAGS = {str(dags)!r}\n" + code], capture_output=True, text=True, env=env
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     stored = json.loads(r.stdout.strip().splitlines()[-1])
     assert stored["_link_RayJobLink"] == "http://127.0.0.1:8265/#/jobs/probe"

@@ -23,7 +23,9 @@ def test_the_band_is_the_windows_range_widened_by_the_largest_margin():
     # A metric constant at 0 (KL with KL off): the floor.
     assert band([0.0, 0.0, 0.0]) == pytest.approx((-1e-6, 1e-6))
     # The widths are arguments: 1 std, no relative margin, no floor.
-    assert band([1.0, 2.0, 3.0], stds=1.0, relative=0.0, floor=0.0) == pytest.approx((1 - math.sqrt(2 / 3), 3 + math.sqrt(2 / 3)))
+    assert band([1.0, 2.0, 3.0], stds=1.0, relative=0.0, floor=0.0) == pytest.approx(
+        (1 - math.sqrt(2 / 3), 3 + math.sqrt(2 / 3))
+    )
     with pytest.raises(ValueError):
         band([])
 
@@ -37,7 +39,9 @@ NAMES = ("reward", "kl", "entropy", "grad_norm")
 
 
 def test_a_resumed_step_inside_every_band_passes():
-    assert band_problem(HISTORY, {"step": 7, "reward": 3.5, "kl": 0.15, "entropy": 1.75, "grad_norm": 0.72}, NAMES) is None
+    assert (
+        band_problem(HISTORY, {"step": 7, "reward": 3.5, "kl": 0.15, "entropy": 1.75, "grad_norm": 0.72}, NAMES) is None
+    )
     # The band's edges are inside: reward's is [-1.4495, 5.4495].
     assert band_problem(HISTORY, {"step": 7, "reward": 5.449}, NAMES) is None
 
@@ -54,7 +58,9 @@ def test_an_off_metric_trips_the_check_naming_the_metric_its_value_and_the_band(
 
 
 def test_a_metric_missing_on_either_side_is_not_checked():
-    old = [{k: v for k, v in r.items() if k != "grad_norm"} for r in HISTORY]  # a checkpoint from before grad_norm was logged
+    old = [
+        {k: v for k, v in r.items() if k != "grad_norm"} for r in HISTORY
+    ]  # a checkpoint from before grad_norm was logged
     assert band_problem(old, {"step": 7, "reward": 3.0, "grad_norm": 1e9}, NAMES) is None
     assert band_problem(HISTORY, {"step": 7}, NAMES) is None  # e.g. ZeRO-0 in fp32 reports no gradient norm
     assert band_problem([], {"step": 7, "reward": 1e9}, NAMES) is None  # no history at all
@@ -63,7 +69,9 @@ def test_a_metric_missing_on_either_side_is_not_checked():
 def test_too_short_or_all_zero_a_window_is_not_checked():
     # Two steps say nothing of how much a metric moves (the default needs 3); with min_history 2 they do.
     assert band_problem(HISTORY[:2], {"step": 6, "reward": 100.0}, NAMES) is None
-    assert band_problem(HISTORY[:2], {"step": 6, "reward": 100.0}, NAMES, min_history=2).startswith("reward 100 is outside")
+    assert band_problem(HISTORY[:2], {"step": 6, "reward": 100.0}, NAMES, min_history=2).startswith(
+        "reward 100 is outside"
+    )
     # A sparse reward at 0 before the first success (and the zero gradients it gives): its first nonzero value is not a fault.
     zeros = [{"step": s, "reward": 0.0, "grad_norm": 0.0, "entropy": 2.0} for s in (1, 2, 3)]
     assert band_problem(zeros, {"step": 4, "reward": 0.25, "grad_norm": 0.3, "entropy": 2.0}, NAMES) is None
@@ -86,10 +94,18 @@ def test_the_step_count_passes_only_when_every_planned_update_ran():
     assert steps_problem(planned=12, resumed_from=0, done=12) is None
     assert steps_problem(planned=12, resumed_from=6, done=12) is None
     # verl#7401: resumed, exited without running the rest.
-    assert steps_problem(planned=12, resumed_from=6, done=6) == "it did 6 of its 12 planned updates (resumed from step 6, 0 run here, 6 missing)"
-    assert steps_problem(planned=12, resumed_from=6, done=10) == "it did 10 of its 12 planned updates (resumed from step 6, 4 run here, 2 missing)"
+    assert (
+        steps_problem(planned=12, resumed_from=6, done=6)
+        == "it did 6 of its 12 planned updates (resumed from step 6, 0 run here, 6 missing)"
+    )
+    assert (
+        steps_problem(planned=12, resumed_from=6, done=10)
+        == "it did 10 of its 12 planned updates (resumed from step 6, 4 run here, 2 missing)"
+    )
     # A checkpoint past the plan (a lowered --max_steps) commits a model trained longer than its config says.
-    assert steps_problem(planned=4, resumed_from=6, done=6).startswith("the checkpoint it resumed from is at step 6, past the 4 planned steps")
+    assert steps_problem(planned=4, resumed_from=6, done=6).startswith(
+        "the checkpoint it resumed from is at step 6, past the 4 planned steps"
+    )
 
 
 def test_a_failed_check_is_a_one_line_input_error():

@@ -25,11 +25,19 @@ def commit_stage(uri: str, stage: str, inputs: dict, tmp_path, metrics: dict | N
 
 
 def pipeline_run(
-    root: str, run: str, tmp_path, upto: str = "promote", promote: dict | None = None, sft_input: str | None = None, dag: str = "rlhf_nightly"
+    root: str,
+    run: str,
+    tmp_path,
+    upto: str = "promote",
+    promote: dict | None = None,
+    sft_input: str | None = None,
+    dag: str = "rlhf_nightly",
 ) -> dict:
     base = f"{root}/runs/{dag}/{run}"
     out = {"data": commit_stage(f"{base}/prepare_data", "prepare_data", {"source": "demo"}, tmp_path)}
-    out["sft"] = commit_stage(f"{base}/sft", "sft", {"pretrain": sft_input or out["data"], "dataset": out["data"]}, tmp_path)
+    out["sft"] = commit_stage(
+        f"{base}/sft", "sft", {"pretrain": sft_input or out["data"], "dataset": out["data"]}, tmp_path
+    )
     if upto == "rl-partial":  # killed mid-upload: files, no manifest
         storage.write_bytes(f"{base}/rl/checkpoints/step_10/shard.bin", b"x" * 50)
         return out
@@ -44,7 +52,9 @@ def keys(s3_server, prefix: str) -> set[str]:
         f"s3://{s3_server.bucket}/{k}"
         for k in (
             o["Key"]
-            for page in s3_server.client().get_paginator("list_objects_v2").paginate(Bucket=s3_server.bucket, Prefix=prefix + "/")
+            for page in s3_server.client()
+            .get_paginator("list_objects_v2")
+            .paginate(Bucket=s3_server.bucket, Prefix=prefix + "/")
             for o in page.get("Contents", [])
         )
     }
@@ -66,11 +76,21 @@ def test_retention_expires_failed_and_rejected_runs_but_never_a_champions_lineag
     # A kept run (passed, not promoted) whose SFT started from the failed run's data (a cache hit).
     kept = pipeline_run(root, "m5", tmp_path, promote={"passed": 1, "promoted": 0}, sft_input=failed["data"])
     other = pipeline_run(root, "x6", tmp_path, upto="rl-partial", dag="rlhf_registry")
-    for name, target in (("k-gone", rejected["sft"]), ("k-kept", champ["sft"]), ("k-dangling", f"{root}/runs/rlhf_nightly/zz/sft/manifest.json")):
+    for name, target in (
+        ("k-gone", rejected["sft"]),
+        ("k-kept", champ["sft"]),
+        ("k-dangling", f"{root}/runs/rlhf_nightly/zz/sft/manifest.json"),
+    ):
         storage.write_json(f"{root}/cache/{name}.json", {"manifest": target})
     s3 = s3_server.client()
     old_upload = s3.create_multipart_upload(Bucket=s3_server.bucket, Key=f"{prefix}/runs/rlhf_nightly/n4/rl/model.bin")
-    s3.upload_part(Bucket=s3_server.bucket, Key=f"{prefix}/runs/rlhf_nightly/n4/rl/model.bin", UploadId=old_upload["UploadId"], PartNumber=1, Body=b"p" * 1024)
+    s3.upload_part(
+        Bucket=s3_server.bucket,
+        Key=f"{prefix}/runs/rlhf_nightly/n4/rl/model.bin",
+        UploadId=old_upload["UploadId"],
+        PartNumber=1,
+        Body=b"p" * 1024,
+    )
     elsewhere = s3.create_multipart_upload(Bucket=s3_server.bucket, Key=f"not-{prefix}/big.bin")
     before = keys(s3_server, prefix)
 
@@ -106,15 +126,22 @@ def test_retention_expires_failed_and_rejected_runs_but_never_a_champions_lineag
     }
     assert {f for r in plan["runs"] for f in r["delete"]} == gone
     # n2's model and what it was trained from stay (history); n4's data stays (m5 was trained on it)
-    assert set(plan["protected_kept"]) == {folder(forced, s) for s in ("data", "sft", "rl", "eval")} | {folder(failed, "data")}
+    assert set(plan["protected_kept"]) == {folder(forced, s) for s in ("data", "sft", "rl", "eval")} | {
+        folder(failed, "data")
+    }
     assert {o["Key"].rsplit("/", 1)[-1] for o in plan["cache_entries"]} == {"k-gone.json", "k-dangling.json"}
     assert [u["UploadId"] for u in plan["multipart"]] == [old_upload["UploadId"]]
 
     # The real thing, through the CLI (its default is a dry run).
-    result = cli(["retention", "--root", root, "--max_age_days", "0", "--multipart_age_hours", "0", "--dry_run", "false"])
+    result = cli(
+        ["retention", "--root", root, "--max_age_days", "0", "--multipart_age_hours", "0", "--dry_run", "false"]
+    )
     after = keys(s3_server, prefix)
     assert not any(k.startswith(tuple(f + "/" for f in gone)) for k in after)
-    assert before - after == {k for k in before if k.startswith(tuple(f + "/" for f in gone))} | {f"{root}/cache/k-gone.json", f"{root}/cache/k-dangling.json"}
+    assert before - after == {k for k in before if k.startswith(tuple(f + "/" for f in gone))} | {
+        f"{root}/cache/k-gone.json",
+        f"{root}/cache/k-dangling.json",
+    }
     assert result["deleted"]["multipart"] == 1
     uploads = s3.list_multipart_uploads(Bucket=s3_server.bucket).get("Uploads", [])
     assert [u["UploadId"] for u in uploads] == [elsewhere["UploadId"]]

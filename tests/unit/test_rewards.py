@@ -103,11 +103,18 @@ def test_demo_reward_on_a_rollout_built_by_build_reward_batch():
 
 def test_decode_rows_equals_decoding_each_row_on_its_own():
     tok = demo.build_tokenizer()
-    ids, _ = pad([encode_prompt(tok, "37+45=") + [tok.eos_token_id], encode_prompt(tok, "1+1=2 is it")], tok.pad_token_id)
-    keep = torch.rand(ids.shape, generator=torch.Generator().manual_seed(0)) < 0.7  # holes anywhere, special tokens kept
+    ids, _ = pad(
+        [encode_prompt(tok, "37+45=") + [tok.eos_token_id], encode_prompt(tok, "1+1=2 is it")], tok.pad_token_id
+    )
+    keep = (
+        torch.rand(ids.shape, generator=torch.Generator().manual_seed(0)) < 0.7
+    )  # holes anywhere, special tokens kept
 
     def each_row():
-        return [tok.decode([t for t, k in zip(row, mask) if k], skip_special_tokens=True) for row, mask in zip(ids.tolist(), keep.tolist())]
+        return [
+            tok.decode([t for t, k in zip(row, mask) if k], skip_special_tokens=True)
+            for row, mask in zip(ids.tolist(), keep.tolist())
+        ]
 
     assert decode_rows(tok, ids, keep) == each_row()
     assert decode_rows(tok, ids, torch.zeros_like(keep)) == ["", ""]
@@ -147,12 +154,27 @@ def _one_line_error(excinfo) -> str:
 @pytest.mark.parametrize(
     "body, expected",
     [
-        ("def reward_func(queries, prompts, labels):\n    return [1.0]\n", r"reward_func returned rewards of shape \[1\] for a batch of 2"),
-        ("def reward_func(queries, prompts, labels):\n    return 'good'\n", r"reward_func returned str; return a torch tensor or a list of 2 floats"),
-        ("def reward_func(queries, prompts, labels):\n    return ['a', 'b']\n", r"reward_func returned a list of str, not numbers"),
+        (
+            "def reward_func(queries, prompts, labels):\n    return [1.0]\n",
+            r"reward_func returned rewards of shape \[1\] for a batch of 2",
+        ),
+        (
+            "def reward_func(queries, prompts, labels):\n    return 'good'\n",
+            r"reward_func returned str; return a torch tensor or a list of 2 floats",
+        ),
+        (
+            "def reward_func(queries, prompts, labels):\n    return ['a', 'b']\n",
+            r"reward_func returned a list of str, not numbers",
+        ),
         ("def reward_func(queries, prompts, labels):\n    return None\n", r"reward_func returned NoneType"),
-        ("def reward_func(queries, prompts, labels):\n    return [1.0, float('nan')]\n", r"reward_func returned non-finite rewards"),
-        ("def reward_func(queries, prompts, labels):\n    return {'extra_logs': {}}\n", r"returned a dict with keys \['extra_logs'\]"),
+        (
+            "def reward_func(queries, prompts, labels):\n    return [1.0, float('nan')]\n",
+            r"reward_func returned non-finite rewards",
+        ),
+        (
+            "def reward_func(queries, prompts, labels):\n    return {'extra_logs': {}}\n",
+            r"returned a dict with keys \['extra_logs'\]",
+        ),
     ],
 )
 def test_reward_file_wrong_output_is_one_line_naming_it(tmp_path, body, expected):
@@ -226,7 +248,9 @@ def test_endpoint_accepts_a_bare_list_or_scores(reply):
 
 
 def test_endpoint_retries_5xx_then_succeeds():
-    with RewardServer([(503, {"error": "warming up"}), (503, {"error": "warming up"}), (200, length_rewards)]) as server:
+    with RewardServer(
+        [(503, {"error": "warming up"}), (503, {"error": "warming up"}), (200, length_rewards)]
+    ) as server:
         assert RewardEndpoint(server.url, retries=3, backoff=0.01).score(text_batch(["abc"], ["a"])).tolist() == [3.0]
     assert len(server.requests) == 3
 
@@ -235,7 +259,10 @@ def test_endpoint_gives_up_with_one_line_naming_the_url():
     with RewardServer([(500, b"boom")]) as server:
         with pytest.raises(RewardError) as excinfo:
             RewardEndpoint(server.url, retries=2, backoff=0.01).score(text_batch(["a"], [""]))
-    assert _one_line_error(excinfo) == f"remote_rm_url: {server.url} failed after 3 attempts: HTTP 500 Internal Server Error: boom"
+    assert (
+        _one_line_error(excinfo)
+        == f"remote_rm_url: {server.url} failed after 3 attempts: HTTP 500 Internal Server Error: boom"
+    )
     assert len(server.requests) == 3
 
 
@@ -294,12 +321,17 @@ def test_reward_models_sum_of_normalised_scores(tiny_reward_models):
     rollout = make_rollout(tok, [("37+45=", "082"), ("03+04=", "007 is the sum"), ("1+1=", "2")])
     batch = build_reward_batch(rollout, tok, ["37+45=", "03+04=", "1+1="], None)
     with torch.no_grad():
-        sa, sb, sp = (sequence_scores(load_scalar_model(p).eval(), rollout.sequences, rollout.attention_mask) for p in (a, b, plain))
+        sa, sb, sp = (
+            sequence_scores(load_scalar_model(p).eval(), rollout.sequences, rollout.attention_mask)
+            for p in (a, b, plain)
+        )
     assert not torch.allclose(sa, sb)
 
     both = RewardModels([a, b], "cpu", torch.float32, normalize=True)
     assert both.stats == [(0.3, 2.0), (-0.1, 0.5)]
-    assert all(not p.requires_grad for m in both.models for p in m.parameters()) and not any(m.training for m in both.models)
+    assert all(not p.requires_grad for m in both.models for p in m.parameters()) and not any(
+        m.training for m in both.models
+    )
     expected = (sa - 0.3) / 2.0 + (sb + 0.1) / 0.5
     assert torch.allclose(both.score(batch), expected, atol=1e-5)
     assert torch.allclose(RewardModels(f"{a}, {b}", normalize=False).score(batch), sa + sb, atol=1e-5)
@@ -311,7 +343,9 @@ def test_reward_models_sum_of_normalised_scores(tiny_reward_models):
 def test_reward_models_reject_another_tokenizer(tiny_reward_models):
     tok, (a, _, _) = tiny_reward_models
     batch = RewardBatch(torch.tensor([[1, 500]]), torch.ones(1, 2, dtype=torch.long), ["x"], [""], ["x"], [None])
-    with pytest.raises(RewardError, match=r"reward_pretrain: .* has \d+ token embeddings but the sequences hold id 500"):
+    with pytest.raises(
+        RewardError, match=r"reward_pretrain: .* has \d+ token embeddings but the sequences hold id 500"
+    ):
         RewardModels([a]).score(batch)
 
 

@@ -11,7 +11,11 @@ from tasks.rl.experience import response_lengths
 
 def test_mean_max_and_the_share_cut_at_the_cap():
     stats = response_lengths(torch.tensor([3, 8, 8, 1]), cap=8)
-    assert stats == {"response_length": pytest.approx(5.0), "response_length_max": 8, "response_truncated": pytest.approx(0.5)}
+    assert stats == {
+        "response_length": pytest.approx(5.0),
+        "response_length_max": 8,
+        "response_truncated": pytest.approx(0.5),
+    }
 
 
 def test_episodes_have_no_single_cap():

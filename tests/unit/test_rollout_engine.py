@@ -12,7 +12,13 @@ from tasks.rl.config import HF_ENGINE_MAX_TOKENS, RLConfig
 
 
 def rl(**flags) -> RLConfig:
-    base = {"pretrain": "demo", "prompt_data": "s3://b/data", "output": "s3://b/out", "remote_rm_url": "length", "colocate_all_models": True}
+    base = {
+        "pretrain": "demo",
+        "prompt_data": "s3://b/data",
+        "output": "s3://b/out",
+        "remote_rm_url": "length",
+        "colocate_all_models": True,
+    }
     return make_config(RLConfig, {**base, **flags})
 
 
@@ -46,16 +52,24 @@ def test_an_episode_budget_counts_as_the_response_length():
 
 
 def test_an_explicit_choice_wins():
-    assert rl(rollout_engine="transformers", generate_max_len=4096).choose_rollout_engine(True, True) == ("transformers", "--rollout_engine")
+    assert rl(rollout_engine="transformers", generate_max_len=4096).choose_rollout_engine(True, True) == (
+        "transformers",
+        "--rollout_engine",
+    )
     assert rl(rollout_engine="vllm", generate_max_len=16).choose_rollout_engine(True, True)[0] == "vllm"
     # An engine count asks for vLLM, as before --rollout_engine existed.
-    assert rl(vllm_num_engines=1, generate_max_len=16).choose_rollout_engine(True, True) == ("vllm", "--vllm_num_engines")
+    assert rl(vllm_num_engines=1, generate_max_len=16).choose_rollout_engine(True, True) == (
+        "vllm",
+        "--vllm_num_engines",
+    )
     separate = rl(rollout_engine="vllm", colocate_all_models=False).with_rollout_engine("vllm")
     assert separate.vllm_num_engines == 1 and separate.separate_engines()
 
 
 def test_contradicting_flags_are_one_line():
-    with pytest.raises(ConfigError, match=r"^rollout_engine: transformers .* --vllm_num_engines is 1; drop one of them$"):
+    with pytest.raises(
+        ConfigError, match=r"^rollout_engine: transformers .* --vllm_num_engines is 1; drop one of them$"
+    ):
         rl(rollout_engine="transformers", vllm_num_engines=1)
     with pytest.raises(ConfigError, match="rollout_engine"):
         rl(rollout_engine="sglang")
@@ -70,13 +84,24 @@ def test_eval_takes_vllm_on_a_gpu_worker_with_vllm_and_transformers_elsewhere():
     from tasks.eval.config import EvalConfig
 
     def ev(**flags):
-        return make_config(EvalConfig, {"baseline": "s3://b/sft", "policy": "s3://b/rl", "dataset": "s3://b/data", "output": "s3://b/eval", **flags})
+        return make_config(
+            EvalConfig,
+            {
+                "baseline": "s3://b/sft",
+                "policy": "s3://b/rl",
+                "dataset": "s3://b/data",
+                "output": "s3://b/eval",
+                **flags,
+            },
+        )
 
     assert ev().choose_rollout_engine(has_gpu=True, has_vllm=True)[0] == "vllm"
     assert ev().choose_rollout_engine(has_gpu=False, has_vllm=True) == ("transformers", "the eval worker has no GPU")
     assert ev().choose_rollout_engine(has_gpu=True, has_vllm=False)[0] == "transformers"
     assert ev(rollout_engine="transformers").choose_rollout_engine(True, True) == ("transformers", "--rollout_engine")
-    assert ev(use_vllm=True).choose_rollout_engine(False, False)[0] == "vllm"  # asked for: the worker refuses it without a GPU
+    assert (
+        ev(use_vllm=True).choose_rollout_engine(False, False)[0] == "vllm"
+    )  # asked for: the worker refuses it without a GPU
     with pytest.raises(ConfigError, match="^use_vllm: .*drop one of them$"):
         ev(use_vllm=True, rollout_engine="transformers")
 

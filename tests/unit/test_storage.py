@@ -92,7 +92,9 @@ def test_objects_round_trip(where, s3, prefix, tmp_path):
     assert [(rel, size) for rel, size, _ in tagged] == storage.list_files(base)
     storage.write_text(storage.join(base, "t.txt"), "hullo!")
     retagged = dict((rel, tag) for rel, _, tag in storage.list_files(base, etags=True))
-    assert retagged["t.txt"] != dict((rel, tag) for rel, _, tag in tagged)["t.txt"] and retagged["a/b/raw"] == tagged[0][2]
+    assert (
+        retagged["t.txt"] != dict((rel, tag) for rel, _, tag in tagged)["t.txt"] and retagged["a/b/raw"] == tagged[0][2]
+    )
     storage.delete(u)
     assert not storage.exists(u)
     with pytest.raises(NotFoundError) as e:
@@ -187,7 +189,12 @@ def test_config_hash_and_build_manifest(monkeypatch):
     assert m["config_hash"] == mf.config_hash({"lr": 1e-5}) and m["model"] == "model"
     assert m["code_version"] == "abc123" and m["created_at"].endswith("+00:00")
     assert m["versions"]["python"] == "%d.%d.%d" % sys.version_info[:3]
-    assert "torch" in m["versions"] and set(m["versions"]) <= {"python", "lock", "cpu_numerics", *provenance.TRACKED_PACKAGES}
+    assert "torch" in m["versions"] and set(m["versions"]) <= {
+        "python",
+        "lock",
+        "cpu_numerics",
+        *provenance.TRACKED_PACKAGES,
+    }
     # The lock `make install` recorded in the venv, and the CPU code paths tasks/__init__.py pins.
     lock = Path(sys.prefix) / provenance.LOCK_RECORD
     if lock.exists():
@@ -241,8 +248,13 @@ def test_commit_writes_manifest_last_and_fetch_verifies(s3, prefix, tmp_path):
     assert not seen_early
     assert out["uri"] == uri
     # Each file with the store's own checksum (ETag): of a single-part upload, the MD5 of its bytes.
-    etags = {o["Key"][len(prefix) + 1 :]: o["ETag"] for o in s3.client().list_objects_v2(Bucket=s3.bucket, Prefix=prefix)["Contents"]}
-    assert out["files"] == {rel: {"size": len(d), "sha256": hashlib.sha256(d).hexdigest(), "etag": etags[rel]} for rel, d in files.items()}
+    etags = {
+        o["Key"][len(prefix) + 1 :]: o["ETag"]
+        for o in s3.client().list_objects_v2(Bucket=s3.bucket, Prefix=prefix)["Contents"]
+    }
+    assert out["files"] == {
+        rel: {"size": len(d), "sha256": hashlib.sha256(d).hexdigest(), "etag": etags[rel]} for rel, d in files.items()
+    }
     assert etags["config.json"] == f'"{hashlib.md5(files["config.json"]).hexdigest()}"'
     assert storage.read_json(storage.join(uri, "manifest.json"))["files"] == out["files"]
 
@@ -255,7 +267,10 @@ def test_commit_writes_manifest_last_and_fetch_verifies(s3, prefix, tmp_path):
     assert {k: v for k, v in read_tree(path).items() if k != "manifest.json"} == files
     path, _ = mf.fetch(uri, tmp_path / "sub", subdir="model")
     assert path == tmp_path / "sub" / "model"
-    assert sorted(p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file()) == ["tokenizer/vocab.txt", "weights.bin"]
+    assert sorted(p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file()) == [
+        "tokenizer/vocab.txt",
+        "weights.bin",
+    ]
     assert not (tmp_path / "sub" / "config.json").exists()  # only the subdir was downloaded
     with pytest.raises(NotFoundError, match="no files under 'nope'"):
         mf.fetch(uri, tmp_path / "sub", subdir="nope")
@@ -388,7 +403,11 @@ def test_local_cache_dir_reuses_verified_files(s3, prefix, tmp_path, monkeypatch
     assert path2 == path and (path / "weights.bin").read_bytes() == files["model/weights.bin"]
     # Fetching the rest adds to the cache; the marker then vouches for everything present.
     mf.fetch(uri, d, subdir="logs")
-    assert set(json.loads((d / "manifest.json").read_text())["files"]) == {"model/weights.bin", "model/tokenizer/vocab.txt", "logs/deep/nested/run.log"}
+    assert set(json.loads((d / "manifest.json").read_text())["files"]) == {
+        "model/weights.bin",
+        "model/tokenizer/vocab.txt",
+        "logs/deep/nested/run.log",
+    }
     # A truncated cached file is noticed by the cheap size check and downloaded again.
     (d / "model" / "tokenizer" / "vocab.txt").write_bytes(b"x")
     mf.fetch(uri, d, subdir="model/tokenizer")
@@ -438,7 +457,9 @@ def test_a_key_leading_outside_the_folder_is_refused_before_any_download(s3, pre
     naming the key, and nothing is written, inside the folder or out."""
     client = s3.client()
     client.put_object(Bucket=s3.bucket, Key=f"{prefix}/model/config.json", Body=b"{}")
-    client.put_object(Bucket=s3.bucket, Key=f"{prefix}/model/{bad.lstrip('/') if bad.startswith('/') else bad}", Body=b"x")
+    client.put_object(
+        Bucket=s3.bucket, Key=f"{prefix}/model/{bad.lstrip('/') if bad.startswith('/') else bad}", Body=b"x"
+    )
     if bad.startswith("/"):  # an absolute path: a key with an empty segment, listed as '/escaped.txt'
         client.put_object(Bucket=s3.bucket, Key=f"{prefix}/model//escaped.txt", Body=b"x")
     listed = [rel for rel, _ in storage.list_files(s3.uri(f"{prefix}/model"))]

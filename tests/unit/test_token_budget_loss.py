@@ -21,7 +21,9 @@ def T(rows):
 
 
 def close(actual, expected, tol=1e-6):
-    torch.testing.assert_close(torch.as_tensor(actual, dtype=torch.float32), torch.as_tensor(expected, dtype=torch.float32), atol=tol, rtol=0)
+    torch.testing.assert_close(
+        torch.as_tensor(actual, dtype=torch.float32), torch.as_tensor(expected, dtype=torch.float32), atol=tol, rtol=0
+    )
 
 
 # Losses (1, 2, 3 | 4 | -) over rows of 3, 1 and 0 tokens; a minibatch of them split as [row 0] and [rows 1, 2].
@@ -116,14 +118,37 @@ def minibatch(model, reject: bool) -> Experience:
     behaviour = (old + 0.5 * torch.randn(old.shape, generator=g)) * action if reject else None
     advantages = torch.randn(rows, 1, generator=g).expand(rows, RESPONSE_WIDTH) * action  # one per row, as GRPO's
     zeros = torch.zeros_like(action)
-    return Experience(sequences, attention, action, PROMPT_WIDTH, old, old - 0.1, zeros, advantages, zeros, torch.zeros(rows), zeros, behaviour)
+    return Experience(
+        sequences,
+        attention,
+        action,
+        PROMPT_WIDTH,
+        old,
+        old - 0.1,
+        zeros,
+        advantages,
+        zeros,
+        torch.zeros(rows),
+        zeros,
+        behaviour,
+    )
 
 
 def loss_of(model, mb: Experience, loss_agg: str, norm=None, tokens=None, reject=False, cap=1.5):
     logprobs = response_logprobs(model, mb.sequences, mb.attention_mask, mb.prompt_width)
-    is_weights = importance_weights(mb.logprobs, mb.behaviour_logprobs, mb.action_mask, "reject", cap) if reject else None
+    is_weights = (
+        importance_weights(mb.logprobs, mb.behaviour_logprobs, mb.action_mask, "reject", cap) if reject else None
+    )
     loss, _ = policy_loss(
-        logprobs, mb.logprobs, mb.advantages, mb.action_mask, 0.2, loss_agg=loss_agg, max_len=RESPONSE_WIDTH + 3, is_weights=is_weights, normalizer=norm
+        logprobs,
+        mb.logprobs,
+        mb.advantages,
+        mb.action_mask,
+        0.2,
+        loss_agg=loss_agg,
+        max_len=RESPONSE_WIDTH + 3,
+        is_weights=is_weights,
+        normalizer=norm,
     )
     return loss + 0.1 * kl_loss(logprobs, mb.ref_logprobs, mb.action_mask, "k3", normalizer=tokens)
 
@@ -170,7 +195,9 @@ def test_token_budget_micro_batches_give_the_padded_paths_loss_and_gradients(los
 
     torch.testing.assert_close(torch.tensor(total), padded.detach(), atol=1e-5, rtol=1e-5)
     with torch.no_grad():  # each micro-batch's own mean, averaged as count-based accumulation does: not the same
-        averaged = sum(loss_of(model, trimmed(exp, rows), loss_agg, reject=reject).item() for rows in batches) / len(batches)
+        averaged = sum(loss_of(model, trimmed(exp, rows), loss_agg, reject=reject).item() for rows in batches) / len(
+            batches
+        )
     assert abs(averaged - padded.item()) > 1e-3
     for a, b in zip(summed, padded_grads):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
@@ -182,7 +209,16 @@ def test_trimming_keeps_every_per_token_field_and_refuses_an_unknown_width():
     exp = minibatch(model, reject=True)
     mb = trimmed(exp, [1, 5])  # responses of 1 and 3 tokens, prompts of 2 and 1
     assert mb.sequences.shape == (2, 2 + 3) and mb.prompt_width == 2
-    for name in ("action_mask", "logprobs", "ref_logprobs", "values", "advantages", "returns", "kl", "behaviour_logprobs"):
+    for name in (
+        "action_mask",
+        "logprobs",
+        "ref_logprobs",
+        "values",
+        "advantages",
+        "returns",
+        "kl",
+        "behaviour_logprobs",
+    ):
         assert getattr(mb, name).shape == (2, 3), name
         torch.testing.assert_close(getattr(mb, name), getattr(exp, name)[[1, 5], :3])
     assert mb.scores.shape == (2,)
@@ -201,10 +237,21 @@ def test_the_config_takes_the_budget_and_refuses_reject_without_old_logprobs():
     assert make_config(RLConfig, {**base, "max_tokens_per_gpu": 16384}).max_tokens_per_gpu == 16384
     with pytest.raises(ConfigError, match="^max_tokens_per_gpu: "):
         make_config(RLConfig, {**base, "max_tokens_per_gpu": -1})
-    one_update = {**base, "init_kl_coef": 0, "max_epochs": 1, "rollout_batch_size": 64, "train_batch_size": 64, "is_correction": "reject"}
-    with pytest.raises(ConfigError, match=r"^max_tokens_per_gpu: with --is_correction reject it needs the rollout's old log-probs"):
+    one_update = {
+        **base,
+        "init_kl_coef": 0,
+        "max_epochs": 1,
+        "rollout_batch_size": 64,
+        "train_batch_size": 64,
+        "is_correction": "reject",
+    }
+    with pytest.raises(
+        ConfigError, match=r"^max_tokens_per_gpu: with --is_correction reject it needs the rollout's old log-probs"
+    ):
         make_config(RLConfig, {**one_update, "max_tokens_per_gpu": 4096})
-    make_config(RLConfig, {**one_update, "max_tokens_per_gpu": 4096, "max_epochs": 2})  # two updates: old log-probs are scored
+    make_config(
+        RLConfig, {**one_update, "max_tokens_per_gpu": 4096, "max_epochs": 2}
+    )  # two updates: old log-probs are scored
 
 
 def test_by_default_long_responses_train_by_the_tokens_of_a_micro_batch_of_the_longest_rows():
@@ -213,16 +260,42 @@ def test_by_default_long_responses_train_by_the_tokens_of_a_micro_batch_of_the_l
     from tasks.common.config import make_config
     from tasks.rl.config import RLConfig
 
-    base = {"output": "o", "pretrain": "p", "reward_pretrain": "r", "prompt_data": "d", "prompt_max_len": 128, "micro_train_batch_size": 8}
-    assert make_config(RLConfig, {**base, "generate_max_len": 256}).token_budget() == 0  # the demo's and the 256-token bench's
+    base = {
+        "output": "o",
+        "pretrain": "p",
+        "reward_pretrain": "r",
+        "prompt_data": "d",
+        "prompt_max_len": 128,
+        "micro_train_batch_size": 8,
+    }
+    assert (
+        make_config(RLConfig, {**base, "generate_max_len": 256}).token_budget() == 0
+    )  # the demo's and the 256-token bench's
     assert make_config(RLConfig, {**base, "generate_max_len": 4096}).token_budget() == 8 * (128 + 4096)
-    assert make_config(RLConfig, {**base, "generate_max_len": 4096, "max_tokens_per_gpu": 16384}).token_budget() == 16384
-    whole_share = {**base, "micro_train_batch_size": 0, "train_batch_size": 64, "rollout_batch_size": 64, "generate_max_len": 1024}
+    assert (
+        make_config(RLConfig, {**base, "generate_max_len": 4096, "max_tokens_per_gpu": 16384}).token_budget() == 16384
+    )
+    whole_share = {
+        **base,
+        "micro_train_batch_size": 0,
+        "train_batch_size": 64,
+        "rollout_batch_size": 64,
+        "generate_max_len": 1024,
+    }
     assert make_config(RLConfig, whole_share).token_budget() == 64 * (128 + 1024)
     episodes = {**base, "env_path": "calculator", "generate_max_len": 64, "max_episode_tokens": 2048}
     assert make_config(RLConfig, episodes).token_budget() == 8 * (128 + 2048)  # an episode's tokens, not one turn's
-    one_update = {**base, "generate_max_len": 4096, "init_kl_coef": 0, "max_epochs": 1, "rollout_batch_size": 64, "train_batch_size": 64}
-    assert make_config(RLConfig, {**one_update, "is_correction": "reject"}).token_budget() == 0  # reject needs old log-probs
+    one_update = {
+        **base,
+        "generate_max_len": 4096,
+        "init_kl_coef": 0,
+        "max_epochs": 1,
+        "rollout_batch_size": 64,
+        "train_batch_size": 64,
+    }
+    assert (
+        make_config(RLConfig, {**one_update, "is_correction": "reject"}).token_budget() == 0
+    )  # reject needs old log-probs
 
 
 @pytest.mark.parametrize("estimator", ["group_norm", "dr_grpo"])
@@ -235,18 +308,29 @@ def test_one_deepspeed_actor_update_by_token_budget_is_the_padded_ones(estimator
     from tasks.rl.actor import ActorWorker
     from tasks.rl.config import RLConfig
 
-    base = {"output": "o", "pretrain": "p", "reward_pretrain": "r", "prompt_data": "d", "advantage_estimator": estimator, "n_samples_per_prompt": 2}
+    base = {
+        "output": "o",
+        "pretrain": "p",
+        "reward_pretrain": "r",
+        "prompt_data": "d",
+        "advantage_estimator": estimator,
+        "n_samples_per_prompt": 2,
+    }
     results = {}
     for budget in (0, 40):
         model = tiny_model()
         exp = minibatch(model, reject=False)
         worker = ActorWorker.__new__(ActorWorker)  # the worker's training step, without Ray or a checkpoint to load
         worker.rank, worker.world_size = 0, 1
-        worker.cfg = make_config(RLConfig, {**base, "generate_max_len": 12, "max_tokens_per_gpu": budget, "init_kl_coef": 0})
+        worker.cfg = make_config(
+            RLConfig, {**base, "generate_max_len": 12, "max_tokens_per_gpu": budget, "init_kl_coef": 0}
+        )
         # By budget, DeepSpeed is configured as for --micro_train_batch_size 2 (4 accumulation steps), which the
         # budget's 3 micro-batches a minibatch must neither step on nor divide their losses by.
         micro = 2 if budget else len(SHAPES)
-        worker.strategy = DeepSpeedStrategy(zero_stage=2, micro_batch_size=micro, accumulation_steps=len(SHAPES) // micro)
+        worker.strategy = DeepSpeedStrategy(
+            zero_stage=2, micro_batch_size=micro, accumulation_steps=len(SHAPES) // micro
+        )
         worker.engine = worker.strategy.prepare(model, 1e-3, 10)
         worker.micro = micro
         # The second minibatch's old log-probs are the first's: after a step its ratios are no longer those.
@@ -278,7 +362,9 @@ def test_one_deepspeed_critic_update_by_token_budget_is_the_padded_ones():
         worker.rank, worker.world_size = 0, 1
         worker.cfg = make_config(RLConfig, {**base, "max_tokens_per_gpu": budget})
         micro = 2 if budget else len(SHAPES)
-        worker.strategy = DeepSpeedStrategy(zero_stage=2, micro_batch_size=micro, accumulation_steps=len(SHAPES) // micro)
+        worker.strategy = DeepSpeedStrategy(
+            zero_stage=2, micro_batch_size=micro, accumulation_steps=len(SHAPES) // micro
+        )
         worker.engine = worker.strategy.prepare(critic, 1e-3, 10)
         worker.micro = micro
         results[budget] = worker.train([exp])

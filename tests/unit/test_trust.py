@@ -37,19 +37,26 @@ def test_loopback_is_allowed_by_default(host, monkeypatch):
     allowlist.check_url(f"http://{host}:8000/v1", "judge_url", Refused)
 
 
-@pytest.mark.parametrize("host", ["203.0.113.5", "169.254.169.254", "10.0.0.1", "127.0.0.1.example.com", "judge.internal"])
+@pytest.mark.parametrize(
+    "host", ["203.0.113.5", "169.254.169.254", "10.0.0.1", "127.0.0.1.example.com", "judge.internal"]
+)
 def test_any_other_host_is_refused_by_default_in_one_line(host, monkeypatch):
     monkeypatch.delenv(allowlist.ENV, raising=False)
     with pytest.raises(Refused) as caught:
         allowlist.check_url(f"http://{host}/v1", "judge_url", Refused)
     message = str(caught.value)
-    assert message.startswith(f"judge_url: host {host} (port 80) is not in the operator's allow-list") and "\n" not in message
+    assert (
+        message.startswith(f"judge_url: host {host} (port 80) is not in the operator's allow-list")
+        and "\n" not in message
+    )
     assert "$RLHF_ALLOWED_HOSTS" in message
 
 
 def test_the_operators_list_replaces_the_default():
     value = "judge.internal:443, 10.1.0.0/16 ,127.0.0.1"
-    assert allowlist.host_allowed("judge.internal", 443, value) and not allowlist.host_allowed("judge.internal", 80, value)
+    assert allowlist.host_allowed("judge.internal", 443, value) and not allowlist.host_allowed(
+        "judge.internal", 80, value
+    )
     assert allowlist.host_allowed("10.1.200.3", 8000, value) and not allowlist.host_allowed("10.2.0.1", 8000, value)
     assert allowlist.host_allowed("127.0.0.1", 9, value) and not allowlist.host_allowed("127.0.0.2", 9, value)
     assert not allowlist.host_allowed("::1", 9, value)
@@ -69,11 +76,18 @@ def test_stage_configs_refuse_an_outbound_url_before_any_job(monkeypatch):
 def test_python_files_come_from_the_store_the_shipped_code_or_the_operators_folders(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "mine").mkdir()
-    for ok in ("s3://b/env.py", "tasks/data/demo_reward.py", str(tmp_path / "code.py"), "file://" + str(tmp_path / "code.py")):
+    for ok in (
+        "s3://b/env.py",
+        "tasks/data/demo_reward.py",
+        str(tmp_path / "code.py"),
+        "file://" + str(tmp_path / "code.py"),
+    ):
         assert allowlist.check_code_path(ok, "env_path", Refused, dirs="") == ok
     assert allowlist.check_code_path("/srv/teams/env.py", "env_path", Refused, dirs="/srv/teams") == "/srv/teams/env.py"
     for bad in ("/etc/passwd.py", "../outside.py", "/srv/teamsX/env.py"):
-        with pytest.raises(Refused, match=r"^env_path: .* is on a node's own disk, outside the folders the operator allows"):
+        with pytest.raises(
+            Refused, match=r"^env_path: .* is on a node's own disk, outside the folders the operator allows"
+        ):
             allowlist.check_code_path(bad, "env_path", Refused, dirs="/srv/teams")
     (tmp_path / "mine" / "link.py").symlink_to("/etc/hostname")  # a link out of an allowed folder is outside it
     with pytest.raises(Refused):
@@ -104,7 +118,9 @@ def test_a_redirect_to_another_host_is_not_followed_and_the_key_stays_home(allow
             judge = ChatJudge(judge_server.url, "judge", retries=0)
             with pytest.raises(JudgeError) as caught:
                 judge.ask("p", "a", "b")
-            assert "302 redirect to http://127.0.0.2:" in str(caught.value) and "another host: not followed" in str(caught.value)
+            assert "302 redirect to http://127.0.0.2:" in str(caught.value) and "another host: not followed" in str(
+                caught.value
+            )
             assert "sk-judge-key" not in str(caught.value)
             assert judge_server.requests[0][1]["Authorization"] == "Bearer sk-judge-key"
         assert other.requests == []
@@ -114,7 +130,14 @@ def test_a_same_host_redirect_is_followed_without_the_authorization_header(monke
     monkeypatch.setenv(allowlist.ENV, "127.0.0.1")
     script = [(302, {"location": "/moved"}), (200, {"rewards": [0.5]})]
     with JSONServer(script, path="/score") as server:
-        reply = http_json.post_json(server.url, {"query": ["q"]}, who="remote_rm_url", error=Refused, headers={"Authorization": "Bearer k"}, retries=0)
+        reply = http_json.post_json(
+            server.url,
+            {"query": ["q"]},
+            who="remote_rm_url",
+            error=Refused,
+            headers={"Authorization": "Bearer k"},
+            retries=0,
+        )
         assert reply == {"rewards": [0.5]}
         (first, first_headers, _), (second, second_headers, _) = server.requests
         assert (first, second) == ("/score", "/moved")
@@ -150,7 +173,10 @@ def test_a_stage_pins_the_file_it_runs_and_a_later_stage_refuses_a_replaced_one(
     with pytest.raises(EnvError) as caught:
         evaluation.code_input("env_path", uri, EnvError, recorded_in=(str(tmp_path / "rl"),))
     message = str(caught.value)
-    assert message.startswith(f"env_path: {uri} has sha256 {v2} but {v1} was recorded in {tmp_path / 'rl'}") and "\n" not in message
+    assert (
+        message.startswith(f"env_path: {uri} has sha256 {v2} but {v1} was recorded in {tmp_path / 'rl'}")
+        and "\n" not in message
+    )
     # A worker importing the pin: the cache holds v1 under its digest, so it runs v1; asked afresh, it refuses v2.
     assert load_environment(pinned).cls().reset({}) == "v1"
     with pytest.raises(EnvError, match=f"has sha256 {v2} but {v1} was pinned"):
@@ -183,7 +209,11 @@ def test_the_stage_cache_keys_on_the_content_of_every_input(s3_server, tmp_path,
     monkeypatch.setenv("AIRFLOW_CONN_RLHF_S3", conn_s3(s3_server.endpoint, s3_server.bucket))
     client = s3_server.client()
     cache = StageCache(S3Store(), s3_server.uri("cache-test"), log=None)
-    flags = {"env_path": s3_server.uri("cache-test/env.py"), "prompt_data": s3_server.uri("cache-test/data/"), "remote_rm_url": "rewards/team.py"}
+    flags = {
+        "env_path": s3_server.uri("cache-test/env.py"),
+        "prompt_data": s3_server.uri("cache-test/data/"),
+        "remote_rm_url": "rewards/team.py",
+    }
     (tmp_path / "rewards").mkdir()
     (tmp_path / "rewards" / "team.py").write_text("v1")
     client.put_object(Bucket=s3_server.bucket, Key="cache-test/env.py", Body=b"v1")

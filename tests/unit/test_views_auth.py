@@ -38,7 +38,10 @@ def tokens(airflow_db, s3_server, monkeypatch):
     purge_cached_app()
     manager = init_auth_manager()
     assert isinstance(manager, OneDagAuthManager)
-    yield {name: manager.generate_jwt(SimpleAuthManagerUser(username=name, role="viewer")) for name in ("viewer", RESTRICTED)}
+    yield {
+        name: manager.generate_jwt(SimpleAuthManagerUser(username=name, role="viewer"))
+        for name in ("viewer", RESTRICTED)
+    }
     purge_cached_app()
 
 

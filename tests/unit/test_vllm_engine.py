@@ -39,13 +39,17 @@ def test_sync_check_is_the_largest_gap_on_response_tokens():
     actor = torch.tensor([[-1.0, -2.0, -9.0], [-0.5, -0.5, -0.5]])
     engine = torch.tensor([[-1.1, -2.5, 0.0], [-0.5, -0.45, -0.5]])
     mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
-    assert logprob_mismatch(actor, engine, mask)["engine_logprob_max_diff"] == pytest.approx(0.5)  # the masked 9.0 gap is not counted
+    assert logprob_mismatch(actor, engine, mask)["engine_logprob_max_diff"] == pytest.approx(
+        0.5
+    )  # the masked 9.0 gap is not counted
     assert logprob_mismatch(actor, engine, torch.zeros_like(mask))["engine_logprob_max_diff"] == 0.0
 
 
 def test_vllm_flags_refused_in_one_line_when_they_cannot_apply():
     base = {"output": "/tmp/x", "pretrain": "m", "prompt_data": "p", "remote_rm_url": "r.py"}
-    with pytest.raises(ConfigError, match="^vllm_num_engines: with --colocate_all_models each actor worker hosts one vLLM engine"):
+    with pytest.raises(
+        ConfigError, match="^vllm_num_engines: with --colocate_all_models each actor worker hosts one vLLM engine"
+    ):
         make_config(RLConfig, {**base, "vllm_num_engines": 2, "colocate_all_models": True})
     assert make_config(RLConfig, {**base, "vllm_num_engines": 2}).separate_engines()  # two engines on GPUs of their own
     with pytest.raises(ConfigError, match="^async_train: needs vLLM engines on GPUs of their own"):
@@ -67,7 +71,14 @@ def test_vllm_flags_refused_in_one_line_when_they_cannot_apply():
 
 
 def test_no_reference_model_when_kl_is_off_or_the_actor_is_its_own():
-    base = {"output": "/tmp/x", "pretrain": "m", "prompt_data": "p", "remote_rm_url": "r.py", "advantage_estimator": "rloo", "n_samples_per_prompt": 2}
+    base = {
+        "output": "/tmp/x",
+        "pretrain": "m",
+        "prompt_data": "p",
+        "remote_rm_url": "r.py",
+        "advantage_estimator": "rloo",
+        "n_samples_per_prompt": 2,
+    }
     assert make_config(RLConfig, {**base, "init_kl_coef": 0.0}).roles() == ["actor"]
     assert make_config(RLConfig, {**base, "init_kl_coef": 0.01}).roles() == ["actor", "ref"]
     assert make_config(RLConfig, {**base, "init_kl_coef": 0.01, "lora_rank": 4}).roles() == ["actor"]  # its own base
@@ -110,7 +121,11 @@ def demo_engine(tmp_path_factory):
     tokenizer = load_tokenizer(str(path))
     model = load_causal_lm(str(path)).to("cuda", torch.bfloat16)
     # ignore_eos: every turn runs to its token limit, so the request-level test's timing does not hang on sampling.
-    return VLLMRolloutEngine(str(path), tokenizer, max_model_len=256, gpu_memory_utilization=0.2, seed=0, ignore_eos=True), model, tokenizer
+    return (
+        VLLMRolloutEngine(str(path), tokenizer, max_model_len=256, gpu_memory_utilization=0.2, seed=0, ignore_eos=True),
+        model,
+        tokenizer,
+    )
 
 
 @pytest.mark.gpu
@@ -127,7 +142,11 @@ def test_vllm_engine_generates_and_follows_the_trained_weights(demo_engine):
             p.add_(0.05 * torch.randn_like(p))
     engine.load_weights(model)
     rollout = engine.generate(prompts * 8, max_new_tokens=8)
-    actor = response_logprobs(model, rollout.sequences.cuda(), rollout.attention_mask.cuda(), rollout.prompt_width).float().cpu()
+    actor = (
+        response_logprobs(model, rollout.sequences.cuda(), rollout.attention_mask.cuda(), rollout.prompt_width)
+        .float()
+        .cpu()
+    )
     assert logprob_mismatch(actor, rollout.logprobs, rollout.response_mask)["engine_logprob_max_diff"] < 0.1
 
 
@@ -168,7 +187,10 @@ def test_vllm_engine_takes_each_episode_turn_into_its_running_batch(demo_engine,
     engine.submit, engine.step = recording_submit, recording_step
     (tmp_path / "env.py").write_text(SLOW_SECOND)
     runner = EpisodeRunner(
-        engine, tokenizer, load_environment(str(tmp_path / "env.py")), EpisodeLimits(max_turns=3, max_episode_tokens=240, max_turn_tokens=64)
+        engine,
+        tokenizer,
+        load_environment(str(tmp_path / "env.py")),
+        EpisodeLimits(max_turns=3, max_episode_tokens=240, max_turn_tokens=64),
     )
     result = runner.run([{"prompt": "12+34=", "delay": 0.0}, {"prompt": "56+07=", "delay": 0.02}])
     runner.close()

@@ -39,7 +39,9 @@ def test_batch_split_over_workers_and_micro_batches():
     check_batch("train_batch_size", 64, 8, 2, "num_gpus_per_node")
     with pytest.raises(ConfigError, match=r"^train_batch_size: 30 does not split over 4 workers \(num_gpus_per_node\)"):
         check_batch("train_batch_size", 30, 0, 4, "num_gpus_per_node")
-    with pytest.raises(ConfigError, match=r"^micro_train_batch_size: 5 must divide each worker's share of train_batch_size, 32"):
+    with pytest.raises(
+        ConfigError, match=r"^micro_train_batch_size: 5 must divide each worker's share of train_batch_size, 32"
+    ):
         check_batch("train_batch_size", 64, 5, 2, "num_gpus_per_node")
 
 
@@ -60,26 +62,48 @@ def test_placement_plan_follows_the_colocation_flags(flags, expected):
 
 
 def test_placement_plan_without_critic_or_reward_models():
-    cfg = make_config(RLConfig, {**RL, "colocate_critic_reward": True, "advantage_estimator": "rloo", "n_samples_per_prompt": 2, "remote_rm_url": "r.py"})
+    cfg = make_config(
+        RLConfig,
+        {
+            **RL,
+            "colocate_critic_reward": True,
+            "advantage_estimator": "rloo",
+            "n_samples_per_prompt": 2,
+            "remote_rm_url": "r.py",
+        },
+    )
     assert cfg.roles() == ["actor", "ref"]
     assert cfg.placement_plan() == [["actor"], ["ref"]]
     assert (
-        make_config(RLConfig, {**RL, "actor_num_gpus_per_node": 2, "colocate_actor_ref": True, "ref_num_gpus_per_node": 2}).devices_needed() == 2 + 1 + 1
+        make_config(
+            RLConfig, {**RL, "actor_num_gpus_per_node": 2, "colocate_actor_ref": True, "ref_num_gpus_per_node": 2}
+        ).devices_needed()
+        == 2 + 1 + 1
     )  # actor and ref share 2; critic and reward 1 each
 
 
 def test_rl_config_refuses_layouts_and_flags_that_cannot_apply():
-    with pytest.raises(ConfigError, match=r"^ref_num_gpus_per_node: colocate_all_models needs every group the actor's size \(2\), got 1"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^ref_num_gpus_per_node: colocate_all_models needs every group the actor's size \(2\), got 1",
+    ):
         make_config(RLConfig, {**RL, "colocate_all_models": True, "actor_num_gpus_per_node": 2})
-    with pytest.raises(ConfigError, match=r"^ref_num_gpus_per_node: colocate_actor_ref needs the ref group the actor's size"):
+    with pytest.raises(
+        ConfigError, match=r"^ref_num_gpus_per_node: colocate_actor_ref needs the ref group the actor's size"
+    ):
         make_config(RLConfig, {**RL, "colocate_actor_ref": True, "actor_num_gpus_per_node": 2})
-    with pytest.raises(ConfigError, match=r"^train_batch_size: 64 does not split over 3 workers \(actor_num_nodes × actor_num_gpus_per_node\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^train_batch_size: 64 does not split over 3 workers \(actor_num_nodes × actor_num_gpus_per_node\)",
+    ):
         make_config(RLConfig, {**RL, "actor_num_gpus_per_node": 3})
     with pytest.raises(ConfigError, match=r"^enable_prefix_caching: only applies to vLLM engines"):
         make_config(RLConfig, {**RL, "enable_prefix_caching": True})
     with pytest.raises(ConfigError, match=r"^dynamic_filtering: needs n_samples_per_prompt of 2 or more"):
         make_config(RLConfig, {**RL, "dynamic_filtering": True})
-    with pytest.raises(ConfigError, match=r"^reward_clip_range: '5 1' .*|^reward_clip_range: low 5.0 must be below high 1.0"):
+    with pytest.raises(
+        ConfigError, match=r"^reward_clip_range: '5 1' .*|^reward_clip_range: low 5.0 must be below high 1.0"
+    ):
         make_config(RLConfig, {**RL, "reward_clip_range": "5 1"})
     assert make_config(RLConfig, {**RL, "reward_clip_range": "-10 10"}).interval("reward_clip_range") == (-10.0, 10.0)
 
@@ -111,7 +135,9 @@ def test_checkpoint_store_sees_only_committed_steps_and_keeps_the_newest(tmp_pat
 
 def test_chat_template_wraps_the_prompt_or_is_refused_in_one_line():
     tokenizer = demo.build_tokenizer()
-    with pytest.raises(ConfigError, match=r"^apply_chat_template: the tokenizer of .* has no chat template; drop --apply_chat_template"):
+    with pytest.raises(
+        ConfigError, match=r"^apply_chat_template: the tokenizer of .* has no chat template; drop --apply_chat_template"
+    ):
         encode_prompt(tokenizer, "1+2=", chat_template=True)
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}={% endfor %}"
     assert encode_prompt(tokenizer, "1+2", chat_template=True) == tokenizer.encode("1+2=", add_special_tokens=False)
@@ -123,7 +149,16 @@ def test_gradient_checkpointing_is_switched_on_for_training():
 
     from tasks.common.nn.strategy import DeepSpeedStrategy
 
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=16,
+            hidden_size=8,
+            intermediate_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+        )
+    )
     engine = DeepSpeedStrategy(zero_stage=0, gradient_checkpointing=True).prepare(model, 1e-3, 10)
     # The config is left as it is (saved models keep their use_cache): the training forwards pass use_cache=False.
     assert engine.module.is_gradient_checkpointing and engine.module.config.use_cache
@@ -137,7 +172,16 @@ def test_adam_offload_keeps_the_optimizer_on_the_cpu():
 
     from tasks.common.nn.strategy import DeepSpeedStrategy
 
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=16,
+            hidden_size=8,
+            intermediate_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+        )
+    )
     engine = DeepSpeedStrategy(zero_stage=2, adam_offload=True).prepare(model, 1e-3, 10)
     assert isinstance(engine.optimizer.optimizer, DeepSpeedCPUAdam)
     assert np.isfinite(sum(p.float().sum().item() for p in model.parameters()))
@@ -156,7 +200,14 @@ def test_bf16_zero2_skips_a_step_with_a_non_finite_gradient_without_checking_eac
     from tasks.common.nn.strategy import DeepSpeedStrategy
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2)
+    config = LlamaConfig(
+        vocab_size=16,
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+    )
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     engine = DeepSpeedStrategy(zero_stage=2, bf16=True).prepare(model, 1e-2, 10)
     optimizer = engine.optimizer
@@ -168,7 +219,10 @@ def test_bf16_zero2_skips_a_step_with_a_non_finite_gradient_without_checking_eac
 
     engine.backward(engine(input_ids=ids, labels=ids).loss)
     grads, params = optimizer.averaged_gradients[0], optimizer.params_in_partition[0]
-    fused, deepspeeds = optimizer.get_grad_norm_direct(grads, params), DeepSpeedZeroOptimizer.get_grad_norm_direct(optimizer, grads, params)
+    fused, deepspeeds = (
+        optimizer.get_grad_norm_direct(grads, params),
+        DeepSpeedZeroOptimizer.get_grad_norm_direct(optimizer, grads, params),
+    )
     assert fused.item() > 0 and abs(fused.item() - deepspeeds.item()) <= 1e-6 * deepspeeds.item()
     engine.step()
 

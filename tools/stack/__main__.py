@@ -89,7 +89,16 @@ def up(cfg: Config, components: Iterable[str] = ORDER) -> None:
             proc = launch(
                 cfg,
                 "s3",
-                [str(BIN / "python"), str(REPO / "tools" / "s3_server.py"), "--host", LOOPBACK, "--port", str(cfg.s3_port), "--data", str(cfg.s3_data)],
+                [
+                    str(BIN / "python"),
+                    str(REPO / "tools" / "s3_server.py"),
+                    "--host",
+                    LOOPBACK,
+                    "--port",
+                    str(cfg.s3_port),
+                    "--data",
+                    str(cfg.s3_data),
+                ],
                 env,
             )
             started["s3"] = {"s3": proc}
@@ -114,7 +123,15 @@ def up(cfg: Config, components: Iterable[str] = ORDER) -> None:
             run_logged(
                 cfg,
                 "airflow-pool",
-                [str(BIN / "airflow"), "pools", "set", names.GPU_POOL, str(gpu_slots()), "GPUs the Ray stages hold", "--include-deferred"],
+                [
+                    str(BIN / "airflow"),
+                    "pools",
+                    "set",
+                    names.GPU_POOL,
+                    str(gpu_slots()),
+                    "GPUs the Ray stages hold",
+                    "--include-deferred",
+                ],
                 env,
                 timeout=300,
             )

@@ -165,7 +165,9 @@ class Config:
             if not 0 < port < 65536:
                 raise StackError(f"{var}={port} is not a valid port")
             if port in RAY_WORKER_PORTS:
-                raise StackError(f"{var}={port} lies in Ray's worker port range {RAY_WORKER_PORTS.start}-{RAY_WORKER_PORTS.stop - 1}: pick another port")
+                raise StackError(
+                    f"{var}={port} lies in Ray's worker port range {RAY_WORKER_PORTS.start}-{RAY_WORKER_PORTS.stop - 1}: pick another port"
+                )
             if port in seen:
                 raise StackError(f"{var} and {seen[port]} are both {port}")
             seen[port] = var
@@ -281,7 +283,9 @@ def ray_auth_headers(scratch: Path) -> dict[str, str]:
     return {"Authorization": f"Bearer {ray_token(scratch)}"}
 
 
-def conn_s3(endpoint: str, bucket: str = "rlhf-flow", region: str = "us-east-1", keys: tuple[str, str] = ("testing", "testing")) -> str:
+def conn_s3(
+    endpoint: str, bucket: str = "rlhf-flow", region: str = "us-east-1", keys: tuple[str, str] = ("testing", "testing")
+) -> str:
     """AIRFLOW_CONN_RLHF_S3: an aws connection to the S3 emulator; its extra `bucket` is the pipeline's
     default bucket (the DAG's `bucket` Param left empty)."""
     return json.dumps(
@@ -347,7 +351,9 @@ def stack_env(
         "WANDB_CACHE_DIR": str(scratch / "wandb-cache"),
         # One JIT cache for DeepSpeed's ops, shared by every stack and the tests: each op builds once.
         "TORCH_EXTENSIONS_DIR": str(REPO / ".scratch" / "torch_extensions"),
-        "TORCHINDUCTOR_CACHE_DIR": str(REPO / ".scratch" / "torchinductor"),  # torch.compile's kernels (--torch_compile)
+        "TORCHINDUCTOR_CACHE_DIR": str(
+            REPO / ".scratch" / "torchinductor"
+        ),  # torch.compile's kernels (--torch_compile)
         "TOKENIZERS_PARALLELISM": "false",
         # Ray: the only setting that makes every Ray listener bind 127.0.0.1; no usage reports.
         "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
@@ -368,7 +374,9 @@ def stack_env(
         "AIRFLOW__CORE__PARALLELISM": "4",
         "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
         "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{airflow_url}/execution/",
-        "AIRFLOW__CORE__FERNET_KEY": _secret(secrets_dir / "fernet_key", lambda: base64.urlsafe_b64encode(os.urandom(32)).decode()),
+        "AIRFLOW__CORE__FERNET_KEY": _secret(
+            secrets_dir / "fernet_key", lambda: base64.urlsafe_b64encode(os.urandom(32)).decode()
+        ),
         "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": f"{USERNAME}:admin",
         "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(airflow_home / "passwords.json"),
         "AIRFLOW__API__HOST": LOOPBACK,

@@ -38,7 +38,10 @@ def healthy_ray(cfg: Config) -> tuple[bool, str]:
         auth = ray_auth_headers(cfg.scratch)
         status, body = http_get(f"{cfg.dashboard_url}/api/version", timeout=2, headers=auth)
         if status in (401, 403):
-            return False, f"/api/version: HTTP {status}, the head refused the token in {ray_token_file(cfg.scratch)} (a head of another stack on this port?)"
+            return (
+                False,
+                f"/api/version: HTTP {status}, the head refused the token in {ray_token_file(cfg.scratch)} (a head of another stack on this port?)",
+            )
         if status != 200:
             return False, f"/api/version: HTTP {status}"
         status, body = http_get(f"{cfg.dashboard_url}/api/v0/nodes", timeout=5, headers=auth)
@@ -82,7 +85,10 @@ def wait_healthy(cfg: Config, component: str, procs: dict[str, subprocess.Popen 
             code = proc.poll() if isinstance(proc, subprocess.Popen) else (None if _alive([proc]) else "?")
             if code is not None:
                 last = tail(log_file(cfg, name))
-                raise StackError(f"{name} exited (code {code}) while starting: see {log_file(cfg, name)}" + (f" (last line: {last[-300:]})" if last else ""))
+                raise StackError(
+                    f"{name} exited (code {code}) while starting: see {log_file(cfg, name)}"
+                    + (f" (last line: {last[-300:]})" if last else "")
+                )
         ok, detail = HEALTH[component](cfg)
         if ok:
             return

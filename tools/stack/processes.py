@@ -319,7 +319,9 @@ def run_logged(cfg: Config, name: str, cmd: list[str], env: dict[str, str], time
         except subprocess.TimeoutExpired:
             raise StackError(f"`{' '.join(cmd[1:])}` took over {timeout:.0f}s: see {log_file(cfg, name)}") from None
     if code != 0:
-        raise StackError(f"`{' '.join(cmd[1:])}` failed (code {code}): see {log_file(cfg, name)} (last line: {tail(log_file(cfg, name))[-300:]})")
+        raise StackError(
+            f"`{' '.join(cmd[1:])}` failed (code {code}): see {log_file(cfg, name)} (last line: {tail(log_file(cfg, name))[-300:]})"
+        )
 
 
 def reserialize(cfg: Config, env: dict[str, str] | None = None) -> None:

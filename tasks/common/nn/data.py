@@ -33,10 +33,14 @@ def resolve_dataset(uri: str, split: str) -> Path:
         if split not in splits:
             raise ConfigError(f"dataset: {manifest['uri']} has no split {split!r}; it has {sorted(splits) or 'none'}")
         relative = splits[split]
-        local_dir, _ = manifests.fetch(manifest["uri"], manifests.local_cache_dir(manifest["uri"]), subdir=str(Path(relative).parent))
+        local_dir, _ = manifests.fetch(
+            manifest["uri"], manifests.local_cache_dir(manifest["uri"]), subdir=str(Path(relative).parent)
+        )
         return local_dir / Path(relative).name
     if storage.is_s3(uri):
-        raise ConfigError(f"dataset: {uri} is not a stage output (no manifest.json); register it with the prepare_data stage")
+        raise ConfigError(
+            f"dataset: {uri} is not a stage output (no manifest.json); register it with the prepare_data stage"
+        )
     path = Path(uri.removeprefix("file://"))
     if not path.is_file():
         raise ConfigError(f"dataset: {uri} not found; pass a JSONL, Parquet or CSV file or a stage output's manifest")
@@ -54,7 +58,9 @@ def load_rows(uri: str, split: str, keys: list[str], max_samples: int = 0):
     rows = datasets.load_dataset(fmt, data_files=str(path), split="train")
     for key in keys:
         if key not in rows.column_names:
-            raise ConfigError(f"dataset: key {key!r} missing in {uri} ({split}); keys present: {', '.join(rows.column_names)}")
+            raise ConfigError(
+                f"dataset: key {key!r} missing in {uri} ({split}); keys present: {', '.join(rows.column_names)}"
+            )
     if max_samples and max_samples < len(rows):
         rows = rows.select(range(max_samples))
     return rows
@@ -79,7 +85,11 @@ def as_messages(prompt) -> list[dict]:
         return [{"role": "user", "content": prompt}]
     messages = []
     for message in prompt:
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str) or not isinstance(message.get("content"), str):
+        if (
+            not isinstance(message, dict)
+            or not isinstance(message.get("role"), str)
+            or not isinstance(message.get("content"), str)
+        ):
             raise ConfigError(
                 f"prompt: a chat message must be an object with string 'role' and 'content', got {str(message)[:80]!r}; fix the dataset's prompt column"
             )
@@ -98,7 +108,11 @@ def encode_prompt(tokenizer, prompt, chat_template: bool = False, tools: list | 
     if chat_template:
         _require_template(tokenizer)
         extra = {"tools": tools} if tools else {}  # tool schemas, for templates that describe tools to the model
-        return list(tokenizer.apply_chat_template(as_messages(prompt), add_generation_prompt=True, tokenize=True, return_dict=False, **extra))
+        return list(
+            tokenizer.apply_chat_template(
+                as_messages(prompt), add_generation_prompt=True, tokenize=True, return_dict=False, **extra
+            )
+        )
     if not isinstance(prompt, str):
         raise ConfigError(
             "apply_chat_template: the prompt is a list of chat messages, which only the tokenizer's chat template can render; pass --apply_chat_template"
@@ -228,7 +242,9 @@ class BatchSampler:
         import numpy as np
 
         if n_rows < batch_size:
-            raise ConfigError(f"train_batch_size: {batch_size} is larger than the {n_rows} rows of the dataset; lower it")
+            raise ConfigError(
+                f"train_batch_size: {batch_size} is larger than the {n_rows} rows of the dataset; lower it"
+            )
         self.n_rows, self.batch_size = n_rows, batch_size
         self.rng = np.random.default_rng(seed)
         self.epoch, self.position = 0, 0
@@ -244,7 +260,12 @@ class BatchSampler:
         return batch.tolist()
 
     def state_dict(self) -> dict:
-        return {"rng": self.rng.bit_generator.state, "epoch": self.epoch, "position": self.position, "order": self.order.tolist()}
+        return {
+            "rng": self.rng.bit_generator.state,
+            "epoch": self.epoch,
+            "position": self.position,
+            "order": self.order.tolist(),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         import numpy as np

@@ -135,7 +135,9 @@ class Episode:
     env: object | None
     tokens: list[int] = field(default_factory=list)
     model_mask: list[int] = field(default_factory=list)  # 1: the model's token (trained on), 0: an observation's
-    logprobs: list[float] = field(default_factory=list)  # the engine's log-probability of each model token (0 elsewhere)
+    logprobs: list[float] = field(
+        default_factory=list
+    )  # the engine's log-probability of each model token (0 elsewhere)
     versions: list[int] = field(default_factory=list)  # the weight version each token was generated under
     reward: float = 0.0
     turns: int = 0
@@ -207,7 +209,9 @@ def _observation_frame(tokenizer, role: str) -> str:
         messages = [{"role": "user", "content": "1"}, {"role": "assistant", "content": answer}]
         for who in (role, "user"):  # a template that knows no tool role gets the observation as a user turn
             try:
-                text = tokenizer.apply_chat_template(messages + [{"role": who, "content": _OBS_PROBE}], add_generation_prompt=True, tokenize=False)
+                text = tokenizer.apply_chat_template(
+                    messages + [{"role": who, "content": _OBS_PROBE}], add_generation_prompt=True, tokenize=False
+                )
             except Exception:
                 continue
             if _OBS_PROBE in text:
@@ -226,8 +230,22 @@ def _observation_frame(tokenizer, role: str) -> str:
 def episode_runner(cfg, engine, tokenizer, policy_version=None) -> "EpisodeRunner":
     """The runner of a stage config's episodes (tasks.common.generation.EpisodeConfig's fields, with generate_max_len,
     apply_chat_template, input_key and, in RL, prompt_max_len): its environment, its limits, on `engine`."""
-    limits = EpisodeLimits(cfg.max_turns, cfg.max_episode_tokens, cfg.generate_max_len, cfg.env_step_timeout, getattr(cfg, "prompt_max_len", 0))
-    return EpisodeRunner(engine, tokenizer, load_environment(cfg.env_path), limits, cfg.apply_chat_template, cfg.input_key, policy_version)
+    limits = EpisodeLimits(
+        cfg.max_turns,
+        cfg.max_episode_tokens,
+        cfg.generate_max_len,
+        cfg.env_step_timeout,
+        getattr(cfg, "prompt_max_len", 0),
+    )
+    return EpisodeRunner(
+        engine,
+        tokenizer,
+        load_environment(cfg.env_path),
+        limits,
+        cfg.apply_chat_template,
+        cfg.input_key,
+        policy_version,
+    )
 
 
 class EpisodeRunner:
@@ -246,13 +264,24 @@ class EpisodeRunner:
     may load newer weights (--partial_rollouts) and says which version the turns generate with; each token is
     tagged with it."""
 
-    def __init__(self, engine, tokenizer, make_env, limits: EpisodeLimits, chat_template: bool = False, input_key: str = "prompt", policy_version=None):
+    def __init__(
+        self,
+        engine,
+        tokenizer,
+        make_env,
+        limits: EpisodeLimits,
+        chat_template: bool = False,
+        input_key: str = "prompt",
+        policy_version=None,
+    ):
         self.engine, self.tokenizer, self.make_env, self.limits = engine, tokenizer, make_env, limits
         self.chat_template, self.input_key, self.policy_version = chat_template, input_key, policy_version
         self.overlap = bool(getattr(engine, "overlap_turns", False))
         self.requests = engine if hasattr(engine, "submit") else BatchedRequests(engine)
         self.stop_ids = set(data.stop_token_ids(tokenizer))
-        self.pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="env")  # a hung sync step holds a thread, not the run
+        self.pool = ThreadPoolExecutor(
+            max_workers=32, thread_name_prefix="env"
+        )  # a hung sync step holds a thread, not the run
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, name="env-loop", daemon=True).start()
 
@@ -290,10 +319,21 @@ class EpisodeRunner:
         episodes = []
         for env, row, reset in zip(envs, rows, resets):
             first = env if reset is None else self._outcome(reset)
-            failure = failure_reason(first) if isinstance(first, BaseException) else None if first is None or isinstance(first, (str, list)) else "malformed"
+            failure = (
+                failure_reason(first)
+                if isinstance(first, BaseException)
+                else None
+                if first is None or isinstance(first, (str, list))
+                else "malformed"
+            )
             prompt = row.get(self.input_key, "") if failure or first is None else first
-            ids = data.encode_prompt(self.tokenizer, prompt, self.chat_template, tools=getattr(self.make_env, "tools", None))
-            episode = Episode(ids[-self.limits.max_prompt_tokens :] if self.limits.max_prompt_tokens else ids, None if isinstance(env, Exception) else env)
+            ids = data.encode_prompt(
+                self.tokenizer, prompt, self.chat_template, tools=getattr(self.make_env, "tools", None)
+            )
+            episode = Episode(
+                ids[-self.limits.max_prompt_tokens :] if self.limits.max_prompt_tokens else ids,
+                None if isinstance(env, Exception) else env,
+            )
             if failure:
                 self._fail(episode, failure)
             episodes.append(episode)
@@ -317,14 +357,18 @@ class EpisodeRunner:
                 finished = [future for future in stepping if future.done()]
             for future in finished:
                 i, turn_version = stepping.pop(future)
-                self._apply(episodes[i], self._outcome(future), episodes[i].turns == self.limits.max_turns, turn_version)
+                self._apply(
+                    episodes[i], self._outcome(future), episodes[i].turns == self.limits.max_turns, turn_version
+                )
                 if not episodes[i].done:
                     ready.append(i)
             if ready and not generating and self.policy_version:
                 # Newer weights load only with no turn in the engine, so each token's version is the weights that made it.
                 version = self.policy_version()
             for i in sorted(ready):
-                self.requests.submit(i, episodes[i].prompt + episodes[i].tokens, self.limits.max_turn_tokens, temperature, greedy)
+                self.requests.submit(
+                    i, episodes[i].prompt + episodes[i].tokens, self.limits.max_turn_tokens, temperature, greedy
+                )
                 generating[i] = version
             ready = []
             turns = self.requests.step() if generating else []
@@ -339,7 +383,12 @@ class EpisodeRunner:
         """A model turn's tokens appended to its episode (up to the episode's room) and decoded into its `action`."""
         room = self.limits.max_episode_tokens - len(episode.tokens)
         ids = completion.token_ids[:room]
-        episode.add(ids, by_model=True, logprobs=None if completion.logprobs is None else completion.logprobs[:room], version=version)
+        episode.add(
+            ids,
+            by_model=True,
+            logprobs=None if completion.logprobs is None else completion.logprobs[:room],
+            version=version,
+        )
         episode.turns += 1
         episode.action = self.tokenizer.decode([t for t in ids if t not in self.stop_ids], skip_special_tokens=True)
 
@@ -398,7 +447,11 @@ class EpisodeRunner:
         )
         summaries = [episode_summary(e) for e in episodes]
         return Episodes(
-            rollout, torch.tensor([e.reward for e in episodes], dtype=torch.float32), summaries, episode_stats(summaries, seconds, waited), episodes
+            rollout,
+            torch.tensor([e.reward for e in episodes], dtype=torch.float32),
+            summaries,
+            episode_stats(summaries, seconds, waited),
+            episodes,
         )
 
     def close(self) -> None:

@@ -44,9 +44,17 @@ class FusedLead(nn.Module):
         first = linears[0].weight
         self.sizes = [m.out_features for m in linears]
         self.linears = linears  # a plain list: the originals are not submodules of this one
-        self.register_buffer("weight", torch.empty(sum(self.sizes), first.shape[1], dtype=first.dtype, device=first.device), persistent=False)
+        self.register_buffer(
+            "weight",
+            torch.empty(sum(self.sizes), first.shape[1], dtype=first.dtype, device=first.device),
+            persistent=False,
+        )
         has_bias = any(m.bias is not None for m in linears)
-        self.register_buffer("bias", torch.zeros(sum(self.sizes), dtype=first.dtype, device=first.device) if has_bias else None, persistent=False)
+        self.register_buffer(
+            "bias",
+            torch.zeros(sum(self.sizes), dtype=first.dtype, device=first.device) if has_bias else None,
+            persistent=False,
+        )
         self.outputs: tuple[torch.Tensor, ...] = ()
 
     @torch.no_grad()

@@ -74,8 +74,12 @@ def _target_modules(model, names: str) -> str | list[str]:
     modules = [name for name, _ in model.named_modules()]
     missing = [n for n in wanted if not any(m == n or m.endswith("." + n) for m in modules)]
     if missing:
-        linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
-        raise ConfigError(f"target_modules: {', '.join(missing)} name no module of {model.name_or_path}; use all-linear or some of {','.join(linear)}")
+        linear = sorted(
+            {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+        )
+        raise ConfigError(
+            f"target_modules: {', '.join(missing)} name no module of {model.name_or_path}; use all-linear or some of {','.join(linear)}"
+        )
     return wanted
 
 
@@ -101,7 +105,10 @@ def apply_lora(model, cfg, scalar: bool = False):
 def param_counts(model) -> dict[str, int]:
     """Trainable and total parameters (count before DeepSpeed's ZeRO-3 partitions them)."""
     params = list(model.parameters())
-    return {"trainable_params": sum(p.numel() for p in params if p.requires_grad), "total_params": sum(p.numel() for p in params)}
+    return {
+        "trainable_params": sum(p.numel() for p in params if p.requires_grad),
+        "total_params": sum(p.numel() for p in params),
+    }
 
 
 @contextmanager
@@ -144,7 +151,9 @@ class AdapterWeights:
 
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
-        save_file({name: t.contiguous() for name, t in self.tensors.items()}, str(out_dir / "adapter_model.safetensors"))
+        save_file(
+            {name: t.contiguous() for name, t in self.tensors.items()}, str(out_dir / "adapter_model.safetensors")
+        )
         (out_dir / "adapter_config.json").write_text(json.dumps(self.config, default=_json_value))
         return out_dir
 
@@ -161,7 +170,10 @@ def adapter_weights(model, gather: bool = False, every_rank: bool = False) -> Ad
     state = trainable_state(model, gather, every_rank)
     if not state:
         return None
-    return AdapterWeights(model.peft_config["default"].to_dict(), get_peft_model_state_dict(model, state_dict=state, save_embedding_layers=False))
+    return AdapterWeights(
+        model.peft_config["default"].to_dict(),
+        get_peft_model_state_dict(model, state_dict=state, save_embedding_layers=False),
+    )
 
 
 def save_peft(model, state: dict[str, torch.Tensor], out_dir: str | Path, merge: bool, base_uri: str) -> None:
@@ -185,14 +197,21 @@ def _save_adapter(model, state: dict, out_dir, base_uri: str) -> None:
     # adapter_config.json names the base by the URI the stage read, not this worker's cache folder.
     config.base_model_name_or_path = base_uri or local
     try:
-        model.save_pretrained(str(out_dir), state_dict=state, safe_serialization=True, save_embedding_layers=False)  # "auto" would look the base up on the hub
+        model.save_pretrained(
+            str(out_dir), state_dict=state, safe_serialization=True, save_embedding_layers=False
+        )  # "auto" would look the base up on the hub
     finally:
         config.base_model_name_or_path = local
     (Path(out_dir) / "README.md").unlink(missing_ok=True)  # peft's model card template: noise in a stage output
 
 
 def merge_adapter(
-    adapter_dir: str | Path, base_path: str, out_dir: str | Path, config=None, overrides: dict | None = None, dtype: torch.dtype | None = None
+    adapter_dir: str | Path,
+    base_path: str,
+    out_dir: str | Path,
+    config=None,
+    overrides: dict | None = None,
+    dtype: torch.dtype | None = None,
 ) -> Path:
     """Load `base_path` (a causal LM, or a one-output scalar model for a SEQ_CLS adapter), merge the adapter
     in, and save the full model (config, safetensors, generation config) under `out_dir`. `config`: the
@@ -225,7 +244,11 @@ def merged_checkpoint(adapter_dir: str | Path, base_path: str, overrides: dict |
     and overrides are the same."""
     adapter_dir = Path(adapter_dir)
     out = adapter_dir.with_name(adapter_dir.name + "-merged")
-    made_from = {"adapter_sha256": manifests.file_sha256(adapter_dir / "adapter_model.safetensors"), "base": str(base_path), "overrides": overrides or {}}
+    made_from = {
+        "adapter_sha256": manifests.file_sha256(adapter_dir / "adapter_model.safetensors"),
+        "base": str(base_path),
+        "overrides": overrides or {},
+    }
     with manifests.folder_lock(out):
         try:
             if json.loads((out / MERGE_MARKER).read_text()) == made_from:

@@ -51,7 +51,9 @@ def last_token_index(mask: torch.Tensor) -> torch.Tensor:
     return (positions * mask.long()).argmax(dim=1)
 
 
-def sft_loss(logprobs: torch.Tensor, loss_mask: torch.Tensor, num_tokens: torch.Tensor | float | None = None) -> torch.Tensor:
+def sft_loss(
+    logprobs: torch.Tensor, loss_mask: torch.Tensor, num_tokens: torch.Tensor | float | None = None
+) -> torch.Tensor:
     """Negative log-likelihood of the response tokens (prompt tokens masked out), summed and divided
     by `num_tokens`, or averaged over this batch's response tokens without it.
 
@@ -77,7 +79,11 @@ LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_no
 
 
 def aggregate(
-    loss: torch.Tensor, mask: torch.Tensor, loss_agg: str = "token_mean", max_len: int | None = None, normalizer: torch.Tensor | float | None = None
+    loss: torch.Tensor,
+    mask: torch.Tensor,
+    loss_agg: str = "token_mean",
+    max_len: int | None = None,
+    normalizer: torch.Tensor | float | None = None,
 ) -> torch.Tensor:
     """Reduce a per-token loss [B, T] to a scalar over the response tokens (mask = 1).
 
@@ -187,7 +193,9 @@ def policy_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torch.Te
     return torch.exp((logprobs - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
 
 
-def importance_weights(old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mask: torch.Tensor, mode: str, cap: float = 2.0) -> torch.Tensor | None:
+def importance_weights(
+    old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mask: torch.Tensor, mode: str, cap: float = 2.0
+) -> torch.Tensor | None:
     """Per-token weights correcting for rollouts sampled by another policy μ (a rollout engine's stale weights or
     its numerics) than the π_old the PPO ratio is taken against: w = π_old / μ per token, detached.
 
@@ -221,7 +229,10 @@ def in_band(log_w: torch.Tensor, cap: float) -> torch.Tensor:
 
 
 def logprob_mismatch(
-    old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mask: torch.Tensor, is_weights: torch.Tensor | None = None
+    old_logprobs: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    is_weights: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """How far the trainer's log-probabilities of the sampled tokens are from the engine's that sampled them:
     the mean of log π_old - log μ and its largest magnitude (engine_logprob_max_diff, the weight-sync check's
@@ -235,7 +246,12 @@ def logprob_mismatch(
     old_logprobs, behaviour_logprobs = masked_inputs(mask, old_logprobs.detach().float(), behaviour_logprobs.float())
     log_w = old_logprobs - behaviour_logprobs
     if not (mask > 0).any():
-        return {"mismatch_log_ratio_mean": 0.0, "engine_logprob_max_diff": 0.0, "mismatch_kl": 0.0, "corrected_mismatch_kl": 0.0}
+        return {
+            "mismatch_log_ratio_mean": 0.0,
+            "engine_logprob_max_diff": 0.0,
+            "mismatch_kl": 0.0,
+            "corrected_mismatch_kl": 0.0,
+        }
     k3 = torch.exp(log_w) - 1 - log_w
     kept = mask if is_weights is None else mask * (is_weights > 0)
     log_r = log_w if is_weights is None else log_w - torch.log(is_weights.float().clamp(min=1e-30))

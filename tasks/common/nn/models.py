@@ -84,7 +84,9 @@ def resolve_model(uri: str) -> str:
         return str(fetch_model_folder(uri))
     manifest = manifests.read_manifest(uri)
     if "model" not in manifest:
-        raise storage.StorageError(f"{manifest['uri']} holds no model (its stage is {manifest.get('stage')!r}); pass a model's URI")
+        raise storage.StorageError(
+            f"{manifest['uri']} holds no model (its stage is {manifest.get('stage')!r}); pass a model's URI"
+        )
     ref = manifest["model"].rstrip("/")
     if not any(path.startswith(ref + "/") for path in manifest.get("files", {})):
         return resolve_model(ref)  # the manifest points elsewhere: a hub id or another stage's output
@@ -123,7 +125,9 @@ def use_liger(asked: bool) -> bool:
     if not asked or not torch.cuda.is_available():
         return False
     if importlib.util.find_spec("liger_kernel") is None:
-        logger.warning("use_liger_kernel: the liger-kernel package is missing (pip install 'rlhf-flow[gpu]'); using eager kernels")
+        logger.warning(
+            "use_liger_kernel: the liger-kernel package is missing (pip install 'rlhf-flow[gpu]'); using eager kernels"
+        )
         return False
     return True
 
@@ -135,7 +139,9 @@ def attn_implementation(flash_attn: bool) -> str:
         return "sdpa"
     if torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None:
         return "flash_attention_2"
-    missing = "a CUDA GPU" if not torch.cuda.is_available() else "the flash-attn package (pip install 'rlhf-flow[flash]')"
+    missing = (
+        "a CUDA GPU" if not torch.cuda.is_available() else "the flash-attn package (pip install 'rlhf-flow[flash]')"
+    )
     logger.warning("flash_attn: %s is missing; using PyTorch's SDPA attention kernels instead", missing)
     return "sdpa"
 
@@ -146,11 +152,19 @@ def with_liger(model):
     from liger_kernel.transformers import _apply_liger_kernel_to_instance
 
     # The fused linear cross-entropy is off: the stages never pass labels; head_logprobs does that part.
-    _apply_liger_kernel_to_instance(model=model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False)
+    _apply_liger_kernel_to_instance(
+        model=model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False
+    )
     return model
 
 
-def load_causal_lm(path: str, dtype: torch.dtype = torch.float32, flash_attn: bool = False, liger: bool = False, torch_compile: bool = False):
+def load_causal_lm(
+    path: str,
+    dtype: torch.dtype = torch.float32,
+    flash_attn: bool = False,
+    liger: bool = False,
+    torch_compile: bool = False,
+):
     """A causal LM; with `liger`, Liger's kernels and its log-probs taken a chunk of tokens at a time. With
     `torch_compile` (its blocks are to be compiled: strategy.prepare), the chunked log-probs alone: torch.compile
     fuses the norms and the MLP in Liger's place, and Liger's Triton kernels inside compiled blocks trained the
@@ -178,18 +192,28 @@ def compile_blocks(model) -> int:
 
     blocks = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     if not blocks:
-        raise ValueError(f"torch_compile: {type(model).__name__} has no transformer blocks transformers knows; drop --torch_compile")
+        raise ValueError(
+            f"torch_compile: {type(model).__name__} has no transformer blocks transformers knows; drop --torch_compile"
+        )
     torch._dynamo.config.allow_unspec_int_on_nn_module = True
     for block in blocks:
         block.compile()
     return len(blocks)
 
 
-def load_scalar_model(path: str, dtype: torch.dtype = torch.float32, flash_attn: bool = False, liger: bool = False, torch_compile: bool = False):
+def load_scalar_model(
+    path: str,
+    dtype: torch.dtype = torch.float32,
+    flash_attn: bool = False,
+    liger: bool = False,
+    torch_compile: bool = False,
+):
     """A model with a one-output head on every token: reward models and critics (Liger's kernels as load_causal_lm)."""
     from transformers import AutoModelForSequenceClassification
 
-    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype, attn_implementation=attn_implementation(flash_attn))
+    model = AutoModelForSequenceClassification.from_pretrained(
+        path, num_labels=1, dtype=dtype, attn_implementation=attn_implementation(flash_attn)
+    )
     if model.config.pad_token_id is None:
         raise ValueError(f"{path}: config has no pad_token_id; a scalar head needs it to find the last token")
     return with_liger(model) if liger and not torch_compile else model
@@ -200,7 +224,9 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def packed_logprobs(model, input_ids: torch.Tensor, position_ids: torch.Tensor, sequence_index: torch.Tensor) -> torch.Tensor:
+def packed_logprobs(
+    model, input_ids: torch.Tensor, position_ids: torch.Tensor, sequence_index: torch.Tensor
+) -> torch.Tensor:
     """sequence_logprobs of a packed row (tasks.common.nn.data.pack): [1, T] -> [1, T-1]. No token attends
     across sequences: FlashAttention-2 reads the boundaries from the restarting position ids (varlen);
     the other kernels get a block-diagonal causal mask. A sequence's last position predicts the next
@@ -209,7 +235,9 @@ def packed_logprobs(model, input_ids: torch.Tensor, position_ids: torch.Tensor, 
     chunked = _chunked_head(model)
     if chunked:
         backbone, head = chunked
-        hidden = backbone(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False).last_hidden_state
+        hidden = backbone(
+            input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state
         return head_logprobs(hidden[:, :-1], head, input_ids[:, 1:])
     logits = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False).logits
     return token_logprobs(logits[:, :-1], input_ids[:, 1:])
@@ -224,16 +252,22 @@ def packed_attention_mask(config, sequence_index: torch.Tensor, device) -> torch
     return (same & torch.ones_like(same).tril())[None, None].to(device)
 
 
-def packed_scores(model, input_ids: torch.Tensor, position_ids: torch.Tensor, sequence_index: torch.Tensor) -> torch.Tensor:
+def packed_scores(
+    model, input_ids: torch.Tensor, position_ids: torch.Tensor, sequence_index: torch.Tensor
+) -> torch.Tensor:
     """sequence_scores of a packed row (tasks.common.nn.data.pack): [1, T] -> [number of sequences], the scalar
     head at each sequence's last token, with no token attending across sequences."""
     model = lora.unwrap(model)
     backbone = getattr(model, model.base_model_prefix)
     mask = packed_attention_mask(model.config, sequence_index, input_ids.device)
-    hidden = backbone(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False).last_hidden_state
+    hidden = backbone(
+        input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False
+    ).last_hidden_state
     values = model.score(hidden).squeeze(-1).float()[0]
     index = sequence_index.to(values.device)
-    last = torch.cat([(index[1:] != index[:-1]).nonzero().squeeze(-1), torch.tensor([index.numel() - 1], device=values.device)])
+    last = torch.cat(
+        [(index[1:] != index[:-1]).nonzero().squeeze(-1), torch.tensor([index.numel() - 1], device=values.device)]
+    )
     return values[last]
 
 
@@ -253,9 +287,18 @@ def sequence_logprobs(
     chunked = _chunked_head(model)
     if chunked:
         backbone, head = chunked
-        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask), use_cache=False).last_hidden_state
-        return head_logprobs(hidden[:, start:-1], head, input_ids[:, start + 1 :], temperature, return_entropy, entropy_grad=entropy_grad)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask), use_cache=False).logits
+        hidden = backbone(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids(attention_mask),
+            use_cache=False,
+        ).last_hidden_state
+        return head_logprobs(
+            hidden[:, start:-1], head, input_ids[:, start + 1 :], temperature, return_entropy, entropy_grad=entropy_grad
+        )
+    logits = model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask), use_cache=False
+    ).logits
     logits = logits[:, start:-1]
     logprobs = token_logprobs(logits, input_ids[:, start + 1 :], temperature)  # divides inside, fused on a GPU
     if not return_entropy:
@@ -264,7 +307,12 @@ def sequence_logprobs(
 
 
 def token_nll_sum(
-    model, input_ids: torch.Tensor, target_mask: torch.Tensor, positions: torch.Tensor, attention_mask=None, sequence_index=None
+    model,
+    input_ids: torch.Tensor,
+    target_mask: torch.Tensor,
+    positions: torch.Tensor,
+    attention_mask=None,
+    sequence_index=None,
 ) -> torch.Tensor | None:
     """Σ -log p(input_ids[:, t+1] | tokens ≤ t) over the positions t where target_mask ([B, T-1]) is 1, for rows
     padded to one width (their attention_mask) or packed into one (its sequence_index, as packed_logprobs), through
@@ -279,7 +327,9 @@ def token_nll_sum(
         return None
     if sequence_index is not None:
         attention_mask = packed_attention_mask(getattr(model, "module", model).config, sequence_index, input_ids.device)
-    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False).last_hidden_state
+    hidden = backbone(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False
+    ).last_hidden_state
     return fused_linear_nll_sum(hidden[:, :-1], head.weight, input_ids[:, 1:], target_mask)
 
 
@@ -301,7 +351,9 @@ def token_values(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -
     """The scalar head applied to every token's hidden state: [B, T]."""
     model = lora.unwrap(model)  # a peft wrapper's attributes are not the transformers model's
     backbone = getattr(model, model.base_model_prefix)
-    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask), use_cache=False).last_hidden_state
+    hidden = backbone(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask), use_cache=False
+    ).last_hidden_state
     return model.score(hidden).squeeze(-1).float()
 
 

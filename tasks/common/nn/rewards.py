@@ -71,21 +71,29 @@ def _as_rewards(values: Any, n: int, who: str, device: torch.device) -> torch.Te
     if isinstance(values, dict):
         key = next((k for k in ("rewards", "scores") if k in values), None)
         if key is None:
-            raise RewardError(f"{who} returned a dict with keys {sorted(map(str, values))}; return the rewards under 'rewards'")
+            raise RewardError(
+                f"{who} returned a dict with keys {sorted(map(str, values))}; return the rewards under 'rewards'"
+            )
         values = values[key]
-    if isinstance(values, (str, bytes, dict)) or not (isinstance(values, (torch.Tensor, list, tuple)) or hasattr(values, "__array__")):
+    if isinstance(values, (str, bytes, dict)) or not (
+        isinstance(values, (torch.Tensor, list, tuple)) or hasattr(values, "__array__")
+    ):
         raise RewardError(f"{who} returned {type(values).__name__}; return a torch tensor or a list of {n} floats")
     try:
         rewards = torch.as_tensor(values).detach().to(torch.float32)
     except (TypeError, ValueError, RuntimeError):
-        kinds = sorted({type(v).__name__ for v in values}) if isinstance(values, (list, tuple)) else [type(values).__name__]
+        kinds = (
+            sorted({type(v).__name__ for v in values}) if isinstance(values, (list, tuple)) else [type(values).__name__]
+        )
         raise RewardError(
             f"{who} returned a {type(values).__name__} of {', '.join(kinds)}, not numbers; return a torch tensor or a list of {n} floats"
         ) from None
     if rewards.dim() == 2 and rewards.size(-1) == 1:
         rewards = rewards.squeeze(-1)
     if rewards.dim() != 1 or rewards.numel() != n:
-        raise RewardError(f"{who} returned rewards of shape {list(rewards.shape)} for a batch of {n}; return one float per query")
+        raise RewardError(
+            f"{who} returned rewards of shape {list(rewards.shape)} for a batch of {n}; return one float per query"
+        )
     if not torch.isfinite(rewards).all():
         raise RewardError(f"{who} returned non-finite rewards ({rewards.tolist()[:8]}…)")
     return rewards.to(device)
@@ -98,7 +106,12 @@ class RewardModels(RewardSource):
     """One or several frozen reward models; the reward is the sum of their (optionally standardised) scores."""
 
     def __init__(
-        self, paths: Sequence[str] | str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, normalize: bool = True, batch_size: int = 256
+        self,
+        paths: Sequence[str] | str,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        normalize: bool = True,
+        batch_size: int = 256,
     ):
         from tasks.common.nn.models import load_scalar_model, resolve_model
 
@@ -131,7 +144,10 @@ class RewardModels(RewardSource):
                     "reward models must share the policy's tokenizer"
                 )
             scores = torch.cat(
-                [sequence_scores(model, seqs[i : i + self.batch_size], mask[i : i + self.batch_size]).float() for i in range(0, seqs.size(0), self.batch_size)]
+                [
+                    sequence_scores(model, seqs[i : i + self.batch_size], mask[i : i + self.batch_size]).float()
+                    for i in range(0, seqs.size(0), self.batch_size)
+                ]
             )
             if self.normalize:
                 scores = (scores - mean) / max(std, 1e-6)
@@ -153,7 +169,9 @@ class RewardFunction(RewardSource):
         self._func = self._load()
 
     def _load(self):
-        return user_code.load_function(self.path, "reward_func", who="remote_rm_url", error=RewardError, signature="queries, prompts, labels")
+        return user_code.load_function(
+            self.path, "reward_func", who="remote_rm_url", error=RewardError, signature="queries, prompts, labels"
+        )
 
     def __getstate__(self):  # a module does not pickle (Ray actors): reload from the path instead
         return {"path": self.path}
@@ -185,9 +203,19 @@ class RewardEndpoint(RewardSource):
 
     def score(self, batch: RewardBatch) -> torch.Tensor:
         payload = {"query": list(batch.queries), "prompts": list(batch.prompts), "labels": list(batch.labels)}
-        reply = http_json.post_json(self.url, payload, who="remote_rm_url", error=RewardError, timeout=self.timeout, retries=self.retries, backoff=self.backoff)
+        reply = http_json.post_json(
+            self.url,
+            payload,
+            who="remote_rm_url",
+            error=RewardError,
+            timeout=self.timeout,
+            retries=self.retries,
+            backoff=self.backoff,
+        )
         if isinstance(reply, dict) and not any(k in reply for k in ("rewards", "scores")):
-            raise RewardError(f'remote_rm_url: {self.url} answered JSON with keys {sorted(reply)}; expected {{"rewards": [...]}}')
+            raise RewardError(
+                f'remote_rm_url: {self.url} answered JSON with keys {sorted(reply)}; expected {{"rewards": [...]}}'
+            )
         return _as_rewards(reply, len(batch.queries), f"remote_rm_url: {self.url}", batch.sequences.device)
 
     def __repr__(self) -> str:
@@ -236,14 +264,18 @@ def make_reward_source(
     raise RewardError("reward: set --reward_pretrain or --remote_rm_url")
 
 
-def build_reward_batch(rollout, tokenizer, prompts_text: Sequence[str], labels: Sequence[str | None] | None = None) -> RewardBatch:
+def build_reward_batch(
+    rollout, tokenizer, prompts_text: Sequence[str], labels: Sequence[str | None] | None = None
+) -> RewardBatch:
     """A RewardBatch for a tasks.common.nn.engines.rollout.Rollout whose row i answers prompts_text[i]."""
     n = rollout.sequences.size(0)
     labels = [None] * n if labels is None else list(labels)
     if len(prompts_text) != n or len(labels) != n:
         raise ValueError(f"build_reward_batch: {n} sequences but {len(prompts_text)} prompts and {len(labels)} labels")
     queries = decode_rows(tokenizer, rollout.sequences, rollout.attention_mask)
-    return RewardBatch(rollout.sequences, rollout.attention_mask, queries, list(prompts_text), rollout.texts(tokenizer), labels)
+    return RewardBatch(
+        rollout.sequences, rollout.attention_mask, queries, list(prompts_text), rollout.texts(tokenizer), labels
+    )
 
 
 __all__ = [

@@ -15,7 +15,9 @@ import ray
 from tasks.common.nn.workers import WorkerGroup, merge_uploads, placed_group
 
 
-def train_single_group(run, cfg, worker_cls: type, summary: Callable[[dict], str], after: Callable | None = None) -> tuple[dict, dict, dict]:
+def train_single_group(
+    run, cfg, worker_cls: type, summary: Callable[[dict], str], after: Callable | None = None
+) -> tuple[dict, dict, dict]:
     """Record the stage's inputs (dataset, pretrain), place `worker_cls`'s group, set it up (printing
     `summary(setup's info)`), run the steps (train_steps), then `after(group, stats)` -> (extra metrics, save_model's
     extra arguments), and save the model into the run's model/. Returns (setup's info, the last step's statistics,
@@ -28,7 +30,12 @@ def train_single_group(run, cfg, worker_cls: type, summary: Callable[[dict], str
         stats = train_steps(run, group, cfg.max_steps, cfg.logging_steps)
         extra, save_args = after(group, stats) if after else ({}, ())
         group.run("save_model", str(run.workdir / "model"), *save_args)
-    metrics = {"truncated": info["truncated"], "workers": group.world_size, "trainable_params": info["trainable_params"], **extra}
+    metrics = {
+        "truncated": info["truncated"],
+        "workers": group.world_size,
+        "trainable_params": info["trainable_params"],
+        **extra,
+    }
     return info, stats, metrics
 
 

@@ -31,7 +31,9 @@ def set_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def lr_multiplier(step: int, total_steps: int, warmup_steps: int, schedule: str = "constant", min_ratio: float = 0.1) -> float:
+def lr_multiplier(
+    step: int, total_steps: int, warmup_steps: int, schedule: str = "constant", min_ratio: float = 0.1
+) -> float:
     """Learning-rate factor at optimizer step `step` (0-based): linear warmup over `warmup_steps`,
     then 1 ("constant") or a cosine from 1 down to `min_ratio` at `total_steps` ("cosine", as
     OpenRLHF's cosine_with_min_lr)."""
@@ -104,7 +106,11 @@ class DeepSpeedStrategy:
         init_distributed()
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         set_seed(seed)
-        self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+        self.device = (
+            torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
 
     @classmethod
     def for_training(cls, cfg, world_size: int, sequences_per_item: int = 1) -> "DeepSpeedStrategy":
@@ -139,7 +145,15 @@ class DeepSpeedStrategy:
             "wall_clock_breakdown": False,
         }
 
-    def prepare(self, model, learning_rate: float, total_steps: int, warmup_steps: int = 0, weight_decay: float = 0.0, lr_scheduler: str = "constant"):
+    def prepare(
+        self,
+        model,
+        learning_rate: float,
+        total_steps: int,
+        warmup_steps: int = 0,
+        weight_decay: float = 0.0,
+        lr_scheduler: str = "constant",
+    ):
         """Wrap a model for training: AdamW with linear warmup, then a constant or cosine learning rate."""
         import deepspeed
 
@@ -159,9 +173,15 @@ class DeepSpeedStrategy:
         else:
             # On CUDA, torch's fused AdamW: one kernel over ZeRO's flat float32 partition, where the default
             # (foreach) makes several passes over it.
-            optimizer = torch.optim.AdamW(params, lr=learning_rate, weight_decay=weight_decay, fused=self.device.type == "cuda")
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, total_steps, warmup_steps, lr_scheduler))
-        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config())
+            optimizer = torch.optim.AdamW(
+                params, lr=learning_rate, weight_decay=weight_decay, fused=self.device.type == "cuda"
+            )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: lr_multiplier(step, total_steps, warmup_steps, lr_scheduler)
+        )
+        engine, *_ = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config()
+        )
         fuse_zero_step_checks(engine.optimizer)
         return engine
 
@@ -215,7 +235,9 @@ class DeepSpeedStrategy:
 
     def load_state(self, engine, in_dir: str | Path) -> dict:
         """Restore what `save_state` wrote, this rank's RNG included; returns the `client_state`."""
-        _, client_state = engine.load_checkpoint(str(in_dir), tag="state", load_optimizer_states=True, load_lr_scheduler_states=True)
+        _, client_state = engine.load_checkpoint(
+            str(in_dir), tag="state", load_optimizer_states=True, load_lr_scheduler_states=True
+        )
         if client_state is None:
             raise FileNotFoundError(f"{in_dir}: no DeepSpeed checkpoint")
         set_rng_state(torch.load(Path(in_dir) / f"rng_rank{self.rank}.pt", weights_only=False))
@@ -243,7 +265,12 @@ def fuse_zero_step_checks(optimizer) -> None:
 
     if not isinstance(optimizer, DeepSpeedZeroOptimizer):
         return
-    if optimizer.dtype == torch.bfloat16 and optimizer.check_grad_overflow and optimizer.compute_grad_norm and not optimizer.cpu_offload:
+    if (
+        optimizer.dtype == torch.bfloat16
+        and optimizer.check_grad_overflow
+        and optimizer.compute_grad_norm
+        and not optimizer.cpu_offload
+    ):
         optimizer.check_overflow = lambda partition_gradients=True: None
     deepspeed_norm = optimizer.get_grad_norm_direct
 

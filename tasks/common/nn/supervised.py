@@ -14,20 +14,28 @@ from tasks.common.nn.losses import sft_loss
 from tasks.common.nn.models import packed_logprobs, position_ids, sequence_logprobs, token_nll_sum
 
 
-def tokenize_rows(rows, tokenizer, input_key: str, output_key: str, chat_template: bool, max_len: int) -> tuple[list[list[int]], list[list[int]], int]:
+def tokenize_rows(
+    rows, tokenizer, input_key: str, output_key: str, chat_template: bool, max_len: int
+) -> tuple[list[list[int]], list[list[int]], int]:
     """(ids, loss mask, number of rows cut) per row; the loss mask is 1 on the response tokens only.
     Rows longer than max_len lose the start of their prompt first (data.fit), so the answer and its
     closing token stay."""
     ids, masks, truncated = [], [], 0
     for prompt, response in zip(rows[input_key], rows[output_key]):
-        p, (r,), cut = data.fit(data.encode_prompt(tokenizer, prompt, chat_template), [data.encode_response(tokenizer, response, chat_template)], max_len)
+        p, (r,), cut = data.fit(
+            data.encode_prompt(tokenizer, prompt, chat_template),
+            [data.encode_response(tokenizer, response, chat_template)],
+            max_len,
+        )
         ids.append(p + r)
         masks.append([0] * len(p) + [1] * len(r))
         truncated += cut
     return ids, masks, truncated
 
 
-def micro_batch_loss(model, ids: list[list[int]], masks: list[list[int]], pad_id: int, packed: bool, device, num_tokens=None) -> torch.Tensor:
+def micro_batch_loss(
+    model, ids: list[list[int]], masks: list[list[int]], pad_id: int, packed: bool, device, num_tokens=None
+) -> torch.Tensor:
     """sft_loss of a micro-batch (micro_batch_inputs' rows). On CUDA with Liger it comes from Liger's fused
     linear cross-entropy (token_nll_sum), which never holds float32 logits and takes the output head's
     gradients in the forward pass; elsewhere from the log-probabilities."""
@@ -63,4 +71,8 @@ def micro_batch_logprobs(model, ids: list[list[int]], masks: list[list[int]], pa
 
 
 def _logprobs(model, input_ids, positions, mask_or_index, packed: bool) -> torch.Tensor:
-    return packed_logprobs(model, input_ids, positions, mask_or_index) if packed else sequence_logprobs(model, input_ids, mask_or_index)
+    return (
+        packed_logprobs(model, input_ids, positions, mask_or_index)
+        if packed
+        else sequence_logprobs(model, input_ids, mask_or_index)
+    )

@@ -30,7 +30,9 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: floa
     """
     if logits.is_cuda:
         return _compiled_token_logprobs()(logits, labels, temperature)
-    return torch.gather(F.log_softmax(tempered(logits.float(), temperature), dim=-1), -1, labels.unsqueeze(-1)).squeeze(-1)
+    return torch.gather(F.log_softmax(tempered(logits.float(), temperature), dim=-1), -1, labels.unsqueeze(-1)).squeeze(
+        -1
+    )
 
 
 def tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -76,8 +78,19 @@ def head_logprobs(
     checkpointed = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in _parameters(head)))
     parts = []
     for start in range(0, flat_labels.numel(), chunk_tokens):
-        args = (head, flat_hidden[start : start + chunk_tokens], flat_labels[start : start + chunk_tokens], temperature, return_entropy, entropy_grad)
-        parts.append(torch.utils.checkpoint.checkpoint(_chunk_logprobs, *args, use_reentrant=False) if checkpointed else _chunk_logprobs(*args))
+        args = (
+            head,
+            flat_hidden[start : start + chunk_tokens],
+            flat_labels[start : start + chunk_tokens],
+            temperature,
+            return_entropy,
+            entropy_grad,
+        )
+        parts.append(
+            torch.utils.checkpoint.checkpoint(_chunk_logprobs, *args, use_reentrant=False)
+            if checkpointed
+            else _chunk_logprobs(*args)
+        )
     out = torch.cat(parts, dim=-1)
     if not return_entropy:
         return out.reshape(shape)
@@ -89,7 +102,9 @@ def _parameters(head) -> list[torch.Tensor]:
     return list(head.parameters()) if isinstance(head, torch.nn.Module) else []
 
 
-def _chunk_logprobs(head, hidden, labels, temperature: float, return_entropy: bool, entropy_grad: bool = True) -> torch.Tensor:
+def _chunk_logprobs(
+    head, hidden, labels, temperature: float, return_entropy: bool, entropy_grad: bool = True
+) -> torch.Tensor:
     """One chunk of head_logprobs: [N, H] -> [N] log-probs, or [2, N] log-probs and entropies."""
     logits = head(hidden)
     logprobs = token_logprobs(logits, labels, temperature)
@@ -118,7 +133,9 @@ def _compiled_entropy():
     return torch.compile(fused_entropy, dynamic=True)
 
 
-def fused_linear_nll_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def fused_linear_nll_sum(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
     """Σ -log softmax(hidden @ weight.T)[label] over the positions where mask is 1: [..., H], [V, H], [...], [...] -> [].
     Liger's fused linear cross-entropy (CUDA only; its kernels are Triton's): a chunk of tokens at a time it makes
     the logits in the weight's precision, and one kernel reduces them and writes their gradient in place, float32

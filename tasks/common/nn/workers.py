@@ -44,7 +44,17 @@ from tasks.common.config import ConfigError
 
 # Environment a worker process needs from the driver: the raylet started it with its own, which
 # lacks what a test or a job set for the driver (caches, S3 endpoint, offline flags).
-FORWARDED_ENV_PREFIXES = ("RLHF_", "AWS_", "HF_", "WANDB_", "TRANSFORMERS_", "TORCH_EXTENSIONS_DIR", "PYTHONPATH", "TOKENIZERS_PARALLELISM", "DS_")
+FORWARDED_ENV_PREFIXES = (
+    "RLHF_",
+    "AWS_",
+    "HF_",
+    "WANDB_",
+    "TRANSFORMERS_",
+    "TORCH_EXTENSIONS_DIR",
+    "PYTHONPATH",
+    "TOKENIZERS_PARALLELISM",
+    "DS_",
+)
 # Never forwarded, whatever the prefix: a runtime_env is readable by anyone who reaches Ray's dashboard
 # (its actor API shows it) and is written to Ray's logs. Workers inherit credentials from their node.
 SECRET_ENV = re.compile(r"SECRET|PASSWORD|PASSWD|TOKEN|CREDENTIAL|ACCESS_KEY|PRIVATE_KEY|SESSION_KEY|API_KEY", re.I)
@@ -78,7 +88,11 @@ def busy_resources(bundle: dict[str, float], count: int, total: dict[str, float]
 
 def forwarded_env(environ: dict[str, str]) -> dict[str, str]:
     """What a worker actor's runtime_env carries from the driver's environment: no secret."""
-    return {k: v for k, v in environ.items() if k.startswith(FORWARDED_ENV_PREFIXES) and k not in NOT_FORWARDED and not SECRET_ENV.search(k)}
+    return {
+        k: v
+        for k, v in environ.items()
+        if k.startswith(FORWARDED_ENV_PREFIXES) and k not in NOT_FORWARDED and not SECRET_ENV.search(k)
+    }
 
 
 def connect_ray() -> None:
@@ -112,7 +126,14 @@ class Placement:
         return self.num_nodes * self.gpus_per_node
 
     @classmethod
-    def create(cls, num_nodes: int, gpus_per_node: int, name: str, use_gpu: bool | None = None, resources: dict[str, float] | None = None) -> "Placement":
+    def create(
+        cls,
+        num_nodes: int,
+        gpus_per_node: int,
+        name: str,
+        use_gpu: bool | None = None,
+        resources: dict[str, float] | None = None,
+    ) -> "Placement":
         """`resources`: custom resources each bundle also asks for (e.g. {"node_a": 1}), so the bundles
         land only on nodes that advertise them."""
         from ray.util.placement_group import placement_group
@@ -128,7 +149,11 @@ class Placement:
             )
         # PACK keeps one node's ranks together (and on one node when they fit); STRICT_PACK would
         # refuse a group larger than a node.
-        pg = placement_group([dict(bundle) for _ in range(num_nodes * gpus_per_node)], strategy="PACK", name=f"rlhf-{name}-{uuid.uuid4().hex[:6]}")
+        pg = placement_group(
+            [dict(bundle) for _ in range(num_nodes * gpus_per_node)],
+            strategy="PACK",
+            name=f"rlhf-{name}-{uuid.uuid4().hex[:6]}",
+        )
         ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
         if not ready:
             ray.util.remove_placement_group(pg)
@@ -184,7 +209,9 @@ def merge_uploads(results: Sequence[dict], prefix: str = "") -> dict:
         for rel, entry in (files or {}).items():
             key = f"{prefix.strip('/')}/{rel}" if prefix else rel
             if merged.setdefault(key, entry) != entry:
-                raise RuntimeError(f"{key}: two ranks wrote different files under one name; give each rank its own file names")
+                raise RuntimeError(
+                    f"{key}: two ranks wrote different files under one name; give each rank its own file names"
+                )
     return merged
 
 
@@ -309,7 +336,9 @@ class WorkerGroup:
         env = {**forwarded_env(os.environ), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         options = [
             dict(
-                resources, runtime_env={"env_vars": env}, scheduling_strategy=PlacementGroupSchedulingStrategy(placement.group, placement_group_bundle_index=r)
+                resources,
+                runtime_env={"env_vars": env},
+                scheduling_strategy=PlacementGroupSchedulingStrategy(placement.group, placement_group_bundle_index=r),
             )
             for r in range(self.world_size)
         ]
@@ -334,7 +363,9 @@ class WorkerGroup:
         threads = max(1, (os.cpu_count() or 1) // per_node)
 
         remote_cls = ray.remote(concurrency_groups={"beside": 1})(worker_cls)
-        self.workers = [remote_cls.options(**o).remote(r, self.world_size, init_method, threads) for r, o in enumerate(options)]
+        self.workers = [
+            remote_cls.options(**o).remote(r, self.world_size, init_method, threads) for r, o in enumerate(options)
+        ]
         ray.get([w.node_address.remote() for w in self.workers])  # all joined (or the error surfaces here)
 
     def run_async(self, method: str, *args, **kwargs) -> list:

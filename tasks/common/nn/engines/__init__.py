@@ -24,12 +24,16 @@ if TYPE_CHECKING:
 
 @runtime_checkable
 class RolloutEngine(Protocol):
-    def generate(self, prompt_ids: list[list[int]], max_new_tokens: int, temperature: float = 1.0, greedy: bool = False) -> Rollout:
+    def generate(
+        self, prompt_ids: list[list[int]], max_new_tokens: int, temperature: float = 1.0, greedy: bool = False
+    ) -> Rollout:
         """Responses to the prompts (token ids, no padding), each ending at a stop token or after max_new_tokens."""
         ...
 
 
-def make_engine(kind: str, tokenizer, *, module=None, path: str = "", device=None, max_len: int = 0, **options) -> RolloutEngine:
+def make_engine(
+    kind: str, tokenizer, *, module=None, path: str = "", device=None, max_len: int = 0, **options
+) -> RolloutEngine:
     """The rollout engine of `kind`, the one way a stage builds one. "transformers" decodes `module` (the live policy,
     on `device`) in this process; "vllm" (the gpu extra) loads the model at `path` for prompt + response lengths up
     to `max_len`, clamped to the model's positions, which vLLM refuses to exceed (0: the positions). `options` go to

@@ -71,8 +71,17 @@ if flash_attn_with_kvcache is not None:
     # A custom op, so a compiled decode forward keeps it inside one graph (flash-attn registers its training
     # kernels this way, not the kv-cache one).
     @torch.library.custom_op("rlhf_flow::flash_decode", mutates_args=(), device_types="cuda")
-    def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqlens: torch.Tensor, leftpad: torch.Tensor, scale: float) -> torch.Tensor:
-        return flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, cache_leftpad=leftpad, softmax_scale=scale).contiguous()
+    def flash_decode(
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        seqlens: torch.Tensor,
+        leftpad: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        return flash_attn_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=seqlens, cache_leftpad=leftpad, softmax_scale=scale
+        ).contiguous()
 
     @flash_decode.register_fake
     def _(q, k_cache, v_cache, seqlens, leftpad, scale):
@@ -94,7 +103,9 @@ def flash_kvcache_attention(module, query, key, value, attention_mask, scaling=N
     seqlens = (leftpad + written.sum(-1)).int()
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     # [B, H, 1, D] -> [B, 1, H, D]; the cache's [B, KV, L, D] read as [B, L, KV, D] in place
-    out = torch.ops.rlhf_flow.flash_decode(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), seqlens, leftpad, scale)
+    out = torch.ops.rlhf_flow.flash_decode(
+        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), seqlens, leftpad, scale
+    )
     return out, None
 
 
@@ -117,10 +128,14 @@ class DecodeState:
     cache_position: torch.Tensor  # [1]: its cache slot
     step: torch.Tensor  # [1]: its column in `tokens`
     stopped: torch.Tensor  # [B] bool
-    tokens: torch.Tensor  # [B, L] (as wide as the cache, so any call of this length fits): the response so far, padding after a stop
+    tokens: (
+        torch.Tensor
+    )  # [B, L] (as wide as the cache, so any call of this length fits): the response so far, padding after a stop
     logprobs: torch.Tensor  # [B, L]: each token's log-probability under the distribution it was drawn from
     stops: torch.Tensor  # the stop token ids
-    graphs: dict = field(default_factory=dict)  # (temperature, greedy) -> torch.cuda.CUDAGraph, or None where capture failed
+    graphs: dict = field(
+        default_factory=dict
+    )  # (temperature, greedy) -> torch.cuda.CUDAGraph, or None where capture failed
     warmups: dict = field(default_factory=dict)  # (temperature, greedy) -> eager steps run so far
 
 
@@ -164,7 +179,10 @@ class HFRolloutEngine:
         self.stop_check_every = STOP_CHECK_EVERY if self.device.type == "cuda" else 1
         self.capture = cuda_graphs and self.device.type == "cuda"
         self.graph_pool = torch.cuda.graph_pool_handle() if self.capture else None
-        flash = lora.unwrap(model).config._attn_implementation == "flash_attention_2" and flash_attn_with_kvcache is not None
+        flash = (
+            lora.unwrap(model).config._attn_implementation == "flash_attention_2"
+            and flash_attn_with_kvcache is not None
+        )
         self.decode_attention = FLASH_DECODE_ATTENTION if flash and self.device.type == "cuda" else DECODE_ATTENTION
         # The whole model's decode forward as one compiled graph (per batch shape): its elementwise kernels fuse.
         # Parameters are graph inputs, so updates are read.
@@ -172,7 +190,9 @@ class HFRolloutEngine:
         self.fused = FusedSiblings(lora.unwrap(model)) if fuse_projections else None
         # transformers 5.24 names the forward's KV cache `cache` (`past_key_values` goes in 5.40); older ones, the
         # GPU image's 5.17 among them, only know `past_key_values`.
-        self.cache_arg = "cache" if "cache" in inspect.signature(lora.unwrap(model).forward).parameters else "past_key_values"
+        self.cache_arg = (
+            "cache" if "cache" in inspect.signature(lora.unwrap(model).forward).parameters else "past_key_values"
+        )
 
     def captured(self) -> bool:
         """Whether decode steps ran from CUDA graphs: at least one captured, and none that failed to be."""
@@ -180,8 +200,18 @@ class HFRolloutEngine:
         return bool(graphs) and all(g is not None for g in graphs)
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]], max_new_tokens: int, temperature: float = 1.0, greedy: bool = False, batch_size: int = 256) -> Rollout:
-        chunks = [self._generate(prompt_ids[i : i + batch_size], max_new_tokens, temperature, greedy) for i in range(0, len(prompt_ids), batch_size)]
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        greedy: bool = False,
+        batch_size: int = 256,
+    ) -> Rollout:
+        chunks = [
+            self._generate(prompt_ids[i : i + batch_size], max_new_tokens, temperature, greedy)
+            for i in range(0, len(prompt_ids), batch_size)
+        ]
         return concat_rollouts(chunks, self.pad_id)
 
     def _generate(self, prompt_ids, max_new_tokens, temperature, greedy) -> Rollout:
@@ -221,7 +251,9 @@ class HFRolloutEngine:
         logprobs = (s.logprobs[:, :kept] * r_mask).cpu()
         return Rollout(torch.cat([ids, responses], dim=1), torch.cat([mask, r_mask], dim=1), r_mask, width, logprobs)
 
-    def _prefill(self, ids: torch.Tensor, mask: torch.Tensor, s: DecodeState, prompt_ids: list[list[int]]) -> torch.Tensor:
+    def _prefill(
+        self, ids: torch.Tensor, mask: torch.Tensor, s: DecodeState, prompt_ids: list[list[int]]
+    ) -> torch.Tensor:
         """The prompts' forward, eager, once per distinct prompt: a group's samples (GRPO's n per prompt) share
         theirs, so at 8 per prompt the prefill is an eighth of the work. Each row's keys and values are then
         written into its slots of the static cache. Returns the last position's logits of every row, [B, V]."""
@@ -283,7 +315,10 @@ class HFRolloutEngine:
             with torch.cuda.graph(graph, pool=self.graph_pool, capture_error_mode="thread_local"):
                 self._decode_step(s, *sampling)
         except RuntimeError as e:
-            logger.warning("hf engine: the decode step could not be captured as a CUDA graph (%s); decoding eagerly", str(e).splitlines()[0])
+            logger.warning(
+                "hf engine: the decode step could not be captured as a CUDA graph (%s); decoding eagerly",
+                str(e).splitlines()[0],
+            )
             s.graphs[sampling] = None
             self._decode_step(s, *sampling)
             return
@@ -327,7 +362,9 @@ class HFRolloutEngine:
         kept = base.config._attn_implementation
         if kept != self.decode_attention:
             base.set_attn_implementation(self.decode_attention)
-        compiled = {m: m._compiled_call_impl for m in base.modules() if getattr(m, "_compiled_call_impl", None) is not None}
+        compiled = {
+            m: m._compiled_call_impl for m in base.modules() if getattr(m, "_compiled_call_impl", None) is not None
+        }
         for m in compiled:
             m._compiled_call_impl = None
         try:
@@ -340,7 +377,9 @@ class HFRolloutEngine:
                 base.set_attn_implementation(kept)
 
 
-def sample_next(logits: torch.Tensor, temperature: float = 1.0, greedy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_next(
+    logits: torch.Tensor, temperature: float = 1.0, greedy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, V] logits -> each row's next token and its log-probability under the distribution it was drawn from:
     softmax(logits / temperature), or softmax(logits) for the greedy pick. Sampling is the exponential race
     (argmax of p / E, E ~ Exp(1), which draws from p) so it stays on the device, with no host sync.
@@ -352,7 +391,9 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, greedy: bool = F
     return (_compiled_sample() if logits.is_cuda else fused_sample)(logits, noise, 1.0 if greedy else temperature)
 
 
-def fused_sample(logits: torch.Tensor, noise: torch.Tensor | None, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_sample(
+    logits: torch.Tensor, noise: torch.Tensor | None, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """sample_next's arithmetic with its noise given (None: the greedy pick), for torch.compile to fuse."""
     logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)
     token = logprobs.argmax(-1) if noise is None else (logprobs - noise.log()).argmax(-1)

@@ -26,8 +26,12 @@ class Rollout:
     attention_mask: torch.Tensor
     response_mask: torch.Tensor
     prompt_width: int
-    logprobs: torch.Tensor | None = None  # [B, R]: the engine's own log-probabilities of the response tokens (the behaviour policy's)
-    versions: torch.Tensor | None = None  # [B, R]: the weight version that generated each response token (engines of their own)
+    logprobs: torch.Tensor | None = (
+        None  # [B, R]: the engine's own log-probabilities of the response tokens (the behaviour policy's)
+    )
+    versions: torch.Tensor | None = (
+        None  # [B, R]: the weight version that generated each response token (engines of their own)
+    )
 
     @property
     def responses(self) -> torch.Tensor:
@@ -81,7 +85,9 @@ class BatchedRequests:
     def __init__(self, engine):
         self.engine, self.queue = engine, []
 
-    def submit(self, key: int, prompt_ids: list[int], max_new_tokens: int, temperature: float = 1.0, greedy: bool = False) -> None:
+    def submit(
+        self, key: int, prompt_ids: list[int], max_new_tokens: int, temperature: float = 1.0, greedy: bool = False
+    ) -> None:
         self.queue.append((key, prompt_ids, (max_new_tokens, temperature, greedy)))
 
     def step(self) -> list[Completion]:
@@ -90,14 +96,20 @@ class BatchedRequests:
             return []
         sampling = {q[2] for q in queue}
         if len(sampling) > 1:
-            raise ValueError(f"one batch generates with one (max_new_tokens, temperature, greedy); got {sorted(sampling)}")
+            raise ValueError(
+                f"one batch generates with one (max_new_tokens, temperature, greedy); got {sorted(sampling)}"
+            )
         max_new_tokens, temperature, greedy = sampling.pop()
         rollout = self.engine.generate([q[1] for q in queue], max_new_tokens, temperature, greedy=greedy)
         logprobs = rollout.logprobs.tolist() if rollout.logprobs is not None else [None] * len(queue)
         finished = []
-        for (key, _, _), ids, mask, values in zip(queue, rollout.responses.tolist(), rollout.response_mask.tolist(), logprobs):
+        for (key, _, _), ids, mask, values in zip(
+            queue, rollout.responses.tolist(), rollout.response_mask.tolist(), logprobs
+        ):
             kept = [i for i, m in enumerate(mask) if m]
-            finished.append(Completion(key, [ids[i] for i in kept], None if values is None else [values[i] for i in kept]))
+            finished.append(
+                Completion(key, [ids[i] for i in kept], None if values is None else [values[i] for i in kept])
+            )
         return finished
 
 
@@ -140,4 +152,6 @@ def concat_rollouts(chunks: list[Rollout], pad_id: int) -> Rollout:
             return None
         return torch.cat([torch.nn.functional.pad(p, (0, r_width - p.size(1)), value=0) for p in parts])
 
-    return Rollout(torch.cat(seqs), torch.cat(masks), torch.cat(r_masks), p_width, joined("logprobs"), joined("versions"))
+    return Rollout(
+        torch.cat(seqs), torch.cat(masks), torch.cat(r_masks), p_width, joined("logprobs"), joined("versions")
+    )

@@ -37,7 +37,16 @@ def _model_of(llm):
     paths = (
         ("llm_engine", "model_executor", "driver_worker", "model_runner", "model"),
         ("llm_engine", "model_executor", "driver_worker", "worker", "model_runner", "model"),
-        ("llm_engine", "engine_core", "engine_core", "model_executor", "driver_worker", "worker", "model_runner", "model"),
+        (
+            "llm_engine",
+            "engine_core",
+            "engine_core",
+            "model_executor",
+            "driver_worker",
+            "worker",
+            "model_runner",
+            "model",
+        ),
     )
     for path in paths:
         obj = llm
@@ -93,7 +102,11 @@ class VLLMRolloutEngine:
         # Up to max_num_seqs sequences per decode step, every step width replayed from a CUDA graph. vLLM captures
         # graphs up to 512 wide by default and runs wider steps eagerly, a kernel launch at a time from the host;
         # capturing to the full width costs startup seconds (bench/RESULTS.md, vllm_probe).
-        batch = {"max_num_seqs": max_num_seqs, "compilation_config": {"max_cudagraph_capture_size": max_num_seqs}} if max_num_seqs else {}
+        batch = (
+            {"max_num_seqs": max_num_seqs, "compilation_config": {"max_cudagraph_capture_size": max_num_seqs}}
+            if max_num_seqs
+            else {}
+        )
         self.llm = LLM(
             model=model_path,
             skip_tokenizer_init=True,
@@ -120,11 +133,20 @@ class VLLMRolloutEngine:
         self.adapter, self.adapter_loads = None, 0
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]], max_new_tokens: int, temperature: float = 1.0, greedy: bool = False, batch_size: int = 0) -> Rollout:
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        greedy: bool = False,
+        batch_size: int = 0,
+    ) -> Rollout:
         """Every prompt at once (vLLM schedules its own batches; batch_size is the HF engine's knob)."""
         self.wake_up()
         params = self._sampling(max_new_tokens, temperature, greedy)
-        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False, lora_request=self.adapter)
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False, lora_request=self.adapter
+        )
         responses = [self._response(o) for o in outputs]
         if self.enable_sleep:
             self.sleep()
@@ -135,13 +157,20 @@ class VLLMRolloutEngine:
     # driven one scheduler step at a time, as its async engine drives it, so a request submitted between steps
     # joins the running batch at the next one. In process, beside the weights the trainer syncs.
 
-    def submit(self, key: int, prompt_ids: list[int], max_new_tokens: int, temperature: float = 1.0, greedy: bool = False) -> None:
+    def submit(
+        self, key: int, prompt_ids: list[int], max_new_tokens: int, temperature: float = 1.0, greedy: bool = False
+    ) -> None:
         from vllm.inputs import tokens_input
 
         self.wake_up()
         self.requests_made += 1
         request_id = f"turn-{self.requests_made}"  # what the request's outputs carry back (vLLM adds a suffix inside)
-        self.llm.llm_engine.add_request(request_id, tokens_input(prompt_ids), self._sampling(max_new_tokens, temperature, greedy), lora_request=self.adapter)
+        self.llm.llm_engine.add_request(
+            request_id,
+            tokens_input(prompt_ids),
+            self._sampling(max_new_tokens, temperature, greedy),
+            lora_request=self.adapter,
+        )
         self.in_flight[request_id] = key
 
     @torch.no_grad()
@@ -177,7 +206,9 @@ class VLLMRolloutEngine:
             return [self.tokenizer.eos_token_id], [0.0] if self.logprobs else None
         if not self.logprobs:
             return list(sample.token_ids), None
-        flat = sample.logprobs  # vLLM's FlatLogprobs: each position's entries from its start index, the sampled token's first
+        flat = (
+            sample.logprobs
+        )  # vLLM's FlatLogprobs: each position's entries from its start index, the sampled token's first
         return list(sample.token_ids), [flat.logprobs[start] for start in flat.start_indices]
 
     @torch.no_grad()
@@ -233,7 +264,9 @@ def lora_max_rank(rank: int) -> int:
     return next(r for r in LORA_RANKS if r >= rank)
 
 
-def to_rollout(prompt_ids: list[list[int]], responses: list[list[int]], logprobs: list[list[float]] | None, pad_id: int) -> Rollout:
+def to_rollout(
+    prompt_ids: list[list[int]], responses: list[list[int]], logprobs: list[list[float]] | None, pad_id: int
+) -> Rollout:
     """A Rollout of prompts (left-padded) and engine responses (right-padded; each ends at EOS or the
     length limit, so every generated token is a response token), with the engine's log-probabilities if asked for."""
     p_ids, p_mask = pad(prompt_ids, pad_id, side="left")
@@ -243,7 +276,9 @@ def to_rollout(prompt_ids: list[list[int]], responses: list[list[int]], logprobs
         r_logprobs = torch.zeros(r_ids.shape, dtype=torch.float32)
         for row, values in enumerate(logprobs):
             r_logprobs[row, : len(values)] = torch.tensor(values, dtype=torch.float32)
-    return Rollout(torch.cat([p_ids, r_ids], 1), torch.cat([p_mask, r_mask], 1), r_mask, p_ids.size(1), logprobs=r_logprobs)
+    return Rollout(
+        torch.cat([p_ids, r_ids], 1), torch.cat([p_mask, r_mask], 1), r_mask, p_ids.size(1), logprobs=r_logprobs
+    )
 
 
 class WeightChannel:
