@@ -168,3 +168,64 @@ def test_every_stage_prints_its_help(module):
     assert done.returncode == 0, done.stderr[-2000:]
     fields = [f.name for f in dataclasses.fields(config_class(module))]
     assert all(f"--{name}" in done.stdout for name in fields), [n for n in fields if f"--{n}" not in done.stdout]
+
+
+def test_every_construction_is_validated_not_only_make_configs():
+    """StageConfig.__post_init__ runs validate(): direct construction and dataclasses.replace are refused too."""
+    cfg = make_config(SFTConfig, {"output": "o", "pretrain": "p", "dataset": "d"})
+    with pytest.raises(ConfigError, match="^max_steps: must be at least 1, got 0$"):
+        dataclasses.replace(cfg, max_steps=0)
+    with pytest.raises(ConfigError, match="^pretrain: missing; pass --pretrain <URI>$"):
+        SFTConfig(output="o", dataset="d")
+
+
+def test_the_single_group_stages_share_their_fields_with_their_own_defaults():
+    """SingleGroupTrainingConfig's fields, restated by a stage only for its default or help, limits kept."""
+    from tasks.common.config import SingleGroupTrainingConfig
+    from tasks.preference.config import PreferenceConfig
+    from tasks.reward_model.config import RewardModelConfig
+
+    shared = {f.name for f in dataclasses.fields(SingleGroupTrainingConfig)}
+    defaults = {
+        cls: {f.name: f.default for f in dataclasses.fields(cls)}
+        for cls in (SFTConfig, RewardModelConfig, PreferenceConfig)
+    }
+    assert all(shared <= set(d) for d in defaults.values())
+    assert [defaults[c]["max_steps"] for c in defaults] == [500, 300, 100]
+    assert [defaults[c]["dataset_split"] for c in defaults] == ["sft", "preference", ""]
+    limits = {
+        cls: {f.name: f.metadata.get("max") for f in dataclasses.fields(cls)}["learning_rate"] for cls in defaults
+    }
+    assert set(limits.values()) == {1}  # restating the default kept the field's limits
+    with pytest.raises(ConfigError, match="^train_batch_size: "):
+        make_config(RewardModelConfig, {"output": "o", "pretrain": "p", "dataset": "d", "train_batch_size": 0})
+
+
+def test_num_checkpoints_spaces_them_over_the_steps_the_stage_runs():
+    """--num_checkpoints k: a checkpoint every ceil(steps / k) steps (wins over --save_steps); --fail_after_step must
+    be one of them, checked against the steps the run really makes (StageRun.resume gets them)."""
+    base = {"output": "o", "pretrain": "p", "dataset": "d", "max_steps": 12}
+    cfg = make_config(SFTConfig, {**base, "num_checkpoints": 5, "save_steps": 7})
+    assert (cfg.checkpoint_interval(12), cfg.checkpoint_interval(40), cfg.checkpoint_interval(3)) == (3, 8, 1)
+    assert make_config(SFTConfig, {**base, "save_steps": 7}).checkpoint_interval(12) == 7
+    assert make_config(SFTConfig, base).checkpoint_interval(12) == 0
+    make_config(SFTConfig, {**base, "num_checkpoints": 5, "fail_after_step": 6})
+    with pytest.raises(
+        ConfigError,
+        match=r"^fail_after_step: 4 is not a checkpoint step; use a multiple of 3 \(--num_checkpoints 5 over 12 steps\)$",
+    ):
+        make_config(SFTConfig, {**base, "num_checkpoints": 5, "fail_after_step": 4})
+    rl = make_config(
+        RLConfig,
+        {
+            "output": "o",
+            "pretrain": "p",
+            "prompt_data": "d",
+            "remote_rm_url": "length",
+            "num_checkpoints": 4,
+            "fail_after_step": 5,
+            "max_steps": 20,
+        },
+    )
+    with pytest.raises(ConfigError, match="^fail_after_step: 5 is not a checkpoint step; use a multiple of 3"):
+        rl.check_fault_step(10)  # num_episodes gave the run 10 steps: checkpoints every 3
