@@ -1,4 +1,5 @@
-"""The RL controller: places the worker groups, then loops generate → score → advantages → update.
+"""The RL controller: places the worker groups (tasks.rl.placement), then loops generate → score → advantages →
+update, driving the rollout engines through their slot (tasks.rl.engine_slots).
 
     actor (policy + rollout engine)   reference          critic (gae only)     reward models
     ActorWorker × N                   ReferenceWorker × N  CriticWorker × N     RewardWorker × N

@@ -1,8 +1,7 @@
 """The RL stage's Ray worker roles but the actor (tasks/rl/actor.py): rollout engines of their own, critic,
 reference, reward; and what the roles share (Trainer, micro-batches, the engines they build).
 
-Each role is a tasks.common.nn.workers.Worker, placed as a WorkerGroup by the controller
-(tasks.rl.trainer). With --lora_rank the actor trains adapters and is its own reference (its base
+Each role is a tasks.common.nn.workers.Worker, placed as a WorkerGroup (tasks.rl.placement). With --lora_rank the actor trains adapters and is its own reference (its base
 with the adapters off, `reference_logprobs`): no ReferenceWorker is placed. Tensors travel between
 the controller and the workers on the CPU; a worker moves them to its device. Every method that takes part in a collective (training steps, ZeRO-3
 gathers) runs on every rank of its group.
