@@ -10,6 +10,9 @@ ROLLOUT_ENGINES = ("auto", "vllm", "transformers")
 #: --rollout_engine auto picks transformers up to this many new tokens a response: at the Qwen2.5-1.5B shape, 64
 #: responses of exactly 256 tokens (EOS ignored), on one H100 (2026-12-06) it stepped in 1.254 s against vLLM's 1.679 s; at 2,048 tokens vLLM generated 5.6× faster (bench/RESULTS.md).
 HF_ENGINE_MAX_TOKENS = 256
+#: By default responses over this many tokens train in micro-batches by token budget (RLConfig.token_budget); at
+#: and below it rows by count, as the demo and the 256-token bench were measured. Its own bound, not the engine's.
+TOKEN_BUDGET_ABOVE_TOKENS = 256
 IS_CORRECTIONS = ("tis", "mis", "reject", "none")  # tasks.common.nn.losses.importance_weights
 
 ADVANTAGE_ESTIMATORS = (
@@ -292,7 +295,7 @@ class RLConfig(EpisodeConfig, TrainingConfig):
             return "transformers", "the cluster has no GPU"
         if not has_vllm:
             return "transformers", "the vllm package is not installed (the gpu extra)"
-        longest = max(self.generate_max_len, self.max_episode_tokens if self.env_path else 0)
+        longest = self.longest_response()
         if longest <= HF_ENGINE_MAX_TOKENS:
             return (
                 "transformers",
@@ -319,16 +322,20 @@ class RLConfig(EpisodeConfig, TrainingConfig):
         """How many RolloutEngineWorkers a run with separate engines places."""
         return self.vllm_num_engines or 1
 
+    def longest_response(self) -> int:
+        """The most tokens a sample's response holds: generate_max_len, or with an environment the episode's."""
+        return max(self.generate_max_len, self.max_episode_tokens if self.env_path else 0)
+
     def token_budget(self) -> int:
         """Tokens per actor and critic micro-batch, 0 for micro_train_batch_size rows each: --max_tokens_per_gpu, or by
-        default, for responses over HF_ENGINE_MAX_TOKENS, as many tokens as a micro-batch of the longest rows holds.
+        default, for responses over TOKEN_BUDGET_ABOVE_TOKENS, as many tokens as a micro-batch of the longest rows holds.
         Never more memory than counting rows at their worst, and less padding: at the Qwen2.5-1.5B shape, 128
         long-tailed responses of up to 4,096 tokens (mean about 1,000) on one H100, the update took 8.2 s against
         25.9 s by count (bench/RESULTS.md). Off where it cannot run: --is_correction reject without old log-probs."""
         if self.max_tokens_per_gpu:
             return self.max_tokens_per_gpu
-        longest = max(self.generate_max_len, self.max_episode_tokens if self.env_path else 0)
-        if longest <= HF_ENGINE_MAX_TOKENS or (self.correction() == "reject" and not self.needs_old_logprobs()):
+        longest = self.longest_response()
+        if longest <= TOKEN_BUDGET_ABOVE_TOKENS or (self.correction() == "reject" and not self.needs_old_logprobs()):
             return 0
         rows = self.micro_train_batch_size or max(1, self.train_batch_size // self.group_size("actor"))
         return rows * (self.prompt_max_len + longest)
