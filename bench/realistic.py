@@ -149,10 +149,15 @@ def ours(
     lora_rank: int,
     gpu_memory_utilization: float,
     max_tokens_per_gpu: int,
+    packing_samples: bool,
     command: str,
 ) -> None:
     shape = shape_name(bench_dir, cap, lora_rank)
-    system = ("ours" if engine == "vllm" else "ours_transformers") + ("_token_budget" if max_tokens_per_gpu else "")
+    system = (
+        ("ours" if engine == "vllm" else "ours_transformers")
+        + ("_token_budget" if max_tokens_per_gpu else "")
+        + ("_packed" if packing_samples else "")
+    )
     out = bench_dir / "out" / f"realistic_{shape}_{system}"
     args = common.grpo_args(bench_dir, out, steps, micro)
     args.update(
@@ -173,6 +178,8 @@ def ours(
         args.update(lora_rank=lora_rank, lora_alpha=2 * lora_rank, target_modules="all-linear")
     if max_tokens_per_gpu:  # micro-batches by token budget, each trimmed to its rows (--max_tokens_per_gpu)
         args.update(max_tokens_per_gpu=max_tokens_per_gpu)
+    if packing_samples:  # each micro-batch's rows as one sequence, varlen FlashAttention-2 (--packing_samples)
+        args.update(packing_samples=True)
     if not common.on_gpu():
         args.update(flash_attn=False, enable_prefix_caching=False)
     with GPUPeak() as peak:
@@ -186,7 +193,13 @@ def ours(
         cap,
         command,
         peak,
-        {"engine": engine, "micro_batch": micro, "lora_rank": lora_rank, "max_tokens_per_gpu": max_tokens_per_gpu},
+        {
+            "engine": engine,
+            "micro_batch": micro,
+            "lora_rank": lora_rank,
+            "max_tokens_per_gpu": max_tokens_per_gpu,
+            "packing_samples": packing_samples,
+        },
     )
 
 
@@ -340,6 +353,9 @@ def main() -> None:
         default=0,
         help="ours: training micro-batches by this token budget (0: --micro rows each)",
     )
+    parser.add_argument(
+        "--packing_samples", action="store_true", help="ours: each training micro-batch's rows packed into one sequence"
+    )
     parser.add_argument("--gpu_memory_utilization", type=float, default=0.35)
     parser.add_argument(
         "--into", type=Path, default=common.ROOT / "bench" / "results.json", help="collect: the summary to merge into"
@@ -358,6 +374,7 @@ def main() -> None:
             a.lora_rank,
             a.gpu_memory_utilization,
             a.max_tokens_per_gpu,
+            a.packing_samples,
             command,
         )
     elif a.what == "collect":  # here, on the results a device call brought back: --dir is that results folder

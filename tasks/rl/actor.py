@@ -154,6 +154,7 @@ class ActorWorker(Trainer):
                 r.attention_mask.to(self.strategy.device),
                 r.prompt_width,
                 temperature=self.cfg.temperature,
+                packed=self.cfg.packing_samples,
             ).cpu()
             for r in chunks(rollout, self.cfg.micro_rollout_batch_size)
         ]
@@ -171,6 +172,7 @@ class ActorWorker(Trainer):
                 r.attention_mask.to(device),
                 r.prompt_width,
                 temperature=self.cfg.temperature,
+                packed=self.cfg.packing_samples,
             ).cpu()
             for r in chunks(rollout, self.cfg.micro_rollout_batch_size)
         ]
@@ -203,6 +205,7 @@ class ActorWorker(Trainer):
                     return_entropy=True,
                     temperature=cfg.temperature,
                     entropy_grad=bool(cfg.entropy_coef),
+                    packed=cfg.packing_samples,
                 )
                 old = logprobs.detach() if mb.logprobs is None else mb.logprobs
                 is_weights = None

@@ -178,6 +178,12 @@ class RLConfig(EpisodeConfig, TrainingConfig):
             "min": 0,
         },
     )
+    packing_samples: bool = field(
+        default=False,
+        metadata={
+            "help": "actor, reference and critic passes with each micro-batch's rows packed into one sequence (varlen FlashAttention-2 with --flash_attn, else a block-diagonal mask): no compute on padding, the same losses; by token budget a micro-batch then holds up to max_tokens_per_gpu real tokens"
+        },
+    )
     dynamic_filtering: bool = field(
         default=False,
         metadata={

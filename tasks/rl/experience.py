@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from tasks.common.nn.engines.rollout import Rollout
-from tasks.common.nn.models import sequence_logprobs, token_values
+from tasks.common.nn.models import packed_sequence_logprobs, packed_token_values, sequence_logprobs, token_values
 from tasks.rl.advantages import compute_advantages, kl_estimate
 
 
@@ -40,11 +40,19 @@ class Experience:
 
 
 def response_logprobs(
-    model, rollout_sequences, attention_mask, prompt_width, return_entropy=False, temperature=1.0, entropy_grad=True
+    model,
+    rollout_sequences,
+    attention_mask,
+    prompt_width,
+    return_entropy=False,
+    temperature=1.0,
+    entropy_grad=True,
+    packed=False,
 ):
     """Log-probabilities of the response tokens only, at the sampling temperature: [B, R] (the prompt's are
-    never computed)."""
-    return sequence_logprobs(
+    never computed). packed: the rows run as one sequence without their padding (--packing_samples)."""
+    logprobs = packed_sequence_logprobs if packed else sequence_logprobs
+    return logprobs(
         model,
         rollout_sequences,
         attention_mask,
@@ -55,8 +63,10 @@ def response_logprobs(
     )
 
 
-def response_values(critic, sequences, attention_mask, prompt_width):
+def response_values(critic, sequences, attention_mask, prompt_width, packed=False):
     """V(state before each response token): [B, R]."""
+    if packed:
+        return packed_token_values(critic, sequences, attention_mask, start=prompt_width - 1)
     return token_values(critic, sequences, attention_mask)[:, prompt_width - 1 : -1]
 
 

@@ -84,12 +84,13 @@ class Trainer(TrainingWorker):
 
     def _token_micro_batches(self, exp: Experience) -> list[Experience]:
         """--max_tokens_per_gpu: this rank's minibatch in micro-batches of rows of similar length whose padded size
-        (rows × prompt width + longest response) stays within the budget, each trimmed to its rows. Every rank
-        runs as many as the rank that needs the most: ZeRO-2 reduces the gradients on every backward."""
-        lengths = (exp.prompt_width + response_used(exp)).tolist()
-        budget = self.cfg.token_budget()
-        count = int(self.strategy.all_reduce(len(token_batches(lengths, budget)), op="max").item())
-        return [trimmed(exp, rows) for rows in token_batches(lengths, budget, min_count=count)]
+        (rows × prompt width + longest response) stays within the budget, each trimmed to its rows; packed
+        (--packing_samples), whose real tokens do. Every rank runs as many as the rank that needs the most: ZeRO-2
+        reduces the gradients on every backward."""
+        packed, budget = self.cfg.packing_samples, self.cfg.token_budget()
+        lengths = (exp.attention_mask.sum(1) if packed else exp.prompt_width + response_used(exp)).tolist()
+        count = int(self.strategy.all_reduce(len(token_batches(lengths, budget, packed=packed)), op="max").item())
+        return [trimmed(exp, rows) for rows in token_batches(lengths, budget, min_count=count, packed=packed)]
 
     def _micro_steps(self, minibatch: Experience):
         """The micro-batches of one optimizer step over `minibatch`, as (micro-batch, how many). By count, DeepSpeed
@@ -262,7 +263,9 @@ class CriticWorker(Trainer):
         out = []
         for r in chunks(rollout, self.cfg.micro_rollout_batch_size):
             mask = r.attention_mask.to(self.strategy.device)
-            v = response_values(self.engine.module, r.sequences.to(self.strategy.device), mask, r.prompt_width)
+            v = response_values(
+                self.engine.module, r.sequences.to(self.strategy.device), mask, r.prompt_width, self.cfg.packing_samples
+            )
             out.append((v * r.response_mask.to(v.device)).cpu())
         return torch.cat(out)
 
@@ -277,7 +280,9 @@ class CriticWorker(Trainer):
             )  # each loss its share of the minibatch's
             share = 0.0
             for mb, _ in self._micro_steps(minibatch):
-                values = response_values(self.engine.module, mb.sequences, mb.attention_mask, mb.prompt_width)
+                values = response_values(
+                    self.engine.module, mb.sequences, mb.attention_mask, mb.prompt_width, self.cfg.packing_samples
+                )
                 v_loss, v_clip = value_loss(
                     values, mb.values, mb.returns, mb.action_mask, self.cfg.value_clip, normalizer=tokens
                 )
@@ -315,6 +320,7 @@ class ReferenceWorker(Worker):
                     r.attention_mask.to(device),
                     r.prompt_width,
                     temperature=self.cfg.temperature,
+                    packed=self.cfg.packing_samples,
                 ).cpu()
                 for r in chunks(rollout, self.cfg.micro_rollout_batch_size)
             ]

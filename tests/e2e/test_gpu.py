@@ -381,6 +381,45 @@ def test_flash_attn_packed_rows_give_each_sequences_own_logprobs_and_gradients()
         assert torch.allclose(flash_grads[name], grad, rtol=0.05, atol=0.05 * grad.abs().max().item() + 1e-3), name
 
 
+def test_flash_attn_packed_rl_passes_give_the_padded_response_logprobs_and_gradients():
+    """RL's --packing_samples on the GPU: a rollout batch (prompts left-padded, responses right-padded) run as one
+    varlen row on FlashAttention-2 against the same batch padded on SDPA, in bf16: every response token's
+    log-probability and entropy, and the gradient of their sum, through the Liger-chunked head the actor uses."""
+    if importlib.util.find_spec("flash_attn") is None:
+        pytest.skip("flash-attn is not installed (bench/gpu/flash_attn.sh builds it)")
+    from tasks.common.nn import data as batches
+    from tasks.common.nn.models import load_causal_lm
+    from tasks.data import demo
+    from tasks.rl.experience import response_logprobs
+
+    tok = demo.build_tokenizer()
+    path = ROOT / "flash-rl-base"
+    demo.build_base_model(tok, seed=3).save_pretrained(path)
+    tok.save_pretrained(path)
+    prompts = [batches.encode_prompt(tok, p) for p in ("3+4=", "37+45=", "1+1=", "90+10=")]
+    responses = [batches.encode_response(tok, r) for r in ("7", "082 is the sum", "002", "100 is")]
+    width = max(map(len, prompts))
+    ids, mask = batches.pad([[tok.pad_token_id] * (width - len(p)) + p + r for p, r in zip(prompts, responses)], 0)
+    mask = mask * (ids != tok.pad_token_id)  # the prompts' left padding is padding too
+    live = mask[:, width:].bool()
+    runs = []
+    for flash in (False, True):
+        model = load_causal_lm(str(path), dtype=torch.bfloat16, flash_attn=flash, liger=True).cuda()
+        logprobs, entropy = response_logprobs(
+            model, ids.cuda(), mask.cuda(), width, return_entropy=True, temperature=0.7, packed=flash
+        )
+        logprobs, entropy = logprobs[live.cuda()].float(), entropy[live.cuda()].float()
+        logprobs.sum().backward()
+        grads = {n: p.grad.float().cpu() for n, p in model.named_parameters() if p.grad is not None}
+        runs.append((logprobs.detach().cpu(), entropy.cpu(), grads))
+    (lp, ent, grads), (packed_lp, packed_ent, packed_grads) = runs
+    print(f"packed flash-attn against padded sdpa: max log-prob gap {(packed_lp - lp).abs().max().item():.4f}")
+    assert torch.allclose(packed_lp, lp, atol=0.05) and torch.allclose(packed_ent, ent, atol=0.05)
+    assert grads.keys() == packed_grads.keys()
+    for name, grad in grads.items():
+        assert torch.allclose(packed_grads[name], grad, rtol=0.05, atol=0.05 * grad.abs().max().item() + 1e-3), name
+
+
 def test_the_decode_loop_replayed_as_cuda_graphs_matches_the_eager_one_and_reads_updated_weights_in_place(caplog):
     """The hf engine's CUDA path (each decode step captured once as a CUDA graph, then replayed; SDPA while
     decoding) on a model loaded as the actor is (Liger, flash-attn for training): in float32 its greedy tokens

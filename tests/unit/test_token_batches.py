@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from tasks.common.nn.token_batches import padded_tokens, token_batches
+from tasks.common.nn.token_batches import packed_tokens, padded_tokens, token_batches
 
 
 def test_rows_of_similar_length_are_packed_longest_first_within_the_budget():
@@ -21,6 +21,17 @@ def test_a_row_longer_than_the_budget_gets_a_micro_batch_of_its_own():
     # row 0 alone (20 > 10); rows 1 and 2: 2 × 4 = 8; row 3 would make 3 × 4 = 12
     assert token_batches([20, 4, 4, 4], 10) == [[0], [1, 2], [3]]
     assert token_batches([20, 30], 10) == [[1], [0]]
+
+
+def test_packed_micro_batches_count_the_sum_of_their_lengths():
+    # longest first: 8, 7, 5, 3, 2. Packed: [2] 8 (8 + 7 = 15 > 12), [4] 7 (7 + 5 = 12 ≤ 12) with row 0, then
+    # [1, 3] 3 + 2 = 5. Padded, the same budget gives four: [2], [4] (2 × 8 > 12), [0, 1] (2 × 5), [3] (3 × 5 > 12).
+    lengths = [5, 3, 8, 2, 7]
+    assert token_batches(lengths, 12, packed=True) == [[2], [4, 0], [1, 3]]
+    assert [packed_tokens(lengths, b) for b in token_batches(lengths, 12, packed=True)] == [8, 12, 5]
+    assert token_batches(lengths, 12) == [[2], [4], [0, 1], [3]]
+    # min_count splits the largest packed micro-batch, [4, 0] (12)
+    assert token_batches(lengths, 12, min_count=4, packed=True) == [[2], [4], [0], [1, 3]]
 
 
 def test_equal_lengths_keep_their_order():

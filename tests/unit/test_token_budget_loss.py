@@ -298,11 +298,43 @@ def test_by_default_long_responses_train_by_the_tokens_of_a_micro_batch_of_the_l
     )  # reject needs old log-probs
 
 
+# (max_tokens_per_gpu, packing_samples) of the DeepSpeed updates compared: by count, padded, is the reference.
+RUNS = [(0, False), (40, False), (40, True), (0, True)]
+
+
+def test_packed_passes_give_the_padded_log_probs_entropies_and_values():
+    """--packing_samples: the rows run as one sequence (here SDPA with a block-diagonal mask; FlashAttention-2 varlen
+    on a GPU) give every response token's log-probability, entropy and value of the padded batch; the places where
+    the token is padding are 0 (never in a loss)."""
+    from transformers import LlamaForSequenceClassification
+
+    from tasks.rl.experience import response_values
+
+    model = tiny_model()
+    exp = minibatch(model, reject=False)
+    args = (exp.sequences, exp.attention_mask, PROMPT_WIDTH)
+    padded, padded_entropy = response_logprobs(model, *args, return_entropy=True, temperature=0.7)
+    packed, packed_entropy = response_logprobs(model, *args, return_entropy=True, temperature=0.7, packed=True)
+    live = exp.action_mask > 0
+    torch.testing.assert_close(packed[live], padded[live], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(packed_entropy[live], padded_entropy[live], atol=1e-5, rtol=1e-5)
+    assert packed.shape == padded.shape and not packed[~live].any()
+    model.chunked_logprobs = (
+        True  # the head a chunk of tokens at a time, as Liger-loaded models run (vocab.head_logprobs)
+    )
+    chunked = response_logprobs(model, *args, temperature=0.7, packed=True)
+    torch.testing.assert_close(chunked[live], padded[live], atol=1e-5, rtol=1e-5)
+    critic = tiny_model(LlamaForSequenceClassification, num_labels=1)
+    values, packed_values = response_values(critic, *args), response_values(critic, *args, packed=True)
+    torch.testing.assert_close(packed_values[live], values[live], atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("estimator", ["group_norm", "dr_grpo"])
 def test_one_deepspeed_actor_update_by_token_budget_is_the_padded_ones(estimator):
     """ActorWorker.train through DeepSpeed (ZeRO-2, CPU, a world of one), two minibatches: by count (all 8 rows in one
-    padded micro-batch) and by a 40-token budget (3 micro-batches each, trimmed): the same losses and pre-clip
-    gradient norms, and one optimizer step per minibatch either way."""
+    padded micro-batch), by a 40-token budget (3 micro-batches each, trimmed), and packed (--packing_samples, by that
+    budget of real tokens and by count): the same losses and pre-clip gradient norms, and one optimizer step per
+    minibatch every way."""
     from tasks.common.config import make_config
     from tasks.common.nn.strategy import DeepSpeedStrategy
     from tasks.rl.actor import ActorWorker
@@ -317,13 +349,20 @@ def test_one_deepspeed_actor_update_by_token_budget_is_the_padded_ones(estimator
         "n_samples_per_prompt": 2,
     }
     results = {}
-    for budget in (0, 40):
+    for budget, packed in RUNS:
         model = tiny_model()
         exp = minibatch(model, reject=False)
         worker = ActorWorker.__new__(ActorWorker)  # the worker's training step, without Ray or a checkpoint to load
         worker.rank, worker.world_size = 0, 1
         worker.cfg = make_config(
-            RLConfig, {**base, "generate_max_len": 12, "max_tokens_per_gpu": budget, "init_kl_coef": 0}
+            RLConfig,
+            {
+                **base,
+                "generate_max_len": 12,
+                "max_tokens_per_gpu": budget,
+                "init_kl_coef": 0,
+                "packing_samples": packed,
+            },
         )
         # By budget, DeepSpeed is configured as for --micro_train_batch_size 2 (4 accumulation steps), which the
         # budget's 3 micro-batches a minibatch must neither step on nor divide their losses by.
@@ -334,12 +373,13 @@ def test_one_deepspeed_actor_update_by_token_budget_is_the_padded_ones(estimator
         worker.engine = worker.strategy.prepare(model, 1e-3, 10)
         worker.micro = micro
         # The second minibatch's old log-probs are the first's: after a step its ratios are no longer those.
-        results[budget] = worker.train([exp, exp], kl_coef=0.0)
+        results[budget, packed] = worker.train([exp, exp], kl_coef=0.0)
         assert worker.engine.global_steps == 2  # one optimizer step per minibatch
-    padded, by_tokens = results[0], results[40]
+    padded = results[RUNS[0]]
     assert padded["grad_norm"] > 1e-3
-    for key in ("policy_loss", "grad_norm", "entropy"):
-        assert by_tokens[key] == pytest.approx(padded[key], rel=1e-5, abs=1e-6), key
+    for run in RUNS[1:]:
+        for key in ("policy_loss", "grad_norm", "entropy"):
+            assert results[run][key] == pytest.approx(padded[key], rel=1e-5, abs=1e-6), (run, key)
 
 
 def test_one_deepspeed_critic_update_by_token_budget_is_the_padded_ones():
@@ -353,23 +393,25 @@ def test_one_deepspeed_critic_update_by_token_budget_is_the_padded_ones():
 
     base = {"output": "o", "pretrain": "p", "reward_pretrain": "r", "prompt_data": "d"}
     results = {}
-    for budget in (0, 40):
+    for budget, packed in RUNS:
         critic = tiny_model(LlamaForSequenceClassification, num_labels=1)
         exp = minibatch(tiny_model(), reject=False)
         g = torch.Generator().manual_seed(2)
         exp.returns = torch.randn(exp.action_mask.shape, generator=g) * exp.action_mask
         worker = CriticWorker.__new__(CriticWorker)
         worker.rank, worker.world_size = 0, 1
-        worker.cfg = make_config(RLConfig, {**base, "max_tokens_per_gpu": budget})
+        worker.cfg = make_config(RLConfig, {**base, "max_tokens_per_gpu": budget, "packing_samples": packed})
         micro = 2 if budget else len(SHAPES)
         worker.strategy = DeepSpeedStrategy(
             zero_stage=2, micro_batch_size=micro, accumulation_steps=len(SHAPES) // micro
         )
         worker.engine = worker.strategy.prepare(critic, 1e-3, 10)
         worker.micro = micro
-        results[budget] = worker.train([exp])
-        results[budget]["grad_norm"] = float(worker.engine.get_global_grad_norm())
+        results[budget, packed] = worker.train([exp])
+        results[budget, packed]["grad_norm"] = float(worker.engine.get_global_grad_norm())
         assert worker.engine.global_steps == 1
-    assert results[0]["grad_norm"] > 1e-3
-    for key in ("value_loss", "grad_norm"):
-        assert results[40][key] == pytest.approx(results[0][key], rel=1e-5, abs=1e-6), key
+    padded = results[RUNS[0]]
+    assert padded["grad_norm"] > 1e-3
+    for run in RUNS[1:]:
+        for key in ("value_loss", "grad_norm"):
+            assert results[run][key] == pytest.approx(padded[key], rel=1e-5, abs=1e-6), (run, key)

@@ -280,6 +280,10 @@ class FrozenBase:
     def __init__(self, model):
         self.model = model
 
+    @property
+    def config(self):
+        return unwrap(self.model).config
+
     def __call__(self, *args, **kwargs):
         with torch.no_grad(), adapters_disabled(self.model):
             return self.model(*args, **kwargs)

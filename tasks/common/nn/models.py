@@ -252,6 +252,66 @@ def packed_attention_mask(config, sequence_index: torch.Tensor, device) -> torch
     return (same & torch.ones_like(same).tril())[None, None].to(device)
 
 
+def packed_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor):
+    """A padded batch [B, T] as one packed row without its padding: (ids [1, N], position_ids [1, N], sequence index
+    [N], index [B, T]: where each token went in the packed row, -1 for padding). Positions are the padded path's
+    (cumsum(mask) - 1), so a row's numbers are the same either way, to float rounding."""
+    live = attention_mask > 0
+    index = torch.where(live, live.flatten().cumsum(0).view_as(live) - 1, -1)
+    rows = torch.arange(live.size(0), device=live.device)[:, None].expand_as(live)
+    return input_ids[live][None], position_ids(attention_mask)[live][None], rows[live], index
+
+
+def _scatter(values: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+    """values [M] into a zero tensor of where's shape at its True places, row-major (autograd flows through)."""
+    return torch.zeros(where.shape, dtype=values.dtype, device=values.device).masked_scatter(where, values)
+
+
+def packed_sequence_logprobs(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    return_entropy: bool = False,
+    temperature: float = 1.0,
+    start: int = 0,
+    entropy_grad: bool = True,
+):
+    """sequence_logprobs of a padded batch run as one packed row (--packing_samples): the same [B, T-1-start] to float
+    rounding, but no compute on padding, and 0 wherever the token or the one before it is padding (never in a loss).
+    Only the positions that predict a real token reach the output head."""
+    ids, positions, rows, index = packed_rows(input_ids, attention_mask)
+    source, target = index[:, start:-1], index[:, start + 1 :]
+    want = (source >= 0) & (target >= 0)
+    at, labels = source[want], input_ids[:, start + 1 :][want]
+    mask = packed_attention_mask(lora.unwrap(model).config, rows, ids.device)
+    chunked = _chunked_head(model)
+    if chunked:
+        backbone, head = chunked
+        hidden = backbone(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).last_hidden_state
+        out = head_logprobs(hidden[0, at], head, labels, temperature, return_entropy, entropy_grad=entropy_grad)
+    else:
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits[0, at]
+        out = token_logprobs(logits, labels, temperature)
+        if return_entropy:
+            out = (out, token_entropy(logits, temperature, entropy_grad))
+    if not return_entropy:
+        return _scatter(out, want)
+    return _scatter(out[0], want), _scatter(out[1], want)
+
+
+def packed_token_values(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, start: int = 0) -> torch.Tensor:
+    """token_values(...)[:, start:-1] of a padded batch run as one packed row: [B, T-1-start], 0 at padding."""
+    model = lora.unwrap(model)
+    ids, positions, rows, index = packed_rows(input_ids, attention_mask)
+    source = index[:, start:-1]
+    want = source >= 0
+    mask = packed_attention_mask(model.config, rows, ids.device)
+    hidden = getattr(model, model.base_model_prefix)(
+        input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False
+    ).last_hidden_state
+    return _scatter(model.score(hidden[0, source[want]]).squeeze(-1).float(), want)
+
+
 def packed_scores(
     model, input_ids: torch.Tensor, position_ids: torch.Tensor, sequence_index: torch.Tensor
 ) -> torch.Tensor:
