@@ -130,6 +130,12 @@ def per_step(
                 statistics.median(r["response_length_max"] / r["time_generate_s"] for r in tail), 1
             ),
             "gpu_peak_gb": peak.gb,
+            # --over_sampling_batch_size: the groups cut a step, of those started
+            **(
+                {"dropped_groups_per_step": statistics.mean(r["rollout_dropped_groups"] for r in tail)}
+                if "rollout_dropped_groups" in tail[0]
+                else {}
+            ),
             "steps_measured": len(tail),
             "completions_per_step": completions,
             "cap": cap,
@@ -150,6 +156,7 @@ def ours(
     gpu_memory_utilization: float,
     max_tokens_per_gpu: int,
     packing_samples: bool,
+    over_sampling_batch_size: int,
     command: str,
 ) -> None:
     shape = shape_name(bench_dir, cap, lora_rank)
@@ -157,6 +164,7 @@ def ours(
         ("ours" if engine == "vllm" else "ours_transformers")
         + ("_token_budget" if max_tokens_per_gpu else "")
         + ("_packed" if packing_samples else "")
+        + (f"_oversample{over_sampling_batch_size}" if over_sampling_batch_size else "")
     )
     out = bench_dir / "out" / f"realistic_{shape}_{system}"
     args = common.grpo_args(bench_dir, out, steps, micro)
@@ -180,6 +188,8 @@ def ours(
         args.update(max_tokens_per_gpu=max_tokens_per_gpu)
     if packing_samples:  # each micro-batch's rows as one sequence, varlen FlashAttention-2 (--packing_samples)
         args.update(packing_samples=True)
+    if over_sampling_batch_size:  # the step trains on the first PROMPTS groups to finish (--over_sampling_batch_size)
+        args.update(over_sampling_batch_size=over_sampling_batch_size)
     if not common.on_gpu():
         args.update(flash_attn=False, enable_prefix_caching=False)
     with GPUPeak() as peak:
@@ -199,6 +209,7 @@ def ours(
             "lora_rank": lora_rank,
             "max_tokens_per_gpu": max_tokens_per_gpu,
             "packing_samples": packing_samples,
+            "over_sampling_batch_size": over_sampling_batch_size,
         },
     )
 
@@ -356,6 +367,12 @@ def main() -> None:
     parser.add_argument(
         "--packing_samples", action="store_true", help="ours: each training micro-batch's rows packed into one sequence"
     )
+    parser.add_argument(
+        "--over_sampling_batch_size",
+        type=int,
+        default=0,
+        help=f"ours: prompts drawn a step, of which the first {PROMPTS} groups to finish train (0: {PROMPTS}, no cut)",
+    )
     parser.add_argument("--gpu_memory_utilization", type=float, default=0.35)
     parser.add_argument(
         "--into", type=Path, default=common.ROOT / "bench" / "results.json", help="collect: the summary to merge into"
@@ -375,6 +392,7 @@ def main() -> None:
             a.gpu_memory_utilization,
             a.max_tokens_per_gpu,
             a.packing_samples,
+            a.over_sampling_batch_size,
             command,
         )
     elif a.what == "collect":  # here, on the results a device call brought back: --dir is that results folder

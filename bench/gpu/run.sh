@@ -127,7 +127,7 @@ for phase in "$@"; do
       mkdir -p $dir/results && cp $dir/model_eos$cap/eos_calibration.json $dir/results/eos_calibration_$cap.json ;;
     real_vllm4k|real_vllm8k) python bench/realistic.py vllm --dir $dir --cap $([ "$phase" = real_vllm4k ] && echo 4096 || echo 8192) ;;
     real_trl4k) python bench/realistic.py trl --dir $dir --cap 4096 --steps ${REAL_STEPS:-4} --micro 4 ;;
-    real_ours4k|real_ours4k_budget|real_ours4k_packed|real_ours8k|real_ours8k_packed|real_ours4k_hf|real_ours4k_lora)
+    real_ours4k|real_ours4k_budget|real_ours4k_packed|real_ours4k_oversample|real_ours8k|real_ours8k_packed|real_ours4k_hf|real_ours4k_lora)
       if [ -z "$ray_up" ]; then start_ray && ray_up=1; fi
       case "$phase" in
         real_ours4k) python bench/realistic.py ours --dir $dir --cap 4096 --steps ${REAL_STEPS:-5} ;;
@@ -136,6 +136,8 @@ for phase in "$@"; do
         # Each micro-batch's rows as one sequence (--packing_samples, varlen FlashAttention-2): the default budget's
         # 8 x (128 + 4,096) tokens are then real tokens, no padding.
         real_ours4k_packed) python bench/realistic.py ours --dir $dir --cap 4096 --steps ${REAL_STEPS:-5} --packing_samples ;;
+        # 20 prompt groups started, the first 16 to finish trained on, the rest aborted (--over_sampling_batch_size).
+        real_ours4k_oversample) python bench/realistic.py ours --dir $dir --cap 4096 --steps ${REAL_STEPS:-5} --over_sampling_batch_size ${OVERSAMPLE:-20} ;;
         real_ours8k) python bench/realistic.py ours --dir $dir --cap 8192 --steps ${REAL_STEPS:-4} --micro 4 ;;
         real_ours8k_packed) python bench/realistic.py ours --dir $dir --cap 8192 --steps ${REAL_STEPS:-4} --micro 4 --packing_samples ;;
         real_ours4k_hf) python bench/realistic.py ours --dir $dir --cap 4096 --engine transformers --steps ${REAL_STEPS:-2} ;;

@@ -12,7 +12,7 @@ import torch
 
 from tasks.common.nn import data, lora
 from tasks.common.nn.engines import make_engine
-from tasks.common.nn.engines.rollout import Rollout
+from tasks.common.nn.engines.rollout import BatchedRequests, Rollout, first_groups
 from tasks.common.nn.engines.vllm_engine import gathered
 from tasks.common.nn.losses import (
     aggregate,
@@ -84,6 +84,23 @@ class ActorWorker(Trainer):
             self.cfg.generate_max_len,
             self.cfg.temperature,
             batch_size=self.cfg.micro_rollout_batch_size or len(prompts),
+        )
+        return rollout.to("cpu")
+
+    def generate_first_groups(self, prompts: list[list[int]]) -> Rollout:
+        """--over_sampling_batch_size: this worker's share of the over-sampled prompts, of whose groups only its share
+        of rollout_batch_size is generated to the end (first_groups); the other groups' rows come back empty."""
+        cfg, engine = self.cfg, self.rollout_engine
+        requests = engine if hasattr(engine, "submit") else BatchedRequests(engine)
+        keep = cfg.rollout_batch_size // self.world_size
+        rollout, _ = first_groups(
+            requests,
+            prompts,
+            cfg.n_samples_per_prompt,
+            keep,
+            cfg.generate_max_len,
+            cfg.temperature,
+            self.tokenizer.pad_token_id,
         )
         return rollout.to("cpu")
 

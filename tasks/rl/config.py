@@ -178,6 +178,13 @@ class RLConfig(EpisodeConfig, TrainingConfig):
             "min": 0,
         },
     )
+    over_sampling_batch_size: int = field(
+        default=0,
+        metadata={
+            "help": "prompts drawn a rollout, more than rollout_batch_size: the step trains on the first rollout_batch_size prompt groups whose samples have all finished, and the engines abort the rest then (slime's name; logged as rollout_dropped_groups). The long tail's stragglers stop holding the step, at the price of a bias towards short responses. 0: off",
+            "min": 0,
+        },
+    )
     packing_samples: bool = field(
         default=False,
         metadata={
@@ -327,6 +334,10 @@ class RLConfig(EpisodeConfig, TrainingConfig):
     def rollout_engines(self) -> int:
         """How many RolloutEngineWorkers a run with separate engines places."""
         return self.vllm_num_engines or 1
+
+    def prompts_per_rollout(self) -> int:
+        """Prompts drawn a rollout: --over_sampling_batch_size when over-sampling, else rollout_batch_size."""
+        return self.over_sampling_batch_size or self.rollout_batch_size
 
     def longest_response(self) -> int:
         """The most tokens a sample's response holds: generate_max_len, or with an environment the episode's."""
@@ -532,6 +543,20 @@ class RLConfig(EpisodeConfig, TrainingConfig):
                 "async_train: needs a fixed rollout, --max_staleness of 1 or more, and vLLM engines with LoRA; "
                 "drop --dynamic_filtering, set --vllm_num_engines with --lora_rank, or drop --async_train"
             )
+        if self.over_sampling_batch_size:
+            actors = self.group_size("actor")
+            if self.over_sampling_batch_size <= self.rollout_batch_size:
+                raise ConfigError(
+                    f"over_sampling_batch_size: {self.over_sampling_batch_size} prompts must be more than rollout_batch_size {self.rollout_batch_size}; raise it, or 0 for off"
+                )
+            if self.env_path or self.dynamic_filtering or self.separate_engines():
+                raise ConfigError(
+                    "over_sampling_batch_size: cuts one-turn rollouts of engines inside the actor workers; drop --env_path, --dynamic_filtering and --async_train, colocate vLLM (--colocate_all_models), or drop --over_sampling_batch_size"
+                )
+            if self.over_sampling_batch_size % actors or self.rollout_batch_size % actors:
+                raise ConfigError(
+                    f"over_sampling_batch_size: it and rollout_batch_size must split evenly over the {actors} actor workers; got {self.over_sampling_batch_size} and {self.rollout_batch_size}"
+                )
         if self.partial_rollouts and not self.async_train:
             raise ConfigError(
                 "partial_rollouts: weights change under running rollouts only with --async_train; add it, or drop --partial_rollouts"

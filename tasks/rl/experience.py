@@ -126,6 +126,13 @@ def response_lengths(lengths: torch.Tensor, cap: int | None) -> dict[str, float]
     return stats
 
 
+def whole_groups(rollout: Rollout, n: int) -> tuple[torch.Tensor, int]:
+    """(the rows of the prompt groups of `n` samples whose every response has a token, the number of other groups):
+    --over_sampling_batch_size's engines leave the groups they cut empty (first_groups)."""
+    whole = rollout.response_mask.any(1).view(-1, n).all(1)
+    return whole.repeat_interleave(n).nonzero().squeeze(-1), int((~whole).sum())
+
+
 def fresh_groups(rollout: Rollout, updates: int, n: int, max_staleness: int) -> tuple[torch.Tensor, dict[str, float]]:
     """Which rows to train on, by groups of `n` (a group's samples are consecutive): those whose samples' oldest
     tokens are at most `max_staleness` versions behind `updates`; and the staleness statistics logged."""

@@ -37,7 +37,7 @@ from tasks.common.stage import StageRun
 from tasks.rl.advantages import group_keep_mask
 from tasks.rl.config import RLConfig
 from tasks.rl.engine_slots import Generated
-from tasks.rl.experience import Experience, fresh_groups, make_experience, response_lengths
+from tasks.rl.experience import Experience, fresh_groups, make_experience, response_lengths, whole_groups
 from tasks.rl.kl_controller import make_kl_controller
 from tasks.rl.placement import place
 from tasks.rl.prompts import load_prompts
@@ -83,7 +83,7 @@ class Controller:
             )
         group = cfg.rollout_batch_size * cfg.n_samples_per_prompt
         self.updates = self.steps * cfg.max_epochs * (group // cfg.train_batch_size)
-        self.sampler = data.BatchSampler(len(self.prompts.ids), cfg.rollout_batch_size, cfg.seed)
+        self.sampler = data.BatchSampler(len(self.prompts.ids), cfg.prompts_per_rollout(), cfg.seed)
         self.in_flight: deque = deque()  # --async_train: (prompt rows, engine handle) of rollouts already generating
         self.started = 0  # rollouts started so far (the run starts no more than its steps)
         self.generator = torch.Generator().manual_seed(cfg.seed)
@@ -154,7 +154,8 @@ class Controller:
         self.started += 1
         if self.cfg.env_path:
             return index, self.engine.start("run_episodes", [self.prompts.rows[i] for i in index])
-        return index, self.engine.start("generate", [self.prompts.ids[i] for i in index])
+        method = "generate_first_groups" if self.cfg.over_sampling_batch_size else "generate"
+        return index, self.engine.start(method, [self.prompts.ids[i] for i in index])
 
     def _next_rollout(self):
         """The rollout this step trains on. With --async_train, the oldest in flight; then as many more are started
@@ -176,6 +177,8 @@ class Controller:
         timing.update(out.stats or {})
         if out.rollout.versions is not None:
             out, index = self._drop_stale(out, index, step, timing)
+        if self.cfg.over_sampling_batch_size:
+            out, index = self._first_groups(out, index, timing)
         if out.rewards is not None:
             return out.rollout, out.rewards
         batch = build_reward_batch(
@@ -201,6 +204,11 @@ class Controller:
         return Generated(out.rollout.select(rows), None if out.rewards is None else out.rewards[rows], out.stats), [
             index[i] for i in rows.tolist()
         ]
+
+    def _first_groups(self, out: Generated, index: list[int], timing: dict) -> tuple[Generated, list[int]]:
+        """--over_sampling_batch_size: the prompt groups generated to the end; the engines left the rest empty."""
+        rows, timing["rollout_dropped_groups"] = whole_groups(out.rollout, self.cfg.n_samples_per_prompt)
+        return Generated(out.rollout.select(rows), None, out.stats), [index[i] for i in rows.tolist()]
 
     def in_waves(self, calls: dict[str, tuple[str, list, tuple]]) -> dict[str, list]:
         """Run {role: (method, per-rank shards, extra args)}: groups on separate placement groups at

@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from tasks.common.config import ConfigError, make_config
-from tasks.common.nn.engines.rollout import concat_rollouts
-from tasks.common.nn.engines.vllm_engine import to_rollout
+from tasks.common.nn.engines.rollout import concat_rollouts, to_rollout
 from tasks.common.nn.losses import logprob_mismatch
 from tasks.rl.config import RLConfig
 
@@ -148,6 +147,33 @@ def test_vllm_engine_generates_and_follows_the_trained_weights(demo_engine):
         .cpu()
     )
     assert logprob_mismatch(actor, rollout.logprobs, rollout.response_mask)["engine_logprob_max_diff"] < 0.1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU and vllm")
+def test_vllm_engine_aborts_running_requests_and_keeps_the_first_whole_groups(demo_engine):
+    """--over_sampling_batch_size on vLLM: a request aborted part-way never finishes and leaves nothing in flight,
+    and first_groups keeps `keep` whole groups with the engine's log-probs, the cut groups' rows empty."""
+    from tasks.common.nn.engines.rollout import first_groups
+
+    engine, _, tokenizer = demo_engine
+    prompt = [tokenizer.bos_token_id] + tokenizer.encode("12+34=", add_special_tokens=False)
+    engine.submit(0, prompt, max_new_tokens=200)
+    engine.submit(1, prompt, max_new_tokens=200)
+    for _ in range(3):
+        assert engine.step() == []
+    engine.abort([1])
+    finished = []
+    while engine.in_flight:
+        finished += engine.step()
+    assert [c.key for c in finished] == [0] and len(finished[0].token_ids) == 200
+    rollout, dropped = first_groups(
+        engine, [prompt] * 8, group_size=2, keep=2, max_new_tokens=16, temperature=1.0, pad_id=0
+    )
+    assert dropped == 2 and not engine.in_flight
+    lengths = rollout.response_lengths()
+    assert int((lengths > 0).sum()) == 4 and (lengths.view(4, 2) > 0).all(1).sum() == 2
+    assert rollout.logprobs is not None and (rollout.logprobs[lengths == 0] == 0).all()
 
 
 SLOW_SECOND = """

@@ -9,6 +9,8 @@ rollout.logprobs                            # [B, R] the engine's own log-probab
 requests = engine if hasattr(engine, "submit") else BatchedRequests(engine)
 requests.submit(key=3, prompt_ids=ids, max_new_tokens=16)
 finished = requests.step()                  # [Completion(key=3, token_ids=[...], logprobs=[...])], or [] not yet
+requests.abort([3])                         # drop a request not finished yet
+rollout, dropped = first_groups(requests, prompt_ids, group_size=8, keep=16, max_new_tokens=4096, temperature=1.0, pad_id=0)
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tasks.common.nn.data import decode_rows, stop_token_ids
+from tasks.common.nn.data import decode_rows, pad, stop_token_ids
 
 
 @dataclass
@@ -78,6 +80,23 @@ class Completion:
     logprobs: list[float] | None
 
 
+def to_rollout(
+    prompt_ids: list[list[int]], responses: list[list[int]], logprobs: list[list[float]] | None, pad_id: int
+) -> Rollout:
+    """A Rollout of prompts (left-padded) and engine responses (right-padded; each ends at EOS or the
+    length limit, so every generated token is a response token), with the engine's log-probabilities if asked for."""
+    p_ids, p_mask = pad(prompt_ids, pad_id, side="left")
+    r_ids, r_mask = pad(responses, pad_id)
+    r_logprobs = None
+    if logprobs is not None:
+        r_logprobs = torch.zeros(r_ids.shape, dtype=torch.float32)
+        for row, values in enumerate(logprobs):
+            r_logprobs[row, : len(values)] = torch.tensor(values, dtype=torch.float32)
+    return Rollout(
+        torch.cat([p_ids, r_ids], 1), torch.cat([p_mask, r_mask], 1), r_mask, p_ids.size(1), logprobs=r_logprobs
+    )
+
+
 class BatchedRequests:
     """Request-level calls on an engine that generates whole batches (the HF engine): `step` generates every
     prompt submitted since the last step in one `generate`, so a step finishes all of them."""
@@ -111,6 +130,50 @@ class BatchedRequests:
                 Completion(key, [ids[i] for i in kept], None if values is None else [values[i] for i in kept])
             )
         return finished
+
+    def abort(self, keys) -> None:
+        """Drop the queued requests of `keys` (a step finishes every request it starts, so nothing runs)."""
+        keys = set(keys)
+        self.queue = [q for q in self.queue if q[0] not in keys]
+
+
+def first_groups(
+    requests,
+    prompt_ids: list[list[int]],
+    group_size: int,
+    keep: int,
+    max_new_tokens: int,
+    temperature: float,
+    pad_id: int,
+) -> tuple[Rollout, int]:
+    """Over-sampling with an early cut (--over_sampling_batch_size; slime's): every prompt submitted at once (the
+    samples of a group are consecutive rows), the first `keep` groups to finish all their samples kept, the rest
+    aborted as soon as that many are done. Returns (the rollout of every row, a dropped group's rows with empty
+    responses, the number of groups dropped). The cut favours groups of short responses: the long tail's
+    stragglers are the ones dropped."""
+    groups = len(prompt_ids) // group_size
+    if groups * group_size != len(prompt_ids) or not 0 < keep <= groups:
+        raise ValueError(
+            f"first_groups: keep {keep} of {len(prompt_ids)} prompts in groups of {group_size}: not possible"
+        )
+    for row, ids in enumerate(prompt_ids):
+        requests.submit(row, ids, max_new_tokens, temperature)
+    done: dict[int, Completion] = {}
+    left = [group_size] * groups
+    kept: list[int] = []  # groups in the order they finished
+    while len(kept) < keep:
+        for completion in requests.step():
+            done[completion.key] = completion
+            left[completion.key // group_size] -= 1
+            if not left[completion.key // group_size]:
+                kept.append(completion.key // group_size)
+    kept = sorted(kept[:keep])
+    kept_rows = {g * group_size + i for g in kept for i in range(group_size)}
+    requests.abort([row for row in range(len(prompt_ids)) if row not in done])
+    responses = [done[row].token_ids if row in kept_rows else [] for row in range(len(prompt_ids))]
+    has_logprobs = any(c.logprobs is not None for c in done.values())
+    logprobs = [done[row].logprobs if row in kept_rows else [] for row in range(len(prompt_ids))]
+    return to_rollout(prompt_ids, responses, logprobs if has_logprobs else None, pad_id), groups - keep
 
 
 def response_mask(responses: torch.Tensor, stop_ids: int | list[int]) -> torch.Tensor:

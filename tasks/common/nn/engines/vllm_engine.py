@@ -28,8 +28,8 @@ import tempfile
 
 import torch
 
-from tasks.common.nn.data import pad, stop_token_ids
-from tasks.common.nn.engines.rollout import Completion, Rollout
+from tasks.common.nn.data import stop_token_ids
+from tasks.common.nn.engines.rollout import Completion, Rollout, to_rollout
 
 
 def _model_of(llm):
@@ -184,6 +184,16 @@ class VLLMRolloutEngine:
             self.sleep()
         return finished
 
+    def abort(self, keys) -> None:
+        """Drop the running requests of `keys` (submitted, not finished): vLLM frees their KV cache at once."""
+        keys = set(keys)
+        ids = [request_id for request_id, key in self.in_flight.items() if key in keys]
+        self.llm.llm_engine.abort_request(ids)
+        for request_id in ids:
+            del self.in_flight[request_id]
+        if self.enable_sleep and not self.in_flight:
+            self.sleep()
+
     def _sampling(self, max_new_tokens: int, temperature: float, greedy: bool):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
@@ -262,23 +272,6 @@ LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's max_lora_rank choi
 def lora_max_rank(rank: int) -> int:
     """The smallest max_lora_rank vLLM takes that holds an adapter of `rank`."""
     return next(r for r in LORA_RANKS if r >= rank)
-
-
-def to_rollout(
-    prompt_ids: list[list[int]], responses: list[list[int]], logprobs: list[list[float]] | None, pad_id: int
-) -> Rollout:
-    """A Rollout of prompts (left-padded) and engine responses (right-padded; each ends at EOS or the
-    length limit, so every generated token is a response token), with the engine's log-probabilities if asked for."""
-    p_ids, p_mask = pad(prompt_ids, pad_id, side="left")
-    r_ids, r_mask = pad(responses, pad_id)
-    r_logprobs = None
-    if logprobs is not None:
-        r_logprobs = torch.zeros(r_ids.shape, dtype=torch.float32)
-        for row, values in enumerate(logprobs):
-            r_logprobs[row, : len(values)] = torch.tensor(values, dtype=torch.float32)
-    return Rollout(
-        torch.cat([p_ids, r_ids], 1), torch.cat([p_mask, r_mask], 1), r_mask, p_ids.size(1), logprobs=r_logprobs
-    )
 
 
 class WeightChannel:
