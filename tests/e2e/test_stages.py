@@ -300,6 +300,41 @@ def test_rl_critic_free_estimator_with_a_reward_function(chain, s3_server, ray_a
     assert all(0.0 < r["filter_kept_fraction"] <= 1.0 for r in logged)
 
 
+@pytest.mark.slow  # the chain: make test-all (see above)
+def test_rl_over_samples_and_trains_packed_by_token_budget(chain, s3_server, ray_address):
+    """--over_sampling_batch_size 6 for 4 groups a step: 2 groups cut a step and counted; --packing_samples with a
+    token budget runs the actor's passes as packed rows; the stage commits as any other."""
+    out = s3_server.uri("stages/run1/rl_over_sampled")
+    done = run_cli(
+        "tasks.rl",
+        *flags(
+            {
+                "output": out,
+                "pretrain": chain["sft"],
+                "prompt_data": chain["prepare_data"],
+                "remote_rm_url": str(REPO / "tests" / "rewards" / "parity_reward.py"),
+                "label_key": "label",
+                "advantage_estimator": "group_norm",
+                "n_samples_per_prompt": 2,
+                "max_steps": 2,
+                "rollout_batch_size": 4,
+                "over_sampling_batch_size": 6,
+                "train_batch_size": 8,
+                "init_kl_coef": 0,
+                "max_tokens_per_gpu": 40,
+                "packing_samples": True,
+                "colocate_all_models": True,
+            }
+        ),
+        ray=ray_address,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    path, _ = manifests.fetch(out, SCRATCH / "cache-stages" / "rl_over_sampled")
+    logged = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+    assert len(logged) == 2 and all(r["rollout_dropped_groups"] == 2 for r in logged)
+    assert all("policy_loss" in r for r in logged)
+
+
 def metrics_of(uri: str, where) -> list[dict]:
     path, _ = manifests.fetch(uri, where)
     return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
