@@ -44,6 +44,17 @@ SHAPES = {
         tie_word_embeddings=True,
         rope_theta=1e6,
     ),
+    # Qwen2.5-7B's shape: 7.62 B parameters, untied embeddings, head dim 128 (issue 52's 7B LoRA and full-weight rows).
+    "qwen2.5-7b": dict(
+        vocab_size=152064,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        tie_word_embeddings=False,
+        rope_theta=1e6,
+    ),
     # For a dry run of every path on a CPU.
     "tiny": dict(
         vocab_size=512,
@@ -57,7 +68,7 @@ SHAPES = {
     ),
 }
 # A result's name carries its shape, so one results folder (and results.json) holds both shapes' runs.
-SHAPE_SUFFIX = {"qwen2-0.5b": "", "qwen2.5-1.5b": "_1p5b", "tiny": ""}
+SHAPE_SUFFIX = {"qwen2-0.5b": "", "qwen2.5-1.5b": "_1p5b", "qwen2.5-7b": "_7b", "tiny": ""}
 REWARD_FILE = Path(__file__).with_name("reward.py")
 AGENTIC_ENV = Path(__file__).with_name("agentic_env.py")
 AGENTIC_SLOW_ENV = Path(__file__).with_name("agentic_slow_env.py")  # the same loop, its tool taking 20-200 ms a step
@@ -132,7 +143,18 @@ def setup(bench_dir: Path, shape: str, eos_cap: int = 0, eos_mean: float = 1000)
         bos_token_id=None,
     )
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    if shape == "qwen2.5-7b" and torch.cuda.is_available():
+        # In bf16 on the GPU: a 7B model's float32 init on the host takes minutes and 30 GB. The other shapes keep
+        # their host init, whose weights the recorded EOS calibrations (bench/eos_model.py) were made on.
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            with torch.device("cuda"):
+                model = Qwen2ForCausalLM(config)
+        finally:
+            torch.set_default_dtype(torch.float32)
+        model = model.cpu()
+    else:
+        model = Qwen2ForCausalLM(config).to(torch.bfloat16)
     model.generation_config.eos_token_id, model.generation_config.pad_token_id = (
         tokenizer.eos_token_id,
         tokenizer.pad_token_id,

@@ -37,7 +37,7 @@ PROMPTS, GROUP = 16, 8  # 128 completions a step
 # Adam moves every weight by about the learning rate a step, the zero rows that keep EOS's channel constant too: at
 # 1e-6 the mean length rose 1,079 -> 1,894 tokens in 4 steps (H100, 2026-12-06). Speed does not depend on the rate.
 LR = 1e-9
-SHAPE_NAMES = {"qwen2.5-1.5b": "1p5b", "qwen2-0.5b": "0p5b", "tiny": "tiny"}
+SHAPE_NAMES = {"qwen2.5-1.5b": "1p5b", "qwen2.5-7b": "7b", "qwen2-0.5b": "0p5b", "tiny": "tiny"}
 
 
 def shape_name(bench_dir: Path, cap: int, lora_rank: int) -> str:
