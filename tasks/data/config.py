@@ -116,6 +116,18 @@ class PrepareDataConfig(StageConfig):
             "max_length": 200,
         },
     )
+    image_key: str = field(
+        default="images",
+        metadata={
+            "help": "column holding each row's images (a list: paths relative to the dataset file, data: URIs, base64, or image dicts), "
+            "one per <image> tag or image block of the prompt; unused when no row has it ('' to ignore it)",
+            "max_length": 200,
+        },
+    )
+    max_image_pixels: int = field(
+        default=4096 * 4096,
+        metadata={"help": "a row holding an image of more pixels (width × height) is rejected", "min": 1},
+    )
     eval_fraction: float = field(
         default=0.1,
         metadata={
