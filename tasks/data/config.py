@@ -22,12 +22,13 @@ NAME = re.compile(names.NAME_PATTERN)
 MAPPING_KEYS = ("input_key", "output_key", "chosen_key", "rejected_key", "label_key", "messages_key")
 
 
-#: Tasks built in code, each with its own tiny base model ('demo' as base_model): the demo, and the agentic ones.
-BUILT_IN_SOURCES = ("demo", "calculator", "guess")
+#: Tasks built in code, each with its own tiny base model ('demo' as base_model): the demo, the agentic ones, and
+#: the vision-language demo (tasks/data/demo_vlm.py: a tiny Qwen2-VL names a shape's colour).
+BUILT_IN_SOURCES = ("demo", "calculator", "guess", "demo_vlm")
 
 
 def source_kind(source: str) -> str:
-    """'demo' (a built-in task: demo, calculator, guess), 'dataset' (a registered version), 'file' (s3:// or local)
+    """'demo' (a built-in task: demo, calculator, guess, demo_vlm), 'dataset' (a registered version), 'file' (s3:// or local)
     or 'hub' (a hub id)."""
     if source in BUILT_IN_SOURCES:
         return "demo"
@@ -67,7 +68,7 @@ class PrepareDataConfig(StageConfig):
     source: str = field(
         default="demo",
         metadata={
-            "help": "'demo' (the built-in task), 'calculator' or 'guess' (the agentic tasks, for --env_path), a JSONL/Parquet/CSV file (s3:// or local), a hub id "
+            "help": "'demo' (the built-in task), 'calculator' or 'guess' (the agentic tasks, for --env_path), 'demo_vlm' (images), a JSONL/Parquet/CSV file (s3:// or local), a hub id "
             "(not with HF_HUB_OFFLINE=1), or dataset:<name>[@<version>] (a registered version; newest without @)"
         },
     )

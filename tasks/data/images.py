@@ -23,11 +23,11 @@ import posixpath
 from dataclasses import dataclass
 
 from tasks.common import storage
+from tasks.common.image_tags import count_placeholders
 
 #: What Pillow may open (a format it reads that is no photo, such as EPS, runs Ghostscript: refused).
 FORMATS = ("PNG", "JPEG", "GIF", "BMP", "WEBP", "TIFF")
 PATH_SUFFIXES = (".png", ".jpg", ".jpeg", ".gif", ".bmp", ".webp", ".tif", ".tiff")
-IMAGE_TAG = "<image>"  # as tasks.common.nn.vision.IMAGE_TAG, which the stages expand (no torch here)
 
 
 class ImageError(Exception):
@@ -38,34 +38,8 @@ class ImageError(Exception):
         self.reason, self.detail = reason, detail
 
 
-def content_text(content) -> str:
-    """A message's content as text: a string itself; content blocks with each image block as an `<image>` tag."""
-    if isinstance(content, str):
-        return content
-    return "".join(IMAGE_TAG if b.get("type") == "image" else b.get("text", "") for b in content)
-
-
-def is_content_blocks(content) -> bool:
-    """Whether message content is a list of text blocks ({"type": "text", "text": str}) and image blocks."""
-    return (
-        isinstance(content, list)
-        and bool(content)
-        and all(
-            isinstance(b, dict)
-            and (b.get("type") == "image" or (b.get("type") == "text" and isinstance(b.get("text"), str)))
-            for b in content
-        )
-    )
-
-
-def count_placeholders(prompt) -> int:
-    """`<image>` tags in a prompt's text and image blocks in its messages."""
-    if isinstance(prompt, str):
-        return prompt.count(IMAGE_TAG)
-    return sum(content_text(m["content"]).count(IMAGE_TAG) for m in prompt)
-
-
 def check_count(prompt, images: list) -> None:
+    """One image per placeholder (tasks/common/image_tags.py)."""
     if count_placeholders(prompt) != len(images):
         raise ImageError("image_count", f"{len(images)} image(s), {count_placeholders(prompt)} placeholder(s)")
 

@@ -34,6 +34,7 @@ from pathlib import Path
 from tasks.common import cost, errors
 from tasks.common import manifest as manifests
 from tasks.common.config import ConfigError
+from tasks.common.image_tags import content_text, is_content_blocks
 from tasks.data import images, sources, versions
 from tasks.data.config import PrepareDataConfig, default_dataset_name
 
@@ -101,18 +102,18 @@ def split_messages(value, key: str) -> tuple[list[dict], str | None]:
         if not (
             isinstance(message, dict)
             and isinstance(message.get("role"), str)
-            and (isinstance(message.get("content"), str) or images.is_content_blocks(message.get("content")))
+            and (isinstance(message.get("content"), str) or is_content_blocks(message.get("content")))
         ):
             raise BadRow("bad_messages", key)
         turns.append({"role": message["role"], "content": message["content"]})
     final = None
     if turns[-1]["role"] == "assistant":
-        final = images.content_text(turns.pop()["content"])
+        final = content_text(turns.pop()["content"])
         if not final.strip():
             raise BadRow("empty_field", key)
     if not turns:
         raise BadRow("bad_messages", key)  # an answer to nothing
-    if not any(images.content_text(t["content"]).strip() for t in turns):
+    if not any(content_text(t["content"]).strip() for t in turns):
         raise BadRow("empty_field", key)
     return turns, final
 
@@ -164,7 +165,7 @@ def canonical(row: sources.Row, cfg: PrepareDataConfig, image_source: images.Ima
 
 def prompt_chars(prompt) -> int:
     """Characters of the prompt's text (an image counts as its tag: the stages never cut a prompt with images)."""
-    return len(prompt) if isinstance(prompt, str) else sum(len(images.content_text(t["content"])) for t in prompt)
+    return len(prompt) if isinstance(prompt, str) else sum(len(content_text(t["content"])) for t in prompt)
 
 
 def length(record: dict) -> int:
@@ -182,9 +183,7 @@ def prompt_key(prompt, pictures: list[str] = ()) -> str:
 def normalized(prompt, pictures: list[str] = ()) -> str:
     """The prompt up to case and spacing, and its images: what a held-out prompt must not share with a training one."""
     flat = (
-        prompt
-        if isinstance(prompt, str)
-        else "\n".join(f"{t['role']}: {images.content_text(t['content'])}" for t in prompt)
+        prompt if isinstance(prompt, str) else "\n".join(f"{t['role']}: {content_text(t['content'])}" for t in prompt)
     )
     return " ".join(flat.casefold().split()) + ("\0" + images.digest(pictures) if pictures else "")
 

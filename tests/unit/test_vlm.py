@@ -5,6 +5,7 @@ import pytest
 import torch
 from transformers import AutoModelForImageTextToText, Qwen2VLForConditionalGeneration, Qwen2VLProcessor
 
+from tasks.common import image_tags
 from tasks.common.config import ConfigError
 from tasks.common.nn import vision
 from tasks.data import demo, demo_vlm
@@ -91,7 +92,13 @@ def test_placeholders_and_images_must_match(folder, rows):
     with pytest.raises(ValueError, match="row a has 0 image"):
         vision.check_image_placeholders(1, 0, "a")
     vision.check_image_placeholders(2, 2, 1)
-    assert vision.count_placeholders([{"role": "user", "content": [{"type": "image"}, {"type": "image"}]}]) == 2
+    two = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "and <image>"}]}]
+    assert image_tags.count_placeholders(two) == 2
+    assert vision.as_blocks(two[0]["content"]) == [
+        {"type": "image"},
+        {"type": "text", "text": "and "},
+        {"type": "image"},
+    ]
 
 
 def test_image_tokens_are_the_vision_specials(folder):

@@ -11,7 +11,7 @@ import pytest
 from PIL import Image
 
 from tasks.common import manifest as manifests
-from tasks.common.nn import vision
+from tasks.common.nn import models, vision
 from tasks.data import demo_vlm, images, ingest
 from tasks.data.config import PrepareDataConfig
 
@@ -180,3 +180,14 @@ def test_demo_vlm_data_is_deterministic_balanced_and_unguessable_from_text():
     # The stored images pass prepare_data's own checks unchanged: the demo's splits are in the ingested form.
     source = images.ImageSource.of("rows.jsonl", PrepareDataConfig.max_image_pixels)
     assert source.column(a["sft"][0]["images"]) == a["sft"][0]["images"]
+
+
+def test_prepare_data_builds_the_demo_vlm_and_its_splits(tmp_path):
+    manifest = run_prepare(tmp_path, "demo", "demo_vlm")
+    assert set(manifest["datasets"]) == set(demo_vlm.SPLIT_SIZES)
+    assert manifest["metrics"]["rows_sft"] == demo_vlm.SPLIT_SIZES["sft"]
+    assert split_rows(manifest["uri"], "eval") == demo_vlm.make_datasets(seed=0)["eval"]
+    model = models.resolve_model(manifest["uri"])
+    assert vision.is_vision_model(model)
+    processor = vision.load_processor(model)
+    assert vision.image_token_ids(processor) and processor.tokenizer.chat_template == demo_vlm.CHAT_TEMPLATE

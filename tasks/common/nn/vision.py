@@ -28,9 +28,9 @@ from pathlib import Path
 import torch
 
 from tasks.common.config import ConfigError
+from tasks.common.image_tags import IMAGE_TAG, count_placeholders
 from tasks.common.nn.models import attn_implementation
 
-IMAGE_TAG = "<image>"
 #: The submodules that make up a vision tower and its projector into the language model, by the names
 #: transformers' VLMs give them (Qwen2/2.5/3-VL: `visual`, its merger inside; LLaVA, Gemma 3, Mistral 3:
 #: `vision_tower` + `multi_modal_projector`; Idefics 3 / SmolVLM: `vision_model` + `connector`).
@@ -159,20 +159,6 @@ def decode_image(value):
     return image
 
 
-def count_placeholders(prompt) -> int:
-    """Images a prompt asks for: `<image>` tags in its text, `{"type": "image"}` blocks in its messages."""
-    if isinstance(prompt, str):
-        return prompt.count(IMAGE_TAG)
-    n = 0
-    for message in prompt:
-        content = message["content"]
-        if isinstance(content, str):
-            n += content.count(IMAGE_TAG)
-        else:
-            n += sum(b.get("type") == "image" or b.get("text", "").count(IMAGE_TAG) for b in content)
-    return n
-
-
 def check_image_placeholders(n_placeholders: int, n_images: int, row_id) -> None:
     """One image per placeholder: a row where they differ cannot be encoded."""
     if n_placeholders != n_images:
@@ -184,8 +170,8 @@ def check_image_placeholders(n_placeholders: int, n_images: int, row_id) -> None
 
 def as_blocks(content) -> list[dict]:
     """Message content as HF content blocks: text with `<image>` tags becomes text and image blocks."""
-    if not isinstance(content, str):
-        return [b for b in content if b.get("type") != "text" or b.get("text")]
+    if not isinstance(content, str):  # blocks: a text block's own tags count as images too (count_placeholders)
+        return [out for b in content for out in ([b] if b.get("type") != "text" else as_blocks(b.get("text", "")))]
     parts = content.split(IMAGE_TAG)
     blocks = [{"type": "text", "text": parts[0]}]
     for part in parts[1:]:
