@@ -7,7 +7,7 @@ from transformers import AutoModelForImageTextToText, Qwen2VLForConditionalGener
 
 from tasks.common import image_tags
 from tasks.common.config import ConfigError
-from tasks.common.nn import vision
+from tasks.common.nn import supervised, vision
 from tasks.data import demo, demo_vlm
 
 
@@ -119,3 +119,85 @@ def test_freeze_visual_encoder_freezes_the_tower_and_its_merger_only(folder):
     with pytest.raises(ConfigError, match="^freeze_visual_encoder: LlamaForCausalLM has no vision tower"):
         vision.freeze_visual_encoder(text_model)
     assert not vision.is_vision_model(text_model.config)
+
+
+# ---------------------------------------------------------------- SFT on the VLM
+
+
+def sft_batch(processor, rows, max_len=64):
+    import datasets
+
+    table = datasets.Dataset.from_list(rows)
+    return supervised.tokenize_vlm_rows(table, processor, "prompt", "response", "images", True, max_len)
+
+
+def grads_of(module) -> list:
+    return [p.grad for p in module.parameters()]
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_one_sft_step_lowers_the_loss_and_trains_the_tower_unless_frozen(folder, rows, frozen):
+    model, processor = vision.load_vision_lm(folder), vision.load_processor(folder)
+    ids, masks, images, dropped = sft_batch(processor, rows["sft"])
+    assert dropped == 0 and len(ids) == 8 and all(len(i) == 1 for i in images)
+    assert all(sum(m) == 2 for m in masks)  # the colour's letter and <|im_end|>
+    if frozen:
+        assert vision.freeze_visual_encoder(model) > 0
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    pad = processor.tokenizer.pad_token_id
+
+    def loss():
+        return supervised.vlm_micro_batch_loss(model, processor, ids, masks, images, pad, False, "cpu")
+
+    before = loss()
+    before.backward()
+    tower = grads_of(model.model.visual)
+    if frozen:
+        assert all(g is None for g in tower) and not any(p.requires_grad for p in model.model.visual.parameters())
+    else:
+        assert all(g is not None for g in tower) and sum(g.abs().sum() for g in tower) > 0
+    assert all(g is not None and g.abs().sum() > 0 for g in grads_of(model.model.language_model.layers))
+    optimizer.step()
+    with torch.no_grad():
+        assert loss() < before.detach()
+
+
+def test_vlm_rows_are_never_packed_and_never_cut(folder, rows):
+    processor = vision.load_processor(folder)
+    ids, masks, images, _ = sft_batch(processor, rows["sft"][:2])
+    with pytest.raises(ConfigError, match="^packing_samples: a vision-language model's rows cannot be packed"):
+        supervised.vlm_micro_batch_loss(None, processor, ids, masks, images, 0, True, "cpu")
+    long_row = {**rows["sft"][0], "prompt": demo_vlm.PROMPT + " x" * 40}
+    ids, _, _, dropped = sft_batch(processor, [long_row, rows["sft"][1]], max_len=len(ids[0]) + 4)
+    assert dropped == 1 and len(ids) == 1
+
+
+def test_the_sft_worker_trains_a_vlm_with_its_tower_frozen_and_saves_its_processor(folder, tmp_path):
+    """The SFT stage's worker on the demo VLM (a DeepSpeed world of one, in this process): images reach the model,
+    --freeze_visual_encoder keeps the tower, and the saved folder loads back as a VLM with its processor."""
+    import json
+
+    from tasks.common.config import make_config
+    from tasks.sft.config import SFTConfig
+    from tasks.sft.trainer import SFTWorker
+
+    rows = demo_vlm.make_datasets(seed=1, sizes={"sft": 16})["sft"]
+    (tmp_path / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    flags = {"output": str(tmp_path / "out"), "pretrain": folder, "dataset": str(tmp_path / "sft.jsonl")}
+    flags |= {"apply_chat_template": True, "train_batch_size": 8, "micro_train_batch_size": 4, "max_steps": 3}
+    cfg = make_config(SFTConfig, {**flags, "freeze_visual_encoder": True, "lr_warmup_steps": 0})
+    worker = SFTWorker(0, 1, None, 1)
+    info = worker.setup(cfg)
+    assert info["rows"] == 16 and info["trainable_params"] < info["total_params"]
+    before = {n: p.detach().clone() for n, p in worker.engine.module.named_parameters()}
+    losses = [worker.train_step()["loss"] for _ in range(3)]
+    assert losses[-1] < losses[0]
+    after = dict(worker.engine.module.named_parameters())
+    assert all(torch.equal(before[n], after[n]) for n in before if ".visual." in f".{n}")
+    assert not all(torch.equal(before[n], after[n]) for n in before if "language_model" in n)
+    worker.save_model(str(tmp_path / "saved"))
+    assert vision.is_vision_model(str(tmp_path / "saved"))
+    assert vision.load_processor(str(tmp_path / "saved")).image_processor.patch_size == demo_vlm.PATCH_SIZE
+    packed = make_config(SFTConfig, {**flags, "packing_samples": True})
+    with pytest.raises(ConfigError, match="^packing_samples: .* is a vision-language model"):
+        SFTWorker.setup(worker, packed)

@@ -92,18 +92,22 @@ def image_only(processor_class):
 
 def load_processor(path: str):
     """The model's processor (image processor + tokenizer + chat template) via AutoProcessor; without torchvision,
-    a processor whose class takes a video processor is loaded without one (image_only)."""
+    a processor whose class takes a video processor is loaded without one (image_only). Its tokenizer pads with
+    EOS when it has no pad token."""
     import transformers
     from transformers import AutoProcessor
     from transformers.utils import is_torchvision_available
 
-    config = Path(path) / "processor_config.json"
+    config, processor = Path(path) / "processor_config.json", None
     if not is_torchvision_available() and config.is_file():
         name = json.loads(config.read_text()).get("processor_class", "")
         cls = getattr(transformers, name, None)
         if cls is not None and "video_processor" in cls.get_attributes():
-            return image_only(cls).from_pretrained(path)
-    return AutoProcessor.from_pretrained(path)
+            processor = image_only(cls).from_pretrained(path)
+    processor = processor or AutoProcessor.from_pretrained(path)
+    if processor.tokenizer.pad_token is None:  # as load_tokenizer: batches are padded
+        processor.tokenizer.pad_token = processor.tokenizer.eos_token
+    return processor
 
 
 def freeze_visual_encoder(model) -> int:
