@@ -5,8 +5,8 @@ images as the model's inputs.
         model, processor = load_vision_lm(path), load_processor(path)
         freeze_visual_encoder(model)                                    # train the language model only
         enc = encode_vlm_prompt(processor, "<image>colour?", [image])   # image: PIL, PNG bytes or base64 PNG
-        logits = model(input_ids=torch.tensor([enc["input_ids"]]), pixel_values=enc["pixel_values"],
-                       image_grid_thw=enc["image_grid_thw"]).logits
+        inputs = vlm_inputs(processor, [enc["input_ids"]], [[image]], pad_id, device)   # a padded batch of rows
+        logits = model(**inputs).logits
         banned = image_token_ids(processor)                             # never sampled: they stand for images
 
 A prompt marks each image's place with an `<image>` tag in its text, or with a `{"type": "image"}` block in a chat
@@ -56,12 +56,19 @@ _VISION_TOKENS = (
 def _config_dict(path_or_config) -> dict:
     if isinstance(path_or_config, (str, Path)):
         config = Path(path_or_config) / "config.json"
-        return json.loads(config.read_text()) if config.is_file() else {}
+        if config.is_file():
+            return json.loads(config.read_text())
+        from transformers import AutoConfig  # a hub id (resolve_model passes those on as they are)
+
+        try:
+            return AutoConfig.from_pretrained(str(path_or_config)).to_dict()
+        except (OSError, ValueError):  # not there, or offline: the loader that follows says so in its own words
+            return {}
     return path_or_config if isinstance(path_or_config, dict) else path_or_config.to_dict()
 
 
 def is_vision_model(path_or_config) -> bool:
-    """Whether a model (a local folder, a config or its dict) takes images: its config has a vision_config."""
+    """Whether a model (a local folder, a hub id, a config or its dict) takes images: its config has a vision_config."""
     return bool(_config_dict(path_or_config).get("vision_config"))
 
 
