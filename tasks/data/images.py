@@ -63,7 +63,7 @@ class ImageSource:
 
     def column(self, cell) -> list[str]:
         """The cell's images as base64 PNG, in order; raises ImageError naming the first bad one."""
-        if cell is None:
+        if cell is None or (isinstance(cell, str) and not cell.strip()):  # CSV writes a row without images as ""
             return []
         if isinstance(cell, str) and cell.lstrip().startswith("["):  # CSV: the list as JSON text
             try:

@@ -83,6 +83,14 @@ def test_parquet_image_dicts_and_raw_bytes(tmp_path, base_model):  # noqa: F811
     assert pixels(source.column({"bytes": None, "path": "blue.png"})[0])[0] == (0, 0, 255)
 
 
+def test_csv_holds_the_list_as_json_text(tmp_path, base_model):  # noqa: F811
+    (tmp_path / "red.png").write_bytes(picture("red"))
+    rows = [{"prompt": f"<image>what {i}?", "response": "r", "images": ["red.png"]} for i in range(8)]
+    rows += [{"prompt": f"text {i}", "response": "t", "images": ""} for i in range(4)]  # an empty cell: no images
+    manifest = run_prepare(tmp_path, base_model, write(tmp_path / "rows.csv", rows), eval_fraction=0.3, **SFT)
+    assert manifest["validation"]["bad"] == 0 and manifest["validation"]["images"] == 8
+
+
 def bad_image_rows(tmp_path) -> tuple[str, dict[str, list[int]]]:
     (tmp_path / "ok.png").write_bytes(picture("red"))
     (tmp_path / "big.png").write_bytes(picture("red", size=(64, 64)))
