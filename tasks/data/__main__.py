@@ -2,6 +2,7 @@
 
     python -m tasks.data --output s3://bucket/prefix/runs/<dag>/<run>/prepare_data --source demo --seed 0
     python -m tasks.data --output … --source calculator      # an agentic task (tasks/data/agentic.py), for --env_path
+    python -m tasks.data --output … --source demo_vlm        # the vision-language demo (tasks/data/demo_vlm.py)
     python -m tasks.data --output … --source s3://bucket/raw/chat.jsonl --datasets_root s3://bucket/prefix/datasets \\
         --messages_key messages --label_key answer            # ingest: validate, split, register a version
     python -m tasks.data --output … --source dataset:chat --datasets_root s3://bucket/prefix/datasets   # the newest version
@@ -23,7 +24,7 @@ from tasks.common import manifest as manifests
 from tasks.common import storage
 from tasks.common.config import ConfigError
 from tasks.common.stage import StageRun, main
-from tasks.data import agentic, demo, ingest, versions
+from tasks.data import agentic, demo, demo_vlm, ingest, versions
 from tasks.data.config import BUILT_IN_SOURCES, PrepareDataConfig, parse_dataset_ref, source_kind
 
 
@@ -40,9 +41,12 @@ def check_base_model(uri: str) -> None:
 
 def demo_splits(cfg: PrepareDataConfig, data_dir: Path) -> tuple[dict, dict]:
     """A built-in task's splits written under data_dir (the demo's, or an agentic task's); returns (datasets, metrics)."""
-    splits = {"demo": demo.make_datasets, "calculator": agentic.calculator_datasets, "guess": agentic.guess_datasets}[
-        cfg.source
-    ](seed=cfg.seed)
+    splits = {
+        "demo": demo.make_datasets,
+        "calculator": agentic.calculator_datasets,
+        "guess": agentic.guess_datasets,
+        "demo_vlm": demo_vlm.make_datasets,
+    }[cfg.source](seed=cfg.seed)
     for name, rows in splits.items():
         with open(data_dir / f"{name}.jsonl", "w") as f:
             f.writelines(json.dumps(row) + "\n" for row in rows)
@@ -128,7 +132,10 @@ def prepare(cfg: PrepareDataConfig, run: StageRun) -> None:
             "validation": version["validation"],
         }
 
-    if cfg.base_model == "demo":
+    if cfg.base_model == "demo" and cfg.source == "demo_vlm":
+        demo_vlm.save_demo_vlm(run.workdir / "model", seed=cfg.seed)  # the model and its processor
+        model_ref = "model"
+    elif cfg.base_model == "demo":
         model, tokenizer = build_demo_model(cfg.source if cfg.source in BUILT_IN_SOURCES else "demo", cfg.seed)
         model.save_pretrained(run.workdir / "model")
         save_tokenizer(tokenizer, run.workdir / "model")

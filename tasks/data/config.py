@@ -22,12 +22,13 @@ NAME = re.compile(names.NAME_PATTERN)
 MAPPING_KEYS = ("input_key", "output_key", "chosen_key", "rejected_key", "label_key", "messages_key")
 
 
-#: Tasks built in code, each with its own tiny base model ('demo' as base_model): the demo, and the agentic ones.
-BUILT_IN_SOURCES = ("demo", "calculator", "guess")
+#: Tasks built in code, each with its own tiny base model ('demo' as base_model): the demo, the agentic ones, and
+#: the vision-language demo (tasks/data/demo_vlm.py: a tiny Qwen2-VL names a shape's colour).
+BUILT_IN_SOURCES = ("demo", "calculator", "guess", "demo_vlm")
 
 
 def source_kind(source: str) -> str:
-    """'demo' (a built-in task: demo, calculator, guess), 'dataset' (a registered version), 'file' (s3:// or local)
+    """'demo' (a built-in task: demo, calculator, guess, demo_vlm), 'dataset' (a registered version), 'file' (s3:// or local)
     or 'hub' (a hub id)."""
     if source in BUILT_IN_SOURCES:
         return "demo"
@@ -67,7 +68,7 @@ class PrepareDataConfig(StageConfig):
     source: str = field(
         default="demo",
         metadata={
-            "help": "'demo' (the built-in task), 'calculator' or 'guess' (the agentic tasks, for --env_path), a JSONL/Parquet/CSV file (s3:// or local), a hub id "
+            "help": "'demo' (the built-in task), 'calculator' or 'guess' (the agentic tasks, for --env_path), 'demo_vlm' (images), a JSONL/Parquet/CSV file (s3:// or local), a hub id "
             "(not with HF_HUB_OFFLINE=1), or dataset:<name>[@<version>] (a registered version; newest without @)"
         },
     )
@@ -115,6 +116,18 @@ class PrepareDataConfig(StageConfig):
             "help": "column holding chat messages [{role, content}]: the turns before the final assistant turn are the prompt, that turn the SFT response",
             "max_length": 200,
         },
+    )
+    image_key: str = field(
+        default="images",
+        metadata={
+            "help": "column holding each row's images (a list: paths relative to the dataset file, data: URIs, base64, or image dicts), "
+            "one per <image> tag or image block of the prompt; unused when no row has it ('' to ignore it)",
+            "max_length": 200,
+        },
+    )
+    max_image_pixels: int = field(
+        default=4096 * 4096,
+        metadata={"help": "a row holding an image of more pixels (width × height) is rejected", "min": 1},
     )
     eval_fraction: float = field(
         default=0.1,

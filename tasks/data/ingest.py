@@ -15,7 +15,10 @@ the stages read, with the demo's names and columns:
     eval             {prompt[, label]}               held out, each once
 
 A prompt is a string, or with --messages_key a list of {"role", "content"}: every turn before the final
-assistant turn. A prompt sits on one side of the split only: held out when a hash of it and --seed falls
+assistant turn. A dataset with an image column (--image_key, `images` by default) gives each record its images
+(tasks/data/images.py: decoded once, checked, stored as base64 PNG in an `images` column of every split), one per
+`<image>` tag or {"type": "image"} content block of its prompt; its images are part of the prompt's identity.
+A prompt sits on one side of the split only: held out when a hash of it and --seed falls
 under --eval_fraction. Every row is checked (see FIXES); a bad row is left out, counted under its check
 with a few example row numbers, printed, and recorded in the manifest's `validation`; more than
 --max_bad_fraction bad rows fail the step.
@@ -31,11 +34,14 @@ from pathlib import Path
 from tasks.common import cost, errors
 from tasks.common import manifest as manifests
 from tasks.common.config import ConfigError
-from tasks.data import sources, versions
+from tasks.common.image_tags import content_text, is_content_blocks
+from tasks.data import images, sources, versions
 from tasks.data.config import PrepareDataConfig, default_dataset_name
 
 #: In every version id: a change to how rows are mapped, checked or split must change it.
-INGEST_FORMAT = "rlhf-flow/ingest/v2"  # v2: text that is not UTF-8 is a bad row (invalid_utf8), no longer U+FFFD
+# v2: text that is not UTF-8 is a bad row (invalid_utf8), no longer U+FFFD. v3: an image column is kept (--image_key):
+# a file with an `images` column registered before it was ingested without them.
+INGEST_FORMAT = "rlhf-flow/ingest/v3"
 EXAMPLES = 5  # example row numbers kept per check
 
 #: Each check and what to change when it fails rows: the failure line names it.
@@ -50,6 +56,9 @@ FIXES = {
     "too_long": "raise --max_chars or shorten those rows",
     "duplicate": "deduplicate the data",
     "overlap": "held-out prompts equal to a training prompt up to case and spacing; deduplicate the prompts",
+    "bad_image": "each image a path beside the dataset file, a data: URI, base64 or bytes of a PNG, JPEG, GIF, BMP, WebP or TIFF",
+    "image_too_large": "downscale those images or raise --max_image_pixels",
+    "image_count": "give each prompt one <image> tag (or {'type': 'image'} block) per image of the row, in order",
 }
 
 
@@ -93,18 +102,18 @@ def split_messages(value, key: str) -> tuple[list[dict], str | None]:
         if not (
             isinstance(message, dict)
             and isinstance(message.get("role"), str)
-            and isinstance(message.get("content"), str)
+            and (isinstance(message.get("content"), str) or is_content_blocks(message.get("content")))
         ):
             raise BadRow("bad_messages", key)
         turns.append({"role": message["role"], "content": message["content"]})
     final = None
     if turns[-1]["role"] == "assistant":
-        final = turns.pop()["content"]
+        final = content_text(turns.pop()["content"])
         if not final.strip():
             raise BadRow("empty_field", key)
     if not turns:
         raise BadRow("bad_messages", key)  # an answer to nothing
-    if not any(t["content"].strip() for t in turns):
+    if not any(content_text(t["content"]).strip() for t in turns):
         raise BadRow("empty_field", key)
     return turns, final
 
@@ -118,8 +127,9 @@ def label_of(value, key: str) -> str | None:
     return str(value)
 
 
-def canonical(row: sources.Row, cfg: PrepareDataConfig) -> dict:
-    """The row in the pipeline's terms: prompt, response (SFT), chosen, rejected, label. Raises BadRow."""
+def canonical(row: sources.Row, cfg: PrepareDataConfig, image_source: images.ImageSource | None = None) -> dict:
+    """The row in the pipeline's terms: prompt, response (SFT), chosen, rejected, label, and with `image_source`
+    (the dataset has an image column) images. Raises BadRow."""
     if row is None:
         raise BadRow("malformed")
     if isinstance(row, sources.Unreadable):
@@ -130,6 +140,12 @@ def canonical(row: sources.Row, cfg: PrepareDataConfig) -> dict:
     else:
         prompt = text(row, cfg.input_key)
     record: dict = {"prompt": prompt}
+    if image_source is not None:
+        try:
+            record["images"] = image_source.column(row.get(cfg.image_key))
+            images.check_count(prompt, record["images"])
+        except images.ImageError as bad:
+            raise BadRow(bad.reason, cfg.image_key) from None
     if cfg.chosen_key:
         record["chosen"], record["rejected"] = text(row, cfg.chosen_key), text(row, cfg.rejected_key)
         if record["chosen"] == record["rejected"]:
@@ -148,7 +164,8 @@ def canonical(row: sources.Row, cfg: PrepareDataConfig) -> dict:
 
 
 def prompt_chars(prompt) -> int:
-    return len(prompt) if isinstance(prompt, str) else sum(len(t["content"]) for t in prompt)
+    """Characters of the prompt's text (an image counts as its tag: the stages never cut a prompt with images)."""
+    return len(prompt) if isinstance(prompt, str) else sum(len(content_text(t["content"])) for t in prompt)
 
 
 def length(record: dict) -> int:
@@ -157,19 +174,23 @@ def length(record: dict) -> int:
     return prompt_chars(record["prompt"]) + max(map(len, responses), default=0)
 
 
-def prompt_key(prompt) -> str:
-    return prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True, ensure_ascii=False)
+def prompt_key(prompt, pictures: list[str] = ()) -> str:
+    """The prompt's identity: its text or messages, and its images (one text under many images is many prompts)."""
+    key = prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True, ensure_ascii=False)
+    return key + ("\0" + images.digest(pictures) if pictures else "")
 
 
-def normalized(prompt) -> str:
-    """The prompt up to case and spacing: what a held-out prompt must not share with a training one."""
-    flat = prompt if isinstance(prompt, str) else "\n".join(f"{t['role']}: {t['content']}" for t in prompt)
-    return " ".join(flat.casefold().split())
+def normalized(prompt, pictures: list[str] = ()) -> str:
+    """The prompt up to case and spacing, and its images: what a held-out prompt must not share with a training one."""
+    flat = (
+        prompt if isinstance(prompt, str) else "\n".join(f"{t['role']}: {content_text(t['content'])}" for t in prompt)
+    )
+    return " ".join(flat.casefold().split()) + ("\0" + images.digest(pictures) if pictures else "")
 
 
-def held_out(prompt, seed: int, fraction: float) -> bool:
+def held_out(prompt, seed: int, fraction: float, pictures: list[str] = ()) -> bool:
     """Whether the prompt belongs to the held-out side: a hash, so the same prompt always lands there."""
-    digest = hashlib.sha256(f"{seed}\0{prompt_key(prompt)}".encode("utf-8")).hexdigest()
+    digest = hashlib.sha256(f"{seed}\0{prompt_key(prompt, pictures)}".encode("utf-8")).hexdigest()
     return int(digest[:16], 16) / 16**16 < fraction
 
 
@@ -211,12 +232,20 @@ def check_columns(rows: list[tuple[int, sources.Row]], cfg: PrepareDataConfig, s
             )
 
 
+def image_source(rows: list[tuple[int, sources.Row]], cfg: PrepareDataConfig) -> images.ImageSource | None:
+    """Where the rows' images come from, when some row has the --image_key column (else the data is text only)."""
+    if cfg.image_key and any(isinstance(row, dict) and cfg.image_key in row for _, row in rows):
+        return images.ImageSource.of(cfg.source, cfg.max_image_pixels)
+    return None
+
+
 def validate(rows: list[tuple[int, sources.Row]], cfg: PrepareDataConfig) -> tuple[list[dict], list[dict], dict]:
     """(train records, held-out records, validation summary) of the numbered rows."""
     tally, seen, kept = Tally(), set(), []
+    source = image_source(rows, cfg)
     for number, row in rows:
         try:
-            record = canonical(row, cfg)
+            record = canonical(row, cfg, source)
             if length(record) > cfg.max_chars:
                 raise BadRow("too_long")
             key = json.dumps(record, sort_keys=True, ensure_ascii=False)
@@ -227,14 +256,17 @@ def validate(rows: list[tuple[int, sources.Row]], cfg: PrepareDataConfig) -> tup
             tally.add(bad, number)
             continue
         kept.append((number, record))
-    sides = [(number, record, held_out(record["prompt"], cfg.seed, cfg.eval_fraction)) for number, record in kept]
+    sides = [
+        (number, record, held_out(record["prompt"], cfg.seed, cfg.eval_fraction, record.get("images", ())))
+        for number, record in kept
+    ]
     train = [record for _, record, out in sides if not out]
     # The split keeps a prompt on one side; a near-copy (other case or spacing) hashes elsewhere and would
     # leak into the held-out side, so it leaves the held-out side and is counted.
-    seen_in_train = {normalized(r["prompt"]) for r in train}
+    seen_in_train = {normalized(r["prompt"], r.get("images", ())) for r in train}
     held = []
     for number, record, out in sides:
-        if out and normalized(record["prompt"]) in seen_in_train:
+        if out and normalized(record["prompt"], record.get("images", ())) in seen_in_train:
             tally.add(BadRow("overlap"), number)
         elif out:
             held.append(record)
@@ -245,6 +277,8 @@ def validate(rows: list[tuple[int, sources.Row]], cfg: PrepareDataConfig) -> tup
         "bad_fraction": round(tally.bad / len(rows), 4) if rows else 0.0,
         "checks": tally.checks,
     }
+    if source is not None:
+        summary["images"] = sum(len(r["images"]) for r in train + held)
     if cfg.label_key:
         summary["unlabelled"] = sum(r.get("label") is None for r in train + held)
     return train, held, summary
@@ -266,14 +300,17 @@ def check_threshold(summary: dict, cfg: PrepareDataConfig, source: str) -> None:
     """Fail in one line when more rows failed than --max_bad_fraction allows, saying which checks and what to change."""
     if summary["bad"] <= cfg.max_bad_fraction * summary["rows"]:  # exact: bad_fraction is rounded for reading
         return
-    parts = []
+    parts, flags = [], {**cfg.mapping(), "image_key": cfg.image_key}
     for name, c in sorted(summary["checks"].items(), key=lambda kv: -kv[1]["count"]):
         fields = (
-            f"{', '.join(f'--{flag} {col}' for flag, col in cfg.mapping().items() if col in c['fields'])}; "
+            f"{', '.join(f'--{flag} {col}' for flag, col in flags.items() if col in c['fields'])}; "
             if c["fields"]
             else ""
         )
-        fix = f"raise --max_chars {cfg.max_chars}" if name == "too_long" else FIXES[name]
+        fix = {
+            "too_long": f"raise --max_chars {cfg.max_chars}",
+            "image_too_large": f"downscale those images or raise --max_image_pixels {cfg.max_image_pixels}",
+        }.get(name, FIXES[name])
         parts.append(f"{name} {c['count']} ({fields}rows {', '.join(map(str, c['rows']))}: {fix})")
     raise ConfigError(
         f"max_bad_fraction: {summary['bad']} of {summary['rows']} rows of {source} ({100 * summary['bad_fraction']:.1f}%) "
@@ -288,31 +325,34 @@ def unique_prompts(records: list[dict], with_label: bool) -> list[dict]:
     """Each prompt once (RL and eval sample prompts; a prompt with several pairs would weigh more)."""
     out, seen = [], set()
     for r in records:
-        key = prompt_key(r["prompt"])
+        key = prompt_key(r["prompt"], r.get("images", ()))
         if key not in seen:
             seen.add(key)
-            out.append({"prompt": r["prompt"], **({"label": r.get("label")} if with_label else {})})
+            out.append({**context(r), **({"label": r.get("label")} if with_label else {})})
     return out
+
+
+def context(record: dict) -> dict:
+    """What every split's row starts with: the prompt, and its images when the dataset has an image column."""
+    return {"prompt": record["prompt"], **({"images": record["images"]} if "images" in record else {})}
 
 
 def make_splits(train: list[dict], held: list[dict], cfg: PrepareDataConfig) -> dict[str, list[dict]]:
     with_label = bool(cfg.label_key)
-    splits = {"sft": [{"prompt": r["prompt"], "response": r["response"]} for r in train]}
+    splits = {"sft": [{**context(r), "response": r["response"]} for r in train]}
     if cfg.chosen_key:
-        pairs = [{"prompt": r["prompt"], "chosen": r["chosen"], "rejected": r["rejected"]} for r in train]
+        pairs = [{**context(r), "chosen": r["chosen"], "rejected": r["rejected"]} for r in train]
         splits["preference"] = pairs
         splits["style_pairs"] = pairs  # DPO's pairs: the reward model's, for user data
         splits["unpaired"] = [
             row
             for r in train
             for row in (
-                {"prompt": r["prompt"], "completion": r["chosen"], "label": True},
-                {"prompt": r["prompt"], "completion": r["rejected"], "label": False},
+                {**context(r), "completion": r["chosen"], "label": True},
+                {**context(r), "completion": r["rejected"], "label": False},
             )
         ]
-        splits["preference_eval"] = [
-            {"prompt": r["prompt"], "chosen": r["chosen"], "rejected": r["rejected"]} for r in held
-        ]
+        splits["preference_eval"] = [{**context(r), "chosen": r["chosen"], "rejected": r["rejected"]} for r in held]
     splits["prompts"] = unique_prompts(train, with_label)
     splits["eval"] = unique_prompts(held, with_label)
     return splits
@@ -346,6 +386,7 @@ def version_id(content_sha256: str, cfg: PrepareDataConfig) -> str:
         "seed": cfg.seed,
         "eval_fraction": cfg.eval_fraction,
         "max_chars": cfg.max_chars,
+        "images": {"image_key": cfg.image_key, "max_image_pixels": cfg.max_image_pixels},
     }
     return manifests.config_hash(spec)[:16]
 
@@ -391,6 +432,7 @@ def ingest(cfg: PrepareDataConfig, workdir: Path) -> dict:
         "split": {"seed": cfg.seed, "eval_fraction": cfg.eval_fraction, "max_chars": cfg.max_chars},
         "rows": rows_per_split,
         "format": INGEST_FORMAT,
+        **({"images": {"image_key": cfg.image_key, "count": summary["images"]}} if "images" in summary else {}),
     }
     metrics = {
         **{f"rows_{split}": n for split, n in rows_per_split.items()},

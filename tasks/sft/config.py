@@ -16,6 +16,16 @@ class SFTConfig(Base):
     train_batch_size: int = restate(Base, "train_batch_size", help="sequences per optimizer step")
     learning_rate: float = restate(Base, "learning_rate", 1e-3)
     lr_warmup_steps: int = restate(Base, "lr_warmup_steps", 20)
+    image_key: str = field(
+        default="images",
+        metadata={"help": "dataset column holding each row's images, for a vision-language model (prepare_data's)"},
+    )
+    freeze_visual_encoder: bool = field(
+        default=False,
+        metadata={
+            "help": "a vision-language model trains its language model only: the vision tower and its projector stay as they are"
+        },
+    )
     packing_samples: bool = field(
         default=False,
         metadata={

@@ -3,15 +3,22 @@ SFT trains on it; RL's actor adds it as the PPO-ptx term (--ptx_coef).
 
     ids, masks, cut = tokenize_rows(rows, tokenizer, "prompt", "response", chat_template=True, max_len=512)
     loss = micro_batch_loss(model, ids[:8], masks[:8], tokenizer.pad_token_id, packed=False, device=device)
+
+A vision-language model's rows carry images (tasks/common/nn/vision.py); they are never cut, and never packed:
+
+    ids, masks, images, dropped = tokenize_vlm_rows(rows, processor, "prompt", "response", "images", True, 512)
+    loss = vlm_micro_batch_loss(model, processor, ids[:8], masks[:8], images[:8], pad_id, False, device)
 """
 
 from __future__ import annotations
 
 import torch
 
-from tasks.common.nn import data
+from tasks.common.config import ConfigError
+from tasks.common.nn import data, vision
 from tasks.common.nn.losses import sft_loss
 from tasks.common.nn.models import packed_logprobs, position_ids, sequence_logprobs, token_nll_sum
+from tasks.common.nn.vocab import token_logprobs
 
 
 def tokenize_rows(
@@ -76,3 +83,43 @@ def _logprobs(model, input_ids, positions, mask_or_index, packed: bool) -> torch
         if packed
         else sequence_logprobs(model, input_ids, mask_or_index)
     )
+
+
+def tokenize_vlm_rows(
+    rows, processor, input_key: str, output_key: str, image_key: str, chat_template: bool, max_len: int
+) -> tuple[list[list[int]], list[list[int]], list[list], int]:
+    """(ids, loss mask, images, number of rows dropped) per row of a vision-language dataset: each prompt's image
+    placeholders expanded by the processor (encode_vlm_prompt), its response closed as encode_response closes it.
+    A row longer than max_len is dropped, never cut: cutting the prompt's start would part placeholders from the
+    pixels they stand for. A dataset without the image column is text for the VLM."""
+    pictures = rows[image_key] if image_key in rows.column_names else [[]] * len(rows)
+    ids, masks, images, dropped = [], [], [], 0
+    for number, (prompt, response, row_images) in enumerate(zip(rows[input_key], rows[output_key], pictures), 1):
+        row_images = row_images or []
+        p = vision.encode_vlm_prompt(processor, prompt, row_images, chat_template, row_id=number)["input_ids"]
+        r = data.encode_response(processor.tokenizer, response, chat_template)
+        if len(p) + len(r) > max_len:
+            dropped += 1
+            continue
+        ids.append(p + r)
+        masks.append([0] * len(p) + [1] * len(r))
+        images.append(row_images)
+    return ids, masks, images, dropped
+
+
+def vlm_micro_batch_loss(
+    model, processor, ids, masks, images, pad_id: int, packed: bool, device, num_tokens=None
+) -> torch.Tensor:
+    """sft_loss of a micro-batch of vision-language rows (tokenize_vlm_rows'), padded on the right. The model gets
+    the images' pixel_values and image_grid_thw and computes its own positions (Qwen2-VL's M-RoPE from the image
+    grids): none are passed. Full logits: Liger's chunked head is a text-model path (models.load_causal_lm)."""
+    if packed:
+        raise ConfigError(
+            "packing_samples: a vision-language model's rows cannot be packed (its positions restart per image "
+            "grid, not per row); drop --packing_samples"
+        )
+    inputs = vision.vlm_inputs(processor, ids, images, pad_id, device)
+    loss_mask, _ = data.pad(masks, 0)
+    logits = model(**inputs, use_cache=False).logits[:, :-1]
+    logprobs = token_logprobs(logits, inputs["input_ids"][:, 1:])
+    return sft_loss(logprobs, loss_mask[:, 1:].to(device), num_tokens)

@@ -1,0 +1,247 @@
+"""Vision-language models (issue 54): loading one and its processor, freezing its vision tower, and a prompt with
+images as the model's inputs.
+
+    if is_vision_model(path):
+        model, processor = load_vision_lm(path), load_processor(path)
+        freeze_visual_encoder(model)                                    # train the language model only
+        enc = encode_vlm_prompt(processor, "<image>colour?", [image])   # image: PIL, PNG bytes or base64 PNG
+        inputs = vlm_inputs(processor, [enc["input_ids"]], [[image]], pad_id, device)   # a padded batch of rows
+        logits = model(**inputs).logits
+        banned = image_token_ids(processor)                             # never sampled: they stand for images
+
+A prompt marks each image's place with an `<image>` tag in its text, or with a `{"type": "image"}` block in a chat
+message's content (OpenAI's and HF's form); the images come in a list beside it, in order. The processor expands
+each place to the model's own placeholder run (Qwen2-VL: <|vision_start|>, one <|image_pad|> per merged patch,
+<|vision_end|>); the model computes its rotary positions (Qwen2-VL's M-RoPE) from those, so callers pass no
+position_ids.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import json
+import re
+from pathlib import Path
+
+import torch
+
+from tasks.common.config import ConfigError
+from tasks.common.image_tags import IMAGE_TAG, count_placeholders
+from tasks.common.nn.models import attn_implementation
+
+#: The submodules that make up a vision tower and its projector into the language model, by the names
+#: transformers' VLMs give them (Qwen2/2.5/3-VL: `visual`, its merger inside; LLaVA, Gemma 3, Mistral 3:
+#: `vision_tower` + `multi_modal_projector`; Idefics 3 / SmolVLM: `vision_model` + `connector`).
+VISION_MODULES = ("visual", "vision_tower", "vision_model", "multi_modal_projector", "connector", "mm_projector")
+#: Tokens that stand for image or video content in the processors we know: sampling one would start a fake image.
+_VISION_TOKENS = (
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+    "<|vision_pad|>",
+    "<image>",
+    "<|image|>",
+    "<start_of_image>",
+    "<end_of_image>",
+    "<image_soft_token>",
+    "[IMG]",
+    "[IMG_BREAK]",
+    "[IMG_END]",
+)
+
+
+def _config_dict(path_or_config) -> dict:
+    if isinstance(path_or_config, (str, Path)):
+        config = Path(path_or_config) / "config.json"
+        if config.is_file():
+            return json.loads(config.read_text())
+        from transformers import AutoConfig  # a hub id (resolve_model passes those on as they are)
+
+        try:
+            return AutoConfig.from_pretrained(str(path_or_config)).to_dict()
+        except (OSError, ValueError):  # not there, or offline: the loader that follows says so in its own words
+            return {}
+    return path_or_config if isinstance(path_or_config, dict) else path_or_config.to_dict()
+
+
+def is_vision_model(path_or_config) -> bool:
+    """Whether a model (a local folder, a hub id, a config or its dict) takes images: its config has a vision_config."""
+    return bool(_config_dict(path_or_config).get("vision_config"))
+
+
+def load_vision_lm(path: str, dtype: torch.dtype = torch.float32, flash_attn: bool = False):
+    """A vision-language model through AutoModelForImageTextToText (Liger's kernels are not applied: its
+    monkey-patching covers the text models the stages load with load_causal_lm)."""
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText.from_pretrained(
+        path, dtype=dtype, attn_implementation=attn_implementation(flash_attn)
+    )
+
+
+def image_only(processor_class):
+    """`processor_class` without its video processor. transformers 5.x builds every processor with all its parts,
+    and video processors need torchvision, which CPU installs lack (huggingface/transformers#48558): this
+    subclass's signature has no video_processor, so ProcessorMixin neither loads nor checks one. Images only."""
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        processor_class.__init__(self, image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+    # Same name and module: save_pretrained writes the real class into processor_config.json, so a machine
+    # with torchvision loads the folder as the full processor.
+    return type(
+        processor_class.__name__, (processor_class,), {"__init__": __init__, "__module__": processor_class.__module__}
+    )
+
+
+def load_processor(path: str):
+    """The model's processor (image processor + tokenizer + chat template) via AutoProcessor; without torchvision,
+    a processor whose class takes a video processor is loaded without one (image_only). Its tokenizer pads with
+    EOS when it has no pad token."""
+    import transformers
+    from transformers import AutoProcessor
+    from transformers.utils import is_torchvision_available
+
+    config, processor = Path(path) / "processor_config.json", None
+    if not is_torchvision_available() and config.is_file():
+        name = json.loads(config.read_text()).get("processor_class", "")
+        cls = getattr(transformers, name, None)
+        if cls is not None and "video_processor" in cls.get_attributes():
+            processor = image_only(cls).from_pretrained(path)
+    processor = processor or AutoProcessor.from_pretrained(path)
+    if processor.tokenizer.pad_token is None:  # as load_tokenizer: batches are padded
+        processor.tokenizer.pad_token = processor.tokenizer.eos_token
+    return processor
+
+
+def freeze_visual_encoder(model) -> int:
+    """Stop training the vision tower and its projector (VISION_MODULES, found by name anywhere in the model, LoRA
+    and DeepSpeed wrappers included); returns the number of parameters frozen. A model without any is an error."""
+    towers = [m for name, m in model.named_modules() if name.rsplit(".", 1)[-1] in VISION_MODULES]
+    if not towers:
+        raise ConfigError(
+            f"freeze_visual_encoder: {type(model).__name__} has no vision tower (no submodule named {', '.join(VISION_MODULES)}); "
+            "drop --freeze_visual_encoder for a text model"
+        )
+    params = {id(p): p for m in towers for p in m.parameters()}  # a projector inside the tower counts once
+    frozen = sum(p.numel() for p in params.values() if p.requires_grad)
+    for p in params.values():
+        p.requires_grad_(False)
+    return frozen
+
+
+def image_token_ids(processor_or_tokenizer) -> list[int]:
+    """Ids that stand for images or videos (the processor's image and video tokens, and the vision start and end
+    markers): banned from sampling, since a response must not open an image it has no pixels for."""
+    tokenizer = getattr(processor_or_tokenizer, "tokenizer", processor_or_tokenizer)
+    ids = {getattr(processor_or_tokenizer, k, None) for k in ("image_token_id", "video_token_id")}
+    vocab = tokenizer.get_vocab()
+    ids |= {vocab[t] for t in _VISION_TOKENS if t in vocab}
+    ids.discard(None)
+    ids.discard(tokenizer.unk_token_id)
+    return sorted(ids)
+
+
+# ---------------------------------------------------------------- images as stored
+
+
+def decode_image(value):
+    """A PIL image from what a stored split holds: base64 PNG (the form prepare_data writes), a data: URI, bytes,
+    an HF/Parquet image dict {"bytes", "path"} with bytes, or a PIL image. Raises ValueError when it is none."""
+    from PIL import Image
+
+    if isinstance(value, Image.Image):
+        return value
+    if isinstance(value, dict):
+        value = value.get("bytes")
+    if isinstance(value, str):
+        head, _, tail = value.partition(",") if value.startswith("data:") else ("", "", value)
+        try:
+            value = base64.b64decode(tail, validate=True)
+        except (binascii.Error, ValueError):
+            raise ValueError("not base64 image data") from None
+    if not isinstance(value, (bytes, bytearray)):
+        raise ValueError(f"an image must be bytes, base64 text or a PIL image, not {type(value).__name__}")
+    image = Image.open(io.BytesIO(value))
+    image.load()  # decode now: a truncated file fails here, not inside the processor
+    return image
+
+
+def check_image_placeholders(n_placeholders: int, n_images: int, row_id) -> None:
+    """One image per placeholder: a row where they differ cannot be encoded."""
+    if n_placeholders != n_images:
+        raise ValueError(
+            f"images: row {row_id} has {n_images} image(s) and {n_placeholders} <image> tag(s) or image block(s) in its prompt; "
+            "give the prompt one <image> tag (or {'type': 'image'} block) per image, in order"
+        )
+
+
+def as_blocks(content) -> list[dict]:
+    """Message content as HF content blocks: text with `<image>` tags becomes text and image blocks."""
+    if not isinstance(content, str):  # blocks: a text block's own tags count as images too (count_placeholders)
+        return [out for b in content for out in ([b] if b.get("type") != "text" else as_blocks(b.get("text", "")))]
+    parts = content.split(IMAGE_TAG)
+    blocks = [{"type": "text", "text": parts[0]}]
+    for part in parts[1:]:
+        blocks += [{"type": "image"}, {"type": "text", "text": part}]
+    return [b for b in blocks if b["type"] == "image" or b["text"]]
+
+
+def image_placeholder(processor) -> str:
+    """The text the processor expands into one image's placeholder run: its image token, inside the vision start
+    and end markers for models that have them (Qwen2-VL's <|vision_start|><|image_pad|><|vision_end|>)."""
+    vocab = processor.tokenizer.get_vocab()
+    token = processor.image_token
+    if "<|vision_start|>" in vocab and "<|vision_end|>" in vocab:
+        return f"<|vision_start|>{token}<|vision_end|>"
+    return token
+
+
+def render_prompt(processor, prompt, chat_template: bool) -> str:
+    """The prompt as text with one placeholder per image: the chat template's rendering (ending with the
+    assistant's opening), or without one the text with each `<image>` tag replaced, after the BOS if any."""
+    if chat_template:
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        messages = [{**m, "content": as_blocks(m["content"])} for m in messages]
+        return processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    if not isinstance(prompt, str):
+        raise ConfigError(
+            "apply_chat_template: the prompt is a list of chat messages, which only the chat template can render; pass --apply_chat_template"
+        )
+    bos = processor.tokenizer.bos_token or ""
+    text = re.sub(re.escape(IMAGE_TAG), lambda _: image_placeholder(processor), prompt)
+    return text if text.startswith(bos) else bos + text
+
+
+def encode_vlm_prompt(processor, prompt, images, chat_template: bool = True, row_id="?") -> dict:
+    """{"input_ids": list[int] with each image's placeholders expanded, "pixel_values": [patches, dim] or None,
+    "image_grid_thw": [images, 3] or None} of a prompt and its images (decode_image's forms). The model's forward
+    also wants mm_token_type_ids (which tokens are image placeholders): vlm_inputs makes them for a batch."""
+    images = [decode_image(i) for i in images or []]
+    check_image_placeholders(count_placeholders(prompt), len(images), row_id)
+    text = render_prompt(processor, prompt, chat_template)
+    enc = processor(text=[text], images=images or None, return_tensors="pt", add_special_tokens=False)
+    return {
+        "input_ids": enc["input_ids"][0].tolist(),
+        "pixel_values": enc.get("pixel_values"),
+        "image_grid_thw": enc.get("image_grid_thw"),
+    }
+
+
+def vlm_inputs(processor, ids: list[list[int]], images: list[list], pad_id: int, device) -> dict:
+    """A VLM's forward arguments for rows of token ids (placeholders expanded, as encode_vlm_prompt gives) and each
+    row's images: input_ids and attention_mask padded on the right, mm_token_type_ids (from which Qwen2-VL computes
+    its M-RoPE positions: none are passed), and the images' pixel_values and image_grid_thw, rows in order."""
+    from tasks.common.nn import data
+
+    input_ids, attention_mask = data.pad(ids, pad_id)
+    types, _ = data.pad(processor.create_mm_token_type_ids(ids), 0)
+    inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "mm_token_type_ids": types}
+    flat = [decode_image(i) for row in images for i in row]
+    if flat:
+        pixels = processor.image_processor(images=flat, return_tensors="pt")
+        inputs |= {"pixel_values": pixels["pixel_values"], "image_grid_thw": pixels["image_grid_thw"]}
+    return {k: v.to(device) for k, v in inputs.items()}
