@@ -17,7 +17,7 @@ from tasks.common import manifest as manifests
 from tasks.common import stage
 from tasks.common.config import ConfigError, make_config, parse_config
 from tasks.common.nn import data
-from tasks.data import ingest, versions
+from tasks.data import mapping, versions
 from tasks.data.__main__ import prepare
 from tasks.data.config import PrepareDataConfig
 
@@ -171,11 +171,11 @@ def test_a_messages_column_gives_chat_prompts_and_the_final_assistant_turn(tmp_p
 def near_copy_crossing_the_split(prompts: list[str], seed: int, fraction: float) -> tuple[str, str]:
     """(a training prompt, a copy of it up to spacing and case that the hash puts on the held-out side)."""
     for prompt in prompts:
-        if ingest.held_out(prompt, seed, fraction):
+        if mapping.held_out(prompt, seed, fraction):
             continue
         for k in range(1, 200):
             variant = prompt.upper().replace(" ", " " * k)
-            if ingest.held_out(variant, seed, fraction):
+            if mapping.held_out(variant, seed, fraction):
                 return prompt, variant
     raise AssertionError("no near-copy crosses the split")
 

@@ -12,7 +12,7 @@ from PIL import Image
 
 from tasks.common import manifest as manifests
 from tasks.common.nn import models, vision
-from tasks.data import demo_vlm, images, ingest
+from tasks.data import demo_vlm, images, ingest, mapping
 from tasks.data.config import PrepareDataConfig
 
 from test_ingest import base_model, run_prepare, split_rows, write  # noqa: F401 (base_model: a fixture)
@@ -163,14 +163,14 @@ def test_chat_messages_with_image_blocks(tmp_path, base_model):  # noqa: F811
 def test_one_prompt_text_under_many_images_is_many_prompts():
     """The demo VLM's prompts are one text: their images decide the split side, uniqueness and overlap."""
     rows = demo_vlm.make_datasets(seed=0, sizes={"sft": 200})["sft"]
-    sides = {ingest.held_out(r["prompt"], 0, 0.2, r["images"]) for r in rows}
+    sides = {mapping.held_out(r["prompt"], 0, 0.2, r["images"]) for r in rows}
     assert sides == {True, False}
-    assert ingest.normalized(rows[0]["prompt"], rows[0]["images"]) != ingest.normalized(
+    assert mapping.normalized(rows[0]["prompt"], rows[0]["images"]) != mapping.normalized(
         rows[1]["prompt"], rows[1]["images"]
     )
     records = [{"prompt": r["prompt"], "images": r["images"]} for r in rows]
     assert len(ingest.unique_prompts(records, with_label=False)) == 200
-    assert ingest.prompt_key("x") == "x" and ingest.held_out("x", 0, 0.5) == ingest.held_out("x", 0, 0.5, [])
+    assert mapping.prompt_key("x") == "x" and mapping.held_out("x", 0, 0.5) == mapping.held_out("x", 0, 0.5, [])
 
 
 def test_demo_vlm_data_is_deterministic_balanced_and_unguessable_from_text():
