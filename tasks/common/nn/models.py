@@ -171,11 +171,25 @@ def load_causal_lm(
     demo's SFT to another loss curve on the H200 (1.42 against 1.34 after 20 steps, 2026-12-02)."""
     from transformers import AutoModelForCausalLM
 
+    refuse_vision_model(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation(flash_attn))
     if liger and not torch_compile:
         with_liger(model)
     model.chunked_logprobs = liger  # read by _chunked_head
     return model
+
+
+def refuse_vision_model(path: str) -> None:
+    """The text stages' guard: a vision-language model (its config has a vision_config) would load as a causal LM
+    and then fail, or train without its images. SFT trains them (tasks.common.nn.vision); the others not yet."""
+    from tasks.common.config import ConfigError
+    from tasks.common.nn.vision import is_vision_model
+
+    if is_vision_model(path):
+        raise ConfigError(
+            f"{path}: a vision-language model (its config has a vision_config), which only SFT trains so far; "
+            "pass a text model to this stage"
+        )
 
 
 def compile_blocks(model) -> int:
@@ -211,6 +225,7 @@ def load_scalar_model(
     """A model with a one-output head on every token: reward models and critics (Liger's kernels as load_causal_lm)."""
     from transformers import AutoModelForSequenceClassification
 
+    refuse_vision_model(path)
     model = AutoModelForSequenceClassification.from_pretrained(
         path, num_labels=1, dtype=dtype, attn_implementation=attn_implementation(flash_attn)
     )
