@@ -14,7 +14,7 @@ import torch
 
 from tasks.common.config import ConfigError
 from tasks.common.nn import data, lora, vision
-from tasks.common.nn.models import kernels, load_causal_lm, load_tokenizer, resolve_model
+from tasks.common.nn.models import is_vision_model, kernels, load_causal_lm, load_tokenizer, resolve_model
 from tasks.common.nn.single_group import train_single_group
 from tasks.common.nn.strategy import DeepSpeedStrategy
 from tasks.common.nn.supervised import micro_batch_loss, tokenize_rows, tokenize_vlm_rows, vlm_micro_batch_loss
@@ -31,7 +31,7 @@ class SFTWorker(TrainingWorker):
     def setup(self, cfg: SFTConfig) -> dict:
         rows = data.load_rows(cfg.dataset, cfg.dataset_split, [cfg.input_key, cfg.output_key], cfg.max_samples)
         path = resolve_model(cfg.pretrain)
-        self.cfg, self.vision = cfg, vision.is_vision_model(path)
+        self.cfg, self.vision = cfg, is_vision_model(path)
         if self.vision:
             model, dropped = self.setup_vision(rows, path, cfg)
             truncated = 0

@@ -7,7 +7,7 @@ from transformers import AutoModelForImageTextToText, Qwen2VLForConditionalGener
 
 from tasks.common import image_tags
 from tasks.common.config import ConfigError
-from tasks.common.nn import supervised, vision
+from tasks.common.nn import models, supervised, vision
 from tasks.data import demo, demo_vlm
 
 
@@ -27,7 +27,7 @@ def test_demo_vlm_round_trips_and_gives_logits_for_images(folder, rows):
     model = AutoModelForImageTextToText.from_pretrained(folder)
     processor = vision.load_processor(folder)
     assert isinstance(model, Qwen2VLForConditionalGeneration) and isinstance(processor, Qwen2VLProcessor)
-    assert vision.is_vision_model(folder) and vision.is_vision_model(model.config)
+    assert models.is_vision_model(folder) and models.is_vision_model(model.config)
     enc = vision.encode_vlm_prompt(processor, rows["sft"][0]["prompt"], rows["sft"][0]["images"])
     # 28 px, 7 px patches: a 4 × 4 grid of patches, merged 2 × 2 into 4 placeholder tokens.
     assert enc["image_grid_thw"].tolist() == [[1, 4, 4]]
@@ -118,7 +118,7 @@ def test_freeze_visual_encoder_freezes_the_tower_and_its_merger_only(folder):
     text_model = demo.build_base_model(demo.build_tokenizer())
     with pytest.raises(ConfigError, match="^freeze_visual_encoder: LlamaForCausalLM has no vision tower"):
         vision.freeze_visual_encoder(text_model)
-    assert not vision.is_vision_model(text_model.config)
+    assert not models.is_vision_model(text_model.config)
 
 
 # ---------------------------------------------------------------- SFT on the VLM
@@ -196,7 +196,7 @@ def test_the_sft_worker_trains_a_vlm_with_its_tower_frozen_and_saves_its_process
     assert all(torch.equal(before[n], after[n]) for n in before if ".visual." in f".{n}")
     assert not all(torch.equal(before[n], after[n]) for n in before if "language_model" in n)
     worker.save_model(str(tmp_path / "saved"))
-    assert vision.is_vision_model(str(tmp_path / "saved"))
+    assert models.is_vision_model(str(tmp_path / "saved"))
     assert vision.load_processor(str(tmp_path / "saved")).image_processor.patch_size == demo_vlm.PATCH_SIZE
     packed = make_config(SFTConfig, {**flags, "packing_samples": True})
     with pytest.raises(ConfigError, match="^packing_samples: .* is a vision-language model"):

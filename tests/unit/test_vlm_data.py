@@ -196,6 +196,6 @@ def test_prepare_data_builds_the_demo_vlm_and_its_splits(tmp_path):
     assert manifest["metrics"]["rows_sft"] == demo_vlm.SPLIT_SIZES["sft"]
     assert split_rows(manifest["uri"], "eval") == demo_vlm.make_datasets(seed=0)["eval"]
     model = models.resolve_model(manifest["uri"])
-    assert vision.is_vision_model(model)
+    assert models.is_vision_model(model)
     processor = vision.load_processor(model)
     assert vision.image_token_ids(processor) and processor.tokenizer.chat_template == demo_vlm.CHAT_TEMPLATE

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -179,11 +180,29 @@ def load_causal_lm(
     return model
 
 
+def _config_dict(path_or_config) -> dict:
+    if isinstance(path_or_config, (str, Path)):
+        config = Path(path_or_config) / "config.json"
+        if config.is_file():
+            return json.loads(config.read_text())
+        from transformers import AutoConfig  # a hub id (resolve_model passes those on as they are)
+
+        try:
+            return AutoConfig.from_pretrained(str(path_or_config)).to_dict()
+        except (OSError, ValueError):  # not there, or offline: the loader that follows says so in its own words
+            return {}
+    return path_or_config if isinstance(path_or_config, dict) else path_or_config.to_dict()
+
+
+def is_vision_model(path_or_config) -> bool:
+    """Whether a model (a local folder, a hub id, a config or its dict) takes images: its config has a vision_config."""
+    return bool(_config_dict(path_or_config).get("vision_config"))
+
+
 def refuse_vision_model(path: str) -> None:
     """The text stages' guard: a vision-language model (its config has a vision_config) would load as a causal LM
     and then fail, or train without its images. SFT trains them (tasks.common.nn.vision); the others not yet."""
     from tasks.common.config import ConfigError
-    from tasks.common.nn.vision import is_vision_model
 
     if is_vision_model(path):
         raise ConfigError(

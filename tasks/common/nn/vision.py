@@ -1,7 +1,7 @@
 """Vision-language models (issue 54): loading one and its processor, freezing its vision tower, and a prompt with
 images as the model's inputs.
 
-    if is_vision_model(path):
+    if models.is_vision_model(path):                                # tasks.common.nn.models: its config has a vision_config
         model, processor = load_vision_lm(path), load_processor(path)
         freeze_visual_encoder(model)                                    # train the language model only
         enc = encode_vlm_prompt(processor, "<image>colour?", [image])   # image: PIL, PNG bytes or base64 PNG
@@ -51,25 +51,6 @@ _VISION_TOKENS = (
     "[IMG_BREAK]",
     "[IMG_END]",
 )
-
-
-def _config_dict(path_or_config) -> dict:
-    if isinstance(path_or_config, (str, Path)):
-        config = Path(path_or_config) / "config.json"
-        if config.is_file():
-            return json.loads(config.read_text())
-        from transformers import AutoConfig  # a hub id (resolve_model passes those on as they are)
-
-        try:
-            return AutoConfig.from_pretrained(str(path_or_config)).to_dict()
-        except (OSError, ValueError):  # not there, or offline: the loader that follows says so in its own words
-            return {}
-    return path_or_config if isinstance(path_or_config, dict) else path_or_config.to_dict()
-
-
-def is_vision_model(path_or_config) -> bool:
-    """Whether a model (a local folder, a hub id, a config or its dict) takes images: its config has a vision_config."""
-    return bool(_config_dict(path_or_config).get("vision_config"))
 
 
 def load_vision_lm(path: str, dtype: torch.dtype = torch.float32, flash_attn: bool = False):
