@@ -255,8 +255,13 @@ class RayJobHook(BaseHook):
                 )
             except RuntimeError as exc:
                 # A freshly started head answers 500 until its job agent has registered: wait for it.
-                if "No available agent" not in str(exc) or time.monotonic() > deadline:
+                if "No available agent" not in str(exc):
                     raise
+                if time.monotonic() > deadline:
+                    raise RayUnreachableError(
+                        f"Ray at {self.address} has no job agent after {self.agent_wait_s:.0f}s: see dashboard_agent.log "
+                        "in the head's session logs (a taken --dashboard-agent-listen-port leaves it without one)"
+                    ) from None
                 self.log.info("Ray has no job agent yet (cluster starting?); retrying the submission")
                 time.sleep(1.0)
 

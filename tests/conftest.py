@@ -7,6 +7,7 @@ import and transformers reads HF_HUB_OFFLINE on its first import.
 import getpass
 import json
 import os
+import random
 import socket
 import sys
 import tempfile
@@ -165,12 +166,35 @@ from tools.stack.s3 import s3_client  # noqa: E402
 STACK_CMD = [sys.executable, "-m", "tools.stack"]
 
 
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+_TAKEN: set[int] = set()
+
+
 def _stack_port() -> int:
-    """A free port that Ray will accept (outside its worker port range)."""
+    """A free port for a stack's listener, below the kernel's ephemeral range and above Ray's worker range.
+
+    A port from the ephemeral range can be taken, between this pick and the bind, by any outgoing connection or
+    port-0 listener on the machine (another stack's Ray starts dozens): Ray's dashboard agent then runs without
+    its HTTP server and every job submission answers "No available agent"."""
+    low, high = RAY_WORKER_PORTS.stop, _ephemeral_low()
+    rng = random.Random()  # not the tests' seeded one: concurrent sessions must not pick the same ports
     while True:
-        port = free_port()
-        if port not in RAY_WORKER_PORTS:
-            return port
+        port = rng.randrange(low, high)
+        if port in _TAKEN:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _TAKEN.add(port)
+        return port
 
 
 def head_config(scratch: Path, s3_server) -> Config:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -14,12 +15,13 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tools.stack.config import Config, StackError, airflow_login, ray_token, stack_env
-from tools.stack.health import airflow_health
-from tools.stack.processes import remove_scratch, running
+from plugins.hooks import RayJobHook, RayUnreachableError
+from tools.stack.config import Config, StackError, airflow_login, conn_ray, process_env, ray_token, stack_env
+from tools.stack.health import airflow_health, wait_healthy
+from tools.stack.processes import remove_scratch, running, start_ray, stop_process
 from tools.stack.s3 import s3_client
 
-from conftest import REPO, STACK_CMD, _stack_port, stack_subprocess_env
+from conftest import REPO, STACK_CMD, _stack_port, head_config, stack_subprocess_env
 
 LOOPBACK_IPS = {"127.0.0.1", "::ffff:127.0.0.1", "::1"}
 
@@ -200,6 +202,26 @@ def test_ray_head_jobs_reach_s3_with_the_nodes_environment(ray_head, s3_server):
     assert status == JobStatus.SUCCEEDED, client.get_job_logs(job)
     body = s3_server.client().get_object(Bucket=s3_server.bucket, Key="ray-head/probe")["Body"].read().decode()
     assert Path(body).parent == Path(sys.executable).parent
+
+
+@pytest.mark.e2e
+def test_a_head_whose_job_agent_lost_its_port_is_not_ready(tmp_path, s3_server, monkeypatch):
+    """Ray's dashboard agent keeps running without its HTTP server when its port is taken, and the head then
+    answers every job submission "No available agent": readiness must say so, naming the agent and its log."""
+    cfg = head_config(tmp_path / "stack", s3_server)
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", cfg.ray_agent_port))
+        squatter.listen()
+        proc = start_ray(cfg, process_env(cfg))
+        try:
+            with pytest.raises(StackError, match=f"job agent on port {cfg.ray_agent_port}.*dashboard_agent.log"):
+                wait_healthy(cfg, "ray", {"ray": proc}, timeout=40)
+            # A submission to such a head, after its wait, is one line that says where to look.
+            monkeypatch.setenv("AIRFLOW_CONN_RLHF_RAY", conn_ray(cfg.dashboard_port, token=ray_token(cfg.scratch)))
+            with pytest.raises(RayUnreachableError, match="has no job agent after 5s: see dashboard_agent.log"):
+                RayJobHook(agent_wait_s=5).submit(entrypoint="true", submission_id="never-runs")
+        finally:
+            stop_process(proc.pid)
 
 
 @pytest.mark.e2e

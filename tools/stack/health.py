@@ -10,7 +10,7 @@ import urllib.request
 
 import psutil
 
-from tools.stack.config import Config, StackError, ray_auth_headers, ray_token_file
+from tools.stack.config import LOOPBACK, Config, StackError, ray_auth_headers, ray_token_file
 from tools.stack.processes import _alive, log_file, tail
 
 
@@ -50,6 +50,15 @@ def healthy_ray(cfg: Config) -> tuple[bool, str]:
         nodes = json.loads(body)["data"]["result"]["result"]
         if not any(n.get("state") == "ALIVE" for n in nodes):
             return False, "no node alive yet"
+        # Jobs are submitted through the head's dashboard agent; until its HTTP server is up (and it never is if
+        # its port was taken) every submission answers "No available agent".
+        agent = f"the job agent on port {cfg.ray_agent_port}"
+        try:
+            status, _ = http_get(f"http://{LOOPBACK}:{cfg.ray_agent_port}/api/healthz", timeout=5, headers=auth)
+        except (OSError, urllib.error.URLError) as e:
+            return False, f"{agent} does not answer ({e}; its log: dashboard_agent.log under {cfg.ray_temp_dir})"
+        if status != 200:
+            return False, f"{agent}: HTTP {status} (its log: dashboard_agent.log under {cfg.ray_temp_dir})"
         return True, "ok"
     except (OSError, urllib.error.URLError, ValueError, KeyError, TypeError) as e:
         return False, str(e)
