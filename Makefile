@@ -5,6 +5,7 @@
 #   make up        S3 emulator + Ray head + Airflow on 127.0.0.1 (python -m tools.stack; idempotent)
 #   make down      stop them (S3 objects stay in .scratch/s3-data); `make status` shows them
 #   make demo      install + up + one run of the rlhf_pipeline DAG, followed to its report
+#   make readme-table RUN=<run id> (or REPORT=path): README.md's demo table from that run's eval report (tools/readme_table.py)
 #   make export    RUN=<run id> (or CHAMPION=1) [ROOT=s3://bucket/prefix] [OUT=dir]: that run's policy as a plain HF folder, verified (tools/export.py)
 #   make test      lock check, then the test suite without slow and GPU tests; `make test-all` adds the slow ones
 #   make test-fast the unit tests only (no stack, no Ray head, no DeepSpeed op builds): the edit loop
@@ -23,7 +24,7 @@ XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
 PIP_VERSION := 26.3
 LOCK := locks/dev.txt
 
-.PHONY: install lock check-lock up down status demo export test test-all test-fast lint clean
+.PHONY: install lock check-lock up down status demo export readme-table test test-all test-fast lint clean
 
 install: $(STAMP)
 
@@ -60,6 +61,9 @@ demo: up
 	$(PY) tools/demo.py
 
 OUT ?= exported-model
+readme-table: install
+	$(PY) -m tools.readme_table $(if $(REPORT),--report '$(REPORT)',--run '$(RUN)') $(if $(ROOT),--root '$(ROOT)')
+
 export: install
 	$(PY) -m tools.export $(if $(CHAMPION),--champion,--run '$(RUN)') $(if $(ROOT),--root '$(ROOT)') --out '$(OUT)'
 

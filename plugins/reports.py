@@ -43,6 +43,13 @@ FILES = {
 }
 CHART = re.compile(r"^chart_[a-z]{1,20}\.svg$")
 # report.html is data from S3: no scripts, nothing loaded from elsewhere, framed only by Airflow's UI.
+#: The reports list's figures of each run's policy (eval's manifest metrics), named for how each was measured.
+REPORT_COLUMNS = {
+    "policy_accuracy": "accuracy (greedy)",
+    "policy_preferred_style_rate": "style rate (greedy)",
+    "policy_sampled_preferred_style_rate": "style rate (sampled)",
+    "policy_kl_to_ref": "KL to baseline (sampled)",
+}
 CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src data:; frame-ancestors 'self'"
 
 
@@ -241,7 +248,7 @@ def index(
         m = r["metrics"]
         cells = "".join(
             f'<td class="num">{m[k]:.3f}</td>' if isinstance(m.get(k), (int, float)) else "<td></td>"
-            for k in ("policy_accuracy", "policy_sampled_preferred_style_rate", "policy_kl_to_ref")
+            for k in REPORT_COLUMNS
         )
         rows.append(
             f'<tr><td><a class="report" href="{base}/report.html">{e(r["run_id"] or r["run"])}</a></td>'
@@ -250,8 +257,11 @@ def index(
         )
     body = (
         (
-            "<table><tr><th>run</th><th>evaluated at</th><th>policy accuracy</th><th>policy style rate</th>"
-            "<th>policy KL</th><th>files</th></tr>" + "".join(rows) + "</table>"
+            "<table><tr><th>run</th><th>evaluated at</th>"
+            + "".join(f"<th>{e(title)}</th>" for title in REPORT_COLUMNS.values())
+            + "<th>files</th></tr>"
+            + "".join(rows)
+            + "</table>"
         )
         if rows
         else f"<p>No evaluated runs under <code>{e(root)}/runs/{e(dag_id)}/</code> yet.</p>"

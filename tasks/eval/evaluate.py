@@ -35,7 +35,7 @@ from tasks.eval import lm_eval_tasks, stats
 from tasks.eval import metrics as metric_lib
 from tasks.eval.config import EvalConfig
 from tasks.eval.judge import ChatJudge
-from tasks.eval.report import write_report
+from tasks.eval.report import markdown, write_report
 from tasks.eval.worker import EvalWorker, repeat
 
 #: Measured from the models on the sampled responses (and, with --env_path, how its episodes went), whatever the
@@ -169,55 +169,6 @@ def slices(scores: dict[str, dict[str, list]], keys: list, cfg: EvalConfig) -> d
                         "interval": stats.mean_interval(picked, seed=cfg.seed, resamples=cfg.bootstrap_resamples),
                     }
     return {"key": cfg.slice_key, "groups": out, "smallest": min(out, key=lambda k: out[k]["prompts"]) if out else None}
-
-
-def ci(interval, signed: bool = True) -> str:
-    return (
-        (f"[{interval[0]:+.3f}, {interval[1]:+.3f}]" if signed else f"[{interval[0]:.3f}, {interval[1]:.3f}]")
-        if interval
-        else ""
-    )
-
-
-def markdown(report: dict) -> str:
-    base, pol = report["metrics"]["baseline"], report["metrics"]["policy"]
-    change = report.get("comparisons", {}).get("baseline", {})
-    lines = [f"**{alarm}**" for alarm in report.get("alarms", [])] + ([""] if report.get("alarms") else [])
-    lines += ["| metric | baseline (SFT) | policy | change (95% CI) |", "|---|---:|---:|---:|"]
-    lines += [
-        f"| {k} | {base[k]:.3f} | {pol[k]:.3f} | {pol[k] - base[k]:+.3f} {ci(change.get(k, {}).get('interval'))} |"
-        for k in report["order"]
-        if k in base and k in pol
-    ]
-    for ref, judges in report.get("win_rates", {}).items():
-        for name, w in judges.items():
-            lines.append(
-                f"\nWin rate against the {ref} ({name}, ties within {w['margin']}): {w['rate']:.3f} {ci(w['interval'], signed=False)} "
-                f"({w['wins']} wins, {w['ties']} ties, {w['losses']} losses)"
-            )
-    cost = report.get("cost") or {}
-    lines += (
-        [
-            "",
-            f"Cost of the candidate: {cost.get('wall_time_s', 0):.0f} s of stage wall time, "
-            f"{cost.get('gpu_hours', 0):.3f} GPU-hours over {cost.get('stages', 0)} stages.",
-        ]
-        if cost
-        else []
-    )
-    lines += [
-        "",
-        f"{report['num_prompts']} held-out prompts. <metric>: the greedy response; sampled_<metric> and the model "
-        f"metrics: {report.get('samples_per_prompt', 1)} sample(s) per prompt at temperature {report['temperature']}.",
-    ]
-    if not report.get("labelled", True):
-        lines.append("No reference answers (no label column): the metrics that need them are left out.")
-    lines += ["", "| prompt | label | baseline | policy |", "|---|---|---|---|"]
-    lines += [
-        f"| `{s['prompt']}` | {'–' if s['label'] is None else s['label']} | `{s['baseline']}` | `{s['policy']}` |"
-        for s in report["samples"]
-    ]
-    return "\n".join(lines) + "\n"
 
 
 def evaluate(cfg: EvalConfig, run: StageRun) -> None:

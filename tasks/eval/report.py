@@ -29,6 +29,8 @@ CHARTS = {
     "kl": ("KL to the reference", ("kl",)),
     "loss": ("Loss", ("policy_loss", "value_loss", "loss")),
 }
+#: The y axis of each chart: what its numbers are measured in.
+Y_AXES = {"reward": "score", "kl": "nats per response", "loss": "loss"}
 COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e")
 # The metrics table's rows when the report gives no order (older reports); any other metric follows.
 ORDER = (
@@ -69,19 +71,24 @@ def series(records: list[dict], key: str) -> list[tuple[float, float]]:
     return sorted(points.items())
 
 
-def training_metrics(policy_uri: str) -> tuple[list[dict], str | None]:
-    """The records of the policy stage's metrics.jsonl and its URI; ([], None) when the policy is not a
-    stage output (a hub id, a plain folder) or its stage wrote no metrics.jsonl."""
+def policy_manifest(policy_uri: str) -> dict | None:
+    """The manifest of the stage that trained the policy; None for a hub id or a plain folder."""
     if not policy_uri:
-        return [], None
+        return None
     is_output = (
         storage.is_s3(policy_uri)
         or policy_uri.endswith(manifests.MANIFEST)
         or ((storage.local_path(policy_uri) / manifests.MANIFEST).is_file())
     )
-    if not is_output:
+    return manifests.read_manifest(policy_uri) if is_output else None
+
+
+def training_metrics(policy_uri: str) -> tuple[list[dict], str | None]:
+    """The records of the policy stage's metrics.jsonl and its URI; ([], None) when the policy is not a
+    stage output (a hub id, a plain folder) or its stage wrote no metrics.jsonl."""
+    m = policy_manifest(policy_uri)
+    if m is None:
         return [], None
-    m = manifests.read_manifest(policy_uri)
     entry = m["files"].get(METRICS_FILE)
     if entry is None:
         return [], None
@@ -117,14 +124,17 @@ def _fmt(v: float) -> str:
     return f"{v:.4g}"
 
 
-def svg_line_chart(title: str, lines: dict[str, list[tuple[float, float]]], width: int = 560, height: int = 280) -> str:
-    """A standalone SVG line chart: one polyline per named series against the step, ticks, a legend."""
-    left, right, top, bottom = 64, 16, 34, 44
+def svg_line_chart(
+    title: str, lines: dict[str, list[tuple[float, float]]], y_label: str = "", width: int = 560, height: int = 280
+) -> str:
+    """A standalone SVG line chart: one polyline per named series against the step, ticks, axis names, a legend.
+    It scales to its container's width (viewBox), so a page lays charts out as wide as it has room for."""
+    left, right, top, bottom = 72, 16, 34, 44
     pw, ph = width - left - right, height - top - bottom
     points = [p for pts in lines.values() for p in pts]
     out = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
-        f'role="img" aria-label="{html.escape(title)}" font-family="sans-serif" font-size="11">',
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="100%" viewBox="0 0 {width} {height}" '
+        f'role="img" aria-label="{html.escape(title)}" font-family="sans-serif" font-size="12">',
         f"<title>{html.escape(title)}</title>",
         f'<rect width="{width}" height="{height}" fill="#fff"/>',
         f'<text x="{width / 2}" y="18" text-anchor="middle" font-size="14" font-weight="bold">{html.escape(title)}</text>',
@@ -148,7 +158,12 @@ def svg_line_chart(title: str, lines: dict[str, list[tuple[float, float]]], widt
             f'<text x="{sx(t):.1f}" y="{top + ph + 16}" text-anchor="middle">{_fmt(t)}</text>'
         )
     out.append(f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="none" stroke="#333"/>')
-    out.append(f'<text x="{left + pw / 2}" y="{height - 8}" text-anchor="middle">step</text>')
+    out.append(f'<text x="{left + pw / 2}" y="{height - 8}" text-anchor="middle">training step</text>')
+    if y_label:
+        out.append(
+            f'<text x="14" y="{top + ph / 2}" text-anchor="middle" transform="rotate(-90 14 {top + ph / 2})">'
+            f"{html.escape(y_label)}</text>"
+        )
     for i, (name, pts) in enumerate(lines.items()):
         color = COLORS[i % len(COLORS)]
         coords = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in pts)
@@ -167,24 +182,118 @@ def svg_line_chart(title: str, lines: dict[str, list[tuple[float, float]]], widt
     return "\n".join(out)
 
 
+def chart_notes(policy: dict | None) -> dict[str, str]:
+    """What each chart's numbers are, beside the table's figures of the same name, for the stage that trained the
+    policy (its manifest: stage and config)."""
+    stage, cfg = (policy or {}).get("stage", ""), (policy or {}).get("config", {})
+    if stage in ("dpo", "kto"):
+        return {
+            "reward": "The stage's implicit rewards: β times the policy's log-ratio to the reference on the chosen "
+            "and rejected responses of each batch, and their margin. The table's reward_mean is a reward model's "
+            "score: another scale.",
+            "kl": "KTO's reference point z0: the batch's estimate of the KL from the policy to the reference.",
+            "loss": f"The {stage.upper()} loss per logged step.",
+        }
+    if stage != "rl":
+        return {"loss": "The stage's training loss per logged step."}
+    if cfg.get("env_path") or cfg.get("remote_rm_url"):
+        reward = "Each step's mean reward over its rollouts, as the environment or reward function returned it."
+    elif cfg.get("normalize_reward", True):
+        reward = (
+            "Each step's mean reward over its rollouts: the reward model's score standardised by the mean and std "
+            "of its training data (--normalize_reward), so 0 is that data's average. The table's reward_mean is "
+            "the raw score, on held-out prompts: another scale."
+        )
+    else:
+        reward = "Each step's mean reward over its rollouts: the reward model's raw score, as the table's reward_mean."
+    return {
+        "reward": reward,
+        "kl": "Each step's mean over its rollouts of the KL to the reference model, summed over the response's "
+        "tokens: the table's kl_to_ref measures the same against the baseline, on held-out prompts.",
+        "loss": "The actor's clipped policy loss and, where the run has a critic, its value loss, per logged step.",
+    }
+
+
 def charts(records: list[dict]) -> dict[str, str]:
     """{chart name: SVG} for each chart of CHARTS with at least one logged metric."""
     out = {}
     for name, (title, keys) in CHARTS.items():
         lines = {k: pts for k in keys if (pts := series(records, k))}
         if lines:
-            out[name] = svg_line_chart(title, lines)
+            out[name] = svg_line_chart(title, lines, Y_AXES.get(name, ""))
     return out
 
 
 # ---------------------------------------------------------------- the page
 
-_CSS = """body{font-family:sans-serif;margin:24px;color:#222;max-width:1200px}
-table{border-collapse:collapse;margin:8px 0 16px}td,th{border:1px solid #ccc;padding:4px 10px}
-td.num{text-align:right;font-variant-numeric:tabular-nums}th{background:#f3f3f3}
-.up{color:#1a7f37}.down{color:#b42318}.charts{display:flex;flex-wrap:wrap;gap:12px}
-code{background:#f6f6f6;padding:1px 3px}.note{color:#555}.ci{color:#666;font-size:90%}
-.alarm{background:#fde8e8;border:1px solid #b42318;color:#b42318;padding:8px 12px;font-weight:bold}"""
+# As wide as the page it opens in: a full window, the grid view's tab, or the graph view's narrow side panel,
+# where tables scroll sideways within their box, intervals drop below their value and charts stack.
+_CSS = """body{font-family:sans-serif;margin:16px;color:#222}h1{overflow-wrap:anywhere;font-size:1.6em}
+.wide{overflow-x:auto;max-width:100%}table{border-collapse:collapse;margin:8px 0 16px}
+td,th{border:1px solid #ccc;padding:4px 10px}td.num{text-align:right;font-variant-numeric:tabular-nums}
+th{background:#f3f3f3}.up{color:#1a7f37}.down{color:#b42318}
+.charts{display:grid;grid-template-columns:repeat(auto-fit,minmax(min(100%,460px),1fr));gap:16px}
+figure{margin:0}figcaption{color:#555;font-size:90%;margin-top:4px}
+code{background:#f6f6f6;padding:1px 3px;overflow-wrap:anywhere}.note{color:#555}.ci{color:#666;font-size:90%;white-space:nowrap}
+.own{float:right;font-size:90%}
+.alarm{background:#fde8e8;border:1px solid #b42318;color:#b42318;padding:8px 12px;font-weight:bold}
+@media (max-width:720px){body{margin:8px}.ci{display:block}td,th{padding:3px 6px}}"""
+
+
+def ci(interval, signed: bool = True) -> str:
+    return (
+        (f"[{interval[0]:+.3f}, {interval[1]:+.3f}]" if signed else f"[{interval[0]:.3f}, {interval[1]:.3f}]")
+        if interval
+        else ""
+    )
+
+
+def results_markdown(report: dict) -> list[str]:
+    """The report's alarms, its metrics table and its win rates: the lines the README's demo table is made of
+    (tools/readme_table.py)."""
+    base, pol = report["metrics"]["baseline"], report["metrics"]["policy"]
+    change = report.get("comparisons", {}).get("baseline", {})
+    lines = [f"**{alarm}**" for alarm in report.get("alarms", [])] + ([""] if report.get("alarms") else [])
+    lines += ["| metric | baseline (SFT) | policy | change (95% CI) |", "|---|---:|---:|---:|"]
+    lines += [
+        f"| {k} | {base[k]:.3f} | {pol[k]:.3f} | {pol[k] - base[k]:+.3f} {ci(change.get(k, {}).get('interval'))} |"
+        for k in report["order"]
+        if k in base and k in pol
+    ]
+    for ref, judges in report.get("win_rates", {}).items():
+        for name, w in judges.items():
+            lines.append(
+                f"\nWin rate against the {ref} ({name}, ties within {w['margin']}): {w['rate']:.3f} {ci(w['interval'], signed=False)} "
+                f"({w['wins']} wins, {w['ties']} ties, {w['losses']} losses)"
+            )
+    return lines
+
+
+def markdown(report: dict) -> str:
+    lines = results_markdown(report)
+    cost = report.get("cost") or {}
+    lines += (
+        [
+            "",
+            f"Cost of the candidate: {cost.get('wall_time_s', 0):.0f} s of stage wall time, "
+            f"{cost.get('gpu_hours', 0):.3f} GPU-hours over {cost.get('stages', 0)} stages.",
+        ]
+        if cost
+        else []
+    )
+    lines += [
+        "",
+        f"{report['num_prompts']} held-out prompts. <metric>: the greedy response; sampled_<metric> and the model "
+        f"metrics: {report.get('samples_per_prompt', 1)} sample(s) per prompt at temperature {report['temperature']}.",
+    ]
+    if not report.get("labelled", True):
+        lines.append("No reference answers (no label column): the metrics that need them are left out.")
+    lines += ["", "| prompt | label | baseline | policy |", "|---|---|---|---|"]
+    lines += [
+        f"| `{s['prompt']}` | {'–' if s['label'] is None else s['label']} | `{s['baseline']}` | `{s['policy']}` |"
+        for s in report["samples"]
+    ]
+    return "\n".join(lines) + "\n"
 
 
 def _num(v) -> str:
@@ -250,12 +359,21 @@ def slices_table(report: dict) -> str:
     return "\n".join(rows) + "</table>"
 
 
-def render_html(report: dict, chart_svgs: dict[str, str], metrics_uri: str | None, run_id: str = "") -> str:
-    e = html.escape
+def render_html(
+    report: dict,
+    chart_svgs: dict[str, str],
+    metrics_uri: str | None,
+    run_id: str = "",
+    notes: dict[str, str] | None = None,
+) -> str:
+    """The report page; `notes` says under each chart what its numbers are (chart_notes)."""
+    e, notes = html.escape, notes or {}
     parts = [
         "<!doctype html>",
         '<html lang="en"><head><meta charset="utf-8">',
         f"<title>rlhf-flow evaluation {e(run_id)}</title><style>{_CSS}</style></head><body>",
+        # An empty href is this page's own address, query included: out of an Airflow tab into a window of its own.
+        '<a class="own" href="" target="_blank" rel="noopener">open on its own page</a>',
         f"<h1>Evaluation{' of ' + e(run_id) if run_id else ''}</h1>",
     ]
     parts += [f'<p class="alarm">{e(alarm)}</p>' for alarm in report.get("alarms", [])]
@@ -265,14 +383,14 @@ def render_html(report: dict, chart_svgs: dict[str, str], metrics_uri: str | Non
         f"temperature {e(str(report.get('temperature', '?')))}. Intervals: 95%, paired bootstrap over prompts."
         f"{'' if report.get('labelled', True) else ' No reference answers (no label column): the metrics that need them are left out.'}</p>",
         "<h2>Metrics</h2>",
-        metrics_table(report),
+        f'<div class="wide">{metrics_table(report)}</div>',
     ]
     if report.get("win_rates"):
-        parts += ["<h2>Win rates</h2>", win_rates_table(report)]
+        parts += ["<h2>Win rates</h2>", f'<div class="wide">{win_rates_table(report)}</div>']
     if report.get("slices"):
         parts += [
             f"<h2>By {e(report['slices']['key'])}</h2>",
-            slices_table(report),
+            f'<div class="wide">{slices_table(report)}</div>',
             f'<p class="note">Smallest slice: {e(str(report["slices"]["smallest"]))}.</p>',
         ]
     parts.append("<h2>Training curves of the policy</h2>")
@@ -280,7 +398,12 @@ def render_html(report: dict, chart_svgs: dict[str, str], metrics_uri: str | Non
         parts.append(f'<p class="note">From <code>{e(metrics_uri or "")}</code>, per logged step.</p>')
         parts.append(
             '<div class="charts">'
-            + "".join(f'<figure id="chart-{e(n)}">{s}</figure>' for n, s in chart_svgs.items())
+            + "".join(
+                f'<figure id="chart-{e(n)}">{s}'
+                + (f"<figcaption>{e(notes[n])}</figcaption>" if n in notes else "")
+                + "</figure>"
+                for n, s in chart_svgs.items()
+            )
             + "</div>"
         )
     else:
@@ -290,19 +413,20 @@ def render_html(report: dict, chart_svgs: dict[str, str], metrics_uri: str | Non
         )
     if report.get("samples"):
         parts.append(
-            "<h2>Samples (greedy)</h2><table><tr><th>prompt</th><th>label</th><th>baseline</th><th>policy</th></tr>"
+            '<h2>Samples (greedy)</h2><div class="wide"><table><tr><th>prompt</th><th>label</th><th>baseline</th>'
+            "<th>policy</th></tr>"
         )
         parts += [
             f"<tr><td><code>{e(str(s['prompt']))}</code></td><td>{e('–' if s['label'] is None else str(s['label']))}</td>"
             f"<td><code>{e(str(s['baseline']))}</code></td><td><code>{e(str(s['policy']))}</code></td></tr>"
             for s in report["samples"]
         ]
-        parts.append("</table>")
+        parts.append("</table></div>")
     if report.get("inputs"):
         parts.append(
-            "<h2>Inputs</h2><table>"
+            '<h2>Inputs</h2><div class="wide"><table>'
             + "".join(f"<tr><td>{e(k)}</td><td><code>{e(str(v))}</code></td></tr>" for k, v in report["inputs"].items())
-            + "</table>"
+            + "</table></div>"
         )
     parts.append("</body></html>")
     return "\n".join(parts) + "\n"
@@ -312,10 +436,11 @@ def write_report(workdir: Path, report: dict, policy_uri: str, run_id: str = "")
     """Write report.html and chart_<name>.svg into `workdir`; returns the file names written."""
     records, metrics_uri = training_metrics(policy_uri)
     chart_svgs = charts(records)
+    notes = chart_notes(policy_manifest(policy_uri)) if chart_svgs else {}
     workdir = Path(workdir)
     written = []
     for name, svg in chart_svgs.items():
         (workdir / f"chart_{name}.svg").write_text(svg + "\n")
         written.append(f"chart_{name}.svg")
-    (workdir / "report.html").write_text(render_html(report, chart_svgs, metrics_uri, run_id))
+    (workdir / "report.html").write_text(render_html(report, chart_svgs, metrics_uri, run_id, notes))
     return ["report.html", *written]

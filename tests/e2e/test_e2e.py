@@ -17,6 +17,9 @@ import pytest
 
 from plugins.stage_cli import submission_id_for
 from tasks.data import demo
+from tools import readme_table
+
+from conftest import REPO
 
 pytestmark = pytest.mark.e2e
 STAGES = ["prepare_data", "sft", "reward_model", "rl", "eval"]
@@ -36,6 +39,22 @@ def test_the_demo_run_succeeds_through_the_rest_api(demo_run):
     }
     assert "| sampled_preferred_style_rate |" in stdout
     assert "PASS: the policy gained the preferred style with accuracy held" in stdout  # the demo's verdict line
+
+
+def test_the_readme_shows_the_table_this_code_prints(demo_run):
+    """README.md's demo table is what this code prints (tools/readme_table.py wrote it from a real run), wherever
+    the install is the README's: same lock, same pinned CPU code paths, same seed."""
+    manifest = demo_run.read_json(demo_run.xcom("eval"))
+    shown = readme_table.current((REPO / "README.md").read_text())
+    if readme_table.recorded_lock(shown) != manifest["versions"]["lock"]:
+        pytest.skip(
+            f"README's table is from lock {readme_table.recorded_lock(shown)}; this install is {manifest['versions']['lock']}"
+        )
+    difference = readme_table.first_difference(shown, demo_run.report())
+    assert difference is None, (
+        f"README.md's demo table is not what this code prints: {difference}. If the change is meant, "
+        f"`make readme-table RUN='{demo_run.run_id}'` writes this run's table there."
+    )
 
 
 def test_the_demo_is_never_silent_and_shows_each_stages_progress(demo_run):

@@ -164,11 +164,29 @@ def test_the_reports_page_lists_the_run_and_opens_its_report(browser_run):
     link = listing.locator("a.report", has_text=run["dag_run_id"])
     link.wait_for()
     shot(page, "4-reports-list")
+    # Each rate says how it was measured: the greedy and the sampled style rates are different numbers.
+    headers = listing.locator("th").all_inner_texts()
+    assert {"accuracy (greedy)", "style rate (greedy)", "style rate (sampled)"} <= set(headers), headers
     # The report itself, as a page of its own: the whole of it in one screenshot.
     page.goto(f"{base}/rlhf-flow/dags/{DAG}/runs/{urllib.parse.quote(run['dag_run_id'], safe='')}/report.html")
     assert page.locator("#metrics").is_visible()
     assert {f.get_attribute("id") for f in page.locator("figure").all()} == {"chart-reward", "chart-kl", "chart-loss"}
+    # Each chart names its axes and says what its numbers are beside the table's.
+    assert "standardised" in page.locator("#chart-reward figcaption").inner_text()
+    assert page.locator("#chart-kl svg text", has_text="nats per response").count() == 1
+    assert page.locator("a.own").get_attribute("target") == "_blank"
+    # Charts as wide as the page has room for: two a row in a 1,400-pixel window, not three at a fixed width.
+    widths = [f.bounding_box()["width"] for f in page.locator("figure").all()]
+    assert min(widths) > 600, widths
     shot(page, "5-report")
+    # As narrow as the graph view's side panel: nothing runs off the page's side.
+    page.set_viewport_size({"width": 420, "height": 900})
+    try:
+        assert page.evaluate("document.documentElement.scrollWidth <= window.innerWidth"), "the page scrolls sideways"
+        assert page.locator("#chart-loss").bounding_box()["width"] <= 420
+        shot(page, "6-report-narrow")
+    finally:
+        page.set_viewport_size({"width": 1400, "height": 1000})
 
 
 def test_stage_tasks_link_to_their_ray_job(browser_run):

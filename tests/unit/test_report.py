@@ -100,6 +100,21 @@ def test_html_is_self_contained_with_table_charts_and_escaped_text(tmp_path):
     assert f"{policy}/metrics.jsonl" in page
 
 
+def test_each_chart_names_its_axes_and_says_what_its_numbers_are(tmp_path):
+    policy = stage_output(tmp_path, "rl", RL_METRICS)  # an RL stage with the config's defaults: --normalize_reward
+    rpt.write_report(tmp_path, REPORT, policy_uri=policy, run_id="manual__1")
+    page = (tmp_path / "report.html").read_text()
+    assert "standardised by the mean and std" in page and "another scale" in page  # beside the table's reward_mean
+    assert "the table&#x27;s kl_to_ref measures the same" in page
+    svg = ET.fromstring((tmp_path / "chart_kl.svg").read_text())
+    assert {"training step", "nats per response"} <= {t.text for t in svg.iter(f"{SVG}text")}
+    assert svg.get("width") == "100%"  # as wide as the page gives it
+    rl_env = {"stage": "rl", "config": {"env_path": "guess"}}
+    assert "environment or reward function" in rpt.chart_notes(rl_env)["reward"]
+    assert "raw score" in rpt.chart_notes({"stage": "rl", "config": {"normalize_reward": False}})["reward"]
+    assert "implicit rewards" in rpt.chart_notes({"stage": "dpo", "config": {}})["reward"]
+
+
 def test_dpo_metrics_plot_what_they_have(tmp_path):
     policy = stage_output(tmp_path, "dpo", DPO_METRICS)
     svgs = rpt.charts(rpt.training_metrics(policy)[0])
