@@ -105,13 +105,12 @@ def tasks_running(module: str) -> tuple[str, ...]:
 
 
 def form_flags(task_id: str) -> dict[str, str]:
-    """The flags the pipeline task `task_id` takes from the form: {stage field: its Param's template}. A field the
-    form may send emptied (null) renders as ''."""
+    """The flags the pipeline task `task_id` takes from the form: {stage field: its Param's template}. A field left
+    empty renders as its default (the stage operators fill the Params first); one whose default is null as ''."""
     flags = {}
     for name, (module, field_name, _) in STAGE_PARAMS.items():
         if task_id in FEEDS.get(name, tasks_running(module)):
-            nullable = "null" in PARAMS[name].schema["type"]
-            flags[field_name] = ("{{ params.%s or '' }}" if nullable else "{{ params.%s }}") % name
+            flags[field_name] = ("{{ params.%s or '' }}" if PARAMS[name].value is None else "{{ params.%s }}") % name
     return flags
 
 
@@ -291,6 +290,30 @@ SECTIONS = {
 for _section, _names in SECTIONS.items():
     for _name in _names:
         PARAMS[_name].schema["section"] = _section
+
+
+def optional(param: Param) -> Param:
+    """`param` as a field the form does not mark required: null joins its type (and its choices). Airflow's form
+    marks a field required unless its type takes null, and sends a field emptied as null: the DAG's tasks read
+    that as the field's default (filled)."""
+    schema = dict(param.schema)
+    kinds = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+    schema["type"] = kinds if "null" in kinds else [*kinds, "null"]
+    if "enum" in schema and None not in schema["enum"]:
+        schema["enum"] = [*schema["enum"], None]
+        schema["values_display"] = {"null": f"(default: {param.value})"}
+    return Param(param.value, description=param.description, schema=schema)
+
+
+def filled(params, defaults: dict) -> dict:
+    """The run's Params with each field left empty (null) at its default: what every task of the DAG reads."""
+    return {name: defaults.get(name) if value is None else value for name, value in dict(params).items()}
+
+
+#: What a run cannot start without, the only fields the form marks required: where it goes, from which data and
+#: model, by which method. Every other field left empty means its default.
+REQUIRED = ("prefix", "dataset", "base_model", "method")
+PARAMS = {name: param if name in REQUIRED else optional(param) for name, param in PARAMS.items()}
 PARAMS = {
     name: PARAMS[name]
     for name in [n for n in PARAMS if "section" not in PARAMS[n].schema] + [n for ns in SECTIONS.values() for n in ns]

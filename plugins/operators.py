@@ -110,6 +110,8 @@ class RayJobOperator(BaseOperator):
         :mod:`plugins.stage_cache` for the key. Every success is indexed, whether or not it may reuse.
         Off for stages whose result depends on more than their flags and inputs (evaluation against the
         registry's champion, promotion).
+    :param param_defaults: the DAG's Param defaults: a Param the run left empty (null, as Airflow's form sends
+        an emptied optional field) renders as its default.
 
     Every outlet Asset of the task gets an event whose extra holds the manifest URI, the stage's
     numeric metrics and whether it was a cache hit.
@@ -144,9 +146,11 @@ class RayJobOperator(BaseOperator):
         python: str = "python",
         deadline_minutes: float | str | None = None,
         cache: bool | str = False,
+        param_defaults: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        self.param_defaults = dict(param_defaults or {})
         self.module = module
         self.args = dict(args or {})
         self.output_root = output_root
@@ -167,6 +171,13 @@ class RayJobOperator(BaseOperator):
         self.deadline_minutes = deadline_minutes
         self.cache = cache
         self.submission_id: str | None = None
+
+    def render_template_fields(self, context: Context, jinja_env=None) -> None:
+        if self.param_defaults and context.get("params"):
+            context["params"] = {
+                k: self.param_defaults.get(k) if v is None else v for k, v in dict(context["params"]).items()
+            }
+        super().render_template_fields(context, jinja_env)
 
     # ------------------------------------------------------------------ pieces
 

@@ -28,7 +28,7 @@ from datetime import timedelta
 
 from airflow.sdk import DAG, Asset, Param, chain, task
 
-from plugins.form import PARAMS, form_flags, promotion_param
+from plugins.form import PARAMS, filled, form_flags, optional, promotion_param
 from plugins.hooks import RayJobHook, RayUnreachableError
 from plugins.notifiers import WebhookNotifier
 from plugins.operators import OUTPUT_ROOT, RayJobOperator
@@ -161,12 +161,13 @@ def build_pipeline(
 ) -> DAG:
     """The pipeline DAG; `allow_promotion` is the default of the Param of that name, `dataset` (when given)
     the default of the dataset Param: a scheduled run takes no form, so its data comes from here."""
-    params = {**PARAMS, "allow_promotion": promotion_param(allow_promotion)}
+    params = {**PARAMS, "allow_promotion": optional(promotion_param(allow_promotion))}
     if dataset:
         base = PARAMS["dataset"]
         params["dataset"] = Param(
             dataset, description=base.description, **{k: v for k, v in base.schema.items() if k != "default"}
         )
+    defaults = {name: param.value for name, param in params.items()}  # what a field left empty means (form.filled)
     with DAG(
         dag_id=dag_id,
         description=description,
@@ -184,6 +185,7 @@ def build_pipeline(
             "retry_delay": timedelta(seconds=30),
             "deadline_minutes": "{{ params.stage_deadline_minutes }}",
             "cache": "{{ params.use_cache }}",
+            "param_defaults": defaults,  # the stage operators' (RayJobOperator): a field left empty is its default
         },
     ) as dag:
 
@@ -193,6 +195,7 @@ def build_pipeline(
             would refuse fails here, one line per stage, and nothing downstream runs."""
             from airflow.sdk.exceptions import AirflowFailException
 
+            params = filled(params, defaults)
             context = {**context, "dag": dag, "params": params}
             problems = missing_inputs(
                 params, lambda template: dag.get_task("prepare_data").render_template(template, context)
@@ -224,7 +227,7 @@ def build_pipeline(
 
         @task.branch(task_id="choose_method")
         def choose_method(params=None) -> list[str]:
-            return branch_for(params)
+            return branch_for(filled(params, defaults))
 
         method = choose_method()
         reward_model = stage(

@@ -5,8 +5,8 @@
     make readme-table RUN=<run id>
 
 Only the block between README.md's demo-table markers changes: the metrics table and win rate the run's eval
-printed, under a line naming the commit, the lock and the CPU code paths that made them. The e2e test that runs the
-demo compares its own table with that block whenever it was installed from the same lock, and names the first cell
+printed, under a line naming the commit, the machine, the lock and the CPU code paths that made them. The e2e test
+that runs the demo compares its own table with that block on the same machine and lock, and names the first cell
 that differs; after a change that moves the demo's numbers on purpose, rerun the demo and this.
 """
 
@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import sys
 from pathlib import Path
 
@@ -31,18 +33,31 @@ class ReadmeTableError(Exception):
     """The README has no demo-table block, or the report cannot be read: one line saying which."""
 
 
-def provenance_line(manifest: dict) -> str:
+def machine() -> str:
+    """This machine as the block names it: its processor and core count (other ones may reduce in another order)."""
+    model = platform.processor() or platform.machine()
+    try:
+        model = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{model}, {os.cpu_count()} cores"
+
+
+def provenance_line(manifest: dict, on: str) -> str:
     versions = manifest.get("versions", {})
     return (
         f"From one run of commit {manifest.get('code_version', 'unknown')[:12]} on {manifest.get('created_at', '?')[:10]}, "
-        f"seed {manifest.get('config', {}).get('seed', '?')}; installed from lock `{versions.get('lock', 'none')}`, "
-        f"torch {versions.get('torch', '?')}, CPU code paths `{versions.get('cpu_numerics', '')}`."
+        f"seed {manifest.get('config', {}).get('seed', '?')}, on `{on}`; installed from lock "
+        f"`{versions.get('lock', 'none')}`, torch {versions.get('torch', '?')}, CPU code paths "
+        f"`{versions.get('cpu_numerics', '')}`."
     )
 
 
-def block(report: dict, manifest: dict) -> str:
-    """The README's block for this report: the provenance line, then what the eval printed first."""
-    return "\n".join([provenance_line(manifest), "", *"\n".join(results_markdown(report)).splitlines()])
+def block(report: dict, manifest: dict, on: str | None = None) -> str:
+    """The README's block for this report, made on machine `on` (default: this one): the provenance line, then what
+    the eval printed first."""
+    lines = "\n".join(results_markdown(report)).splitlines()
+    return "\n".join([provenance_line(manifest, on or machine()), "", *lines])
 
 
 def current(readme: str) -> str:
@@ -52,10 +67,19 @@ def current(readme: str) -> str:
     return readme.split(BEGIN, 1)[1].split(END, 1)[0].strip()
 
 
+def _recorded(readme_block: str, after: str) -> str | None:
+    first = readme_block.splitlines()[0] if readme_block else ""
+    return first.split(after, 1)[1].split("`", 1)[0] if after in first else None
+
+
 def recorded_lock(readme_block: str) -> str | None:
     """The lock the block's numbers were made with (its provenance line), or None."""
-    first = readme_block.splitlines()[0] if readme_block else ""
-    return first.split("installed from lock `", 1)[1].split("`", 1)[0] if "installed from lock `" in first else None
+    return _recorded(readme_block, "installed from lock `")
+
+
+def recorded_machine(readme_block: str) -> str | None:
+    """The machine the block's numbers were made on, or None."""
+    return _recorded(readme_block, ", on `")
 
 
 def _cells(line: str) -> list[str]:

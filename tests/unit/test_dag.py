@@ -227,16 +227,12 @@ def test_stage_inputs_are_upstream_manifests_and_params(dag):
         }
         assert set(task.args) == set(wiring) | set(from_form), task_id
         for field_name, name in from_form.items():
-            empty_as = (
-                " or ''" if "null" in PARAMS[name].schema["type"] else ""
-            )  # the form sends an emptied field as null
+            empty_as = " or ''" if PARAMS[name].value is None else ""  # an emptied field arrives as its default
             assert task.args[field_name] == "{{ params.%s%s }}" % (name, empty_as), (task_id, field_name)
         assert task.output_root == REGISTRY.removesuffix("/models/{{ params.model_name }}")
     # A few by name: a Param whose field is named otherwise, the two betas, what every training stage shares.
     assert dag.get_task("rl").args["lambd"] == "{{ params.gae_lambda }}"
-    assert (
-        dag.get_task("rl").args["env_path"] == dag.get_task("eval").args["env_path"] == "{{ params.environment or '' }}"
-    )
+    assert dag.get_task("rl").args["env_path"] == dag.get_task("eval").args["env_path"] == "{{ params.environment }}"
     assert (dag.get_task("dpo").args["beta"], dag.get_task("kto").args["beta"]) == (
         "{{ params.dpo_beta }}",
         "{{ params.kto_beta }}",
@@ -318,32 +314,17 @@ def test_params_form(dag):
     for name in expected:
         p = params.get_param(name)
         assert p.schema.get("title") and p.description, name  # the UI form shows a title and a help text
-        # Flat fields, but the gate and the test-only fault injection, which the form edits as JSON.
-        # The bucket and the column names may be left empty; the form sends an emptied field as null.
-        optional = {
-            "bucket",
-            "input_key",
-            "output_key",
-            "chosen_key",
-            "rejected_key",
-            "label_key",
-            "messages_key",
-            "eval_metrics",
-            "eval_metric_func",
-            "eval_slice_key",
-            "eval_judge_url",
-            "environment",
-            "eval_lm_eval_tasks",
-            "eval_lm_eval_include_path",
-        }
+        # Flat fields, but the gate and the test-only fault injection, which the form edits as JSON. Every field
+        # but the four a run starts from takes null: the form sends an emptied field as null (its default).
+        kinds = p.schema["type"] if isinstance(p.schema["type"], list) else [p.schema["type"]]
+        assert ("null" in kinds) == (name not in ("prefix", "dataset", "base_model", "method")), name
+        (kind,) = [k for k in kinds if k != "null"]
         assert (
-            p.schema.get("type") == "object"
+            kind == "object"
             if name in ("promotion_gate", "fault_injection")
-            else p.schema.get("type") == ["null", "string"]
-            if name in optional
-            else p.schema.get("type") in ("string", "integer", "number", "boolean")
+            else kind in ("string", "integer", "number", "boolean")
         ), name
-    assert params.get_param("zero_stage").schema["enum"] == [0, 1, 2, 3]
+    assert params.get_param("zero_stage").schema["enum"] == [0, 1, 2, 3, None]
     assert pipeline.DEFAULTS["dataset"] == "demo" and pipeline.DEFAULTS["base_model"] == "demo"
 
 
@@ -673,3 +654,43 @@ def test_the_form_is_grouped_by_stage():
     ]
     assert list(SECTIONS)[-1] == "Advanced" and "fault_injection" in SECTIONS["Advanced"]
     assert {PARAMS[n].schema["section"] for n in SECTIONS["RL"]} == {"RL"}
+
+
+def test_only_what_a_run_starts_from_is_required_and_an_emptied_field_is_its_default():
+    """Airflow's form marks a field required unless its type takes null, and sends an emptied one as null: the
+    four a run cannot start without stay required; any other, emptied, renders as its default in every stage."""
+    import copy
+
+    from airflow.dag_processing.dagbag import DagBag
+    from airflow.sdk.definitions.param import process_params
+
+    from plugins.form import DEFAULTS, PARAMS, REQUIRED, filled
+
+    kinds = {
+        n: p.schema["type"] if isinstance(p.schema["type"], list) else [p.schema["type"]] for n, p in PARAMS.items()
+    }
+    assert (
+        [n for n, k in kinds.items() if "null" not in k]
+        == list(REQUIRED)
+        == ["prefix", "dataset", "base_model", "method"]
+    )
+    dag = DagBag(dag_folder=str(DAGS)).dags["rlhf_pipeline"]  # its own: rendering changes a task in place
+    emptied = {"rl_steps": None, "gae_lambda": None, "advantage_estimator": None, "ptx_coef": None, "use_cache": None}
+    conf = {**emptied, "sft_steps": 7, "stage_deadline_minutes": None}
+    params = process_params(dag, dag.get_task("rl"), conf, suppress_exception=False)  # the form accepts it
+    assert params["rl_steps"] is None and filled(params, DEFAULTS)["rl_steps"] == DEFAULTS["rl_steps"]
+    rl = copy.copy(dag.get_task("rl"))
+    rl.output_root = "s3://b/p"  # its template reads the S3 connection, which this test has not
+
+    class Upstream:  # `ti` for the templates: every upstream's output
+        def xcom_pull(self, task_ids=None, **_):
+            return f"s3://b/{task_ids}/manifest.json"
+
+    rl.render_template_fields({"params": params, "ti": Upstream(), "dag": dag, "run_id": "r"})
+    assert rl.args["max_steps"] == str(DEFAULTS["rl_steps"]) and rl.args["lambd"] == str(DEFAULTS["gae_lambda"])
+    assert rl.args["advantage_estimator"] == DEFAULTS["advantage_estimator"]
+    assert float(rl.deadline_minutes) == DEFAULTS["stage_deadline_minutes"] and rl.cache == "True"
+    # Still refused: what the stage would refuse (a value out of its bounds, a choice it does not know).
+    for bad in ({"rl_steps": 0}, {"advantage_estimator": "ppo2"}):
+        with pytest.raises(Exception, match="Invalid input for param"):
+            process_params(dag, dag.get_task("rl"), bad, suppress_exception=False)

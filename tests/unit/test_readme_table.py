@@ -35,7 +35,9 @@ MANIFEST = {
 
 
 def test_a_block_made_from_a_report_shows_that_report():
-    shown = readme_table.block(REPORT, MANIFEST)
+    shown = readme_table.block(REPORT, MANIFEST, on="AMD EPYC, 2 cores")
+    assert readme_table.recorded_machine(shown) == "AMD EPYC, 2 cores"
+    assert readme_table.recorded_machine(readme_table.block(REPORT, MANIFEST)) == readme_table.machine()
     assert shown.splitlines()[2] == "| metric | baseline (SFT) | policy | change (95% CI) |"
     assert "| accuracy | 0.818 | 0.932 | +0.114 [+0.084, +0.144] |" in shown
     assert "Win rate against the baseline (reward model, ties within 0.1): 0.731 [0.710, 0.753]" in shown
