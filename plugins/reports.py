@@ -42,7 +42,6 @@ FILES = {
     "report.md": "text/markdown; charset=utf-8",
 }
 CHART = re.compile(r"^chart_[a-z]{1,20}\.svg$")
-# report.html is data from S3: no scripts, nothing loaded from elsewhere, framed only by Airflow's UI.
 #: The reports list's figures of each run's policy (eval's manifest metrics), named for how each was measured.
 REPORT_COLUMNS = {
     "policy_accuracy": "accuracy (greedy)",
@@ -50,6 +49,7 @@ REPORT_COLUMNS = {
     "policy_sampled_preferred_style_rate": "style rate (sampled)",
     "policy_kl_to_ref": "KL to baseline (sampled)",
 }
+# report.html is data from S3: no scripts, nothing loaded from elsewhere, framed only by Airflow's UI.
 CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src data:; frame-ancestors 'self'"
 
 

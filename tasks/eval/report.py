@@ -201,8 +201,8 @@ def chart_notes(policy: dict | None) -> dict[str, str]:
     elif cfg.get("normalize_reward", True):
         reward = (
             "Each step's mean reward over its rollouts: the reward model's score standardised by the mean and std "
-            "of its training data (--normalize_reward), so 0 is that data's average. The table's reward_mean is "
-            "the raw score, on held-out prompts: another scale."
+            "of its scores on its stage's held-out preference pairs (--normalize_reward), so 0 is their average. "
+            "The table's reward_mean is the raw score, on held-out prompts: another scale."
         )
     else:
         reward = "Each step's mean reward over its rollouts: the reward model's raw score, as the table's reward_mean."
