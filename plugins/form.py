@@ -295,7 +295,7 @@ for _section, _names in SECTIONS.items():
 def optional(param: Param) -> Param:
     """`param` as a field the form does not mark required: null joins its type (and its choices). Airflow's form
     marks a field required unless its type takes null, and sends a field emptied as null: the DAG's tasks read
-    that as the field's default (filled)."""
+    that as the field's default (plugins.operators.fill_empty)."""
     schema = dict(param.schema)
     kinds = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
     schema["type"] = kinds if "null" in kinds else [*kinds, "null"]
@@ -303,11 +303,6 @@ def optional(param: Param) -> Param:
         schema["enum"] = [*schema["enum"], None]
         schema["values_display"] = {"null": f"(default: {param.value})"}
     return Param(param.value, description=param.description, schema=schema)
-
-
-def filled(params, defaults: dict) -> dict:
-    """The run's Params with each field left empty (null) at its default: what every task of the DAG reads."""
-    return {name: defaults.get(name) if value is None else value for name, value in dict(params).items()}
 
 
 #: What a run cannot start without, the only fields the form marks required: where it goes, from which data and

@@ -85,6 +85,12 @@ def default_working_dir() -> str | None:
     return None
 
 
+def fill_empty(params, defaults: dict[str, Any]) -> dict[str, Any]:
+    """A run's Params with each one left empty (null, as Airflow's form sends an emptied optional field) at its
+    default: what every task of a pipeline reads."""
+    return {name: defaults.get(name) if value is None else value for name, value in dict(params).items()}
+
+
 class RayJobOperator(BaseOperator):
     """Run ``python -m <module>`` as a Ray job; return the URI of the ``manifest.json`` it writes.
 
@@ -174,9 +180,7 @@ class RayJobOperator(BaseOperator):
 
     def render_template_fields(self, context: Context, jinja_env=None) -> None:
         if self.param_defaults and context.get("params"):
-            context["params"] = {
-                k: self.param_defaults.get(k) if v is None else v for k, v in dict(context["params"]).items()
-            }
+            context["params"] = fill_empty(context["params"], self.param_defaults)
         super().render_template_fields(context, jinja_env)
 
     # ------------------------------------------------------------------ pieces

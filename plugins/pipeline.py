@@ -28,10 +28,10 @@ from datetime import timedelta
 
 from airflow.sdk import DAG, Asset, Param, chain, task
 
-from plugins.form import PARAMS, filled, form_flags, optional, promotion_param
+from plugins.form import PARAMS, form_flags, optional, promotion_param
 from plugins.hooks import RayJobHook, RayUnreachableError
 from plugins.notifiers import WebhookNotifier
-from plugins.operators import OUTPUT_ROOT, RayJobOperator
+from plugins.operators import OUTPUT_ROOT, RayJobOperator, fill_empty
 from plugins.s3 import S3Error, S3Store, split_uri
 from tasks.common import names
 from tasks.common.stages import PIPELINE_TASKS, STAGES
@@ -167,7 +167,7 @@ def build_pipeline(
         params["dataset"] = Param(
             dataset, description=base.description, **{k: v for k, v in base.schema.items() if k != "default"}
         )
-    defaults = {name: param.value for name, param in params.items()}  # what a field left empty means (form.filled)
+    defaults = {name: param.value for name, param in params.items()}  # what a field left empty means (fill_empty)
     with DAG(
         dag_id=dag_id,
         description=description,
@@ -195,7 +195,7 @@ def build_pipeline(
             would refuse fails here, one line per stage, and nothing downstream runs."""
             from airflow.sdk.exceptions import AirflowFailException
 
-            params = filled(params, defaults)
+            params = fill_empty(params, defaults)
             context = {**context, "dag": dag, "params": params}
             problems = missing_inputs(
                 params, lambda template: dag.get_task("prepare_data").render_template(template, context)
@@ -227,7 +227,7 @@ def build_pipeline(
 
         @task.branch(task_id="choose_method")
         def choose_method(params=None) -> list[str]:
-            return branch_for(filled(params, defaults))
+            return branch_for(fill_empty(params, defaults))
 
         method = choose_method()
         reward_model = stage(

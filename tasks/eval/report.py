@@ -86,7 +86,11 @@ def policy_manifest(policy_uri: str) -> dict | None:
 def training_metrics(policy_uri: str) -> tuple[list[dict], str | None]:
     """The records of the policy stage's metrics.jsonl and its URI; ([], None) when the policy is not a
     stage output (a hub id, a plain folder) or its stage wrote no metrics.jsonl."""
-    m = policy_manifest(policy_uri)
+    return stage_metrics(policy_manifest(policy_uri))
+
+
+def stage_metrics(m: dict | None) -> tuple[list[dict], str | None]:
+    """training_metrics from the stage's manifest `m` (None: not a stage output), checked against it."""
     if m is None:
         return [], None
     entry = m["files"].get(METRICS_FILE)
@@ -434,9 +438,10 @@ def render_html(
 
 def write_report(workdir: Path, report: dict, policy_uri: str, run_id: str = "") -> list[str]:
     """Write report.html and chart_<name>.svg into `workdir`; returns the file names written."""
-    records, metrics_uri = training_metrics(policy_uri)
+    policy = policy_manifest(policy_uri)  # read once: the curves and what they are
+    records, metrics_uri = stage_metrics(policy)
     chart_svgs = charts(records)
-    notes = chart_notes(policy_manifest(policy_uri)) if chart_svgs else {}
+    notes = chart_notes(policy) if chart_svgs else {}
     workdir = Path(workdir)
     written = []
     for name, svg in chart_svgs.items():

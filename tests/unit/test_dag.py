@@ -664,7 +664,8 @@ def test_only_what_a_run_starts_from_is_required_and_an_emptied_field_is_its_def
     from airflow.dag_processing.dagbag import DagBag
     from airflow.sdk.definitions.param import process_params
 
-    from plugins.form import DEFAULTS, PARAMS, REQUIRED, filled
+    from plugins.form import DEFAULTS, PARAMS, REQUIRED
+    from plugins.operators import fill_empty
 
     kinds = {
         n: p.schema["type"] if isinstance(p.schema["type"], list) else [p.schema["type"]] for n, p in PARAMS.items()
@@ -678,7 +679,7 @@ def test_only_what_a_run_starts_from_is_required_and_an_emptied_field_is_its_def
     emptied = {"rl_steps": None, "gae_lambda": None, "advantage_estimator": None, "ptx_coef": None, "use_cache": None}
     conf = {**emptied, "sft_steps": 7, "stage_deadline_minutes": None}
     params = process_params(dag, dag.get_task("rl"), conf, suppress_exception=False)  # the form accepts it
-    assert params["rl_steps"] is None and filled(params, DEFAULTS)["rl_steps"] == DEFAULTS["rl_steps"]
+    assert params["rl_steps"] is None and fill_empty(params, DEFAULTS)["rl_steps"] == DEFAULTS["rl_steps"]
     rl = copy.copy(dag.get_task("rl"))
     rl.output_root = "s3://b/p"  # its template reads the S3 connection, which this test has not
 
