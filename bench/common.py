@@ -1,7 +1,7 @@
 """What every benchmark in bench/ shares: the work (the model shapes, PROMPT_TOKENS-token prompts, GROUP
 completions of COMPLETION_TOKENS tokens for each of PROMPTS_PER_STEP prompts a step), the bench folder's setup
 (random-weight model, tokenizer, prompts), the FLOP counts behind MFU, and the helpers that run one of our stages
-as a subprocess and save a result as <dir>/results/<name>.json. Nothing here measures anything by itself.
+as a subprocess and save a result as <dir>/results/<name>.json, and GPUPeak, the GPU memory peak while a block runs.
 
     python bench/grpo_bench.py setup --dir /tmp/bench [--shape qwen2-0.5b|qwen2.5-1.5b|tiny] [--eos_cap N]   # setup()
     from bench.common import COMPLETION_TOKENS, grpo_args, run_stage, save   # repo root on sys.path
@@ -15,6 +15,7 @@ import random
 import statistics
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -274,3 +275,34 @@ def kernel_events(prof) -> list:
     from torch.autograd import DeviceType
 
     return [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]
+
+
+class GPUPeak:
+    """The GPU's largest memory in use while the block runs, every process counted (nvidia-smi, once a second)."""
+
+    def __enter__(self):
+        self.peak_mib, self._stop = 0, threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+        return self
+
+    def _poll(self):
+        while not self._stop.wait(1.0):
+            try:
+                used = subprocess.run(
+                    ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                    capture_output=True,
+                    text=True,
+                    timeout=10,
+                )
+                self.peak_mib = max([self.peak_mib, *(int(x) for x in used.stdout.split())])
+            except (OSError, ValueError, subprocess.TimeoutExpired):
+                return
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    @property
+    def gb(self) -> float | None:
+        return round(self.peak_mib / 1024, 1) if self.peak_mib else None

@@ -52,7 +52,8 @@ def reward_func(queries, prompts, labels):
 '''
 
 
-def openrlhf_command(bench_dir: Path, steps: int, micro: int, vllm_sleep: bool) -> list[str]:
+def openrlhf_command(bench_dir: Path, steps: int, micro: int, vllm_sleep: bool, work: dict | None = None) -> list[str]:
+    """OpenRLHF's command line for the bench's work; `work` replaces or adds flags (bench/realistic_peers.py's shape)."""
     out = bench_dir / "out" / "openrlhf"
     args = {
         "actor.model_name_or_path": bench_dir / "model",
@@ -89,6 +90,7 @@ def openrlhf_command(bench_dir: Path, steps: int, micro: int, vllm_sleep: bool) 
         "ckpt.output_dir": out,
         "ckpt.path": out / "ckpt",
     }
+    args.update(work or {})
     flags = [x for k, v in args.items() if v is not False for x in ((f"--{k}",) if v is True else (f"--{k}", str(v)))]
     return [sys.executable, "-m", "openrlhf.cli.train_ppo_ray", *flags]
 

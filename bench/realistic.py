@@ -8,6 +8,7 @@ weights and sampling with no patch. Each run writes <dir>/results/realistic_<sha
     python bench/realistic.py ours --dir /tmp/bench-qwen2.5-1.5b --cap 4096 --engine vllm    # our RL stage (Ray head needed)
     python bench/realistic.py ours --dir … --cap 4096 --engine transformers --steps 2
     python bench/realistic.py trl  --dir … --cap 4096                                       # TRL GRPOTrainer + vLLM colocate
+    python bench/realistic.py verl --dir … --cap 4096   # or openrlhf: the peers' long-response settings (realistic_peers.py)
     python bench/realistic.py collect --dir <results folder> --machine "H100 80GB"           # into bench/results.json "realistic"
 
 The work: PROMPTS × GROUP = 16 × 8 = 128 completions of at most --cap new tokens after 128-token prompts, sampled at
@@ -22,9 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -53,37 +52,6 @@ def save(bench_dir: Path, shape: str, system: str, result: dict) -> None:
     print(json.dumps({f"{shape}/{system}": result}), flush=True)
 
 
-class GPUPeak:
-    """The GPU's largest memory in use while the block runs, every process counted (nvidia-smi, once a second)."""
-
-    def __enter__(self):
-        self.peak_mib, self._stop = 0, threading.Event()
-        self._thread = threading.Thread(target=self._poll, daemon=True)
-        self._thread.start()
-        return self
-
-    def _poll(self):
-        while not self._stop.wait(1.0):
-            try:
-                used = subprocess.run(
-                    ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                    capture_output=True,
-                    text=True,
-                    timeout=10,
-                )
-                self.peak_mib = max([self.peak_mib, *(int(x) for x in used.stdout.split())])
-            except (OSError, ValueError, subprocess.TimeoutExpired):
-                return
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-
-    @property
-    def gb(self) -> float | None:
-        return round(self.peak_mib / 1024, 1) if self.peak_mib else None
-
-
 def model_dir(bench_dir: Path, cap: int) -> Path:
     path = bench_dir / f"model_eos{cap}"
     if not (path / "config.json").exists():
@@ -99,7 +67,14 @@ def calibration(bench_dir: Path, cap: int) -> dict:
 
 
 def per_step(
-    bench_dir: Path, shape: str, system: str, records: list[dict], cap: int, command: str, peak: GPUPeak, extra: dict
+    bench_dir: Path,
+    shape: str,
+    system: str,
+    records: list[dict],
+    cap: int,
+    command: str,
+    peak: common.GPUPeak,
+    extra: dict,
 ) -> None:
     """Medians over the steps after the first (start-up, CUDA graphs, compilation) of a run's metrics.jsonl."""
     tail = records[1:] or records
@@ -158,6 +133,8 @@ def ours(
     packing_samples: bool,
     over_sampling_batch_size: int,
     command: str,
+    zero_stage: int = 2,
+    adam_offload: bool = False,
 ) -> None:
     shape = shape_name(bench_dir, cap, lora_rank)
     system = (
@@ -165,6 +142,8 @@ def ours(
         + ("_token_budget" if max_tokens_per_gpu else "")
         + ("_packed" if packing_samples else "")
         + (f"_oversample{over_sampling_batch_size}" if over_sampling_batch_size else "")
+        + (f"_zero{zero_stage}" if zero_stage != 2 else "")
+        + ("_adam_offload" if adam_offload else "")
     )
     out = bench_dir / "out" / f"realistic_{shape}_{system}"
     args = common.grpo_args(bench_dir, out, steps, micro)
@@ -179,6 +158,8 @@ def ours(
         rollout_engine=engine,
         enable_prefix_caching=True,  # GRPO's 8 samples of a prompt share its prefill
         actor_learning_rate=LR,
+        zero_stage=zero_stage,
+        adam_offload=adam_offload,  # Adam's state and the fp32 master weights in host memory
     )
     if engine == "vllm":
         args.update(vllm_num_engines=1, vllm_gpu_memory_utilization=gpu_memory_utilization)
@@ -192,7 +173,7 @@ def ours(
         args.update(over_sampling_batch_size=over_sampling_batch_size)
     if not common.on_gpu():
         args.update(flash_attn=False, enable_prefix_caching=False)
-    with GPUPeak() as peak:
+    with common.GPUPeak() as peak:
         common.run_stage("tasks.rl", args, bench_dir / f"realistic_{shape}_{system}.log")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     per_step(
@@ -210,6 +191,8 @@ def ours(
             "max_tokens_per_gpu": max_tokens_per_gpu,
             "packing_samples": packing_samples,
             "over_sampling_batch_size": over_sampling_batch_size,
+            "zero_stage": zero_stage,
+            "adam_offload": adam_offload,
         },
     )
 
@@ -290,7 +273,7 @@ def trl(bench_dir: Path, cap: int, steps: int, micro: int, command: str) -> None
     )
     tokenizer = AutoTokenizer.from_pretrained(model)
     dataset = load_dataset("json", data_files=str(bench_dir / "prompts.jsonl"), split="train")
-    with GPUPeak() as peak:
+    with common.GPUPeak() as peak:
         start = time.time()
         trainer = GRPOTrainer(
             model=str(model),
@@ -349,7 +332,7 @@ def collect(results: Path, into: Path, machine: str, date: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("what", choices=["ours", "vllm", "trl", "collect"])
+    parser.add_argument("what", choices=["ours", "vllm", "trl", "verl", "openrlhf", "collect"])
     parser.add_argument("--dir", type=Path, required=True)
     parser.add_argument(
         "--cap", type=int, default=4096, help="max new tokens a response (the EOS model calibrated for it)"
@@ -373,7 +356,10 @@ def main() -> None:
         default=0,
         help=f"ours: prompts drawn a step, of which the first {PROMPTS} groups to finish train (0: {PROMPTS}, no cut)",
     )
+    parser.add_argument("--zero_stage", type=int, default=2, help="ours: DeepSpeed ZeRO stage")
+    parser.add_argument("--adam_offload", action="store_true", help="ours: Adam's state in host memory")
     parser.add_argument("--gpu_memory_utilization", type=float, default=0.35)
+    parser.add_argument("--timeout_s", type=float, default=540, help="verl, openrlhf: stop the peer after this long")
     parser.add_argument(
         "--into", type=Path, default=common.ROOT / "bench" / "results.json", help="collect: the summary to merge into"
     )
@@ -394,9 +380,16 @@ def main() -> None:
             a.packing_samples,
             a.over_sampling_batch_size,
             command,
+            a.zero_stage,
+            a.adam_offload,
         )
     elif a.what == "collect":  # here, on the results a device call brought back: --dir is that results folder
         collect(a.dir, a.into, a.machine, a.date)
+    elif a.what in ("verl", "openrlhf"):  # bench/realistic_peers.py
+        from bench import realistic_peers
+
+        run = realistic_peers.verl if a.what == "verl" else realistic_peers.openrlhf
+        run(a.dir, a.cap, a.steps, a.gpu_memory_utilization, a.timeout_s, command)
     elif a.what == "vllm":
         vllm_alone(a.dir, a.cap, a.gpu_memory_utilization, command)
     else:

@@ -98,7 +98,10 @@ def hydra_value(value) -> str:
     return str(value)
 
 
-def verl_command(bench_dir: Path, steps: int, micro: int, vllm_sleep: bool, sdpa: bool, v0: bool) -> list[str]:
+def verl_command(
+    bench_dir: Path, steps: int, micro: int, vllm_sleep: bool, sdpa: bool, v0: bool, work: dict | None = None
+) -> list[str]:
+    """verl's command line for the bench's work; `work` replaces or adds settings (bench/realistic_peers.py's shape)."""
     data, out = bench_dir / "verl" / "train.parquet", bench_dir / "out" / "verl"
     args = {
         "algorithm.adv_estimator": "grpo",
@@ -156,6 +159,7 @@ def verl_command(bench_dir: Path, steps: int, micro: int, vllm_sleep: bool, sdpa
                 "actor_rollout_ref.model.use_remove_padding": False,
             }
         )
+    args.update(work or {})
     return [sys.executable, "-m", "verl.trainer.main_ppo", *(f"{k}={hydra_value(v)}" for k, v in args.items())]
 
 

@@ -42,14 +42,16 @@ case "${1:?usage: openrlhf.sh pack|install}" in
     rm -rf $site && mkdir -p $site
     pip install --quiet --no-index --no-deps --target $site "${wheels[@]}"
     # patch: OpenRLHF has no ignore_eos; the bench's completions are exactly 256 tokens (ours and TRL pass
-    # ignore_eos=True to vLLM). The one SamplingParams of its training rollouts gets it, nothing else changes.
+    # ignore_eos=True to vLLM). The one SamplingParams of its training rollouts gets it, nothing else changes;
+    # BENCH_IGNORE_EOS=0 (the realistic work, bench/realistic_peers.py) keeps EOS live.
     python - $site/openrlhf/trainer/ppo_utils/samples_generator.py <<'EOF'
 import sys
 path = sys.argv[1]
 text = open(path).read()
 old = '            min_tokens=generate_kwargs.get("min_new_tokens", 1),\n'
 assert text.count(old) == 1, "samples_generator.py changed: patch it by hand"
-open(path, "w").write(text.replace(old, old + "            ignore_eos=True,  # bench/gpu/openrlhf.sh: completions of exactly max_new_tokens\n"))
+new = '            ignore_eos=__import__("os").environ.get("BENCH_IGNORE_EOS", "1") == "1",  # bench/gpu/openrlhf.sh\n'
+open(path, "w").write(text.replace(old, old + new))
 print("patched", path)
 EOF
     PYTHONPATH="$site:$PYTHONPATH" python -c "
@@ -58,7 +60,7 @@ import torchdata.stateful_dataloader, pylatexenc, aiohttp, PIL, sympy, flash_att
 import openrlhf.cli.train_ppo_ray, openrlhf.trainer.ppo_trainer, openrlhf.trainer.ray.vllm_worker_wrap, openrlhf.utils.agent
 from openrlhf.trainer.ppo_utils import samples_generator
 from vllm.utils import random_uuid
-assert 'ignore_eos=True' in inspect.getsource(samples_generator)
+assert 'BENCH_IGNORE_EOS' in inspect.getsource(samples_generator)
 for p in ('openrlhf', 'ray', 'deepspeed', 'vllm', 'transformers', 'torch', 'flash_attn', 'torchdata', 'aiohttp'):
     print(p, md.version(p.replace('_', '-')), end='; ')
 print('imports ok')"

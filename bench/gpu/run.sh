@@ -23,6 +23,7 @@
 #   bash bench/gpu/run.sh setup verl                # verl 0.9.1's GRPO, same work (bench/gpu/verl.sh install first; a call of its own)
 #   bash bench/gpu/run.sh tests_stages               # the gpu-marked tests; tests_learn: the learning check
 #   SHAPE=qwen2.5-1.5b bash bench/gpu/run.sh setup eos4k real_vllm4k real_ours4k   # realistic RL work (bench/realistic.py)
+#   SHAPE=qwen2.5-1.5b bash bench/gpu/run.sh real_verl4k   # or real_openrlhf4k: the peers on it (after their install)
 #
 # /tmp/bench (model, data, results) outlives a call while the machine is warm; with $OUT set (a device call) the
 # results of every shape and the logs go back in $OUT/bundle.tgz, the report in $OUT/results.json.
@@ -125,9 +126,17 @@ for phase in "$@"; do
       [ -f $dir/model_eos$cap/config.json ] || python -m bench.eos_model --model $dir/model --out $dir/model_eos$cap \
         --target_mean ${EOS_MEAN:-1000} --cap $cap --temperature 1.0 --samples ${EOS_SAMPLES:-64} --verify 0 ${EOS_ARGS:-}
       mkdir -p $dir/results && cp $dir/model_eos$cap/eos_calibration.json $dir/results/eos_calibration_$cap.json ;;
+    # verl and OpenRLHF on the same work, with their own long-response settings (bench/realistic_peers.py); each
+    # its own call of 600 s. Their folders first on PYTHONPATH for the phase and its Ray head, as verl/openrlhf above;
+    # BENCH_IGNORE_EOS=0 keeps EOS live in OpenRLHF (openrlhf.sh's patch).
+    real_verl4k|real_openrlhf4k)
+      peer=${phase#real_}; peer=${peer%4k}
+      ( export PYTHONPATH=/tmp/site-$peer:$PYTHONPATH BENCH_IGNORE_EOS=0
+        start_ray && python bench/realistic.py $peer --dir $dir --cap 4096 --steps ${REAL_STEPS:-4} ${PEER_ARGS:-} )
+      rc=$?; ray_cli stop --force >/dev/null 2>&1; ray_up=""; (exit $rc) ;;
     real_vllm4k|real_vllm8k) python bench/realistic.py vllm --dir $dir --cap $([ "$phase" = real_vllm4k ] && echo 4096 || echo 8192) ;;
     real_trl4k) python bench/realistic.py trl --dir $dir --cap 4096 --steps ${REAL_STEPS:-4} --micro 4 ;;
-    real_ours4k|real_ours4k_budget|real_ours4k_packed|real_ours4k_oversample|real_ours8k|real_ours8k_packed|real_ours4k_hf|real_ours4k_lora)
+    real_ours4k|real_ours4k_budget|real_ours4k_packed|real_ours4k_oversample|real_ours8k|real_ours8k_packed|real_ours4k_hf|real_ours4k_lora|real_ours4k_full_offload)
       if [ -z "$ray_up" ]; then start_ray && ray_up=1; fi
       case "$phase" in
         real_ours4k) python bench/realistic.py ours --dir $dir --cap 4096 --steps ${REAL_STEPS:-5} ;;
@@ -142,6 +151,8 @@ for phase in "$@"; do
         real_ours8k_packed) python bench/realistic.py ours --dir $dir --cap 8192 --steps ${REAL_STEPS:-4} --micro 4 --packing_samples ;;
         real_ours4k_hf) python bench/realistic.py ours --dir $dir --cap 4096 --engine transformers --steps ${REAL_STEPS:-2} ;;
         real_ours4k_lora) python bench/realistic.py ours --dir $dir --cap 4096 --lora_rank 64 --steps ${REAL_STEPS:-4} ;;
+        # Full weights with ZeRO-3 and Adam in host memory (the 7B shape: what fits on one GPU, issue 52)
+        real_ours4k_full_offload) python bench/realistic.py ours --dir $dir --cap 4096 --zero_stage 3 --adam_offload --steps ${REAL_STEPS:-3} ;;
       esac ;;
     trl_hf) python bench/grpo_bench.py trl --dir $dir --mode hf --steps 8 ;;
     trl_vllm) python bench/grpo_bench.py trl --dir $dir --mode vllm ;;

@@ -1,0 +1,184 @@
+"""verl and OpenRLHF on bench/realistic.py's work (issue 52, item 6): the EOS-calibrated model, 16 prompts × 8 samples,
+EOS live, temperature 1, the cap, one update a step, no KL, lr 1e-9, vLLM colocated at the same memory share as ours,
+and each peer's own long-response settings: verl's dynamic batch size with padding removed (its flash-attn varlen path)
+and OpenRLHF's packed samples with dynamic batches, at our token budget (8 × (prompt + cap) tokens a micro-batch).
+
+    python bench/realistic.py verl --dir /tmp/bench-qwen2.5-1.5b --cap 4096 --steps 4       # bench/gpu/run.sh real_verl4k
+    python bench/realistic.py openrlhf --dir /tmp/bench-qwen2.5-1.5b --cap 4096 --steps 4   # … real_openrlhf4k
+
+Each needs its peer installed (bench/gpu/verl.sh, openrlhf.sh: after flash_attn.sh) and a Ray head whose PYTHONPATH
+starts with the peer's folder; OpenRLHF's install patch keeps EOS live when BENCH_IGNORE_EOS=0 (run.sh sets it).
+The step time is the wall time between the peer's step lines, the median after the first (as ours); tokens/s/GPU
+is NeMo-RL's count from the peer's own mean response length. Writes <dir>/results/realistic_<shape>_<peer>.json.
+"""
+
+from __future__ import annotations
+
+import shlex
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import openrlhf_bench  # noqa: E402
+import verl_bench  # noqa: E402
+from peer_run import fail_unless_ran, run_stamped  # noqa: E402
+
+from bench import common  # noqa: E402
+from bench.realistic import GROUP, LR, PROMPTS, calibration, model_dir, save, shape_name  # noqa: E402
+
+
+def token_budget(cap: int) -> int:
+    """Our default micro-batch budget for long responses (RLConfig.token_budget): 8 rows of prompt + cap."""
+    return 8 * (common.PROMPT_TOKENS + cap)
+
+
+def verl_work(bench_dir: Path, cap: int, steps: int, gpu_memory_utilization: float) -> dict:
+    return {
+        "data.train_max_samples": steps * PROMPTS,
+        "data.val_max_samples": PROMPTS,
+        "data.train_batch_size": PROMPTS,
+        "data.max_response_length": cap,
+        "actor_rollout_ref.model.path": model_dir(bench_dir, cap),
+        "actor_rollout_ref.actor.optim.lr": LR,
+        "actor_rollout_ref.actor.ppo_mini_batch_size": PROMPTS,  # the whole batch: one update a step
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 8,  # unused with dynamic batches; verl asks for one
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": 8,
+        # verl's long-response path: micro-batches by token count, padding removed (varlen flash-attn)
+        "actor_rollout_ref.model.use_remove_padding": True,
+        "actor_rollout_ref.actor.use_dynamic_bsz": True,
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": token_budget(cap),
+        "actor_rollout_ref.rollout.n": GROUP,
+        "actor_rollout_ref.rollout.ignore_eos": False,
+        "actor_rollout_ref.rollout.temperature": 1.0,
+        "actor_rollout_ref.rollout.top_p": 1.0,
+        "actor_rollout_ref.rollout.top_k": -1,
+        "actor_rollout_ref.rollout.enable_prefix_caching": True,
+        "actor_rollout_ref.rollout.gpu_memory_utilization": gpu_memory_utilization,
+        "trainer.total_training_steps": steps,
+        "trainer.experiment_name": "verl_realistic",
+    }
+
+
+def openrlhf_work(bench_dir: Path, cap: int, steps: int, gpu_memory_utilization: float) -> dict:
+    return {
+        "actor.model_name_or_path": model_dir(bench_dir, cap),
+        "data.max_samples": steps * PROMPTS,
+        "data.max_len": common.PROMPT_TOKENS + cap,
+        "rollout.max_new_tokens": cap,
+        "rollout.batch_size": PROMPTS,
+        "rollout.n_samples_per_prompt": GROUP,
+        "rollout.temperature": 1.0,
+        "rollout.top_p": 1.0,
+        "train.batch_size": PROMPTS * GROUP,  # one optimizer update a step
+        "actor.adam.lr": LR,
+        # OpenRLHF's long-response path: packed samples, micro-batches by token count
+        "ds.packing_samples": True,
+        "train.dynamic_batch_enable": True,
+        "train.max_tokens_per_gpu": token_budget(cap),
+        "rollout.max_tokens_per_gpu": token_budget(cap),
+        "vllm.enable_prefix_caching": True,
+        "vllm.gpu_memory_utilization": gpu_memory_utilization,
+    }
+
+
+def summarise(records: list[dict], step_key: str, length_mean: str, truncated: str, length_max: str | None) -> dict:
+    """Step times from the lines' arrival (the first from the peer's own timer), medians after the first step."""
+    times = [records[0][step_key]] + [b["t"] - a["t"] for a, b in zip(records, records[1:])]
+    tail, tail_times = records[1:] or records, times[1:] or times
+    step = statistics.median(tail_times)
+    mean = statistics.mean(r[length_mean] for r in tail)
+    return {
+        "step_s": round(step, 3),
+        "step_times_s": [round(t, 2) for t in times],
+        # NeMo-RL's count, as ours: prompt and response tokens over the step time, one GPU
+        "tokens_per_s_per_gpu": round(
+            statistics.median(
+                PROMPTS * GROUP * (common.PROMPT_TOKENS + r[length_mean]) / t for r, t in zip(tail, tail_times)
+            )
+        ),
+        "response_length_mean": round(mean, 1),
+        **({"response_length_max": max(r[length_max] for r in tail)} if length_max else {}),
+        "truncation_rate": round(statistics.mean(r.get(truncated, 0.0) for r in tail), 4),
+        "steps_measured": len(tail),
+        "completions_per_step": PROMPTS * GROUP,
+    }
+
+
+def verl(bench_dir: Path, cap: int, steps: int, gpu_memory_utilization: float, timeout_s: float, command: str) -> None:
+    verl_bench.write_data(bench_dir)
+    argv = verl_bench.verl_command(
+        bench_dir, steps, 8, False, False, False, verl_work(bench_dir, cap, steps, gpu_memory_utilization)
+    )
+    shape = shape_name(bench_dir, cap, 0)
+    log = bench_dir / f"realistic_{shape}_verl.log"
+    print(shlex.join(argv), flush=True)
+    with common.GPUPeak() as peak:
+        rc, stamped, _ = run_stamped(argv, log, marker="step:", timeout_s=timeout_s, env={"HYDRA_FULL_ERROR": "1"})
+    records = [r for r in verl_bench.parse_steps(stamped) if "timing_s/step" in r]
+    fail_unless_ran("verl main_ppo", rc, records, log, min_steps=2)
+    tail = records[1:] or records
+    split = {
+        f"{ours.removeprefix('time_')}": round(statistics.median(r[f"timing_s/{k}"] for r in tail), 3)
+        for k, ours in verl_bench.SPLIT.items()
+        if f"timing_s/{k}" in tail[0]
+    }
+    save(
+        bench_dir,
+        shape,
+        "verl",
+        {
+            **summarise(
+                records, "timing_s/step", "response_length/mean", "response_length/clip_ratio", "response_length/max"
+            ),
+            **split,
+            "verl_throughput_tokens_per_s_per_gpu": round(statistics.median(r.get("perf/throughput", 0) for r in tail)),
+            "gpu_peak_gb": peak.gb,
+            "stopped_at_time_limit": rc != 0,
+            "cap": cap,
+            "calibration": calibration(bench_dir, cap),
+            "verl": verl_bench.importlib.metadata.version("verl"),
+            "command": command,
+            "peer_command": shlex.join(argv),
+        },
+    )
+
+
+def openrlhf(
+    bench_dir: Path, cap: int, steps: int, gpu_memory_utilization: float, timeout_s: float, command: str
+) -> None:
+    (bench_dir / "openrlhf_reward.py").write_text(openrlhf_bench.REWARD_ADAPTER.format(path=str(common.REWARD_FILE)))
+    argv = openrlhf_bench.openrlhf_command(
+        bench_dir, steps, 8, False, openrlhf_work(bench_dir, cap, steps, gpu_memory_utilization)
+    )
+    shape = shape_name(bench_dir, cap, 0)
+    log = bench_dir / f"realistic_{shape}_openrlhf.log"
+    print(shlex.join(argv), flush=True)
+    with common.GPUPeak() as peak:
+        rc, stamped, _ = run_stamped(
+            argv, log, marker="Global step", timeout_s=timeout_s, env={"BENCH_IGNORE_EOS": "0"}
+        )
+    records = openrlhf_bench.parse_steps(stamped)
+    fail_unless_ran("train_ppo_ray", rc, records, log, min_steps=2)
+    tail = records[1:] or records
+    split = {
+        f"{ours.removeprefix('time_')}": round(statistics.median(r[f"timing/{k}"] for r in tail), 3)
+        for k, ours in openrlhf_bench.SPLIT.items()
+        if f"timing/{k}" in tail[0]
+    }
+    save(
+        bench_dir,
+        shape,
+        "openrlhf",
+        {
+            **summarise(records, "timing/step_total", "rollout/response_length_mean", "rollout/truncated_rate", None),
+            **split,
+            "gpu_peak_gb": peak.gb,
+            "stopped_at_time_limit": rc != 0,
+            "cap": cap,
+            "calibration": calibration(bench_dir, cap),
+            "openrlhf": openrlhf_bench.importlib.metadata.version("openrlhf"),
+            "command": command,
+            "peer_command": shlex.join(argv),
+        },
+    )
