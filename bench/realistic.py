@@ -388,8 +388,11 @@ def main() -> None:
     elif a.what in ("verl", "openrlhf"):  # bench/realistic_peers.py
         from bench import realistic_peers
 
-        run = realistic_peers.verl if a.what == "verl" else realistic_peers.openrlhf
-        run(a.dir, a.cap, a.steps, a.gpu_memory_utilization, a.timeout_s, command)
+        if a.what == "verl":
+            realistic_peers.verl(a.dir, a.cap, a.steps, a.gpu_memory_utilization, a.timeout_s, command)
+        else:
+            args = (a.dir, a.cap, a.steps, a.gpu_memory_utilization, a.timeout_s, command, a.max_tokens_per_gpu)
+            realistic_peers.openrlhf(*args)
     elif a.what == "vllm":
         vllm_alone(a.dir, a.cap, a.gpu_memory_utilization, command)
     else:

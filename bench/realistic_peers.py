@@ -60,7 +60,7 @@ def verl_work(bench_dir: Path, cap: int, steps: int, gpu_memory_utilization: flo
     }
 
 
-def openrlhf_work(bench_dir: Path, cap: int, steps: int, gpu_memory_utilization: float) -> dict:
+def openrlhf_work(bench_dir: Path, cap: int, steps: int, gpu_memory_utilization: float, budget: int = 0) -> dict:
     return {
         "actor.model_name_or_path": model_dir(bench_dir, cap),
         "data.max_samples": steps * PROMPTS,
@@ -75,8 +75,8 @@ def openrlhf_work(bench_dir: Path, cap: int, steps: int, gpu_memory_utilization:
         # OpenRLHF's long-response path: packed samples, micro-batches by token count
         "ds.packing_samples": True,
         "train.dynamic_batch_enable": True,
-        "train.max_tokens_per_gpu": token_budget(cap),
-        "rollout.max_tokens_per_gpu": token_budget(cap),
+        "train.max_tokens_per_gpu": budget or token_budget(cap),
+        "rollout.max_tokens_per_gpu": budget or token_budget(cap),
         "vllm.enable_prefix_caching": True,
         "vllm.gpu_memory_utilization": gpu_memory_utilization,
     }
@@ -145,11 +145,17 @@ def verl(bench_dir: Path, cap: int, steps: int, gpu_memory_utilization: float, t
 
 
 def openrlhf(
-    bench_dir: Path, cap: int, steps: int, gpu_memory_utilization: float, timeout_s: float, command: str
+    bench_dir: Path,
+    cap: int,
+    steps: int,
+    gpu_memory_utilization: float,
+    timeout_s: float,
+    command: str,
+    budget: int = 0,
 ) -> None:
     (bench_dir / "openrlhf_reward.py").write_text(openrlhf_bench.REWARD_ADAPTER.format(path=str(common.REWARD_FILE)))
     argv = openrlhf_bench.openrlhf_command(
-        bench_dir, steps, 8, False, openrlhf_work(bench_dir, cap, steps, gpu_memory_utilization)
+        bench_dir, steps, 8, False, openrlhf_work(bench_dir, cap, steps, gpu_memory_utilization, budget)
     )
     shape = shape_name(bench_dir, cap, 0)
     log = bench_dir / f"realistic_{shape}_openrlhf.log"
