@@ -9,7 +9,7 @@ weights and sampling with no patch. Each run writes <dir>/results/realistic_<sha
     python bench/realistic.py ours --dir … --cap 4096 --engine transformers --steps 2
     python bench/realistic.py trl  --dir … --cap 4096                                       # TRL GRPOTrainer + vLLM colocate
     python bench/realistic.py verl --dir … --cap 4096   # or openrlhf: the peers' long-response settings (realistic_peers.py)
-    python bench/realistic.py collect --dir <results folder> --machine "H100 80GB"           # into bench/results.json "realistic"
+    python bench/realistic.py collect --dir <results folder> --machine "H100 80GB"  # into bench/results.json "realistic" (report.py)
 
 The work: PROMPTS × GROUP = 16 × 8 = 128 completions of at most --cap new tokens after 128-token prompts, sampled at
 temperature 1; one optimizer update a step, no KL, the bench's reward, ZeRO-2, gradient checkpointing. Per step: the
@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import common  # noqa: E402
+from bench import common, report  # noqa: E402
 from bench.trl_bench import grpo_config_kwargs, load_reward, step_clock  # noqa: E402
 
 PROMPTS, GROUP = 16, 8  # 128 completions a step
@@ -315,21 +315,6 @@ def trl(bench_dir: Path, cap: int, steps: int, micro: int, command: str) -> None
     )
 
 
-def collect(results: Path, into: Path, machine: str, date: str) -> None:
-    """Merge results/realistic_<shape>_<system>.json into `into`'s "realistic": {shape: {system: {...}}}, with the
-    machine and day they come from (one machine, one day: ratios only within an entry)."""
-    summary = json.loads(into.read_text())
-    realistic = summary.setdefault("realistic", {})
-    for path in sorted(results.glob("realistic_*.json")):
-        shape_parts = path.stem.removeprefix("realistic_").split("_")
-        # shape names have two parts (1p5b_4k) or three (1p5b_lora_4k): the cap part ends in k
-        cut = next(i for i, part in enumerate(shape_parts) if part.endswith("k") and part[:-1].isdigit()) + 1
-        shape, system = "_".join(shape_parts[:cut]), "_".join(shape_parts[cut:])
-        realistic.setdefault(shape, {"machine": machine, "date": date})[system] = json.loads(path.read_text())
-    into.write_text(json.dumps(summary, indent=2) + "\n")
-    print(json.dumps({shape: sorted(entry) for shape, entry in realistic.items()}))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("what", choices=["ours", "vllm", "trl", "verl", "openrlhf", "collect"])
@@ -384,7 +369,7 @@ def main() -> None:
             a.adam_offload,
         )
     elif a.what == "collect":  # here, on the results a device call brought back: --dir is that results folder
-        collect(a.dir, a.into, a.machine, a.date)
+        report.collect_realistic(a.dir, a.into, a.machine, a.date)
     elif a.what in ("verl", "openrlhf"):  # bench/realistic_peers.py
         from bench import realistic_peers
 

@@ -3,6 +3,7 @@ GRPO step at its best micro-batch against TRL's, OpenRLHF's and verl's, the engi
 on/off comparisons (Liger, LoRA, flash-attn, the hf engine), the package versions and the GPU's name.
 
     python bench/grpo_bench.py report --dir /tmp/bench --out bench/results.json [--command "bash bench/gpu/run.sh ..."]
+    python bench/realistic.py collect --dir <results> --into bench/results.json --machine "H100"   # collect_realistic
 """
 
 from __future__ import annotations
@@ -212,3 +213,22 @@ def report(bench_dir: Path, out: Path, command: str) -> None:
         "sft_mfu_standard",
     ):
         print(f"{key:32} {summary[key]}")
+
+
+def collect_realistic(results: Path, into: Path, machine: str, date: str) -> None:
+    """Merge results/realistic_<shape>_<system>.json into `into`'s "realistic": {shape: {system: {...}}}, with the
+    machine and day they come from (one machine, one day: ratios only within an entry). A run from another day than
+    its shape's entry goes in as <system>_<date>, with its own machine and date, and replaces nothing."""
+    summary = json.loads(into.read_text())
+    realistic = summary.setdefault("realistic", {})
+    for path in sorted(results.glob("realistic_*.json")):
+        shape_parts = path.stem.removeprefix("realistic_").split("_")
+        # shape names have two parts (1p5b_4k) or three (1p5b_lora_4k): the cap part ends in k
+        cut = next(i for i, part in enumerate(shape_parts) if part.endswith("k") and part[:-1].isdigit()) + 1
+        shape, system = "_".join(shape_parts[:cut]), "_".join(shape_parts[cut:])
+        entry, run = realistic.setdefault(shape, {"machine": machine, "date": date}), json.loads(path.read_text())
+        if entry["date"] != date:
+            system, run = f"{system}_{date.replace('-', '_')}", {**run, "machine": machine, "date": date}
+        entry[system] = run
+    into.write_text(json.dumps(summary, indent=2) + "\n")
+    print(json.dumps({shape: sorted(entry) for shape, entry in realistic.items()}))
