@@ -9,7 +9,7 @@
 
 This module schedules episodes: model turns on the engine, environment steps on an event loop. Its parts
 have their own modules, whose names are importable from here too: the environment file's contract and
-loader (tasks.common.nn.env_loader), what an episode records and counts (tasks.common.nn.episodes), and how
+loader (tasks.common.env_loader), what an episode records and counts (tasks.common.nn.episodes), and how
 an observation is tokenized (tasks.common.nn.observations). An environment that raises, runs past the step
 timeout or returns something malformed ends that episode with reward 0 and a counted reason; the run goes on.
 
@@ -29,10 +29,10 @@ from dataclasses import dataclass
 
 import torch
 
+from tasks.common.env_loader import BUILT_IN, EnvError, EnvironmentFile, check_environment, load_environment
 from tasks.common.generation import EpisodeConfig
 from tasks.common.nn import data
 from tasks.common.nn.engines.rollout import BatchedRequests, Completion, Rollout
-from tasks.common.nn.env_loader import BUILT_IN, EnvError, EnvironmentFile, check_environment, load_environment
 from tasks.common.nn.episodes import FAILURES, Episode, Episodes, episode_stats, episode_summary, failure_reason
 from tasks.common.nn.observations import observation_ids
 

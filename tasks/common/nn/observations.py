@@ -10,8 +10,8 @@ template works that renders a tool (or, failing that, a user) turn after an assi
 
 from __future__ import annotations
 
+from tasks.common.env_loader import EnvError
 from tasks.common.nn import data
-from tasks.common.nn.env_loader import EnvError
 
 
 def observation_ids(tokenizer, text: str, chat_template: bool, role: str = "tool") -> list[int]:

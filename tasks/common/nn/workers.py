@@ -13,7 +13,7 @@ several groups on one placement ("colocated") with a fraction of each bundle's G
 The group's rank r always runs in bundle r of its placement (tasks.common.nn.placement). The world joins
 through a file in a folder every rank sees when the group sits on the driver's own Ray node (torch's TCP
 store would listen on every interface), and through TCP on rank 0's node address otherwise. A worker's
-environment and scratch folder are tasks.common.nn.worker_env. Names of both are importable from here too.
+environment and scratch folder are tasks.common.worker_env. Names of both are importable from here too.
 
 Worker subclasses implement their role's methods; `Worker.__init__` joins the world, so by the
 time a method runs, `torch.distributed` and DeepSpeed are ready.
@@ -40,7 +40,7 @@ from tasks.common.nn.placement import (
     cluster_has_gpus,
     connect_ray,
 )
-from tasks.common.nn.worker_env import (
+from tasks.common.worker_env import (
     FORWARDED_ENV_PREFIXES,
     NODE_SCRATCH_ENV,
     NOT_FORWARDED,
