@@ -3,8 +3,8 @@ trains one model in one worker group.
 
     @dataclass
     class SFTConfig(SingleGroupTrainingConfig):
-        max_steps: int = restate(SingleGroupTrainingConfig, "max_steps", 500)
-        learning_rate: float = field(default=1e-3, metadata={"help": "peak learning rate"})
+        learning_rate: float = restate(SingleGroupTrainingConfig, "learning_rate", 1e-3)   # its limits kept
+        input_key: str = field(default="prompt", metadata={"help": "dataset column holding the prompt"})
 
     cfg = parse_config(SFTConfig, ["--config", "sft.yaml", "--learning_rate", "5e-4"])
 
