@@ -3,51 +3,38 @@
 The operator never imports the stages (nor torch): it ships the project's code to Ray as the job's
 ``working_dir`` and passes every input as a flag. What it returns (and pushes to XCom) is the stage's
 manifest URI, never data. Here is the job's lifecycle; the contract with the stage process (ids, flags,
-error line) is plugins/stage_cli.py, the cache plugins/stage_cache.py, S3 access plugins/s3.py.
+error line) is plugins/stage_cli.py, which earlier job an attempt follows plugins/job_attempts.py, what the
+job takes along plugins/job_env.py, what a success publishes plugins/job_results.py, a run's Params
+plugins/run_params.py, the cache plugins/stage_cache.py, S3 access plugins/s3.py.
 """
 
 from __future__ import annotations
 
-import functools
-import os
-import re
 import time
 from datetime import timedelta
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
-from plugins.hooks import LIVE_STATUSES, TERMINAL_STATUSES, RayJobHook
+from plugins.hooks import TERMINAL_STATUSES, RayJobHook
+from plugins.job_attempts import cleared_by_user, find_job, job_status
+from plugins.job_env import default_working_dir, job_runtime_env, refuse_secret_env
+from plugins.job_results import asset_extra, index_result, store_driver_log, wandb_url
 from plugins.links import RAY_JOB_URL_KEY, WANDB_URL_KEY, RayJobLink, WandbRunLink
+
+# plugins/pipeline.py imports OUTPUT_ROOT and fill_empty from here.
+from plugins.run_params import OUTPUT_ROOT, as_bool, fill_empty
 from plugins.s3 import S3Store
 from plugins.stage_cache import StageCache
 from plugins.stage_cli import build_entrypoint, failure_message, output_uri_for, submission_id_for, unknown_conf
 from plugins.triggers import RayJobTrigger, job_event
-from tasks.common import allowlist, names
+from tasks.common import names
 from tasks.common.stages import INPUT_ERROR_EXIT
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
 
-#: The folder holding plugins/ and tasks/ (a source checkout; see :func:`default_working_dir`).
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
-
-#: What never travels to Ray with the working_dir (gitignore syntax, relative to the working_dir).
-WORKING_DIR_EXCLUDES = [".venv", ".scratch", ".git", "__pycache__", "tests", "bench", "docker", "*.whl"]
-
-#: Settings every job gets. Never credentials: Ray nodes get S3 access from their own environment.
-DEFAULT_ENV_VARS = {"PYTHONUNBUFFERED": "1"}
-#: The operator's settings from the Airflow side's environment that every job gets too (what a stage may reach).
-OPERATOR_ENV_VARS = (allowlist.ENV, allowlist.CODE_DIRS_ENV)
-_SECRET_ENV = re.compile(r"SECRET|PASSWORD|PASSWD|TOKEN|CREDENTIAL|ACCESS_KEY|PRIVATE_KEY|SESSION_KEY|API_KEY", re.I)
-
-#: The bucket of a run: the `bucket` Param when set, else the `bucket` in the extra of the S3 connection
-#: rlhf_s3, else "rlhf-flow". Moving to another store changes the connection, not the DAG.
-BUCKET = "{{ params.bucket or conn.rlhf_s3.extra_dejson.get('bucket') or 'rlhf-flow' }}"
-#: Where a run's stages write: s3://<bucket>/<prefix>.
-OUTPUT_ROOT = "s3://" + BUCKET + "/{{ params.prefix }}"
 
 #: The task state store key holding the Ray submission id of the task's latest job (kept across attempts).
 SUBMISSION_ID_KEY = "ray_submission_id"
@@ -58,37 +45,6 @@ CACHE_KEY_KEY = "cache_key"
 #: deferral when the worker process exits, and an event that arrives first gets the task marked for retry
 #: (see RayJobTrigger's not_before).
 DEFER_SETTLE_S = 10.0
-
-
-def cleared_by_user(try_number: int, max_tries: int, retries: int) -> bool:
-    """Whether this try is the first after a clear (the UI's Clear, the REST API's clearTaskInstances,
-    `airflow tasks clear`). A clear starts a new budget of tries: Airflow sets max_tries to the last try
-    number plus the task's retries, so the new budget's first try is ``max_tries - retries + 1``, which
-    a run's very first try (1) also is. An automatic retry, or the same try restarted, comes later."""
-    return try_number > 1 and try_number == max_tries - retries + 1
-
-
-def as_bool(value: Any) -> bool:
-    """A templated flag's truth: rendered templates are strings ("True", "false", "1")."""
-    return value if isinstance(value, bool) else str(value).strip().lower() in ("true", "1", "yes", "on")
-
-
-def default_working_dir() -> str | None:
-    """The project root when this is a source checkout (it holds plugins/, tasks/ and pyproject.toml).
-
-    Installed as a package (site-packages), there is nothing sensible to ship: the Ray workers are then
-    expected to have ``rlhf-flow[train]`` installed, and the job runs with no working_dir.
-    """
-    root = PROJECT_ROOT
-    if (root / "tasks").is_dir() and (root / "plugins").is_dir() and (root / "pyproject.toml").is_file():
-        return str(root)
-    return None
-
-
-def fill_empty(params, defaults: dict[str, Any]) -> dict[str, Any]:
-    """A run's Params with each one left empty (null, as Airflow's form sends an emptied optional field) at its
-    default: what every task of a pipeline reads."""
-    return {name: defaults.get(name) if value is None else value for name, value in dict(params).items()}
 
 
 class RayJobOperator(BaseOperator):
@@ -166,11 +122,7 @@ class RayJobOperator(BaseOperator):
         self.entrypoint_num_gpus = entrypoint_num_gpus
         self.working_dir = working_dir
         self.env_vars = dict(env_vars or {})
-        bad = sorted(k for k in self.env_vars if _SECRET_ENV.search(k))
-        if bad:
-            raise ValueError(
-                f"env_vars {bad} look like credentials: never ship secrets in a Ray runtime_env; give the Ray nodes their own access instead"
-            )
+        refuse_secret_env(self.env_vars)
         self.poll_interval = poll_interval
         self.follow_before_defer = follow_before_defer
         self.python = python
@@ -208,16 +160,7 @@ class RayJobOperator(BaseOperator):
         return self.working_dir or default_working_dir()
 
     def runtime_env(self) -> dict[str, Any]:
-        # The operator's allow-lists (tasks/common/allowlist.py) as this side has them: one setting rules both sides.
-        allowed = {k: os.environ[k] for k in OPERATOR_ENV_VARS if k in os.environ}
-        env: dict[str, Any] = {
-            "env_vars": {**DEFAULT_ENV_VARS, **allowed, **{k: str(v) for k, v in self.env_vars.items()}}
-        }
-        working_dir = self.code_dir()
-        if working_dir:
-            env["working_dir"] = str(working_dir)
-            env["excludes"] = list(WORKING_DIR_EXCLUDES)
-        return env
+        return job_runtime_env(self.env_vars, self.code_dir())
 
     # ------------------------------------------------------------------ S3 and the cache
 
@@ -236,48 +179,17 @@ class RayJobOperator(BaseOperator):
         """What every successful end does: index the result, emit the outlet events, push the links."""
         record = self.s3.read_json(manifest)
         if not cache_hit:  # indexed even with the cache off: a later run that allows reuse finds it
-            dag_id, run_id, task_id, _ = self._ids(context)
             state = context.get("task_state_store")
             cache = self.stage_cache()
             key = (state.get(CACHE_KEY_KEY) if state else None) or cache.key(self.module, self.args, self.code_dir())
-            cache.record(
-                key,
-                {
-                    "manifest": manifest,
-                    "dag_id": dag_id,
-                    "run_id": run_id,
-                    "task_id": task_id,
-                    "module": self.module,
-                    "submission_id": submission_id,
-                },
-            )
+            index_result(cache, key, manifest, self._ids(context), self.module, submission_id)
             self.log.info("Cached as %s", key)
-        metrics = {
-            k: v
-            for k, v in (record.get("metrics") or {}).items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool)
-        }
         for outlet in self.outlets or []:
-            context["outlet_events"][outlet].extra = {
-                "manifest": manifest,
-                "metrics": metrics,
-                "cache_hit": cache_hit,
-                "stage": record.get("stage"),
-            }
-        if "wandb.json" in (record.get("files") or {}):
-            url = self.s3.read_json(manifest.removesuffix("manifest.json") + "wandb.json").get("url")
-            if url:
-                context["ti"].xcom_push(key=WANDB_URL_KEY, value=url)
+            context["outlet_events"][outlet].extra = asset_extra(manifest, record, cache_hit)
+        url = wandb_url(self.s3, manifest, record)
+        if url:
+            context["ti"].xcom_push(key=WANDB_URL_KEY, value=url)
         return manifest
-
-    def store_driver_log(self, hook: RayJobHook, submission_id: str, output: str) -> None:
-        """Keep the job's driver log beside the stage's manifest (logs/<submission id>.log), best effort."""
-        uri = f"{output}/logs/{submission_id}.log"
-        try:
-            self.s3.write_text(uri, hook.get_job_logs(submission_id))
-            self.log.info("Driver log stored at %s", uri)
-        except Exception as exc:
-            self.log.warning("Could not store the driver log of %s: %s", submission_id, exc)
 
     def deadline_s(self) -> float | None:
         if self.deadline_minutes in (None, "", "None"):
@@ -285,75 +197,7 @@ class RayJobOperator(BaseOperator):
         minutes = float(self.deadline_minutes)
         return minutes * 60 if minutes > 0 else None
 
-    @staticmethod
-    def _status(info: Any) -> str:
-        status = getattr(info, "status", None)
-        return str(getattr(status, "value", status))
-
     # ------------------------------------------------------------------ execution
-
-    def _find_job(
-        self,
-        hook: RayJobHook,
-        base: str,
-        try_number: int,
-        manifest: str,
-        stored: str | None = None,
-        recompute: bool = False,
-    ) -> tuple[str, str]:
-        """Decide what this attempt does. Returns (action, submission_id); action in submit/reattach/done.
-
-        ``stored`` is the id an earlier attempt kept in the task state store; it is looked at first. With
-        ``recompute`` (a user's clear) a succeeded job is not taken as the result; a live one still is
-        followed, so that one output never has two jobs writing it.
-        """
-        # Asked only once a succeeded job is found (it lists the output folder), then remembered.
-        result = functools.cache(lambda: None if recompute else self._whole_result(manifest))
-        if stored and stored != base:
-            info = hook.get_job_info(stored)
-            if info is not None and self._status(info) in LIVE_STATUSES:
-                return "reattach", stored
-            if info is not None and self._status(info) == "SUCCEEDED" and result():
-                return "done", stored
-        info = hook.get_job_info(base)
-        if info is None:
-            return "submit", base
-        status = self._status(info)
-        if status in LIVE_STATUSES:
-            return "reattach", base
-        if status == "SUCCEEDED" and result():
-            return "done", base
-        self.log.info(
-            "Earlier job %s ended %s%s",
-            base,
-            status,
-            ""
-            if status != "SUCCEEDED"
-            else " (its result is recomputed)"
-            if recompute or result() is False
-            else " without a manifest",
-        )
-
-        # The base job ended without a result: later attempts run under "{base}-try{n}". Look at those too,
-        # so a retry after a worker crash finds the job an earlier retry left running.
-        attempt_id = re.compile(re.escape(base) + r"-try\d+(-\d+)?")
-        attempts = sorted(
-            (j for j in hook.list_jobs() if attempt_id.fullmatch(j.submission_id or "")),
-            key=lambda j: (j.start_time or 0, j.submission_id),
-        )
-        for job in reversed(attempts):
-            if self._status(job) in LIVE_STATUSES:
-                return "reattach", job.submission_id
-        succeeded = [j for j in attempts if self._status(j) == "SUCCEEDED"]
-        if succeeded and result():
-            return "done", succeeded[-1].submission_id
-        taken = {j.submission_id for j in attempts}
-        sid = f"{base}-try{try_number}"
-        n = 2
-        while sid in taken:  # this very attempt number already ran a job that ended (rare): go on counting
-            sid = f"{base}-try{try_number}-{n}"
-            n += 1
-        return "submit", sid
 
     def _whole_result(self, manifest: str) -> bool | None:
         """True when this task's own output is committed and whole; None when it has no manifest; False
@@ -404,8 +248,14 @@ class RayJobOperator(BaseOperator):
             self.log.info("Cache miss: key %s", key)
 
         state = context.get("task_state_store")
-        action, sid = self._find_job(
-            hook, base, try_number, manifest, state.get(SUBMISSION_ID_KEY) if state else None, recompute=recompute
+        action, sid = find_job(
+            hook,
+            base,
+            try_number,
+            lambda: self._whole_result(manifest),
+            self.log,
+            state.get(SUBMISSION_ID_KEY) if state else None,
+            recompute=recompute,
         )
         self.submission_id = sid
         context["ti"].xcom_push(key=RAY_JOB_URL_KEY, value=hook.dashboard_url(sid))
@@ -480,7 +330,7 @@ class RayJobOperator(BaseOperator):
             info = hook.get_job_info(sid)
             if info is None:
                 return None  # the trigger reports a job Ray does not know
-            status = self._status(info)
+            status = job_status(info)
             if status in TERMINAL_STATUSES:
                 logs = hook.get_job_logs(sid)
                 for line in logs.splitlines():
@@ -499,7 +349,7 @@ class RayJobOperator(BaseOperator):
         status = event.get("status")
         manifest = self.manifest_uri(context)
         if status not in ("MISSING", "UNREACHABLE"):
-            self.store_driver_log(RayJobHook(self.ray_conn_id), sid, self.output_uri(context))
+            store_driver_log(self.s3, RayJobHook(self.ray_conn_id), sid, self.output_uri(context), self.log)
         if status == "SUCCEEDED":
             if not self.s3.exists(manifest):
                 raise AirflowException(f"Ray job {sid} succeeded but wrote no manifest at {manifest}")

@@ -1,41 +1,50 @@
-"""One config system for every stage: a dataclass, filled from a YAML file, then from flags.
+"""The fields every stage's config shares, in three layers: every stage, every training stage, every stage that
+trains one model in one worker group.
 
     @dataclass
-    class SFTConfig(StageConfig):
-        learning_rate: float = field(default=1e-3, metadata={"help": "peak learning rate"})
+    class SFTConfig(SingleGroupTrainingConfig):
+        learning_rate: float = restate(SingleGroupTrainingConfig, "learning_rate", 1e-3)   # its limits kept
+        input_key: str = field(default="prompt", metadata={"help": "dataset column holding the prompt"})
 
     cfg = parse_config(SFTConfig, ["--config", "sft.yaml", "--learning_rate", "5e-4"])
 
-Every dataclass field is a flag of the same name (`--learning_rate 5e-4`; a bool also takes the
-bare form `--bf16`), and a key of the YAML file. Unknown keys, wrong types and values that
-`validate()` refuses raise ConfigError with one line naming the field and the fix, before any
-work starts. This module imports neither torch nor airflow: the DAG side may use it.
-
-A field's metadata is the one place its limits are written: `min`, `max`, `exclusive_min` and
-`exclusive_max` (bounds the value must be strictly inside), `choices`, `max_length`, `pattern` (a regex
-the value must contain a match of, as JSON schema's), and `fix` (advice added to a refusal). `validate()`
-enforces them before the stage's own cross-field checks, and `param_schema` turns them into the JSON
-schema of the run form's Param (plugins/form.py), so the form refuses what the stage would.
+Every construction validates (`__post_init__` runs `validate()`): first each field's declared limits
+(tasks.common.config_limits), then the checks that span fields, so a bad value raises ConfigError with one
+line naming the field and the fix before any work starts. Filling a config from YAML and flags is
+tasks.common.config_flags; its names (parse_config, make_config, split_list) and the limits' (ConfigError,
+param_schema) are importable from here too. This module imports neither torch nor airflow: the DAG side
+may use it.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import re
-import types
-import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import yaml
+from tasks.common.config_flags import make_config, parse_config, split_list
+from tasks.common.config_limits import SCHEMA_KEYWORDS, ConfigError, check_declared, field_type, param_schema
+
+# The config layer's names, its parts' included: callers write `from tasks.common.config import ConfigError`.
+__all__ = [
+    "LR_SCHEDULERS",
+    "SCHEMA_KEYWORDS",
+    "ConfigError",
+    "SingleGroupTrainingConfig",
+    "StageConfig",
+    "TrainingConfig",
+    "check_batch",
+    "check_declared",
+    "field_type",
+    "make_config",
+    "micro_batches",
+    "param_schema",
+    "parse_config",
+    "restate",
+    "split_list",
+]
 
 LR_SCHEDULERS = ("constant", "cosine")  # what tasks.common.nn.strategy.lr_multiplier implements
-
-
-class ConfigError(ValueError):
-    """Bad configuration; the message is one line naming the field and the fix."""
 
 
 @dataclass
@@ -283,68 +292,6 @@ def restate(base: type, name: str, default: Any = dataclasses.MISSING, help: str
     return field(default=f.default if default is dataclasses.MISSING else default, metadata=metadata)
 
 
-def _number(value) -> str:
-    return str(value) if isinstance(value, int) else f"{value:g}"
-
-
-def check_declared(f: dataclasses.Field, value: Any) -> None:
-    """Refuse `value` for field `f` when it breaks a limit the field's metadata declares (one line)."""
-    meta, name = f.metadata, f.name
-    fix = f"; {meta['fix']}" if "fix" in meta else ""
-    if value is None:
-        return
-    if "choices" in meta and value not in meta["choices"]:
-        choices = [str(c) for c in meta["choices"]]
-        raise ConfigError(f"{name}: {value!r} is not a choice; use {', '.join(choices[:-1])} or {choices[-1]}{fix}")
-    if "min" in meta and value < meta["min"]:
-        bound = "must not be negative" if meta["min"] == 0 else f"must be at least {_number(meta['min'])}"
-        raise ConfigError(f"{name}: {bound}, got {value}{fix}")
-    if "exclusive_min" in meta and not value > meta["exclusive_min"]:
-        bound = "must be positive" if meta["exclusive_min"] == 0 else f"must be above {_number(meta['exclusive_min'])}"
-        raise ConfigError(f"{name}: {bound}, got {value}{fix}")
-    if "max" in meta and value > meta["max"]:
-        raise ConfigError(f"{name}: must be at most {_number(meta['max'])}, got {value}{fix}")
-    if "exclusive_max" in meta and not value < meta["exclusive_max"]:
-        raise ConfigError(f"{name}: must be below {_number(meta['exclusive_max'])}, got {value}{fix}")
-    if "max_length" in meta and len(value) > meta["max_length"]:
-        raise ConfigError(f"{name}: {len(value)} characters, more than {meta['max_length']}{fix}")
-    if "pattern" in meta and not re.search(meta["pattern"], value):
-        raise ConfigError(f"{name}: {value!r} is not of the form {meta['pattern']}{fix}")
-
-
-#: JSON schema's keyword for each limit a field's metadata may declare.
-SCHEMA_KEYWORDS = {
-    "min": "minimum",
-    "max": "maximum",
-    "exclusive_min": "exclusiveMinimum",
-    "exclusive_max": "exclusiveMaximum",
-    "choices": "enum",
-    "max_length": "maxLength",
-    "pattern": "pattern",
-}
-
-
-def param_schema(cls: type, name: str) -> dict[str, Any]:
-    """Field `name` of config class `cls` as a JSON schema (what an Airflow Param takes): its default, type,
-    declared limits and its help as the description. A string that may be empty also takes null, which the
-    UI's form sends for an emptied field (the DAG renders it as '')."""
-    f = next(f for f in dataclasses.fields(cls) if f.name == name)
-    kind = _field_type(cls, f)
-    json_type: Any = {bool: "boolean", int: "integer", float: "number", str: "string"}[kind]
-    if kind is str and "choices" not in f.metadata and re.search(f.metadata.get("pattern", ""), ""):
-        json_type = ["null", "string"]
-    schema = {"default": f.default, "type": json_type, "description": f.metadata.get("help", "")}
-    for key, keyword in SCHEMA_KEYWORDS.items():
-        if key in f.metadata:
-            schema[keyword] = list(f.metadata[key]) if key == "choices" else f.metadata[key]
-    return schema
-
-
-def split_list(value: str) -> list[str]:
-    """The parts of a comma-separated flag value (several reward models, endpoints or input URIs)."""
-    return [part.strip() for part in (value or "").split(",") if part.strip()]
-
-
 def check_batch(name: str, batch: int, micro: int, world: int, world_flag: str) -> None:
     """Refuse a global batch that `world` workers cannot split evenly into micro-batches of `micro`."""
     if batch % world:
@@ -362,83 +309,3 @@ def micro_batches(batch: int, micro: int, world: int) -> tuple[int, int]:
     share = batch // world
     micro = micro or share
     return micro, share // micro
-
-
-def _field_type(cls: type, f: dataclasses.Field) -> type:
-    """The concrete type of a field: int, float, str or bool (Optional[X] gives X)."""
-    hint = typing.get_type_hints(cls)[f.name]
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        hint = next(a for a in typing.get_args(hint) if a is not type(None))
-    return hint
-
-
-def _convert(name: str, kind: type, value: Any) -> Any:
-    if value is None:
-        return None
-    if kind is bool:
-        if isinstance(value, bool):
-            return value
-        text = str(value).strip().lower()
-        if text in ("1", "true", "yes", "on"):
-            return True
-        if text in ("0", "false", "no", "off"):
-            return False
-        raise ConfigError(f"{name}: {value!r} is not a boolean; use true or false")
-    try:
-        if kind is int and isinstance(value, float) and not value.is_integer():
-            raise ValueError
-        return kind(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{name}: {value!r} is not a valid {kind.__name__}") from None
-
-
-def parse_config(cls: type, argv: list[str] | None = None, prog: str | None = None):
-    """Build `cls` from `--config file.yaml` (optional) and `--field value` flags; validate it."""
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    parser = argparse.ArgumentParser(prog=prog, description=(cls.__doc__ or "").strip(), allow_abbrev=False)
-    parser.add_argument("--config", help="YAML file of field: value pairs; flags override it")
-    for name, f in fields.items():
-        kind = _field_type(cls, f)
-        help_text = f.metadata.get("help", "").replace("%", "%%")  # argparse %-formats help: "95%" would crash --help
-        names = [f"--{name}"] + [
-            f"--{alias}" for alias in f.metadata.get("aliases", ())
-        ]  # a peer's flag name for the same thing
-        if kind is bool:
-            parser.add_argument(
-                *names, dest=name, nargs="?", const="true", default=None, metavar="BOOL", help=help_text
-            )
-        else:
-            parser.add_argument(*names, dest=name, default=None, metavar=kind.__name__.upper(), help=help_text)
-    # argparse's own errors are already one line; exit code 2 like every usage error.
-    args = parser.parse_args(argv)
-
-    values: dict[str, Any] = {}
-    if args.config:
-        path = Path(args.config)
-        if not path.is_file():
-            raise ConfigError(f"config: file {args.config} not found; pass an existing YAML file")
-        loaded = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config: {args.config} must hold a mapping of field: value")
-        unknown = sorted(set(loaded) - set(fields))
-        if unknown:
-            raise ConfigError(
-                f"config: unknown field {unknown[0]!r} in {args.config}; known fields: {', '.join(fields)}"
-            )
-        values.update(loaded)
-    for name in fields:
-        flag = getattr(args, name)
-        if flag is not None:
-            values[name] = flag
-    return make_config(cls, values)
-
-
-def make_config(cls: type, values: dict[str, Any]):
-    """Build `cls` from a mapping, each value converted to its field's type (used by tests and in-process callers
-    too); constructing it validates it."""
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - set(fields))
-    if unknown:
-        raise ConfigError(f"{unknown[0]}: unknown field for {cls.__name__}; known fields: {', '.join(fields)}")
-    converted = {name: _convert(name, _field_type(cls, fields[name]), v) for name, v in values.items()}
-    return cls(**converted)

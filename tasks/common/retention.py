@@ -34,7 +34,7 @@ import time
 from collections import defaultdict
 from typing import Iterable
 
-from tasks.common import cost, names, storage
+from tasks.common import cost, names, s3_client, storage
 from tasks.common.config import ConfigError
 
 PIPELINE_DAGS = names.PIPELINE_DAGS
@@ -60,8 +60,8 @@ def _objects(bucket: str, prefix: str) -> list[dict]:
                 {"Key": o["Key"], "Size": o["Size"], "LastModified": o["LastModified"].timestamp()}
                 for o in page.get("Contents", [])
             ]
-    except storage._S3_ERRORS as e:
-        raise storage._wrap(e, f"s3://{bucket}/{prefix}", "list") from None
+    except s3_client.S3_ERRORS as e:
+        raise s3_client.storage_error(e, f"s3://{bucket}/{prefix}", "list") from None
     return out
 
 
@@ -177,8 +177,8 @@ def plan(
                     multipart.append(
                         {"Key": u["Key"], "UploadId": u["UploadId"], "Initiated": u["Initiated"].isoformat()}
                     )
-    except storage._S3_ERRORS as e:
-        raise storage._wrap(e, root, "list multipart uploads under") from None
+    except s3_client.S3_ERRORS as e:
+        raise s3_client.storage_error(e, root, "list multipart uploads under") from None
 
     return {
         "root": base,
@@ -215,8 +215,8 @@ def apply(p: dict) -> dict:
                     )
         for u in p["multipart"]:
             s3.abort_multipart_upload(Bucket=bucket, Key=u["Key"], UploadId=u["UploadId"])
-    except storage._S3_ERRORS as e:
-        raise storage._wrap(e, p["root"], "delete under") from None
+    except s3_client.S3_ERRORS as e:
+        raise s3_client.storage_error(e, p["root"], "delete under") from None
     return {
         "objects": len(keys),
         "bytes": p["bytes"],

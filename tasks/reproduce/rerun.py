@@ -107,7 +107,7 @@ def load_manifest(uri: str) -> dict:
 
 
 def same_uri(a: str, b: str) -> bool:
-    return manifests._dir_uri(a) == manifests._dir_uri(b)
+    return manifests.stage_dir(a) == manifests.stage_dir(b)
 
 
 def rebuild_config(manifest: dict, config_cls: type, output: str):

@@ -17,12 +17,15 @@ PIDs (and their descendants); it never runs `ray stop`, which would stop every R
 The S3 emulator (tools/s3_server.py) writes every object through to $RLHF_SCRATCH/s3-data before it
 answers, so nothing committed is lost when it stops or dies.
 
-    config.py     Config (ports, scratch paths), stack_env()/process_env(): the processes' environment
-    processes.py  PID files, logs, launch and stop, the up/down lock, the Ray and Airflow commands
-    health.py     readiness checks (HEALTH, wait_healthy)
-    s3.py         boto3 client for the emulator, the default bucket, the old snapshot's migration
-    api.py        the Airflow REST API client (AirflowAPI)
-    __main__.py   the command line: up, down, status, env, reserialize
+    config.py       Config (ports, scratch paths), process_env(): a process's whole environment
+    environment.py  stack_env(): what every process of the stack gets; the Airflow connections; REPO, BIN
+    credentials.py  the Airflow login, the S3 keys, the Ray token: made once into the scratch folder
+    files.py        the stack's small files, written whole or once
+    processes.py    PID files, logs, launch and stop, the up/down lock, the Ray and Airflow commands
+    health.py       readiness checks (HEALTH, wait_healthy)
+    s3.py           boto3 client for the emulator, the default bucket, the old snapshot's migration
+    api.py          the Airflow REST API client (AirflowAPI)
+    __main__.py     the command line: up, down, status, env, reserialize
 
 Only the standard library, psutil and (for S3 clients) boto3 are imported, so test fixtures and
 tools/demo.py can import these modules cheaply.

@@ -20,7 +20,8 @@ from typing import Iterable
 
 import psutil
 
-from tools.stack.config import BIN, LOOPBACK, REPO, Config, StackError, _all_procs, _atomic_write, process_env, say
+from tools.stack.config import BIN, LOOPBACK, REPO, Config, StackError, _all_procs, process_env, say
+from tools.stack.files import atomic_write
 
 # --------------------------------------------------------------------------------------------------
 # PID files, logs, process groups
@@ -76,7 +77,7 @@ def launch(cfg: Config, name: str, cmd: list[str], env: dict[str, str], cwd: Pat
         )
     finally:
         log.close()
-    _atomic_write(pid_file(cfg, name), f"{proc.pid}\n")
+    atomic_write(pid_file(cfg, name), f"{proc.pid}\n")
     return proc
 
 

@@ -7,21 +7,13 @@
     episodes.rewards      # [B]: each episode's step rewards, summed
     episodes.stats        # episodes/s, turns, tool calls, tool errors, failures by reason, time waiting on environments
 
-The contract, one Python file (`--env_path`, OpenRLHF's `--agent_func_path`):
+This module schedules episodes: model turns on the engine, environment steps on an event loop. Its parts
+have their own modules, whose names are importable from here too: the environment file's contract and
+loader (tasks.common.env_loader), what an episode records and counts (tasks.common.nn.episodes), and how
+an observation is tokenized (tasks.common.nn.observations). An environment that raises, runs past the step
+timeout or returns something malformed ends that episode with reward 0 and a counted reason; the run goes on.
 
-    TOOLS = [...]                    # optional: tool schemas for the chat template's `tools` argument
-    class Environment:               # a fresh instance per episode
-        def reset(self, row: dict) -> str | list[dict] | None     # the first observation; None: the row's prompt
-        def step(self, action: str) -> tuple[str | None, float, bool, dict]   # observation, reward, done, info
-
-Either method may be `async def` (a tool may await an HTTP service). `info` may say {"tool_call": True},
-{"tool_error": True} and, on the last step, {"success": bool}; they are counted. An environment that
-raises, runs past the step timeout or returns something malformed ends that episode with reward 0 and
-a counted reason; the run goes on.
-
-Token in, token out: the trajectory is the token ids the engine produced, never re-tokenized text. An
-observation is tokenized once and appended the way the chat template formats a tool (or user) turn,
-found by rendering one (`observation_ids`), or as plain text without a template.
+Token in, token out: the trajectory is the token ids the engine produced, never re-tokenized text.
 """
 
 from __future__ import annotations
@@ -32,89 +24,36 @@ import inspect
 import math
 import threading
 import time
-from collections import Counter
 from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from tasks.common import user_code
-from tasks.common.config import ConfigError
+from tasks.common.env_loader import BUILT_IN, EnvError, EnvironmentFile, check_environment, load_environment
 from tasks.common.generation import EpisodeConfig
 from tasks.common.nn import data
 from tasks.common.nn.engines.rollout import BatchedRequests, Completion, Rollout
+from tasks.common.nn.episodes import FAILURES, Episode, Episodes, episode_stats, episode_summary, failure_reason
+from tasks.common.nn.observations import observation_ids
 
-BUILT_IN = {"calculator": "tasks.common.envs.calculator", "guess": "tasks.common.envs.guess"}
-FAILURES = ("error", "timeout", "malformed")  # why an environment ended an episode early
-
-
-class EnvError(ConfigError):
-    """An environment that cannot be used; one line naming it and the fix."""
-
-
-@dataclass
-class EnvironmentFile:
-    """An environment as loaded: calling it builds a fresh episode's environment."""
-
-    spec: str  # as messages name it: the file's URI, without its pin (#sha256=…)
-    cls: type
-    tools: list | None = None
-
-    def __call__(self):
-        return self.cls()
-
-
-def load_environment(spec: str) -> EnvironmentFile:
-    """The Environment class of a built-in (calculator, guess) or of a file (a local path or an s3:// URI)."""
-    import importlib
-
-    if spec in BUILT_IN:
-        module = importlib.import_module(BUILT_IN[spec])
-    else:
-        module = user_code.load_module(spec, "env_path", EnvError, purpose="env")
-    env = getattr(module, "Environment", None)
-    if not isinstance(env, type) or not all(callable(getattr(env, m, None)) for m in ("reset", "step")):
-        raise EnvError(
-            f"env_path: {user_code.split_pin(spec)[0]} defines no class Environment with reset(row) and step(action); define both (see docs/agentic-rl.md)"
-        )
-    return EnvironmentFile(user_code.split_pin(spec)[0], env, getattr(module, "TOOLS", None))
-
-
-def failure_reason(error: BaseException) -> str:
-    return "timeout" if isinstance(error, TimeoutError) else "error"
-
-
-def check_environment(env: EnvironmentFile, row: dict, timeout: float) -> None:
-    """Build one episode's environment and reset it on a row, before any training: a file whose class
-    cannot be built or whose reset fails or hangs past `timeout` stops the stage here, in one line."""
-    outcome: dict = {}
-
-    def reset():  # on a daemon thread: a reset that never returns is left there, not waited for
-        try:
-            value = env().reset(row)
-            outcome["first"] = asyncio.run(asyncio.wait_for(value, timeout)) if inspect.isawaitable(value) else value
-        except BaseException as e:
-            outcome["error"] = e
-
-    thread = threading.Thread(target=reset, name="env-check", daemon=True)
-    thread.start()
-    thread.join(timeout)
-    try:
-        if thread.is_alive():
-            raise TimeoutError(f"no answer in {timeout:g} s (--env_step_timeout)")
-        if "error" in outcome:
-            raise outcome["error"]
-        first = outcome["first"]
-    except Exception as e:
-        raise EnvError(
-            f"env_path: {env.spec}: reset failed on the first prompt row ({type(e).__name__}: {e}); fix Environment.reset for rows like it"
-        ) from None
-    if not (first is None or isinstance(first, (str, list))):
-        raise EnvError(
-            f"env_path: {env.spec}: reset returned {type(first).__name__}; return the first observation "
-            "(a string or chat messages) or None for the row's prompt"
-        )
-
+# The episode layer's names, its parts' included: callers write `from tasks.common.nn.environment import EnvError`.
+__all__ = [
+    "BUILT_IN",
+    "FAILURES",
+    "EnvError",
+    "EnvironmentFile",
+    "Episode",
+    "EpisodeLimits",
+    "EpisodeRunner",
+    "Episodes",
+    "check_environment",
+    "episode_runner",
+    "episode_stats",
+    "episode_summary",
+    "failure_reason",
+    "load_environment",
+    "observation_ids",
+]
 
 #: EpisodeConfig's defaults, which a runner made without a stage config (tests, benchmarks) starts from.
 _DEFAULT = {f.name: f.default for f in dataclasses.fields(EpisodeConfig)}
@@ -127,104 +66,6 @@ class EpisodeLimits:
     max_turn_tokens: int = _DEFAULT["generate_max_len"]  # new tokens per model turn
     step_timeout: float = _DEFAULT["env_step_timeout"]  # seconds an environment's reset or step may take
     max_prompt_tokens: int = 0  # a longer first observation keeps its last tokens (RL's prompt_max_len; 0: all)
-
-
-@dataclass
-class Episode:
-    prompt: list[int]
-    env: object | None
-    tokens: list[int] = field(default_factory=list)
-    model_mask: list[int] = field(default_factory=list)  # 1: the model's token (trained on), 0: an observation's
-    logprobs: list[float] = field(
-        default_factory=list
-    )  # the engine's log-probability of each model token (0 elsewhere)
-    versions: list[int] = field(default_factory=list)  # the weight version each token was generated under
-    reward: float = 0.0
-    turns: int = 0
-    tool_calls: int = 0
-    tool_errors: int = 0
-    success: bool | None = None
-    failure: str | None = None
-    done: bool = False
-    action: str = ""  # the last model turn's text, the environment's next step
-
-    def add(self, ids: list[int], by_model: bool, logprobs: list[float] | None = None, version: int = 0) -> None:
-        self.tokens += ids
-        self.model_mask += [int(by_model)] * len(ids)
-        self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
-        self.versions += [version] * len(ids)
-
-
-@dataclass
-class Episodes:
-    rollout: Rollout
-    rewards: torch.Tensor
-    summaries: list[dict]  # episode_summary of each: what episode_stats counts, small enough to ship between workers
-    stats: dict[str, float]  # episode_stats of this batch
-    episodes: list[Episode]
-
-
-def episode_summary(e: Episode) -> dict:
-    return {
-        "turns": e.turns,
-        "tool_calls": e.tool_calls,
-        "tool_errors": e.tool_errors,
-        "failure": e.failure,
-        "success": e.success if e.success is not None else e.reward > 0,
-    }
-
-
-def episode_stats(summaries: list[dict], seconds: float, waited: float) -> dict[str, float]:
-    """Per-episode means, failures counted by reason, episodes/s over `seconds` and the time spent waiting on environments."""
-    n = max(1, len(summaries))
-    failures = Counter(s["failure"] for s in summaries if s["failure"])
-    return {
-        "episodes_per_s": len(summaries) / max(seconds, 1e-9),
-        "turns_per_episode": sum(s["turns"] for s in summaries) / n,
-        "tool_calls_per_episode": sum(s["tool_calls"] for s in summaries) / n,
-        "tool_errors_per_episode": sum(s["tool_errors"] for s in summaries) / n,
-        "success_rate": sum(bool(s["success"]) for s in summaries) / n,
-        "time_env_s": waited,
-        **{f"env_{reason}s": failures[reason] for reason in FAILURES},
-    }
-
-
-def observation_ids(tokenizer, text: str, chat_template: bool, role: str = "tool") -> list[int]:
-    """The ids appended after a model turn for an observation: without a template the text's own tokens;
-    with one, what the template writes between the end of an assistant turn (its closing token, which the
-    model generated) and the next assistant turn's opening, with the observation inside."""
-    if not chat_template:
-        return tokenizer.encode(text, add_special_tokens=False)
-    return tokenizer.encode(_observation_frame(tokenizer, role).replace(_OBS_PROBE, text), add_special_tokens=False)
-
-
-_OBS_PROBE = "@@observation-probe@@"
-_FRAMES: dict[tuple, str] = {}
-
-
-def _observation_frame(tokenizer, role: str) -> str:
-    key = (str(tokenizer.chat_template), role)
-    if key not in _FRAMES:
-        answer = "@@answer-probe@@"
-        messages = [{"role": "user", "content": "1"}, {"role": "assistant", "content": answer}]
-        for who in (role, "user"):  # a template that knows no tool role gets the observation as a user turn
-            try:
-                text = tokenizer.apply_chat_template(
-                    messages + [{"role": who, "content": _OBS_PROBE}], add_generation_prompt=True, tokenize=False
-                )
-            except Exception:
-                continue
-            if _OBS_PROBE in text:
-                break
-        else:
-            raise EnvError(
-                f"env_path: the chat template of {tokenizer.name_or_path} renders no tool or user turn "
-                "after an assistant turn; use a model whose template can, or drop --apply_chat_template"
-            )
-        after = text[text.index(answer) + len(answer) :]
-        closing = tokenizer.decode(data.turn_end_ids(tokenizer))  # generated by the model, not part of the observation
-        _FRAMES[key] = after[len(closing) :] if after.startswith(closing) else after
-    return _FRAMES[key]
 
 
 def episode_runner(cfg, engine, tokenizer, policy_version=None) -> "EpisodeRunner":
