@@ -22,7 +22,7 @@ from tasks.common.nn.losses import (
     loss_normalizer,
     policy_loss,
 )
-from tasks.common.nn.models import kernels, load_causal_lm, load_tokenizer, resolve_model
+from tasks.common.nn.models import is_vision_model, kernels, load_causal_lm, load_tokenizer, resolve_model
 from tasks.common.nn.strategy import DeepSpeedStrategy
 from tasks.rl.config import RLConfig
 from tasks.rl.experience import Experience, response_logprobs
@@ -35,11 +35,14 @@ class ActorWorker(Trainer):
     def setup(self, cfg: RLConfig, total_updates: int) -> None:
         self.cfg = cfg
         path = resolve_model(cfg.pretrain)
-        self.tokenizer = load_tokenizer(path)
         self.strategy = DeepSpeedStrategy.for_training(cfg, self.world_size)
         # Sampling differs per rank; weights start identical (they are loaded, not drawn).
         torch.manual_seed(cfg.seed + self.rank)
-        model = lora.apply_lora(load_causal_lm(path, **kernels(cfg)), cfg)
+        # A vision-language policy (tasks/rl/images.py): its processor, the vision tower frozen if asked, and every
+        # log-prob pass fed the rows' images (self.vision); None for a text policy.
+        model, self.processor, self.vision = load_policy(path, cfg)
+        self.tokenizer = self.processor.tokenizer if self.processor is not None else load_tokenizer(path)
+        model = lora.apply_lora(model, cfg)
         self.engine = self.strategy.prepare(model, cfg.actor_learning_rate, total_updates, cfg.lr_warmup_steps)
         self.micro = self.strategy.micro_batch_size
         if cfg.ptx_coef:  # PPO-ptx: supervised rows, drawn a micro-batch at a time (the sampler is checkpointed)
@@ -56,7 +59,18 @@ class ActorWorker(Trainer):
             )
             self.sampler = data.BatchSampler(len(self.ptx_ids), self.micro, cfg.seed + self.rank)
         if cfg.vllm_num_engines and not cfg.separate_engines():
-            self.rollout_engine = vllm_engine_for(cfg, path, self.tokenizer, seed=cfg.seed + self.rank)
+            self.rollout_engine = vllm_engine_for(
+                cfg, path, self.tokenizer, seed=cfg.seed + self.rank, processor=self.processor
+            )
+        elif self.vision is not None:  # the model's own generate with its pixel inputs (engines/hf_vision.py)
+            self.rollout_engine = make_engine(
+                "transformers",
+                self.tokenizer,
+                module=self.engine.module,
+                device=self.strategy.device,
+                ignore_eos=cfg.ignore_eos,
+                processor=self.processor,
+            )
         else:
             # Decode steps replayed as CUDA graphs on CUDA, not under ZeRO-3: it gathers parameters through hooks
             # each forward, which a captured graph cannot hold. With --torch_compile their forward is compiled too,
@@ -87,6 +101,17 @@ class ActorWorker(Trainer):
         )
         return rollout.to("cpu")
 
+    def generate_vision(self, prompts: list[tuple[list[int], list]]) -> Rollout:
+        """A vision-language policy's share of a rollout: (prompt ids, its images) pairs; the rollout keeps the images."""
+        rollout = self.rollout_engine.generate(
+            [ids for ids, _ in prompts],
+            self.cfg.generate_max_len,
+            self.cfg.temperature,
+            batch_size=self.cfg.micro_rollout_batch_size or len(prompts),
+            images=[images for _, images in prompts],
+        )
+        return rollout.to("cpu")
+
     def generate_first_groups(self, prompts: list[list[int]]) -> Rollout:
         """--over_sampling_batch_size: this worker's share of the over-sampled prompts, of whose groups only its share
         of rollout_batch_size is generated to the end (first_groups); the other groups' rows come back empty."""
@@ -112,8 +137,8 @@ class ActorWorker(Trainer):
         zero3 = self.strategy.zero_stage == 3
         if lora.enabled(self.cfg):
             self.rollout_engine.load_adapter(lora.adapter_weights(self.engine.module, gather=zero3, every_rank=True))
-        else:
-            self.rollout_engine.load_weights(self.engine.module, zero3=zero3)
+        else:  # the trained weights only: a frozen vision tower is the same in the engine as on disk
+            self.rollout_engine.load_weights(self.engine.module, zero3=zero3, trainable_only=True)
 
     def adapter_weights(self) -> lora.AdapterWeights | None:
         """Rank 0: the adapter now, for vLLM engines elsewhere (every rank enters the ZeRO-3 gathers)."""
@@ -172,6 +197,8 @@ class ActorWorker(Trainer):
                 r.prompt_width,
                 temperature=self.cfg.temperature,
                 packed=self.cfg.packing_samples,
+                images=r.images,
+                vision=self.vision,
             ).cpu()
             for r in chunks(rollout, self.cfg.micro_rollout_batch_size)
         ]
@@ -190,6 +217,8 @@ class ActorWorker(Trainer):
                 r.prompt_width,
                 temperature=self.cfg.temperature,
                 packed=self.cfg.packing_samples,
+                images=r.images,
+                vision=self.vision,
             ).cpu()
             for r in chunks(rollout, self.cfg.micro_rollout_batch_size)
         ]
@@ -223,6 +252,8 @@ class ActorWorker(Trainer):
                     temperature=cfg.temperature,
                     entropy_grad=bool(cfg.entropy_coef),
                     packed=cfg.packing_samples,
+                    images=mb.images,
+                    vision=self.vision,
                 )
                 old = logprobs.detach() if mb.logprobs is None else mb.logprobs
                 is_weights = None
@@ -314,6 +345,25 @@ class ActorWorker(Trainer):
         )
 
     def save_model(self, out_dir: str) -> None:
+        # A VLM's processor saves its tokenizer, image processor and chat template: eval and later stages need all three.
         self.strategy.save_hf(
-            self.engine, self.tokenizer, out_dir, merge_lora=self.cfg.merge_lora, base_uri=self.cfg.pretrain
+            self.engine,
+            self.processor or self.tokenizer,
+            out_dir,
+            merge_lora=self.cfg.merge_lora,
+            base_uri=self.cfg.pretrain,
         )
+
+
+def load_policy(path: str, cfg: RLConfig):
+    """(model, processor, VisionRows) of a vision-language policy (its vision tower frozen with
+    --freeze_visual_encoder), or (causal LM, None, None) of a text one."""
+    if not is_vision_model(path):
+        return load_causal_lm(path, **kernels(cfg)), None, None
+    from tasks.common.nn import vision
+    from tasks.common.nn.vision_passes import VisionRows
+
+    model, processor = vision.load_vision_lm(path, flash_attn=cfg.flash_attn), vision.load_processor(path)
+    if cfg.freeze_visual_encoder:
+        vision.freeze_visual_encoder(model)
+    return model, processor, VisionRows.of(processor)
