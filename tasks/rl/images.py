@@ -63,6 +63,14 @@ def refuse_for_vision(cfg: RLConfig) -> None:
             raise ConfigError(message)
 
 
+def refuse_for_text(cfg: RLConfig) -> None:
+    """The vision flags on a text policy: refused rather than ignored."""
+    if cfg.freeze_visual_encoder:
+        raise ConfigError(
+            f"freeze_visual_encoder: {cfg.pretrain} is a text model, with no vision tower; drop --freeze_visual_encoder"
+        )
+
+
 def load_vision_prompts(cfg: RLConfig, run: StageRun, processor) -> Prompts:
     """The prompts with their images (the --image_key column; none where a dataset has no such column), each
     image's placeholders expanded by the processor. A prompt whose placeholders and images differ in number is

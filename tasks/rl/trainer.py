@@ -40,7 +40,7 @@ from tasks.rl.advantages import group_keep_mask
 from tasks.rl.config import RLConfig
 from tasks.rl.engine_slots import Generated
 from tasks.rl.experience import Experience, fresh_groups, make_experience, response_lengths, whole_groups
-from tasks.rl.images import images_limit, load_vision_prompts, refuse_for_vision
+from tasks.rl.images import images_limit, load_vision_prompts, refuse_for_text, refuse_for_vision
 from tasks.rl.kl_controller import make_kl_controller
 from tasks.rl.placement import place
 from tasks.rl.prompts import load_prompts
@@ -81,6 +81,7 @@ class Controller:
                 flush=True,
             )
         else:
+            refuse_for_text(cfg)
             self.tokenizer = load_tokenizer(path)
             self.prompts = load_prompts(cfg, run, self.tokenizer)
         if cfg.env_path:  # a file that does not load or reset fails here, before any worker starts
