@@ -32,5 +32,8 @@ def reward_func(queries: list[str], prompts: list, labels: list[str | None]) -> 
             f"demo_vlm reward: {len(queries)} queries, {len(prompts)} prompts, {len(labels)} labels; need one each"
         )
     return torch.tensor(
-        [float(label is not None and response_of(q, p).strip() == label) for q, p, label in zip(queries, prompts, labels)]
+        [
+            float(label is not None and response_of(q, p).strip() == label)
+            for q, p, label in zip(queries, prompts, labels)
+        ]
     )

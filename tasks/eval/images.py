@@ -52,13 +52,9 @@ def load_vision_model(path: str, dtype: torch.dtype):
 def vllm_options(rows: VisionRows | None, cfg) -> dict:
     """A vLLM engine's options for a vision-language model (none for a text one): its image token, the ids it never
     samples, and the images a prompt may carry (--max_images_per_prompt, set from the data by evaluate)."""
-    if rows is None:
-        return {}
-    return {
-        "image_token_id": rows.processor.image_token_id,
-        "banned_ids": rows.banned.tolist(),
-        "max_images": max(1, cfg.max_images_per_prompt),
-    }
+    from tasks.common.nn.engines.vllm_engine import vision_options
+
+    return {} if rows is None else vision_options(rows.processor, cfg.max_images_per_prompt)
 
 
 def row_images(rows: list[dict], image_key: str) -> list[list]:

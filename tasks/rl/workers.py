@@ -238,15 +238,9 @@ def run_episodes_on(runner, rows: list[dict], cfg: RLConfig):
 def vllm_engine_for(cfg: RLConfig, path: str, tokenizer, seed: int, processor=None):
     """A vLLM engine on the policy at `path`; a vision-language policy's (its `processor`) takes prompts with images,
     sized for --max_images_per_prompt (the controller sets it from the data), its placeholder ids never sampled."""
-    vision = {}
-    if processor is not None:
-        from tasks.common.nn.vision import image_token_ids
+    from tasks.common.nn.engines.vllm_engine import vision_options
 
-        vision = {
-            "image_token_id": processor.image_token_id,
-            "banned_ids": image_token_ids(processor),
-            "max_images": cfg.max_images_per_prompt,
-        }
+    vision = vision_options(processor, cfg.max_images_per_prompt) if processor is not None else {}
     return make_engine(
         "vllm",
         tokenizer,

@@ -106,6 +106,18 @@ def image_requests(prompt_ids: list[list[int]], images: list[list] | None, image
     return requests
 
 
+def vision_options(processor, max_images: int) -> dict:
+    """VLLMRolloutEngine's options for a vision-language model with this processor: its image token, the ids never
+    sampled (its image and video placeholders and vision markers), and the images a prompt may carry (at least 1)."""
+    from tasks.common.nn.vision import image_token_ids
+
+    return {
+        "image_token_id": processor.image_token_id,
+        "banned_ids": image_token_ids(processor),
+        "max_images": max(1, max_images),
+    }
+
+
 def ban_bias(banned_ids) -> dict[int, float] | None:
     """SamplingParams.logit_bias keeping `banned_ids` from being sampled (None: nothing banned)."""
     return {int(i): BAN_BIAS for i in banned_ids} or None
