@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from tasks.common.nn import data, lora
+from tasks.common.nn import data, lora, vision
 from tasks.common.nn.engines import make_engine
 from tasks.common.nn.engines.rollout import BatchedRequests, Rollout, first_groups
 from tasks.common.nn.engines.vllm_engine import gathered
@@ -32,6 +32,9 @@ from tasks.rl.workers import Trainer, chunks, episode_runner_for, run_episodes_o
 class ActorWorker(Trainer):
     """The policy: generates rollouts with its engine, scores log-probabilities, takes PPO steps."""
 
+    processor = None  # a vision-language policy's processor and VisionRows (load_policy); None for text
+    vision = None
+
     def setup(self, cfg: RLConfig, total_updates: int) -> None:
         self.cfg = cfg
         path = resolve_model(cfg.pretrain)
@@ -43,6 +46,8 @@ class ActorWorker(Trainer):
         model, self.processor, self.vision = load_policy(path, cfg)
         self.tokenizer = self.processor.tokenizer if self.processor is not None else load_tokenizer(path)
         model = lora.apply_lora(model, cfg)
+        if self.vision is not None and cfg.freeze_visual_encoder and lora.enabled(cfg):
+            vision.freeze_visual_encoder(model)  # the adapters LoRA put on the tower's layers too
         self.engine = self.strategy.prepare(model, cfg.actor_learning_rate, total_updates, cfg.lr_warmup_steps)
         self.micro = self.strategy.micro_batch_size
         if cfg.ptx_coef:  # PPO-ptx: supervised rows, drawn a micro-batch at a time (the sampler is checkpointed)
@@ -360,7 +365,6 @@ def load_policy(path: str, cfg: RLConfig):
     --freeze_visual_encoder), or (causal LM, None, None) of a text one."""
     if not is_vision_model(path):
         return load_causal_lm(path, **kernels(cfg)), None, None
-    from tasks.common.nn import vision
     from tasks.common.nn.vision_passes import VisionRows
 
     model, processor = vision.load_vision_lm(path, flash_attn=cfg.flash_attn), vision.load_processor(path)

@@ -317,11 +317,12 @@ class CriticWorker(Trainer):
 class ReferenceWorker(Worker):
     """The frozen initial policy, for the KL penalty."""
 
+    vision = None  # a vision-language policy's VisionRows: its rows scored with their images
+
     def setup(self, cfg: RLConfig) -> None:
         self.cfg = cfg
         self.strategy = DeepSpeedStrategy(zero_stage=0, bf16=cfg.bf16, seed=cfg.seed)
         path = resolve_model(cfg.pretrain)
-        self.vision = None  # a vision-language policy's reference scores its rows with their images
         if is_vision_model(path):
             from tasks.common.nn import vision
             from tasks.common.nn.vision_passes import VisionRows
