@@ -51,17 +51,18 @@ class ActorWorker(Trainer):
         self.engine = self.strategy.prepare(model, cfg.actor_learning_rate, total_updates, cfg.lr_warmup_steps)
         self.micro = self.strategy.micro_batch_size
         if cfg.ptx_coef:  # PPO-ptx: supervised rows, drawn a micro-batch at a time (the sampler is checkpointed)
-            from tasks.common.nn.supervised import tokenize_rows
+            from tasks.common.nn.supervised import tokenize_rows, tokenize_vlm_rows
 
             rows = data.load_rows(cfg.pretrain_data, cfg.pretrain_split, [cfg.input_key, cfg.output_key], 0)
-            self.ptx_ids, self.ptx_masks, _ = tokenize_rows(
-                rows,
-                self.tokenizer,
-                cfg.input_key,
-                cfg.output_key,
-                cfg.apply_chat_template,
-                cfg.prompt_max_len + cfg.generate_max_len,
-            )
+            keys, max_len = (cfg.input_key, cfg.output_key), cfg.prompt_max_len + cfg.generate_max_len
+            if self.vision is not None:  # each row with its images, too long ones dropped (never cut), as in SFT
+                self.ptx_ids, self.ptx_masks, self.ptx_images, _ = tokenize_vlm_rows(
+                    rows, self.processor, *keys, cfg.image_key, cfg.apply_chat_template, max_len
+                )
+            else:
+                self.ptx_ids, self.ptx_masks, _ = tokenize_rows(
+                    rows, self.tokenizer, *keys, cfg.apply_chat_template, max_len
+                )
             self.sampler = data.BatchSampler(len(self.ptx_ids), self.micro, cfg.seed + self.rank)
         if cfg.vllm_num_engines and not cfg.separate_engines():
             self.rollout_engine = vllm_engine_for(
@@ -337,9 +338,20 @@ class ActorWorker(Trainer):
 
     def _ptx_loss(self) -> torch.Tensor:
         """Mean NLL of the response tokens of the next micro-batch of PPO-ptx rows (the SFT loss)."""
-        from tasks.common.nn.supervised import micro_batch_loss
+        from tasks.common.nn.supervised import micro_batch_loss, vlm_micro_batch_loss
 
         batch = self.sampler.next()
+        if self.vision is not None:
+            return vlm_micro_batch_loss(
+                self.engine,
+                self.processor,
+                [self.ptx_ids[i] for i in batch],
+                [self.ptx_masks[i] for i in batch],
+                [self.ptx_images[i] for i in batch],
+                self.tokenizer.pad_token_id,
+                False,
+                self.strategy.device,
+            )
         return micro_batch_loss(
             self.engine,
             [self.ptx_ids[i] for i in batch],

@@ -49,10 +49,6 @@ def refuse_for_vision(cfg: RLConfig) -> None:
             "inside the actor workers (--colocate_all_models with vLLM), or drop --async_train",
         ),
         (
-            bool(cfg.ptx_coef),
-            "ptx_coef: PPO-ptx rows of a vision-language policy are not built; drop --ptx_coef and --pretrain_data",
-        ),
-        (
             bool(cfg.reward_pretrain) and not cfg.remote_rm_url,
             "reward_pretrain: this stage's reward models score text, and a vision-language policy's rollouts "
             "carry images; score them with --remote_rm_url (a reward function file or endpoint)",

@@ -214,7 +214,6 @@ def test_prompts_keep_their_images_drop_what_is_too_long_and_name_a_row_whose_co
             {"over_sampling_batch_size": 8, "rollout_batch_size": 4, "train_batch_size": 8},
             "^over_sampling_batch_size: its request-by-request engine calls carry no images",
         ),
-        ({"pretrain_data": "x.jsonl", "ptx_coef": 0.1}, "^ptx_coef: PPO-ptx rows of a vision-language policy"),
         ({"remote_rm_url": "", "reward_pretrain": "rm"}, "^reward_pretrain: this stage's reward models score text"),
     ],
 )
@@ -285,3 +284,23 @@ def test_the_reference_worker_scores_a_vlm_rollout_with_its_images(folder, rows,
     worker = ReferenceWorker(0, 1, None, 1)
     worker.setup(rl_config(folder, "p", init_kl_coef=0.01))
     assert torch.allclose(worker.logprobs(rollout) * rollout.response_mask, rollout.logprobs, atol=1e-5)
+
+
+def test_ppo_ptx_on_a_vlm_adds_the_sft_loss_of_rows_with_their_images(folder, rows, tmp_path):
+    """--ptx_coef with --pretrain_data on a vision-language policy: the supervised rows keep their images, and the
+    update adds their SFT loss (supervised.vlm_micro_batch_loss), logged as ptx_loss."""
+    from tasks.rl.actor import ActorWorker
+    from tasks.rl.images import load_vision_prompts
+
+    sft_rows = demo_vlm.make_datasets(seed=3, sizes={"sft": 8})["sft"]
+    sft = write_rows(tmp_path / "s.jsonl", sft_rows)
+    cfg = rl_config(folder, write_rows(tmp_path / "p.jsonl", rows), pretrain_data=sft, ptx_coef=0.5)
+    worker = ActorWorker(0, 1, None, 1)
+    worker.setup(cfg, 4)
+    assert worker.ptx_images == [r["images"] for r in sft_rows]
+    prompts = load_vision_prompts(cfg, Inputs(), worker.processor)
+    rollout = worker.generate_vision([(prompts.ids[i], prompts.images[i]) for i in range(4) for _ in range(2)])
+    logprobs = worker.logprobs(rollout)
+    exp = make_experience(rollout, logprobs, logprobs, None, torch.tensor([1.0, 0.0] * 4), cfg, 0.0)
+    stats = worker.train([exp], 0.0)
+    assert 0 < stats["ptx_loss"] < 20
