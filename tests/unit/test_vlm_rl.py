@@ -271,6 +271,17 @@ def test_the_actor_generates_from_images_scores_them_and_trains_the_language_mod
     saved = tmp_path / "saved"
     worker.save_model(str(saved))
     assert vision.load_processor(str(saved)).image_processor.patch_size == demo_vlm.PATCH_SIZE
+    if lora:  # the adapter export: later stages (eval) merge it into its VLM base, processor and all
+        from tasks.common.nn.lora import merged_checkpoint
+
+        merged = str(merged_checkpoint(saved, folder))
+        assert vision.load_processor(merged).image_processor.patch_size == demo_vlm.PATCH_SIZE
+        full = vision.load_vision_lm(merged).eval()
+        passes = VisionRows.of(worker.processor)
+        args = (rollout.sequences, rollout.attention_mask, rollout.images)
+        with torch.no_grad():
+            expected = passes.logprobs(worker.engine.module, *args, start=rollout.prompt_width - 1)
+            assert torch.allclose(passes.logprobs(full, *args, start=rollout.prompt_width - 1), expected, atol=1e-4)
 
 
 def test_the_reference_worker_scores_a_vlm_rollout_with_its_images(folder, rows, tmp_path):
