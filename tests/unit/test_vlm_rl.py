@@ -44,6 +44,10 @@ def test_the_engine_samples_from_the_pixels_and_reports_the_log_probs_the_traine
     processor, model = vision.load_processor(folder), vision.load_vision_lm(folder).eval()
     prompts = [r["prompt"] if i % 2 else "<image>which colour is it?" for i, r in enumerate(rows)]
     ids, images = encoded(processor, rows, prompts), [r["images"] for r in rows]
+    # A prompt of two images, and one of none: each row's grids in order, M-RoPE positions per row.
+    two = rows[2]["images"] + rows[3]["images"]
+    ids[2] = vision.encode_vlm_prompt(processor, "<image> or <image>: colour?", two)["input_ids"]
+    images[2], ids[3], images[3] = two, vision.encode_vlm_prompt(processor, "colour?", [])["input_ids"], []
     engine = make_engine(
         "transformers", processor.tokenizer, module=model, device=torch.device("cpu"), processor=processor
     )
