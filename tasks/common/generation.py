@@ -48,3 +48,24 @@ class EpisodeConfig(GenerationConfig):
             "exclusive_min": 0,
         },
     )
+
+
+@dataclass
+class ImageConfig:
+    """A vision-language model's images (issue 54): where the rows hold them, and how many a prompt may carry. RL and
+    eval take the same flags as SFT (its --image_key), so every stage reads one column."""
+
+    image_key: str = field(
+        default="images",
+        metadata={
+            "help": "dataset column holding each row's images, for a vision-language model (prepare_data's); a text model ignores it"
+        },
+    )
+    max_images_per_prompt: int = field(
+        default=0,
+        metadata={
+            "help": "images a prompt may carry at most, a vision-language model's vLLM engine sized to it (its limit_mm_per_prompt; OpenRLHF's --data.max_images_per_prompt); 0: the data's most",
+            "min": 0,
+            "max": 1024,
+        },
+    )

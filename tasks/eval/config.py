@@ -2,12 +2,12 @@ from dataclasses import dataclass, field
 
 from tasks.common.allowlist import check_reach
 from tasks.common.config import ConfigError, StageConfig, split_list
-from tasks.common.generation import EpisodeConfig
+from tasks.common.generation import EpisodeConfig, ImageConfig
 from tasks.eval import metrics
 
 
 @dataclass
-class EvalConfig(EpisodeConfig, StageConfig):
+class EvalConfig(ImageConfig, EpisodeConfig, StageConfig):
     """Compare a baseline policy (the SFT model, also the KL reference) with a trained policy on held-out prompts."""
 
     baseline: str = field(

@@ -25,6 +25,7 @@ import json
 import time
 
 from tasks.common.cost import lineage_cost
+from tasks.common.image_tags import content_text
 from tasks.common.nn import data
 from tasks.common.nn.environment import EnvError, check_environment, load_environment
 from tasks.common.nn.strategy import set_seed
@@ -34,6 +35,7 @@ from tasks.common.stage import StageRun
 from tasks.eval import lm_eval_tasks, stats
 from tasks.eval import metrics as metric_lib
 from tasks.eval.config import EvalConfig
+from tasks.eval.images import most_images, row_images
 from tasks.eval.judge import ChatJudge
 from tasks.eval.report import markdown, write_report
 from tasks.eval.worker import EvalWorker, repeat
@@ -53,7 +55,9 @@ def reference_answers(rows, cfg: EvalConfig) -> list[str | None] | None:
 
 def shown(prompt) -> str:
     """A prompt on one line for the report: a string, or chat messages as 'role: content' turns."""
-    text = prompt if isinstance(prompt, str) else " | ".join(f"{m['role']}: {m['content']}" for m in prompt)
+    text = (
+        prompt if isinstance(prompt, str) else " | ".join(f"{m['role']}: {content_text(m['content'])}" for m in prompt)
+    )
     return " ".join(text.split())
 
 
@@ -190,6 +194,8 @@ def evaluate(cfg: EvalConfig, run: StageRun) -> None:
         )
     texts = list(rows[cfg.input_key])
     records = rows.to_list()
+    # A vision-language model's vLLM engine is sized for the most images a prompt carries (tasks/eval/images.py).
+    cfg.max_images_per_prompt = cfg.max_images_per_prompt or most_images(records, cfg.image_key)
     if cfg.env_path:  # a file that does not load or reset fails here, before any model generates
         # The bytes the policy was trained with, when its manifest recorded the same file: a replaced file fails here.
         cfg.env_path = run.code_input("env_path", cfg.env_path, EnvError, recorded_in=(cfg.policy,))
@@ -246,9 +252,16 @@ def evaluate(cfg: EvalConfig, run: StageRun) -> None:
         "cost": lineage_cost(cfg.policy),
         "samples": [
             {"prompt": shown(p), "label": label, "baseline": b, "policy": q}
-            for p, label, b, q in list(zip(texts, labels or [None] * len(texts), greedy["baseline"], greedy["policy"]))[
-                : cfg.num_shown_samples
-            ]
+            | ({"images": pictures} if pictures else {})  # base64 PNG, as stored: the report can show them
+            for p, label, b, q, pictures in list(
+                zip(
+                    texts,
+                    labels or [None] * len(texts),
+                    greedy["baseline"],
+                    greedy["policy"],
+                    row_images(records, cfg.image_key),
+                )
+            )[: cfg.num_shown_samples]
         ],
     }
     if lm_eval_tables:

@@ -14,6 +14,10 @@ The worker takes a GPU when the cluster has one (a CPU otherwise), like the trai
 generates through the same rollout-engine slot as RL: the transformers engine on its device, or with
 --rollout_engine vllm (auto's choice on a GPU) one vLLM engine on its GPU that is loaded with each model's weights in turn (the models
 compared share the baseline's architecture). Models are fetched on the worker's own node.
+
+A vision-language baseline (its config has a vision_config) makes every side one: each prompt is encoded with the
+images of its row (--image_key) and generated from them, greedy and sampled, its KL scored with them
+(tasks/eval/images.py); the metrics are the text ones, on the responses.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from tasks.common.nn.models import load_causal_lm, load_tokenizer, resolve_model
 from tasks.common.nn.rewards import RewardModels, build_reward_batch
 from tasks.common.nn.strategy import set_seed
 from tasks.common.nn.workers import Worker
-from tasks.eval import lm_eval_tasks
+from tasks.eval import images, lm_eval_tasks
 from tasks.eval.config import EvalConfig
 
 
@@ -43,8 +47,8 @@ def repeat(values, n: int) -> list:
 
 
 @torch.no_grad()
-def summed_logprobs(model, rollout: Rollout, batch_size: int = 256) -> torch.Tensor:
-    """Σ log π(response tokens) per sequence."""
+def summed_logprobs(model, rollout: Rollout, batch_size: int = 256, vision=None) -> torch.Tensor:
+    """Σ log π(response tokens) per sequence; vision (a VisionRows): a VLM's rows, scored with their images."""
     device = next(model.parameters()).device
     out = []
     for i in range(0, rollout.sequences.size(0), batch_size):
@@ -52,7 +56,11 @@ def summed_logprobs(model, rollout: Rollout, batch_size: int = 256) -> torch.Ten
             rollout.sequences[i : i + batch_size].to(device),
             rollout.attention_mask[i : i + batch_size].to(device),
         )
-        logprobs = sequence_logprobs(model, seqs, mask, start=rollout.prompt_width - 1)
+        if vision is not None:
+            rows = rollout.images[i : i + batch_size]
+            logprobs = vision.logprobs(model, seqs, mask, rows, start=rollout.prompt_width - 1)
+        else:
+            logprobs = sequence_logprobs(model, seqs, mask, start=rollout.prompt_width - 1)
         out.append((logprobs * rollout.response_mask[i : i + batch_size].to(device)).sum(-1).cpu())
     return torch.cat(out)
 
@@ -68,6 +76,8 @@ class EvalWorker(Worker):
         # --bf16 halves the KL pass's work; on CUDA Liger's kernels take the log-probs a chunk of tokens at a time,
         # never a batch's full logits ([256, 383, 151936] in fp32 is 60 GB for the bench's model).
         self.load_kwargs = {"dtype": torch.bfloat16 if cfg.bf16 else torch.float32, "liger": use_liger(True)}
+        # A vision-language baseline: its processor and the ids never sampled; every side is scored with its images.
+        self.vision = images.vision_rows(path, cfg)
         self.reference = self._load(path)
         # Raw scores (not standardised), summed over the models of a comma-separated list, as in RL.
         self.reward = (
@@ -92,6 +102,7 @@ class EvalWorker(Worker):
             self.vllm = make_engine(
                 "vllm",
                 load_tokenizer(path),
+                **images.vllm_options(self.vision, cfg),
                 path=path,  # as long as the model's positions
                 gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
                 seed=cfg.seed,
@@ -102,6 +113,8 @@ class EvalWorker(Worker):
             )
 
     def _load(self, path: str):
+        if self.vision is not None:
+            return images.load_vision_model(path, self.load_kwargs["dtype"]).to(self.device).eval()
         return load_causal_lm(path, **self.load_kwargs).to(self.device).eval()
 
     def _include_path(self) -> str | None:
@@ -114,6 +127,10 @@ class EvalWorker(Worker):
         return str(storage.download_dir(uri, tempfile.mkdtemp(prefix="lm_eval_tasks-", dir=self.scratch)))
 
     def _engine(self, model, tokenizer):
+        if self.vllm is None and self.vision is not None:  # the model's own generate, with the pixels
+            return make_engine(
+                "transformers", tokenizer, module=model, device=self.device, processor=self.vision.processor
+            )
         if self.vllm is None:
             return make_engine(
                 "transformers", tokenizer, module=model, device=self.device, cuda_graphs=self.device.type == "cuda"
@@ -133,22 +150,35 @@ class EvalWorker(Worker):
             seconds[part], last = round(now - last, 2), now
 
         path = resolve_model(model_uri)
-        tokenizer = load_tokenizer(path)
         model = self.reference if model_uri == self.baseline_uri else self._load(path)
-        ids = [data.encode_prompt(tokenizer, p, cfg.apply_chat_template) for p in prompts]
+        pictures = None  # each prompt's images, for a vision-language model
+        if self.vision is not None:
+            tokenizer, ids, pictures = images.encode_side(path, prompts, rows, cfg)
+        else:
+            images.refuse_images_for_text(model_uri, rows, cfg)
+            tokenizer = load_tokenizer(path)
+            ids = [data.encode_prompt(tokenizer, p, cfg.apply_chat_template) for p in prompts]
+        with_images = {} if pictures is None else {"images": pictures}
         engine = self._engine(model, tokenizer)
         lap("load")
-        greedy = engine.generate(ids, cfg.generate_max_len, greedy=True).texts(tokenizer)
+        greedy = engine.generate(ids, cfg.generate_max_len, greedy=True, **with_images).texts(tokenizer)
         lap("greedy")
         set_seed(cfg.seed)  # every side samples with the same seed
-        sampled = engine.generate(repeat(ids, n), cfg.generate_max_len, temperature=cfg.temperature).to("cpu")
+        if pictures is not None:
+            with_images = {"images": repeat(pictures, n)}
+        sampled = engine.generate(repeat(ids, n), cfg.generate_max_len, temperature=cfg.temperature, **with_images).to(
+            "cpu"
+        )
         sampled_texts = sampled.texts(tokenizer)
         lap("sampled")
         # the baseline's KL to itself is 0 by definition: no pass
         kl = (
             [0.0] * len(sampled_texts)
             if model is self.reference
-            else (summed_logprobs(model, sampled) - summed_logprobs(self.reference, sampled)).tolist()
+            else (
+                summed_logprobs(model, sampled, vision=self.vision)
+                - summed_logprobs(self.reference, sampled, vision=self.vision)
+            ).tolist()
         )
         lap("kl")
         out = {

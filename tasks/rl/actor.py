@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from tasks.common.nn import data, lora
+from tasks.common.nn import data, lora, vision
 from tasks.common.nn.engines import make_engine
 from tasks.common.nn.engines.rollout import BatchedRequests, Rollout, first_groups
 from tasks.common.nn.engines.vllm_engine import gathered
@@ -22,7 +22,7 @@ from tasks.common.nn.losses import (
     loss_normalizer,
     policy_loss,
 )
-from tasks.common.nn.models import kernels, load_causal_lm, load_tokenizer, resolve_model
+from tasks.common.nn.models import is_vision_model, kernels, load_causal_lm, load_tokenizer, resolve_model
 from tasks.common.nn.strategy import DeepSpeedStrategy
 from tasks.rl.config import RLConfig
 from tasks.rl.experience import Experience, response_logprobs
@@ -32,31 +32,51 @@ from tasks.rl.workers import Trainer, chunks, episode_runner_for, run_episodes_o
 class ActorWorker(Trainer):
     """The policy: generates rollouts with its engine, scores log-probabilities, takes PPO steps."""
 
+    processor = None  # a vision-language policy's processor and VisionRows (load_policy); None for text
+    vision = None
+
     def setup(self, cfg: RLConfig, total_updates: int) -> None:
         self.cfg = cfg
         path = resolve_model(cfg.pretrain)
-        self.tokenizer = load_tokenizer(path)
         self.strategy = DeepSpeedStrategy.for_training(cfg, self.world_size)
         # Sampling differs per rank; weights start identical (they are loaded, not drawn).
         torch.manual_seed(cfg.seed + self.rank)
-        model = lora.apply_lora(load_causal_lm(path, **kernels(cfg)), cfg)
+        # A vision-language policy (tasks/rl/images.py): its processor, the vision tower frozen if asked, and every
+        # log-prob pass fed the rows' images (self.vision); None for a text policy.
+        model, self.processor, self.vision = load_policy(path, cfg)
+        self.tokenizer = self.processor.tokenizer if self.processor is not None else load_tokenizer(path)
+        model = lora.apply_lora(model, cfg)
+        if self.vision is not None and cfg.freeze_visual_encoder and lora.enabled(cfg):
+            vision.freeze_visual_encoder(model)  # the adapters LoRA put on the tower's layers too
         self.engine = self.strategy.prepare(model, cfg.actor_learning_rate, total_updates, cfg.lr_warmup_steps)
         self.micro = self.strategy.micro_batch_size
         if cfg.ptx_coef:  # PPO-ptx: supervised rows, drawn a micro-batch at a time (the sampler is checkpointed)
-            from tasks.common.nn.supervised import tokenize_rows
+            from tasks.common.nn.supervised import tokenize_rows, tokenize_vlm_rows
 
             rows = data.load_rows(cfg.pretrain_data, cfg.pretrain_split, [cfg.input_key, cfg.output_key], 0)
-            self.ptx_ids, self.ptx_masks, _ = tokenize_rows(
-                rows,
-                self.tokenizer,
-                cfg.input_key,
-                cfg.output_key,
-                cfg.apply_chat_template,
-                cfg.prompt_max_len + cfg.generate_max_len,
-            )
+            keys, max_len = (cfg.input_key, cfg.output_key), cfg.prompt_max_len + cfg.generate_max_len
+            if self.vision is not None:  # each row with its images, too long ones dropped (never cut), as in SFT
+                self.ptx_ids, self.ptx_masks, self.ptx_images, _ = tokenize_vlm_rows(
+                    rows, self.processor, *keys, cfg.image_key, cfg.apply_chat_template, max_len
+                )
+            else:
+                self.ptx_ids, self.ptx_masks, _ = tokenize_rows(
+                    rows, self.tokenizer, *keys, cfg.apply_chat_template, max_len
+                )
             self.sampler = data.BatchSampler(len(self.ptx_ids), self.micro, cfg.seed + self.rank)
         if cfg.vllm_num_engines and not cfg.separate_engines():
-            self.rollout_engine = vllm_engine_for(cfg, path, self.tokenizer, seed=cfg.seed + self.rank)
+            self.rollout_engine = vllm_engine_for(
+                cfg, path, self.tokenizer, seed=cfg.seed + self.rank, processor=self.processor
+            )
+        elif self.vision is not None:  # the model's own generate with its pixel inputs (engines/hf_vision.py)
+            self.rollout_engine = make_engine(
+                "transformers",
+                self.tokenizer,
+                module=self.engine.module,
+                device=self.strategy.device,
+                ignore_eos=cfg.ignore_eos,
+                processor=self.processor,
+            )
         else:
             # Decode steps replayed as CUDA graphs on CUDA, not under ZeRO-3: it gathers parameters through hooks
             # each forward, which a captured graph cannot hold. With --torch_compile their forward is compiled too,
@@ -87,6 +107,17 @@ class ActorWorker(Trainer):
         )
         return rollout.to("cpu")
 
+    def generate_vision(self, prompts: list[tuple[list[int], list]]) -> Rollout:
+        """A vision-language policy's share of a rollout: (prompt ids, its images) pairs; the rollout keeps the images."""
+        rollout = self.rollout_engine.generate(
+            [ids for ids, _ in prompts],
+            self.cfg.generate_max_len,
+            self.cfg.temperature,
+            batch_size=self.cfg.micro_rollout_batch_size or len(prompts),
+            images=[images for _, images in prompts],
+        )
+        return rollout.to("cpu")
+
     def generate_first_groups(self, prompts: list[list[int]]) -> Rollout:
         """--over_sampling_batch_size: this worker's share of the over-sampled prompts, of whose groups only its share
         of rollout_batch_size is generated to the end (first_groups); the other groups' rows come back empty."""
@@ -112,8 +143,8 @@ class ActorWorker(Trainer):
         zero3 = self.strategy.zero_stage == 3
         if lora.enabled(self.cfg):
             self.rollout_engine.load_adapter(lora.adapter_weights(self.engine.module, gather=zero3, every_rank=True))
-        else:
-            self.rollout_engine.load_weights(self.engine.module, zero3=zero3)
+        else:  # the trained weights only: a frozen vision tower is the same in the engine as on disk
+            self.rollout_engine.load_weights(self.engine.module, zero3=zero3, trainable_only=True)
 
     def adapter_weights(self) -> lora.AdapterWeights | None:
         """Rank 0: the adapter now, for vLLM engines elsewhere (every rank enters the ZeRO-3 gathers)."""
@@ -172,6 +203,8 @@ class ActorWorker(Trainer):
                 r.prompt_width,
                 temperature=self.cfg.temperature,
                 packed=self.cfg.packing_samples,
+                images=r.images,
+                vision=self.vision,
             ).cpu()
             for r in chunks(rollout, self.cfg.micro_rollout_batch_size)
         ]
@@ -190,6 +223,8 @@ class ActorWorker(Trainer):
                 r.prompt_width,
                 temperature=self.cfg.temperature,
                 packed=self.cfg.packing_samples,
+                images=r.images,
+                vision=self.vision,
             ).cpu()
             for r in chunks(rollout, self.cfg.micro_rollout_batch_size)
         ]
@@ -223,6 +258,8 @@ class ActorWorker(Trainer):
                     temperature=cfg.temperature,
                     entropy_grad=bool(cfg.entropy_coef),
                     packed=cfg.packing_samples,
+                    images=mb.images,
+                    vision=self.vision,
                 )
                 old = logprobs.detach() if mb.logprobs is None else mb.logprobs
                 is_weights = None
@@ -301,9 +338,20 @@ class ActorWorker(Trainer):
 
     def _ptx_loss(self) -> torch.Tensor:
         """Mean NLL of the response tokens of the next micro-batch of PPO-ptx rows (the SFT loss)."""
-        from tasks.common.nn.supervised import micro_batch_loss
+        from tasks.common.nn.supervised import micro_batch_loss, vlm_micro_batch_loss
 
         batch = self.sampler.next()
+        if self.vision is not None:
+            return vlm_micro_batch_loss(
+                self.engine,
+                self.processor,
+                [self.ptx_ids[i] for i in batch],
+                [self.ptx_masks[i] for i in batch],
+                [self.ptx_images[i] for i in batch],
+                self.tokenizer.pad_token_id,
+                False,
+                self.strategy.device,
+            )
         return micro_batch_loss(
             self.engine,
             [self.ptx_ids[i] for i in batch],
@@ -314,6 +362,24 @@ class ActorWorker(Trainer):
         )
 
     def save_model(self, out_dir: str) -> None:
+        # A VLM's processor saves its tokenizer, image processor and chat template: eval and later stages need all three.
         self.strategy.save_hf(
-            self.engine, self.tokenizer, out_dir, merge_lora=self.cfg.merge_lora, base_uri=self.cfg.pretrain
+            self.engine,
+            self.processor or self.tokenizer,
+            out_dir,
+            merge_lora=self.cfg.merge_lora,
+            base_uri=self.cfg.pretrain,
         )
+
+
+def load_policy(path: str, cfg: RLConfig):
+    """(model, processor, VisionRows) of a vision-language policy (its vision tower frozen with
+    --freeze_visual_encoder), or (causal LM, None, None) of a text one."""
+    if not is_vision_model(path):
+        return load_causal_lm(path, **kernels(cfg)), None, None
+    from tasks.common.nn.vision_passes import VisionRows
+
+    model, processor = vision.load_vision_lm(path, flash_attn=cfg.flash_attn), vision.load_processor(path)
+    if cfg.freeze_visual_encoder:
+        vision.freeze_visual_encoder(model)
+    return model, processor, VisionRows.of(processor)

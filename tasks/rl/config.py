@@ -4,7 +4,7 @@ from dataclasses import dataclass, field
 
 from tasks.common.allowlist import check_reach
 from tasks.common.config import ConfigError, TrainingConfig, check_batch
-from tasks.common.generation import EpisodeConfig
+from tasks.common.generation import EpisodeConfig, ImageConfig
 
 ROLLOUT_ENGINES = ("auto", "vllm", "transformers")
 #: --rollout_engine auto picks transformers up to this many new tokens a response: at the Qwen2.5-1.5B shape, 64
@@ -35,7 +35,7 @@ def uses_critic(estimator: str) -> bool:
 
 
 @dataclass
-class RLConfig(EpisodeConfig, TrainingConfig):
+class RLConfig(ImageConfig, EpisodeConfig, TrainingConfig):
     """PPO-family RL: rollouts from the policy, rewards from reward models, a function or an endpoint,
     KL to the frozen reference; advantages by GAE with a critic or by a critic-free estimator.
 
@@ -81,6 +81,12 @@ class RLConfig(EpisodeConfig, TrainingConfig):
     )
     output_key: str = field(
         default="response", metadata={"help": "PPO-ptx data column holding the response (the prompt is input_key)"}
+    )
+    freeze_visual_encoder: bool = field(
+        default=False,
+        metadata={
+            "help": "a vision-language policy trains its language model only: the vision tower and its projector stay as they are, and only the trained weights are synced to the rollout engines"
+        },
     )
     ptx_coef: float = field(
         default=0.0,

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tasks.common.nn.engines.rollout import Rollout
+from tasks.common.nn.engines.rollout import Rollout, pick
 from tasks.common.nn.models import packed_sequence_logprobs, packed_token_values, sequence_logprobs, token_values
 from tasks.rl.advantages import compute_advantages, kl_estimate
 
@@ -30,9 +30,11 @@ class Experience:
     behaviour_logprobs: torch.Tensor | None = (
         None  # the rollout engine's (the policy that sampled): correction, mismatch
     )
+    images: list[list] | None = None  # a vision-language policy's rows: each one's images (Rollout.images)
 
     def minibatch(self, index: torch.Tensor) -> "Experience":
         fields = {k: (v[index] if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
+        fields["images"] = pick(self.images, index)
         return Experience(**fields)
 
     def to(self, device) -> "Experience":
@@ -48,9 +50,23 @@ def response_logprobs(
     temperature=1.0,
     entropy_grad=True,
     packed=False,
+    images=None,
+    vision=None,
 ):
     """Log-probabilities of the response tokens only, at the sampling temperature: [B, R] (the prompt's are
-    never computed). packed: the rows run as one sequence without their padding (--packing_samples)."""
+    never computed). packed: the rows run as one sequence without their padding (--packing_samples). vision (a
+    vision_passes.VisionRows): a vision-language policy's rows, with their `images` (never packed: RL refuses it)."""
+    if vision is not None:
+        return vision.logprobs(
+            model,
+            rollout_sequences,
+            attention_mask,
+            images,
+            return_entropy=return_entropy,
+            temperature=temperature,
+            start=prompt_width - 1,
+            entropy_grad=entropy_grad,
+        )
     logprobs = packed_sequence_logprobs if packed else sequence_logprobs
     return logprobs(
         model,
@@ -114,6 +130,7 @@ def make_experience(
         scores,
         kl,
         behaviour_logprobs=rollout.logprobs,
+        images=rollout.images,
     )
 
 

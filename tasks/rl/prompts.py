@@ -16,6 +16,8 @@ class Prompts:
     labels: list[str | None]
     truncated: int
     rows: list[dict] | None = None  # whole rows, every column: what environments are reset with (--env_path)
+    images: list[list] | None = None  # a vision-language policy's: each prompt's images (tasks/rl/images.py)
+    dropped: int = 0  # prompts with images left out as too long (never cut)
 
 
 def load_prompts(cfg: RLConfig, run: StageRun, tokenizer) -> Prompts:

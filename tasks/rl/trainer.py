@@ -14,6 +14,7 @@ minibatches, logs, and checkpoints.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import shutil
@@ -30,14 +31,16 @@ from tasks.common.config import ConfigError
 from tasks.common.nn import data, lora
 from tasks.common.nn.engines.rollout import Rollout, concat_rollouts
 from tasks.common.nn.environment import EnvError, check_environment, load_environment
-from tasks.common.nn.models import load_tokenizer, resolve_model
+from tasks.common.nn.models import is_vision_model, load_tokenizer, resolve_model
 from tasks.common.nn.rewards import build_reward_batch
+from tasks.common.nn.vision import load_processor
 from tasks.common.nn.workers import cluster_has_gpus, connect_ray, gather, merge_uploads, shard
 from tasks.common.stage import StageRun
 from tasks.rl.advantages import group_keep_mask
 from tasks.rl.config import RLConfig
 from tasks.rl.engine_slots import Generated
 from tasks.rl.experience import Experience, fresh_groups, make_experience, response_lengths, whole_groups
+from tasks.rl.images import images_limit, load_vision_prompts, refuse_for_text, refuse_for_vision
 from tasks.rl.kl_controller import make_kl_controller
 from tasks.rl.placement import place
 from tasks.rl.prompts import load_prompts
@@ -65,8 +68,22 @@ class Controller:
                 "vllm_num_engines: vLLM engines need GPUs and the vllm package, and this Ray cluster has no GPUs; "
                 "use --vllm_num_engines 0 (transformers generate in the actor workers)"
             )
-        self.tokenizer = load_tokenizer(resolve_model(run.input("pretrain", cfg.pretrain)))
-        self.prompts = load_prompts(cfg, run, self.tokenizer)
+        path = resolve_model(run.input("pretrain", cfg.pretrain))
+        self.vision = is_vision_model(path)  # a vision-language policy: prompts with images (tasks/rl/images.py)
+        if self.vision:
+            refuse_for_vision(cfg)
+            processor = load_processor(path)
+            self.tokenizer, self.prompts = processor.tokenizer, load_vision_prompts(cfg, run, processor)
+            self.cfg = cfg = dataclasses.replace(cfg, max_images_per_prompt=images_limit(cfg, self.prompts))
+            print(
+                f"rl: a vision-language policy; prompts carry up to {cfg.max_images_per_prompt} image(s), "
+                f"{self.prompts.dropped} dropped as longer than {cfg.prompt_max_len} tokens with their images",
+                flush=True,
+            )
+        else:
+            refuse_for_text(cfg)
+            self.tokenizer = load_tokenizer(path)
+            self.prompts = load_prompts(cfg, run, self.tokenizer)
         if cfg.env_path:  # a file that does not load or reset fails here, before any worker starts
             cfg.env_path = run.code_input("env_path", cfg.env_path, EnvError)  # the workers import exactly these bytes
             check_environment(load_environment(cfg.env_path), self.prompts.rows[0], cfg.env_step_timeout)
@@ -154,6 +171,10 @@ class Controller:
         self.started += 1
         if self.cfg.env_path:
             return index, self.engine.start("run_episodes", [self.prompts.rows[i] for i in index])
+        if self.prompts.images is not None:  # each prompt with its images (refused beside over-sampling)
+            return index, self.engine.start(
+                "generate_vision", [(self.prompts.ids[i], self.prompts.images[i]) for i in index]
+            )
         method = "generate_first_groups" if self.cfg.over_sampling_batch_size else "generate"
         return index, self.engine.start(method, [self.prompts.ids[i] for i in index])
 

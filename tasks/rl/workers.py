@@ -17,7 +17,14 @@ from tasks.common.nn import lora
 from tasks.common.nn.engines import make_engine
 from tasks.common.nn.engines.rollout import Rollout
 from tasks.common.nn.losses import loss_normalizer, value_loss
-from tasks.common.nn.models import kernels, load_causal_lm, load_scalar_model, load_tokenizer, resolve_model
+from tasks.common.nn.models import (
+    is_vision_model,
+    kernels,
+    load_causal_lm,
+    load_scalar_model,
+    load_tokenizer,
+    resolve_model,
+)
 from tasks.common.nn.rewards import RewardBatch, RewardModels
 from tasks.common.nn.strategy import DeepSpeedStrategy
 from tasks.common.nn.token_batches import token_batches
@@ -228,7 +235,12 @@ def run_episodes_on(runner, rows: list[dict], cfg: RLConfig):
     return result
 
 
-def vllm_engine_for(cfg: RLConfig, path: str, tokenizer, seed: int):
+def vllm_engine_for(cfg: RLConfig, path: str, tokenizer, seed: int, processor=None):
+    """A vLLM engine on the policy at `path`; a vision-language policy's (its `processor`) takes prompts with images,
+    sized for --max_images_per_prompt (the controller sets it from the data), its placeholder ids never sampled."""
+    from tasks.common.nn.engines.vllm_engine import vision_options
+
+    vision = vision_options(processor, cfg.max_images_per_prompt) if processor is not None else {}
     return make_engine(
         "vllm",
         tokenizer,
@@ -242,6 +254,7 @@ def vllm_engine_for(cfg: RLConfig, path: str, tokenizer, seed: int):
         enable_sleep=cfg.vllm_enable_sleep,
         ignore_eos=cfg.ignore_eos,
         lora_rank=cfg.lora_rank,
+        **vision,
     )
 
 
@@ -304,10 +317,20 @@ class CriticWorker(Trainer):
 class ReferenceWorker(Worker):
     """The frozen initial policy, for the KL penalty."""
 
+    vision = None  # a vision-language policy's VisionRows: its rows scored with their images
+
     def setup(self, cfg: RLConfig) -> None:
         self.cfg = cfg
         self.strategy = DeepSpeedStrategy(zero_stage=0, bf16=cfg.bf16, seed=cfg.seed)
-        self.model = self.strategy.frozen(load_causal_lm(resolve_model(cfg.pretrain), **kernels(cfg)))
+        path = resolve_model(cfg.pretrain)
+        if is_vision_model(path):
+            from tasks.common.nn import vision
+            from tasks.common.nn.vision_passes import VisionRows
+
+            model, self.vision = vision.load_vision_lm(path), VisionRows.of(vision.load_processor(path))
+        else:
+            model = load_causal_lm(path, **kernels(cfg))
+        self.model = self.strategy.frozen(model)
 
     @torch.no_grad()
     def logprobs(self, rollout: Rollout) -> torch.Tensor:
@@ -321,6 +344,8 @@ class ReferenceWorker(Worker):
                     r.prompt_width,
                     temperature=self.cfg.temperature,
                     packed=self.cfg.packing_samples,
+                    images=r.images,
+                    vision=self.vision,
                 ).cpu()
                 for r in chunks(rollout, self.cfg.micro_rollout_batch_size)
             ]

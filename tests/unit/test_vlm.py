@@ -255,13 +255,13 @@ def test_sft_learns_the_colour_from_the_pixels(seed):
 
 
 def test_the_text_stages_refuse_a_vision_language_model_in_one_line(tmp_path):
-    """RL, the reward model, DPO/KTO and eval load their models as text models: a VLM is refused where it would
-    load, naming the folder and the fix, rather than training without its images."""
+    """The reward model and DPO/KTO load their models as text models: a VLM is refused where it would load, naming
+    the folder and the fix, rather than training without its images (RL and eval load it through vision)."""
     from tasks.common.nn.models import load_causal_lm, load_scalar_model
 
     demo_vlm.save_demo_vlm(tmp_path / "vlm")
     for load in (load_causal_lm, load_scalar_model):
         with pytest.raises(
-            ConfigError, match=r"vlm: a vision-language model .* only SFT trains so far; pass a text model"
+            ConfigError, match=r"vlm: a vision-language model .* this stage does not take yet .*; pass a text model"
         ):
             load(str(tmp_path / "vlm"))

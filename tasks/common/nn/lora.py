@@ -229,6 +229,8 @@ def merge_adapter(
     if dtype is None:
         dtype = config.dtype if isinstance(getattr(config, "dtype", None), torch.dtype) else torch.float32
     auto = AutoModelForSequenceClassification if scalar else AutoModelForCausalLM
+    if not scalar and getattr(config, "vision_config", None) is not None:  # a vision-language model (issue 54)
+        from transformers import AutoModelForImageTextToText as auto
     # Merged in float32, saved in `dtype`: the sum W + B·A rounds once.
     base = auto.from_pretrained(base_path, config=config, dtype=torch.float32)
     merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
@@ -268,8 +270,14 @@ def merged_checkpoint(adapter_dir: str | Path, base_path: str, overrides: dict |
 
 
 def _copy_tokenizer(src: Path, dst: Path) -> None:
+    """The tokenizer, or a vision-language model's whole processor (its image processor and chat template too)."""
     from transformers import AutoTokenizer
 
+    if (src / "processor_config.json").is_file():
+        from tasks.common.nn.vision import load_processor
+
+        load_processor(str(src)).save_pretrained(str(dst))
+        return
     AutoTokenizer.from_pretrained(str(src)).save_pretrained(str(dst))
 
 

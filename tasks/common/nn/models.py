@@ -201,13 +201,14 @@ def is_vision_model(path_or_config) -> bool:
 
 def refuse_vision_model(path: str) -> None:
     """The text stages' guard: a vision-language model (its config has a vision_config) would load as a causal LM
-    and then fail, or train without its images. SFT trains them (tasks.common.nn.vision); the others not yet."""
+    and then fail, or train without its images. SFT, RL and eval load one through tasks.common.nn.vision before they
+    reach here; the others do not take one yet."""
     from tasks.common.config import ConfigError
 
     if is_vision_model(path):
         raise ConfigError(
-            f"{path}: a vision-language model (its config has a vision_config), which only SFT trains so far; "
-            "pass a text model to this stage"
+            f"{path}: a vision-language model (its config has a vision_config), which this stage does not take yet "
+            "(SFT, RL and eval do); pass a text model to this stage"
         )
 
 

@@ -3,6 +3,8 @@ CUDA graphs on a GPU). The CPU path, and the rollout engine at short responses o
 
     engine = HFRolloutEngine(policy, tokenizer)
     rollout = engine.generate(prompt_ids, max_new_tokens=16, temperature=1.0)   # a Rollout (engines.rollout)
+    engine = HFRolloutEngine(vlm, processor.tokenizer, processor=processor)     # a vision-language model:
+    rollout = engine.generate(prompt_ids, 16, images=[[png], ...])              # hf_vision, its own generate
 
 A response stops at the tokenizer's EOS or at the special token its chat template closes an assistant
 turn with (data.stop_token_ids): a chat model ends its answer with <|im_end|> or <|eot_id|>, not EOS.
@@ -20,14 +22,22 @@ import logging
 from dataclasses import dataclass, field
 
 import torch
-from transformers import AttentionInterface, AttentionMaskInterface, StaticCache
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import sdpa_mask
+from transformers import StaticCache
 
 from tasks.common.nn import lora
 from tasks.common.nn.data import pad, stop_token_ids
+
+# The decode loop's attention functions; packed_gqa_sdpa is imported from here by tests too.
+from tasks.common.nn.engines.decode_attention import (
+    DECODE_ATTENTION,
+    FLASH_DECODE_ATTENTION,
+    flash_attn_with_kvcache,
+    packed_gqa_sdpa,  # noqa: F401
+)
+from tasks.common.nn.engines.hf_vision import generate_with_images
 from tasks.common.nn.engines.rollout import Rollout, concat_rollouts, distinct_rows, response_mask
 from tasks.common.nn.fused_linears import FusedSiblings
+from tasks.common.nn.vision_passes import VisionRows
 
 # Static-cache prompt widths round up to this: each (batch, cache length) shape compiles its own decode.
 STATIC_PROMPT_BUCKET = 64
@@ -39,81 +49,6 @@ STOP_CHECK_EVERY = 16
 CUDA_GRAPH_WARMUPS = 3
 
 logger = logging.getLogger(__name__)
-
-
-def packed_gqa_sdpa(module, query, key, value, attention_mask, scaling=None, **kwargs):
-    """transformers' SDPA attention, except that a one-token query of grouped-query attention runs on the key/value
-    heads as they are: [B, H, 1, D] becomes [B, KV, H/KV, D] (heads j*G ... j*G+G-1 share key/value head j, as
-    repeat_kv lays them out), so the cache is never copied into H heads. transformers 5.17 repeats K and V for
-    any masked call (newer versions pack as here): on the H200 that copy took 2.4 of a 0.5B decode step's 6.0 ms
-    of GPU time, against 3.1 ms in all with this (bench/results.json, 2026_12_04d)."""
-    groups = getattr(module, "num_key_value_groups", 1)
-    if query.shape[2] != 1 or groups == 1:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-    batch, heads, _, dim = query.shape
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query.reshape(batch, heads // groups, groups, dim), key, value, attn_mask=attention_mask, scale=scaling
-    )
-    return out.reshape(batch, heads, 1, dim).transpose(1, 2).contiguous(), None
-
-
-# The decode loop's attention; its prefill (a 2D padding mask) builds SDPA's masks.
-DECODE_ATTENTION = "sdpa_packed_gqa"
-AttentionInterface.register(DECODE_ATTENTION, packed_gqa_sdpa)
-AttentionMaskInterface.register(DECODE_ATTENTION, sdpa_mask)
-
-try:
-    from flash_attn import flash_attn_with_kvcache
-except ImportError:  # the CPU install: no flash-attn
-    flash_attn_with_kvcache = None
-
-if flash_attn_with_kvcache is not None:
-    # A custom op, so a compiled decode forward keeps it inside one graph (flash-attn registers its training
-    # kernels this way, not the kv-cache one).
-    @torch.library.custom_op("rlhf_flow::flash_decode", mutates_args=(), device_types="cuda")
-    def flash_decode(
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        seqlens: torch.Tensor,
-        leftpad: torch.Tensor,
-        scale: float,
-    ) -> torch.Tensor:
-        return flash_attn_with_kvcache(
-            q, k_cache, v_cache, cache_seqlens=seqlens, cache_leftpad=leftpad, softmax_scale=scale
-        ).contiguous()
-
-    @flash_decode.register_fake
-    def _(q, k_cache, v_cache, seqlens, leftpad, scale):
-        return q.new_empty(q.shape)
-
-
-def flash_kvcache_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
-    """The decode step's attention through flash-attn's kv-cache kernel: it reads only each row's written slots
-    (the static cache holds prompt + every response slot, and SDPA reads all of them each step), splits long
-    caches across blocks, and packs a one-token query's grouped heads onto their key/value head. The mask is the
-    engine's [B, 1, 1, L] one, each row's written slots one run: left padding, then prompt and tokens so far. The
-    prefill (a longer query), float32 (flash-attn takes half precision only) and a machine without flash-attn go to
-    packed_gqa_sdpa."""
-    half = query.dtype in (torch.float16, torch.bfloat16)
-    if query.shape[2] != 1 or not half or flash_attn_with_kvcache is None or kwargs.get("sliding_window"):
-        return packed_gqa_sdpa(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-    written = attention_mask[:, 0, 0, :]
-    leftpad = written.int().argmax(-1).int()
-    seqlens = (leftpad + written.sum(-1)).int()
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    # [B, H, 1, D] -> [B, 1, H, D]; the cache's [B, KV, L, D] read as [B, L, KV, D] in place
-    out = torch.ops.rlhf_flow.flash_decode(
-        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), seqlens, leftpad, scale
-    )
-    return out, None
-
-
-# With flash-attn installed, a model that trains with it decodes through its kv-cache kernel. No "flash" in the
-# name: transformers gives any implementation so named its FlashAttention masks and kernel loading.
-FLASH_DECODE_ATTENTION = "kvcache_decode"
-AttentionInterface.register(FLASH_DECODE_ATTENTION, flash_kvcache_attention)
-AttentionMaskInterface.register(FLASH_DECODE_ATTENTION, sdpa_mask)
 
 
 @dataclass
@@ -170,8 +105,11 @@ class HFRolloutEngine:
         ignore_eos: bool = False,
         compile_decode: bool = False,
         fuse_projections: bool = False,
+        processor=None,
     ):
         self.model, self.tokenizer, self.cuda_graphs = model, tokenizer, cuda_graphs
+        # A vision-language model's prompts carry images: generated by hf_vision (the model's own generate).
+        self.vision = VisionRows.of(processor) if processor is not None else None
         self.pad_id = tokenizer.pad_token_id
         self.stop_ids = [] if ignore_eos else stop_token_ids(tokenizer)
         self.device = device or next(model.parameters()).device
@@ -207,7 +145,26 @@ class HFRolloutEngine:
         temperature: float = 1.0,
         greedy: bool = False,
         batch_size: int = 256,
+        images: list[list] | None = None,
     ) -> Rollout:
+        if self.vision is not None:
+            rows = images if images is not None else [[] for _ in prompt_ids]
+            one = functools.partial(generate_with_images, self.model, self.vision, stop_ids=self.stop_ids)
+            chunks = [
+                one(
+                    prompt_ids[i : i + batch_size],
+                    rows[i : i + batch_size],
+                    max_new_tokens,
+                    temperature,
+                    greedy,
+                    pad_id=self.pad_id,
+                    device=self.device,
+                )
+                for i in range(0, len(prompt_ids), batch_size)
+            ]
+            return concat_rollouts(chunks, self.pad_id)
+        if images is not None:
+            raise ValueError("generate: images given to a text model's engine; build it with the model's processor")
         chunks = [
             self._generate(prompt_ids[i : i + batch_size], max_new_tokens, temperature, greedy)
             for i in range(0, len(prompt_ids), batch_size)

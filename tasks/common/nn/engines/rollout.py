@@ -5,6 +5,7 @@ rollout.sequences, rollout.attention_mask   # [B, P+R]: prompts left-padded, res
 rollout.response_mask                       # [B, R]: 1 up to and including the first stop token
 rollout.texts(tokenizer)                    # decoded responses, stop token stripped
 rollout.logprobs                            # [B, R] the engine's own log-probabilities, or None
+rollout.images                              # a vision-language rollout: each row's images (list per row), or None
 
 requests = engine if hasattr(engine, "submit") else BatchedRequests(engine)
 requests.submit(key=3, prompt_ids=ids, max_new_tokens=16)
@@ -34,6 +35,9 @@ class Rollout:
     versions: torch.Tensor | None = (
         None  # [B, R]: the weight version that generated each response token (engines of their own)
     )
+    # A vision-language model's rollout: each row's images (stored base64 PNG or PIL), which every later forward pass
+    # of these rows needs beside their tokens (the prompt's placeholders stand for them). None for text.
+    images: list[list] | None = None
 
     @property
     def responses(self) -> torch.Tensor:
@@ -58,6 +62,7 @@ class Rollout:
             self.response_mask[rows],
             self.prompt_width,
             *(None if t is None else t[rows] for t in (self.logprobs, self.versions)),
+            images=pick(self.images, rows),
         )
 
     def to(self, device) -> "Rollout":
@@ -67,7 +72,19 @@ class Rollout:
             self.response_mask.to(device),
             self.prompt_width,
             *(None if t is None else t.to(device) for t in (self.logprobs, self.versions)),
+            images=self.images,
         )
+
+
+def pick(values: list | None, rows) -> list | None:
+    """The entries of a per-row list at `rows` (an index tensor, list or slice), as tensor indexing picks rows."""
+    if values is None:
+        return None
+    if isinstance(rows, slice):
+        return values[rows]
+    if isinstance(rows, torch.Tensor):
+        rows = rows.reshape(-1).tolist()
+    return [values[i] for i in rows]
 
 
 @dataclass
@@ -81,7 +98,11 @@ class Completion:
 
 
 def to_rollout(
-    prompt_ids: list[list[int]], responses: list[list[int]], logprobs: list[list[float]] | None, pad_id: int
+    prompt_ids: list[list[int]],
+    responses: list[list[int]],
+    logprobs: list[list[float]] | None,
+    pad_id: int,
+    images: list[list] | None = None,
 ) -> Rollout:
     """A Rollout of prompts (left-padded) and engine responses (right-padded; each ends at EOS or the
     length limit, so every generated token is a response token), with the engine's log-probabilities if asked for."""
@@ -93,7 +114,12 @@ def to_rollout(
         for row, values in enumerate(logprobs):
             r_logprobs[row, : len(values)] = torch.tensor(values, dtype=torch.float32)
     return Rollout(
-        torch.cat([p_ids, r_ids], 1), torch.cat([p_mask, r_mask], 1), r_mask, p_ids.size(1), logprobs=r_logprobs
+        torch.cat([p_ids, r_ids], 1),
+        torch.cat([p_mask, r_mask], 1),
+        r_mask,
+        p_ids.size(1),
+        logprobs=r_logprobs,
+        images=images,
     )
 
 
@@ -215,6 +241,15 @@ def concat_rollouts(chunks: list[Rollout], pad_id: int) -> Rollout:
             return None
         return torch.cat([torch.nn.functional.pad(p, (0, r_width - p.size(1)), value=0) for p in parts])
 
+    images = [c.images for c in chunks]
+    if any(i is None for i in images) and not all(i is None for i in images):
+        raise ValueError("concat_rollouts: some rollouts carry images and some do not; join like with like")
     return Rollout(
-        torch.cat(seqs), torch.cat(masks), torch.cat(r_masks), p_width, joined("logprobs"), joined("versions")
+        torch.cat(seqs),
+        torch.cat(masks),
+        torch.cat(r_masks),
+        p_width,
+        joined("logprobs"),
+        joined("versions"),
+        images=None if images[0] is None else [row for i in images for row in i],
     )

@@ -17,6 +17,19 @@ back while the actor trains (sleep level 1) and takes them again before the sync
 With LoRA (`lora_rank`) the engine holds the frozen base and vLLM's LoRA layers; a sync hands it the adapter
 alone (peft's files, written to a local folder), registered under a new id each time (versioned: the
 previous one is removed), and every rollout after it generates through that adapter.
+
+A vision-language model (`image_token_id` set, its processor's) takes prompts with images:
+
+    engine = VLLMRolloutEngine(model_dir, tokenizer, ..., image_token_id=151655, banned_ids=[...], max_images=1)
+    rollout = engine.generate(prompt_ids, 64, images=[[png], ...])    # rollout.images: the rows' images
+
+Each request is {"prompt_token_ids": ids, "multi_modal_data": {"image": [PIL images]}} with each run of image
+placeholder ids collapsed to one (collapse_image_runs): vLLM expands it to the image's own count itself, and an
+expanded run would be expanded again (OpenRLHF#1220). The rollout keeps the prompts as the trainer encoded them
+(expanded), so the log-prob passes see the same tokens. The engine is sized for `max_images` images a prompt
+(vLLM's limit_mm_per_prompt, from the data) and loads the model's tokenizer (vLLM's multimodal processor needs
+it, vllm#31123). The placeholder ids are banned through SamplingParams.logit_bias (every vLLM release has it; a
+ban list does not): a bias of BAN_BIAS, the least the OpenAI form allows, leaves them e^-100 of the mass.
 """
 
 from __future__ import annotations
@@ -60,6 +73,56 @@ def _model_of(llm):
     raise RuntimeError("vLLM's model is not reachable in this process; run with VLLM_ENABLE_V1_MULTIPROCESSING=0")
 
 
+#: logit_bias of a banned id: vLLM's OpenAI-compatible bound, a factor e^-100 on its probability.
+BAN_BIAS = -100.0
+
+
+def collapse_image_runs(ids: list[int], image_token_id: int) -> list[int]:
+    """`ids` with each run of consecutive `image_token_id`s as one: the prompt as vLLM expects it with its images."""
+    return [t for i, t in enumerate(ids) if t != image_token_id or i == 0 or ids[i - 1] != image_token_id]
+
+
+def image_requests(prompt_ids: list[list[int]], images: list[list] | None, image_token_id: int | None) -> list[dict]:
+    """vLLM's prompts: token ids alone, or for rows with images their placeholder runs collapsed and their images
+    decoded (vision.decode_image's forms) as multi_modal_data. A row whose runs and images differ in number is
+    refused naming it (vLLM would fail inside its processor, or pair the wrong features)."""
+    if images is None:
+        return [{"prompt_token_ids": ids} for ids in prompt_ids]
+    from tasks.common.nn.vision import decode_image
+
+    requests = []
+    for row, (ids, row_images) in enumerate(zip(prompt_ids, images)):
+        collapsed = collapse_image_runs(ids, image_token_id)
+        runs = collapsed.count(image_token_id)
+        if runs != len(row_images):
+            raise ValueError(
+                f"images: prompt {row} has {runs} run(s) of image placeholders and {len(row_images)} image(s); "
+                "encode each prompt with its own images (vision.encode_vlm_prompt)"
+            )
+        request = {"prompt_token_ids": collapsed}
+        if row_images:
+            request["multi_modal_data"] = {"image": [decode_image(i) for i in row_images]}
+        requests.append(request)
+    return requests
+
+
+def vision_options(processor, max_images: int) -> dict:
+    """VLLMRolloutEngine's options for a vision-language model with this processor: its image token, the ids never
+    sampled (its image and video placeholders and vision markers), and the images a prompt may carry (at least 1)."""
+    from tasks.common.nn.vision import image_token_ids
+
+    return {
+        "image_token_id": processor.image_token_id,
+        "banned_ids": image_token_ids(processor),
+        "max_images": max(1, max_images),
+    }
+
+
+def ban_bias(banned_ids) -> dict[int, float] | None:
+    """SamplingParams.logit_bias keeping `banned_ids` from being sampled (None: nothing banned)."""
+    return {int(i): BAN_BIAS for i in banned_ids} or None
+
+
 def gathered(param, gather: bool = True):
     """ZeRO-3: the whole parameter for the duration (a collective: every rank of the group enters it)."""
     if not gather:
@@ -88,12 +151,18 @@ class VLLMRolloutEngine:
         lora_rank: int = 0,
         logprobs: bool = True,
         max_num_seqs: int = 0,
+        image_token_id: int | None = None,
+        banned_ids=(),
+        max_images: int = 0,
     ):
         if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":  # a worker has it from its start (WorkerGroup)
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM
 
         self.tokenizer, self.ignore_eos, self.enable_sleep = tokenizer, ignore_eos, enable_sleep
+        # A vision-language model: prompts with images, its placeholder ids never sampled.
+        self.image_token_id, self.bias = image_token_id, ban_bias(banned_ids)
+        vision = {"skip_tokenizer_init": False, "limit_mm_per_prompt": {"image": max_images}}
         # Each token's log-prob (RL's sync check and off-policy correction read them) costs the engine Python work per
         # token on the host; eval reads none and asks for none.
         self.logprobs = logprobs
@@ -109,7 +178,8 @@ class VLLMRolloutEngine:
         )
         self.llm = LLM(
             model=model_path,
-            skip_tokenizer_init=True,
+            # Token ids in and out: no tokenizer, but for a VLM, whose multimodal processor needs one.
+            **(vision if image_token_id is not None else {"skip_tokenizer_init": True}),
             dtype=dtype,
             seed=seed,
             max_model_len=max_model_len,
@@ -140,18 +210,21 @@ class VLLMRolloutEngine:
         temperature: float = 1.0,
         greedy: bool = False,
         batch_size: int = 0,
+        images: list[list] | None = None,
     ) -> Rollout:
-        """Every prompt at once (vLLM schedules its own batches; batch_size is the HF engine's knob)."""
+        """Every prompt at once (vLLM schedules its own batches; batch_size is the HF engine's knob); a VLM's with
+        each row's images."""
+        if images is not None and self.image_token_id is None:
+            raise ValueError("generate: images given to a text model's engine; build it with image_token_id")
         self.wake_up()
         params = self._sampling(max_new_tokens, temperature, greedy)
-        outputs = self.llm.generate(
-            [{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False, lora_request=self.adapter
-        )
+        requests = image_requests(prompt_ids, images, self.image_token_id)
+        outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self.adapter)
         responses = [self._response(o) for o in outputs]
         if self.enable_sleep:
             self.sleep()
         logprobs = [values for _, values in responses] if self.logprobs else None
-        return to_rollout(prompt_ids, [ids for ids, _ in responses], logprobs, self.tokenizer.pad_token_id)
+        return to_rollout(prompt_ids, [ids for ids, _ in responses], logprobs, self.tokenizer.pad_token_id, images)
 
     # Request by request (tasks.common.nn.engines's Completion; the episode runner's turns): vLLM's engine loop
     # driven one scheduler step at a time, as its async engine drives it, so a request submitted between steps
@@ -207,6 +280,7 @@ class VLLMRolloutEngine:
             ignore_eos=self.ignore_eos,
             detokenize=False,
             output_kind=RequestOutputKind.FINAL_ONLY,  # a request's output once, when it finishes
+            logit_bias=self.bias,  # a VLM's image placeholder ids, never sampled
         )
 
     def _response(self, output) -> tuple[list[int], list[float] | None]:
@@ -222,13 +296,15 @@ class VLLMRolloutEngine:
         return list(sample.token_ids), [flat.logprobs[start] for start in flat.start_indices]
 
     @torch.no_grad()
-    def load_weights(self, module: torch.nn.Module, zero3: bool = False) -> None:
-        """Copy the trained module's weights into vLLM's model (`zero3`: shards, so gather each first)."""
+    def load_weights(self, module: torch.nn.Module, zero3: bool = False, trainable_only: bool = False) -> None:
+        """Copy the trained module's weights into vLLM's model (`zero3`: shards, so gather each first); with
+        `trainable_only`, those that train (a frozen vision tower is already the engine's, loaded from disk)."""
+        params = [(n, p) for n, p in module.named_parameters() if p.requires_grad or not trainable_only]
         if not zero3:
-            self.load_named((name, param.data) for name, param in module.named_parameters())
+            self.load_named((name, param.data) for name, param in params)
             return
         self.wake_up()
-        for name, param in module.named_parameters():
+        for name, param in params:
             with gathered(param):
                 self.model.load_weights(weights=[(name, param.data)])
         self.llm.reset_prefix_cache()

@@ -1,0 +1,111 @@
+"""The RL stage on a vision-language policy (issue 54): its prompts with their images, and the flags it refuses.
+
+    refuse_for_vision(cfg)                               # one line naming the flag and the fix, before any worker
+    prompts = load_vision_prompts(cfg, run, processor)   # Prompts with .images; too long: dropped, never cut
+    cfg.max_images_per_prompt = images_limit(cfg, prompts)   # what a vLLM engine is sized for
+
+The prompts flow through the rollout with their images (Rollout.images, Experience.images): the engines generate
+from the pixels, and every log-prob pass (old, reference, update) feeds the same images, the model computing its
+own positions (tasks/common/nn/vision_passes.py). Critic-free estimators only: a critic would be a value head on
+the VLM, which is not built.
+"""
+
+from __future__ import annotations
+
+from tasks.common.config import ConfigError
+from tasks.common.nn import data, vision
+from tasks.common.stage import StageRun
+from tasks.rl.config import GROUP_ESTIMATORS, RLConfig
+from tasks.rl.prompts import Prompts
+
+CRITIC_FREE = ", ".join(["group_norm (GRPO)", *[e for e in GROUP_ESTIMATORS if e != "group_norm"], "reinforce"])
+
+
+def refuse_for_vision(cfg: RLConfig) -> None:
+    """What RL does not do on a vision-language policy yet, each refused in one line naming the fix."""
+    problems = [
+        (
+            cfg.advantage_estimator == "gae",
+            "advantage_estimator: gae needs a critic, a value head on this vision-language policy, which is not "
+            f"built; use a critic-free one: --advantage_estimator {CRITIC_FREE}",
+        ),
+        (
+            cfg.packing_samples,
+            "packing_samples: a vision-language policy's rows cannot be packed (its positions restart per image "
+            "grid, not per row); drop --packing_samples",
+        ),
+        (
+            bool(cfg.env_path),
+            "env_path: an environment's observations carry no images; drop --env_path for a vision-language policy",
+        ),
+        (
+            bool(cfg.over_sampling_batch_size),
+            "over_sampling_batch_size: its request-by-request engine calls carry no images; drop "
+            "--over_sampling_batch_size for a vision-language policy",
+        ),
+        (
+            cfg.separate_engines(),
+            "async_train: rollout engines of their own take no images yet; for a vision-language policy generate "
+            "inside the actor workers (--colocate_all_models with vLLM), or drop --async_train",
+        ),
+        (
+            bool(cfg.reward_pretrain) and not cfg.remote_rm_url,
+            "reward_pretrain: this stage's reward models score text, and a vision-language policy's rollouts "
+            "carry images; score them with --remote_rm_url (a reward function file or endpoint)",
+        ),
+    ]
+    for bad, message in problems:
+        if bad:
+            raise ConfigError(message)
+
+
+def refuse_for_text(cfg: RLConfig) -> None:
+    """The vision flags on a text policy: refused rather than ignored."""
+    if cfg.freeze_visual_encoder:
+        raise ConfigError(
+            f"freeze_visual_encoder: {cfg.pretrain} is a text model, with no vision tower; drop --freeze_visual_encoder"
+        )
+
+
+def load_vision_prompts(cfg: RLConfig, run: StageRun, processor) -> Prompts:
+    """The prompts with their images (the --image_key column; none where a dataset has no such column), each
+    image's placeholders expanded by the processor. A prompt whose placeholders and images differ in number is
+    refused naming its row; one longer than prompt_max_len with its image tokens is dropped and counted (cutting
+    would part the placeholders from their pixels)."""
+    keys = [cfg.input_key] + ([cfg.label_key] if cfg.label_key else [])
+    rows = data.load_rows(run.input("prompt_data", cfg.prompt_data), cfg.prompt_split, keys, cfg.max_samples)
+    pictures = rows[cfg.image_key] if cfg.image_key in rows.column_names else [[]] * len(rows)
+    labels = list(rows[cfg.label_key]) if cfg.label_key else [None] * len(rows)
+    ids, texts, kept_labels, images, dropped = [], [], [], [], 0
+    for number, (prompt, row_images, label) in enumerate(zip(rows[cfg.input_key], pictures, labels), 1):
+        row_images = row_images or []
+        try:
+            enc = vision.encode_vlm_prompt(processor, prompt, row_images, cfg.apply_chat_template, row_id=number)
+        except ConfigError:
+            raise
+        except ValueError as e:  # a count that differs, an image that does not decode: which row, and the fix
+            raise ConfigError(f"{e} (images from the column --image_key {cfg.image_key!r})") from None
+        if len(enc["input_ids"]) > cfg.prompt_max_len:
+            dropped += 1
+            continue
+        ids.append(enc["input_ids"])
+        texts.append(prompt)
+        kept_labels.append(None if label is None else str(label))
+        images.append(row_images)
+    if not ids:
+        raise ConfigError(
+            f"prompt_max_len: all {len(rows)} prompts with their image tokens are longer than {cfg.prompt_max_len} "
+            "tokens; raise --prompt_max_len (prompts with images are never cut)"
+        )
+    return Prompts(ids, texts, kept_labels, 0, None, images=images, dropped=dropped)
+
+
+def images_limit(cfg: RLConfig, prompts: Prompts) -> int:
+    """--max_images_per_prompt, or the data's most when 0; a prompt over an explicit limit is refused."""
+    most = max((len(i) for i in prompts.images), default=0)
+    if cfg.max_images_per_prompt and most > cfg.max_images_per_prompt:
+        raise ConfigError(
+            f"max_images_per_prompt: a prompt carries {most} images, over the limit of {cfg.max_images_per_prompt}; "
+            "raise --max_images_per_prompt, or 0 for the data's most"
+        )
+    return cfg.max_images_per_prompt or most
