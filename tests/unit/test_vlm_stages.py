@@ -1,0 +1,203 @@
+"""The reward model and DPO/KTO on a vision-language model (issue 54): pairs whose prompt carries images, the value
+head and its saved folder, the policy's and reference's log-probabilities with the images, the frozen tower and LoRA
+(CPU, the demo's ~0.14 M-parameter Qwen2-VL, each stage's worker in a DeepSpeed world of one, no Ray)."""
+
+import json
+
+import datasets
+import pytest
+import torch
+
+from tasks.common.config import ConfigError, make_config
+from tasks.common.nn import models, vision
+from tasks.common.nn.losses import bradley_terry_loss
+from tasks.common.nn.vision_pairs import tokenize_vlm_examples
+from tasks.common.nn.vision_reward import VisionRewardModel, merge_lora_state, vlm_sequence_scores
+from tasks.data import demo, demo_vlm
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("demo-vlm")
+    demo_vlm.save_demo_vlm(path, seed=0)
+    return str(path)
+
+
+def pairs(seed: int, n: int) -> list[dict]:
+    """The demo's colour task as preference pairs: the shape's colour chosen, another colour rejected."""
+    codes = sorted(demo_vlm.COLOURS)
+    rows = demo_vlm.make_datasets(seed=seed, sizes={"sft": n})["sft"]
+    wrong = lambda r: codes[(codes.index(r["response"]) + 1) % len(codes)]  # noqa: E731
+    return [{"prompt": r["prompt"], "images": r["images"], "chosen": r["response"], "rejected": wrong(r)} for r in rows]
+
+
+def unpaired(rows: list[dict]) -> list[dict]:
+    """KTO's form of the pairs: the chosen side desirable, the rejected side not."""
+    base = lambda r: {"prompt": r["prompt"], "images": r["images"]}  # noqa: E731
+    return [
+        {**base(r), "completion": r[side], "label": side == "chosen"} for r in rows for side in ("chosen", "rejected")
+    ]
+
+
+def write(tmp_path, name: str, rows: list[dict]) -> str:
+    path = tmp_path / f"{name}.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def tokenized(processor, rows, max_len=64, split="preference"):
+    table = datasets.Dataset.from_list(rows)
+    return tokenize_vlm_examples(table, processor, "prompt", ["chosen", "rejected"], "images", True, max_len, split)
+
+
+# ---------------------------------------------------------------- data
+
+
+def test_a_pairs_sides_share_the_prompts_images_and_a_long_pair_is_dropped_not_cut(folder):
+    processor = vision.load_processor(folder)
+    rows = pairs(0, 3)
+    rows[1] = {**rows[1], "chosen": "x" * 80}  # too long on one side: the whole pair goes
+    prompts, responses, images, kept = tokenized(processor, rows)
+    assert kept == [0, 2] and images == [rows[0]["images"], rows[2]["images"]]
+    assert all(p.count(processor.image_token_id) == 4 for p in prompts)  # placeholders expanded, never cut
+    assert [len(r) for r in responses] == [2, 2] and all(len(r[0]) == 2 for r in responses)  # letter + <|im_end|>
+
+
+def test_a_row_whose_images_and_placeholders_differ_is_named_with_the_fix(folder):
+    processor = vision.load_processor(folder)
+    rows = pairs(0, 3)
+    rows[1] = {**rows[1], "prompt": "<image><image>" + demo_vlm.PROMPT}
+    with pytest.raises(
+        ConfigError, match=r"^images: row 2 of preference has 1 image\(s\) and 3 <image> tag.*one <image> tag"
+    ):
+        tokenized(processor, rows)
+
+
+# ---------------------------------------------------------------- the value head
+
+
+def test_merge_lora_state_is_peft_s_own_merge():
+    """The merge the reward model saves with (W + α/r · B·A) gives what peft's merge_and_unload gives."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3, bias=False))
+    peft_model = get_peft_model(net, LoraConfig(r=2, lora_alpha=6, target_modules=["0", "2"]))
+    for name, p in peft_model.named_parameters():
+        if "lora_B" in name:
+            p.data.normal_()
+    state = {k.removeprefix("base_model.model."): v for k, v in peft_model.state_dict().items()}
+    merged = merge_lora_state(state, 6 / 2)
+    expected = peft_model.merge_and_unload().state_dict()
+    assert merged.keys() == expected.keys() == {"0.weight", "0.bias", "2.weight"}
+    assert all(torch.allclose(merged[k], expected[k], atol=1e-6) for k in expected)
+    assert merge_lora_state(expected, None) == expected  # no adapters: as it is
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_the_reward_models_loss_reaches_the_vision_tower_unless_frozen(folder, frozen):
+    """pixel_values reach the Bradley-Terry loss: every tower weight gets a gradient, none when frozen."""
+    model, processor = VisionRewardModel.from_pretrained(folder), vision.load_processor(folder)
+    if frozen:
+        assert vision.freeze_visual_encoder(model) > 0
+    prompts, responses, images, _ = tokenized(processor, pairs(0, 4))
+    chosen, rejected = ([p + r[k] for p, r in zip(prompts, responses)] for k in (0, 1))
+    pad = processor.tokenizer.pad_token_id
+    scores = vlm_sequence_scores(model, processor, chosen + rejected, images + images, pad, "cpu")
+    loss = bradley_terry_loss(scores[:4], scores[4:])
+    loss.backward()
+    tower = [p.grad for p in model.backbone.visual.parameters()]
+    if frozen:
+        assert all(g is None for g in tower)
+    else:
+        assert all(g is not None for g in tower) and sum(g.abs().sum() for g in tower) > 0
+    assert model.score.weight.grad.abs().sum() > 0
+    # The score reads the pixels: one sequence under two images scores twice.
+    other = next(i for i in images if i != images[0])
+    twice = vlm_sequence_scores(model, processor, [chosen[0]] * 2, [images[0], other], pad, "cpu")
+    assert not torch.isclose(twice[0], twice[1])
+
+
+def reward_flags(tmp_path, folder, **extra) -> dict:
+    """The stage's flags on 16 of the demo's pairs (a plain file: its held-out split is the same file)."""
+    return {
+        "output": str(tmp_path / "out"),
+        "pretrain": folder,
+        "dataset": write(tmp_path, "pairs", pairs(1, 16)),
+        "apply_chat_template": True,
+        "train_batch_size": 8,
+        "micro_train_batch_size": 4,
+        "max_steps": 4,
+        "lr_warmup_steps": 0,
+        "learning_rate": 3e-3,
+        **extra,
+    }
+
+
+def text_model(tmp_path) -> str:
+    from tasks.data.__main__ import save_tokenizer
+
+    path = tmp_path / "text"
+    tokenizer = demo.build_tokenizer()
+    demo.build_base_model(tokenizer).save_pretrained(path)
+    save_tokenizer(tokenizer, path)
+    return str(path)
+
+
+def test_the_reward_model_worker_trains_a_vlm_with_lora_and_a_frozen_tower_and_saves_a_loadable_model(folder, tmp_path):
+    """The reward-model stage's worker on the demo VLM: LoRA adapters train with the value head, the tower stays as
+    it is, and the saved folder (LoRA merged in) loads back with VisionRewardModel scoring as the trained model."""
+    from tasks.reward_model.config import RewardModelConfig
+    from tasks.reward_model.trainer import RewardModelWorker
+
+    flags = reward_flags(tmp_path, folder, lora_rank=4, lora_alpha=8, freeze_visual_encoder=True)
+    worker = RewardModelWorker(0, 1, None, 1)
+    info = worker.setup(make_config(RewardModelConfig, flags))
+    assert info["vision"] and info["pairs"] == info["eval_pairs"] == 16 and info["dropped"] == 0
+    module = worker.engine.module
+    trainable = {n for n, p in module.named_parameters() if p.requires_grad}
+    assert "score.weight" in trainable and trainable - {"score.weight"}
+    assert all("lora_" in n and ".visual." not in f".{n}" for n in trainable - {"score.weight"})
+    before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    stats = [worker.train_step() for _ in range(4)]
+    assert all(0 < s["loss"] < 2 and 0 <= s["accuracy"] <= 1 for s in stats)
+    after = dict(module.named_parameters())
+    changed = {n for n in before if not torch.equal(before[n], after[n])}
+    assert "score.weight" in changed and any("language_model" in n and "lora_B" in n for n in changed)
+    assert not any(".visual." in f".{n}" for n in changed)  # the tower, its LoRA adapters included
+    chosen, rejected = worker.score_held_out()
+    assert len(chosen) == len(rejected) == 16
+    worker.save_model(str(tmp_path / "saved"), 0.5, 2.0)
+    saved = str(tmp_path / "saved")
+    config = json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert (config["reward_mean"], config["reward_std"], config["value_head"]) == (0.5, 2.0, "value_head.safetensors")
+    assert models.is_vision_model(saved) and vision.load_processor(saved).image_processor.patch_size == 7
+    loaded = VisionRewardModel.from_pretrained(saved).eval()
+    assert not any("lora_" in n for n, _ in loaded.named_parameters())  # merged: a plain backbone
+    module.eval()
+    with torch.no_grad():
+        ids, images = worker.eval_chosen[:3], worker.eval_images[:3]
+        pad = worker.tokenizer.pad_token_id
+        trained = vlm_sequence_scores(module, worker.processor, ids, images, pad, "cpu")
+        reloaded = vlm_sequence_scores(loaded, vision.load_processor(saved), ids, images, pad, "cpu")
+    assert torch.allclose(trained, reloaded, atol=1e-5)
+    assert torch.allclose(torch.tensor(chosen[:3]), trained, atol=1e-5)
+
+
+def test_the_reward_model_refuses_packing_a_vlm_and_a_text_model_with_images(folder, tmp_path):
+    from tasks.reward_model.config import RewardModelConfig
+    from tasks.reward_model.trainer import RewardModelWorker
+
+    flags = reward_flags(tmp_path, folder, packing_samples=True)
+    worker = RewardModelWorker(0, 1, None, 1)
+    with pytest.raises(
+        ConfigError, match="^packing_samples: .* is a vision-language model, whose rows cannot be packed"
+    ):
+        worker.setup(make_config(RewardModelConfig, flags))
+    text_flags = {**flags, "pretrain": text_model(tmp_path), "packing_samples": False}
+    with pytest.raises(
+        ConfigError, match=r"^pretrain: .* is a text model .* row 1 of preference has images in 'images'"
+    ):
+        worker.setup(make_config(RewardModelConfig, text_flags))
+    with pytest.raises(ConfigError, match="^freeze_visual_encoder: .* is a text model"):
+        worker.setup(make_config(RewardModelConfig, {**text_flags, "freeze_visual_encoder": True}))
