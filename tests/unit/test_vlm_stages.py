@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from tasks.common.config import ConfigError, make_config
-from tasks.common.nn import models, vision
+from tasks.common.nn import lora, models, vision
 from tasks.common.nn.losses import bradley_terry_loss
-from tasks.common.nn.vision_pairs import tokenize_vlm_examples
+from tasks.common.nn.vision_pairs import tokenize_vlm_examples, vlm_summed_logps
 from tasks.common.nn.vision_reward import VisionRewardModel, merge_lora_state, vlm_sequence_scores
 from tasks.data import demo, demo_vlm
 
@@ -201,3 +201,133 @@ def test_the_reward_model_refuses_packing_a_vlm_and_a_text_model_with_images(fol
         worker.setup(make_config(RewardModelConfig, text_flags))
     with pytest.raises(ConfigError, match="^freeze_visual_encoder: .* is a text model"):
         worker.setup(make_config(RewardModelConfig, {**text_flags, "freeze_visual_encoder": True}))
+
+
+# ---------------------------------------------------------------- DPO / KTO
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_the_dpo_loss_reaches_the_vision_tower_unless_frozen(folder, frozen):
+    """The policy's log-probabilities carry the images: the DPO loss gives every tower weight a gradient, none
+    when frozen; the reference's (a frozen copy) take the same images."""
+    from tasks.preference.losses import dpo_loss
+
+    policy, processor = vision.load_vision_lm(folder), vision.load_processor(folder)
+    reference = vision.load_vision_lm(folder).requires_grad_(False)
+    if frozen:
+        vision.freeze_visual_encoder(policy)
+    with torch.no_grad():  # one step away from the reference, so the loss is not at its symmetric point
+        for p in policy.model.language_model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    prompts, responses, images, _ = tokenized(processor, pairs(0, 4))
+    pad = processor.tokenizer.pad_token_id
+    side = lambda model, k: vlm_summed_logps(model, processor, prompts, [r[k] for r in responses], images, pad, "cpu")  # noqa: E731
+    with torch.no_grad():
+        ref = [side(reference, k) for k in (0, 1)]
+    loss, _, _ = dpo_loss(side(policy, 0), side(policy, 1), *ref, beta=0.1)
+    loss.backward()
+    tower = [p.grad for p in policy.model.visual.parameters()]
+    if frozen:
+        assert all(g is None for g in tower)
+    else:
+        assert all(g is not None for g in tower) and sum(g.abs().sum() for g in tower) > 0
+    # The log-probability of an answer depends on the image it is asked of.
+    other = [next(i for i in images if i != images[0])] * len(images)
+    with torch.no_grad():
+        assert not torch.allclose(
+            side(reference, 0),
+            vlm_summed_logps(reference, processor, prompts, [r[0] for r in responses], other, pad, "cpu"),
+        )
+
+
+def preference_flags(tmp_path, folder, method: str, rows: list[dict], **extra) -> dict:
+    return {
+        "output": str(tmp_path / "out"),
+        "pretrain": folder,
+        "method": method,
+        "dataset": write(tmp_path, method, rows),
+        "apply_chat_template": True,
+        "train_batch_size": 8,
+        "micro_train_batch_size": 4,
+        "max_steps": 2,
+        "lr_warmup_steps": 0,
+        "learning_rate": 1e-3,
+        "max_len": 40,
+        **extra,
+    }
+
+
+def test_the_dpo_worker_trains_lora_on_a_vlm_against_its_own_base_and_saves_a_merged_vlm(folder, tmp_path):
+    """DPO's worker with LoRA and a frozen tower: the reference is the policy's base with its adapters off (which
+    scores as the untouched VLM), only language-model adapters train, and the merged output loads as a VLM with its
+    processor (lora.merge_adapter picks the image-text class)."""
+    from tasks.preference.config import PreferenceConfig
+    from tasks.preference.trainer import PreferenceWorker
+
+    flags = preference_flags(tmp_path, folder, "dpo", pairs(3, 16), lora_rank=4, lora_alpha=8)
+    cfg = make_config(PreferenceConfig, {**flags, "freeze_visual_encoder": True, "merge_lora": True})
+    worker = PreferenceWorker(0, 1, None, 1)
+    info = worker.setup(cfg)
+    assert info["examples"] == 16 and info["dropped"] == 0 and isinstance(worker.reference, lora.FrozenBase)
+    trainable = [n for n, p in worker.engine.module.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n and ".visual." not in f".{n}" for n in trainable)
+    stats = [worker.train_step() for _ in range(2)]
+    assert all(0 <= s["reward_accuracy"] <= 1 for s in stats)
+    base = vision.load_vision_lm(folder)
+    rows = [0, 1, 2]
+    with torch.no_grad():
+        p, r, i = worker._sequences(rows, "chosen")
+        expected = vlm_summed_logps(base, worker.processor, p, r, i, worker.tokenizer.pad_token_id, "cpu")
+    assert torch.allclose(worker._reference_logps(rows, "chosen"), expected, atol=1e-5)
+    worker.save_model(str(tmp_path / "saved"))
+    saved = str(tmp_path / "saved")
+    assert models.is_vision_model(saved) and vision.load_processor(saved).image_processor.patch_size == 7
+    merged = vision.load_vision_lm(saved)
+    tower = dict(base.model.visual.named_parameters())
+    assert all(torch.equal(tower[n], q) for n, q in merged.model.visual.named_parameters())
+
+
+def test_a_vlm_lora_adapter_output_merges_into_a_vlm_with_its_processor(folder, tmp_path):
+    """What resolve_model makes of an adapter output of a VLM stage: the base with the adapter merged in, loadable as
+    a VLM, with the processor's files beside the tokenizer's."""
+    from tasks.preference.config import PreferenceConfig
+
+    cfg = make_config(PreferenceConfig, preference_flags(tmp_path, folder, "dpo", pairs(3, 4), lora_rank=4))
+    model = lora.apply_lora(vision.load_vision_lm(folder), cfg)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            p.data.normal_(std=0.1)
+    adapter = tmp_path / "adapter"
+    lora.save_peft(model, lora.trainable_state(model), adapter, merge=False, base_uri=folder)
+    vision.load_processor(folder).save_pretrained(adapter)
+    merged = lora.merged_checkpoint(adapter, folder)
+    assert models.is_vision_model(str(merged)) and (merged / "processor_config.json").is_file()
+    processor = vision.load_processor(str(merged))
+    reloaded = vision.load_vision_lm(str(merged))
+    prompts, responses, images, _ = tokenized(processor, pairs(0, 2))
+    pad = processor.tokenizer.pad_token_id
+    with torch.no_grad():
+        want = vlm_summed_logps(model, processor, prompts, [r[0] for r in responses], images, pad, "cpu")
+        got = vlm_summed_logps(reloaded, processor, prompts, [r[0] for r in responses], images, pad, "cpu")
+    assert torch.allclose(want, got, atol=1e-4)
+
+
+def test_the_kto_worker_on_a_vlm_keeps_each_label_with_its_row_when_a_long_row_is_dropped(folder, tmp_path):
+    """KTO with the reference's log-probabilities taken once (--ref_offload): a row dropped as too long takes its
+    label with it, and a mismatched pair keeps its prompt's images."""
+    from tasks.preference.config import PreferenceConfig
+    from tasks.preference.trainer import PreferenceWorker
+
+    rows = unpaired(pairs(4, 8))
+    rows[0] = {**rows[0], "completion": "x" * 60}  # longer than max_len with its prompt: dropped, label and all
+    cfg = make_config(PreferenceConfig, preference_flags(tmp_path, folder, "kto", rows, ref_offload=True))
+    worker = PreferenceWorker(0, 1, None, 1)
+    info = worker.setup(cfg)
+    assert info["examples"] == 15 and info["dropped"] == 1 and worker.reference is None
+    assert worker.desirable.tolist() == [r["label"] for r in rows[1:]]
+    assert worker._sequences([0], "mismatched")[2] == [rows[1]["images"]]
+    stats = [worker.train_step() for _ in range(2)]
+    assert all(s["loss"] > 0 for s in stats)
+    text_flags = preference_flags(tmp_path, text_model(tmp_path), "kto", rows)
+    with pytest.raises(ConfigError, match=r"^pretrain: .* is a text model .* row 1 of unpaired has images"):
+        worker.setup(make_config(PreferenceConfig, text_flags))
