@@ -24,19 +24,22 @@ def folder(tmp_path_factory):
 
 
 def pairs(seed: int, n: int) -> list[dict]:
-    """The demo's colour task as preference pairs: the shape's colour chosen, another colour rejected."""
-    codes = sorted(demo_vlm.COLOURS)
-    rows = demo_vlm.make_datasets(seed=seed, sizes={"sft": n})["sft"]
-    wrong = lambda r: codes[(codes.index(r["response"]) + 1) % len(codes)]  # noqa: E731
-    return [{"prompt": r["prompt"], "images": r["images"], "chosen": r["response"], "rejected": wrong(r)} for r in rows]
+    """The demo's preference pairs: the shape's colour chosen, another colour rejected."""
+    return demo_vlm.make_datasets(seed=seed, sizes={"preference": n})["preference"]
 
 
-def unpaired(rows: list[dict]) -> list[dict]:
-    """KTO's form of the pairs: the chosen side desirable, the rejected side not."""
-    base = lambda r: {"prompt": r["prompt"], "images": r["images"]}  # noqa: E731
-    return [
-        {**base(r), "completion": r[side], "label": side == "chosen"} for r in rows for side in ("chosen", "rejected")
-    ]
+def test_the_demos_pairs_choose_the_colour_in_the_pixels():
+    """demo_vlm's preference splits (the reward model's, DPO's, KTO's unpaired one) are decided by the image alone."""
+    rows = demo_vlm.make_datasets(seed=5, sizes={"preference": 8, "unpaired": 8})
+    for row in rows["preference"]:
+        colours = set(vision.decode_image(row["images"][0]).getdata())
+        assert demo_vlm.COLOURS[row["chosen"]] in colours and demo_vlm.COLOURS[row["rejected"]] not in colours
+        assert row["prompt"] == demo_vlm.PROMPT
+    labels = [r["label"] for r in rows["unpaired"]]
+    assert labels.count(True) == labels.count(False) == 4
+    for row in rows["unpaired"]:
+        shown = demo_vlm.COLOURS[row["completion"]] in set(vision.decode_image(row["images"][0]).getdata())
+        assert shown == row["label"]
 
 
 def write(tmp_path, name: str, rows: list[dict]) -> str:
@@ -318,7 +321,7 @@ def test_the_kto_worker_on_a_vlm_keeps_each_label_with_its_row_when_a_long_row_i
     from tasks.preference.config import PreferenceConfig
     from tasks.preference.trainer import PreferenceWorker
 
-    rows = unpaired(pairs(4, 8))
+    rows = demo_vlm.make_datasets(seed=4, sizes={"unpaired": 16})["unpaired"]
     rows[0] = {**rows[0], "completion": "x" * 60}  # longer than max_len with its prompt: dropped, label and all
     cfg = make_config(PreferenceConfig, preference_flags(tmp_path, folder, "kto", rows, ref_offload=True))
     worker = PreferenceWorker(0, 1, None, 1)
