@@ -187,6 +187,30 @@ def test_the_reward_model_worker_trains_a_vlm_with_lora_and_a_frozen_tower_and_s
     assert torch.allclose(torch.tensor(chosen[:3]), trained, atol=1e-5)
 
 
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_a_reward_model_trained_under_zero3_saves_whole_weights_that_score_as_it_did(folder, tmp_path, lora_rank):
+    """ZeRO-3 holds each parameter in shards: the save gathers them (DeepSpeed's consolidated state dict, the
+    adapters merged from it), and the folder scores the held-out pairs as the trained engine did."""
+    from tasks.reward_model.config import RewardModelConfig
+    from tasks.reward_model.trainer import RewardModelWorker
+
+    flags = reward_flags(tmp_path, folder, zero_stage=3, max_steps=2, lora_rank=lora_rank)
+    worker = RewardModelWorker(0, 1, None, 1)
+    worker.setup(make_config(RewardModelConfig, flags))
+    for _ in range(2):
+        worker.train_step()
+    chosen, _ = worker.score_held_out()
+    worker.save_model(str(tmp_path / "saved"), 0.0, 1.0)
+    saved = str(tmp_path / "saved")
+    loaded = VisionRewardModel.from_pretrained(saved).eval()
+    with torch.no_grad():
+        pad = worker.tokenizer.pad_token_id
+        scores = vlm_sequence_scores(
+            loaded, vision.load_processor(saved), worker.eval_chosen[:4], worker.eval_images[:4], pad, "cpu"
+        )
+    assert torch.allclose(torch.tensor(chosen[:4]), scores, atol=1e-5)
+
+
 def test_the_reward_model_refuses_packing_a_vlm_and_a_text_model_with_images(folder, tmp_path):
     from tasks.reward_model.config import RewardModelConfig
     from tasks.reward_model.trainer import RewardModelWorker
