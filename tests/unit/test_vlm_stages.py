@@ -411,3 +411,18 @@ def test_the_reward_model_learns_to_prefer_the_colour_in_the_image(seed):
     finally:
         torch.set_num_threads(threads)
     assert learned >= 0.7 and control <= 0.6, (learned, control)
+
+
+def test_sft_with_lora_and_a_frozen_tower_trains_no_adapter_inside_the_tower(folder, tmp_path):
+    """LoRA's all-linear reaches the tower's layers too: --freeze_visual_encoder freezes the adapters there as well,
+    in SFT as in the reward model and DPO/KTO."""
+    from tasks.sft.config import SFTConfig
+    from tasks.sft.trainer import SFTWorker
+
+    rows = demo_vlm.make_datasets(seed=1, sizes={"sft": 8})["sft"]
+    flags = {"output": str(tmp_path / "out"), "pretrain": folder, "dataset": write(tmp_path, "sft", rows)}
+    flags |= {"apply_chat_template": True, "train_batch_size": 8, "max_steps": 1, "lora_rank": 4}
+    worker = SFTWorker(0, 1, None, 1)
+    worker.setup(make_config(SFTConfig, {**flags, "freeze_visual_encoder": True}))
+    trainable = [n for n, p in worker.engine.module.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n and ".visual." not in f".{n}" for n in trainable)
