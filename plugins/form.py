@@ -44,11 +44,13 @@ STAGE_PARAMS = {
     "rejected_key": ("tasks.data", "rejected_key", "Rejected column"),
     "label_key": ("tasks.data", "label_key", "Label column"),
     "messages_key": ("tasks.data", "messages_key", "Messages column"),
+    "image_key": ("tasks.data", "image_key", "Image column"),
     "eval_fraction": ("tasks.data", "eval_fraction", "Held-out fraction"),
     "max_bad_fraction": ("tasks.data", "max_bad_fraction", "Max bad rows"),
     # every training stage's (training_args below); seed and apply_chat_template eval's too
     "apply_chat_template": ("tasks.sft", "apply_chat_template", "Apply chat template"),
     "lora_rank": ("tasks.sft", "lora_rank", "LoRA rank"),
+    "freeze_visual_encoder": ("tasks.sft", "freeze_visual_encoder", "Freeze the vision tower"),
     "checkpoints_per_stage": ("tasks.sft", "num_checkpoints", "Checkpoints per stage"),
     "seed": ("tasks.sft", "seed", "Seed"),
     "zero_stage": ("tasks.sft", "zero_stage", "DeepSpeed ZeRO stage"),
@@ -86,9 +88,24 @@ STAGE_PARAMS = {
     "eval_lm_eval_limit": ("tasks.eval", "lm_eval_limit", "Eval lm-eval documents"),
 }
 
+
+def tasks_with_field(field_name: str, tasks: tuple[str, ...] = TRAINING_TASKS) -> tuple[str, ...]:
+    """The pipeline tasks among `tasks` whose stage config has the field `field_name`: those its flag can reach."""
+    import dataclasses
+
+    return tuple(
+        t for t in tasks if field_name in {f.name for f in dataclasses.fields(config_class(PIPELINE_TASKS[t]))}
+    )
+
+
 #: The pipeline tasks a stage-backed Param feeds, where that is not every task that runs its stage's module. In
 #: each the flag is the field's name (STAGE_PARAMS); the DAG takes its flags from here (form_flags).
 FEEDS = {
+    # The image column of the run's own file: prepare_data stores each row's images in an `images` column of every
+    # split, which the later stages read by their --image_key default; the user's column name would miss it there.
+    "image_key": ("prepare_data",),
+    # Every training stage that trains a vision-language model (its config has the flag).
+    "freeze_visual_encoder": tasks_with_field("freeze_visual_encoder"),
     "seed": ("prepare_data", *TRAINING_TASKS, "eval"),
     "apply_chat_template": (*TRAINING_TASKS, "eval"),
     "lora_rank": TRAINING_TASKS,
@@ -260,10 +277,11 @@ SECTIONS = {
         "rejected_key",
         "label_key",
         "messages_key",
+        "image_key",
         "eval_fraction",
         "max_bad_fraction",
     ],
-    "Training, every stage": ["seed", "lora_rank", "zero_stage", "apply_chat_template"],
+    "Training, every stage": ["seed", "lora_rank", "zero_stage", "apply_chat_template", "freeze_visual_encoder"],
     "SFT": ["sft_steps", "sft_learning_rate"],
     "Reward model": ["rm_steps", "rm_learning_rate"],
     "RL": [

@@ -5,7 +5,9 @@
 validate -> prepare_data -> sft -> choose_method -> (reward_model -> rl | dpo | kto) -> eval -> promote -> champion
 
 `validate` builds every stage's config from the flags its task would submit (tasks/common/stages.py: the stage
-configs need only the standard library and yaml), so a form the stages would refuse fails before any Ray job.
+configs need only the standard library and yaml), so a form the stages would refuse fails before any Ray job; it
+also refuses a text base model with a dataset that has images (plugins/modality.py: read from config.json's
+vision_config and the data's columns, no torch).
 
 Every stage is a RayJobOperator running ``python -m tasks.<stage>`` on the Ray cluster; it returns the URI
 of the stage's ``manifest.json`` and downstream stages take those URIs as inputs (XCom holds URIs, never
@@ -30,6 +32,7 @@ from airflow.sdk import DAG, Asset, Param, chain, task
 
 from plugins.form import PARAMS, form_flags, optional, promotion_param
 from plugins.hooks import RayJobHook, RayUnreachableError
+from plugins.modality import run_problems
 from plugins.notifiers import WebhookNotifier
 from plugins.operators import OUTPUT_ROOT, RayJobOperator, fill_empty
 from plugins.s3 import S3Error, S3Store, split_uri
@@ -56,7 +59,7 @@ def fail_after(stage: str, fault: dict) -> int:
 
 def fixed_data(dataset: str) -> bool:
     """Whether the dataset Param names the same data every time: a built-in task, or a pinned dataset:<name>@<version>."""
-    return dataset in ("demo", "calculator", "guess") or (dataset.startswith("dataset:") and "@" in dataset)
+    return dataset in ("demo", "calculator", "guess", "demo_vlm") or (dataset.startswith("dataset:") and "@" in dataset)
 
 
 def branch_for(params) -> list[str]:
@@ -197,9 +200,10 @@ def build_pipeline(
 
             params = fill_empty(params, defaults)
             context = {**context, "dag": dag, "params": params}
-            problems = missing_inputs(
-                params, lambda template: dag.get_task("prepare_data").render_template(template, context)
-            )
+            render = lambda template: dag.get_task("prepare_data").render_template(template, context)  # noqa: E731
+            problems = missing_inputs(params, render)
+            # A text model with an image dataset would never see the images (plugins/modality.py).
+            problems += run_problems(params, S3Store(names.S3_CONN), render(DATASETS_ROOT))
             try:
                 cluster = RayJobHook().cluster_resources()
             except RayUnreachableError as e:  # every stage would fail to submit: say so now

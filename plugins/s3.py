@@ -95,6 +95,22 @@ class S3Store:
                 return None
             raise
 
+    def read_head(self, uri: str, size: int) -> tuple[bytes, bool] | None:
+        """(the object's first `size` bytes, whether that is all of it), one ranged GET; None when it is not there."""
+        bucket, key = split_uri(uri)
+
+        def get(hook):
+            found = hook.get_conn().get_object(Bucket=bucket, Key=key, Range=f"bytes=0-{size - 1}")
+            total = int(found.get("ContentRange", "").rpartition("/")[2] or found["ContentLength"])
+            return found["Body"].read(), total <= size
+
+        try:
+            return self._call("read", uri, get)
+        except S3Error as e:
+            if e.code in MISSING or e.code == "InvalidRange":  # InvalidRange: an empty object
+                return None
+            raise
+
     def read_text(self, uri: str) -> str:
         return self._call("read", uri, lambda hook: self._get(hook, uri).decode("utf-8"))
 

@@ -3,7 +3,8 @@
     processor = build_vlm_processor()            # character-level tokenizer + Qwen2-VL's image processor (PIL)
     model = build_vlm_model(processor, seed=0)   # Qwen2VLForConditionalGeneration, random weights, ~0.14 M parameters
     save_demo_vlm(folder, seed=0)                # both, loadable with vision.load_vision_lm / vision.load_processor
-    rows = make_datasets(seed=0)                 # {"sft": [...], "prompts": [...], "eval": [...]}
+    rows = make_datasets(seed=0)                 # {"sft", "prompts", "eval", "preference", "preference_eval",
+                                                 #  "style_pairs", "unpaired"}: rows of each split
 
 Each image is a 28 × 28 canvas holding one filled shape (a box or an ellipse, of random place and size, on a random
 dark background) in one of COLOURS. Every prompt is the same text, PROMPT, so the answer (the colour's letter)
@@ -28,7 +29,19 @@ PROMPT = "<image>colour?"
 IMAGE_SIZE = 28
 PATCH_SIZE = 7
 MERGE_SIZE = 2
-SPLIT_SIZES = {"sft": 2000, "prompts": 1000, "eval": 200}
+# The preference splits come last: the rows of the first three stay what they were before those were added.
+SPLIT_SIZES = {
+    "sft": 2000,
+    "prompts": 1000,
+    "eval": 200,
+    "preference": 1000,
+    "preference_eval": 200,
+    "style_pairs": 1000,
+    "unpaired": 1000,
+}
+#: Splits of preference pairs (the reward model's, its held-out ones, DPO's: the pipeline's names) and of KTO's
+#: unpaired examples: the shape's colour is chosen (desirable), another colour rejected (undesirable).
+PAIR_SPLITS = ("preference", "preference_eval", "style_pairs")
 CHARACTERS = [c for c in string.printable if c not in "\t\r\x0b\x0c"]  # printable ASCII, space and newline
 VISION_TOKENS = ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
 # ChatML, with an image block rendered as Qwen2-VL's placeholder (the processor expands <|image_pad|>).
@@ -141,15 +154,25 @@ def png_base64(image) -> str:
 
 
 def make_datasets(seed: int = 0, sizes: dict[str, int] = SPLIT_SIZES) -> dict[str, list[dict]]:
-    """Deterministic rows: sft {prompt, images, response}; prompts (RL) and eval (held out) {prompt, images, label}.
-    Each colour appears equally often in every split."""
+    """Deterministic rows: sft {prompt, images, response}; prompts (RL) and eval (held out) {prompt, images, label};
+    the PAIR_SPLITS {prompt, images, chosen, rejected}; unpaired {prompt, images, completion, label}, every other
+    row desirable. Each colour is the answer equally often in every split."""
     rng = random.Random(seed)
     codes = sorted(COLOURS)
     splits = {}
     for split, n in sizes.items():
         answers = [codes[i % len(codes)] for i in range(n)]
         rng.shuffle(answers)
-        rows = [{"prompt": PROMPT, "images": [png_base64(draw(a, rng))], "answer": a} for a in answers]
-        key = "response" if split == "sft" else "label"
-        splits[split] = [{"prompt": r["prompt"], "images": r["images"], key: r["answer"]} for r in rows]
+        rows = []
+        for i, a in enumerate(answers):
+            row = {"prompt": PROMPT, "images": [png_base64(draw(a, rng))]}
+            if split in PAIR_SPLITS or split == "unpaired":
+                wrong = rng.choice([c for c in codes if c != a])
+                desirable = i % 2 == 0
+                pair = {"chosen": a, "rejected": wrong}
+                row |= pair if split != "unpaired" else {"completion": a if desirable else wrong, "label": desirable}
+            else:
+                row["response" if split == "sft" else "label"] = a
+            rows.append(row)
+        splits[split] = rows
     return splits

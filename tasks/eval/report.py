@@ -7,6 +7,10 @@ The curves come from the policy's training stage: its metrics.jsonl, one of the 
 lists (verified against the manifest's size and sha256 like every other read). Charts are inline SVG
 drawn here in plain Python, so the report opens from S3, a laptop or the Airflow UI with nothing else
 loaded. No torch here: the unit tests build reports from hand-made metrics.
+
+A sample whose prompt had images (a vision-language eval: the sample's `images`, base64 PNG as prepare_data stores
+them, or data: URIs) shows them beside its prompt as inline data: URIs, scaled down (tasks/eval/sample_images.py; the
+reports view's CSP allows images from data: only: plugins/reports.py).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from pathlib import Path
 
 from tasks.common import manifest as manifests
 from tasks.common import storage
+from tasks.eval.sample_images import images_cell
 
 METRICS_FILE = "metrics.jsonl"
 # chart name -> (title, metric keys in plotting order). An RL stage logs reward / kl / policy_loss /
@@ -239,7 +244,7 @@ th{background:#f3f3f3}.up{color:#1a7f37}.down{color:#b42318}
 .charts{display:grid;grid-template-columns:repeat(auto-fit,minmax(min(100%,460px),1fr));gap:16px}
 figure{margin:0}figcaption{color:#555;font-size:90%;margin-top:4px}
 code{background:#f6f6f6;padding:1px 3px;overflow-wrap:anywhere}.note{color:#555}.ci{color:#666;font-size:90%;white-space:nowrap}
-.own{float:right;font-size:90%}
+.own{float:right;font-size:90%}td img{max-width:128px;image-rendering:pixelated;vertical-align:middle}
 .alarm{background:#fde8e8;border:1px solid #b42318;color:#b42318;padding:8px 12px;font-weight:bold}
 @media (max-width:720px){body{margin:8px}.ci{display:block}td,th{padding:3px 6px}}"""
 
@@ -294,10 +299,15 @@ def markdown(report: dict) -> str:
         lines.append("No reference answers (no label column): the metrics that need them are left out.")
     lines += ["", "| prompt | label | baseline | policy |", "|---|---|---|---|"]
     lines += [
-        f"| `{s['prompt']}` | {'–' if s['label'] is None else s['label']} | `{s['baseline']}` | `{s['policy']}` |"
+        f"| `{s['prompt']}`{_image_count(s)} | {'–' if s['label'] is None else s['label']} | `{s['baseline']}` | `{s['policy']}` |"
         for s in report["samples"]
     ]
     return "\n".join(lines) + "\n"
+
+
+def _image_count(sample: dict) -> str:
+    n = len(sample.get("images") or [])
+    return f" ({n} image{'s' * (n > 1)}: see report.html)" if n else ""
 
 
 def _num(v) -> str:
@@ -416,12 +426,16 @@ def render_html(
             "or its stage logged no reward, KL or loss.</p>"
         )
     if report.get("samples"):
+        pictures = any(s.get("images") for s in report["samples"])  # a vision-language eval's prompts
         parts.append(
-            '<h2>Samples (greedy)</h2><div class="wide"><table><tr><th>prompt</th><th>label</th><th>baseline</th>'
-            "<th>policy</th></tr>"
+            '<h2>Samples (greedy)</h2><div class="wide"><table><tr>'
+            + ("<th>images</th>" if pictures else "")
+            + "<th>prompt</th><th>label</th><th>baseline</th><th>policy</th></tr>"
         )
         parts += [
-            f"<tr><td><code>{e(str(s['prompt']))}</code></td><td>{e('–' if s['label'] is None else str(s['label']))}</td>"
+            "<tr>"
+            + (f"<td>{images_cell(s.get('images'))}</td>" if pictures else "")
+            + f"<td><code>{e(str(s['prompt']))}</code></td><td>{e('–' if s['label'] is None else str(s['label']))}</td>"
             f"<td><code>{e(str(s['baseline']))}</code></td><td><code>{e(str(s['policy']))}</code></td></tr>"
             for s in report["samples"]
         ]

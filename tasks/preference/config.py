@@ -32,6 +32,16 @@ class PreferenceConfig(Base):
     rejected_key: str = field(default="rejected", metadata={"help": "dpo: column holding the other response"})
     completion_key: str = field(default="completion", metadata={"help": "kto: column holding the response"})
     label_key: str = field(default="label", metadata={"help": "kto: column holding true (desirable) or false"})
+    image_key: str = field(
+        default="images",
+        metadata={"help": "dataset column holding each prompt's images, for a vision-language model (prepare_data's)"},
+    )
+    freeze_visual_encoder: bool = field(
+        default=False,
+        metadata={
+            "help": "a vision-language model trains its language model only: the vision tower and its projector stay as they are"
+        },
+    )
     beta: float = field(
         default=0.1,
         metadata={"help": "strength of the implicit KL constraint to the reference", "exclusive_min": 0, "max": 100},

@@ -23,6 +23,18 @@ class RewardModelConfig(Base):
     train_batch_size: int = restate(Base, "train_batch_size", help="pairs per optimizer step")
     learning_rate: float = restate(Base, "learning_rate", 3e-4)
     lr_warmup_steps: int = restate(Base, "lr_warmup_steps", 50)
+    image_key: str = field(
+        default="images",
+        metadata={
+            "help": "dataset column holding each pair's prompt images, for a vision-language model (prepare_data's)"
+        },
+    )
+    freeze_visual_encoder: bool = field(
+        default=False,
+        metadata={
+            "help": "a vision-language model trains its language model and value head only: the vision tower and its projector stay as they are"
+        },
+    )
     packing_samples: bool = field(
         default=False,
         metadata={

@@ -42,6 +42,8 @@ class SFTWorker(TrainingWorker):
         self.strategy = DeepSpeedStrategy.for_training(cfg, self.world_size)
         self.micro = self.strategy.micro_batch_size
         model = lora.apply_lora(model, cfg)
+        if self.vision and cfg.freeze_visual_encoder:
+            vision.freeze_visual_encoder(model)  # again after LoRA: its adapters inside the tower stay as they are too
         counts = lora.param_counts(model)  # before ZeRO-3 partitions the parameters
         self.engine = self.strategy.prepare(
             model, cfg.learning_rate, cfg.max_steps, cfg.lr_warmup_steps, lr_scheduler=cfg.lr_scheduler

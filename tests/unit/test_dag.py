@@ -243,6 +243,12 @@ def test_stage_inputs_are_upstream_manifests_and_params(dag):
     assert (
         "num_checkpoints" not in dag.get_task("eval").args and dag.get_task("eval").args["seed"] == "{{ params.seed }}"
     )
+    # A vision-language model's fields: the image column is the user's file's, read by prepare_data alone (the splits
+    # keep the images under `images`, every later stage's default); the frozen tower reaches each stage that trains one.
+    assert [t for t in ORDER if "image_key" in getattr(dag.get_task(t), "args", {})] == ["prepare_data"]
+    frozen = [t for t in ORDER if "freeze_visual_encoder" in getattr(dag.get_task(t), "args", {})]
+    assert {"sft", "reward_model", "dpo", "kto"} <= set(frozen) and "prepare_data" not in frozen
+    assert dag.get_task("dpo").args["freeze_visual_encoder"] == "{{ params.freeze_visual_encoder }}"
     # Every stage-backed field of the form reaches a stage.
     assert all(FEEDS.get(name, tasks_running(module)) for name, (module, _, _) in STAGE_PARAMS.items())
 
@@ -292,10 +298,12 @@ def test_params_form(dag):
         "rejected_key",
         "label_key",
         "messages_key",
+        "image_key",
         "eval_fraction",
         "max_bad_fraction",
         "apply_chat_template",
         "lora_rank",
+        "freeze_visual_encoder",
         "eval_metrics",
         "eval_metric_func",
         "eval_samples_per_prompt",
@@ -430,6 +438,8 @@ def test_params_accept_good_overrides(dag):
         "environment": "s3://bucket/envs/my_env.py",
         "max_turns": 3,
         "generate_max_len": 24,
+        "image_key": "pictures",
+        "freeze_visual_encoder": True,
     }.items():
         params[name] = value
     params.validate()

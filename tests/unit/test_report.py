@@ -100,6 +100,47 @@ def test_html_is_self_contained_with_table_charts_and_escaped_text(tmp_path):
     assert f"{policy}/metrics.jsonl" in page
 
 
+def test_samples_with_images_show_them_inline_scaled_down_and_nothing_else_gets_in(tmp_path):
+    """A vision-language eval's samples (issue 54): each prompt's images as data: URIs in the page itself (the
+    reports view's CSP allows images from data: only), a large one scaled to IMAGE_SIDE, and a value that is not an
+    image named instead, so no text of a sample reaches an attribute."""
+    import base64
+    import io
+    import random
+
+    from PIL import Image
+
+    from tasks.data import demo_vlm
+    from tasks.eval import sample_images
+
+    small = demo_vlm.png_base64(demo_vlm.draw("r", random.Random(0)))  # as prepare_data stores it
+    big = io.BytesIO()
+    Image.new("RGB", (1200, 600), (9, 9, 9)).save(big, format="JPEG")
+    big_uri = "data:image/jpeg;base64," + base64.b64encode(big.getvalue()).decode()
+    samples = [
+        {"prompt": "<image>colour?", "images": [small], "label": "r", "baseline": "g", "policy": "r"},
+        {
+            "prompt": "<image><image>two?",
+            "images": [big_uri, 'x" onerror="alert(1)'],
+            "label": None,
+            "baseline": "a",
+            "policy": "b",
+        },
+    ]
+    rpt.write_report(tmp_path, {**REPORT, "samples": samples}, policy_uri="")
+    page = (tmp_path / "report.html").read_text()
+    assert page.count('<img src="data:image/png;base64,') == 2 and "<th>images</th>" in page
+    assert "image 2: not shown" in page and "onerror" not in page
+    shown = page.split('<img src="data:image/png;base64,')[2].split('"')[0]
+    assert Image.open(io.BytesIO(base64.b64decode(shown))).size == (sample_images.IMAGE_SIDE, 128)
+    assert Image.open(io.BytesIO(base64.b64decode(sample_images.image_uri(small).split(",")[1]))).size == (28, 28)
+    assert "http" not in page.replace("http://www.w3.org/2000/svg", "")  # nothing loaded from elsewhere
+    assert "(2 images: see report.html)" in rpt.markdown({**REPORT, "order": ["accuracy"], "samples": samples})
+    # A text eval's table has no images column.
+    rpt.write_report(tmp_path, REPORT, policy_uri="")
+    assert "<th>images</th>" not in (tmp_path / "report.html").read_text()
+
+
 def test_each_chart_names_its_axes_and_says_what_its_numbers_are(tmp_path):
     policy = stage_output(tmp_path, "rl", RL_METRICS)  # an RL stage with the config's defaults: --normalize_reward
     rpt.write_report(tmp_path, REPORT, policy_uri=policy, run_id="manual__1")

@@ -218,7 +218,12 @@ def merge_adapter(
     model's config (default: the base's), with `overrides` set on it; `dtype`: what to save in (default:
     the base config's)."""
     from peft import PeftConfig, PeftModel
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+        AutoModelForSequenceClassification,
+    )
 
     scalar = str(PeftConfig.from_pretrained(str(adapter_dir)).task_type) in ("SEQ_CLS", "TaskType.SEQ_CLS")
     if config is None:
@@ -228,9 +233,11 @@ def merge_adapter(
         setattr(config, key, value)
     if dtype is None:
         dtype = config.dtype if isinstance(getattr(config, "dtype", None), torch.dtype) else torch.float32
-    auto = AutoModelForSequenceClassification if scalar else AutoModelForCausalLM
-    if not scalar and getattr(config, "vision_config", None) is not None:  # a vision-language model (issue 54)
-        from transformers import AutoModelForImageTextToText as auto
+    # A vision-language model (its config has a vision_config) is no causal LM to transformers' Auto classes.
+    vlm = getattr(config, "vision_config", None) is not None
+    auto = (
+        AutoModelForSequenceClassification if scalar else AutoModelForImageTextToText if vlm else AutoModelForCausalLM
+    )
     # Merged in float32, saved in `dtype`: the sum W + B·A rounds once.
     base = auto.from_pretrained(base_path, config=config, dtype=torch.float32)
     merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
