@@ -37,8 +37,9 @@ sys.path.insert(
 from bench.common import ROOT, SHAPES, setup  # noqa: E402
 from bench.engine_bench import bench_hf_generate, bench_vllm, bench_vocab_passes  # noqa: E402
 from bench.eval_bench import bench_eval  # noqa: E402
+from bench.profile_bench import bench_sft_profile  # noqa: E402
 from bench.report import report  # noqa: E402
-from bench.stage_bench import bench_ours, bench_sft, bench_sft_profile  # noqa: E402
+from bench.stage_bench import bench_ours, bench_sft  # noqa: E402
 from bench.trl_bench import bench_trl  # noqa: E402
 
 

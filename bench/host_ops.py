@@ -24,7 +24,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import SHAPES  # noqa: E402
-from bench.stage_bench import deepspeed_gradient_checks  # noqa: E402
+from bench.profile_bench import deepspeed_gradient_checks  # noqa: E402
 from tasks.common.nn.strategy import DeepSpeedStrategy  # noqa: E402
 from tasks.common.nn.supervised import micro_batch_loss  # noqa: E402
 
