@@ -426,3 +426,59 @@ def test_sft_with_lora_and_a_frozen_tower_trains_no_adapter_inside_the_tower(fol
     worker.setup(make_config(SFTConfig, {**flags, "freeze_visual_encoder": True}))
     trainable = [n for n, p in worker.engine.module.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n and ".visual." not in f".{n}" for n in trainable)
+
+
+def dpo_accuracy(seed: int, shuffled: bool, steps: int = 300) -> float:
+    """Held-out greedy accuracy (the colour's letter) of the demo's random-init VLM after `steps` DPO steps (β 0.1,
+    16 pairs, AdamW 1e-3) on 800 pairs against its frozen copy; with `shuffled`, the control: each pair trained under
+    another pair's image."""
+    import random
+
+    from tasks.preference.losses import dpo_loss
+
+    processor = demo_vlm.build_vlm_processor()
+    policy = demo_vlm.build_vlm_model(processor, seed=seed)
+    reference = demo_vlm.build_vlm_model(processor, seed=seed).requires_grad_(False).eval()
+    rows = demo_vlm.make_datasets(seed=seed, sizes={"preference": 800, "eval": 200})
+    prompts, responses, images, _ = tokenized(processor, rows["preference"])
+    if shuffled:
+        random.Random(seed).shuffle(images)
+    pad, draw = processor.tokenizer.pad_token_id, torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+    for _ in range(steps):
+        batch = torch.randint(0, len(prompts), (16,), generator=draw).tolist()
+        both = [prompts[i] for i in batch] * 2
+        answers = [responses[i][0] for i in batch] + [responses[i][1] for i in batch]
+        pictures = [images[i] for i in batch] * 2
+        logps = vlm_summed_logps(policy, processor, both, answers, pictures, pad, "cpu")
+        with torch.no_grad():
+            ref = vlm_summed_logps(reference, processor, both, answers, pictures, pad, "cpu")
+        loss, _, _ = dpo_loss(logps[:16], logps[16:], ref[:16], ref[16:], beta=0.1)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    policy.eval()
+    held = rows["eval"]
+    ids = [vision.encode_vlm_prompt(processor, r["prompt"], r["images"])["input_ids"] for r in held]
+    inputs = vision.vlm_inputs(processor, ids, [r["images"] for r in held], pad, "cpu")
+    with torch.no_grad():
+        out = policy.generate(
+            **inputs, max_new_tokens=1, do_sample=False, suppress_tokens=vision.image_token_ids(processor)
+        )
+    return sum(processor.tokenizer.decode(o[-1:]) == r["label"] for o, r in zip(out, held)) / len(held)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [0, 1])
+def test_dpo_learns_the_colour_from_the_pixels(seed):
+    """The learning check of DPO on a VLM: from the random-init demo VLM (greedy accuracy 0), DPO on the demo's pairs
+    names the shape's colour on held-out images well above the 1/4 of a model that knows the letters but not the
+    image, which is where the control (images shuffled among the pairs) ends. Measured 2026-12-07 with the same loop:
+    seed 0 0.75, seed 1 0.50 (still 0.50 at 500 steps), seed 0's control 0.25."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        learned, control = dpo_accuracy(seed, shuffled=False), dpo_accuracy(seed, shuffled=True)
+    finally:
+        torch.set_num_threads(threads)
+    assert learned >= 0.45 and control <= 0.35, (learned, control)
