@@ -190,13 +190,15 @@ def test_the_reward_model_worker_trains_a_vlm_with_lora_and_a_frozen_tower_and_s
 @pytest.mark.parametrize("lora_rank", [0, 4])
 def test_a_reward_model_trained_under_zero3_saves_whole_weights_that_score_as_it_did(folder, tmp_path, lora_rank):
     """ZeRO-3 holds each parameter in shards: the save gathers them (DeepSpeed's consolidated state dict, the
-    adapters merged from it), and the folder scores the held-out pairs as the trained engine did."""
+    adapters merged from it), and the folder scores the held-out pairs as the trained engine did. With activation
+    checkpointing: the backbone's blocks recompute in the backward pass."""
     from tasks.reward_model.config import RewardModelConfig
     from tasks.reward_model.trainer import RewardModelWorker
 
-    flags = reward_flags(tmp_path, folder, zero_stage=3, max_steps=2, lora_rank=lora_rank)
+    flags = reward_flags(tmp_path, folder, zero_stage=3, max_steps=2, lora_rank=lora_rank, gradient_checkpointing=True)
     worker = RewardModelWorker(0, 1, None, 1)
     worker.setup(make_config(RewardModelConfig, flags))
+    assert worker.engine.module.backbone.is_activation_checkpointing
     for _ in range(2):
         worker.train_step()
     chosen, _ = worker.score_held_out()
