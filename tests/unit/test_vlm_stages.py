@@ -190,13 +190,15 @@ def test_the_reward_model_worker_trains_a_vlm_with_lora_and_a_frozen_tower_and_s
 @pytest.mark.parametrize("lora_rank", [0, 4])
 def test_a_reward_model_trained_under_zero3_saves_whole_weights_that_score_as_it_did(folder, tmp_path, lora_rank):
     """ZeRO-3 holds each parameter in shards: the save gathers them (DeepSpeed's consolidated state dict, the
-    adapters merged from it), and the folder scores the held-out pairs as the trained engine did."""
+    adapters merged from it), and the folder scores the held-out pairs as the trained engine did. With activation
+    checkpointing: the backbone's blocks recompute in the backward pass."""
     from tasks.reward_model.config import RewardModelConfig
     from tasks.reward_model.trainer import RewardModelWorker
 
-    flags = reward_flags(tmp_path, folder, zero_stage=3, max_steps=2, lora_rank=lora_rank)
+    flags = reward_flags(tmp_path, folder, zero_stage=3, max_steps=2, lora_rank=lora_rank, gradient_checkpointing=True)
     worker = RewardModelWorker(0, 1, None, 1)
     worker.setup(make_config(RewardModelConfig, flags))
+    assert worker.engine.module.backbone.is_activation_checkpointing
     for _ in range(2):
         worker.train_step()
     chosen, _ = worker.score_held_out()
@@ -358,59 +360,6 @@ def test_the_kto_worker_on_a_vlm_keeps_each_label_with_its_row_when_a_long_row_i
     text_flags = preference_flags(tmp_path, text_model(tmp_path), "kto", rows)
     with pytest.raises(ConfigError, match=r"^pretrain: .* is a text model .* row 1 of unpaired has images"):
         worker.setup(make_config(PreferenceConfig, text_flags))
-
-
-def rm_accuracy(seed: int, shuffled: bool, steps: int = 400) -> float:
-    """Held-out pairwise accuracy of a VisionRewardModel on the demo's random-init VLM after `steps` Bradley-Terry
-    steps (16 pairs, AdamW 1e-3) on 800 pairs; with `shuffled`, the control: each pair trained under another pair's
-    image, so the pixels tell nothing."""
-    import random
-    import tempfile
-
-    processor = demo_vlm.build_vlm_processor()
-    with tempfile.TemporaryDirectory() as path:
-        demo_vlm.build_vlm_model(processor, seed=seed).save_pretrained(path)
-        model = VisionRewardModel.from_pretrained(path)
-    rows = demo_vlm.make_datasets(seed=seed, sizes={"preference": 800, "preference_eval": 200})
-
-    def sequences(split):
-        prompts, responses, images, _ = tokenized(processor, rows[split], split=split)
-        return [[p + r[k] for p, r in zip(prompts, responses)] for k in (0, 1)] + [images]
-
-    chosen, rejected, images = sequences("preference")
-    if shuffled:
-        random.Random(seed).shuffle(images)
-    held_chosen, held_rejected, held_images = sequences("preference_eval")
-    pad, draw = processor.tokenizer.pad_token_id, torch.Generator().manual_seed(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for _ in range(steps):
-        batch = torch.randint(0, len(chosen), (16,), generator=draw).tolist()
-        pick = [chosen[i] for i in batch] + [rejected[i] for i in batch]
-        scores = vlm_sequence_scores(model, processor, pick, [images[i] for i in batch] * 2, pad, "cpu")
-        loss = bradley_terry_loss(scores[:16], scores[16:])
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    with torch.no_grad():
-        scores = vlm_sequence_scores(model, processor, held_chosen + held_rejected, held_images * 2, pad, "cpu")
-    return (scores[:200] > scores[200:]).float().mean().item()
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("seed", [0, 1])
-def test_the_reward_model_learns_to_prefer_the_colour_in_the_image(seed):
-    """The learning check of the VLM reward model: it ranks the shape's colour over another colour on held-out images
-    (chance is 1/2, and every prompt's text is the same), while the control, trained with the images shuffled among
-    the pairs, does not. Measured 2026-12-07 with the same loop (2 cores, 1 thread): seed 0 0.80 after 300 steps,
-    seed 1 0.88 after 400, seed 0's control 0.50; seed 2 was still on the loss's plateau (0.69) after 400 steps, so it
-    is not one of the seeds here. It passes at 400 steps on seeds 0 and 1 (2.5 min for both)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the SFT check: this tiny model runs faster on one thread beside other work
-    try:
-        learned, control = rm_accuracy(seed, shuffled=False), rm_accuracy(seed, shuffled=True)
-    finally:
-        torch.set_num_threads(threads)
-    assert learned >= 0.7 and control <= 0.6, (learned, control)
 
 
 def test_sft_with_lora_and_a_frozen_tower_trains_no_adapter_inside_the_tower(folder, tmp_path):
