@@ -105,37 +105,54 @@ def summarise(records: list[dict], step_key: str, length_mean: str, truncated: s
     }
 
 
-def verl(bench_dir: Path, cap: int, steps: int, gpu_memory_utilization: float, timeout_s: float, command: str) -> None:
-    verl_bench.write_data(bench_dir)
-    argv = verl_bench.verl_command(
-        bench_dir, steps, 8, False, False, False, verl_work(bench_dir, cap, steps, gpu_memory_utilization)
-    )
-    shape = shape_name(bench_dir, cap, 0)
-    log = bench_dir / f"realistic_{shape}_verl.log"
+def run_peer(bench_dir: Path, cap: int, peer: str, argv: list[str], marker: str, parse, env: dict, timeout_s: float):
+    """Run a peer's trainer on the work, its log beside ours; returns (its step records, its exit code, the GPU's
+    peak), or stops naming the log when fewer than two steps ran."""
+    log = bench_dir / f"realistic_{shape_name(bench_dir, cap, 0)}_{peer}.log"
     print(shlex.join(argv), flush=True)
     with common.GPUPeak() as peak:
-        rc, stamped, _ = run_stamped(argv, log, marker="step:", timeout_s=timeout_s, env={"HYDRA_FULL_ERROR": "1"})
-    records = [r for r in verl_bench.parse_steps(stamped) if "timing_s/step" in r]
-    fail_unless_ran("verl main_ppo", rc, records, log, min_steps=2)
+        rc, stamped, _ = run_stamped(argv, log, marker=marker, timeout_s=timeout_s, env=env)
+    records = parse(stamped)
+    fail_unless_ran(f"{peer} {argv[2]}", rc, records, log, min_steps=2)
+    return records, rc, peak
+
+
+def peer_result(records: list[dict], rc: int, peak, keys: tuple, split: dict, prefix: str, cap: int) -> dict:
+    """What both peers record: summarise's figures (keys: its step, length-mean, truncation and length-max names),
+    the peer's own time split in our names, the GPU peak and the calibration."""
     tail = records[1:] or records
-    split = {
-        f"{ours.removeprefix('time_')}": round(statistics.median(r[f"timing_s/{k}"] for r in tail), 3)
-        for k, ours in verl_bench.SPLIT.items()
-        if f"timing_s/{k}" in tail[0]
+    return {
+        **summarise(records, *keys),
+        **{
+            ours.removeprefix("time_"): round(statistics.median(r[prefix + k] for r in tail), 3)
+            for k, ours in split.items()
+            if prefix + k in tail[0]
+        },
+        "gpu_peak_gb": peak.gb,
+        "stopped_at_time_limit": rc != 0,
+        "cap": cap,
     }
+
+
+def verl(bench_dir: Path, cap: int, steps: int, gpu_memory_utilization: float, timeout_s: float, command: str) -> None:
+    verl_bench.write_data(bench_dir)
+    work = verl_work(bench_dir, cap, steps, gpu_memory_utilization)
+    argv = verl_bench.verl_command(bench_dir, steps, 8, False, False, False, work)
+
+    def parse(stamped):
+        return [r for r in verl_bench.parse_steps(stamped) if "timing_s/step" in r]
+
+    records, rc, peak = run_peer(bench_dir, cap, "verl", argv, "step:", parse, {"HYDRA_FULL_ERROR": "1"}, timeout_s)
+    keys = ("timing_s/step", "response_length/mean", "response_length/clip_ratio", "response_length/max")
     save(
         bench_dir,
-        shape,
+        shape_name(bench_dir, cap, 0),
         "verl",
         {
-            **summarise(
-                records, "timing_s/step", "response_length/mean", "response_length/clip_ratio", "response_length/max"
+            **peer_result(records, rc, peak, keys, verl_bench.SPLIT, "timing_s/", cap),
+            "verl_throughput_tokens_per_s_per_gpu": round(
+                statistics.median(r.get("perf/throughput", 0) for r in records[1:] or records)
             ),
-            **split,
-            "verl_throughput_tokens_per_s_per_gpu": round(statistics.median(r.get("perf/throughput", 0) for r in tail)),
-            "gpu_peak_gb": peak.gb,
-            "stopped_at_time_limit": rc != 0,
-            "cap": cap,
             "calibration": calibration(bench_dir, cap),
             "verl": verl_bench.importlib.metadata.version("verl"),
             "command": command,
@@ -154,34 +171,19 @@ def openrlhf(
     budget: int = 0,
 ) -> None:
     (bench_dir / "openrlhf_reward.py").write_text(openrlhf_bench.REWARD_ADAPTER.format(path=str(common.REWARD_FILE)))
-    argv = openrlhf_bench.openrlhf_command(
-        bench_dir, steps, 8, False, openrlhf_work(bench_dir, cap, steps, gpu_memory_utilization, budget)
+    work = openrlhf_work(bench_dir, cap, steps, gpu_memory_utilization, budget)
+    argv = openrlhf_bench.openrlhf_command(bench_dir, steps, 8, False, work)
+    env = {"BENCH_IGNORE_EOS": "0"}  # EOS live (bench/gpu/openrlhf.sh's patch)
+    records, rc, peak = run_peer(
+        bench_dir, cap, "openrlhf", argv, "Global step", openrlhf_bench.parse_steps, env, timeout_s
     )
-    shape = shape_name(bench_dir, cap, 0)
-    log = bench_dir / f"realistic_{shape}_openrlhf.log"
-    print(shlex.join(argv), flush=True)
-    with common.GPUPeak() as peak:
-        rc, stamped, _ = run_stamped(
-            argv, log, marker="Global step", timeout_s=timeout_s, env={"BENCH_IGNORE_EOS": "0"}
-        )
-    records = openrlhf_bench.parse_steps(stamped)
-    fail_unless_ran("train_ppo_ray", rc, records, log, min_steps=2)
-    tail = records[1:] or records
-    split = {
-        f"{ours.removeprefix('time_')}": round(statistics.median(r[f"timing/{k}"] for r in tail), 3)
-        for k, ours in openrlhf_bench.SPLIT.items()
-        if f"timing/{k}" in tail[0]
-    }
+    keys = ("timing/step_total", "rollout/response_length_mean", "rollout/truncated_rate", None)
     save(
         bench_dir,
-        shape,
+        shape_name(bench_dir, cap, 0),
         "openrlhf",
         {
-            **summarise(records, "timing/step_total", "rollout/response_length_mean", "rollout/truncated_rate", None),
-            **split,
-            "gpu_peak_gb": peak.gb,
-            "stopped_at_time_limit": rc != 0,
-            "cap": cap,
+            **peer_result(records, rc, peak, keys, openrlhf_bench.SPLIT, "timing/", cap),
             "calibration": calibration(bench_dir, cap),
             "openrlhf": openrlhf_bench.importlib.metadata.version("openrlhf"),
             "command": command,
