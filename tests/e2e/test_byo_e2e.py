@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from tiny_chat import CHAT_TEMPLATE, build_chat_model, chat_rows
+from tests.tiny_chat import CHAT_TEMPLATE, build_chat_model, chat_rows
 
 pytestmark = pytest.mark.e2e
 

@@ -33,7 +33,7 @@ from plugins.stage_cli import (
 )
 from plugins.triggers import RayJobTrigger, split_new_lines
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.conftest import REPO
 
 STAGE_MODULE = '''\
 """A throwaway pipeline stage: prints, optionally sleeps or fails, writes a file and manifest.json."""

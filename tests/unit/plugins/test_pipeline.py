@@ -9,13 +9,11 @@ import os
 import subprocess
 import sys
 import urllib.request
-from pathlib import Path
 
 import pytest
 
-from conftest import ray_headers
+from tests.conftest import REPO, ray_headers
 
-REPO = Path(__file__).resolve().parents[2]
 DAGS = REPO / "dags"
 ORDER = [
     "validate",

@@ -15,7 +15,7 @@ from tasks.common.registry import Registry
 from tasks.data.demo import build_base_model, build_tokenizer
 from tools import export
 
-from conftest import REPO
+from tests.conftest import REPO
 
 
 def commit_model(tmp_path, uri: str, seed: int):

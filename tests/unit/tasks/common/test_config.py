@@ -1,7 +1,6 @@
 import dataclasses
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -10,7 +9,7 @@ from tasks.common.stages import STAGES, config_class
 from tasks.rl.config import RLConfig
 from tasks.sft.config import SFTConfig
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.conftest import REPO
 
 
 def test_yaml_then_flags(tmp_path):

@@ -13,7 +13,7 @@ from tasks.common import manifest as mf
 from tasks.common import provenance, storage
 from tasks.common.storage import NotFoundError, StorageError
 
-from conftest import free_port
+from tests.conftest import REPO, free_port
 
 BIG = 11 * 1024 * 1024  # above the 8 MB multipart threshold
 
@@ -215,7 +215,7 @@ def test_modules_import_without_torch_or_airflow():
         "bad = [m for m in ('torch', 'airflow', 'transformers') if m in sys.modules]; "
         "assert not bad, bad"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
 
 
 def committed(s3, prefix, tmp_path, **extra):

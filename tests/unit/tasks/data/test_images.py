@@ -15,7 +15,7 @@ from tasks.common.nn import models, vision
 from tasks.data import demo_vlm, images, ingest, mapping
 from tasks.data.config import PrepareDataConfig
 
-from test_ingest import base_model, run_prepare, split_rows, write  # noqa: F401 (base_model: a fixture)
+from tests.unit.tasks.data.test_ingest import base_model, run_prepare, split_rows, write  # noqa: F401 (base_model: a fixture)
 
 SFT = {"output_key": "response", "chosen_key": "", "rejected_key": ""}
 

@@ -21,9 +21,9 @@ from tasks.data import mapping, versions
 from tasks.data.__main__ import prepare
 from tasks.data.config import PrepareDataConfig
 
-from tiny_chat import chat_rows
+from tests.conftest import REPO
+from tests.tiny_chat import chat_rows
 
-REPO = Path(__file__).resolve().parents[2]
 SPLITS = {"sft", "preference", "style_pairs", "unpaired", "preference_eval", "prompts", "eval"}
 
 

@@ -10,7 +10,7 @@ from tasks.common.config import ConfigError, make_config
 from tasks.eval import metrics, stats
 from tasks.promote.gate import check_rules, judge
 
-from json_server import JSONServer
+from tests.json_server import JSONServer
 
 # ---------------------------------------------------------------------------------------------- built-ins
 
@@ -260,7 +260,7 @@ def test_eval_stage_scores_a_teams_own_data_with_its_metric_file(tmp_path, ray_d
     from tasks.eval.config import EvalConfig
     from tasks.eval.evaluate import evaluate
 
-    from tiny_chat import build_chat_model
+    from tests.tiny_chat import build_chat_model
 
     model = build_chat_model(tmp_path / "model")
     rows = [
@@ -395,7 +395,7 @@ def test_eval_stage_runs_a_teams_own_lm_eval_tasks(tmp_path, ray_driver):
     from tasks.eval.evaluate import evaluate
     from tasks.eval.lm_eval_tasks import LmEvalError, task_manager
 
-    from tiny_chat import build_chat_model
+    from tests.tiny_chat import build_chat_model
 
     model = build_chat_model(tmp_path / "model")
     tasks = tmp_path / "tasks"

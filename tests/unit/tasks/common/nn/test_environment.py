@@ -33,7 +33,7 @@ from tasks.rl.advantages import discounted_returns, gae
 from tasks.rl.config import RLConfig
 from tasks.rl.experience import fresh_groups, response_logprobs
 
-from tiny_chat import build_tokenizer as build_chat_tokenizer
+from tests.tiny_chat import build_tokenizer as build_chat_tokenizer
 
 
 @pytest.fixture(scope="module")

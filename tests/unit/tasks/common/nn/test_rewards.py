@@ -21,8 +21,8 @@ from tasks.common.nn.rewards import (
 )
 from tasks.data import demo
 
-from conftest import REPO, free_port
-from json_server import JSONServer
+from tests.conftest import REPO, free_port
+from tests.json_server import JSONServer
 
 DEMO_REWARD = str(REPO / "tasks" / "data" / "demo_reward.py")
 
