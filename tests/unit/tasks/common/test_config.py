@@ -1,3 +1,7 @@
+"""Stage configs (tasks/common/config.py): YAML then flags, one-line errors naming the field, declared limits as the
+JSON schema, every stage's --help, validation on every construction, the single-group stages' shared fields and the
+checkpoint spacing. RLConfig's own rules are tests/unit/tasks/rl/test_config.py's."""
+
 import dataclasses
 import subprocess
 import sys
@@ -63,56 +67,6 @@ def test_bad_values_give_one_line_naming_the_field(values, message):
     with pytest.raises(ConfigError) as error:
         make_config(SFTConfig, values)
     assert str(error.value) == message
-
-
-def test_rl_refuses_what_it_cannot_do():
-    base = {"output": "o", "pretrain": "p", "reward_pretrain": "r", "prompt_data": "d"}
-    with pytest.raises(ConfigError, match="advantage_estimator: 'vtrace' is not a choice; use gae, reinforce,"):
-        make_config(RLConfig, {**base, "advantage_estimator": "vtrace"})
-    with pytest.raises(
-        ConfigError, match="train_batch_size: 48 must divide rollout_batch_size × n_samples_per_prompt = 128"
-    ):
-        make_config(RLConfig, {**base, "train_batch_size": 48})
-
-
-def test_rl_group_estimators_need_groups_and_a_reward():
-    base = {"output": "o", "pretrain": "p", "prompt_data": "d"}
-    with pytest.raises(
-        ConfigError,
-        match="reward_pretrain: missing; pass --reward_pretrain <URI>, --remote_rm_url <file.py or URL> or --env_path",
-    ):
-        make_config(RLConfig, base)
-    with pytest.raises(ConfigError, match="n_samples_per_prompt: rloo compares samples of one prompt; use 2 or more"):
-        make_config(RLConfig, {**base, "remote_rm_url": "r.py", "advantage_estimator": "rloo"})
-    cfg = make_config(
-        RLConfig,
-        {
-            **base,
-            "remote_rm_url": "r.py",
-            "advantage_estimator": "rloo",
-            "n_samples_per_prompt": 4,
-            "rollout_batch_size": 16,
-            "train_batch_size": 32,
-        },
-    )
-    assert cfg.n_samples_per_prompt == 4
-
-
-def test_rl_clip_options_are_checked():
-    base = {"output": "o", "pretrain": "p", "prompt_data": "d", "reward_pretrain": "r"}
-    with pytest.raises(ConfigError, match="dual_clip: 0.5 must be greater than 1"):
-        make_config(RLConfig, {**base, "dual_clip": 0.5})
-    with pytest.raises(ConfigError, match="entropy_coef: must not be negative"):
-        make_config(RLConfig, {**base, "entropy_coef": -0.1})
-
-
-def test_rl_ptx_needs_data_and_a_weight():
-    base = {"output": "o", "pretrain": "p", "reward_pretrain": "r", "prompt_data": "d"}
-    with pytest.raises(ConfigError, match=r"^ptx_coef: PPO-ptx needs both --pretrain_data"):
-        make_config(RLConfig, {**base, "ptx_coef": 0.5})
-    with pytest.raises(ConfigError, match=r"^ptx_coef: PPO-ptx needs both"):
-        make_config(RLConfig, {**base, "pretrain_data": "d"})
-    assert make_config(RLConfig, {**base, "pretrain_data": "d", "ptx_coef": 0.5}).ptx_coef == 0.5
 
 
 def test_a_fields_declared_limits_are_enforced_and_are_its_json_schema():

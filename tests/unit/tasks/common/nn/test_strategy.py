@@ -1,9 +1,9 @@
 """tasks/common/nn/strategy.py by itself (CPU, a DeepSpeed world of one, tiny real Llama models): the learning-rate
 schedule worked out by hand, what a training config becomes in DeepSpeed's terms, what prepare trains and at which
 rate, the forward-only models, the reductions, the HF export (full and LoRA), the resumable state with its RNG,
-activation checkpointing and ZeRO's fused gradient norm. LoRA itself is tests/unit/test_lora.py.
+activation checkpointing and ZeRO's fused gradient norm. LoRA itself is tests/unit/tasks/common/nn/test_lora.py.
 
-    pytest tests/unit/test_strategy.py
+    pytest tests/unit/tasks/common/nn/test_strategy.py
 """
 
 import json
@@ -32,6 +32,13 @@ from tasks.preference.config import PreferenceConfig
 from tasks.sft.config import SFTConfig
 
 BASE = {"output": "o", "pretrain": "p", "dataset": "d"}
+
+
+def close(a, b, tol=1e-5):
+    assert torch.allclose(torch.as_tensor(a, dtype=torch.float32), torch.as_tensor(b, dtype=torch.float32), atol=tol), (
+        a,
+        b,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -227,3 +234,14 @@ def test_zero2s_gradient_norm_is_the_norm_of_every_gradient_together_and_minus_1
     plain = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
     fuse_zero_step_checks(plain)
     assert not hasattr(plain, "get_grad_norm_direct")
+
+
+def test_lr_multiplier_warmup_then_constant_or_cosine():
+    from tasks.common.nn.strategy import lr_multiplier
+
+    # warmup 4: (step + 1) / 4
+    assert [lr_multiplier(s, 100, 4) for s in range(5)] == [0.25, 0.5, 0.75, 1.0, 1.0]
+    # cosine over steps 4..104: 1 at the start, 0.1 + 0.9·½ = 0.55 halfway, 0.1 at the end
+    close(lr_multiplier(4, 104, 4, "cosine"), 1.0)
+    close(lr_multiplier(54, 104, 4, "cosine"), 0.55)
+    close(lr_multiplier(104, 104, 4, "cosine"), 0.1)

@@ -1,16 +1,15 @@
-"""Worker groups and the RL layout: batch splits, placement plans, checkpoints store, training knobs."""
+"""Worker groups (tasks/common/nn/workers.py) and what they share: shards, the environment forwarded to worker actors,
+batch splits, the batch sampler's state, the checkpoint store, training knobs. RL's layout and placement plans are
+tests/unit/tasks/rl/test_config.py's."""
 
 import numpy as np
 import pytest
 
 from tasks.common.checkpoint import CheckpointStore
-from tasks.common.config import ConfigError, check_batch, make_config, micro_batches
+from tasks.common.config import ConfigError, check_batch, micro_batches
 from tasks.common.nn.data import BatchSampler, encode_prompt
 from tasks.common.nn.workers import forwarded_env, shard
 from tasks.data import demo
-from tasks.rl.config import RLConfig
-
-RL = {"output": "o", "pretrain": "p", "reward_pretrain": "r", "prompt_data": "d"}
 
 
 def test_shard_cuts_contiguous_nearly_equal_pieces():
@@ -43,69 +42,6 @@ def test_batch_split_over_workers_and_micro_batches():
         ConfigError, match=r"^micro_train_batch_size: 5 must divide each worker's share of train_batch_size, 32"
     ):
         check_batch("train_batch_size", 64, 5, 2, "num_gpus_per_node")
-
-
-@pytest.mark.parametrize(
-    "flags,expected",
-    [
-        ({}, [["actor"], ["ref"], ["critic"], ["reward"]]),
-        ({"colocate_actor_ref": True}, [["actor", "ref"], ["critic"], ["reward"]]),
-        ({"colocate_actor_ref": True, "colocate_critic_reward": True}, [["actor", "ref"], ["critic", "reward"]]),
-        ({"colocate_all_models": True}, [["actor", "ref", "critic", "reward"]]),
-    ],
-)
-def test_placement_plan_follows_the_colocation_flags(flags, expected):
-    cfg = make_config(RLConfig, {**RL, **flags})
-    assert cfg.roles() == ["actor", "ref", "critic", "reward"]
-    assert cfg.placement_plan() == expected
-    assert cfg.devices_needed() == len(expected)  # one worker per group here
-
-
-def test_placement_plan_without_critic_or_reward_models():
-    cfg = make_config(
-        RLConfig,
-        {
-            **RL,
-            "colocate_critic_reward": True,
-            "advantage_estimator": "rloo",
-            "n_samples_per_prompt": 2,
-            "remote_rm_url": "r.py",
-        },
-    )
-    assert cfg.roles() == ["actor", "ref"]
-    assert cfg.placement_plan() == [["actor"], ["ref"]]
-    assert (
-        make_config(
-            RLConfig, {**RL, "actor_num_gpus_per_node": 2, "colocate_actor_ref": True, "ref_num_gpus_per_node": 2}
-        ).devices_needed()
-        == 2 + 1 + 1
-    )  # actor and ref share 2; critic and reward 1 each
-
-
-def test_rl_config_refuses_layouts_and_flags_that_cannot_apply():
-    with pytest.raises(
-        ConfigError,
-        match=r"^ref_num_gpus_per_node: colocate_all_models needs every group the actor's size \(2\), got 1",
-    ):
-        make_config(RLConfig, {**RL, "colocate_all_models": True, "actor_num_gpus_per_node": 2})
-    with pytest.raises(
-        ConfigError, match=r"^ref_num_gpus_per_node: colocate_actor_ref needs the ref group the actor's size"
-    ):
-        make_config(RLConfig, {**RL, "colocate_actor_ref": True, "actor_num_gpus_per_node": 2})
-    with pytest.raises(
-        ConfigError,
-        match=r"^train_batch_size: 64 does not split over 3 workers \(actor_num_nodes × actor_num_gpus_per_node\)",
-    ):
-        make_config(RLConfig, {**RL, "actor_num_gpus_per_node": 3})
-    with pytest.raises(ConfigError, match=r"^enable_prefix_caching: only applies to vLLM engines"):
-        make_config(RLConfig, {**RL, "enable_prefix_caching": True})
-    with pytest.raises(ConfigError, match=r"^dynamic_filtering: needs n_samples_per_prompt of 2 or more"):
-        make_config(RLConfig, {**RL, "dynamic_filtering": True})
-    with pytest.raises(
-        ConfigError, match=r"^reward_clip_range: '5 1' .*|^reward_clip_range: low 5.0 must be below high 1.0"
-    ):
-        make_config(RLConfig, {**RL, "reward_clip_range": "5 1"})
-    assert make_config(RLConfig, {**RL, "reward_clip_range": "-10 10"}).interval("reward_clip_range") == (-10.0, 10.0)
 
 
 def test_batch_sampler_state_resumes_the_same_order():

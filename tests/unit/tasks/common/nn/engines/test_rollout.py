@@ -8,12 +8,10 @@ kept), a tiny random Llama on the CPU; the vLLM engine's early abort runs in tes
 import pytest
 import torch
 
-from tasks.common.config import ConfigError, make_config
 from tasks.common.nn.data import encode_prompt
 from tasks.common.nn.engines.hf_engine import HFRolloutEngine
 from tasks.common.nn.engines.rollout import BatchedRequests, Rollout, first_groups
 from tasks.data import demo
-from tasks.rl.config import RLConfig
 from tasks.rl.experience import whole_groups
 
 
@@ -41,33 +39,3 @@ def test_whole_groups_drops_a_group_with_any_empty_response():
     rollout = Rollout(torch.zeros(6, 3, dtype=torch.long), torch.ones(6, 3), mask, 1)
     rows, dropped = whole_groups(rollout, 2)
     assert rows.tolist() == [0, 1] and dropped == 2  # group 1 lost a sample: cut too
-
-
-BASE = {
-    "pretrain": "demo",
-    "prompt_data": "d",
-    "output": "o",
-    "remote_rm_url": "length",
-    "n_samples_per_prompt": 2,
-    "train_batch_size": 8,
-}
-
-
-def test_the_config_draws_the_over_sampled_prompts_and_refuses_what_it_cannot_cut():
-    cfg = make_config(RLConfig, {**BASE, "rollout_batch_size": 4, "over_sampling_batch_size": 6})
-    assert cfg.prompts_per_rollout() == 6
-    assert make_config(RLConfig, {**BASE, "rollout_batch_size": 4}).prompts_per_rollout() == 4
-    with pytest.raises(
-        ConfigError, match="^over_sampling_batch_size: 4 prompts must be more than rollout_batch_size 4"
-    ):
-        make_config(RLConfig, {**BASE, "rollout_batch_size": 4, "over_sampling_batch_size": 4})
-    with pytest.raises(ConfigError, match="^over_sampling_batch_size: cuts one-turn rollouts"):
-        make_config(
-            RLConfig,
-            {**BASE, "rollout_batch_size": 4, "over_sampling_batch_size": 6, "dynamic_filtering": True},
-        )
-    with pytest.raises(ConfigError, match="^over_sampling_batch_size: it and rollout_batch_size must split evenly"):
-        make_config(
-            RLConfig,
-            {**BASE, "rollout_batch_size": 4, "over_sampling_batch_size": 7, "actor_num_gpus_per_node": 2},
-        )

@@ -6,10 +6,8 @@ import importlib.util
 import pytest
 import torch
 
-from tasks.common.config import ConfigError, make_config
 from tasks.common.nn.engines.rollout import concat_rollouts, to_rollout
 from tasks.common.nn.losses import logprob_mismatch
-from tasks.rl.config import RLConfig
 
 GPU = torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None
 
@@ -42,66 +40,6 @@ def test_sync_check_is_the_largest_gap_on_response_tokens():
         0.5
     )  # the masked 9.0 gap is not counted
     assert logprob_mismatch(actor, engine, torch.zeros_like(mask))["engine_logprob_max_diff"] == 0.0
-
-
-def test_vllm_flags_refused_in_one_line_when_they_cannot_apply():
-    base = {"output": "/tmp/x", "pretrain": "m", "prompt_data": "p", "remote_rm_url": "r.py"}
-    with pytest.raises(
-        ConfigError, match="^vllm_num_engines: with --colocate_all_models each actor worker hosts one vLLM engine"
-    ):
-        make_config(RLConfig, {**base, "vllm_num_engines": 2, "colocate_all_models": True})
-    assert make_config(RLConfig, {**base, "vllm_num_engines": 2}).separate_engines()  # two engines on GPUs of their own
-    with pytest.raises(ConfigError, match="^async_train: needs vLLM engines on GPUs of their own"):
-        make_config(RLConfig, {**base, "vllm_num_engines": 1, "colocate_all_models": True, "async_train": True})
-    # Without vLLM, --async_train places one transformers engine of its own (tests/e2e/test_agentic_learning.py runs it).
-    assert make_config(RLConfig, {**base, "async_train": True}).separate_engines()
-    with pytest.raises(ConfigError, match="^async_train: needs a fixed rollout"):
-        make_config(RLConfig, {**base, "async_train": True, "max_staleness": 0})
-    with pytest.raises(ConfigError, match="^vllm_gpu_memory_utilization: 1.0 leaves the colocated trainer no memory"):
-        make_config(RLConfig, {**base, "vllm_num_engines": 1, "vllm_gpu_memory_utilization": 1.0})
-    # With LoRA the engines are synced the adapter alone (tasks.common.nn.engines.vllm_engine), up to vLLM's largest rank.
-    assert make_config(RLConfig, {**base, "vllm_num_engines": 1, "lora_rank": 8, "async_train": True}).lora_rank == 8
-    with pytest.raises(ConfigError, match="^lora_rank: vLLM's LoRA layers hold ranks up to 512, got 600"):
-        make_config(RLConfig, {**base, "vllm_num_engines": 1, "lora_rank": 600})
-    with pytest.raises(ConfigError, match="^async_train: .* vLLM engines with LoRA"):
-        make_config(RLConfig, {**base, "async_train": True, "lora_rank": 8})
-    with pytest.raises(ConfigError, match="^vllm_enable_sleep: only applies to vLLM engines"):
-        make_config(RLConfig, {**base, "vllm_enable_sleep": True})
-
-
-def test_no_reference_model_when_kl_is_off_or_the_actor_is_its_own():
-    base = {
-        "output": "/tmp/x",
-        "pretrain": "m",
-        "prompt_data": "p",
-        "remote_rm_url": "r.py",
-        "advantage_estimator": "rloo",
-        "n_samples_per_prompt": 2,
-    }
-    assert make_config(RLConfig, {**base, "init_kl_coef": 0.0}).roles() == ["actor"]
-    assert make_config(RLConfig, {**base, "init_kl_coef": 0.01}).roles() == ["actor", "ref"]
-    assert make_config(RLConfig, {**base, "init_kl_coef": 0.01, "lora_rank": 4}).roles() == ["actor"]  # its own base
-
-
-def test_the_actor_scores_a_rollout_only_when_the_update_needs_it():
-    """Without KL and with one optimizer update per rollout, the old log-probabilities are the update's own
-    (detached): the actor's scoring pass is skipped. A KL term or a second update brings it back."""
-    base = {
-        "output": "/tmp/x",
-        "pretrain": "m",
-        "prompt_data": "p",
-        "remote_rm_url": "r.py",
-        "advantage_estimator": "group_norm",
-        "n_samples_per_prompt": 4,
-        "rollout_batch_size": 8,
-        "train_batch_size": 32,
-        "max_epochs": 1,
-        "init_kl_coef": 0.0,
-    }
-    assert not make_config(RLConfig, base).needs_old_logprobs()
-    assert make_config(RLConfig, {**base, "init_kl_coef": 0.01}).needs_old_logprobs()
-    assert make_config(RLConfig, {**base, "train_batch_size": 16}).needs_old_logprobs()  # two updates per rollout
-    assert make_config(RLConfig, {**base, "max_epochs": 2}).needs_old_logprobs()
 
 
 @pytest.fixture(scope="module")
