@@ -1,6 +1,6 @@
 """tools/export.py: a run's policy or the champion out of a real S3 emulator as a plain HF folder, verified.
 
-pytest tests/unit/test_export.py
+pytest tests/unit/tools/test_export.py
 """
 
 import subprocess

@@ -1,6 +1,6 @@
 """Progress lines (tasks/common/tracking.py): where a long stage is, between its logged steps.
 
-pytest tests/unit/test_tracking.py
+pytest tests/unit/tasks/common/test_tracking.py
 """
 
 from tasks.common import tracking

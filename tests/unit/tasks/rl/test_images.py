@@ -1,8 +1,8 @@
 """RL and eval on a vision-language model (issue 54), on CPU with the demo's tiny Qwen2-VL built offline: the
 transformers engine generating from the pixels, the log-prob passes scoring the same rows with their images, the
 RL actor and reference workers (DeepSpeed worlds of one, in this process), the guards and the refusals. The vLLM
-path's pure parts are in tests/unit/test_vlm_vllm.py; the stages on Ray and the learning check in
-tests/e2e/test_vlm_stages.py."""
+path's pure parts are in tests/unit/tasks/common/nn/engines/test_vllm_vision.py; the stages on Ray and the learning
+check in tests/e2e/test_vlm_stages.py."""
 
 import json
 

@@ -505,7 +505,7 @@ def test_importance_weights_truncate_or_mask_by_the_ratio_to_the_behaviour_polic
     behaviour = torch.log(torch.tensor([[0.1, 0.4, 0.5, 0.09]]))
     mask = torch.tensor([[1, 1, 1, 0]])
     assert importance_weights(old, behaviour, mask, "tis", cap=2.0).tolist()[0] == pytest.approx([2.0, 0.25, 1.0, 0.0])
-    # mis is IcePop's w inside [1/2, 2], 0 outside: the one token inside has w = 1 (tests/unit/test_losses.py has w ≠ 1).
+    # mis is IcePop's w inside [1/2, 2], 0 outside: the one token inside has w = 1 (test_losses.py has w ≠ 1).
     assert importance_weights(old, behaviour, mask, "mis", cap=2.0).tolist()[0] == pytest.approx([0.0, 0.0, 1.0, 0.0])
     assert importance_weights(old, behaviour, mask, "reject", cap=2.0).tolist()[0] == [False, False, True, False]
     assert importance_weights(old, behaviour, mask, "none") is None

@@ -2,7 +2,7 @@
 adapters' parameter counts worked out by hand, the frozen base, and every way an adapter leaves the process (the
 adapter files, the merged checkpoint, the in-memory weights a vLLM engine loads, the merge cached beside a fetch).
 
-    pytest tests/unit/test_lora.py
+    pytest tests/unit/tasks/common/nn/test_lora.py
 """
 
 import json

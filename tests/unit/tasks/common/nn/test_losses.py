@@ -198,7 +198,7 @@ def test_every_estimator_is_clamped_to_10(kind, far_below, far_above):
 
 
 def test_the_clamp_changes_no_value_inside_the_bound():
-    # r = log 0.25 - log 0.5 (tests/unit/test_math.py): k1 0.693147, k2 0.240227, k3 0.193147; and r = ±2.
+    # r = log 0.25 - log 0.5 (test_kl_estimators, below): k1 0.693147, k2 0.240227, k3 0.193147; and r = ±2.
     logp, ref = T([math.log(0.5), 0.0, 0.0]), T([math.log(0.25), 2.0, -2.0])
     assert kl_estimate(logp, ref, "k1").tolist() == pytest.approx([0.693147, -2.0, 2.0], abs=1e-6)
     assert kl_estimate(logp, ref, "k2").tolist() == pytest.approx([0.240227, 2.0, 2.0], abs=1e-6)

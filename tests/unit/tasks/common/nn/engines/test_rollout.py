@@ -2,7 +2,7 @@
 a step trains on; the first to finish all their samples are kept, the rest aborted and counted.
 
 Here on the transformers engine, whose batched requests all finish in one step (so the first groups in row order are
-kept), a tiny random Llama on the CPU; the vLLM engine's early abort runs in tests/unit/test_vllm_engine.py (GPU).
+kept), a tiny random Llama on the CPU; the vLLM engine's early abort runs in test_vllm_engine.py (GPU).
 """
 
 import pytest

@@ -1,6 +1,6 @@
 """The vLLM path of a vision-language model (issue 54): its pure parts on CPU (placeholder runs collapsed, requests
 built, the ban, the engine's options), the engine itself on a GPU (marked gpu, skipped without CUDA and vllm, as
-tests/unit/test_vllm_engine.py)."""
+test_vllm_engine.py)."""
 
 import importlib.util
 
