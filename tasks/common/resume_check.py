@@ -9,7 +9,8 @@ A resume that exits 0 without doing its remaining updates (verl#7401) commits a 
 a resume whose state does not match the run that wrote it (optimizer state not restored, a changed learning
 rate, a checkpoint with parts from different steps) trains on from the wrong place. Neither shows in the exit
 status. The first is a count; the second shows in the first resumed steps' metrics, against the band of the
-steps the checkpoint remembers. Standard library only: the pure part, unit-tested (tests/unit/test_resume_check.py).
+steps the checkpoint remembers. Standard library only: the pure part, unit-tested
+(tests/unit/tasks/common/test_resume_check.py).
 """
 
 from __future__ import annotations

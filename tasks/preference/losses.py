@@ -1,4 +1,4 @@
-"""DPO's and KTO's losses: small, pure, tensor in, tensor out (tests/unit/test_preference_losses.py checks them by
+"""DPO's and KTO's losses: small, pure, tensor in, tensor out (tests/unit/tasks/preference/test_losses.py checks them by
 hand). Inputs are each sequence's summed log-probabilities of its response tokens, [B].
 
     loss, chosen_rewards, rejected_rewards = dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta=0.1)

@@ -19,8 +19,8 @@ from tasks.common.nn.environment import EpisodeLimits
 from tasks.data import agentic
 from tasks.data.demo import build_base_model
 
-from conftest import REPO, SCRATCH
-from test_stages import flags, run_cli
+from tests.conftest import REPO, SCRATCH
+from tests.e2e.test_stages import flags, run_cli
 
 pytestmark = pytest.mark.e2e
 LIMITS = EpisodeLimits(max_turns=3, max_episode_tokens=64, max_turn_tokens=24)

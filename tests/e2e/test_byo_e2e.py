@@ -4,9 +4,9 @@ A small user-style dataset (tests/tiny_chat.py chat_rows: a `messages` column of
 turns, `chosen` / `rejected` answers, a `label` and an unmapped `id`; about 200 rows, see team_rows) is
 uploaded as JSONL to the S3 emulator beside a tiny chat model (a character tokenizer with a chat template, a
 random-weight Llama), uploaded as a plain transformers folder. The rlhf_pipeline DAG runs
-in this process with dag.test() against the session's Ray head, as test_dag's end-to-end test does, with the
-run form set the way a team would set it for such data: the dataset and base model URIs, the column mapping,
-apply_chat_template, LoRA, method rl with a group estimator, tiny step counts.
+in this process with dag.test() against the session's Ray head, as tests/unit/plugins/test_pipeline.py's end-to-end
+test does, with the run form set the way a team would set it for such data: the dataset and base model URIs, the
+column mapping, apply_chat_template, LoRA, method rl with a group estimator, tiny step counts.
 
 Checked: prepare_data validated the rows (the rows exported twice counted as duplicates and left out), registered
 the data as a version under <prefix>/datasets/<name>/<version>/ and listed it; SFT, the reward model and RL
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from tiny_chat import CHAT_TEMPLATE, build_chat_model, chat_rows
+from tests.tiny_chat import CHAT_TEMPLATE, build_chat_model, chat_rows
 
 pytestmark = pytest.mark.e2e
 

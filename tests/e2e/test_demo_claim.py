@@ -19,8 +19,8 @@ from plugins.form import DEFAULTS
 from tasks.common import manifest as manifests
 from tasks.data import demo
 
-from conftest import SCRATCH
-from test_stages import flags, run_cli
+from tests.conftest import SCRATCH
+from tests.e2e.test_stages import flags, run_cli
 
 pytestmark = pytest.mark.slow
 ROOT = SCRATCH / "demo-claim"

@@ -19,7 +19,7 @@ from plugins.stage_cli import submission_id_for
 from tasks.data import demo
 from tools import readme_table
 
-from conftest import REPO
+from tests.conftest import REPO
 
 pytestmark = pytest.mark.e2e
 STAGES = ["prepare_data", "sft", "reward_model", "rl", "eval"]

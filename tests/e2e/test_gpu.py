@@ -39,8 +39,8 @@ import torch
 
 from tasks.common import manifest as manifests
 
-from conftest import REPO, SCRATCH, free_port
-from test_stages import cli_env, flags
+from tests.conftest import REPO, SCRATCH, free_port
+from tests.e2e.test_stages import cli_env, flags
 
 pytestmark = [
     pytest.mark.gpu,

@@ -22,9 +22,9 @@ import pytest
 
 from tasks.common import manifest as manifests
 
-from conftest import REPO, SCRATCH
-from test_demo_claim import DEMO_METRICS, dag_default_flags, demo_models
-from test_stages import flags, run_cli
+from tests.conftest import REPO, SCRATCH
+from tests.e2e.test_demo_claim import DEMO_METRICS, dag_default_flags, demo_models
+from tests.e2e.test_stages import flags, run_cli
 
 pytestmark = pytest.mark.e2e
 ROOT = SCRATCH / "learning"

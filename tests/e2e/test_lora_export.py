@@ -25,7 +25,7 @@ from tasks.reward_model.config import RewardModelConfig
 from tasks.rl.config import RLConfig
 from tasks.sft.config import SFTConfig
 
-from tiny_chat import build_chat_model, chat_rows
+from tests.tiny_chat import build_chat_model, chat_rows
 
 LORA = {"lora_rank": 4, "lora_alpha": 8}
 PROBES = [[1, 20, 30, 40, 50, 60, 70], [1, 23, 33, 43, 53]]  # token ids scored by both sides of each comparison

@@ -27,9 +27,9 @@ from tools.stack.config import Config, process_env
 from tools.stack.health import http_get, wait_healthy
 from tools.stack.processes import launch, live_pids, log_file, ray_command, remove_scratch, stop_process, tail
 
-from conftest import REPO, SCRATCH, _stack_port, head_config, ray_headers
-from test_stack import LOOPBACK_IPS, _listening
-from test_stages import flags, metrics_of, run_cli
+from tests.conftest import REPO, SCRATCH, _stack_port, head_config, ray_headers
+from tests.e2e.test_stack import LOOPBACK_IPS, _listening
+from tests.e2e.test_stages import flags, metrics_of, run_cli
 
 # `ray start` for a joining node, except that it keeps 127.0.0.1 as given: stock `ray start` turns a
 # loopback --address / --node-ip-address into the machine's outward address (a real second machine

@@ -162,7 +162,7 @@ def test_a_failed_stage_reruns_alone_from_its_checkpoint_across_restarts(demo_ru
     assert any(k.endswith(f"/{damaged}") for k in aside) and any(k.endswith("/manifest.json") for k in aside)
 
 
-@pytest.mark.slow  # make test-all (27 s); make test stops a job on kill in tests/unit/test_operator.py
+@pytest.mark.slow  # make test-all (27 s); make test stops a job on kill in tests/unit/plugins/test_operators.py
 @pytest.mark.parametrize("target", ["task", "run"])
 def test_marking_failed_stops_the_ray_job(target, demo_run):
     live, dag_id = demo_run.live, "rlhf_pipeline"

@@ -24,7 +24,7 @@ from plugins.triggers import RayJobTrigger
 from tasks.common import names
 from tools.stack.config import Config, conn_ray, process_env, ray_token, ray_token_file, stack_env
 
-from conftest import REPO
+from tests.conftest import REPO
 
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 

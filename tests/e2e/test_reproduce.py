@@ -23,7 +23,7 @@ from tasks.data.config import PrepareDataConfig
 from tasks.reproduce import rerun as reproduce
 from tasks.sft.config import SFTConfig
 
-from conftest import REPO, SCRATCH
+from tests.conftest import REPO, SCRATCH
 
 CODE = "reproduce-test-v1"  # the code version every run here records (not the checkout's HEAD, which may move)
 

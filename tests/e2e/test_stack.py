@@ -21,7 +21,7 @@ from tools.stack.health import airflow_health, wait_healthy
 from tools.stack.processes import remove_scratch, running, start_ray, stop_process
 from tools.stack.s3 import s3_client
 
-from conftest import REPO, STACK_CMD, _stack_port, head_config, stack_subprocess_env
+from tests.conftest import REPO, STACK_CMD, _stack_port, head_config, stack_subprocess_env
 
 LOOPBACK_IPS = {"127.0.0.1", "::ffff:127.0.0.1", "::1"}
 

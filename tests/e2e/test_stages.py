@@ -23,7 +23,7 @@ from tasks.data.__main__ import prepare
 from tasks.data.config import PrepareDataConfig
 from tasks.sft.config import SFTConfig
 
-from conftest import REPO, SCRATCH
+from tests.conftest import REPO, SCRATCH
 
 
 def cli_env(ray: str = "") -> dict:

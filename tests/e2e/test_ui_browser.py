@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SCRATCH
+from tests.conftest import SCRATCH
 
 # make test-all: a browser drives the trigger form through a whole run (90 s); make test triggers runs
 # through the REST API (tests/e2e/test_e2e.py)

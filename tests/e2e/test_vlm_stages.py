@@ -26,7 +26,7 @@ from tasks.data import demo_vlm
 from tasks.eval.config import EvalConfig
 from tasks.rl.config import RLConfig
 
-from conftest import REPO
+from tests.conftest import REPO
 
 EXACT = str(REPO / "tasks" / "data" / "demo_vlm_reward.py")
 ZERO = str(REPO / "tests" / "rewards" / "zero_reward.py")

@@ -20,8 +20,8 @@ from tasks.common.nn.engines.hf_engine import HFRolloutEngine
 from tasks.common.nn.engines.rollout import Rollout, response_mask
 from tasks.data import demo
 
-from conftest import REPO
-from tiny_chat import CHARACTERS, SPECIAL_TOKENS, build_chat_model, build_tokenizer, chat_rows
+from tests.conftest import REPO
+from tests.tiny_chat import CHARACTERS, SPECIAL_TOKENS, build_chat_model, build_tokenizer, chat_rows
 
 BOS, USER, ASSISTANT, SYSTEM, END, EOS, PAD = 1, 4, 5, 6, 7, 2, 0
 CONVERSATION = [

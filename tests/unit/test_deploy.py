@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO
+from tests.conftest import REPO
 
 BIN = Path(sys.executable).parent
 DOCKER = REPO / "docker"

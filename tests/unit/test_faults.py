@@ -32,7 +32,7 @@ from tasks.common.nn.workers import busy_resources
 from tasks.data.__main__ import prepare
 from tasks.data.config import PrepareDataConfig
 
-from conftest import free_port
+from tests.conftest import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}

@@ -3,8 +3,8 @@ inside functions too (a deferred import is still a dependency).
 
 - a stage package (tasks/<stage>/) imports tasks.common and itself, never another stage;
 - tasks.common imports no stage;
-- tasks never imports airflow; plugins and dags never import torch or its kin (test_operator also checks what
-  plugins load at run time);
+- tasks never imports airflow; plugins and dags never import torch or its kin (tests/unit/plugins/test_operators.py
+  also checks what plugins load at run time);
 - tasks.common.stages names each stage's config class and work function exactly as its __main__ hands them to
   tasks.common.stage.main.
 """

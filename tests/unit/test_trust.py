@@ -16,7 +16,7 @@ from tasks.eval.config import EvalConfig
 from tasks.eval.judge import ChatJudge, JudgeError
 from tasks.rl.config import RLConfig
 
-from json_server import JSONServer
+from tests.json_server import JSONServer
 
 ENV_V1 = "class Environment:\n    def reset(self, row):\n        return 'v1'\n\n    def step(self, action):\n        return '', 1.0, True, {}\n"
 ENV_V2 = ENV_V1.replace("v1", "v2")

@@ -3,5 +3,5 @@ the losses (losses), rollouts and the HF rollout engine (rollout), the DeepSpeed
 worker groups (workers) and LoRA adapters (lora).
 
 Everything directly in tasks/common needs only the standard library and yaml, so the Airflow side imports it;
-everything here needs torch (tests/unit/test_operator.py keeps the line).
+everything here needs torch (tests/unit/plugins/test_operators.py keeps the line).
 """

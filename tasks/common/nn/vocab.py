@@ -72,7 +72,8 @@ def head_logprobs(
     The logits are the largest tensor of a causal LM's step (8 × 2048 tokens × a 152k vocabulary is 10 GB in
     float32, and eager backward makes two more); here each chunk's logits are made, reduced to log-probs and
     dropped, and the backward pass remakes them one chunk at a time (activation checkpointing), so the peak is
-    one chunk's. The same numbers as the full-logits path, to float rounding (tests/unit/test_math.py)."""
+    one chunk's. The same numbers as the full-logits path, to float rounding
+    (tests/unit/tasks/common/nn/test_vocab.py)."""
     shape = labels.shape
     flat_hidden, flat_labels = hidden.reshape(-1, hidden.size(-1)), labels.reshape(-1)
     checkpointed = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in _parameters(head)))
