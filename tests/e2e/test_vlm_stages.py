@@ -8,7 +8,8 @@ wrong. Then:
     --freeze_visual_encoder, then eval of its output against the start on held-out prompts;
   - the learning check (slow): on two seeds, GRPO with the exact-match reward and the control with a zero reward,
     the same steps and flags; held-out sampled accuracy (eval's sampled_exact_match, 4 samples of each of 200
-    prompts) of the rewarded policy is at least 10 points above the control's.
+    prompts) of the rewarded policy is at least 10 points above the control's. Measured at the commit that wrote
+    this: seed 0, 0.599 against 0.240; seed 1, 0.895 against 0.522.
 """
 
 import json
@@ -173,7 +174,7 @@ def manifest_dir(manifest: dict):
     return Path(manifest["uri"].removesuffix("manifest.json"))
 
 
-@pytest.mark.slow  # about 40 s a seed on 2 cores (two RL runs of 40 steps, two evals)
+@pytest.mark.slow  # 2 min 20 s (seed 0) and 5 min 44 s (seed 1, beside other work) on 2 cores, the head's start in
 @pytest.mark.parametrize("seed", [0, 1])
 def test_rl_with_a_verifiable_reward_reads_the_colour_better_than_a_zero_reward_control(env, seed):
     """The learning check of the VLM path (issue 54, item 7): the same GRPO steps from the same start, rewarded for
