@@ -74,6 +74,27 @@ def test_the_engine_samples_from_the_pixels_and_reports_the_log_probs_the_traine
     assert not torch.allclose(a[0], b[0])
 
 
+def test_the_checkpoints_own_generation_settings_do_not_change_what_the_engine_samples(folder, rows):
+    """A checkpoint's generation_config (Qwen2-VL-Instruct's carries top_k 1 and a repetition penalty) is not the
+    policy: the engine samples from the model's distribution at the rollout's temperature whatever it says, so its
+    log-probabilities stay the trainer's and the samples of one prompt differ."""
+    processor, model = vision.load_processor(folder), vision.load_vision_lm(folder).eval()
+    settings = model.generation_config
+    settings.top_k, settings.repetition_penalty, settings.no_repeat_ngram_size = 1, 5.0, 1
+    engine = make_engine(
+        "transformers", processor.tokenizer, module=model, device=torch.device("cpu"), processor=processor
+    )
+    ids = encoded(processor, rows[:1]) * 8
+    torch.manual_seed(0)
+    rollout = engine.generate(ids, 4, images=[rows[0]["images"]] * 8)
+    trained = VisionRows.of(processor).logprobs(
+        model, rollout.sequences, rollout.attention_mask, rollout.images, start=rollout.prompt_width - 1
+    )
+    assert torch.allclose(trained * rollout.response_mask, rollout.logprobs, atol=1e-5)
+    assert len({tuple(r) for r in rollout.responses.tolist()}) > 1
+    assert model.generation_config.top_k == 1  # the checkpoint's own settings are left as they were
+
+
 def _prompt_batch(ids, processor):
     from tasks.common.nn.data import pad
 
