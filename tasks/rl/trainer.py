@@ -458,6 +458,8 @@ def train(cfg: RLConfig, run: StageRun) -> None:
             **final,
             "steps": controller.steps,
             "truncated": controller.prompts.truncated,
+            # a vision-language policy's prompts too long with their image tokens: dropped, never cut
+            **({"prompts_dropped": controller.prompts.dropped} if controller.vision else {}),
             "actor_workers": groups["actor"].world_size,
             "ref_workers": groups["ref"].world_size if "ref" in groups else 0,
         },

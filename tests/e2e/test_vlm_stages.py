@@ -147,7 +147,7 @@ def test_rl_and_eval_run_on_a_vlm_with_its_images_and_a_frozen_tower(env):
     begin = start(env, seed=0)
     out = rl(env, begin, "smoke-rl", EXACT, seed=0, max_steps=2, freeze_visual_encoder=True)
     m = manifests.read_manifest(out)
-    assert m["metrics"]["steps"] == 2 and m["metrics"]["ref_workers"] == 0
+    assert m["metrics"]["steps"] == 2 and m["metrics"]["ref_workers"] == 0 and m["metrics"]["prompts_dropped"] == 0
     path = stage_model(out)
     assert vision.load_processor(path).image_processor.patch_size == demo_vlm.PATCH_SIZE
     trained, base = vision.load_vision_lm(path), vision.load_vision_lm(begin["sft"])
