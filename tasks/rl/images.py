@@ -1,8 +1,9 @@
 """The RL stage on a vision-language policy (issue 54): its prompts with their images, and the flags it refuses.
 
-    refuse_for_vision(cfg)                               # one line naming the flag and the fix, before any worker
-    prompts = load_vision_prompts(cfg, run, processor)   # Prompts with .images; too long: dropped, never cut
-    cfg.max_images_per_prompt = images_limit(cfg, prompts)   # what a vLLM engine is sized for
+    cfg, tokenizer, prompts = vision_setup(cfg, run, path)   # the controller's start on a VLM policy:
+    refuse_for_vision(cfg)                               #   one line naming the flag and the fix, before any worker
+    prompts = load_vision_prompts(cfg, run, processor)   #   Prompts with .images; too long: dropped, never cut
+    images_limit(cfg, prompts)                           #   what a vLLM engine is sized for (--max_images_per_prompt)
 
 The prompts flow through the rollout with their images (Rollout.images, Experience.images): the engines generate
 from the pixels, and every log-prob pass (old, reference, update) feeds the same images, the model computing its
@@ -11,6 +12,8 @@ the VLM, which is not built.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from tasks.common.config import ConfigError
 from tasks.common.nn import data, vision
@@ -57,6 +60,21 @@ def refuse_for_vision(cfg: RLConfig) -> None:
     for bad, message in problems:
         if bad:
             raise ConfigError(message)
+
+
+def vision_setup(cfg: RLConfig, run: StageRun, path: str) -> tuple[RLConfig, object, Prompts]:
+    """(the config with --max_images_per_prompt resolved, the tokenizer, the prompts with their images) of a
+    vision-language policy at `path`, after refusing what RL does not do on one."""
+    refuse_for_vision(cfg)
+    processor = vision.load_processor(path)
+    prompts = load_vision_prompts(cfg, run, processor)
+    cfg = dataclasses.replace(cfg, max_images_per_prompt=images_limit(cfg, prompts))
+    print(
+        f"rl: a vision-language policy; prompts carry up to {cfg.max_images_per_prompt} image(s), "
+        f"{prompts.dropped} dropped as longer than {cfg.prompt_max_len} tokens with their images",
+        flush=True,
+    )
+    return cfg, processor.tokenizer, prompts
 
 
 def refuse_for_text(cfg: RLConfig) -> None:
