@@ -7,8 +7,8 @@
 
 The prompts flow through the rollout with their images (Rollout.images, Experience.images): the engines generate
 from the pixels, and every log-prob pass (old, reference, update) feeds the same images, the model computing its
-own positions (tasks/common/nn/vision_passes.py). Critic-free estimators only: a critic would be a value head on
-the VLM, which is not built.
+own positions (tasks/common/nn/vision_passes.py). Every estimator: GAE's critic is the VLM with a value head
+(tasks/rl/vision_critic.py), started from the policy or --critic_pretrain (a VLM too; a reward model is refused).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import dataclasses
 from tasks.common.config import ConfigError
 from tasks.common.nn import data, vision
 from tasks.common.stage import StageRun
-from tasks.rl.config import GROUP_ESTIMATORS, RLConfig
+from tasks.rl.config import GROUP_ESTIMATORS, RLConfig, uses_critic
 from tasks.rl.prompts import Prompts
 
 CRITIC_FREE = ", ".join(["group_norm (GRPO)", *[e for e in GROUP_ESTIMATORS if e != "group_norm"], "reinforce"])
@@ -28,9 +28,14 @@ def refuse_for_vision(cfg: RLConfig) -> None:
     """What RL does not do on a vision-language policy yet, each refused in one line naming the fix."""
     problems = [
         (
-            cfg.advantage_estimator == "gae",
-            "advantage_estimator: gae needs a critic, a value head on this vision-language policy, which is not "
-            f"built; use a critic-free one: --advantage_estimator {CRITIC_FREE}",
+            uses_critic(cfg.advantage_estimator) and bool(cfg.lora_rank),
+            "lora_rank: a vision-language policy's critic (the VLM with a value head) trains in full; drop "
+            f"--lora_rank, or use a critic-free estimator: --advantage_estimator {CRITIC_FREE}",
+        ),
+        (
+            uses_critic(cfg.advantage_estimator) and cfg.save_value_network,
+            "save_value_network: a vision-language policy's critic (the VLM with a value head) is not exported; "
+            "drop --save_value_network",
         ),
         (
             cfg.packing_samples,

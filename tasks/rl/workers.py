@@ -13,6 +13,7 @@ import threading
 
 import torch
 
+from tasks.common.config import ConfigError
 from tasks.common.nn import lora
 from tasks.common.nn.engines import make_engine
 from tasks.common.nn.engines.rollout import Rollout
@@ -259,14 +260,33 @@ def vllm_engine_for(cfg: RLConfig, path: str, tokenizer, seed: int, processor=No
 
 
 class CriticWorker(Trainer):
-    """The value model: V(s) per response token, fitted to the returns."""
+    """The value model: V(s) per response token, fitted to the returns. A vision-language policy's is the VLM with a
+    value head (tasks/rl/vision_critic.py), fed each row's images."""
+
+    vision = None  # a vision-language critic's VisionRows
 
     def setup(self, cfg: RLConfig, critic_uri: str, total_updates: int) -> None:
         self.cfg = cfg
         path = resolve_model(critic_uri)
-        self.tokenizer = load_tokenizer(path)
         self.strategy = DeepSpeedStrategy.for_training(cfg, self.world_size)
-        model = lora.apply_lora(load_scalar_model(path, **kernels(cfg)), cfg, scalar=True)
+        if is_vision_model(path):
+            from tasks.common.nn import vision
+            from tasks.common.nn.vision_passes import VisionRows
+            from tasks.rl.vision_critic import VisionValueModel
+
+            processor = vision.load_processor(path)
+            self.tokenizer, self.vision = processor.tokenizer, VisionRows.of(processor)
+            model = VisionValueModel(vision.load_vision_lm(path, flash_attn=cfg.flash_attn))
+            if cfg.freeze_visual_encoder:
+                vision.freeze_visual_encoder(model)
+        else:
+            if is_vision_model(resolve_model(cfg.pretrain)):
+                raise ConfigError(
+                    f"critic_pretrain: {critic_uri} is a text model, which cannot value a vision-language policy's "
+                    "rollouts; pass a vision-language model, or drop --critic_pretrain (the critic starts from the policy)"
+                )
+            self.tokenizer = load_tokenizer(path)
+            model = lora.apply_lora(load_scalar_model(path, **kernels(cfg)), cfg, scalar=True)
         self.engine = self.strategy.prepare(model, cfg.critic_learning_rate, total_updates, cfg.lr_warmup_steps)
         self.micro = self.strategy.micro_batch_size
 
@@ -276,9 +296,7 @@ class CriticWorker(Trainer):
         out = []
         for r in chunks(rollout, self.cfg.micro_rollout_batch_size):
             mask = r.attention_mask.to(self.strategy.device)
-            v = response_values(
-                self.engine.module, r.sequences.to(self.strategy.device), mask, r.prompt_width, self.cfg.packing_samples
-            )
+            v = self._values(r.sequences.to(self.strategy.device), mask, r.prompt_width, r.images)
             out.append((v * r.response_mask.to(v.device)).cpu())
         return torch.cat(out)
 
@@ -293,9 +311,7 @@ class CriticWorker(Trainer):
             )  # each loss its share of the minibatch's
             share = 0.0
             for mb, _ in self._micro_steps(minibatch):
-                values = response_values(
-                    self.engine.module, mb.sequences, mb.attention_mask, mb.prompt_width, self.cfg.packing_samples
-                )
+                values = self._values(mb.sequences, mb.attention_mask, mb.prompt_width, mb.images)
                 v_loss, v_clip = value_loss(
                     values, mb.values, mb.returns, mb.action_mask, self.cfg.value_clip, normalizer=tokens
                 )
@@ -308,6 +324,13 @@ class CriticWorker(Trainer):
             if by_tokens:
                 stats["value_loss"].append(share)
         return self._mean_stats(stats)
+
+    def _values(self, sequences, attention_mask, prompt_width: int, images) -> torch.Tensor:
+        if self.vision is not None:
+            from tasks.rl.vision_critic import response_values as vision_values
+
+            return vision_values(self.engine.module, self.vision, sequences, attention_mask, images, prompt_width)
+        return response_values(self.engine.module, sequences, attention_mask, prompt_width, self.cfg.packing_samples)
 
     def save_model(self, out_dir: str) -> None:
         # Always full weights: critic/ is not a stage's model/ and has no manifest entry naming a base.

@@ -193,3 +193,25 @@ def test_rl_with_a_verifiable_reward_reads_the_colour_better_than_a_zero_reward_
         flush=True,
     )
     assert gain >= 0.10, (rewarded["metrics"], control["metrics"])
+
+
+def test_ppo_with_a_critic_runs_on_a_vlm(env):
+    """GAE through the RL stage on Ray: a critic group (the VLM with a value head, from the policy) values the
+    rollouts with their images beside the actor."""
+    begin = start(env, seed=0)
+    out = rl(
+        env,
+        begin,
+        "gae-rl",
+        EXACT,
+        seed=0,
+        max_steps=2,
+        advantage_estimator="gae",
+        n_samples_per_prompt=1,
+        train_batch_size=16,
+    )
+    logged = [
+        json.loads(line)
+        for line in (manifest_dir(manifests.read_manifest(out)) / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [r["step"] for r in logged if "value_loss" in r] == [1, 2]

@@ -228,10 +228,8 @@ def test_prompts_keep_their_images_drop_what_is_too_long_and_name_a_row_whose_co
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (
-            {},
-            "^advantage_estimator: gae needs a critic, .* --advantage_estimator group_norm \\(GRPO\\), reinforce_baseline",
-        ),
+        ({"lora_rank": 4}, "^lora_rank: a vision-language policy's critic .* trains in full; .* group_norm \\(GRPO\\)"),
+        ({"save_value_network": True}, "^save_value_network: a vision-language policy's critic .* is not exported"),
         ({"packing_samples": True}, "^packing_samples: a vision-language policy's rows cannot be packed"),
         ({"env_path": "calculator"}, "^env_path: an environment's observations carry no images"),
         ({"async_train": True}, "^async_train: rollout engines of their own take no images yet"),
@@ -245,11 +243,13 @@ def test_prompts_keep_their_images_drop_what_is_too_long_and_name_a_row_whose_co
 def test_what_rl_does_not_do_on_a_vlm_is_refused_in_one_line(flags, message):
     from tasks.rl.images import refuse_for_vision
 
-    estimator = {} if not flags else {"advantage_estimator": "group_norm", "n_samples_per_prompt": 2}
+    gae = "lora_rank" in flags or "save_value_network" in flags
+    estimator = {} if gae else {"advantage_estimator": "group_norm", "n_samples_per_prompt": 2}
     cfg = make_config(RLConfig, _flags("m", "p", **estimator, **flags))
     with pytest.raises(ConfigError, match=message):
         refuse_for_vision(cfg)
     refuse_for_vision(make_config(RLConfig, _flags("m", "p", advantage_estimator="rloo", n_samples_per_prompt=2)))
+    refuse_for_vision(make_config(RLConfig, _flags("m", "p")))  # gae: the VLM critic (tasks/rl/vision_critic.py)
 
 
 def rl_config(folder, data, **extra) -> RLConfig:
@@ -340,3 +340,37 @@ def test_ppo_ptx_on_a_vlm_adds_the_sft_loss_of_rows_with_their_images(folder, ro
     exp = make_experience(rollout, logprobs, logprobs, None, torch.tensor([1.0, 0.0] * 4), cfg, 0.0)
     stats = worker.train([exp], 0.0)
     assert 0 < stats["ptx_loss"] < 20
+
+
+def test_gae_on_a_vlm_values_each_row_with_its_images_and_fits_the_returns(folder, rows, tmp_path):
+    """PPO with a critic on the demo VLM: the critic (the VLM's backbone with a value head of zeros, from the
+    policy) values the rollout's rows with their images, GAE turns the rewards into advantages, the actor and the
+    critic each take a step, the critic's values move toward the returns and its frozen tower stays."""
+    from tasks.rl.actor import ActorWorker
+    from tasks.rl.images import load_vision_prompts
+    from tasks.rl.workers import CriticWorker
+
+    data = write_rows(tmp_path / "p.jsonl", rows)
+    cfg = rl_config(folder, data, advantage_estimator="gae", n_samples_per_prompt=1, rollout_batch_size=8)
+    cfg = make_config(RLConfig, {**cfg.__dict__, "freeze_visual_encoder": True, "critic_learning_rate": 1e-3})
+    prompts = load_vision_prompts(cfg, Inputs(), vision.load_processor(folder))
+    actor, critic = ActorWorker(0, 1, None, 1), CriticWorker(0, 1, None, 1)
+    actor.setup(cfg, 4)
+    critic.setup(cfg, folder, 4)
+    rollout = actor.generate_vision([(prompts.ids[i], prompts.images[i]) for i in range(8)])
+    values = critic.values(rollout)
+    assert values.shape == rollout.response_mask.shape and values.abs().max() == 0  # a head of zeros
+    logprobs = actor.logprobs(rollout)
+    exp = make_experience(rollout, logprobs, logprobs, values, torch.tensor([1.0, 0.0] * 4), cfg, 0.0)
+    assert (exp.advantages * exp.action_mask).abs().sum() > 0
+    tower = {n: p.detach().clone() for n, p in critic.engine.module.named_parameters() if ".visual." in f".{n}"}
+    assert tower and actor.train([exp], 0.0)["grad_norm"] > 0
+
+    def error(v):  # the values' squared distance to the returns, unclipped
+        return (((v - exp.returns) ** 2) * exp.action_mask).sum() / exp.action_mask.sum()
+
+    before = error(values)
+    for _ in range(3):
+        stats = critic.train([exp])
+    assert stats["value_loss"] > 0 and error(critic.values(rollout)) < before
+    assert all(torch.equal(p, tower[n]) for n, p in critic.engine.module.named_parameters() if n in tower)
