@@ -17,6 +17,7 @@ import dataclasses
 
 from tasks.common.config import ConfigError
 from tasks.common.nn import data, vision
+from tasks.common.nn.models import is_vision_model, resolve_model
 from tasks.common.stage import StageRun
 from tasks.rl.config import GROUP_ESTIMATORS, RLConfig, uses_critic
 from tasks.rl.prompts import Prompts
@@ -71,6 +72,13 @@ def vision_setup(cfg: RLConfig, run: StageRun, path: str) -> tuple[RLConfig, obj
     """(the config with --max_images_per_prompt resolved, the tokenizer, the prompts with their images) of a
     vision-language policy at `path`, after refusing what RL does not do on one."""
     refuse_for_vision(cfg)
+    if uses_critic(cfg.advantage_estimator) and cfg.critic_pretrain:
+        critic = resolve_model(run.input("critic_pretrain", cfg.critic_pretrain))
+        if not is_vision_model(critic):
+            raise ConfigError(
+                f"critic_pretrain: {cfg.critic_pretrain} is a text model, which cannot value a vision-language "
+                "policy's rollouts; pass a vision-language model, or drop --critic_pretrain (the critic starts from the policy)"
+            )
     processor = vision.load_processor(path)
     prompts = load_vision_prompts(cfg, run, processor)
     cfg = dataclasses.replace(cfg, max_images_per_prompt=images_limit(cfg, prompts))

@@ -13,7 +13,6 @@ import threading
 
 import torch
 
-from tasks.common.config import ConfigError
 from tasks.common.nn import lora
 from tasks.common.nn.engines import make_engine
 from tasks.common.nn.engines.rollout import Rollout
@@ -280,11 +279,6 @@ class CriticWorker(Trainer):
             if cfg.freeze_visual_encoder:
                 vision.freeze_visual_encoder(model)
         else:
-            if is_vision_model(resolve_model(cfg.pretrain)):
-                raise ConfigError(
-                    f"critic_pretrain: {critic_uri} is a text model, which cannot value a vision-language policy's "
-                    "rollouts; pass a vision-language model, or drop --critic_pretrain (the critic starts from the policy)"
-                )
             self.tokenizer = load_tokenizer(path)
             model = lora.apply_lora(load_scalar_model(path, **kernels(cfg)), cfg, scalar=True)
         self.engine = self.strategy.prepare(model, cfg.critic_learning_rate, total_updates, cfg.lr_warmup_steps)

@@ -5,7 +5,8 @@ so only the pixels tell) after a short SFT, done here in seconds with the SFT st
 (supervised.vlm_micro_batch_loss): it answers with a colour's letter, greedy mostly right, sampled (T = 1) often
 wrong. Then:
   - the stages' smoke test: GRPO with the exact-match reward (tasks/data/demo_vlm_reward.py) for two steps with
-    --freeze_visual_encoder, then eval of its output against the start on held-out prompts;
+    --freeze_visual_encoder, then eval of its output against the start on held-out prompts; and two PPO steps with
+    the VLM critic (GAE);
   - the learning check (slow): on two seeds, GRPO with the exact-match reward and the control with a zero reward,
     the same steps and flags; held-out sampled accuracy (eval's sampled_exact_match, 4 samples of each of 200
     prompts) of the rewarded policy is at least 10 points above the control's. Measured at the commit that wrote

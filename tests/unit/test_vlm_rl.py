@@ -374,3 +374,16 @@ def test_gae_on_a_vlm_values_each_row_with_its_images_and_fits_the_returns(folde
         stats = critic.train([exp])
     assert stats["value_loss"] > 0 and error(critic.values(rollout)) < before
     assert all(torch.equal(p, tower[n]) for n, p in critic.engine.module.named_parameters() if n in tower)
+
+
+def test_a_text_critic_for_a_vlm_policy_is_refused_naming_the_fix(folder, rows, tmp_path):
+    from tasks.data import demo
+    from tasks.rl.images import vision_setup
+
+    demo.build_base_model(demo.build_tokenizer()).save_pretrained(tmp_path / "text")
+    data = write_rows(tmp_path / "p.jsonl", rows)
+    cfg = make_config(RLConfig, _flags(folder, data, critic_pretrain=str(tmp_path / "text")))
+    with pytest.raises(ConfigError, match="^critic_pretrain: .* is a text model, which cannot value a vision-language"):
+        vision_setup(cfg, Inputs(), folder)
+    cfg, tokenizer, prompts = vision_setup(make_config(RLConfig, _flags(folder, data)), Inputs(), folder)
+    assert cfg.max_images_per_prompt == 1 and len(prompts.images) == len(rows) and tokenizer.pad_token_id is not None
