@@ -53,11 +53,6 @@ def refuse_for_vision(cfg: RLConfig) -> None:
             "--over_sampling_batch_size for a vision-language policy",
         ),
         (
-            cfg.separate_engines(),
-            "async_train: rollout engines of their own take no images yet; for a vision-language policy generate "
-            "inside the actor workers (--colocate_all_models with vLLM), or drop --async_train",
-        ),
-        (
             bool(cfg.reward_pretrain) and not cfg.remote_rm_url,
             "reward_pretrain: this stage's reward models score text, and a vision-language policy's rollouts "
             "carry images; score them with --remote_rm_url (a reward function file or endpoint)",

@@ -5,8 +5,8 @@ so only the pixels tell) after a short SFT, done here in seconds with the SFT st
 (supervised.vlm_micro_batch_loss): it answers with a colour's letter, greedy mostly right, sampled (T = 1) often
 wrong. Then:
   - the stages' smoke test: GRPO with the exact-match reward (tasks/data/demo_vlm_reward.py) for two steps with
-    --freeze_visual_encoder, then eval of its output against the start on held-out prompts; and two PPO steps with
-    the VLM critic (GAE);
+    --freeze_visual_encoder, then eval of its output against the start on held-out prompts; two PPO steps with
+    the VLM critic (GAE); three --async_train steps on a rollout engine of its own;
   - the learning check (slow): on two seeds, GRPO with the exact-match reward and the control with a zero reward,
     the same steps and flags; held-out sampled accuracy (eval's sampled_exact_match, 4 samples of each of 200
     prompts) of the rewarded policy is at least 10 points above the control's. Measured at the commit that wrote
@@ -216,3 +216,16 @@ def test_ppo_with_a_critic_runs_on_a_vlm(env):
         for line in (manifest_dir(manifests.read_manifest(out)) / "metrics.jsonl").read_text().splitlines()
     ]
     assert [r["step"] for r in logged if "value_loss" in r] == [1, 2]
+
+
+def test_async_rl_on_a_vlm_generates_on_an_engine_of_its_own(env):
+    """--async_train through the RL stage on Ray: a transformers engine of its own generates the next rollout from
+    the prompts' images while the actor trains, fed the actor's weights after each update."""
+    begin = start(env, seed=0)
+    out = rl(env, begin, "async-rl", EXACT, seed=0, max_steps=3, async_train=True)
+    logged = [
+        json.loads(line)
+        for line in (manifest_dir(manifests.read_manifest(out)) / "metrics.jsonl").read_text().splitlines()
+    ]
+    stale = [r["staleness"] for r in logged if "staleness" in r]
+    assert len(stale) == 3 and max(stale) <= 1

@@ -232,7 +232,6 @@ def test_prompts_keep_their_images_drop_what_is_too_long_and_name_a_row_whose_co
         ({"save_value_network": True}, "^save_value_network: a vision-language policy's critic .* is not exported"),
         ({"packing_samples": True}, "^packing_samples: a vision-language policy's rows cannot be packed"),
         ({"env_path": "calculator"}, "^env_path: an environment's observations carry no images"),
-        ({"async_train": True}, "^async_train: rollout engines of their own take no images yet"),
         (
             {"over_sampling_batch_size": 8, "rollout_batch_size": 4, "train_batch_size": 8},
             "^over_sampling_batch_size: its request-by-request engine calls carry no images",
@@ -387,3 +386,28 @@ def test_a_text_critic_for_a_vlm_policy_is_refused_naming_the_fix(folder, rows, 
         vision_setup(cfg, Inputs(), folder)
     cfg, tokenizer, prompts = vision_setup(make_config(RLConfig, _flags(folder, data)), Inputs(), folder)
     assert cfg.max_images_per_prompt == 1 and len(prompts.images) == len(rows) and tokenizer.pad_token_id is not None
+
+
+def test_a_rollout_engine_of_its_own_generates_from_the_images_and_takes_the_actors_weights(folder, rows, tmp_path):
+    """--async_train on a vision-language policy: the transformers engine of its own (RolloutEngineWorker) generates
+    from each prompt's images, tags the tokens with its weight version, and after the actor's full weights arrive
+    (ActorWorker.engine_state) its log-probabilities are the trained actor's."""
+    from tasks.rl.actor import ActorWorker
+    from tasks.rl.images import load_vision_prompts
+    from tasks.rl.workers import RolloutEngineWorker
+
+    cfg = rl_config(folder, write_rows(tmp_path / "p.jsonl", rows), async_train=True)
+    prompts = load_vision_prompts(cfg, Inputs(), vision.load_processor(folder))
+    items = [(prompts.ids[i], prompts.images[i]) for i in range(4) for _ in range(2)]
+    actor, engine = ActorWorker(0, 1, None, 1), RolloutEngineWorker(0, 1, None, 1)
+    actor.setup(cfg, 4)
+    engine.setup(cfg)
+    rollout = engine.generate_vision(items)
+    assert rollout.images == [images for _, images in items] and rollout.versions.unique().tolist() == [0]
+    logprobs = actor.logprobs(rollout)
+    exp = make_experience(rollout, logprobs, logprobs, None, torch.tensor([1.0, 0.0] * 4), cfg, 0.0)
+    actor.train([exp], 0.0)
+    engine.load_state(actor.engine_state(), 1)
+    rollout = engine.generate_vision(items)
+    assert rollout.versions.unique().tolist() == [1]
+    assert torch.allclose(actor.logprobs(rollout) * rollout.response_mask, rollout.logprobs, atol=1e-5)
