@@ -1,21 +1,25 @@
 """The RL stage on a vision-language policy (issue 54): its prompts with their images, and the flags it refuses.
 
-    refuse_for_vision(cfg)                               # one line naming the flag and the fix, before any worker
-    prompts = load_vision_prompts(cfg, run, processor)   # Prompts with .images; too long: dropped, never cut
-    cfg.max_images_per_prompt = images_limit(cfg, prompts)   # what a vLLM engine is sized for
+    cfg, tokenizer, prompts = vision_setup(cfg, run, path)   # the controller's start on a VLM policy:
+    refuse_for_vision(cfg)                               #   one line naming the flag and the fix, before any worker
+    prompts = load_vision_prompts(cfg, run, processor)   #   Prompts with .images; too long: dropped, never cut
+    images_limit(cfg, prompts)                           #   what a vLLM engine is sized for (--max_images_per_prompt)
 
 The prompts flow through the rollout with their images (Rollout.images, Experience.images): the engines generate
 from the pixels, and every log-prob pass (old, reference, update) feeds the same images, the model computing its
-own positions (tasks/common/nn/vision_passes.py). Critic-free estimators only: a critic would be a value head on
-the VLM, which is not built.
+own positions (tasks/common/nn/vision_passes.py). Every estimator: GAE's critic is the VLM with a value head
+(tasks/rl/vision_critic.py), started from the policy or --critic_pretrain (a VLM too; a reward model is refused).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 from tasks.common.config import ConfigError
 from tasks.common.nn import data, vision
+from tasks.common.nn.models import is_vision_model, resolve_model
 from tasks.common.stage import StageRun
-from tasks.rl.config import GROUP_ESTIMATORS, RLConfig
+from tasks.rl.config import GROUP_ESTIMATORS, RLConfig, uses_critic
 from tasks.rl.prompts import Prompts
 
 CRITIC_FREE = ", ".join(["group_norm (GRPO)", *[e for e in GROUP_ESTIMATORS if e != "group_norm"], "reinforce"])
@@ -25,9 +29,14 @@ def refuse_for_vision(cfg: RLConfig) -> None:
     """What RL does not do on a vision-language policy yet, each refused in one line naming the fix."""
     problems = [
         (
-            cfg.advantage_estimator == "gae",
-            "advantage_estimator: gae needs a critic, a value head on this vision-language policy, which is not "
-            f"built; use a critic-free one: --advantage_estimator {CRITIC_FREE}",
+            uses_critic(cfg.advantage_estimator) and bool(cfg.lora_rank),
+            "lora_rank: a vision-language policy's critic (the VLM with a value head) trains in full; drop "
+            f"--lora_rank, or use a critic-free estimator: --advantage_estimator {CRITIC_FREE}",
+        ),
+        (
+            uses_critic(cfg.advantage_estimator) and cfg.save_value_network,
+            "save_value_network: a vision-language policy's critic (the VLM with a value head) is not exported; "
+            "drop --save_value_network",
         ),
         (
             cfg.packing_samples,
@@ -44,11 +53,6 @@ def refuse_for_vision(cfg: RLConfig) -> None:
             "--over_sampling_batch_size for a vision-language policy",
         ),
         (
-            cfg.separate_engines(),
-            "async_train: rollout engines of their own take no images yet; for a vision-language policy generate "
-            "inside the actor workers (--colocate_all_models with vLLM), or drop --async_train",
-        ),
-        (
             bool(cfg.reward_pretrain) and not cfg.remote_rm_url,
             "reward_pretrain: this stage's reward models score text, and a vision-language policy's rollouts "
             "carry images; score them with --remote_rm_url (a reward function file or endpoint)",
@@ -57,6 +61,28 @@ def refuse_for_vision(cfg: RLConfig) -> None:
     for bad, message in problems:
         if bad:
             raise ConfigError(message)
+
+
+def vision_setup(cfg: RLConfig, run: StageRun, path: str) -> tuple[RLConfig, object, Prompts]:
+    """(the config with --max_images_per_prompt resolved, the tokenizer, the prompts with their images) of a
+    vision-language policy at `path`, after refusing what RL does not do on one."""
+    refuse_for_vision(cfg)
+    if uses_critic(cfg.advantage_estimator) and cfg.critic_pretrain:
+        critic = resolve_model(run.input("critic_pretrain", cfg.critic_pretrain))
+        if not is_vision_model(critic):
+            raise ConfigError(
+                f"critic_pretrain: {cfg.critic_pretrain} is a text model, which cannot value a vision-language "
+                "policy's rollouts; pass a vision-language model, or drop --critic_pretrain (the critic starts from the policy)"
+            )
+    processor = vision.load_processor(path)
+    prompts = load_vision_prompts(cfg, run, processor)
+    cfg = dataclasses.replace(cfg, max_images_per_prompt=images_limit(cfg, prompts))
+    print(
+        f"rl: a vision-language policy; prompts carry up to {cfg.max_images_per_prompt} image(s), "
+        f"{prompts.dropped} dropped as longer than {cfg.prompt_max_len} tokens with their images",
+        flush=True,
+    )
+    return cfg, processor.tokenizer, prompts
 
 
 def refuse_for_text(cfg: RLConfig) -> None:

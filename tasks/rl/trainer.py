@@ -14,7 +14,6 @@ minibatches, logs, and checkpoints.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import json
 import shutil
@@ -33,14 +32,13 @@ from tasks.common.nn.engines.rollout import Rollout, concat_rollouts
 from tasks.common.nn.environment import EnvError, check_environment, load_environment
 from tasks.common.nn.models import is_vision_model, load_tokenizer, resolve_model
 from tasks.common.nn.rewards import build_reward_batch
-from tasks.common.nn.vision import load_processor
 from tasks.common.nn.workers import cluster_has_gpus, connect_ray, gather, merge_uploads, shard
 from tasks.common.stage import StageRun
 from tasks.rl.advantages import group_keep_mask
 from tasks.rl.config import RLConfig
 from tasks.rl.engine_slots import Generated
 from tasks.rl.experience import Experience, fresh_groups, make_experience, response_lengths, whole_groups
-from tasks.rl.images import images_limit, load_vision_prompts, refuse_for_text, refuse_for_vision
+from tasks.rl.images import refuse_for_text, vision_setup
 from tasks.rl.kl_controller import make_kl_controller
 from tasks.rl.placement import place
 from tasks.rl.prompts import load_prompts
@@ -71,15 +69,8 @@ class Controller:
         path = resolve_model(run.input("pretrain", cfg.pretrain))
         self.vision = is_vision_model(path)  # a vision-language policy: prompts with images (tasks/rl/images.py)
         if self.vision:
-            refuse_for_vision(cfg)
-            processor = load_processor(path)
-            self.tokenizer, self.prompts = processor.tokenizer, load_vision_prompts(cfg, run, processor)
-            self.cfg = cfg = dataclasses.replace(cfg, max_images_per_prompt=images_limit(cfg, self.prompts))
-            print(
-                f"rl: a vision-language policy; prompts carry up to {cfg.max_images_per_prompt} image(s), "
-                f"{self.prompts.dropped} dropped as longer than {cfg.prompt_max_len} tokens with their images",
-                flush=True,
-            )
+            cfg, self.tokenizer, self.prompts = vision_setup(cfg, run, path)
+            self.cfg = cfg
         else:
             refuse_for_text(cfg)
             self.tokenizer = load_tokenizer(path)
@@ -458,6 +449,8 @@ def train(cfg: RLConfig, run: StageRun) -> None:
             **final,
             "steps": controller.steps,
             "truncated": controller.prompts.truncated,
+            # a vision-language policy's prompts too long with their image tokens: dropped, never cut
+            **({"prompts_dropped": controller.prompts.dropped} if controller.vision else {}),
             "actor_workers": groups["actor"].world_size,
             "ref_workers": groups["ref"].world_size if "ref" in groups else 0,
         },

@@ -31,57 +31,11 @@ from tasks.common.nn.token_batches import token_batches
 from tasks.common.nn.workers import TrainingWorker, Worker
 from tasks.rl.config import RLConfig
 from tasks.rl.experience import Experience, response_logprobs, response_values
+from tasks.rl.micro_batches import _micro_batches, chunks, response_used, trimmed  # noqa: F401  (importers of workers)
 
 
 def model_dtype(cfg: RLConfig) -> torch.dtype:
     return torch.bfloat16 if cfg.bf16 else torch.float32
-
-
-def chunks(rollout: Rollout, size: int):
-    """Row slices of a rollout for inference passes of at most `size` sequences (0: all at once)."""
-    n = rollout.sequences.size(0)
-    size = size or n
-    for start in range(0, n, size):
-        yield rollout.select(slice(start, start + size))
-
-
-def _micro_batches(exp: Experience, size: int):
-    n = exp.sequences.size(0)
-    for start in range(0, n, size):
-        yield exp.minibatch(torch.arange(start, min(n, start + size)))
-
-
-def response_used(exp: Experience) -> torch.Tensor:
-    """[B]: response positions each row uses, up to its last attended or trained token (0 for none). The
-    responses are right-padded: past that, nothing is attended to and nothing enters a loss."""
-    live = (exp.attention_mask[:, exp.prompt_width :] > 0) | (exp.action_mask > 0)
-    positions = torch.arange(1, live.size(1) + 1, device=live.device)
-    return (live * positions).amax(1)
-
-
-def trimmed(exp: Experience, rows: list[int]) -> Experience:
-    """The micro-batch of `rows`, cut to their own widths: the prompts' left padding that none of them uses, and
-    the response positions past the longest of them. Every [B, R] tensor (log-probs, advantages, masks …) keeps its
-    first columns, sequences and attention_mask the same response columns; the prompt width shrinks with the
-    left cut. Causal attention and positions from the attention mask (cumsum - 1) leave every kept position's
-    numbers as they were, to float rounding."""
-    mb = exp.minibatch(torch.as_tensor(rows, dtype=torch.long, device=exp.sequences.device))
-    width = mb.action_mask.size(1)
-    keep = max(1, int(response_used(mb).max()))
-    left = min(int((mb.attention_mask[:, : mb.prompt_width] > 0).int().argmax(1).min()), mb.prompt_width - 1)
-    fields = {}
-    for name, value in mb.__dict__.items():
-        if name in ("sequences", "attention_mask"):
-            value = value[:, left : mb.prompt_width + keep]
-        elif isinstance(value, torch.Tensor) and value.dim() >= 2:
-            if value.size(1) != width:
-                raise ValueError(
-                    f"Experience.{name}: {list(value.shape)} is not per response token ([B, {width}]); say how to trim it"
-                )
-            value = value[:, :keep]
-        fields[name] = value
-    fields["prompt_width"] = mb.prompt_width - left
-    return Experience(**fields)
 
 
 class Trainer(TrainingWorker):
@@ -134,30 +88,54 @@ class RolloutEngineWorker(Worker):
     def setup(self, cfg: RLConfig) -> None:
         self.cfg = cfg
         path = resolve_model(cfg.pretrain)
-        self.tokenizer = load_tokenizer(path)
+        # A vision-language policy's engine generates from each prompt's images (generate_vision).
+        self.processor = load_vision_processor(path)
+        self.tokenizer = self.processor.tokenizer if self.processor is not None else load_tokenizer(path)
         self.version = 0
         self.received = None  # (version, [(name, tensor)]): the newest weights not loaded yet
         self.lock = threading.Lock()
         # Distinct seeds from the actor ranks' and from each other's.
         seed = cfg.seed + 1000 * (self.rank + 1)
         if cfg.vllm_num_engines:
-            self.engine = vllm_engine_for(cfg, path, self.tokenizer, seed=seed)
+            self.engine = vllm_engine_for(cfg, path, self.tokenizer, seed=seed, processor=self.processor)
         else:
             torch.manual_seed(seed)
             device = (
                 torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
             )
-            self.model = load_causal_lm(path, dtype=model_dtype(cfg)).to(device).eval()
+            if self.processor is not None:
+                from tasks.common.nn.vision import load_vision_lm
+
+                self.model = load_vision_lm(path, dtype=model_dtype(cfg)).to(device).eval()
+            else:
+                self.model = load_causal_lm(path, dtype=model_dtype(cfg)).to(device).eval()
             # Eager steps: new weights load on another thread while it generates, and a kernel of that thread's on
             # the default stream would break a capture.
             self.engine = make_engine(
-                "transformers", self.tokenizer, module=self.model, device=device, ignore_eos=cfg.ignore_eos
+                "transformers",
+                self.tokenizer,
+                module=self.model,
+                device=device,
+                ignore_eos=cfg.ignore_eos,
+                processor=self.processor,
             )
         self.episodes = episode_runner_for(cfg, self.engine, self.tokenizer, policy_version=self.newest_weights)
 
     def generate(self, prompts: list[list[int]]) -> Rollout:
         version = self.newest_weights()
         rollout = self.engine.generate(prompts, self.cfg.generate_max_len, self.cfg.temperature).to("cpu")
+        rollout.versions = torch.full_like(rollout.response_mask, version)
+        return rollout
+
+    def generate_vision(self, prompts: list[tuple[list[int], list]]) -> Rollout:
+        """A vision-language policy's share: (prompt ids, its images) pairs; the rollout keeps the images."""
+        version = self.newest_weights()
+        rollout = self.engine.generate(
+            [ids for ids, _ in prompts],
+            self.cfg.generate_max_len,
+            self.cfg.temperature,
+            images=[images for _, images in prompts],
+        ).to("cpu")
         rollout.versions = torch.full_like(rollout.response_mask, version)
         return rollout
 
@@ -217,6 +195,15 @@ class RolloutEngineWorker(Worker):
         self._receive(version, adapter)
 
 
+def load_vision_processor(path: str):
+    """The processor of a vision-language model at `path`; None for a text model."""
+    if not is_vision_model(path):
+        return None
+    from tasks.common.nn.vision import load_processor
+
+    return load_processor(path)
+
+
 def episode_runner_for(cfg: RLConfig, engine, tokenizer, policy_version=None):
     """Multi-turn episodes on `engine`, one environment per episode (--env_path); None without one."""
     if not cfg.env_path:
@@ -259,14 +246,28 @@ def vllm_engine_for(cfg: RLConfig, path: str, tokenizer, seed: int, processor=No
 
 
 class CriticWorker(Trainer):
-    """The value model: V(s) per response token, fitted to the returns."""
+    """The value model: V(s) per response token, fitted to the returns. A vision-language policy's is the VLM with a
+    value head (tasks/rl/vision_critic.py), fed each row's images."""
+
+    vision = None  # a vision-language critic's VisionRows
 
     def setup(self, cfg: RLConfig, critic_uri: str, total_updates: int) -> None:
         self.cfg = cfg
         path = resolve_model(critic_uri)
-        self.tokenizer = load_tokenizer(path)
         self.strategy = DeepSpeedStrategy.for_training(cfg, self.world_size)
-        model = lora.apply_lora(load_scalar_model(path, **kernels(cfg)), cfg, scalar=True)
+        if is_vision_model(path):
+            from tasks.common.nn import vision
+            from tasks.common.nn.vision_passes import VisionRows
+            from tasks.rl.vision_critic import VisionValueModel
+
+            processor = vision.load_processor(path)
+            self.tokenizer, self.vision = processor.tokenizer, VisionRows.of(processor)
+            model = VisionValueModel(vision.load_vision_lm(path, flash_attn=cfg.flash_attn))
+            if cfg.freeze_visual_encoder:
+                vision.freeze_visual_encoder(model)
+        else:
+            self.tokenizer = load_tokenizer(path)
+            model = lora.apply_lora(load_scalar_model(path, **kernels(cfg)), cfg, scalar=True)
         self.engine = self.strategy.prepare(model, cfg.critic_learning_rate, total_updates, cfg.lr_warmup_steps)
         self.micro = self.strategy.micro_batch_size
 
@@ -276,9 +277,7 @@ class CriticWorker(Trainer):
         out = []
         for r in chunks(rollout, self.cfg.micro_rollout_batch_size):
             mask = r.attention_mask.to(self.strategy.device)
-            v = response_values(
-                self.engine.module, r.sequences.to(self.strategy.device), mask, r.prompt_width, self.cfg.packing_samples
-            )
+            v = self._values(r.sequences.to(self.strategy.device), mask, r.prompt_width, r.images)
             out.append((v * r.response_mask.to(v.device)).cpu())
         return torch.cat(out)
 
@@ -293,9 +292,7 @@ class CriticWorker(Trainer):
             )  # each loss its share of the minibatch's
             share = 0.0
             for mb, _ in self._micro_steps(minibatch):
-                values = response_values(
-                    self.engine.module, mb.sequences, mb.attention_mask, mb.prompt_width, self.cfg.packing_samples
-                )
+                values = self._values(mb.sequences, mb.attention_mask, mb.prompt_width, mb.images)
                 v_loss, v_clip = value_loss(
                     values, mb.values, mb.returns, mb.action_mask, self.cfg.value_clip, normalizer=tokens
                 )
@@ -308,6 +305,13 @@ class CriticWorker(Trainer):
             if by_tokens:
                 stats["value_loss"].append(share)
         return self._mean_stats(stats)
+
+    def _values(self, sequences, attention_mask, prompt_width: int, images) -> torch.Tensor:
+        if self.vision is not None:
+            from tasks.rl.vision_critic import response_values as vision_values
+
+            return vision_values(self.engine.module, self.vision, sequences, attention_mask, images, prompt_width)
+        return response_values(self.engine.module, sequences, attention_mask, prompt_width, self.cfg.packing_samples)
 
     def save_model(self, out_dir: str) -> None:
         # Always full weights: critic/ is not a stage's model/ and has no manifest entry naming a base.

@@ -5,10 +5,12 @@ so only the pixels tell) after a short SFT, done here in seconds with the SFT st
 (supervised.vlm_micro_batch_loss): it answers with a colour's letter, greedy mostly right, sampled (T = 1) often
 wrong. Then:
   - the stages' smoke test: GRPO with the exact-match reward (tasks/data/demo_vlm_reward.py) for two steps with
-    --freeze_visual_encoder, then eval of its output against the start on held-out prompts;
+    --freeze_visual_encoder, then eval of its output against the start on held-out prompts; two PPO steps with
+    the VLM critic (GAE); three --async_train steps on a rollout engine of its own;
   - the learning check (slow): on two seeds, GRPO with the exact-match reward and the control with a zero reward,
     the same steps and flags; held-out sampled accuracy (eval's sampled_exact_match, 4 samples of each of 200
-    prompts) of the rewarded policy is at least 10 points above the control's.
+    prompts) of the rewarded policy is at least 10 points above the control's. Measured at the commit that wrote
+    this: seed 0, 0.599 against 0.240; seed 1, 0.895 against 0.522.
 """
 
 import json
@@ -146,7 +148,7 @@ def test_rl_and_eval_run_on_a_vlm_with_its_images_and_a_frozen_tower(env):
     begin = start(env, seed=0)
     out = rl(env, begin, "smoke-rl", EXACT, seed=0, max_steps=2, freeze_visual_encoder=True)
     m = manifests.read_manifest(out)
-    assert m["metrics"]["steps"] == 2 and m["metrics"]["ref_workers"] == 0
+    assert m["metrics"]["steps"] == 2 and m["metrics"]["ref_workers"] == 0 and m["metrics"]["prompts_dropped"] == 0
     path = stage_model(out)
     assert vision.load_processor(path).image_processor.patch_size == demo_vlm.PATCH_SIZE
     trained, base = vision.load_vision_lm(path), vision.load_vision_lm(begin["sft"])
@@ -173,7 +175,7 @@ def manifest_dir(manifest: dict):
     return Path(manifest["uri"].removesuffix("manifest.json"))
 
 
-@pytest.mark.slow  # about 40 s a seed on 2 cores (two RL runs of 40 steps, two evals)
+@pytest.mark.slow  # 2 min 20 s (seed 0) and 5 min 44 s (seed 1, beside other work) on 2 cores, the head's start in
 @pytest.mark.parametrize("seed", [0, 1])
 def test_rl_with_a_verifiable_reward_reads_the_colour_better_than_a_zero_reward_control(env, seed):
     """The learning check of the VLM path (issue 54, item 7): the same GRPO steps from the same start, rewarded for
@@ -192,3 +194,38 @@ def test_rl_with_a_verifiable_reward_reads_the_colour_better_than_a_zero_reward_
         flush=True,
     )
     assert gain >= 0.10, (rewarded["metrics"], control["metrics"])
+
+
+def test_ppo_with_a_critic_runs_on_a_vlm(env):
+    """GAE through the RL stage on Ray: a critic group (the VLM with a value head, from the policy) values the
+    rollouts with their images beside the actor."""
+    begin = start(env, seed=0)
+    out = rl(
+        env,
+        begin,
+        "gae-rl",
+        EXACT,
+        seed=0,
+        max_steps=2,
+        advantage_estimator="gae",
+        n_samples_per_prompt=1,
+        train_batch_size=16,
+    )
+    logged = [
+        json.loads(line)
+        for line in (manifest_dir(manifests.read_manifest(out)) / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [r["step"] for r in logged if "value_loss" in r] == [1, 2]
+
+
+def test_async_rl_on_a_vlm_generates_on_an_engine_of_its_own(env):
+    """--async_train through the RL stage on Ray: a transformers engine of its own generates the next rollout from
+    the prompts' images while the actor trains, fed the actor's weights after each update."""
+    begin = start(env, seed=0)
+    out = rl(env, begin, "async-rl", EXACT, seed=0, max_steps=3, async_train=True)
+    logged = [
+        json.loads(line)
+        for line in (manifest_dir(manifests.read_manifest(out)) / "metrics.jsonl").read_text().splitlines()
+    ]
+    stale = [r["staleness"] for r in logged if "staleness" in r]
+    assert len(stale) == 3 and max(stale) <= 1

@@ -16,7 +16,9 @@ from: the model's at the temperature, those ids removed, which is what the train
 from __future__ import annotations
 
 import torch
+from transformers import GenerationConfig
 
+from tasks.common.nn import lora
 from tasks.common.nn.data import pad
 from tasks.common.nn.engines.rollout import Rollout, response_mask
 from tasks.common.nn.vision_passes import VisionRows, without_tokens
@@ -26,8 +28,6 @@ from tasks.common.nn.vocab import token_logprobs
 def sampling_config(max_new_tokens: int, temperature: float, greedy: bool, stop_ids: list[int], pad_id: int, banned):
     """A GenerationConfig that samples from the whole distribution at `temperature` (no top-k / top-p: RL's policy is
     the model's distribution), stops at `stop_ids` (none: runs to max_new_tokens) and never samples `banned`."""
-    from transformers import GenerationConfig
-
     sampling = {} if greedy else {"temperature": temperature, "top_k": 0, "top_p": 1.0}
     return GenerationConfig(
         do_sample=not greedy,
@@ -39,6 +39,7 @@ def sampling_config(max_new_tokens: int, temperature: float, greedy: bool, stop_
         output_logits=True,
         return_dict_in_generate=True,
         use_cache=True,
+        repetition_penalty=1.0,
         **sampling,
     )
 
@@ -66,9 +67,15 @@ def generate_with_images(
     config = sampling_config(max_new_tokens, temperature, greedy, stop_ids, pad_id, rows.banned.tolist())
     was_training = model.training
     model.eval()
+    # generate() fills every setting left unset from the checkpoint's generation_config (a Qwen2-VL-Instruct's
+    # carries top_k 1, top_p 0.001, a repetition penalty): sampled from those, the rollout would not be the
+    # policy's distribution. A bare one for the call leaves only `config` and transformers' neutral defaults.
+    hf_model = lora.unwrap(model)
+    kept, hf_model.generation_config = hf_model.generation_config, GenerationConfig()
     try:
         out = model.generate(**rows.inputs(ids, mask, images), generation_config=config)
     finally:
+        hf_model.generation_config = kept
         model.train(was_training)
     tokens = out.sequences[:, width:]
     logits = without_tokens(torch.stack(out.logits, 1)[:, : tokens.size(1)], rows.banned)

@@ -28,8 +28,9 @@ placeholder ids collapsed to one (collapse_image_runs): vLLM expands it to the i
 expanded run would be expanded again (OpenRLHF#1220). The rollout keeps the prompts as the trainer encoded them
 (expanded), so the log-prob passes see the same tokens. The engine is sized for `max_images` images a prompt
 (vLLM's limit_mm_per_prompt, from the data) and loads the model's tokenizer (vLLM's multimodal processor needs
-it, vllm#31123). The placeholder ids are banned through SamplingParams.logit_bias (every vLLM release has it; a
-ban list does not): a bias of BAN_BIAS, the least the OpenAI form allows, leaves them e^-100 of the mass.
+it, vllm#31123). The placeholder ids are banned through SamplingParams.logit_bias: vLLM has no list of banned token
+ids (bad_words takes strings and tokenizes them again; allowed_token_ids would list the whole rest of the
+vocabulary). A bias of BAN_BIAS, the least the OpenAI form allows, leaves them e^-100 of the mass.
 """
 
 from __future__ import annotations

@@ -74,6 +74,27 @@ def test_the_engine_samples_from_the_pixels_and_reports_the_log_probs_the_traine
     assert not torch.allclose(a[0], b[0])
 
 
+def test_the_checkpoints_own_generation_settings_do_not_change_what_the_engine_samples(folder, rows):
+    """A checkpoint's generation_config (Qwen2-VL-Instruct's carries top_k 1 and a repetition penalty) is not the
+    policy: the engine samples from the model's distribution at the rollout's temperature whatever it says, so its
+    log-probabilities stay the trainer's and the samples of one prompt differ."""
+    processor, model = vision.load_processor(folder), vision.load_vision_lm(folder).eval()
+    settings = model.generation_config
+    settings.top_k, settings.repetition_penalty, settings.no_repeat_ngram_size = 1, 5.0, 1
+    engine = make_engine(
+        "transformers", processor.tokenizer, module=model, device=torch.device("cpu"), processor=processor
+    )
+    ids = encoded(processor, rows[:1]) * 8
+    torch.manual_seed(0)
+    rollout = engine.generate(ids, 4, images=[rows[0]["images"]] * 8)
+    trained = VisionRows.of(processor).logprobs(
+        model, rollout.sequences, rollout.attention_mask, rollout.images, start=rollout.prompt_width - 1
+    )
+    assert torch.allclose(trained * rollout.response_mask, rollout.logprobs, atol=1e-5)
+    assert len({tuple(r) for r in rollout.responses.tolist()}) > 1
+    assert model.generation_config.top_k == 1  # the checkpoint's own settings are left as they were
+
+
 def _prompt_batch(ids, processor):
     from tasks.common.nn.data import pad
 
@@ -207,13 +228,10 @@ def test_prompts_keep_their_images_drop_what_is_too_long_and_name_a_row_whose_co
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (
-            {},
-            "^advantage_estimator: gae needs a critic, .* --advantage_estimator group_norm \\(GRPO\\), reinforce_baseline",
-        ),
+        ({"lora_rank": 4}, "^lora_rank: a vision-language policy's critic .* trains in full; .* group_norm \\(GRPO\\)"),
+        ({"save_value_network": True}, "^save_value_network: a vision-language policy's critic .* is not exported"),
         ({"packing_samples": True}, "^packing_samples: a vision-language policy's rows cannot be packed"),
         ({"env_path": "calculator"}, "^env_path: an environment's observations carry no images"),
-        ({"async_train": True}, "^async_train: rollout engines of their own take no images yet"),
         (
             {"over_sampling_batch_size": 8, "rollout_batch_size": 4, "train_batch_size": 8},
             "^over_sampling_batch_size: its request-by-request engine calls carry no images",
@@ -224,11 +242,13 @@ def test_prompts_keep_their_images_drop_what_is_too_long_and_name_a_row_whose_co
 def test_what_rl_does_not_do_on_a_vlm_is_refused_in_one_line(flags, message):
     from tasks.rl.images import refuse_for_vision
 
-    estimator = {} if not flags else {"advantage_estimator": "group_norm", "n_samples_per_prompt": 2}
+    gae = "lora_rank" in flags or "save_value_network" in flags
+    estimator = {} if gae else {"advantage_estimator": "group_norm", "n_samples_per_prompt": 2}
     cfg = make_config(RLConfig, _flags("m", "p", **estimator, **flags))
     with pytest.raises(ConfigError, match=message):
         refuse_for_vision(cfg)
     refuse_for_vision(make_config(RLConfig, _flags("m", "p", advantage_estimator="rloo", n_samples_per_prompt=2)))
+    refuse_for_vision(make_config(RLConfig, _flags("m", "p")))  # gae: the VLM critic (tasks/rl/vision_critic.py)
 
 
 def rl_config(folder, data, **extra) -> RLConfig:
@@ -319,3 +339,75 @@ def test_ppo_ptx_on_a_vlm_adds_the_sft_loss_of_rows_with_their_images(folder, ro
     exp = make_experience(rollout, logprobs, logprobs, None, torch.tensor([1.0, 0.0] * 4), cfg, 0.0)
     stats = worker.train([exp], 0.0)
     assert 0 < stats["ptx_loss"] < 20
+
+
+def test_gae_on_a_vlm_values_each_row_with_its_images_and_fits_the_returns(folder, rows, tmp_path):
+    """PPO with a critic on the demo VLM: the critic (the VLM's backbone with a value head of zeros, from the
+    policy) values the rollout's rows with their images, GAE turns the rewards into advantages, the actor and the
+    critic each take a step, the critic's values move toward the returns and its frozen tower stays."""
+    from tasks.rl.actor import ActorWorker
+    from tasks.rl.images import load_vision_prompts
+    from tasks.rl.workers import CriticWorker
+
+    data = write_rows(tmp_path / "p.jsonl", rows)
+    cfg = rl_config(folder, data, advantage_estimator="gae", n_samples_per_prompt=1, rollout_batch_size=8)
+    cfg = make_config(RLConfig, {**cfg.__dict__, "freeze_visual_encoder": True, "critic_learning_rate": 1e-3})
+    prompts = load_vision_prompts(cfg, Inputs(), vision.load_processor(folder))
+    actor, critic = ActorWorker(0, 1, None, 1), CriticWorker(0, 1, None, 1)
+    actor.setup(cfg, 4)
+    critic.setup(cfg, folder, 4)
+    rollout = actor.generate_vision([(prompts.ids[i], prompts.images[i]) for i in range(8)])
+    values = critic.values(rollout)
+    assert values.shape == rollout.response_mask.shape and values.abs().max() == 0  # a head of zeros
+    logprobs = actor.logprobs(rollout)
+    exp = make_experience(rollout, logprobs, logprobs, values, torch.tensor([1.0, 0.0] * 4), cfg, 0.0)
+    assert (exp.advantages * exp.action_mask).abs().sum() > 0
+    tower = {n: p.detach().clone() for n, p in critic.engine.module.named_parameters() if ".visual." in f".{n}"}
+    assert tower and actor.train([exp], 0.0)["grad_norm"] > 0
+
+    def error(v):  # the values' squared distance to the returns, unclipped
+        return (((v - exp.returns) ** 2) * exp.action_mask).sum() / exp.action_mask.sum()
+
+    before = error(values)
+    for _ in range(3):
+        stats = critic.train([exp])
+    assert stats["value_loss"] > 0 and error(critic.values(rollout)) < before
+    assert all(torch.equal(p, tower[n]) for n, p in critic.engine.module.named_parameters() if n in tower)
+
+
+def test_a_text_critic_for_a_vlm_policy_is_refused_naming_the_fix(folder, rows, tmp_path):
+    from tasks.data import demo
+    from tasks.rl.images import vision_setup
+
+    demo.build_base_model(demo.build_tokenizer()).save_pretrained(tmp_path / "text")
+    data = write_rows(tmp_path / "p.jsonl", rows)
+    cfg = make_config(RLConfig, _flags(folder, data, critic_pretrain=str(tmp_path / "text")))
+    with pytest.raises(ConfigError, match="^critic_pretrain: .* is a text model, which cannot value a vision-language"):
+        vision_setup(cfg, Inputs(), folder)
+    cfg, tokenizer, prompts = vision_setup(make_config(RLConfig, _flags(folder, data)), Inputs(), folder)
+    assert cfg.max_images_per_prompt == 1 and len(prompts.images) == len(rows) and tokenizer.pad_token_id is not None
+
+
+def test_a_rollout_engine_of_its_own_generates_from_the_images_and_takes_the_actors_weights(folder, rows, tmp_path):
+    """--async_train on a vision-language policy: the transformers engine of its own (RolloutEngineWorker) generates
+    from each prompt's images, tags the tokens with its weight version, and after the actor's full weights arrive
+    (ActorWorker.engine_state) its log-probabilities are the trained actor's."""
+    from tasks.rl.actor import ActorWorker
+    from tasks.rl.images import load_vision_prompts
+    from tasks.rl.workers import RolloutEngineWorker
+
+    cfg = rl_config(folder, write_rows(tmp_path / "p.jsonl", rows), async_train=True)
+    prompts = load_vision_prompts(cfg, Inputs(), vision.load_processor(folder))
+    items = [(prompts.ids[i], prompts.images[i]) for i in range(4) for _ in range(2)]
+    actor, engine = ActorWorker(0, 1, None, 1), RolloutEngineWorker(0, 1, None, 1)
+    actor.setup(cfg, 4)
+    engine.setup(cfg)
+    rollout = engine.generate_vision(items)
+    assert rollout.images == [images for _, images in items] and rollout.versions.unique().tolist() == [0]
+    logprobs = actor.logprobs(rollout)
+    exp = make_experience(rollout, logprobs, logprobs, None, torch.tensor([1.0, 0.0] * 4), cfg, 0.0)
+    actor.train([exp], 0.0)
+    engine.load_state(actor.engine_state(), 1)
+    rollout = engine.generate_vision(items)
+    assert rollout.versions.unique().tolist() == [1]
+    assert torch.allclose(actor.logprobs(rollout) * rollout.response_mask, rollout.logprobs, atol=1e-5)
