@@ -1,5 +1,6 @@
 """The RL controller: places the worker groups (tasks.rl.placement), then loops generate → score → advantages →
-update, driving the rollout engines through their slot (tasks.rl.engine_slots).
+update: each step's rollout comes from the scheduler (tasks.rl.rollouts), which drives the rollout engines through
+their slot (tasks.rl.engine_slots).
 
     actor (policy + rollout engine)   reference          critic (gae only)     reward models
     ActorWorker × N                   ReferenceWorker × N  CriticWorker × N     RewardWorker × N
@@ -7,7 +8,7 @@ update, driving the rollout engines through their slot (tasks.rl.engine_slots).
 Each group is one data-parallel world on its own placement group, or shares one with others
 (--colocate_actor_ref, --colocate_critic_reward, --colocate_all_models). With --lora_rank there is
 no reference group: the actor scores the reference log-probabilities itself, with its adapters off;
-with KL off there is no reference at all. This driver holds no model: it samples prompts, shards work
+with KL off there is no reference at all. This driver holds no model: it takes each step's rollout from its scheduler, shards work
 over the groups' ranks, computes advantages on the whole batch (tasks.rl.advantages), plans the
 minibatches, logs, and checkpoints.
 """
@@ -19,7 +20,6 @@ import json
 import shutil
 import tempfile
 import time
-from collections import deque
 from pathlib import Path
 
 import torch
@@ -28,22 +28,19 @@ from tasks.common import manifest as manifests
 from tasks.common import resume_check, storage
 from tasks.common.config import ConfigError
 from tasks.common.nn import data, lora
-from tasks.common.nn.engines.rollout import Rollout, concat_rollouts
+from tasks.common.nn.engines.rollout import Rollout
 from tasks.common.nn.environment import EnvError, check_environment, load_environment
 from tasks.common.nn.models import is_vision_model, load_tokenizer, resolve_model
-from tasks.common.nn.rewards import build_reward_batch
 from tasks.common.nn.workers import cluster_has_gpus, connect_ray, gather, merge_uploads, shard
 from tasks.common.stage import StageRun
-from tasks.rl.advantages import group_keep_mask
 from tasks.rl.config import RLConfig
-from tasks.rl.engine_slots import Generated
-from tasks.rl.experience import Experience, fresh_groups, make_experience, response_lengths, whole_groups
+from tasks.rl.experience import Experience, make_experience, response_lengths
 from tasks.rl.images import refuse_for_text, vision_setup
 from tasks.rl.kl_controller import make_kl_controller
 from tasks.rl.placement import place
 from tasks.rl.prompts import load_prompts
+from tasks.rl.rollouts import RolloutScheduler
 
-MAX_FILTER_ROUNDS = 8  # rollouts drawn per step before dynamic filtering gives up
 #: What a resume is checked on (tasks.common.resume_check): each step's, remembered in every checkpoint.
 CHECKED_METRICS = ("reward", "kl", "entropy", "grad_norm")
 HISTORY_FILE = (
@@ -91,9 +88,6 @@ class Controller:
             )
         group = cfg.rollout_batch_size * cfg.n_samples_per_prompt
         self.updates = self.steps * cfg.max_epochs * (group // cfg.train_batch_size)
-        self.sampler = data.BatchSampler(len(self.prompts.ids), cfg.prompts_per_rollout(), cfg.seed)
-        self.in_flight: deque = deque()  # --async_train: (prompt rows, engine handle) of rollouts already generating
-        self.started = 0  # rollouts started so far (the run starts no more than its steps)
         self.generator = torch.Generator().manual_seed(cfg.seed)
         self.kl_ctl = make_kl_controller(cfg.init_kl_coef, cfg.kl_target or None, cfg.kl_horizon)
         self.history: list[
@@ -108,6 +102,7 @@ class Controller:
             placed.engine,
             placed.reward,
         )
+        self.rollouts = RolloutScheduler(cfg, self.prompts, self.tokenizer, self.engine, self.reward, self.steps)
         layout = ", ".join(f"[{' + '.join(m)}] × {self.groups[m[0]].world_size}" for m in self.layout)
         print(
             f"rl: {len(self.prompts.ids)} prompts ({self.prompts.truncated} cut to {cfg.prompt_max_len} tokens), {self.steps} steps; placement groups {layout}",
@@ -124,103 +119,6 @@ class Controller:
             print("rl: reference = the actor's base with its LoRA adapters off (no reference model loaded)", flush=True)
 
     # ------------------------------------------------------------------ one step
-
-    def rollout(self, step: int) -> tuple[Rollout, torch.Tensor, dict]:
-        """Sample prompts, generate, score; with --dynamic_filtering, keep only informative groups. With
-        --async_train the rollout was started up to --max_staleness steps ago (`in_flight`)."""
-        cfg, n = self.cfg, self.cfg.n_samples_per_prompt
-        kept: list[tuple[Rollout, torch.Tensor]] = []
-        have, rounds, generated = 0, 0, 0
-        timing = {"time_generate_s": 0.0, "time_reward_s": 0.0}
-        while have < cfg.rollout_batch_size:
-            rounds += 1
-            if rounds > MAX_FILTER_ROUNDS:
-                raise ConfigError(
-                    f"dynamic_filtering: only {have} of {cfg.rollout_batch_size} prompt groups kept after "
-                    f"{MAX_FILTER_ROUNDS} rollouts; widen --dynamic_filtering_reward_range or drop --dynamic_filtering"
-                )
-            index, handle = self._next_rollout()
-            rollout, scores = self._finish_and_score(index, handle, step, timing)
-            generated += len(index) // n
-            if not cfg.dynamic_filtering:
-                return rollout, scores, timing
-            rows = group_keep_mask(scores, n, *cfg.interval("dynamic_filtering_reward_range")).nonzero().squeeze(-1)
-            rows = rows[: (cfg.rollout_batch_size - have) * n]
-            kept.append((rollout.select(rows), scores[rows]))
-            have += rows.numel() // n
-        timing["filter_kept_fraction"] = cfg.rollout_batch_size / generated
-        return (
-            concat_rollouts([r for r, _ in kept], self.tokenizer.pad_token_id),
-            torch.cat([s for _, s in kept]),
-            timing,
-        )
-
-    def _start_rollout(self):
-        """Draw a rollout's prompt rows and start generating it: (rows, engine handle). The samples of one prompt
-        are consecutive rows: the group estimators rely on it."""
-        index = [i for i in self.sampler.next() for _ in range(self.cfg.n_samples_per_prompt)]
-        self.started += 1
-        if self.cfg.env_path:
-            return index, self.engine.start("run_episodes", [self.prompts.rows[i] for i in index])
-        if self.prompts.images is not None:  # each prompt with its images (refused beside over-sampling)
-            return index, self.engine.start(
-                "generate_vision", [(self.prompts.ids[i], self.prompts.images[i]) for i in index]
-            )
-        method = "generate_first_groups" if self.cfg.over_sampling_batch_size else "generate"
-        return index, self.engine.start(method, [self.prompts.ids[i] for i in index])
-
-    def _next_rollout(self):
-        """The rollout this step trains on. With --async_train, the oldest in flight; then as many more are started
-        as keep --max_staleness in flight (queued on the engines before this step's weight update, they use
-        weights up to that many updates old), never more than the run's steps."""
-        if not self.cfg.async_train:
-            return self._start_rollout()
-        current = self.in_flight.popleft() if self.in_flight else self._start_rollout()
-        while len(self.in_flight) < self.cfg.max_staleness and self.started < self.steps:
-            self.in_flight.append(self._start_rollout())
-        return current
-
-    def _finish_and_score(self, index: list[int], handle, step: int, timing: dict) -> tuple[Rollout, torch.Tensor]:
-        """The rollout and its rewards: the environment's (--env_path), or the reward source's. Adds to `timing`."""
-        t0 = time.time()
-        out = self.engine.finish(handle)
-        t1 = time.time()
-        timing["time_generate_s"] += t1 - t0
-        timing.update(out.stats or {})
-        if out.rollout.versions is not None:
-            out, index = self._drop_stale(out, index, step, timing)
-        if self.cfg.over_sampling_batch_size:
-            out, index = self._first_groups(out, index, timing)
-        if out.rewards is not None:
-            return out.rollout, out.rewards
-        batch = build_reward_batch(
-            out.rollout, self.tokenizer, [self.prompts.texts[i] for i in index], [self.prompts.labels[i] for i in index]
-        )
-        scores = self.reward.score(batch).float()
-        timing["time_reward_s"] += time.time() - t1
-        return out.rollout, scores
-
-    def _drop_stale(self, out: Generated, index: list[int], step: int, timing: dict) -> tuple[Generated, list[int]]:
-        """Drop the prompt groups with a sample more than --max_staleness updates behind the trainer (step - 1 so
-        far). The engines' queue keeps every sample within it, so a drop means a rollout outlived its bound."""
-        keep, stats = fresh_groups(out.rollout, step - 1, self.cfg.n_samples_per_prompt, self.cfg.max_staleness)
-        timing.update(stats)
-        if keep.all():
-            return out, index
-        if not keep.any():
-            raise RuntimeError(
-                f"rl: every sample of step {step}'s rollout is more than --max_staleness {self.cfg.max_staleness} "
-                "updates old; the engines fell behind the trainer"
-            )
-        rows = keep.nonzero().squeeze(-1)
-        return Generated(out.rollout.select(rows), None if out.rewards is None else out.rewards[rows], out.stats), [
-            index[i] for i in rows.tolist()
-        ]
-
-    def _first_groups(self, out: Generated, index: list[int], timing: dict) -> tuple[Generated, list[int]]:
-        """--over_sampling_batch_size: the prompt groups generated to the end; the engines left the rest empty."""
-        rows, timing["rollout_dropped_groups"] = whole_groups(out.rollout, self.cfg.n_samples_per_prompt)
-        return Generated(out.rollout.select(rows), None, out.stats), [index[i] for i in rows.tolist()]
 
     def in_waves(self, calls: dict[str, tuple[str, list, tuple]]) -> dict[str, list]:
         """Run {role: (method, per-rank shards, extra args)}: groups on separate placement groups at
@@ -271,7 +169,7 @@ class Controller:
     def step(self, step: int) -> Experience:
         cfg = self.cfg
         t0 = time.time()
-        rollout, scores, timing = self.rollout(step)
+        rollout, scores, timing = self.rollouts.rollout(step)
         t1 = time.time()
         logprobs, ref_logprobs, values = self.score(rollout)  # the engine's against these: the actor's train logs it
         kl_coef = self.kl_ctl.value
@@ -339,7 +237,7 @@ class Controller:
         (local / "controller").mkdir()
         torch.save(
             {
-                "sampler": self.sampler.state_dict(),
+                "sampler": self.rollouts.sampler.state_dict(),
                 "generator": self.generator.get_state(),
                 "kl": self.kl_ctl.state_dict(),
             },
@@ -361,7 +259,7 @@ class Controller:
             history = json.loads((path / HISTORY_FILE).read_text())["steps"] if (path / HISTORY_FILE).is_file() else []
         finally:
             shutil.rmtree(local, ignore_errors=True)
-        self.sampler.load_state_dict(state["sampler"])
+        self.rollouts.sampler.load_state_dict(state["sampler"])
         self.generator.set_state(state["generator"])
         self.kl_ctl.load_state_dict(state["kl"])
         self.history = history
@@ -406,7 +304,7 @@ def train(cfg: RLConfig, run: StageRun) -> None:
             # The engines start from the policy on disk: give them the resumed weights. Rollouts in flight at the
             # checkpoint are lost (the sampler had drawn their prompts); start only the steps left.
             controller.engine.sync_weights(start)
-            controller.started = start
+            controller.rollouts.started = start
         before = list(
             controller.history
         )  # the steps the checkpoint remembers: the resumed ones must stay in their band
