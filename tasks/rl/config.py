@@ -1,15 +1,11 @@
-import dataclasses
-import json
 from dataclasses import dataclass, field
 
 from tasks.common.allowlist import check_reach
 from tasks.common.config import ConfigError, TrainingConfig, check_batch
 from tasks.common.generation import EpisodeConfig, ImageConfig
+from tasks.rl.engine_config import HF_ENGINE_MAX_TOKENS, ROLLOUT_ENGINES, RolloutEngineConfig  # noqa: F401
+from tasks.rl.layout_config import WorkerLayoutConfig
 
-ROLLOUT_ENGINES = ("auto", "vllm", "transformers")
-#: --rollout_engine auto picks transformers up to this many new tokens a response: at the Qwen2.5-1.5B shape, 64
-#: responses of exactly 256 tokens (EOS ignored), on one H100 (2026-12-06) it stepped in 1.254 s against vLLM's 1.679 s; at 2,048 tokens vLLM generated 5.6× faster (bench/RESULTS.md).
-HF_ENGINE_MAX_TOKENS = 256
 #: By default responses over this many tokens train in micro-batches by token budget (RLConfig.token_budget); at
 #: and below it rows by count, as the demo and the 256-token bench were measured. Its own bound, not the engine's.
 TOKEN_BUDGET_ABOVE_TOKENS = 256
@@ -35,7 +31,7 @@ def uses_critic(estimator: str) -> bool:
 
 
 @dataclass
-class RLConfig(ImageConfig, EpisodeConfig, TrainingConfig):
+class RLConfig(ImageConfig, EpisodeConfig, RolloutEngineConfig, WorkerLayoutConfig, TrainingConfig):
     """PPO-family RL: rollouts from the policy, rewards from reward models, a function or an endpoint,
     KL to the frozen reference; advantages by GAE with a critic or by a critic-free estimator.
 
@@ -209,86 +205,6 @@ class RLConfig(ImageConfig, EpisodeConfig, TrainingConfig):
     reward_clip_range: str = field(
         default="", metadata={"help": "clip shaped rewards to this range, 'low high' (empty: no clipping)"}
     )
-    # Where the models run: one worker group each, or colocated groups sharing one placement group.
-    actor_num_nodes: int = field(default=1, metadata={"help": "nodes of the actor (policy) group", "min": 1})
-    actor_num_gpus_per_node: int = field(
-        default=1, metadata={"help": "actor workers per node, one GPU each (one CPU on a CPU-only cluster)", "min": 1}
-    )
-    critic_num_nodes: int = field(default=1, metadata={"help": "nodes of the critic group (gae only)", "min": 1})
-    critic_num_gpus_per_node: int = field(default=1, metadata={"help": "critic workers per node", "min": 1})
-    ref_num_nodes: int = field(default=1, metadata={"help": "nodes of the reference-model group", "min": 1})
-    ref_num_gpus_per_node: int = field(default=1, metadata={"help": "reference workers per node", "min": 1})
-    reward_num_nodes: int = field(
-        default=1, metadata={"help": "nodes of the reward-model group (with --reward_pretrain)", "min": 1}
-    )
-    reward_num_gpus_per_node: int = field(default=1, metadata={"help": "reward-model workers per node", "min": 1})
-    actor_resources: str = field(
-        default="",
-        metadata={
-            "help": "custom Ray resources each actor bundle also asks for, a JSON object such as '{\"node_a\": 1}': the group goes only on nodes that advertise them (`ray start --resources`)"
-        },
-    )
-    critic_resources: str = field(
-        default="", metadata={"help": "custom Ray resources of each critic bundle (JSON object)"}
-    )
-    ref_resources: str = field(
-        default="", metadata={"help": "custom Ray resources of each reference bundle (JSON object)"}
-    )
-    reward_resources: str = field(
-        default="", metadata={"help": "custom Ray resources of each reward-model bundle (JSON object)"}
-    )
-    colocate_actor_ref: bool = field(
-        default=False, metadata={"help": "actor and reference share GPUs (one placement group, half a GPU each)"}
-    )
-    colocate_critic_reward: bool = field(default=False, metadata={"help": "critic and reward models share GPUs"})
-    colocate_all_models: bool = field(
-        default=False, metadata={"help": "every model shares the actor's GPUs (fractions of one placement group)"}
-    )
-    rollout_engine: str = field(
-        default="auto",
-        metadata={
-            "help": "who generates the rollouts: vllm, transformers (in the actor workers), or auto: the one measured faster for the run's shape (RLConfig.choose_rollout_engine, bench/RESULTS.md): vLLM on a GPU cluster with the vllm package for responses over 256 tokens, else transformers",
-            "choices": ROLLOUT_ENGINES,
-        },
-    )
-    vllm_num_engines: int = field(
-        default=0,
-        metadata={
-            "help": "vLLM rollout engines (GPU only); 0 with the vllm engine: one per actor GPU, inside the actor workers (--colocate_all_models)"
-        },
-    )
-    vllm_tensor_parallel_size: int = field(default=1, metadata={"help": "GPUs per vLLM engine"})
-    vllm_gpu_memory_utilization: float = field(
-        default=0.4,
-        metadata={"help": "fraction of its GPU's memory a vLLM engine may take; the rest is the colocated trainer's"},
-    )
-    enable_prefix_caching: bool = field(
-        default=False, metadata={"help": "vLLM's prefix cache (shared prompt prefixes computed once)"}
-    )
-    vllm_enable_sleep: bool = field(
-        default=False,
-        metadata={
-            "help": "vLLM gives its weights and KV cache back while the actor trains (sleep level 1), and takes them again for the next rollout"
-        },
-    )
-    async_train: bool = field(
-        default=False,
-        metadata={
-            "help": "rollout engines of their own generate the next rollouts while the actor trains: the vLLM engines on GPUs of their own, or without vLLM one transformers engine on a device of its own; see --max_staleness"
-        },
-    )
-    max_staleness: int = field(
-        default=1,
-        metadata={
-            "help": "with --async_train: rollouts kept generating ahead of the trainer, so a trained sample's weights are at most this many updates old (1: one step off-policy)"
-        },
-    )
-    partial_rollouts: bool = field(
-        default=False,
-        metadata={
-            "help": "with --async_train: an update reaches the episodes already running at their next turn (each token tagged with the weight version that generated it), instead of the rollouts started after it"
-        },
-    )
     is_correction: str = field(
         default="auto",
         metadata={
@@ -301,45 +217,6 @@ class RLConfig(ImageConfig, EpisodeConfig, TrainingConfig):
     ignore_eos: bool = field(
         default=False, metadata={"help": "benchmarks: every response is generate_max_len tokens, EOS or not"}
     )
-
-    def choose_rollout_engine(self, has_gpus: bool, has_vllm: bool) -> tuple[str, str]:
-        """(engine, why) for this run on a cluster with or without GPUs and the vllm package: --rollout_engine, or for
-        auto the rule the measurements give. vLLM is chosen only where it needs no GPU the run did not ask for: an
-        explicit --vllm_num_engines, or engines inside the actor workers (--colocate_all_models)."""
-        if self.rollout_engine != "auto":
-            return self.rollout_engine, "--rollout_engine"
-        if self.vllm_num_engines:
-            return "vllm", "--vllm_num_engines"
-        if not has_gpus:
-            return "transformers", "the cluster has no GPU"
-        if not has_vllm:
-            return "transformers", "the vllm package is not installed (the gpu extra)"
-        longest = self.longest_response()
-        if longest <= HF_ENGINE_MAX_TOKENS:
-            return (
-                "transformers",
-                f"responses of at most {longest} tokens: measured faster up to {HF_ENGINE_MAX_TOKENS}",
-            )
-        if not self.colocate_all_models:
-            return "transformers", "vLLM would need GPUs of its own: set --vllm_num_engines, or --colocate_all_models"
-        return "vllm", f"responses of up to {longest} tokens: vLLM measured faster above {HF_ENGINE_MAX_TOKENS}"
-
-    def with_rollout_engine(self, engine: str) -> "RLConfig":
-        """This config with the chosen engine spelled out: vLLM gets one engine per actor GPU when none was asked for."""
-        if engine == "vllm" and not self.vllm_num_engines:
-            return dataclasses.replace(self, rollout_engine="vllm", vllm_num_engines=self.group_size("actor"))
-        return dataclasses.replace(self, rollout_engine=engine)
-
-    def separate_engines(self) -> bool:
-        """Rollout engines on devices of their own (RolloutEngineWorker), rather than inside the actor workers: vLLM
-        engines unless colocated, or with --async_train one transformers engine."""
-        return (self.vllm_num_engines > 0 and not self.colocate_all_models) or (
-            self.async_train and not self.vllm_num_engines
-        )
-
-    def rollout_engines(self) -> int:
-        """How many RolloutEngineWorkers a run with separate engines places."""
-        return self.vllm_num_engines or 1
 
     def prompts_per_rollout(self) -> int:
         """Prompts drawn a rollout: --over_sampling_batch_size when over-sampling, else rollout_batch_size."""
@@ -394,59 +271,12 @@ class RLConfig(ImageConfig, EpisodeConfig, TrainingConfig):
             + ([] if self.remote_rm_url or self.env_path else ["reward"])
         )
 
-    def placement_plan(self) -> list[list[str]]:
-        """Which of roles() share a placement group: [[actor, ref], [critic, reward]] etc., each list one group."""
-        roles = self.roles()
-        if self.colocate_all_models:
-            return [roles]
-        together = [
-            mates
-            for flag, mates in (
-                (self.colocate_actor_ref, {"actor", "ref"}),
-                (self.colocate_critic_reward, {"critic", "reward"}),
-            )
-            if flag
-        ]
-        plan, placed = [], set()
-        for role in roles:
-            if role in placed:
-                continue
-            mates = next((s for s in together if role in s), {role})
-            plan.append([r for r in roles if r in mates])
-            placed.update(mates)
-        return plan
-
     def devices_needed(self) -> int:
         """Devices (GPUs, or CPUs on a CPU-only cluster) the run holds at once: a bundle per worker of each placement
         group, and the rollout engines of their own."""
         return sum(self.group_size(members[0]) for members in self.placement_plan()) + (
             self.rollout_engines() if self.separate_engines() else 0
         )
-
-    def group_size(self, role: str) -> int:
-        return getattr(self, f"{role}_num_nodes") * getattr(self, f"{role}_num_gpus_per_node")
-
-    def resources(self, role: str) -> dict[str, float]:
-        """--<role>_resources as a dict of custom resource -> amount per bundle ({} when unset)."""
-        name = f"{role}_resources"
-        text = getattr(self, name).strip()
-        if not text:
-            return {}
-        hint = f"pass a JSON object of custom resources, e.g. --{name} '{{\"node_a\": 1}}'"
-        try:
-            value = json.loads(text)
-        except ValueError:
-            raise ConfigError(f"{name}: {text!r} is not JSON; {hint}") from None
-        if not isinstance(value, dict) or not value:
-            raise ConfigError(f"{name}: {text!r} is not a non-empty JSON object; {hint}")
-        for key, amount in value.items():
-            if key in ("CPU", "GPU", "memory", "object_store_memory"):
-                raise ConfigError(
-                    f"{name}: {key} comes from --{role}_num_gpus_per_node, not from custom resources; {hint}"
-                )
-            if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not amount > 0:
-                raise ConfigError(f"{name}: {key!r} needs a positive number, got {amount!r}; {hint}")
-        return {key: float(amount) for key, amount in value.items()}
 
     def interval(self, name: str) -> tuple[float, float] | None:
         """A 'low high' field as two floats (None when empty)."""
@@ -465,38 +295,7 @@ class RLConfig(ImageConfig, EpisodeConfig, TrainingConfig):
 
     def validate(self) -> None:
         super().validate()
-        for role in ("actor", "critic", "ref", "reward"):
-            self.resources(role)
-        # A colocated group sits on the first member's bundles: its own resources would be ignored.
-        shared = (
-            [("colocate_all_models", "actor", role) for role in ("critic", "ref", "reward")]
-            if self.colocate_all_models
-            else [
-                (flag, a, b)
-                for flag, a, b in (
-                    ("colocate_actor_ref", "actor", "ref"),
-                    ("colocate_critic_reward", "critic", "reward"),
-                )
-                if getattr(self, flag)
-            ]
-        )
-        for flag, a, b in shared:
-            if b in self.roles() and a in self.roles() and self.resources(b) and self.resources(b) != self.resources(a):
-                raise ConfigError(
-                    f"{b}_resources: with --{flag} the {b} group sits on the {a}'s bundles; set --{a}_resources instead, or drop --{b}_resources"
-                )
-        if self.colocate_all_models:
-            for role in self.roles()[1:]:
-                if self.group_size(role) != self.group_size("actor"):
-                    raise ConfigError(
-                        f"{role}_num_gpus_per_node: colocate_all_models needs every group the actor's size "
-                        f"({self.group_size('actor')}), got {self.group_size(role)}"
-                    )
-        for flag, a, b in (("colocate_actor_ref", "actor", "ref"), ("colocate_critic_reward", "critic", "reward")):
-            if getattr(self, flag) and {a, b} <= set(self.roles()) and self.group_size(a) != self.group_size(b):
-                raise ConfigError(
-                    f"{b}_num_gpus_per_node: {flag} needs the {b} group the {a}'s size ({self.group_size(a)}), got {self.group_size(b)}"
-                )
+        self.check_layout()
         for role in [r for r in ("actor", "critic") if r in self.roles()]:
             check_batch(
                 "train_batch_size",
@@ -507,48 +306,7 @@ class RLConfig(ImageConfig, EpisodeConfig, TrainingConfig):
             )
         if self.vllm_num_engines < 0 or self.micro_rollout_batch_size < 0 or self.num_episodes < 0:
             raise ConfigError("vllm_num_engines, micro_rollout_batch_size and num_episodes must not be negative")
-        if self.rollout_engine == "transformers" and self.vllm_num_engines:
-            raise ConfigError(
-                f"rollout_engine: transformers generates in the actor workers, yet --vllm_num_engines is {self.vllm_num_engines}; drop one of them"
-            )
-        if self.vllm_num_engines:
-            if self.vllm_tensor_parallel_size != 1:
-                raise ConfigError("vllm_tensor_parallel_size: engines of one GPU each only, so far; use 1")
-            # Colocated, the engines live inside the actor workers, one per rank, on its GPU.
-            if self.colocate_all_models and self.vllm_num_engines != self.group_size("actor"):
-                raise ConfigError(
-                    f"vllm_num_engines: with --colocate_all_models each actor worker hosts one vLLM engine on its "
-                    f"GPU; use --vllm_num_engines {self.group_size('actor')} (the actor's size)"
-                )
-            if self.async_train and self.colocate_all_models:
-                raise ConfigError(
-                    "async_train: needs vLLM engines on GPUs of their own; drop --colocate_all_models, or drop --async_train"
-                )
-            if self.lora_rank > 512:
-                raise ConfigError(
-                    f"lora_rank: vLLM's LoRA layers hold ranks up to 512, got {self.lora_rank}; use 512 or less, or --vllm_num_engines 0"
-                )
-            if not 0 < self.vllm_gpu_memory_utilization < 1:
-                raise ConfigError(
-                    f"vllm_gpu_memory_utilization: {self.vllm_gpu_memory_utilization} leaves the colocated trainer no memory; use a fraction such as 0.3"
-                )
-        else:
-            for name, default in (
-                ("vllm_tensor_parallel_size", 1),
-                ("vllm_gpu_memory_utilization", 0.4),
-                ("enable_prefix_caching", False),
-                ("vllm_enable_sleep", False),
-            ):
-                if getattr(self, name) != default:
-                    raise ConfigError(f"{name}: only applies to vLLM engines; set --vllm_num_engines too, or drop it")
-        # The transformers engine of --async_train without vLLM loads full weights; vLLM engines take adapters.
-        if self.async_train and (
-            self.dynamic_filtering or (self.lora_rank and not self.vllm_num_engines) or self.max_staleness < 1
-        ):
-            raise ConfigError(
-                "async_train: needs a fixed rollout, --max_staleness of 1 or more, and vLLM engines with LoRA; "
-                "drop --dynamic_filtering, set --vllm_num_engines with --lora_rank, or drop --async_train"
-            )
+        self.check_engines()
         if self.over_sampling_batch_size:
             actors = self.group_size("actor")
             if self.over_sampling_batch_size <= self.rollout_batch_size:
