@@ -21,10 +21,10 @@ from tasks.common.nn.models import (
     kernels,
     load_scalar_model,
     load_tokenizer,
-    packed_scores,
     resolve_model,
     sequence_scores,
 )
+from tasks.common.nn.packed import packed_scores
 from tasks.common.nn.single_group import train_single_group
 from tasks.common.nn.strategy import DeepSpeedStrategy
 from tasks.common.nn.vision_pairs import PACKING_REFUSED, refuse_text_model, tokenize_vlm_examples

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from tasks.common.nn.engines.rollout import Rollout, pick
-from tasks.common.nn.models import packed_sequence_logprobs, packed_token_values, sequence_logprobs, token_values
+from tasks.common.nn.models import sequence_logprobs, token_values
+from tasks.common.nn.packed import packed_sequence_logprobs, packed_token_values
 from tasks.rl.advantages import compute_advantages, kl_estimate
 
 

@@ -348,7 +348,8 @@ def test_flash_attn_packed_rows_give_each_sequences_own_logprobs_and_gradients()
     if importlib.util.find_spec("flash_attn") is None:
         pytest.skip("flash-attn is not installed (bench/gpu/flash_attn.sh builds it)")
     from tasks.common.nn import data as batches
-    from tasks.common.nn.models import load_causal_lm, packed_logprobs, sequence_logprobs
+    from tasks.common.nn.models import load_causal_lm, sequence_logprobs
+    from tasks.common.nn.packed import packed_logprobs
     from tasks.data import demo
 
     tok = demo.build_tokenizer()

@@ -212,7 +212,7 @@ def fit(prompt: list[int], responses: list[list[int]], max_len: int) -> tuple[li
 
 def pack(sequences: list[list[int]]):
     """Several sequences as one row (sequence packing): (ids [1, T], position_ids [1, T] restarting at 0
-    for each sequence, sequence index [T]), for tasks.common.nn.models.packed_logprobs. No padding."""
+    for each sequence, sequence index [T]), for tasks.common.nn.packed.packed_logprobs. No padding."""
     import torch
 
     ids = torch.tensor([[t for seq in sequences for t in seq]], dtype=torch.long)

@@ -6,6 +6,8 @@
     nll = token_nll_sum(policy, input_ids, target_mask, position_ids(attention_mask), attention_mask)  # SFT's, fused; None off CUDA
     scores = sequence_scores(reward_model, input_ids, attention_mask)  # [B]
 
+The same passes over packed rows (--packing_samples) are tasks.common.nn.packed's.
+
 A URI that names a stage output (s3://…, or a folder holding manifest.json) is resolved through
 its manifest's `model` entry and fetched with every file's size and sha256 checked; a plain folder
 is used as it is, and a plain checkpoint on S3 (config.json, no manifest.json: a team's own base model)
@@ -176,7 +178,7 @@ def load_causal_lm(
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation(flash_attn))
     if liger and not torch_compile:
         with_liger(model)
-    model.chunked_logprobs = liger  # read by _chunked_head
+    model.chunked_logprobs = liger  # read by chunked_head
     return model
 
 
@@ -259,25 +261,6 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def packed_logprobs(
-    model, input_ids: torch.Tensor, position_ids: torch.Tensor, sequence_index: torch.Tensor
-) -> torch.Tensor:
-    """sequence_logprobs of a packed row (tasks.common.nn.data.pack): [1, T] -> [1, T-1]. No token attends
-    across sequences: FlashAttention-2 reads the boundaries from the restarting position ids (varlen);
-    the other kernels get a block-diagonal causal mask. A sequence's last position predicts the next
-    sequence's first token: callers mask it out (a prompt token, never in the loss)."""
-    mask = packed_attention_mask(getattr(model, "module", model).config, sequence_index, input_ids.device)
-    chunked = _chunked_head(model)
-    if chunked:
-        backbone, head = chunked
-        hidden = backbone(
-            input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False
-        ).last_hidden_state
-        return head_logprobs(hidden[:, :-1], head, input_ids[:, 1:])
-    logits = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False).logits
-    return token_logprobs(logits[:, :-1], input_ids[:, 1:])
-
-
 def packed_attention_mask(config, sequence_index: torch.Tensor, device) -> torch.Tensor | None:
     """None for FlashAttention-2, which finds the sequences in the restarting position ids; otherwise a
     block-diagonal causal mask [1, 1, T, T], so no token attends across sequences."""
@@ -285,85 +268,6 @@ def packed_attention_mask(config, sequence_index: torch.Tensor, device) -> torch
         return None
     same = sequence_index[:, None] == sequence_index[None, :]
     return (same & torch.ones_like(same).tril())[None, None].to(device)
-
-
-def packed_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor):
-    """A padded batch [B, T] as one packed row without its padding: (ids [1, N], position_ids [1, N], sequence index
-    [N], index [B, T]: where each token went in the packed row, -1 for padding). Positions are the padded path's
-    (cumsum(mask) - 1), so a row's numbers are the same either way, to float rounding."""
-    live = attention_mask > 0
-    index = torch.where(live, live.flatten().cumsum(0).view_as(live) - 1, -1)
-    rows = torch.arange(live.size(0), device=live.device)[:, None].expand_as(live)
-    return input_ids[live][None], position_ids(attention_mask)[live][None], rows[live], index
-
-
-def _scatter(values: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
-    """values [M] into a zero tensor of where's shape at its True places, row-major (autograd flows through)."""
-    return torch.zeros(where.shape, dtype=values.dtype, device=values.device).masked_scatter(where, values)
-
-
-def packed_sequence_logprobs(
-    model,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    return_entropy: bool = False,
-    temperature: float = 1.0,
-    start: int = 0,
-    entropy_grad: bool = True,
-):
-    """sequence_logprobs of a padded batch run as one packed row (--packing_samples): the same [B, T-1-start] to float
-    rounding, but no compute on padding, and 0 wherever the token or the one before it is padding (never in a loss).
-    Only the positions that predict a real token reach the output head."""
-    ids, positions, rows, index = packed_rows(input_ids, attention_mask)
-    source, target = index[:, start:-1], index[:, start + 1 :]
-    want = (source >= 0) & (target >= 0)
-    at, labels = source[want], input_ids[:, start + 1 :][want]
-    mask = packed_attention_mask(lora.unwrap(model).config, rows, ids.device)
-    chunked = _chunked_head(model)
-    if chunked:
-        backbone, head = chunked
-        hidden = backbone(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).last_hidden_state
-        out = head_logprobs(hidden[0, at], head, labels, temperature, return_entropy, entropy_grad=entropy_grad)
-    else:
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits[0, at]
-        out = token_logprobs(logits, labels, temperature)
-        if return_entropy:
-            out = (out, token_entropy(logits, temperature, entropy_grad))
-    if not return_entropy:
-        return _scatter(out, want)
-    return _scatter(out[0], want), _scatter(out[1], want)
-
-
-def packed_token_values(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, start: int = 0) -> torch.Tensor:
-    """token_values(...)[:, start:-1] of a padded batch run as one packed row: [B, T-1-start], 0 at padding."""
-    model = lora.unwrap(model)
-    ids, positions, rows, index = packed_rows(input_ids, attention_mask)
-    source = index[:, start:-1]
-    want = source >= 0
-    mask = packed_attention_mask(model.config, rows, ids.device)
-    hidden = getattr(model, model.base_model_prefix)(
-        input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False
-    ).last_hidden_state
-    return _scatter(model.score(hidden[0, source[want]]).squeeze(-1).float(), want)
-
-
-def packed_scores(
-    model, input_ids: torch.Tensor, position_ids: torch.Tensor, sequence_index: torch.Tensor
-) -> torch.Tensor:
-    """sequence_scores of a packed row (tasks.common.nn.data.pack): [1, T] -> [number of sequences], the scalar
-    head at each sequence's last token, with no token attending across sequences."""
-    model = lora.unwrap(model)
-    backbone = getattr(model, model.base_model_prefix)
-    mask = packed_attention_mask(model.config, sequence_index, input_ids.device)
-    hidden = backbone(
-        input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False
-    ).last_hidden_state
-    values = model.score(hidden).squeeze(-1).float()[0]
-    index = sequence_index.to(values.device)
-    last = torch.cat(
-        [(index[1:] != index[:-1]).nonzero().squeeze(-1), torch.tensor([index.numel() - 1], device=values.device)]
-    )
-    return values[last]
 
 
 def sequence_logprobs(
@@ -379,7 +283,7 @@ def sequence_logprobs(
     [B, T] -> [B, T-1-start] (and that distribution's entropy; entropy_grad=False keeps it out of autograd).
     RL passes its sampling temperature, so the ratio, KL and entropy are those of the policy that sampled the
     rollout, and start = prompt width - 1: the output head and its vocabulary-wide passes skip the prompt."""
-    chunked = _chunked_head(model)
+    chunked = chunked_head(model)
     if chunked:
         backbone, head = chunked
         hidden = backbone(
@@ -414,7 +318,7 @@ def token_nll_sum(
     Liger's fused linear cross-entropy (vocab.fused_linear_nll_sum). None where that kernel does not apply: off
     CUDA, without Liger (load_causal_lm's `liger`), or a head that is not a plain bias-free linear layer (LoRA on
     the head; ZeRO-3's shards): the caller then takes the log-probabilities' path."""
-    chunked = _chunked_head(model)
+    chunked = chunked_head(model)
     if chunked is None or not input_ids.is_cuda:
         return None
     backbone, head = chunked
@@ -428,7 +332,7 @@ def token_nll_sum(
     return fused_linear_nll_sum(hidden[:, :-1], head.weight, input_ids[:, 1:], target_mask)
 
 
-def _chunked_head(model):
+def chunked_head(model):
     """(backbone, output head) of a causal LM loaded with Liger (load_causal_lm), whose log-probs come from the last
     hidden states a chunk of tokens at a time; None for the full-logits path. The backbone is called directly, as
     token_values does (LoRA layers stay injected; a DeepSpeed engine's forward adds nothing below ZeRO-3). Under

@@ -17,7 +17,8 @@ import torch
 from tasks.common.config import ConfigError
 from tasks.common.nn import data, vision
 from tasks.common.nn.losses import sft_loss
-from tasks.common.nn.models import packed_logprobs, position_ids, sequence_logprobs, token_nll_sum
+from tasks.common.nn.models import position_ids, sequence_logprobs, token_nll_sum
+from tasks.common.nn.packed import packed_logprobs
 from tasks.common.nn.vocab import token_logprobs
 
 

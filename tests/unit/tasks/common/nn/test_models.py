@@ -107,7 +107,7 @@ def test_a_model_that_takes_log_probs_a_chunk_at_a_time_gives_the_full_logits_nu
     themselves need CUDA: tests/e2e/test_gpu.py) against the same model's full-logits path: values, entropy and the
     parameters' gradients."""
     from tasks.common.nn import data
-    from tasks.common.nn.models import packed_logprobs
+    from tasks.common.nn.packed import packed_logprobs
     from tasks.data import demo
 
     tok = demo.build_tokenizer()
