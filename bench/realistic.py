@@ -8,7 +8,7 @@ weights and sampling with no patch. Each run writes <dir>/results/realistic_<sha
     python bench/realistic.py ours --dir /tmp/bench-qwen2.5-1.5b --cap 4096 --engine vllm    # our RL stage (Ray head needed)
     python bench/realistic.py ours --dir … --cap 4096 --engine transformers --steps 2
     python bench/realistic.py trl  --dir … --cap 4096                                       # TRL GRPOTrainer + vLLM colocate
-    python bench/realistic.py verl --dir … --cap 4096   # or openrlhf: the peers' long-response settings (realistic_peers.py)
+    python bench/realistic_peers.py verl --dir … --cap 4096   # or openrlhf: the peers' long-response settings
     python bench/realistic.py collect --dir <results folder> --machine "H100 80GB"  # into bench/results.json "realistic" (report.py)
 
 The work: PROMPTS × GROUP = 16 × 8 = 128 completions of at most --cap new tokens after 128-token prompts, sampled at
@@ -317,7 +317,7 @@ def trl(bench_dir: Path, cap: int, steps: int, micro: int, command: str) -> None
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("what", choices=["ours", "vllm", "trl", "verl", "openrlhf", "collect"])
+    parser.add_argument("what", choices=["ours", "vllm", "trl", "collect"])
     parser.add_argument("--dir", type=Path, required=True)
     parser.add_argument(
         "--cap", type=int, default=4096, help="max new tokens a response (the EOS model calibrated for it)"
@@ -344,7 +344,6 @@ def main() -> None:
     parser.add_argument("--zero_stage", type=int, default=2, help="ours: DeepSpeed ZeRO stage")
     parser.add_argument("--adam_offload", action="store_true", help="ours: Adam's state in host memory")
     parser.add_argument("--gpu_memory_utilization", type=float, default=0.35)
-    parser.add_argument("--timeout_s", type=float, default=540, help="verl, openrlhf: stop the peer after this long")
     parser.add_argument(
         "--into", type=Path, default=common.ROOT / "bench" / "results.json", help="collect: the summary to merge into"
     )
@@ -370,14 +369,6 @@ def main() -> None:
         )
     elif a.what == "collect":  # here, on the results a device call brought back: --dir is that results folder
         report.collect_realistic(a.dir, a.into, a.machine, a.date)
-    elif a.what in ("verl", "openrlhf"):  # bench/realistic_peers.py
-        from bench import realistic_peers
-
-        if a.what == "verl":
-            realistic_peers.verl(a.dir, a.cap, a.steps, a.gpu_memory_utilization, a.timeout_s, command)
-        else:
-            args = (a.dir, a.cap, a.steps, a.gpu_memory_utilization, a.timeout_s, command, a.max_tokens_per_gpu)
-            realistic_peers.openrlhf(*args)
     elif a.what == "vllm":
         vllm_alone(a.dir, a.cap, a.gpu_memory_utilization, command)
     else:

@@ -3,8 +3,9 @@ EOS live, temperature 1, the cap, one update a step, no KL, lr 1e-9, vLLM coloca
 and each peer's own long-response settings: verl's dynamic batch size with padding removed (its flash-attn varlen path)
 and OpenRLHF's packed samples with dynamic batches, at our token budget (8 × (prompt + cap) tokens a micro-batch).
 
-    python bench/realistic.py verl --dir /tmp/bench-qwen2.5-1.5b --cap 4096 --steps 4       # bench/gpu/run.sh real_verl4k
-    python bench/realistic.py openrlhf --dir /tmp/bench-qwen2.5-1.5b --cap 4096 --steps 4   # … real_openrlhf4k
+    python bench/realistic_peers.py verl --dir /tmp/bench-qwen2.5-1.5b --cap 4096 --steps 4       # run.sh real_verl4k
+    python bench/realistic_peers.py openrlhf --dir /tmp/bench-qwen2.5-1.5b --cap 4096 --steps 4   # … real_openrlhf4k
+        [--max_tokens_per_gpu N] [--timeout_s S]   # OpenRLHF's budget (default ours), when to stop the peer
 
 Each needs its peer installed (bench/gpu/verl.sh, openrlhf.sh: after flash_attn.sh) and a Ray head whose PYTHONPATH
 starts with the peer's folder; OpenRLHF's install patch keeps EOS live when BENCH_IGNORE_EOS=0 (run.sh sets it).
@@ -14,12 +15,13 @@ is NeMo-RL's count from the peer's own mean response length. Writes <dir>/result
 
 from __future__ import annotations
 
+import argparse
 import shlex
 import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # bench/, the repo
 import openrlhf_bench  # noqa: E402
 import verl_bench  # noqa: E402
 from peer_run import fail_unless_ran, run_stamped  # noqa: E402
@@ -190,3 +192,26 @@ def openrlhf(
             "peer_command": shlex.join(argv),
         },
     )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("peer", choices=["verl", "openrlhf"])
+    parser.add_argument("--dir", type=Path, required=True)
+    parser.add_argument("--cap", type=int, default=4096, help="max new tokens a response (the EOS model's cap)")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--gpu_memory_utilization", type=float, default=0.35)
+    parser.add_argument("--timeout_s", type=float, default=540, help="stop the peer after this long")
+    parser.add_argument(
+        "--max_tokens_per_gpu", type=int, default=0, help="openrlhf: its token budget (0: ours, token_budget(cap))"
+    )
+    a = parser.parse_args()
+    command = "python bench/realistic_peers.py " + " ".join(sys.argv[1:])
+    if a.peer == "verl":
+        verl(a.dir, a.cap, a.steps, a.gpu_memory_utilization, a.timeout_s, command)
+    else:
+        openrlhf(a.dir, a.cap, a.steps, a.gpu_memory_utilization, a.timeout_s, command, a.max_tokens_per_gpu)
+
+
+if __name__ == "__main__":
+    main()

@@ -133,7 +133,7 @@ for phase in "$@"; do
     real_verl4k|real_openrlhf4k)
       peer=${phase#real_}; peer=${peer%4k}
       ( export PYTHONPATH=/tmp/site-$peer:$PYTHONPATH BENCH_IGNORE_EOS=0
-        start_ray && python bench/realistic.py $peer --dir $dir --cap 4096 --steps ${REAL_STEPS:-4} ${PEER_ARGS:-} )
+        start_ray && python bench/realistic_peers.py $peer --dir $dir --cap 4096 --steps ${REAL_STEPS:-4} ${PEER_ARGS:-} )
       rc=$?; ray_cli stop --force >/dev/null 2>&1; ray_up=""; (exit $rc) ;;
     real_vllm4k|real_vllm8k) python bench/realistic.py vllm --dir $dir --cap $([ "$phase" = real_vllm4k ] && echo 4096 || echo 8192) ;;
     real_trl4k) python bench/realistic.py trl --dir $dir --cap 4096 --steps ${REAL_STEPS:-4} --micro 4 ;;

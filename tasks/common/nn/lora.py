@@ -281,7 +281,7 @@ def _copy_tokenizer(src: Path, dst: Path) -> None:
     from transformers import AutoTokenizer
 
     if (src / "processor_config.json").is_file():
-        from tasks.common.nn.vision import load_processor
+        from tasks.common.nn.processors import load_processor
 
         load_processor(str(src)).save_pretrained(str(dst))
         return

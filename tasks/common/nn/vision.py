@@ -21,15 +21,14 @@ from __future__ import annotations
 import base64
 import binascii
 import io
-import json
 import re
-from pathlib import Path
 
 import torch
 
 from tasks.common.config import ConfigError
 from tasks.common.image_tags import IMAGE_TAG, count_placeholders
 from tasks.common.nn.models import attn_implementation
+from tasks.common.nn.processors import image_only, load_processor  # noqa: F401 (the VLM's processor, here too)
 
 #: The submodules that make up a vision tower and its projector into the language model, by the names
 #: transformers' VLMs give them (Qwen2/2.5/3-VL: `visual`, its merger inside; LLaVA, Gemma 3, Mistral 3:
@@ -61,41 +60,6 @@ def load_vision_lm(path: str, dtype: torch.dtype = torch.float32, flash_attn: bo
     return AutoModelForImageTextToText.from_pretrained(
         path, dtype=dtype, attn_implementation=attn_implementation(flash_attn)
     )
-
-
-def image_only(processor_class):
-    """`processor_class` without its video processor. transformers 5.x builds every processor with all its parts,
-    and video processors need torchvision, which CPU installs lack (huggingface/transformers#48558): this
-    subclass's signature has no video_processor, so ProcessorMixin neither loads nor checks one. Images only."""
-
-    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
-        processor_class.__init__(self, image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
-
-    # Same name and module: save_pretrained writes the real class into processor_config.json, so a machine
-    # with torchvision loads the folder as the full processor.
-    return type(
-        processor_class.__name__, (processor_class,), {"__init__": __init__, "__module__": processor_class.__module__}
-    )
-
-
-def load_processor(path: str):
-    """The model's processor (image processor + tokenizer + chat template) via AutoProcessor; without torchvision,
-    a processor whose class takes a video processor is loaded without one (image_only). Its tokenizer pads with
-    EOS when it has no pad token."""
-    import transformers
-    from transformers import AutoProcessor
-    from transformers.utils import is_torchvision_available
-
-    config, processor = Path(path) / "processor_config.json", None
-    if not is_torchvision_available() and config.is_file():
-        name = json.loads(config.read_text()).get("processor_class", "")
-        cls = getattr(transformers, name, None)
-        if cls is not None and "video_processor" in cls.get_attributes():
-            processor = image_only(cls).from_pretrained(path)
-    processor = processor or AutoProcessor.from_pretrained(path)
-    if processor.tokenizer.pad_token is None:  # as load_tokenizer: batches are padded
-        processor.tokenizer.pad_token = processor.tokenizer.eos_token
-    return processor
 
 
 def freeze_visual_encoder(model) -> int:
