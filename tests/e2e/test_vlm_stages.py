@@ -29,6 +29,7 @@ from tasks.eval.config import EvalConfig
 from tasks.rl.config import RLConfig
 
 from tests.conftest import REPO
+from tests.vlm_demo import sft_steps
 
 EXACT = str(REPO / "tasks" / "data" / "demo_vlm_reward.py")
 ZERO = str(REPO / "tests" / "rewards" / "zero_reward.py")
@@ -75,15 +76,7 @@ def start(root, seed: int) -> dict:
         rows = demo_vlm.make_datasets(seed=seed, sizes={"sft": 400, "prompts": 400, "eval": 200})
         table = datasets.Dataset.from_list(rows["sft"])
         ids, masks, images, _ = supervised.tokenize_vlm_rows(table, processor, "prompt", "response", "images", True, 64)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        pad, draw = processor.tokenizer.pad_token_id, torch.Generator().manual_seed(seed)
-        for _ in range(SFT_STEPS):
-            batch = torch.randint(0, len(ids), (16,), generator=draw).tolist()
-            pick = [[x[i] for i in batch] for x in (ids, masks, images)]
-            loss = supervised.vlm_micro_batch_loss(model, processor, *pick, pad, False, "cpu")
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
+        sft_steps(model, processor, ids, masks, images, SFT_STEPS, seed)
     finally:
         torch.set_num_threads(threads)
     model.save_pretrained(folder / "sft")

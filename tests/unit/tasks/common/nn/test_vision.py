@@ -10,6 +10,8 @@ from tasks.common.config import ConfigError
 from tasks.common.nn import models, supervised, vision
 from tasks.data import demo, demo_vlm
 
+from tests.vlm_demo import greedy_accuracy, sft_steps
+
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
@@ -217,26 +219,8 @@ def sft_accuracy(seed: int, shuffled: bool, steps: int = 200) -> float:
         random.Random(seed).shuffle(pictures)
         train = [{**r, "images": i} for r, i in zip(train, pictures)]
     ids, masks, images, _ = sft_batch(processor, train)
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=1e-3
-    )  # 3e-3 left one colour unlearned for 200 steps on some seeds
-    pad, draw = processor.tokenizer.pad_token_id, torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        batch = torch.randint(0, len(ids), (16,), generator=draw).tolist()
-        pick = [[x[i] for i in batch] for x in (ids, masks, images)]
-        loss = supervised.vlm_micro_batch_loss(model, processor, *pick, pad, False, "cpu")
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    model.eval()
-    held = rows["eval"]
-    prompts = [vision.encode_vlm_prompt(processor, r["prompt"], r["images"])["input_ids"] for r in held]
-    inputs = vision.vlm_inputs(processor, prompts, [r["images"] for r in held], pad, "cpu")
-    with torch.no_grad():  # one token: the colour's letter; the image tokens are never sampled
-        out = model.generate(
-            **inputs, max_new_tokens=1, do_sample=False, suppress_tokens=vision.image_token_ids(processor)
-        )
-    return sum(processor.tokenizer.decode(o[-1:]) == r["label"] for o, r in zip(out, held)) / len(held)
+    sft_steps(model, processor, ids, masks, images, steps, seed)
+    return greedy_accuracy(model, processor, rows["eval"])
 
 
 @pytest.mark.slow

@@ -6,11 +6,12 @@ import datasets
 import pytest
 import torch
 
-from tasks.common.nn import vision
 from tasks.common.nn.losses import bradley_terry_loss
 from tasks.common.nn.vision_pairs import tokenize_vlm_examples, vlm_summed_logps
 from tasks.common.nn.vision_reward import VisionRewardModel, vlm_sequence_scores
 from tasks.data import demo_vlm
+
+from tests.vlm_demo import greedy_accuracy
 
 
 def tokenized(processor, rows, split="preference"):
@@ -100,15 +101,7 @@ def dpo_accuracy(seed: int, shuffled: bool, steps: int = 300) -> float:
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    policy.eval()
-    held = rows["eval"]
-    ids = [vision.encode_vlm_prompt(processor, r["prompt"], r["images"])["input_ids"] for r in held]
-    inputs = vision.vlm_inputs(processor, ids, [r["images"] for r in held], pad, "cpu")
-    with torch.no_grad():
-        out = policy.generate(
-            **inputs, max_new_tokens=1, do_sample=False, suppress_tokens=vision.image_token_ids(processor)
-        )
-    return sum(processor.tokenizer.decode(o[-1:]) == r["label"] for o, r in zip(out, held)) / len(held)
+    return greedy_accuracy(policy, processor, rows["eval"])
 
 
 @pytest.mark.slow

@@ -1,0 +1,37 @@
+"""What the VLM tests share on the demo VLM (tasks/data/demo_vlm.py): a few plain SFT steps on its rows, and its
+greedy accuracy on held-out rows (one token: the colour's letter, image tokens never sampled).
+
+    from tests.vlm_demo import greedy_accuracy, sft_steps
+    sft_steps(model, processor, ids, masks, images, steps=80, seed=0)   # supervised.tokenize_vlm_rows' output
+    accuracy = greedy_accuracy(model, processor, rows["eval"])
+"""
+
+import torch
+
+from tasks.common.nn import supervised, vision
+
+
+def sft_steps(model, processor, ids, masks, images, steps: int, seed: int, lr: float = 1e-3, batch: int = 16) -> None:
+    """`steps` AdamW steps on random batches of the tokenised rows (3e-3 left one colour unlearned on some seeds)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    pad, draw = processor.tokenizer.pad_token_id, torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        rows = torch.randint(0, len(ids), (batch,), generator=draw).tolist()
+        pick = [[x[i] for i in rows] for x in (ids, masks, images)]
+        loss = supervised.vlm_micro_batch_loss(model, processor, *pick, pad, False, "cpu")
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+
+def greedy_accuracy(model, processor, held: list[dict]) -> float:
+    """The share of held-out rows whose greedy first token is the row's label."""
+    model.eval()
+    pad = processor.tokenizer.pad_token_id
+    prompts = [vision.encode_vlm_prompt(processor, r["prompt"], r["images"])["input_ids"] for r in held]
+    inputs = vision.vlm_inputs(processor, prompts, [r["images"] for r in held], pad, "cpu")
+    with torch.no_grad():
+        out = model.generate(
+            **inputs, max_new_tokens=1, do_sample=False, suppress_tokens=vision.image_token_ids(processor)
+        )
+    return sum(processor.tokenizer.decode(o[-1:]) == r["label"] for o, r in zip(out, held)) / len(held)
