@@ -25,8 +25,9 @@ from tasks.common.nn.losses import (
 from tasks.common.nn.models import is_vision_model, kernels, load_causal_lm, load_tokenizer, resolve_model
 from tasks.common.nn.strategy import DeepSpeedStrategy
 from tasks.rl.config import RLConfig
+from tasks.rl.engine_factories import episode_runner_for, run_episodes_on, vllm_engine_for
 from tasks.rl.experience import Experience, response_logprobs
-from tasks.rl.workers import Trainer, chunks, episode_runner_for, run_episodes_on, vllm_engine_for
+from tasks.rl.workers import Trainer, chunks
 
 
 class ActorWorker(Trainer):

@@ -1,5 +1,6 @@
 """The RL stage's Ray worker roles but the actor (tasks/rl/actor.py): rollout engines of their own, critic,
-reference, reward; and what the roles share (Trainer, micro-batches, the engines they build).
+reference, reward; and what the roles share (Trainer; micro-batches are tasks/rl/micro_batches.py's, the engines
+they build tasks/rl/engine_factories.py's).
 
 Each role is a tasks.common.nn.workers.Worker, placed as a WorkerGroup (tasks.rl.placement). With --lora_rank the actor trains adapters and is its own reference (its base
 with the adapters off, `reference_logprobs`): no ReferenceWorker is placed. Tensors travel between
@@ -30,12 +31,15 @@ from tasks.common.nn.strategy import DeepSpeedStrategy
 from tasks.common.nn.token_batches import token_batches
 from tasks.common.nn.workers import TrainingWorker, Worker
 from tasks.rl.config import RLConfig
+from tasks.rl.engine_factories import (
+    episode_runner_for,
+    load_vision_processor,
+    model_dtype,
+    run_episodes_on,
+    vllm_engine_for,
+)
 from tasks.rl.experience import Experience, response_logprobs, response_values
 from tasks.rl.micro_batches import _micro_batches, chunks, response_used, trimmed  # noqa: F401  (importers of workers)
-
-
-def model_dtype(cfg: RLConfig) -> torch.dtype:
-    return torch.bfloat16 if cfg.bf16 else torch.float32
 
 
 class Trainer(TrainingWorker):
@@ -193,56 +197,6 @@ class RolloutEngineWorker(Worker):
     def load_adapter(self, adapter: lora.AdapterWeights, version: int) -> None:
         """The actor's adapter after `version` updates (ActorWorker.adapter_weights), for a vLLM engine with LoRA."""
         self._receive(version, adapter)
-
-
-def load_vision_processor(path: str):
-    """The processor of a vision-language model at `path`; None for a text model."""
-    if not is_vision_model(path):
-        return None
-    from tasks.common.nn.vision import load_processor
-
-    return load_processor(path)
-
-
-def episode_runner_for(cfg: RLConfig, engine, tokenizer, policy_version=None):
-    """Multi-turn episodes on `engine`, one environment per episode (--env_path); None without one."""
-    if not cfg.env_path:
-        return None
-    from tasks.common.nn.environment import episode_runner
-
-    return episode_runner(cfg, engine, tokenizer, policy_version)
-
-
-def run_episodes_on(runner, rows: list[dict], cfg: RLConfig):
-    """A worker's share of a rollout's episodes (tasks.common.nn.environment.Episodes) on the CPU, None for no rows."""
-    if not rows:
-        return None
-    result = runner.run(rows, cfg.temperature)
-    result.rollout, result.episodes = result.rollout.to("cpu"), []  # the environments stay here
-    return result
-
-
-def vllm_engine_for(cfg: RLConfig, path: str, tokenizer, seed: int, processor=None):
-    """A vLLM engine on the policy at `path`; a vision-language policy's (its `processor`) takes prompts with images,
-    sized for --max_images_per_prompt (the controller sets it from the data), its placeholder ids never sampled."""
-    from tasks.common.nn.engines.vllm_engine import vision_options
-
-    vision = vision_options(processor, cfg.max_images_per_prompt) if processor is not None else {}
-    return make_engine(
-        "vllm",
-        tokenizer,
-        path=path,
-        # An episode's next turn reads everything before it: up to max_episode_tokens after the prompt, then a turn.
-        max_len=cfg.prompt_max_len + cfg.generate_max_len + (cfg.max_episode_tokens if cfg.env_path else 0),
-        gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
-        seed=seed,
-        dtype=str(model_dtype(cfg)).removeprefix("torch."),
-        enable_prefix_caching=cfg.enable_prefix_caching,
-        enable_sleep=cfg.vllm_enable_sleep,
-        ignore_eos=cfg.ignore_eos,
-        lora_rank=cfg.lora_rank,
-        **vision,
-    )
 
 
 class CriticWorker(Trainer):
