@@ -98,10 +98,10 @@ for phase in "$@"; do
         # The eval stage, 1,000 prompts x 256 new tokens: vLLM on its worker's GPU, then the transformers engine there.
         eval_vllm) python bench/grpo_bench.py eval --dir $dir --mode vllm ;;
         eval_hf) python bench/grpo_bench.py eval --dir $dir --mode hf ;;
-        # The GPU tests (tests/e2e/test_gpu.py, tests/unit/tasks/common/nn/engines/test_vllm_engine.py), on this Ray
-        # head; the learning check's preferred-style rates land in results/gpu_learning.json.
-        tests_stages) python -m pytest -m gpu -s -p no:cacheprovider \
-          tests/unit/tasks/common/nn/engines/test_vllm_engine.py tests/e2e/test_gpu.py -k "${TESTS_K:-not learns}" ;;
+        # The GPU tests (tests/e2e/test_gpu.py, the vLLM engine's text and vision-language tests), on this Ray head;
+        # the learning check's preferred-style rates land in results/gpu_learning.json.
+        tests_stages) python -m pytest -m gpu -s -p no:cacheprovider tests/unit/tasks/common/nn/engines/test_vllm_engine.py \
+          tests/unit/tasks/common/nn/engines/test_vllm_vision.py tests/e2e/test_gpu.py -k "${TESTS_K:-not learns}" ;;
         tests_learn) python -m pytest -m gpu -s -p no:cacheprovider tests/e2e/test_gpu.py -k "${TESTS_K:-learns}" \
                        && mkdir -p $dir/results && cp .scratch/test/gpu/learning.json $dir/results/gpu_learning.json ;;
       esac ;;
