@@ -3,16 +3,14 @@ their step lines (verl's console format, OpenRLHF's "Global step" dicts), on han
 medians. The runs themselves need a GPU and the peers installed (bench/gpu/run.sh real_verl4k, real_openrlhf4k)."""
 
 import json
-import sys
 
 import pytest
 
 from bench import realistic_peers as peers
 from bench.common import PROMPT_TOKENS
 
-sys.path.insert(0, str(peers.Path(peers.__file__).parent))  # the peer benches import `common` as bench/'s scripts do
-import openrlhf_bench  # noqa: E402
-import verl_bench  # noqa: E402
+# the peer benches as realistic_peers imports them (bench/ on sys.path, as its scripts run)
+openrlhf_bench, verl_bench = peers.openrlhf_bench, peers.verl_bench
 
 
 @pytest.fixture
