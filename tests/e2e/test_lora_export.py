@@ -10,7 +10,6 @@ carries its normalisation statistics; RL and DPO take their reference from the p
 """
 
 import json
-import os
 
 import pytest
 import torch
@@ -25,46 +24,33 @@ from tasks.reward_model.config import RewardModelConfig
 from tasks.rl.config import RLConfig
 from tasks.sft.config import SFTConfig
 
+from tests.in_process import stages_in_this_process, write_jsonl
 from tests.tiny_chat import build_chat_model, chat_rows
 
 LORA = {"lora_rank": 4, "lora_alpha": 8}
 PROBES = [[1, 20, 30, 40, 50, 60, 70], [1, 23, 33, 43, 53]]  # token ids scored by both sides of each comparison
 
 
-def write_jsonl(path, rows) -> str:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
-
-
 @pytest.fixture(scope="module")
 def env(ray_address, s3_server, tmp_path_factory):
     """The base model, the data files, and RAY_ADDRESS for stages run in this process."""
-    import ray
-
     root = tmp_path_factory.mktemp("lora")
-    saved = {k: os.environ.get(k) for k in ("RAY_ADDRESS", "RLHF_CACHE_DIR")}
-    os.environ.update(RAY_ADDRESS=ray_address, RLHF_CACHE_DIR=str(root / "cache"))
     rows = chat_rows(16)
     prompts = [r["messages"][1]["content"] for r in rows]
-    yield {
-        "root": root,
-        "s3": s3_server,
-        "base": build_chat_model(root / "base"),
-        "sft_data": write_jsonl(
-            root / "sft.jsonl", [{"prompt": p, "response": r["chosen"]} for p, r in zip(prompts, rows)]
-        ),
-        "pairs": write_jsonl(
-            root / "pairs.jsonl",
-            [{"prompt": p, "chosen": r["chosen"], "rejected": r["rejected"]} for p, r in zip(prompts, rows)],
-        ),
-        "prompts": write_jsonl(root / "prompts.jsonl", [{"prompt": p} for p in prompts]),
-    }
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
-    ray.shutdown()  # this process joined the head through the stages' connect_ray
+    with stages_in_this_process(ray_address, root):
+        yield {
+            "root": root,
+            "s3": s3_server,
+            "base": build_chat_model(root / "base"),
+            "sft_data": write_jsonl(
+                root / "sft.jsonl", [{"prompt": p, "response": r["chosen"]} for p, r in zip(prompts, rows)]
+            ),
+            "pairs": write_jsonl(
+                root / "pairs.jsonl",
+                [{"prompt": p, "chosen": r["chosen"], "rejected": r["rejected"]} for p, r in zip(prompts, rows)],
+            ),
+            "prompts": write_jsonl(root / "prompts.jsonl", [{"prompt": p} for p in prompts]),
+        }
 
 
 def run_stage(name: str, cls, work, values: dict) -> dict:

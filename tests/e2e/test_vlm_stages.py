@@ -14,7 +14,6 @@ wrong. Then:
 """
 
 import json
-import os
 
 import datasets
 import pytest
@@ -29,6 +28,7 @@ from tasks.eval.config import EvalConfig
 from tasks.rl.config import RLConfig
 
 from tests.conftest import REPO
+from tests.in_process import stages_in_this_process, write_jsonl
 from tests.vlm_demo import sft_steps
 
 EXACT = str(REPO / "tasks" / "data" / "demo_vlm_reward.py")
@@ -36,26 +36,12 @@ ZERO = str(REPO / "tests" / "rewards" / "zero_reward.py")
 SFT_STEPS = 80  # from random weights: the answer's format and most colours (greedy), sampled answers still mixed
 
 
-def write_jsonl(path, rows) -> str:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
-
-
 @pytest.fixture(scope="module")
 def env(ray_address, s3_server, tmp_path_factory):
     """RAY_ADDRESS for stages run in this process, and a folder for their outputs."""
-    import ray
-
     root = tmp_path_factory.mktemp("vlm-stages")
-    saved = {k: os.environ.get(k) for k in ("RAY_ADDRESS", "RLHF_CACHE_DIR")}
-    os.environ.update(RAY_ADDRESS=ray_address, RLHF_CACHE_DIR=str(root / "cache"))
-    yield root
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
-    ray.shutdown()  # this process joined the head through the stages' connect_ray
+    with stages_in_this_process(ray_address, root):
+        yield root
 
 
 def start(root, seed: int) -> dict:
