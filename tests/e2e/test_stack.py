@@ -29,6 +29,14 @@ LOOPBACK_IPS = {"127.0.0.1", "::ffff:127.0.0.1", "::1"}
 # ----------------------------------------------------------------------------------------- unit
 
 
+def _gone(proc: psutil.Process) -> bool:
+    """Exited (a zombie counts: nobody may have reaped it yet)."""
+    try:
+        return proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
 def test_stack_env_is_loopback_complete_and_stable(tmp_path):
     env = stack_env(tmp_path, airflow_port=38080, s3_port=39000, ray_port=36379, dashboard_port=38265)
     for key in (
@@ -136,21 +144,31 @@ def test_nothing_listens_beyond_loopback(live_stack):
 @pytest.mark.e2e
 def test_s3_objects_survive_the_emulator_being_killed():
     """Every object S3 acknowledged is on disk: after `kill -9` of the emulator, `up` serves it again, with
-    its ETag (a manifest's record) and content type; `down` and `up` keep it too (S3 alone, own scratch)."""
+    its ETag (a manifest's record) and content type; `down` and `up` keep it too, and `up` replaces an emulator
+    of this stack whose PID file was lost (S3 alone, own scratch)."""
     parent = REPO / ".scratch" / "test-stack"
     scratch = parent / f"{os.getpid()}-s3"
     remove_scratch(scratch)
     env = stack_subprocess_env(scratch, s3_port=_stack_port())
 
+    transcript = []  # every command's output: a failure shows what `down` said before the `up` that failed
+
     def run(*args):
         out = subprocess.run([*STACK_CMD, *args], env=env, cwd=REPO, capture_output=True, text=True,
                              timeout=120)  # fmt: skip
-        assert out.returncode == 0, out.stdout + out.stderr
+        transcript.append(f"$ stack {' '.join(args)} -> {out.returncode}\n{out.stdout}{out.stderr}")
+        assert out.returncode == 0, "\n".join(transcript)
         return out.stdout
 
     try:
         run("up", "s3")
         cfg = Config.load(scratch)
+        assert running(cfg, "s3") is not None
+        # The PID file records the process's start time: a recycled PID (another start time) is not ours.
+        pid, started = (cfg.pids / "s3.pid").read_text().split()
+        (cfg.pids / "s3.pid").write_text(f"{pid} {float(started) - 5}\n")
+        assert running(cfg, "s3") is None
+        (cfg.pids / "s3.pid").write_text(f"{pid} {started}\n")
         s3 = s3_client(cfg)
         key = "runs/rlhf_pipeline/manual__x/sft/manifest.json"
         s3.put_object(Bucket=cfg.bucket, Key=key, Body=b'{"stage": "sft"}', ContentType="application/json")
@@ -182,6 +200,14 @@ def test_s3_objects_survive_the_emulator_being_killed():
         run("down", "s3")
         run("up", "s3")
         assert s3_client(cfg).get_object(Bucket="another", Key="dir/")["Body"].read() == b""
+
+        # An emulator of this stack that no PID file names (its file lost) holds the port: `up` stops it and
+        # starts its own on the same folder, instead of refusing the port.
+        orphan = running(cfg, "s3")
+        (cfg.pids / "s3.pid").unlink()
+        assert f"stopping pid {orphan.pid}" in run("up", "s3")
+        assert _gone(orphan) and running(cfg, "s3").pid != orphan.pid
+        assert s3_client(cfg).get_object(Bucket=cfg.bucket, Key=key)["Body"].read() == b'{"stage": "sft"}'
     finally:
         subprocess.run([*STACK_CMD, "down"], env=env, cwd=REPO, capture_output=True, timeout=120)
         remove_scratch(scratch)

@@ -39,15 +39,17 @@ def running(cfg: Config, name: str) -> psutil.Process | None:
     """The live process recorded in <name>.pid, or None (missing file, dead, zombie or a recycled PID)."""
     path = pid_file(cfg, name)
     try:
-        pid = int(path.read_text().split()[0])
-        written = path.stat().st_mtime
+        fields = path.read_text().split()
+        pid = int(fields[0])
         proc = psutil.Process(pid)
         if proc.status() == psutil.STATUS_ZOMBIE:
             return None
-        # A PID reused by a process started after the file was written is not ours.
-        if proc.create_time() > written + 2:
-            return None
-        return proc
+        # A recycled PID is not ours. The start time recorded at launch is compared with the same clock
+        # (psutil's boot time + the kernel's start ticks), never with the file's mtime: on a host whose wall
+        # clock has been stepped since boot the two disagree by seconds, and `down` would miss a live process.
+        if len(fields) > 1:
+            return proc if abs(proc.create_time() - float(fields[1])) < 1.0 else None
+        return proc if proc.create_time() <= path.stat().st_mtime + 2 else None  # a file of an older stack
     except (OSError, ValueError, IndexError, psutil.Error):
         return None
 
@@ -77,7 +79,11 @@ def launch(cfg: Config, name: str, cmd: list[str], env: dict[str, str], cwd: Pat
         )
     finally:
         log.close()
-    atomic_write(pid_file(cfg, name), f"{proc.pid}\n")
+    try:
+        started = f" {psutil.Process(proc.pid).create_time()!r}"
+    except psutil.Error:  # gone already: `running` then finds nothing either way
+        started = ""
+    atomic_write(pid_file(cfg, name), f"{proc.pid}{started}\n")
     return proc
 
 
@@ -183,16 +189,36 @@ def port_owner(port: int) -> str | None:
             return None
         except OSError:
             pass
+    proc = port_listener(port)
+    if proc is None:
+        return "another process"
+    try:
+        return f"pid {proc.pid} ({proc.name()})"
+    except psutil.Error:
+        return f"pid {proc.pid}"
+
+
+def port_listener(port: int) -> psutil.Process | None:
+    """The process listening on port, where this user may see it."""
     try:
         for c in psutil.net_connections(kind="inet"):
             if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid:
-                try:
-                    return f"pid {c.pid} ({psutil.Process(c.pid).name()})"
-                except psutil.Error:
-                    return f"pid {c.pid}"
+                return psutil.Process(c.pid)
     except psutil.Error:
         pass
-    return "another process"
+    return None
+
+
+def orphan_of(cfg: Config, port: int) -> psutil.Process | None:
+    """A process of this stack (its RLHF_SCRATCH is cfg.scratch) listening on port though no PID file names it:
+    left behind by a `down` that never ran (a deleted pids/ folder, a killed `up`)."""
+    proc = port_listener(port)
+    try:
+        if proc is not None and proc.environ().get("RLHF_SCRATCH") == str(cfg.scratch):
+            return proc
+    except psutil.Error:
+        pass
+    return None
 
 
 def live_pids(scratch: Path) -> list[int]:
