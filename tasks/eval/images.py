@@ -6,7 +6,9 @@ eval worker refuses for one.
     engine.generate(ids, 16, greedy=True, images=pictures)
 
 The images come from each row's --image_key column (prepare_data stores them as base64 PNG beside the prompt), so
-greedy and sampled responses, their metrics and the KL pass all see the pixels the policy trained on.
+greedy and sampled responses, their metrics and the KL pass all see the pixels the policy trained on, and so does
+the reward model (--reward_pretrain: the reward_model stage's on a VLM; reward_mean scores prompt + response +
+pixels; a text reward model is refused).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from tasks.common.config import ConfigError
 from tasks.common.nn import vision
 from tasks.common.nn.models import is_vision_model
 from tasks.common.nn.vision_passes import VisionRows
+from tasks.common.nn.vision_reward import refuse_unfit_reward_models
 
 
 def vision_rows(path: str, cfg) -> VisionRows | None:
@@ -33,15 +36,16 @@ def vision_rows(path: str, cfg) -> VisionRows | None:
             cfg.env_path,
             "env_path: an environment's observations carry no images; drop --env_path for a vision-language model",
         ),
-        (
-            cfg.reward_pretrain,
-            "reward_pretrain: this stage's reward models score text, and a vision-language model's prompts carry "
-            "images; drop --reward_pretrain (reward_mean is left out) and score with --metrics or --metric_func",
-        ),
     ]
     for bad, message in problems:
         if bad:
             raise ConfigError(message)
+    if cfg.reward_pretrain:  # reward_mean: each sample scored with its prompt's images, by VLM reward models only
+        refuse_unfit_reward_models(
+            cfg.reward_pretrain,
+            "pass the reward_model stage's output trained on a vision-language model (it scores prompt + response + "
+            "pixels), or drop --reward_pretrain (reward_mean is left out)",
+        )
     return VisionRows.of(vision.load_processor(path))
 
 

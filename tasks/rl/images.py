@@ -7,8 +7,11 @@
 
 The prompts flow through the rollout with their images (Rollout.images, Experience.images): the engines generate
 from the pixels, and every log-prob pass (old, reference, update) feeds the same images, the model computing its
-own positions (tasks/common/nn/vision_passes.py). Every estimator: GAE's critic is the VLM with a value head
-(tasks/rl/vision_critic.py), started from the policy or --critic_pretrain (a VLM too; a reward model is refused).
+own positions (tasks/common/nn/vision_passes.py). The reward models (--reward_pretrain) are the reward_model
+stage's on a VLM (tasks/common/nn/vision_reward.py), scoring each rollout row with its images; a text reward model
+is refused. Every estimator: GAE's critic is the VLM with a value head (tasks/rl/vision_critic.py), started from
+--critic_pretrain (a VLM), else the first reward model (its backbone and head, as a text critic starts), else the
+policy (a head of zeros).
 """
 
 from __future__ import annotations
@@ -18,11 +21,16 @@ import dataclasses
 from tasks.common.config import ConfigError
 from tasks.common.nn import data, vision
 from tasks.common.nn.models import is_vision_model, resolve_model
+from tasks.common.nn.vision_reward import refuse_unfit_reward_models
 from tasks.common.stage import StageRun
 from tasks.rl.config import GROUP_ESTIMATORS, RLConfig, uses_critic
 from tasks.rl.prompts import Prompts
 
 CRITIC_FREE = ", ".join(["group_norm (GRPO)", *[e for e in GROUP_ESTIMATORS if e != "group_norm"], "reinforce"])
+REWARD_MODEL_FIX = (
+    "pass the reward_model stage's output trained on this vision-language model (it scores prompt + response + "
+    "pixels), or score with --remote_rm_url (a reward function file or endpoint)"
+)
 
 
 def refuse_for_vision(cfg: RLConfig) -> None:
@@ -52,11 +60,6 @@ def refuse_for_vision(cfg: RLConfig) -> None:
             "over_sampling_batch_size: its request-by-request engine calls carry no images; drop "
             "--over_sampling_batch_size for a vision-language policy",
         ),
-        (
-            bool(cfg.reward_pretrain) and not cfg.remote_rm_url,
-            "reward_pretrain: this stage's reward models score text, and a vision-language policy's rollouts "
-            "carry images; score them with --remote_rm_url (a reward function file or endpoint)",
-        ),
     ]
     for bad, message in problems:
         if bad:
@@ -67,6 +70,8 @@ def vision_setup(cfg: RLConfig, run: StageRun, path: str) -> tuple[RLConfig, obj
     """(the config with --max_images_per_prompt resolved, the tokenizer, the prompts with their images) of a
     vision-language policy at `path`, after refusing what RL does not do on one."""
     refuse_for_vision(cfg)
+    if cfg.reward_pretrain and not cfg.remote_rm_url:  # scored with the images: VLM reward models only
+        refuse_unfit_reward_models(cfg.reward_pretrain, REWARD_MODEL_FIX)
     if uses_critic(cfg.advantage_estimator) and cfg.critic_pretrain:
         critic = resolve_model(run.input("critic_pretrain", cfg.critic_pretrain))
         if not is_vision_model(critic):

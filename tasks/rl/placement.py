@@ -136,8 +136,10 @@ class RemoteRewardModels(RewardSource):
 
 
 def select_batch(batch: RewardBatch, rows: list[int]) -> RewardBatch:
+    """The batch's `rows`, each with its images (a vision-language policy's)."""
     return RewardBatch(
         batch.sequences[rows],
         batch.attention_mask[rows],
         *([field[i] for i in rows] for field in (batch.queries, batch.prompts, batch.responses, batch.labels)),
+        images=None if batch.images is None else [batch.images[i] for i in rows],
     )

@@ -29,6 +29,7 @@ from tasks.common.nn.models import (
 from tasks.common.nn.rewards import RewardBatch, RewardModels
 from tasks.common.nn.strategy import DeepSpeedStrategy
 from tasks.common.nn.token_batches import token_batches
+from tasks.common.nn.vision_reward import VisionRewardModel, is_vision_reward_model
 from tasks.common.nn.workers import TrainingWorker, Worker
 from tasks.rl.config import RLConfig
 from tasks.rl.engine_factories import (
@@ -201,7 +202,8 @@ class RolloutEngineWorker(Worker):
 
 class CriticWorker(Trainer):
     """The value model: V(s) per response token, fitted to the returns. A vision-language policy's is the VLM with a
-    value head (tasks/rl/vision_critic.py), fed each row's images."""
+    value head (tasks/rl/vision_critic.py; a VLM reward model's VisionRewardModel when it starts from one), fed each
+    row's images."""
 
     vision = None  # a vision-language critic's VisionRows
 
@@ -216,7 +218,10 @@ class CriticWorker(Trainer):
 
             processor = vision.load_processor(path)
             self.tokenizer, self.vision = processor.tokenizer, VisionRows.of(processor)
-            model = VisionValueModel(vision.load_vision_lm(path, flash_attn=cfg.flash_attn))
+            if is_vision_reward_model(path):  # a VLM reward model's backbone and head, as a text critic starts
+                model = VisionRewardModel.from_pretrained(path, flash_attn=cfg.flash_attn)
+            else:  # the policy's backbone and a head of zeros
+                model = VisionValueModel(vision.load_vision_lm(path, flash_attn=cfg.flash_attn))
             if cfg.freeze_visual_encoder:
                 vision.freeze_visual_encoder(model)
         else:
@@ -311,7 +316,8 @@ class ReferenceWorker(Worker):
 
 
 class RewardWorker(Worker):
-    """One or several reward models (--reward_pretrain a,b), scores summed."""
+    """One or several reward models (--reward_pretrain a,b), scores summed; a vision-language policy's score each row
+    with its images (RewardBatch.images)."""
 
     def setup(self, cfg: RLConfig) -> None:
         self.strategy = DeepSpeedStrategy(zero_stage=0, bf16=cfg.bf16, seed=cfg.seed)

@@ -10,7 +10,10 @@ Sources:
   through `resolve_model` + `load_scalar_model`, frozen). The reward is the SUM over models of
   each model's score at the last real token, each first standardised with that model's
   `config.reward_mean` / `config.reward_std` (written by our reward-model stage) when `normalize`.
-  The models read `batch.sequences` as they are, so they must share the policy's tokenizer.
+  The models read `batch.sequences` as they are, so they must share the policy's tokenizer. A reward model the
+  reward_model stage trained on a vision-language model (tasks/common/nn/vision_reward.py: the VLM's backbone and
+  value_head.safetensors) scores each row with its images (`batch.images`, the rollout's): prompt + response +
+  pixels. A text reward model refuses a batch that carries images: it would score the text alone.
 * `RewardFunction("path/or/s3/reward.py")`: a Python file defining
   `reward_func(queries, prompts, labels)` that returns B rewards (a tensor, a list of floats, or a
   dict holding them under "rewards", as newer OpenRLHF functions do).
@@ -51,6 +54,7 @@ class RewardBatch:
     prompts: list[str]  # the prompts as the dataset gave them
     responses: list[str]  # the responses, decoded up to the first EOS
     labels: list[str | None]  # the dataset's label per prompt (None without one)
+    images: list[list] | None = None  # a vision-language rollout's: each row's images (Rollout.images), else None
 
     def __len__(self) -> int:
         return self.sequences.size(0)
@@ -113,7 +117,8 @@ class RewardModels(RewardSource):
         normalize: bool = True,
         batch_size: int = 256,
     ):
-        from tasks.common.nn.models import load_scalar_model, resolve_model
+        from tasks.common.nn.models import is_vision_model, load_scalar_model, resolve_model
+        from tasks.common.nn.vision_reward import is_vision_reward_model, load_vision_reward_model
 
         if isinstance(paths, str):
             paths = split_list(paths)
@@ -121,9 +126,19 @@ class RewardModels(RewardSource):
             raise RewardError("reward_pretrain: no reward model given; pass --reward_pretrain <URI>[,<URI>…]")
         self.paths, self.normalize, self.batch_size = list(paths), normalize, batch_size
         self.device = torch.device(device)
-        self.models, self.stats = [], []
+        self.models, self.stats, self.vision = [], [], []  # vision: a VLM reward model's VisionRows, None for text
         for path in self.paths:
-            model = load_scalar_model(resolve_model(path), dtype=dtype)
+            local = resolve_model(path)
+            if is_vision_reward_model(local):
+                model, passes = load_vision_reward_model(local, dtype)
+            elif is_vision_model(local):
+                raise RewardError(
+                    f"reward_pretrain: {path} is a vision-language model with no value head (its config.json names no "
+                    "value_head), not a reward model; pass the reward_model stage's output"
+                )
+            else:
+                model, passes = load_scalar_model(local, dtype=dtype), None
+            self.vision.append(passes)
             model.requires_grad_(False)
             model.eval()
             self.models.append(model.to(self.device))
@@ -133,22 +148,31 @@ class RewardModels(RewardSource):
     @torch.no_grad()
     def score(self, batch: RewardBatch) -> torch.Tensor:
         from tasks.common.nn.models import sequence_scores
+        from tasks.common.nn.vision_reward import rollout_scores
 
         seqs, mask = batch.sequences.to(self.device), batch.attention_mask.to(self.device)
+        images = batch.images if batch.images is not None else [[] for _ in range(seqs.size(0))]
         total = torch.zeros(seqs.size(0), dtype=torch.float32, device=self.device)
-        for path, model, (mean, std) in zip(self.paths, self.models, self.stats):
-            vocab = model.get_input_embeddings().num_embeddings
+        for path, model, passes, (mean, std) in zip(self.paths, self.models, self.vision, self.stats):
+            vocab = (model if passes is None else model.backbone).get_input_embeddings().num_embeddings
             if seqs.numel() and int(seqs.max()) >= vocab:
                 raise RewardError(
                     f"reward_pretrain: {path} has {vocab} token embeddings but the sequences hold id {int(seqs.max())}; "
                     "reward models must share the policy's tokenizer"
                 )
-            scores = torch.cat(
-                [
-                    sequence_scores(model, seqs[i : i + self.batch_size], mask[i : i + self.batch_size]).float()
-                    for i in range(0, seqs.size(0), self.batch_size)
-                ]
-            )
+            if passes is None and any(images):
+                raise RewardError(
+                    f"reward_pretrain: {path} is a text reward model and the rows carry images, which it cannot see; "
+                    "pass a reward model the reward_model stage trained on a vision-language model"
+                )
+            parts = []
+            for i in range(0, seqs.size(0), self.batch_size):
+                part = slice(i, i + self.batch_size)
+                if passes is None:
+                    parts.append(sequence_scores(model, seqs[part], mask[part]).float())
+                else:  # prompt + response + pixels
+                    parts.append(rollout_scores(model, passes, seqs[part], mask[part], images[part]).float())
+            scores = torch.cat(parts)
             if self.normalize:
                 scores = (scores - mean) / max(std, 1e-6)
             total += scores
@@ -274,7 +298,13 @@ def build_reward_batch(
         raise ValueError(f"build_reward_batch: {n} sequences but {len(prompts_text)} prompts and {len(labels)} labels")
     queries = decode_rows(tokenizer, rollout.sequences, rollout.attention_mask)
     return RewardBatch(
-        rollout.sequences, rollout.attention_mask, queries, list(prompts_text), rollout.texts(tokenizer), labels
+        rollout.sequences,
+        rollout.attention_mask,
+        queries,
+        list(prompts_text),
+        rollout.texts(tokenizer),
+        labels,
+        images=getattr(rollout, "images", None),
     )
 
 

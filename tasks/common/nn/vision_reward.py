@@ -6,6 +6,10 @@ scalar value head, as the reward model stage trains it and RL loads it.
     scores = vlm_sequence_scores(model, processor, ids, images, pad_id, device)   # [B]: at each row's last token
     model.save_pretrained(out_dir)                         # config.json + model.safetensors + value_head.safetensors
 
+    model, passes = load_vision_reward_model(path)          # what RL and eval score rollouts with (rewards.RewardModels)
+    scores = rollout_scores(model, passes, sequences, attention_mask, images)   # [B]: rollout rows with their images
+    refuse_unfit_reward_models(cfg.reward_pretrain, fix)   # a VLM policy's: each a VLM reward model, else one line
+
 transformers has no sequence-classification class for most VLMs (Qwen2-VL, LLaVA, Idefics), so the head lives
 beside the backbone: the folder loads with AutoModel (the backbone: Qwen2VLModel for Qwen2-VL) plus the head's
 one tensor, `weight` [1, hidden] of value_head.safetensors, the file config.json names as `value_head`; the
@@ -157,3 +161,44 @@ def inject_lora(backbone, cfg):
         target_modules=lora._target_modules(backbone, cfg.target_modules),
     )
     return inject_adapter_in_model(config, backbone)
+
+
+# ---------------------------------------------------------------- scoring rollouts (RL's reward workers, eval)
+
+
+def load_vision_reward_model(path: str, dtype: torch.dtype = torch.float32):
+    """(the reward model saved at the local folder `path`, VisionRows of its processor): what scores rollout rows."""
+    from tasks.common.nn import vision
+    from tasks.common.nn.vision_passes import VisionRows
+
+    return VisionRewardModel.from_pretrained(path, dtype=dtype), VisionRows.of(vision.load_processor(path))
+
+
+def rollout_scores(model, passes, sequences, attention_mask, images) -> torch.Tensor:
+    """The value head at each row's last real token ([B]) of rows as a Rollout holds them (prompts left-padded,
+    responses right-padded, each prompt's placeholders expanded) with each row's images: prompt + response + pixels.
+    `passes` (a VisionRows) builds the inputs and checks each row's placeholders against its images; no position ids
+    are passed, so the backbone computes its own from the mask and the image grids, and a row scores as it does
+    unpadded (vlm_sequence_scores, as the reward model stage scored its pairs)."""
+    values = model(**passes.inputs(sequences, attention_mask, images))
+    rows = torch.arange(values.size(0), device=values.device)
+    return values[rows, last_token_index(attention_mask)]
+
+
+def refuse_unfit_reward_models(reward_pretrain: str, fix: str) -> None:
+    """A vision-language model's reward models must see its prompts' images: each of `reward_pretrain` (a comma list
+    of URIs) must be a folder VisionRewardModel saved (the reward_model stage's output on a VLM). A text reward model
+    or a VLM without a value head is refused in one line naming it, with `fix`."""
+    from tasks.common.config import ConfigError, split_list
+    from tasks.common.nn.models import is_vision_model, resolve_model
+
+    for uri in split_list(reward_pretrain):
+        path = resolve_model(uri)
+        if is_vision_reward_model(path):
+            continue
+        what = (
+            "a vision-language model with no value head (its config.json names no value_head), not a reward model"
+            if is_vision_model(path)
+            else "a text reward model, which cannot see the images of a vision-language model's prompts"
+        )
+        raise ConfigError(f"reward_pretrain: {uri} is {what}; {fix}")

@@ -236,7 +236,6 @@ def test_prompts_keep_their_images_drop_what_is_too_long_and_name_a_row_whose_co
             {"over_sampling_batch_size": 8, "rollout_batch_size": 4, "train_batch_size": 8},
             "^over_sampling_batch_size: its request-by-request engine calls carry no images",
         ),
-        ({"remote_rm_url": "", "reward_pretrain": "rm"}, "^reward_pretrain: this stage's reward models score text"),
     ],
 )
 def test_what_rl_does_not_do_on_a_vlm_is_refused_in_one_line(flags, message):
@@ -411,3 +410,78 @@ def test_a_rollout_engine_of_its_own_generates_from_the_images_and_takes_the_act
     rollout = engine.generate_vision(items)
     assert rollout.versions.unique().tolist() == [1]
     assert torch.allclose(actor.logprobs(rollout) * rollout.response_mask, rollout.logprobs, atol=1e-5)
+
+
+def test_rl_scores_a_vlm_rollout_with_the_vlm_reward_model_as_it_scores_each_row_alone(folder, rows, tmp_path):
+    """--reward_pretrain on a vision-language policy: the reward_model stage's VLM output is taken, a text reward
+    model refused naming the fix (vision_setup, before any worker); the reward workers, each given its shard of the
+    rollout with the rows' images (placement.select_batch), score each row as the reward model scores it alone,
+    standardised with its reward_mean and reward_std."""
+    from tasks.common.nn.rewards import build_reward_batch
+    from tasks.common.nn.vision_reward import VisionRewardModel, vlm_sequence_scores
+    from tasks.common.nn.workers import shard
+    from tasks.data import demo
+    from tasks.rl.images import vision_setup
+    from tasks.rl.placement import select_batch
+    from tasks.rl.workers import RewardWorker
+
+    from tests.unit.tasks.common.nn.test_vision_reward import save_vision_reward_model
+
+    rm = save_vision_reward_model(folder, tmp_path / "rm", mean=0.5, std=4.0)
+    demo.build_base_model(demo.build_tokenizer()).save_pretrained(tmp_path / "text")
+    data = write_rows(tmp_path / "p.jsonl", rows)
+    text = make_config(RLConfig, _flags(folder, data, remote_rm_url="", reward_pretrain=str(tmp_path / "text")))
+    with pytest.raises(
+        ConfigError, match="^reward_pretrain: .* is a text reward model, .*; pass the reward_model stage's"
+    ):
+        vision_setup(text, Inputs(), folder)
+    cfg, tokenizer, prompts = vision_setup(
+        rl_config(folder, data, remote_rm_url="", reward_pretrain=rm), Inputs(), folder
+    )
+    processor, model = vision.load_processor(folder), vision.load_vision_lm(folder).eval()
+    engine = make_engine("transformers", tokenizer, module=model, device=torch.device("cpu"), processor=processor)
+    torch.manual_seed(0)
+    rollout = engine.generate(prompts.ids[:5], 3, images=prompts.images[:5])
+    batch = build_reward_batch(rollout, tokenizer, prompts.texts[:5], prompts.labels[:5])
+    worker = RewardWorker(0, 1, None, 1)
+    worker.setup(cfg)
+    scores = torch.cat([worker.score(select_batch(batch, part)) for part in shard(list(range(5)), 2)])
+    judge = VisionRewardModel.from_pretrained(rm).eval()
+    alone = []
+    for i in range(5):  # the row's real tokens, unpadded
+        ids = rollout.sequences[i][rollout.attention_mask[i].bool()].tolist()
+        with torch.no_grad():
+            alone.append(vlm_sequence_scores(judge, processor, [ids], [prompts.images[i]], 0, "cpu"))
+    assert torch.allclose(scores, (torch.cat(alone) - 0.5) / 4.0, atol=1e-5), (scores, alone)
+
+
+def test_ppo_with_a_vlm_reward_model_starts_its_critic_from_it(folder, rows, tmp_path):
+    """GAE with a VLM reward model and no --critic_pretrain: the critic is the reward model (backbone and trained head,
+    as a text critic starts from the text reward model), valuing each response token with the row's images."""
+    from tasks.common.nn.vision_reward import VisionRewardModel
+    from tasks.rl.workers import CriticWorker
+
+    from tests.unit.tasks.common.nn.test_vision_reward import save_vision_reward_model
+
+    rm = save_vision_reward_model(folder, tmp_path / "rm", seed=1)
+    processor, model = vision.load_processor(folder), vision.load_vision_lm(folder).eval()
+    engine = make_engine(
+        "transformers", processor.tokenizer, module=model, device=torch.device("cpu"), processor=processor
+    )
+    rollout = engine.generate(encoded(processor, rows[:3]), 3, images=[r["images"] for r in rows[:3]])
+    cfg = rl_config(
+        folder,
+        "p",
+        advantage_estimator="gae",
+        n_samples_per_prompt=1,
+        rollout_batch_size=8,
+        remote_rm_url="",
+        reward_pretrain=rm,
+    )
+    critic = CriticWorker(0, 1, None, 1)
+    critic.setup(cfg, rm, 1)
+    judge = VisionRewardModel.from_pretrained(rm).eval()
+    with torch.no_grad():
+        values = judge(**VisionRows.of(processor).inputs(rollout.sequences, rollout.attention_mask, rollout.images))
+    expected = values[:, rollout.prompt_width - 1 : -1] * rollout.response_mask
+    assert expected.abs().sum() > 0 and torch.allclose(critic.values(rollout), expected, atol=1e-5)

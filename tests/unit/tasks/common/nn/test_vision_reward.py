@@ -375,3 +375,91 @@ def test_sft_with_lora_and_a_frozen_tower_trains_no_adapter_inside_the_tower(fol
     worker.setup(make_config(SFTConfig, {**flags, "freeze_visual_encoder": True}))
     trainable = [n for n, p in worker.engine.module.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n and ".visual." not in f".{n}" for n in trainable)
+
+
+# ---------------------------------------------------------------- scoring rollouts (RL's reward workers, eval)
+
+
+def save_vision_reward_model(folder, out, mean: float = 0.0, std: float = 1.0, seed: int = 0) -> str:
+    """A reward model as the reward_model stage saves one on the demo VLM (the backbone, a value head drawn with
+    `seed`, the processor, reward_mean and reward_std in config.json), untrained: scoring needs its form, not skill."""
+    torch.manual_seed(seed)
+    model = VisionRewardModel.from_pretrained(folder)
+    model.config.reward_mean, model.config.reward_std = mean, std
+    model.save_pretrained(str(out))
+    vision.load_processor(folder).save_pretrained(str(out))
+    return str(out)
+
+
+def reward_rollout(processor, rows):
+    """A Rollout as RL's and eval's engines give one, on four of the demo's rows: prompts of two lengths (left-padded),
+    responses of four lengths (right-padded), each row with its image; and each row's ids unpadded."""
+    from tasks.common.nn.engines.rollout import to_rollout
+
+    tok = processor.tokenizer
+    texts = [demo_vlm.PROMPT, "<image>which colour is it?", demo_vlm.PROMPT, demo_vlm.PROMPT]
+    prompts = [vision.encode_vlm_prompt(processor, t, r["images"])["input_ids"] for t, r in zip(texts, rows)]
+    responses = [tok(t, add_special_tokens=False)["input_ids"] for t in ("r", "gb<|im_end|>", "y<|im_end|>", "bbbb")]
+    rollout = to_rollout(prompts, responses, None, tok.pad_token_id, [r["images"] for r in rows])
+    return rollout, texts, [p + r for p, r in zip(prompts, responses)]
+
+
+def test_a_vlm_reward_model_scores_rollout_rows_with_their_images_as_it_scores_each_row_alone(folder, tmp_path):
+    """RewardModels on the reward_model stage's VLM output: each rollout row's score (prompt + response + pixels, in the
+    rollout's padding) is the value head at the row's last token computed on that row alone, unpadded, as the stage
+    scored its pairs; standardised, it is (score - reward_mean) / reward_std; another image, another score."""
+    from tasks.common.nn.rewards import RewardModels, build_reward_batch
+
+    rm = save_vision_reward_model(folder, tmp_path / "rm", mean=1.0, std=2.0)
+    processor, rows = vision.load_processor(rm), demo_vlm.make_datasets(seed=2, sizes={"prompts": 4})["prompts"]
+    rollout, texts, alone = reward_rollout(processor, rows)
+    assert rollout.attention_mask[:, 0].tolist() == [0, 1, 0, 0] and rollout.response_mask.sum(1).tolist() == [
+        1,
+        3,
+        2,
+        4,
+    ]
+    batch = build_reward_batch(rollout, processor.tokenizer, texts, [r["label"] for r in rows])
+    assert batch.images == [r["images"] for r in rows]
+    model, pad = VisionRewardModel.from_pretrained(rm).eval(), processor.tokenizer.pad_token_id
+    with torch.no_grad():
+        direct = torch.cat(
+            [vlm_sequence_scores(model, processor, [ids], [r["images"]], pad, "cpu") for ids, r in zip(alone, rows)]
+        )
+    raw = RewardModels(rm, normalize=False, batch_size=3).score(batch)  # two chunks: 3 rows, then 1
+    assert torch.allclose(raw, direct, atol=1e-5), (raw, direct)
+    assert torch.allclose(RewardModels(rm).score(batch), (direct - 1.0) / 2.0, atol=1e-5)
+    other = next(
+        r["images"]
+        for r in demo_vlm.make_datasets(seed=3, sizes={"prompts": 8})["prompts"]
+        if r["label"] != rows[0]["label"]
+    )
+    batch.images = [other, *batch.images[1:]]
+    moved = RewardModels(rm, normalize=False).score(batch)
+    assert not torch.isclose(moved[0], raw[0]) and torch.allclose(moved[1:], raw[1:], atol=1e-5)
+
+
+def test_a_text_reward_model_or_a_vlm_without_a_value_head_is_refused_for_a_vlm_naming_the_fix(folder, tmp_path):
+    """What would score a VLM's rows without their images, or with a head nobody trained, is refused in one line."""
+    from tasks.common.nn.rewards import RewardError, RewardModels, build_reward_batch
+    from tasks.common.nn.vision_reward import refuse_unfit_reward_models
+
+    processor = vision.load_processor(folder)
+    text = tmp_path / "text-rm"  # a text model on the VLM's own tokenizer: only the images tell it apart
+    demo.build_base_model(processor.tokenizer).save_pretrained(text)
+    with pytest.raises(
+        ConfigError,
+        match=r"^reward_pretrain: .*text-rm is a text reward model, which cannot see the images of a vision-language model's prompts; FIX$",
+    ):
+        refuse_unfit_reward_models(f"{save_vision_reward_model(folder, tmp_path / 'rm')},{text}", "FIX")
+    with pytest.raises(
+        ConfigError, match=r"^reward_pretrain: .* is a vision-language model with no value head .*; FIX$"
+    ):
+        refuse_unfit_reward_models(folder, "FIX")
+    with pytest.raises(RewardError, match=r"^reward_pretrain: .* is a vision-language model with no value head"):
+        RewardModels(folder)
+    rows = demo_vlm.make_datasets(seed=2, sizes={"prompts": 4})["prompts"]
+    rollout, texts, _ = reward_rollout(processor, rows)
+    batch = build_reward_batch(rollout, processor.tokenizer, texts)
+    with pytest.raises(RewardError, match=r"^reward_pretrain: .* is a text reward model and the rows carry images"):
+        RewardModels(str(text)).score(batch)
