@@ -5,8 +5,9 @@ so only the pixels tell) after a short SFT, done here in seconds with the SFT st
 (supervised.vlm_micro_batch_loss): it answers with a colour's letter, greedy mostly right, sampled (T = 1) often
 wrong. Then:
   - the stages' smoke test: GRPO with the exact-match reward (tasks/data/demo_vlm_reward.py) for two steps with
-    --freeze_visual_encoder, then eval of its output against the start on held-out prompts; two PPO steps with
-    the VLM critic (GAE); three --async_train steps on a rollout engine of its own;
+    --freeze_visual_encoder, then eval of its output against the start on held-out prompts; two PPO steps scored
+    by a VLM reward model with the VLM critic (GAE) started from it, and eval's reward_mean from the same model;
+    three --async_train steps on a rollout engine of its own;
   - the learning check (slow): on two seeds, GRPO with the exact-match reward and the control with a zero reward,
     the same steps and flags; held-out sampled accuracy (eval's sampled_exact_match, 4 samples of each of 200
     prompts) of the rewarded policy is at least 10 points above the control's. Measured at the commit that wrote
@@ -175,26 +176,41 @@ def test_rl_with_a_verifiable_reward_reads_the_colour_better_than_a_zero_reward_
     assert gain >= 0.10, (rewarded["metrics"], control["metrics"])
 
 
-def test_ppo_with_a_critic_runs_on_a_vlm(env):
-    """GAE through the RL stage on Ray: a critic group (the VLM with a value head, from the policy) values the
-    rollouts with their images beside the actor."""
+def reward_model(root, begin: dict) -> str:
+    """A VLM reward model as the reward_model stage saves one (backbone, value head, processor, statistics), made from
+    the SFT start without training: the RL and eval stages' use of it is under test, not its skill."""
+    from tests.unit.tasks.common.nn.test_vision_reward import save_vision_reward_model
+
+    folder = root / "seed0" / "rm"
+    return str(folder) if (folder / "config.json").is_file() else save_vision_reward_model(begin["sft"], folder, 0.1, 2.0)
+
+
+def test_ppo_with_a_critic_and_a_vlm_reward_model_runs_on_a_vlm(env):
+    """GAE through the RL stage on Ray with a VLM reward model (--reward_pretrain): a reward group scores each rollout
+    row with its images, and the critic group (started from the reward model, as a text critic is) values them beside
+    the actor; then eval's reward_mean scores both sides' samples with their images."""
     begin = start(env, seed=0)
+    rm = reward_model(env, begin)
     out = rl(
         env,
         begin,
         "gae-rl",
-        EXACT,
+        "",
         seed=0,
         max_steps=2,
         advantage_estimator="gae",
         n_samples_per_prompt=1,
         train_batch_size=16,
+        reward_pretrain=rm,
+        colocate_all_models=True,  # actor, critic and reward models on the head's 2 CPUs, as the run form does
     )
-    logged = [
-        json.loads(line)
-        for line in (manifest_dir(manifests.read_manifest(out)) / "metrics.jsonl").read_text().splitlines()
-    ]
+    m = manifests.read_manifest(out)
+    assert m["inputs"]["reward_pretrain"] == rm and "remote_rm_url" not in m["inputs"]
+    logged = [json.loads(line) for line in (manifest_dir(m) / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logged if "value_loss" in r] == [1, 2]
+    assert all(r["reward"] != 0 for r in logged if "value_loss" in r)  # the reward model's standardised scores
+    metrics = evaluate(env, begin, out, "gae-eval", max_samples=8, reward_pretrain=rm)["metrics"]
+    assert {"baseline_reward_mean", "policy_reward_mean"} <= set(metrics), sorted(metrics)
 
 
 def test_async_rl_on_a_vlm_generates_on_an_engine_of_its_own(env):

@@ -485,3 +485,23 @@ def test_ppo_with_a_vlm_reward_model_starts_its_critic_from_it(folder, rows, tmp
         values = judge(**VisionRows.of(processor).inputs(rollout.sequences, rollout.attention_mask, rollout.images))
     expected = values[:, rollout.prompt_width - 1 : -1] * rollout.response_mask
     assert expected.abs().sum() > 0 and torch.allclose(critic.values(rollout), expected, atol=1e-5)
+
+
+def test_eval_takes_a_vlm_reward_model_and_refuses_a_text_one_naming_the_fix(folder, tmp_path):
+    """Eval's reward_mean on a vision-language baseline: the reward_model stage's VLM output is taken (the eval worker
+    scores each sample with its images through RewardModels), a text reward model refused in one line."""
+    from tasks.data import demo
+    from tasks.eval.config import EvalConfig
+    from tasks.eval.images import vision_rows
+
+    from tests.unit.tasks.common.nn.test_vision_reward import save_vision_reward_model
+
+    demo.build_base_model(demo.build_tokenizer()).save_pretrained(tmp_path / "text")
+    flags = {"output": "/tmp/unused", "baseline": folder, "policy": folder, "dataset": "d"}
+    text = make_config(EvalConfig, {**flags, "reward_pretrain": str(tmp_path / "text")})
+    with pytest.raises(
+        ConfigError, match="^reward_pretrain: .* is a text reward model, .*; .* or drop --reward_pretrain"
+    ):
+        vision_rows(folder, text)
+    rm = save_vision_reward_model(folder, tmp_path / "rm")
+    assert vision_rows(folder, make_config(EvalConfig, {**flags, "reward_pretrain": rm})) is not None
