@@ -121,6 +121,10 @@ def evaluate(root, begin: dict, policy: str, name: str, **extra) -> dict:
     return manifests.read_manifest(out)
 
 
+# Under make test-all: the DAG's run of the demo VLM (tests/unit/plugins/test_pipeline.py, vlm) runs RL and eval on the
+# images with the tower frozen in make test; this one adds the verifiable reward (which the async test below keeps in
+# make test) and 2 GRPO steps.
+@pytest.mark.slow
 def test_rl_and_eval_run_on_a_vlm_with_its_images_and_a_frozen_tower(env):
     """Two GRPO steps through the RL stage on Ray with --freeze_visual_encoder: the rollouts carry the images from the
     prompts to the update, the saved policy is a VLM with its processor whose vision tower is the start's; eval then
@@ -182,9 +186,14 @@ def reward_model(root, begin: dict) -> str:
     from tests.unit.tasks.common.nn.test_vision_reward import save_vision_reward_model
 
     folder = root / "seed0" / "rm"
-    return str(folder) if (folder / "config.json").is_file() else save_vision_reward_model(begin["sft"], folder, 0.1, 2.0)
+    return (
+        str(folder) if (folder / "config.json").is_file() else save_vision_reward_model(begin["sft"], folder, 0.1, 2.0)
+    )
 
 
+# Under make test-all: the DAG's run of the demo VLM (tests/unit/plugins/test_pipeline.py, vlm) runs the same in make
+# test (the form's PPO, scored by the run's VLM reward model, its critic started from it, eval's reward_mean).
+@pytest.mark.slow
 def test_ppo_with_a_critic_and_a_vlm_reward_model_runs_on_a_vlm(env):
     """GAE through the RL stage on Ray with a VLM reward model (--reward_pretrain): a reward group scores each rollout
     row with its images, and the critic group (started from the reward model, as a text critic is) values them beside

@@ -570,59 +570,129 @@ def test_a_refused_form_fails_the_validate_task_and_submits_no_ray_job(
 # ----------------------------------------------------------------------------- end to end
 
 
-@pytest.mark.e2e
-# The preference branches run under `make test-all`: their stages are covered by test_stages and
-# test_learning, and the branch wiring by the tests above; `make test` keeps its time for the live stack.
-# The rl branch runs end to end through the live stack (tests/e2e/test_e2e.py, make test) and through dag.test()
-# down to promote (tests/e2e/test_byo_e2e.py, make test-all), so it has no run of its own here.
-@pytest.mark.parametrize("method", [pytest.param(m, marks=pytest.mark.slow) for m in ("dpo", "kto", "agentic")])
-def test_pipeline_end_to_end(method, airflow_db, s3_server, ray_head, pipeline_to_test):
-    """The whole DAG with dag.test() against the local Ray head and the S3 emulator, with tiny step counts,
-    down each branch: the other branch's tasks are skipped, not failed. `agentic` is rl with the calculator
-    environment on its dataset: no reward model is trained, RL and eval play the environment."""
-    from plugins.stage_cli import key_safe
-
-    dag = pipeline_to_test
-    agentic = {
+#: Runs of the rl branch beside the demo's: their own Params, on top of the tiny step counts below.
+RUNS = {
+    # rl with the calculator environment on its dataset: no reward model is trained, RL and eval play the environment.
+    "agentic": {
         "method": "rl",
         "dataset": "calculator",
         "environment": "calculator",
         "generate_max_len": 24,
         "max_turns": 3,
-    }
+    },
+    # The vision-language demo (docs/vision.md), as its form is filled in: the built-in images and the tiny Qwen2-VL
+    # prepare_data builds for base_model demo, the tower frozen in every training stage. The fewest steps that run
+    # each stage on images: SFT, the reward model (a VLM with a value head), RL (the form's PPO with KL and PPO-ptx:
+    # the reward and the critic's start from that reward model), eval with its reward_mean; the responses are one
+    # letter and <|im_end|>.
+    "vlm": {
+        "method": "rl",
+        "dataset": "demo_vlm",
+        "base_model": "demo",
+        "apply_chat_template": True,
+        "freeze_visual_encoder": True,
+        "generate_max_len": 2,
+        "sft_steps": 2,
+        "rm_steps": 2,
+        "rl_steps": 1,
+        "eval_max_samples": 8,
+    },
+}
+
+
+@pytest.mark.e2e
+# The preference branches run under `make test-all`: their stages are covered by test_stages and
+# test_learning, and the branch wiring by the tests above; `make test` keeps its time for the live stack.
+# The rl branch runs end to end through the live stack (tests/e2e/test_e2e.py, make test) and through dag.test()
+# down to promote (tests/e2e/test_byo_e2e.py, make test-all); here in `make test` on the vision-language demo only,
+# whose stages take another path at every step (docs/vision.md).
+@pytest.mark.parametrize(
+    "method", [*(pytest.param(m, marks=pytest.mark.slow) for m in ("dpo", "kto", "agentic")), "vlm"]
+)
+def test_pipeline_end_to_end(method, airflow_db, s3_server, ray_head, pipeline_to_test):
+    """The whole DAG with dag.test() against the local Ray head and the S3 emulator, with tiny step counts,
+    down each branch: the other branch's tasks are skipped, not failed. `agentic` is rl with the calculator
+    environment on its dataset: no reward model is trained, RL and eval play the environment. `vlm` is rl on the
+    vision-language demo: every stage runs on the images, RL is scored by the VLM reward model, the report shows them."""
+    from plugins.stage_cli import key_safe
+
+    dag = pipeline_to_test
     conf = {
         "bucket": s3_server.bucket,
         "prefix": f"e2e-{method}",
         "method": method,
-        **(agentic if method == "agentic" else {}),
         "sft_steps": 30,
         "rm_steps": 20,
         "rl_steps": 2,
         "preference_steps": 3,
         "eval_max_samples": 50,
+        **RUNS.get(method, {}),
     }
+    branch = conf["method"]
     dr = dag.test(run_conf=conf)
     states = {ti.task_id: str(getattr(ti.state, "value", ti.state)) for ti in dr.get_task_instances()}
-    skipped = {t for branch, tasks in BRANCHES.items() if branch != method for t in tasks} - (
-        {"rl"} if method == "agentic" else set()
-    )
+    skipped = {t for name, tasks in BRANCHES.items() if name != branch for t in tasks}
+    if method == "agentic":  # an environment's rewards: no reward model
+        skipped.add("reward_model")
     # A manual run judges its policy but may not promote it: the champion task is skipped.
     assert states == {t: "skipped" if t in skipped | {"champion"} else "success" for t in ORDER}, states
 
     base = f"e2e-{method}/runs/rlhf_pipeline/{key_safe(dr.run_id)}"
     s3 = s3_server.client()
-    for task_id in [
-        t for t in ORDER if t not in skipped and t not in ("validate", "choose_method", "champion")
-    ]:  # no stage output
-        body = s3.get_object(Bucket=s3_server.bucket, Key=f"{base}/{task_id}/manifest.json")["Body"].read()
-        assert json.loads(body), task_id
-    evaluated = json.loads(s3.get_object(Bucket=s3_server.bucket, Key=f"{base}/eval/manifest.json")["Body"].read())
-    assert evaluated["inputs"]["policy"].endswith(f"/{'rl' if method == 'agentic' else method}/manifest.json")
-    assert ("reward_pretrain" in evaluated["inputs"]) == (method == "rl")
+
+    def read(key: str) -> bytes:
+        return s3.get_object(Bucket=s3_server.bucket, Key=f"{base}/{key}")["Body"].read()
+
+    ran = [t for t in ORDER if t not in skipped and t not in ("validate", "choose_method", "champion")]  # no output
+    manifests = {task_id: json.loads(read(f"{task_id}/manifest.json")) for task_id in ran}
+    assert all(manifests.values()), manifests
+    evaluated = manifests["eval"]
+    assert evaluated["inputs"]["policy"].endswith(f"/{branch}/manifest.json")
+    assert ("reward_pretrain" in evaluated["inputs"]) == (branch == "rl" and method != "agentic")
     if method == "agentic":
-        report = json.loads(s3.get_object(Bucket=s3_server.bucket, Key=f"{base}/eval/report.json")["Body"].read())
+        report = json.loads(read("eval/report.json"))
         assert {"env_success", "env_turns", "env_tool_calls"} <= set(report["metrics"]["policy"])
         assert evaluated["inputs"]["env_path"] == "calculator"
+    if method == "vlm":
+        check_vlm_run(manifests, read)
+
+
+def check_vlm_run(manifests: dict, read) -> None:
+    """What the vision-language demo's DAG run shows of its images: the split's rows carry them; every stage's model is
+    a VLM with its processor, whose vision tower is prepare_data's (the form's freeze_visual_encoder reached SFT, the
+    reward model and RL) and whose language model trained; the reward model is one with a value head, the one RL and
+    eval scored with (RL's VLM path: its prompts_dropped metric); the report's samples carry their images, inline."""
+    import torch
+    from safetensors.torch import load as load_safetensors
+
+    def weights(
+        task_id: str, tower: bool
+    ) -> dict:  # by name after "visual." (the reward model's backbone has no "model.")
+        state = load_safetensors(read(f"{task_id}/model/model.safetensors"))
+        return {k.split("visual.", 1)[-1]: v for k, v in state.items() if ("visual." in k) == tower}
+
+    assert json.loads(read("prepare_data/data/sft.jsonl").splitlines()[0])["images"]
+    for task_id in ("prepare_data", "sft", "reward_model", "rl"):
+        assert json.loads(read(f"{task_id}/model/config.json")).get("vision_config"), task_id
+        assert "model/processor_config.json" in manifests[task_id]["files"], (
+            task_id,
+            sorted(manifests[task_id]["files"]),
+        )
+    assert "model/value_head.safetensors" in manifests["reward_model"]["files"]
+    start = weights("prepare_data", tower=True)
+    for task_id in ("sft", "reward_model", "rl"):
+        tower = weights(task_id, tower=True)
+        assert tower.keys() == start.keys() and all(torch.equal(tower[k], start[k]) for k in start), task_id
+    for before, after in (("prepare_data", "sft"), ("sft", "rl")):
+        old, new = weights(before, tower=False), weights(after, tower=False)
+        assert any(not torch.equal(old[k], new[k]) for k in old), f"{after}'s language model did not train"
+    rm = manifests["reward_model"]["uri"].rstrip("/") + "/manifest.json"
+    assert manifests["rl"]["inputs"]["reward_pretrain"] == manifests["eval"]["inputs"]["reward_pretrain"] == rm
+    assert manifests["rl"]["metrics"]["prompts_dropped"] == 0 and manifests["rl"]["metrics"]["steps"] == 1
+    report = json.loads(read("eval/report.json"))
+    assert report["samples"] and all(len(s["images"]) == 1 for s in report["samples"]), report["samples"][:1]
+    assert "policy_reward_mean" in manifests["eval"]["metrics"], sorted(manifests["eval"]["metrics"])
+    assert read("eval/report.html").decode().count('<img src="data:image/png;base64,') == len(report["samples"])
 
 
 def test_nightly_dataset_comes_from_the_environment():
