@@ -178,15 +178,12 @@ def encode_vlm_prompt(processor, prompt, images, chat_template: bool = True, row
 
 def vlm_inputs(processor, ids: list[list[int]], images: list[list], pad_id: int, device) -> dict:
     """A VLM's forward arguments for rows of token ids (placeholders expanded, as encode_vlm_prompt gives) and each
-    row's images: input_ids and attention_mask padded on the right, mm_token_type_ids (from which Qwen2-VL computes
-    its M-RoPE positions: none are passed), and the images' pixel_values and image_grid_thw, rows in order."""
+    row's images: input_ids and attention_mask padded on the right, and the family's image inputs and positions
+    (vision_family.batch_inputs: Qwen2-VL's pixel_values, image_grid_thw and mm_token_type_ids, from which it computes
+    its M-RoPE positions; LLaVA's per-image pixel_values and 1-D position ids), rows in order, placeholders checked."""
     from tasks.common.nn import data
+    from tasks.common.nn.vision_family import batch_inputs
 
     input_ids, attention_mask = data.pad(ids, pad_id)
-    types, _ = data.pad(processor.create_mm_token_type_ids(ids), 0)
-    inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "mm_token_type_ids": types}
-    flat = [decode_image(i) for row in images for i in row]
-    if flat:
-        pixels = processor.image_processor(images=flat, return_tensors="pt")
-        inputs |= {"pixel_values": pixels["pixel_values"], "image_grid_thw": pixels["image_grid_thw"]}
+    inputs = batch_inputs(processor, input_ids, attention_mask, images, rows="batch row")
     return {k: v.to(device) for k, v in inputs.items()}

@@ -13,7 +13,8 @@ from tasks.common.config import ConfigError, make_config
 from tasks.common.nn import vision
 from tasks.common.nn.engines import make_engine
 from tasks.common.nn.engines.rollout import concat_rollouts
-from tasks.common.nn.vision_passes import VisionRows, check_placeholder_tokens, expected_placeholders, without_tokens
+from tasks.common.nn.vision_family import QWEN2_VL, check_placeholder_tokens, per_row
+from tasks.common.nn.vision_passes import VisionRows, without_tokens
 from tasks.data import demo_vlm
 from tasks.rl.config import RLConfig
 from tasks.rl.experience import make_experience, response_logprobs
@@ -121,7 +122,8 @@ def test_placeholder_tokens_are_checked_against_the_images_before_the_model_sees
     passes = VisionRows.of(processor)
     ids = encoded(processor, rows[:2])
     # 28 px images, 7 px patches merged 2 x 2: 4 tokens each.
-    assert expected_placeholders(torch.tensor([[1, 4, 4], [1, 4, 4], [1, 2, 2]]), 2, [2, 1]) == [8, 1]
+    grids = {"image_grid_thw": torch.tensor([[1, 4, 4], [1, 4, 4], [1, 2, 2]])}
+    assert per_row(QWEN2_VL.tokens_per_image(processor, grids), [2, 1]) == [8, 1]
     first = ids[1].index(processor.image_token_id)
     cut = ids[1][:first] + ids[1][first + 2 :]  # two of the second row's placeholders lost, as a truncation would
     seqs, mask = _prompt_batch([ids[0], cut], processor)
