@@ -1,7 +1,9 @@
-"""What the VLM tests share on the demo VLM (tasks/data/demo_vlm.py): a few plain SFT steps on its rows, and its
-greedy accuracy on held-out rows (one token: the colour's letter, image tokens never sampled).
+"""What the VLM tests share on the demo VLM (tasks/data/demo_vlm.py, either family): the model saved, a few plain SFT
+steps on its rows, its greedy accuracy on held-out rows (one token: the colour's letter, image tokens never sampled),
+and which of a model's parameters are its vision tower's.
 
-    from tests.vlm_demo import greedy_accuracy, sft_steps
+    from tests.vlm_demo import greedy_accuracy, in_tower, saved_demo, sft_steps
+    folder = saved_demo(tmp_path_factory, "llava")                      # a module fixture's: demo_vlm.FAMILIES
     sft_steps(model, processor, ids, masks, images, steps=80, seed=0)   # supervised.tokenize_vlm_rows' output
     accuracy = greedy_accuracy(model, processor, rows["eval"])
 """
@@ -9,6 +11,26 @@ greedy accuracy on held-out rows (one token: the colour's letter, image tokens n
 import torch
 
 from tasks.common.nn import supervised, vision
+from tasks.data import demo_vlm
+
+
+def saved_demo(tmp_path_factory, family: str, seed: int = 0) -> str:
+    """The demo VLM of `family` and its processor in a fresh folder."""
+    path = tmp_path_factory.mktemp(f"demo-vlm-{family}")
+    demo_vlm.save_demo_vlm(path, seed=seed, family=family)
+    return str(path)
+
+
+def in_tower(name: str) -> bool:
+    """Whether a parameter's name is inside a vision tower or its projector (vision.VISION_MODULES: Qwen2-VL's
+    `visual`, LLaVA's `vision_tower` and `multi_modal_projector`), LoRA and DeepSpeed wrappers included."""
+    return any(part in vision.VISION_MODULES for part in name.split("."))
+
+
+def tower_parameters(model, read: bool = False) -> list:
+    """The parameters of the model's vision tower and projector; with `read`, only those its forward reads (not
+    CLIP's post_layernorm, which normalises the pooled CLS token alone: LLaVA takes the patches' features)."""
+    return [p for n, p in model.named_parameters() if in_tower(n) and not (read and ".post_layernorm." in n)]
 
 
 def sft_steps(model, processor, ids, masks, images, steps: int, seed: int, lr: float = 1e-3, batch: int = 16) -> None:
