@@ -8,6 +8,8 @@ and which of a model's parameters are its vision tower's.
     accuracy = greedy_accuracy(model, processor, rows["eval"])
 """
 
+import json
+
 import torch
 
 from tasks.common.nn import supervised, vision
@@ -57,3 +59,47 @@ def greedy_accuracy(model, processor, held: list[dict]) -> float:
             **inputs, max_new_tokens=1, do_sample=False, suppress_tokens=vision.image_token_ids(processor)
         )
     return sum(processor.tokenizer.decode(o[-1:]) == r["label"] for o, r in zip(out, held)) / len(held)
+
+
+# ---------------------------------------------------------------- RL on the demo VLM (tests/unit/tasks/rl/test_images*.py)
+
+
+def encoded(processor, rows, prompts=None) -> list[list[int]]:
+    """Each row's prompt (or `prompts`) encoded with the row's images, placeholders expanded."""
+    prompts = prompts or [r["prompt"] for r in rows]
+    return [vision.encode_vlm_prompt(processor, p, r["images"])["input_ids"] for p, r in zip(prompts, rows)]
+
+
+def rl_flags(folder, data, **extra) -> dict:
+    """The RL stage's flags on the VLM at `folder` with prompts `data` and a reward file (never called here)."""
+    return {
+        "output": "/tmp/unused",
+        "pretrain": folder,
+        "prompt_data": data,
+        "remote_rm_url": "reward.py",
+        "label_key": "label",
+        "apply_chat_template": True,
+        **extra,
+    }
+
+
+def rl_config(folder, data, **extra):
+    """GRPO on 4 prompts × 2 samples, one epoch, 3 new tokens: what the RL workers' tests train."""
+    from tasks.common.config import make_config
+    from tasks.rl.config import RLConfig
+
+    flags = rl_flags(folder, data, advantage_estimator="group_norm", n_samples_per_prompt=2, rollout_batch_size=4)
+    flags |= {"train_batch_size": 8, "max_epochs": 1, "generate_max_len": 3, "lr_warmup_steps": 0}
+    return make_config(RLConfig, {**flags, "actor_learning_rate": 1e-2, "init_kl_coef": 0.0, **extra})
+
+
+def write_rows(path, rows) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+class StageInputs:
+    """What load_vision_prompts reads of a StageRun: its inputs, recorded as they are."""
+
+    def input(self, name, uri):
+        return uri
