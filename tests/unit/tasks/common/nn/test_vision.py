@@ -123,6 +123,21 @@ def test_placeholders_and_images_must_match(folder, rows):
     ]
 
 
+def test_a_family_whose_images_no_stage_lays_out_is_refused_in_one_line_before_any_step(rows):
+    """Idefics 3 / SmolVLM split images into tiles with tokens of their own: no Family describes that, so encoding
+    the first prompt (every stage's setup does) refuses its processor by name instead of failing inside a step."""
+    from tokenizers import AddedToken
+    from transformers import Idefics3ImageProcessorPil, Idefics3Processor
+
+    tokenizer = demo.build_tokenizer(demo_vlm.CHARACTERS)
+    specials = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"]
+    tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in specials], special_tokens=True)
+    processor = Idefics3Processor(image_processor=Idefics3ImageProcessorPil(), tokenizer=tokenizer)
+    with pytest.raises(ConfigError, match="^pretrain: Idefics3Processor is the processor of a vision-language family"):
+        vision.encode_vlm_prompt(processor, demo_vlm.PROMPT, rows["sft"][0]["images"])
+    assert family_of(demo_vlm.build_vlm_processor(family="llava")) is LLAVA
+
+
 def test_image_tokens_are_the_vision_specials(folder):
     processor = vision.load_processor(folder)
     tokens = processor.tokenizer.convert_ids_to_tokens(vision.image_token_ids(processor))
