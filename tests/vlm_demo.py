@@ -61,7 +61,7 @@ def greedy_accuracy(model, processor, held: list[dict]) -> float:
     return sum(processor.tokenizer.decode(o[-1:]) == r["label"] for o, r in zip(out, held)) / len(held)
 
 
-# ---------------------------------------------------------------- RL on the demo VLM (tests/unit/tasks/rl/test_images*.py)
+# ---------------------------------------------------------------- RL on the demo VLM (tests/unit/tasks/rl/)
 
 
 def encoded(processor, rows, prompts=None) -> list[list[int]]:

@@ -5,7 +5,7 @@ either family the stages take (tasks/common/nn/vision_family.py): Qwen2-VL (the 
     model = build_vlm_model(processor, seed=0)   # Qwen2VLForConditionalGeneration, random weights, ~0.14 M parameters
     processor = build_vlm_processor(family="llava")   # the same tokenizer with <image> + CLIP's image processor (PIL)
     model = build_vlm_model(processor, seed=0)   # LlavaForConditionalGeneration (CLIP tower, Llama), ~0.12 M parameters
-    save_demo_vlm(folder, seed=0, family="qwen2_vl")   # both, loadable with vision.load_vision_lm / vision.load_processor
+    save_demo_vlm(folder, seed=0, family="llava")   # both, loadable with vision.load_vision_lm / vision.load_processor
     rows = make_datasets(seed=0)                 # {"sft", "prompts", "eval", "preference", "preference_eval",
                                                  #  "style_pairs", "unpaired"}: rows of each split
 
@@ -64,8 +64,9 @@ FAMILIES = ("qwen2_vl", "llava")
 
 
 def build_vlm_processor(max_length: int = 128, family: str = "qwen2_vl"):
-    """The demo's processor of `family` (FAMILIES): for Qwen2-VL a Qwen2VLProcessor: demo.build_tokenizer's kind of tokenizer over printable ASCII plus Qwen2-VL's special
-    tokens, and the PIL image processor with 7 px patches (min 14 × 14, max 56 × 56 pixels after resizing)."""
+    """The demo's processor of `family` (FAMILIES; LLaVA's is build_llava_processor's). Qwen2-VL's: a
+    Qwen2VLProcessor, demo.build_tokenizer's kind of tokenizer over printable ASCII plus Qwen2-VL's special tokens,
+    and the PIL image processor with 7 px patches (min 14 × 14, max 56 × 56 pixels after resizing)."""
     from tokenizers import AddedToken
     from transformers import Qwen2VLProcessor
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
