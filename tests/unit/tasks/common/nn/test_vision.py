@@ -268,8 +268,8 @@ def sft_accuracy(seed: int, shuffled: bool, family: str = "qwen2_vl", steps: int
 def test_sft_learns_the_colour_from_the_pixels(seed, family):
     """The learning check of the VLM path, for each family: SFT on the demo reads the colour off the image (chance is
     1/4, and the text is the same for every row), while the control, trained on the same rows with their images
-    shuffled, does no better than chance. LLaVA, measured 2026-12-07 (2 cores, 1 thread, beside other work): 1.00
-    against 0.25 on seeds 0 and 1, 35-60 s a run."""
+    shuffled, does no better than chance. LLaVA, measured 2026-12-07 (2 cores, 1 thread): 1.00 against 0.25 on
+    seeds 0 and 1, 20-23 s a seed (both runs), 35-60 s a run beside a full test run."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # this tiny model runs several times faster on one thread than on two beside other work
     try:
