@@ -7,10 +7,10 @@ scalar value head, as the reward model stage trains it and RL loads it.
     model.save_pretrained(out_dir)                         # config.json + model.safetensors + value_head.safetensors
 
 transformers has no sequence-classification class for most VLMs (Qwen2-VL, LLaVA, Idefics), so the head lives
-beside the backbone: the folder loads with AutoModel (the backbone: Qwen2VLModel for Qwen2-VL) plus the head's
-one tensor, `weight` [1, hidden] of value_head.safetensors, the file config.json names as `value_head`; the
-reward statistics (`reward_mean`, `reward_std`) sit in config.json as for a text reward model. With LoRA, the
-adapters are injected into the backbone's linear layers and merged into its weights when saved
+beside the backbone: the folder loads with AutoModel (the backbone: Qwen2VLModel for Qwen2-VL, LlavaModel for
+LLaVA) plus the head's one tensor, `weight` [1, hidden] of value_head.safetensors, the file config.json names as
+`value_head`; the reward statistics (`reward_mean`, `reward_std`) sit in config.json as for a text reward model.
+With LoRA, the adapters are injected into the backbone's linear layers and merged into its weights when saved
 (merge_lora_state), so the output is always a full checkpoint any stage loads as it is.
 """
 
@@ -60,8 +60,8 @@ class VisionRewardModel(torch.nn.Module):
         return model
 
     def forward(self, input_ids, attention_mask, use_cache: bool = False, **images) -> torch.Tensor:
-        """The head on every token's last hidden state: [B, T], float32. `images`: vlm_inputs' pixel_values,
-        image_grid_thw and mm_token_type_ids (the backbone computes its own positions from them)."""
+        """The head on every token's last hidden state: [B, T], float32. `images`: the rest of vlm_inputs' arguments,
+        the family's (pixel_values, and Qwen2-VL's image_grid_thw and mm_token_type_ids or LLaVA's position_ids)."""
         hidden = self.backbone(
             input_ids=input_ids, attention_mask=attention_mask, use_cache=use_cache, **images
         ).last_hidden_state
