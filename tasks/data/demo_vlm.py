@@ -1,8 +1,11 @@
-"""The built-in vision-language demo (issue 54): name the colour of a shape, with a tiny Qwen2-VL built offline.
+"""The built-in vision-language demo (issue 54): name the colour of a shape, with a tiny VLM built offline, of
+either family the stages take (tasks/common/nn/vision_family.py): Qwen2-VL (the default) or LLaVA.
 
     processor = build_vlm_processor()            # character-level tokenizer + Qwen2-VL's image processor (PIL)
     model = build_vlm_model(processor, seed=0)   # Qwen2VLForConditionalGeneration, random weights, ~0.14 M parameters
-    save_demo_vlm(folder, seed=0)                # both, loadable with vision.load_vision_lm / vision.load_processor
+    processor = build_vlm_processor(family="llava")   # the same tokenizer with <image> + CLIP's image processor (PIL)
+    model = build_vlm_model(processor, seed=0)   # LlavaForConditionalGeneration (CLIP tower, Llama), ~0.12 M parameters
+    save_demo_vlm(folder, seed=0, family="llava")   # both, loadable with vision.load_vision_lm / vision.load_processor
     rows = make_datasets(seed=0)                 # {"sft", "prompts", "eval", "preference", "preference_eval",
                                                  #  "style_pairs", "unpaired"}: rows of each split
 
@@ -11,8 +14,9 @@ dark background) in one of COLOURS. Every prompt is the same text, PROMPT, so th
 cannot be read from the text: a model that gets it right has looked at the pixels. Images are stored as base64
 PNG, the form prepare_data writes (tasks/data/images.py), so the splits need nothing but themselves.
 
-At 28 px with 7 px patches merged 2 × 2, an image is 16 patches and 4 placeholder tokens: big enough to hold a
-shape, small enough that a CPU test trains on it in seconds.
+At 28 px with 7 px patches merged 2 × 2, an image is 16 patches and 4 placeholder tokens (Qwen2-VL): big enough to
+hold a shape, small enough that a CPU test trains on it in seconds. LLaVA's CLIP tower sees the same 16 patches and
+its projector gives each its own token: 16 placeholder tokens an image, CLIP's CLS dropped.
 """
 
 from __future__ import annotations
@@ -56,15 +60,23 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_vlm_processor(max_length: int = 128):
-    """A Qwen2VLProcessor: demo.build_tokenizer's kind of tokenizer over printable ASCII plus Qwen2-VL's special
-    tokens, and the PIL image processor with 7 px patches (min 14 × 14, max 56 × 56 pixels after resizing)."""
+FAMILIES = ("qwen2_vl", "llava")
+
+
+def build_vlm_processor(max_length: int = 128, family: str = "qwen2_vl"):
+    """The demo's processor of `family` (FAMILIES; LLaVA's is build_llava_processor's). Qwen2-VL's: a
+    Qwen2VLProcessor, demo.build_tokenizer's kind of tokenizer over printable ASCII plus Qwen2-VL's special tokens,
+    and the PIL image processor with 7 px patches (min 14 × 14, max 56 × 56 pixels after resizing)."""
     from tokenizers import AddedToken
     from transformers import Qwen2VLProcessor
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     from tasks.common.nn.vision import image_only
 
+    if family == "llava":
+        return build_llava_processor(max_length)
+    if family != "qwen2_vl":
+        raise ValueError(f"demo_vlm: no family {family!r}; one of {', '.join(FAMILIES)}")
     tokenizer = build_tokenizer(CHARACTERS, max_length=max_length)
     tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in VISION_TOKENS], special_tokens=True)
     tokenizer.chat_template = CHAT_TEMPLATE  # the stages' text path (data.turn_end_ids) reads the tokenizer's
@@ -80,10 +92,14 @@ def build_vlm_processor(max_length: int = 128):
 
 
 def build_vlm_model(processor, seed: int = 0, hidden_size: int = 64, num_layers: int = 2, max_positions: int = 256):
-    """A tiny Qwen2VLForConditionalGeneration with random weights: a 2-block vision tower (32 wide) whose merger
-    projects into a 2-layer language model `hidden_size` wide, with M-RoPE over the head's 8 frequency pairs."""
+    """A tiny VLM of the processor's family with random weights (build_llava_model for a LlavaProcessor): for
+    Qwen2-VL a Qwen2VLForConditionalGeneration, a 2-block vision tower (32 wide) whose merger projects into a 2-layer
+    language model `hidden_size` wide, with M-RoPE over the head's 8 frequency pairs."""
     import torch
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers import LlavaProcessor, Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    if isinstance(processor, LlavaProcessor):
+        return build_llava_model(processor, seed, hidden_size, num_layers, max_positions)
 
     tokenizer = processor.tokenizer
     ids = tokenizer.convert_tokens_to_ids
@@ -127,9 +143,81 @@ def build_vlm_model(processor, seed: int = 0, hidden_size: int = 64, num_layers:
     return model
 
 
-def save_demo_vlm(folder, seed: int = 0) -> None:
-    """The demo VLM and its processor, saved as one HF folder."""
-    processor = build_vlm_processor()
+#: LLaVA's demo: the same ChatML, an image block rendered as LLaVA's <image> (the processor expands it to its run).
+LLAVA_TOKENS = ["<|im_start|>", "<|im_end|>", "<image>"]
+LLAVA_CHAT_TEMPLATE = CHAT_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "<image>")
+
+
+def build_llava_processor(max_length: int = 128):
+    """A LlavaProcessor: demo.build_tokenizer's tokenizer plus <image> and ChatML's markers, and CLIP's PIL image
+    processor at the demo's 28 px (no resize beyond it, CLIP's mean and std), 7 px patches: 16 tokens an image."""
+    from tokenizers import AddedToken
+    from transformers import CLIPImageProcessorPil, LlavaProcessor
+
+    tokenizer = build_tokenizer(CHARACTERS, max_length=max_length)
+    tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in LLAVA_TOKENS], special_tokens=True)
+    tokenizer.chat_template = LLAVA_CHAT_TEMPLATE
+    image_processor = CLIPImageProcessorPil(
+        size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}
+    )
+    return LlavaProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=PATCH_SIZE,
+        vision_feature_select_strategy="default",  # CLIP's CLS dropped: one token per patch
+        num_additional_image_tokens=1,  # the CLS the tower adds
+        chat_template=LLAVA_CHAT_TEMPLATE,
+    )
+
+
+def build_llava_model(processor, seed: int = 0, hidden_size: int = 64, num_layers: int = 2, max_positions: int = 256):
+    """A tiny LlavaForConditionalGeneration with random weights: a 2-layer CLIP vision tower (32 wide, 7 px patches
+    of 28 px images) whose last layer's patch features a 2-layer MLP projects into a 2-layer Llama `hidden_size`
+    wide (1-D RoPE)."""
+    import torch
+    from transformers import LlavaConfig, LlavaForConditionalGeneration
+
+    tokenizer = processor.tokenizer
+    config = LlavaConfig(
+        vision_config={
+            "model_type": "clip_vision_model",
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "image_size": IMAGE_SIZE,
+            "patch_size": PATCH_SIZE,
+            "projection_dim": 32,
+        },
+        text_config={
+            "model_type": "llama",
+            "vocab_size": len(tokenizer),
+            "hidden_size": hidden_size,
+            "intermediate_size": 2 * hidden_size,
+            "num_hidden_layers": num_layers,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": max_positions,
+            "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id,
+        },
+        image_token_id=processor.image_token_id,
+        vision_feature_select_strategy=processor.vision_feature_select_strategy,
+        vision_feature_layer=-1,
+        image_seq_length=(IMAGE_SIZE // PATCH_SIZE) ** 2,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    return model
+
+
+def save_demo_vlm(folder, seed: int = 0, family: str = "qwen2_vl") -> None:
+    """The demo VLM of `family` and its processor, saved as one HF folder."""
+    processor = build_vlm_processor(family=family)
     build_vlm_model(processor, seed=seed).save_pretrained(folder)
     processor.save_pretrained(folder)
 

@@ -48,8 +48,8 @@ def refuse_for_vision(cfg: RLConfig) -> None:
         ),
         (
             cfg.packing_samples,
-            "packing_samples: a vision-language policy's rows cannot be packed (its positions restart per image "
-            "grid, not per row); drop --packing_samples",
+            "packing_samples: a vision-language policy's rows cannot be packed (each row's image features and "
+            "positions are laid out for that row alone); drop --packing_samples",
         ),
         (
             bool(cfg.env_path),

@@ -6,7 +6,7 @@ head on each token's last hidden state, so PPO with GAE runs on a VLM.
 
 It starts from the policy's weights (or --critic_pretrain, a VLM too): the head starts at zero, so the first
 advantages are the returns, and the backbone learns from the value loss as a text critic's does. The images reach
-it as they reach the policy (vision_passes.VisionRows: no position ids, the model's own M-RoPE). It trains in full
+it as they reach the policy (vision_passes.VisionRows: the family's inputs and positions). It trains in full
 (no LoRA) and is not exported (--save_value_network): it is the stage's working part, not a model of its own.
 """
 
@@ -18,8 +18,8 @@ from tasks.common.nn.vision_passes import VisionRows
 
 
 class VisionValueModel(torch.nn.Module):
-    """A VLM's backbone (its `base_model_prefix` submodule: Qwen2-VL's `model`, tower and language model) and a
-    bias-free linear value head."""
+    """A VLM's backbone (its `base_model_prefix` submodule: Qwen2-VL's or LLaVA's `model`, tower and language
+    model) and a bias-free linear value head."""
 
     def __init__(self, vlm):
         super().__init__()

@@ -112,12 +112,12 @@ def vlm_micro_batch_loss(
     model, processor, ids, masks, images, pad_id: int, packed: bool, device, num_tokens=None
 ) -> torch.Tensor:
     """sft_loss of a micro-batch of vision-language rows (tokenize_vlm_rows'), padded on the right. The model gets
-    the images' pixel_values and image_grid_thw and computes its own positions (Qwen2-VL's M-RoPE from the image
-    grids): none are passed. Full logits: Liger's chunked head is a text-model path (models.load_causal_lm)."""
+    its family's image inputs and positions (vision.vlm_inputs: Qwen2-VL's image grids, from which it computes its
+    M-RoPE; LLaVA's 1-D positions). Full logits: Liger's chunked head is a text-model path (models.load_causal_lm)."""
     if packed:
         raise ConfigError(
-            "packing_samples: a vision-language model's rows cannot be packed (its positions restart per image "
-            "grid, not per row); drop --packing_samples"
+            "packing_samples: a vision-language model's rows cannot be packed (each row's image features and "
+            "positions are laid out for that row alone); drop --packing_samples"
         )
     inputs = vision.vlm_inputs(processor, ids, images, pad_id, device)
     loss_mask, _ = data.pad(masks, 0)

@@ -12,8 +12,9 @@ images as the model's inputs.
 A prompt marks each image's place with an `<image>` tag in its text, or with a `{"type": "image"}` block in a chat
 message's content (OpenAI's and HF's form); the images come in a list beside it, in order. The processor expands
 each place to the model's own placeholder run (Qwen2-VL: <|vision_start|>, one <|image_pad|> per merged patch,
-<|vision_end|>); the model computes its rotary positions (Qwen2-VL's M-RoPE) from those, so callers pass no
-position_ids.
+<|vision_end|>; LLaVA: one <image> per patch of the crop). Where the families differ (which image inputs the model
+takes, how many tokens an image stands for, which positions it wants: Qwen2-VL computes its M-RoPE itself, LLaVA
+takes 1-D ones) is described once per family in tasks/common/nn/vision_family.py, which vlm_inputs goes through.
 """
 
 from __future__ import annotations
@@ -162,9 +163,13 @@ def render_prompt(processor, prompt, chat_template: bool) -> str:
 
 
 def encode_vlm_prompt(processor, prompt, images, chat_template: bool = True, row_id="?") -> dict:
-    """{"input_ids": list[int] with each image's placeholders expanded, "pixel_values": [patches, dim] or None,
-    "image_grid_thw": [images, 3] or None} of a prompt and its images (decode_image's forms). The model's forward
-    also wants mm_token_type_ids (which tokens are image placeholders): vlm_inputs makes them for a batch."""
+    """{"input_ids": list[int] with each image's placeholders expanded, "pixel_values" (Qwen2-VL: [patches, dim];
+    LLaVA: [images, 3, H, W]) or None, "image_grid_thw": [images, 3] or None (Qwen2-VL's alone)} of a prompt and its
+    images (decode_image's forms). The model's forward may want more (Qwen2-VL's mm_token_type_ids, LLaVA's
+    position ids): vlm_inputs makes what its family needs for a batch."""
+    from tasks.common.nn.vision_family import family_of
+
+    family_of(processor)  # a family whose batches the stages can build, or the one-line refusal before any step
     images = [decode_image(i) for i in images or []]
     check_image_placeholders(count_placeholders(prompt), len(images), row_id)
     text = render_prompt(processor, prompt, chat_template)
@@ -178,15 +183,12 @@ def encode_vlm_prompt(processor, prompt, images, chat_template: bool = True, row
 
 def vlm_inputs(processor, ids: list[list[int]], images: list[list], pad_id: int, device) -> dict:
     """A VLM's forward arguments for rows of token ids (placeholders expanded, as encode_vlm_prompt gives) and each
-    row's images: input_ids and attention_mask padded on the right, mm_token_type_ids (from which Qwen2-VL computes
-    its M-RoPE positions: none are passed), and the images' pixel_values and image_grid_thw, rows in order."""
+    row's images: input_ids and attention_mask padded on the right, and the family's image inputs and positions
+    (vision_family.batch_inputs: Qwen2-VL's pixel_values, image_grid_thw and mm_token_type_ids, from which it computes
+    its M-RoPE positions; LLaVA's per-image pixel_values and 1-D position ids), rows in order, placeholders checked."""
     from tasks.common.nn import data
+    from tasks.common.nn.vision_family import batch_inputs
 
     input_ids, attention_mask = data.pad(ids, pad_id)
-    types, _ = data.pad(processor.create_mm_token_type_ids(ids), 0)
-    inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "mm_token_type_ids": types}
-    flat = [decode_image(i) for row in images for i in row]
-    if flat:
-        pixels = processor.image_processor(images=flat, return_tensors="pt")
-        inputs |= {"pixel_values": pixels["pixel_values"], "image_grid_thw": pixels["image_grid_thw"]}
+    inputs = batch_inputs(processor, input_ids, attention_mask, images, rows="batch row")
     return {k: v.to(device) for k, v in inputs.items()}

@@ -20,8 +20,8 @@ from tasks.common.nn import data, vision
 from tasks.common.nn.vocab import token_logprobs
 
 PACKING_REFUSED = (
-    "packing_samples: {model} is a vision-language model, whose rows cannot be packed (its positions restart per "
-    "image grid, not per row); drop --packing_samples"
+    "packing_samples: {model} is a vision-language model, whose rows cannot be packed (each row's image features "
+    "and positions are laid out for that row alone); drop --packing_samples"
 )
 
 

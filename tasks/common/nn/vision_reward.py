@@ -11,10 +11,10 @@ scalar value head, as the reward model stage trains it and RL loads it.
     refuse_unfit_reward_models(cfg.reward_pretrain, fix)   # a VLM policy's: each a VLM reward model, else one line
 
 transformers has no sequence-classification class for most VLMs (Qwen2-VL, LLaVA, Idefics), so the head lives
-beside the backbone: the folder loads with AutoModel (the backbone: Qwen2VLModel for Qwen2-VL) plus the head's
-one tensor, `weight` [1, hidden] of value_head.safetensors, the file config.json names as `value_head`; the
-reward statistics (`reward_mean`, `reward_std`) sit in config.json as for a text reward model. With LoRA, the
-adapters are injected into the backbone's linear layers and merged into its weights when saved
+beside the backbone: the folder loads with AutoModel (the backbone: Qwen2VLModel for Qwen2-VL, LlavaModel for
+LLaVA) plus the head's one tensor, `weight` [1, hidden] of value_head.safetensors, the file config.json names as
+`value_head`; the reward statistics (`reward_mean`, `reward_std`) sit in config.json as for a text reward model.
+With LoRA, the adapters are injected into the backbone's linear layers and merged into its weights when saved
 (merge_lora_state), so the output is always a full checkpoint any stage loads as it is.
 """
 
@@ -64,8 +64,8 @@ class VisionRewardModel(torch.nn.Module):
         return model
 
     def forward(self, input_ids, attention_mask, use_cache: bool = False, **images) -> torch.Tensor:
-        """The head on every token's last hidden state: [B, T], float32. `images`: vlm_inputs' pixel_values,
-        image_grid_thw and mm_token_type_ids (the backbone computes its own positions from them)."""
+        """The head on every token's last hidden state: [B, T], float32. `images`: the rest of vlm_inputs' arguments,
+        the family's (pixel_values, and Qwen2-VL's image_grid_thw and mm_token_type_ids or LLaVA's position_ids)."""
         hidden = self.backbone(
             input_ids=input_ids, attention_mask=attention_mask, use_cache=use_cache, **images
         ).last_hidden_state
@@ -177,9 +177,9 @@ def load_vision_reward_model(path: str, dtype: torch.dtype = torch.float32):
 def rollout_scores(model, passes, sequences, attention_mask, images) -> torch.Tensor:
     """The value head at each row's last real token ([B]) of rows as a Rollout holds them (prompts left-padded,
     responses right-padded, each prompt's placeholders expanded) with each row's images: prompt + response + pixels.
-    `passes` (a VisionRows) builds the inputs and checks each row's placeholders against its images; no position ids
-    are passed, so the backbone computes its own from the mask and the image grids, and a row scores as it does
-    unpadded (vlm_sequence_scores, as the reward model stage scored its pairs)."""
+    `passes` (a VisionRows) builds the family's inputs and checks each row's placeholders against its images; the
+    positions follow the mask (Qwen2-VL's M-RoPE computed by the model, LLaVA's counted from it), so a row scores as
+    it does unpadded (vlm_sequence_scores, as the reward model stage scored its pairs)."""
     values = model(**passes.inputs(sequences, attention_mask, images))
     rows = torch.arange(values.size(0), device=values.device)
     return values[rows, last_token_index(attention_mask)]

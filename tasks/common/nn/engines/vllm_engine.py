@@ -23,8 +23,9 @@ A vision-language model (`image_token_id` set, its processor's) takes prompts wi
     engine = VLLMRolloutEngine(model_dir, tokenizer, ..., image_token_id=151655, banned_ids=[...], max_images=1)
     rollout = engine.generate(prompt_ids, 64, images=[[png], ...])    # rollout.images: the rows' images
 
-Each request is {"prompt_token_ids": ids, "multi_modal_data": {"image": [PIL images]}} with each run of image
-placeholder ids collapsed to one (collapse_image_runs): vLLM expands it to the image's own count itself, and an
+Each request is {"prompt_token_ids": ids, "multi_modal_data": {"image": [PIL images]}} with each image's run of
+placeholder ids collapsed to one (collapse_image_runs; `image_run`, LLaVA's fixed run, splits images side by side):
+vLLM expands it to the image's own count itself, and an
 expanded run would be expanded again (OpenRLHF#1220). The rollout keeps the prompts as the trainer encoded them
 (expanded), so the log-prob passes see the same tokens. The engine is sized for `max_images` images a prompt
 (vLLM's limit_mm_per_prompt, from the data) and loads the model's tokenizer (vLLM's multimodal processor needs
@@ -36,6 +37,7 @@ vocabulary). A bias of BAN_BIAS, the least the OpenAI form allows, leaves them e
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import shutil
 import tempfile
@@ -78,12 +80,21 @@ def _model_of(llm):
 BAN_BIAS = -100.0
 
 
-def collapse_image_runs(ids: list[int], image_token_id: int) -> list[int]:
-    """`ids` with each run of consecutive `image_token_id`s as one: the prompt as vLLM expects it with its images."""
-    return [t for i, t in enumerate(ids) if t != image_token_id or i == 0 or ids[i - 1] != image_token_id]
+def collapse_image_runs(ids: list[int], image_token_id: int, image_run: int = 0) -> list[int]:
+    """`ids` with each image's run of `image_token_id`s as one: the prompt as vLLM expects it with its images. A
+    family whose images each stand for the same `image_run` tokens (LLaVA) may put two images side by side, with no
+    marker between their runs: a run of k·image_run tokens is k images. Without it (Qwen2-VL: each run inside its
+    vision markers) each run of consecutive ids is one image."""
+    out = []
+    for token, run in itertools.groupby(ids):
+        n = len(list(run))
+        out += [token] * (n if token != image_token_id else n // image_run if image_run and n % image_run == 0 else 1)
+    return out
 
 
-def image_requests(prompt_ids: list[list[int]], images: list[list] | None, image_token_id: int | None) -> list[dict]:
+def image_requests(
+    prompt_ids: list[list[int]], images: list[list] | None, image_token_id: int | None, image_run: int = 0
+) -> list[dict]:
     """vLLM's prompts: token ids alone, or for rows with images their placeholder runs collapsed and their images
     decoded (vision.decode_image's forms) as multi_modal_data. A row whose runs and images differ in number is
     refused naming it (vLLM would fail inside its processor, or pair the wrong features)."""
@@ -93,7 +104,7 @@ def image_requests(prompt_ids: list[list[int]], images: list[list] | None, image
 
     requests = []
     for row, (ids, row_images) in enumerate(zip(prompt_ids, images)):
-        collapsed = collapse_image_runs(ids, image_token_id)
+        collapsed = collapse_image_runs(ids, image_token_id, image_run)
         runs = collapsed.count(image_token_id)
         if runs != len(row_images):
             raise ValueError(
@@ -108,12 +119,16 @@ def image_requests(prompt_ids: list[list[int]], images: list[list] | None, image
 
 
 def vision_options(processor, max_images: int) -> dict:
-    """VLLMRolloutEngine's options for a vision-language model with this processor: its image token, the ids never
-    sampled (its image and video placeholders and vision markers), and the images a prompt may carry (at least 1)."""
+    """VLLMRolloutEngine's options for a vision-language model with this processor: its image token and the tokens
+    every image stands for where its family has one count (vision_family: LLaVA's run; 0 where an image's size
+    decides it), the ids never sampled (its image and video placeholders and vision markers), and the images a
+    prompt may carry (at least 1)."""
     from tasks.common.nn.vision import image_token_ids
+    from tasks.common.nn.vision_family import family_of
 
     return {
         "image_token_id": processor.image_token_id,
+        "image_run": family_of(processor).fixed_tokens(processor) or 0,
         "banned_ids": image_token_ids(processor),
         "max_images": max(1, max_images),
     }
@@ -153,6 +168,7 @@ class VLLMRolloutEngine:
         logprobs: bool = True,
         max_num_seqs: int = 0,
         image_token_id: int | None = None,
+        image_run: int = 0,
         banned_ids=(),
         max_images: int = 0,
     ):
@@ -162,7 +178,7 @@ class VLLMRolloutEngine:
 
         self.tokenizer, self.ignore_eos, self.enable_sleep = tokenizer, ignore_eos, enable_sleep
         # A vision-language model: prompts with images, its placeholder ids never sampled.
-        self.image_token_id, self.bias = image_token_id, ban_bias(banned_ids)
+        self.image_token_id, self.image_run, self.bias = image_token_id, image_run, ban_bias(banned_ids)
         vision = {"skip_tokenizer_init": False, "limit_mm_per_prompt": {"image": max_images}}
         # Each token's log-prob (RL's sync check and off-policy correction read them) costs the engine Python work per
         # token on the host; eval reads none and asks for none.
@@ -219,7 +235,7 @@ class VLLMRolloutEngine:
             raise ValueError("generate: images given to a text model's engine; build it with image_token_id")
         self.wake_up()
         params = self._sampling(max_new_tokens, temperature, greedy)
-        requests = image_requests(prompt_ids, images, self.image_token_id)
+        requests = image_requests(prompt_ids, images, self.image_token_id, self.image_run)
         outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self.adapter)
         responses = [self._response(o) for o in outputs]
         if self.enable_sleep:

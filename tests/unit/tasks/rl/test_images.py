@@ -1,10 +1,8 @@
-"""RL and eval on a vision-language model (issue 54), on CPU with the demo's tiny Qwen2-VL built offline: the
-transformers engine generating from the pixels, the log-prob passes scoring the same rows with their images, the
-RL actor and reference workers (DeepSpeed worlds of one, in this process), the guards and the refusals. The vLLM
-path's pure parts are in tests/unit/tasks/common/nn/engines/test_vllm_vision.py; the stages on Ray and the learning
-check in tests/e2e/test_vlm_stages.py."""
-
-import json
+"""RL and eval on a vision-language model (issue 54), on CPU with the demo's tiny VLMs built offline, each family
+(`folder`: Qwen2-VL and LLaVA): the transformers engine generating from the pixels, the log-prob passes scoring the
+same rows with their images, the guards and the refusals. The RL workers on a VLM are in test_images_workers.py;
+the vLLM path's pure parts in tests/unit/tasks/common/nn/engines/test_vllm_vision.py; the stages on Ray and the
+learning check in tests/e2e/test_vlm_stages.py."""
 
 import pytest
 import torch
@@ -13,18 +11,24 @@ from tasks.common.config import ConfigError, make_config
 from tasks.common.nn import vision
 from tasks.common.nn.engines import make_engine
 from tasks.common.nn.engines.rollout import concat_rollouts
-from tasks.common.nn.vision_passes import VisionRows, check_placeholder_tokens, expected_placeholders, without_tokens
+from tasks.common.nn.vision_family import QWEN2_VL, check_placeholder_tokens, family_of, per_row
+from tasks.common.nn.vision_passes import VisionRows, without_tokens
 from tasks.data import demo_vlm
 from tasks.rl.config import RLConfig
 from tasks.rl.experience import make_experience, response_logprobs
 from tasks.rl.workers import trimmed
 
+from tests.vlm_demo import StageInputs, encoded, rl_flags, saved_demo, write_rows
+
+
+@pytest.fixture(scope="module", params=demo_vlm.FAMILIES)
+def folder(request, tmp_path_factory):
+    return saved_demo(tmp_path_factory, request.param)
+
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    path = tmp_path_factory.mktemp("demo-vlm")
-    demo_vlm.save_demo_vlm(path, seed=0)
-    return str(path)
+def qwen_folder(tmp_path_factory):
+    return saved_demo(tmp_path_factory, "qwen2_vl")
 
 
 @pytest.fixture(scope="module")
@@ -32,19 +36,14 @@ def rows():
     return demo_vlm.make_datasets(seed=0, sizes={"prompts": 8})["prompts"]
 
 
-def encoded(processor, rows, prompts=None):
-    prompts = prompts or [r["prompt"] for r in rows]
-    return [vision.encode_vlm_prompt(processor, p, r["images"])["input_ids"] for p, r in zip(prompts, rows)]
-
-
 def test_the_engine_samples_from_the_pixels_and_reports_the_log_probs_the_trainer_computes(folder, rows):
     """Prompts of two lengths (left padding moves the image), sampled and greedy: the engine's log-probabilities of
-    its tokens are the training pass's on the same rows with the same images (M-RoPE computed by the model in both),
-    and no image placeholder id is ever sampled."""
+    its tokens are the training pass's on the same rows with the same images (the family's positions: Qwen2-VL's
+    M-RoPE computed by the model in both, LLaVA's counted from the mask), and no image placeholder id is sampled."""
     processor, model = vision.load_processor(folder), vision.load_vision_lm(folder).eval()
     prompts = [r["prompt"] if i % 2 else "<image>which colour is it?" for i, r in enumerate(rows)]
     ids, images = encoded(processor, rows, prompts), [r["images"] for r in rows]
-    # A prompt of two images, and one of none: each row's grids in order, M-RoPE positions per row.
+    # A prompt of two images, and one of none: each row's images in order, positions per row.
     two = rows[2]["images"] + rows[3]["images"]
     ids[2] = vision.encode_vlm_prompt(processor, "<image> or <image>: colour?", two)["input_ids"]
     images[2], ids[3], images[3] = two, vision.encode_vlm_prompt(processor, "colour?", [])["input_ids"], []
@@ -118,18 +117,24 @@ def test_a_banned_id_is_never_sampled_even_where_the_model_prefers_it(folder, ro
 
 def test_placeholder_tokens_are_checked_against_the_images_before_the_model_sees_them(folder, rows):
     processor = vision.load_processor(folder)
-    passes = VisionRows.of(processor)
+    passes, family = VisionRows.of(processor), family_of(processor)
     ids = encoded(processor, rows[:2])
-    # 28 px images, 7 px patches merged 2 x 2: 4 tokens each.
-    assert expected_placeholders(torch.tensor([[1, 4, 4], [1, 4, 4], [1, 2, 2]]), 2, [2, 1]) == [8, 1]
+    if family is QWEN2_VL:  # 28 px images, 7 px patches merged 2 x 2: 4 tokens each; a smaller grid, fewer
+        grids = {"image_grid_thw": torch.tensor([[1, 4, 4], [1, 4, 4], [1, 2, 2]])}
+        assert per_row(QWEN2_VL.tokens_per_image(processor, grids), [2, 1]) == [8, 1]
+    else:  # LLaVA: every image its crop's 16 patches
+        pixels = {"pixel_values": torch.zeros(3, 3, 28, 28)}
+        assert per_row(family.tokens_per_image(processor, pixels), [2, 1]) == [32, 16]
+    n = ids[0].count(processor.image_token_id)
     first = ids[1].index(processor.image_token_id)
     cut = ids[1][:first] + ids[1][first + 2 :]  # two of the second row's placeholders lost, as a truncation would
     seqs, mask = _prompt_batch([ids[0], cut], processor)
     with pytest.raises(
-        ValueError, match=r"^images: rollout row 1 has 2 image placeholder token\(s\) and its images expand to 4"
+        ValueError,
+        match=rf"^images: rollout row 1 has {n - 2} image placeholder token\(s\) and its images expand to {n}",
     ):
         passes.inputs(seqs, mask, [rows[0]["images"], rows[1]["images"]])
-    with pytest.raises(ValueError, match="rollout row 0 has 4 .* expand to 0"):
+    with pytest.raises(ValueError, match=f"rollout row 0 has {n} .* expand to 0"):
         passes.inputs(*_prompt_batch(ids[:1], processor), [[]])
     check_placeholder_tokens([4, 0], [4, 0])
 
@@ -149,7 +154,7 @@ def test_rollouts_and_experience_keep_each_rows_images_through_select_concat_min
     assert joined.images == images
     with pytest.raises(ValueError, match="some rollouts carry images and some do not"):
         concat_rollouts([rollout, _text_rollout(rollout)], 0)
-    cfg = make_config(RLConfig, _flags(folder, "x", advantage_estimator="group_norm", n_samples_per_prompt=2))
+    cfg = make_config(RLConfig, rl_flags(folder, "x", advantage_estimator="group_norm", n_samples_per_prompt=2))
     logprobs = response_logprobs(
         model,
         rollout.sequences,
@@ -177,52 +182,33 @@ def _text_rollout(rollout):
     return out
 
 
-def _flags(folder, data, **extra) -> dict:
-    return {
-        "output": "/tmp/unused",
-        "pretrain": folder,
-        "prompt_data": data,
-        "remote_rm_url": "reward.py",
-        "label_key": "label",
-        "apply_chat_template": True,
-        **extra,
-    }
-
-
-def write_rows(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
-
-
-class Inputs:
-    """What load_vision_prompts reads of a StageRun: its inputs, recorded as they are."""
-
-    def input(self, name, uri):
-        return uri
-
-
-def test_prompts_keep_their_images_drop_what_is_too_long_and_name_a_row_whose_counts_differ(folder, rows, tmp_path):
+def test_prompts_keep_their_images_drop_what_is_too_long_and_name_a_row_whose_counts_differ(
+    qwen_folder, rows, tmp_path
+):
+    """On Qwen2-VL (the lengths are its 4 tokens an image)."""
     from tasks.rl.images import images_limit, load_vision_prompts
 
-    processor = vision.load_processor(folder)
+    processor = vision.load_processor(qwen_folder)
     long = {**rows[1], "prompt": "<image>" + "which colour is the shape in this picture? " * 3}
     data = write_rows(tmp_path / "p.jsonl", [rows[0], long, rows[2]])
-    cfg = make_config(RLConfig, _flags(folder, data, prompt_max_len=40))
-    prompts = load_vision_prompts(cfg, Inputs(), processor)
+    cfg = make_config(RLConfig, rl_flags(qwen_folder, data, prompt_max_len=40))
+    prompts = load_vision_prompts(cfg, StageInputs(), processor)
     assert prompts.dropped == 1 and prompts.images == [rows[0]["images"], rows[2]["images"]]
     assert prompts.labels == [rows[0]["label"], rows[2]["label"]] and prompts.truncated == 0
     assert all(i.count(processor.image_token_id) == 4 for i in prompts.ids)
     assert images_limit(cfg, prompts) == 1
-    limited = make_config(RLConfig, _flags(folder, data, max_images_per_prompt=1))
+    limited = make_config(RLConfig, rl_flags(qwen_folder, data, max_images_per_prompt=1))
     assert images_limit(limited, prompts) == 1
     prompts.images[0] = prompts.images[0] * 2
     with pytest.raises(ConfigError, match="^max_images_per_prompt: a prompt carries 2 images, over the limit of 1"):
         images_limit(limited, prompts)
     two_tags = write_rows(tmp_path / "bad.jsonl", [rows[0], {**rows[1], "prompt": "<image><image>colour?"}])
     with pytest.raises(ConfigError, match=r"^images: row 2 has 1 image\(s\) and 2 <image> tag.*--image_key 'images'"):
-        load_vision_prompts(make_config(RLConfig, _flags(folder, two_tags)), Inputs(), processor)
+        load_vision_prompts(make_config(RLConfig, rl_flags(qwen_folder, two_tags)), StageInputs(), processor)
     with pytest.raises(ConfigError, match="^prompt_max_len: all 3 prompts with their image tokens are longer than 8"):
-        load_vision_prompts(make_config(RLConfig, _flags(folder, data, prompt_max_len=8)), Inputs(), processor)
+        load_vision_prompts(
+            make_config(RLConfig, rl_flags(qwen_folder, data, prompt_max_len=8)), StageInputs(), processor
+        )
 
 
 @pytest.mark.parametrize(
@@ -243,248 +229,11 @@ def test_what_rl_does_not_do_on_a_vlm_is_refused_in_one_line(flags, message):
 
     gae = "lora_rank" in flags or "save_value_network" in flags
     estimator = {} if gae else {"advantage_estimator": "group_norm", "n_samples_per_prompt": 2}
-    cfg = make_config(RLConfig, _flags("m", "p", **estimator, **flags))
+    cfg = make_config(RLConfig, rl_flags("m", "p", **estimator, **flags))
     with pytest.raises(ConfigError, match=message):
         refuse_for_vision(cfg)
-    refuse_for_vision(make_config(RLConfig, _flags("m", "p", advantage_estimator="rloo", n_samples_per_prompt=2)))
-    refuse_for_vision(make_config(RLConfig, _flags("m", "p")))  # gae: the VLM critic (tasks/rl/vision_critic.py)
-
-
-def rl_config(folder, data, **extra) -> RLConfig:
-    flags = _flags(folder, data, advantage_estimator="group_norm", n_samples_per_prompt=2, rollout_batch_size=4)
-    flags |= {"train_batch_size": 8, "max_epochs": 1, "generate_max_len": 3, "lr_warmup_steps": 0}
-    return make_config(RLConfig, {**flags, "actor_learning_rate": 1e-2, "init_kl_coef": 0.0, **extra})
-
-
-@pytest.mark.parametrize("lora", [False, True])
-def test_the_actor_generates_from_images_scores_them_and_trains_the_language_model_only(folder, rows, tmp_path, lora):
-    """The RL actor on the demo VLM (a DeepSpeed world of one, in this process): its rollout keeps the images, its
-    log-prob pass agrees with its engine's, and one update moves the language model and leaves the vision tower as
-    it was (--freeze_visual_encoder; with LoRA, only adapters train and the reference is the base, adapters off)."""
-    from tasks.rl.actor import ActorWorker
-    from tasks.rl.images import load_vision_prompts
-
-    data = write_rows(tmp_path / "p.jsonl", rows)
-    extra = {"lora_rank": 4, "lora_alpha": 8, "init_kl_coef": 0.01} if lora else {}
-    cfg = rl_config(folder, data, freeze_visual_encoder=True, **extra)
-    prompts = load_vision_prompts(cfg, Inputs(), vision.load_processor(folder))
-    worker = ActorWorker(0, 1, None, 1)
-    worker.setup(cfg, 4)
-    torch.manual_seed(0)
-    rollout = worker.generate_vision([(prompts.ids[i], prompts.images[i]) for i in range(4) for _ in range(2)])
-    assert rollout.images == [prompts.images[i] for i in range(4) for _ in range(2)]
-    if lora:
-        logprobs, ref = worker.reference_logprobs(rollout)
-        assert torch.allclose(logprobs, ref, atol=1e-6)  # adapters start at zero: the base is the policy
-    else:
-        logprobs = ref = worker.logprobs(rollout)
-    assert torch.allclose(logprobs * rollout.response_mask, rollout.logprobs, atol=1e-5)
-    exp = make_experience(rollout, logprobs, ref, None, torch.tensor([1.0, 0.0] * 4), cfg, 0.0)
-    before = {n: p.detach().clone() for n, p in worker.engine.module.named_parameters()}
-    stats = worker.train([exp], 0.0)
-    assert stats["engine_logprob_max_diff"] < 1e-5 and stats["grad_norm"] > 0
-    after = dict(worker.engine.module.named_parameters())
-    moved = {n for n in before if not torch.equal(before[n], after[n])}
-    assert any("language_model" in n for n in moved)
-    assert not any(".visual." in f".{n}" for n in moved)
-    if lora:
-        assert all("lora_" in n for n in moved)
-        _, ref_after = worker.reference_logprobs(rollout)
-        assert torch.allclose(ref_after, ref, atol=1e-5) and not torch.allclose(worker.logprobs(rollout), ref)
-    saved = tmp_path / "saved"
-    worker.save_model(str(saved))
-    assert vision.load_processor(str(saved)).image_processor.patch_size == demo_vlm.PATCH_SIZE
-    if lora:  # the adapter export: later stages (eval) merge it into its VLM base, processor and all
-        from tasks.common.nn.lora import merged_checkpoint
-
-        merged = str(merged_checkpoint(saved, folder))
-        assert vision.load_processor(merged).image_processor.patch_size == demo_vlm.PATCH_SIZE
-        full = vision.load_vision_lm(merged).eval()
-        passes = VisionRows.of(worker.processor)
-        args = (rollout.sequences, rollout.attention_mask, rollout.images)
-        with torch.no_grad():
-            expected = passes.logprobs(worker.engine.module, *args, start=rollout.prompt_width - 1)
-            assert torch.allclose(passes.logprobs(full, *args, start=rollout.prompt_width - 1), expected, atol=1e-4)
-
-
-def test_the_reference_worker_scores_a_vlm_rollout_with_its_images(folder, rows, tmp_path):
-    from tasks.rl.workers import ReferenceWorker
-
-    processor, model = vision.load_processor(folder), vision.load_vision_lm(folder).eval()
-    engine = make_engine(
-        "transformers", processor.tokenizer, module=model, device=torch.device("cpu"), processor=processor
-    )
-    rollout = engine.generate(encoded(processor, rows[:3]), 3, images=[r["images"] for r in rows[:3]])
-    worker = ReferenceWorker(0, 1, None, 1)
-    worker.setup(rl_config(folder, "p", init_kl_coef=0.01))
-    assert torch.allclose(worker.logprobs(rollout) * rollout.response_mask, rollout.logprobs, atol=1e-5)
-
-
-def test_ppo_ptx_on_a_vlm_adds_the_sft_loss_of_rows_with_their_images(folder, rows, tmp_path):
-    """--ptx_coef with --pretrain_data on a vision-language policy: the supervised rows keep their images, and the
-    update adds their SFT loss (supervised.vlm_micro_batch_loss), logged as ptx_loss."""
-    from tasks.rl.actor import ActorWorker
-    from tasks.rl.images import load_vision_prompts
-
-    sft_rows = demo_vlm.make_datasets(seed=3, sizes={"sft": 8})["sft"]
-    sft = write_rows(tmp_path / "s.jsonl", sft_rows)
-    cfg = rl_config(folder, write_rows(tmp_path / "p.jsonl", rows), pretrain_data=sft, ptx_coef=0.5)
-    worker = ActorWorker(0, 1, None, 1)
-    worker.setup(cfg, 4)
-    assert worker.ptx_images == [r["images"] for r in sft_rows]
-    prompts = load_vision_prompts(cfg, Inputs(), worker.processor)
-    rollout = worker.generate_vision([(prompts.ids[i], prompts.images[i]) for i in range(4) for _ in range(2)])
-    logprobs = worker.logprobs(rollout)
-    exp = make_experience(rollout, logprobs, logprobs, None, torch.tensor([1.0, 0.0] * 4), cfg, 0.0)
-    stats = worker.train([exp], 0.0)
-    assert 0 < stats["ptx_loss"] < 20
-
-
-def test_gae_on_a_vlm_values_each_row_with_its_images_and_fits_the_returns(folder, rows, tmp_path):
-    """PPO with a critic on the demo VLM: the critic (the VLM's backbone with a value head of zeros, from the
-    policy) values the rollout's rows with their images, GAE turns the rewards into advantages, the actor and the
-    critic each take a step, the critic's values move toward the returns and its frozen tower stays."""
-    from tasks.rl.actor import ActorWorker
-    from tasks.rl.images import load_vision_prompts
-    from tasks.rl.workers import CriticWorker
-
-    data = write_rows(tmp_path / "p.jsonl", rows)
-    cfg = rl_config(folder, data, advantage_estimator="gae", n_samples_per_prompt=1, rollout_batch_size=8)
-    cfg = make_config(RLConfig, {**cfg.__dict__, "freeze_visual_encoder": True, "critic_learning_rate": 1e-3})
-    prompts = load_vision_prompts(cfg, Inputs(), vision.load_processor(folder))
-    actor, critic = ActorWorker(0, 1, None, 1), CriticWorker(0, 1, None, 1)
-    actor.setup(cfg, 4)
-    critic.setup(cfg, folder, 4)
-    rollout = actor.generate_vision([(prompts.ids[i], prompts.images[i]) for i in range(8)])
-    values = critic.values(rollout)
-    assert values.shape == rollout.response_mask.shape and values.abs().max() == 0  # a head of zeros
-    logprobs = actor.logprobs(rollout)
-    exp = make_experience(rollout, logprobs, logprobs, values, torch.tensor([1.0, 0.0] * 4), cfg, 0.0)
-    assert (exp.advantages * exp.action_mask).abs().sum() > 0
-    tower = {n: p.detach().clone() for n, p in critic.engine.module.named_parameters() if ".visual." in f".{n}"}
-    assert tower and actor.train([exp], 0.0)["grad_norm"] > 0
-
-    def error(v):  # the values' squared distance to the returns, unclipped
-        return (((v - exp.returns) ** 2) * exp.action_mask).sum() / exp.action_mask.sum()
-
-    before = error(values)
-    for _ in range(3):
-        stats = critic.train([exp])
-    assert stats["value_loss"] > 0 and error(critic.values(rollout)) < before
-    assert all(torch.equal(p, tower[n]) for n, p in critic.engine.module.named_parameters() if n in tower)
-
-
-def test_a_text_critic_for_a_vlm_policy_is_refused_naming_the_fix(folder, rows, tmp_path):
-    from tasks.data import demo
-    from tasks.rl.images import vision_setup
-
-    demo.build_base_model(demo.build_tokenizer()).save_pretrained(tmp_path / "text")
-    data = write_rows(tmp_path / "p.jsonl", rows)
-    cfg = make_config(RLConfig, _flags(folder, data, critic_pretrain=str(tmp_path / "text")))
-    with pytest.raises(ConfigError, match="^critic_pretrain: .* is a text model, which cannot value a vision-language"):
-        vision_setup(cfg, Inputs(), folder)
-    cfg, tokenizer, prompts = vision_setup(make_config(RLConfig, _flags(folder, data)), Inputs(), folder)
-    assert cfg.max_images_per_prompt == 1 and len(prompts.images) == len(rows) and tokenizer.pad_token_id is not None
-
-
-def test_a_rollout_engine_of_its_own_generates_from_the_images_and_takes_the_actors_weights(folder, rows, tmp_path):
-    """--async_train on a vision-language policy: the transformers engine of its own (RolloutEngineWorker) generates
-    from each prompt's images, tags the tokens with its weight version, and after the actor's full weights arrive
-    (ActorWorker.engine_state) its log-probabilities are the trained actor's."""
-    from tasks.rl.actor import ActorWorker
-    from tasks.rl.images import load_vision_prompts
-    from tasks.rl.workers import RolloutEngineWorker
-
-    cfg = rl_config(folder, write_rows(tmp_path / "p.jsonl", rows), async_train=True)
-    prompts = load_vision_prompts(cfg, Inputs(), vision.load_processor(folder))
-    items = [(prompts.ids[i], prompts.images[i]) for i in range(4) for _ in range(2)]
-    actor, engine = ActorWorker(0, 1, None, 1), RolloutEngineWorker(0, 1, None, 1)
-    actor.setup(cfg, 4)
-    engine.setup(cfg)
-    rollout = engine.generate_vision(items)
-    assert rollout.images == [images for _, images in items] and rollout.versions.unique().tolist() == [0]
-    logprobs = actor.logprobs(rollout)
-    exp = make_experience(rollout, logprobs, logprobs, None, torch.tensor([1.0, 0.0] * 4), cfg, 0.0)
-    actor.train([exp], 0.0)
-    engine.load_state(actor.engine_state(), 1)
-    rollout = engine.generate_vision(items)
-    assert rollout.versions.unique().tolist() == [1]
-    assert torch.allclose(actor.logprobs(rollout) * rollout.response_mask, rollout.logprobs, atol=1e-5)
-
-
-def test_rl_scores_a_vlm_rollout_with_the_vlm_reward_model_as_it_scores_each_row_alone(folder, rows, tmp_path):
-    """--reward_pretrain on a vision-language policy: the reward_model stage's VLM output is taken, a text reward
-    model refused naming the fix (vision_setup, before any worker); the reward workers, each given its shard of the
-    rollout with the rows' images (placement.select_batch), score each row as the reward model scores it alone,
-    standardised with its reward_mean and reward_std."""
-    from tasks.common.nn.rewards import build_reward_batch
-    from tasks.common.nn.vision_reward import VisionRewardModel, vlm_sequence_scores
-    from tasks.common.nn.workers import shard
-    from tasks.data import demo
-    from tasks.rl.images import vision_setup
-    from tasks.rl.placement import select_batch
-    from tasks.rl.workers import RewardWorker
-
-    from tests.unit.tasks.common.nn.test_vision_reward import save_vision_reward_model
-
-    rm = save_vision_reward_model(folder, tmp_path / "rm", mean=0.5, std=4.0)
-    demo.build_base_model(demo.build_tokenizer()).save_pretrained(tmp_path / "text")
-    data = write_rows(tmp_path / "p.jsonl", rows)
-    text = make_config(RLConfig, _flags(folder, data, remote_rm_url="", reward_pretrain=str(tmp_path / "text")))
-    with pytest.raises(
-        ConfigError, match="^reward_pretrain: .* is a text reward model, .*; pass the reward_model stage's"
-    ):
-        vision_setup(text, Inputs(), folder)
-    cfg, tokenizer, prompts = vision_setup(
-        rl_config(folder, data, remote_rm_url="", reward_pretrain=rm), Inputs(), folder
-    )
-    processor, model = vision.load_processor(folder), vision.load_vision_lm(folder).eval()
-    engine = make_engine("transformers", tokenizer, module=model, device=torch.device("cpu"), processor=processor)
-    torch.manual_seed(0)
-    rollout = engine.generate(prompts.ids[:5], 3, images=prompts.images[:5])
-    batch = build_reward_batch(rollout, tokenizer, prompts.texts[:5], prompts.labels[:5])
-    worker = RewardWorker(0, 1, None, 1)
-    worker.setup(cfg)
-    scores = torch.cat([worker.score(select_batch(batch, part)) for part in shard(list(range(5)), 2)])
-    judge = VisionRewardModel.from_pretrained(rm).eval()
-    alone = []
-    for i in range(5):  # the row's real tokens, unpadded
-        ids = rollout.sequences[i][rollout.attention_mask[i].bool()].tolist()
-        with torch.no_grad():
-            alone.append(vlm_sequence_scores(judge, processor, [ids], [prompts.images[i]], 0, "cpu"))
-    assert torch.allclose(scores, (torch.cat(alone) - 0.5) / 4.0, atol=1e-5), (scores, alone)
-
-
-def test_ppo_with_a_vlm_reward_model_starts_its_critic_from_it(folder, rows, tmp_path):
-    """GAE with a VLM reward model and no --critic_pretrain: the critic is the reward model (backbone and trained head,
-    as a text critic starts from the text reward model), valuing each response token with the row's images."""
-    from tasks.common.nn.vision_reward import VisionRewardModel
-    from tasks.rl.workers import CriticWorker
-
-    from tests.unit.tasks.common.nn.test_vision_reward import save_vision_reward_model
-
-    rm = save_vision_reward_model(folder, tmp_path / "rm", seed=1)
-    processor, model = vision.load_processor(folder), vision.load_vision_lm(folder).eval()
-    engine = make_engine(
-        "transformers", processor.tokenizer, module=model, device=torch.device("cpu"), processor=processor
-    )
-    rollout = engine.generate(encoded(processor, rows[:3]), 3, images=[r["images"] for r in rows[:3]])
-    cfg = rl_config(
-        folder,
-        "p",
-        advantage_estimator="gae",
-        n_samples_per_prompt=1,
-        rollout_batch_size=8,
-        remote_rm_url="",
-        reward_pretrain=rm,
-    )
-    critic = CriticWorker(0, 1, None, 1)
-    critic.setup(cfg, rm, 1)
-    judge = VisionRewardModel.from_pretrained(rm).eval()
-    with torch.no_grad():
-        values = judge(**VisionRows.of(processor).inputs(rollout.sequences, rollout.attention_mask, rollout.images))
-    expected = values[:, rollout.prompt_width - 1 : -1] * rollout.response_mask
-    assert expected.abs().sum() > 0 and torch.allclose(critic.values(rollout), expected, atol=1e-5)
+    refuse_for_vision(make_config(RLConfig, rl_flags("m", "p", advantage_estimator="rloo", n_samples_per_prompt=2)))
+    refuse_for_vision(make_config(RLConfig, rl_flags("m", "p")))  # gae: the VLM critic (tasks/rl/vision_critic.py)
 
 
 def test_eval_takes_a_vlm_reward_model_and_refuses_a_text_one_naming_the_fix(folder, tmp_path):

@@ -1,23 +1,30 @@
 """Vision-language models (issue 54): the demo VLM built offline, saved and loaded back, and the plumbing of
-tasks/common/nn/vision.py on it (CPU, a ~0.14 M-parameter Qwen2-VL, no Ray)."""
+tasks/common/nn/vision.py on it (CPU, no Ray), for both families the stages take: a ~0.14 M-parameter Qwen2-VL
+(flat patches, image grids, M-RoPE) and a ~0.12 M-parameter LLaVA (CLIP tower, per-image pixel_values, 1-D
+positions). Every test taking `folder` runs on each."""
 
 import pytest
 import torch
-from transformers import AutoModelForImageTextToText, Qwen2VLForConditionalGeneration, Qwen2VLProcessor
+from transformers import (
+    AutoModelForImageTextToText,
+    LlavaForConditionalGeneration,
+    LlavaProcessor,
+    Qwen2VLForConditionalGeneration,
+    Qwen2VLProcessor,
+)
 
 from tasks.common import image_tags
 from tasks.common.config import ConfigError
 from tasks.common.nn import models, supervised, vision
+from tasks.common.nn.vision_family import LLAVA, QWEN2_VL, family_of
 from tasks.data import demo, demo_vlm
 
-from tests.vlm_demo import greedy_accuracy, sft_steps
+from tests.vlm_demo import greedy_accuracy, in_tower, saved_demo, sft_steps, tower_parameters
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    path = tmp_path_factory.mktemp("demo-vlm")
-    demo_vlm.save_demo_vlm(path, seed=0)
-    return str(path)
+@pytest.fixture(scope="module", params=demo_vlm.FAMILIES)
+def folder(request, tmp_path_factory):
+    return saved_demo(tmp_path_factory, request.param)
 
 
 @pytest.fixture(scope="module")
@@ -28,17 +35,27 @@ def rows():
 def test_demo_vlm_round_trips_and_gives_logits_for_images(folder, rows):
     model = AutoModelForImageTextToText.from_pretrained(folder)
     processor = vision.load_processor(folder)
-    assert isinstance(model, Qwen2VLForConditionalGeneration) and isinstance(processor, Qwen2VLProcessor)
+    family = family_of(processor)
     assert models.is_vision_model(folder) and models.is_vision_model(model.config)
     enc = vision.encode_vlm_prompt(processor, rows["sft"][0]["prompt"], rows["sft"][0]["images"])
-    # 28 px, 7 px patches: a 4 × 4 grid of patches, merged 2 × 2 into 4 placeholder tokens.
-    assert enc["image_grid_thw"].tolist() == [[1, 4, 4]]
-    assert enc["input_ids"].count(processor.image_token_id) == 4
     inputs = vision.vlm_inputs(processor, [enc["input_ids"]], [rows["sft"][0]["images"]], 0, "cpu")
+    if family is QWEN2_VL:
+        assert isinstance(model, Qwen2VLForConditionalGeneration) and isinstance(processor, Qwen2VLProcessor)
+        # 28 px, 7 px patches: a 4 × 4 grid of patches, merged 2 × 2 into 4 placeholder tokens.
+        assert enc["image_grid_thw"].tolist() == [[1, 4, 4]] and inputs["pixel_values"].shape == (16, 3 * 2 * 7 * 7)
+        assert enc["input_ids"].count(processor.image_token_id) == 4 and "position_ids" not in inputs
+    else:
+        assert isinstance(model, LlavaForConditionalGeneration) and isinstance(processor, LlavaProcessor)
+        # One image, batched as it is; its 16 patches each a token (CLIP's CLS dropped); positions 0, 1, …
+        assert enc["image_grid_thw"] is None and inputs["pixel_values"].shape == (1, 3, 28, 28)
+        assert enc["input_ids"].count(processor.image_token_id) == 16 == family.fixed_tokens(processor)
+        assert inputs["position_ids"].tolist() == [list(range(len(enc["input_ids"])))]
+        assert "mm_token_type_ids" not in inputs and "image_grid_thw" not in inputs
     logits = model(**inputs).logits
     assert logits.shape == (1, len(enc["input_ids"]), len(processor.tokenizer))
     # The saved weights are the built ones: the same image gives the same logits from a fresh build.
-    fresh = demo_vlm.build_vlm_model(demo_vlm.build_vlm_processor(), seed=0)
+    name = "llava" if family is LLAVA else "qwen2_vl"
+    fresh = demo_vlm.build_vlm_model(demo_vlm.build_vlm_processor(family=name), seed=0)
     assert torch.allclose(fresh(**inputs).logits, logits, atol=1e-5)
 
 
@@ -53,8 +70,8 @@ def test_the_model_looks_at_the_pixels(folder, rows):
 
 
 def test_a_padded_batch_gives_each_row_its_own_logits(folder, rows):
-    """Right padding, and M-RoPE computed by the model from the attention mask: a short row's logits in a batch
-    are those it has alone."""
+    """Right padding, and the family's positions (Qwen2-VL's M-RoPE computed by the model from the attention mask,
+    LLaVA's 1-D ones passed): a short row's logits in a batch are those it has alone."""
     model, processor = vision.load_vision_lm(folder), vision.load_processor(folder)
     pad = processor.tokenizer.pad_token_id
     long_prompt = "<image>which colour is the shape?"
@@ -74,7 +91,10 @@ def test_prompt_forms_render_one_placeholder_per_image(folder, rows):
     assert vision.encode_vlm_prompt(processor, blocks, image)["input_ids"] == tagged
     plain = vision.encode_vlm_prompt(processor, "<image>colour?", image, chat_template=False)["input_ids"]
     text = processor.tokenizer.decode(plain)
-    assert text == "<bos><|vision_start|>" + "<|image_pad|>" * 4 + "<|vision_end|>colour?"
+    if family_of(processor) is QWEN2_VL:
+        assert text == "<bos><|vision_start|>" + "<|image_pad|>" * 4 + "<|vision_end|>colour?"
+    else:
+        assert text == "<bos>" + "<image>" * 16 + "colour?"
     # Raw PNG bytes and a data: URI are the same image as the stored base64.
     import base64
 
@@ -103,19 +123,38 @@ def test_placeholders_and_images_must_match(folder, rows):
     ]
 
 
+def test_a_family_whose_images_no_stage_lays_out_is_refused_in_one_line_before_any_step(rows):
+    """Idefics 3 / SmolVLM split images into tiles with tokens of their own: no Family describes that, so encoding
+    the first prompt (every stage's setup does) refuses its processor by name instead of failing inside a step."""
+    from tokenizers import AddedToken
+    from transformers import Idefics3ImageProcessorPil, Idefics3Processor
+
+    tokenizer = demo.build_tokenizer(demo_vlm.CHARACTERS)
+    specials = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"]
+    tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in specials], special_tokens=True)
+    processor = Idefics3Processor(image_processor=Idefics3ImageProcessorPil(), tokenizer=tokenizer)
+    with pytest.raises(ConfigError, match="^pretrain: Idefics3Processor is the processor of a vision-language family"):
+        vision.encode_vlm_prompt(processor, demo_vlm.PROMPT, rows["sft"][0]["images"])
+    assert family_of(demo_vlm.build_vlm_processor(family="llava")) is LLAVA
+
+
 def test_image_tokens_are_the_vision_specials(folder):
     processor = vision.load_processor(folder)
     tokens = processor.tokenizer.convert_ids_to_tokens(vision.image_token_ids(processor))
-    assert tokens == ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
+    if family_of(processor) is QWEN2_VL:
+        assert tokens == ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
+    else:
+        assert tokens == ["<image>"]
     assert vision.image_token_ids(processor.tokenizer) == vision.image_token_ids(processor)
 
 
-def test_freeze_visual_encoder_freezes_the_tower_and_its_merger_only(folder):
+def test_freeze_visual_encoder_freezes_the_tower_and_its_projector_only(folder):
     model = vision.load_vision_lm(folder)
-    tower = sum(p.numel() for p in model.model.visual.parameters())
-    assert vision.freeze_visual_encoder(model) == tower
-    assert not any(p.requires_grad for p in model.model.visual.merger.parameters())
-    assert all(p.requires_grad for n, p in model.named_parameters() if ".visual." not in f".{n}")
+    tower = sum(p.numel() for p in tower_parameters(model))
+    assert vision.freeze_visual_encoder(model) == tower > 0
+    projector = model.model.visual.merger if hasattr(model.model, "visual") else model.model.multi_modal_projector
+    assert not any(p.requires_grad for p in projector.parameters())
+    assert all(p.requires_grad for n, p in model.named_parameters() if not in_tower(n))
     assert vision.freeze_visual_encoder(model) == 0  # already frozen
     text_model = demo.build_base_model(demo.build_tokenizer())
     with pytest.raises(ConfigError, match="^freeze_visual_encoder: LlamaForCausalLM has no vision tower"):
@@ -153,9 +192,9 @@ def test_one_sft_step_lowers_the_loss_and_trains_the_tower_unless_frozen(folder,
 
     before = loss()
     before.backward()
-    tower = grads_of(model.model.visual)
+    tower = [p.grad for p in tower_parameters(model, read=True)]
     if frozen:
-        assert all(g is None for g in tower) and not any(p.requires_grad for p in model.model.visual.parameters())
+        assert all(g is None for g in tower) and not any(p.requires_grad for p in tower_parameters(model))
     else:
         assert all(g is not None for g in tower) and sum(g.abs().sum() for g in tower) > 0
     assert all(g is not None and g.abs().sum() > 0 for g in grads_of(model.model.language_model.layers))
@@ -195,22 +234,22 @@ def test_the_sft_worker_trains_a_vlm_with_its_tower_frozen_and_saves_its_process
     losses = [worker.train_step()["loss"] for _ in range(3)]
     assert losses[-1] < losses[0]
     after = dict(worker.engine.module.named_parameters())
-    assert all(torch.equal(before[n], after[n]) for n in before if ".visual." in f".{n}")
+    assert all(torch.equal(before[n], after[n]) for n in before if in_tower(n))
     assert not all(torch.equal(before[n], after[n]) for n in before if "language_model" in n)
     worker.save_model(str(tmp_path / "saved"))
     assert models.is_vision_model(str(tmp_path / "saved"))
-    assert vision.load_processor(str(tmp_path / "saved")).image_processor.patch_size == demo_vlm.PATCH_SIZE
+    assert family_of(vision.load_processor(str(tmp_path / "saved"))) is family_of(vision.load_processor(folder))
     packed = make_config(SFTConfig, {**flags, "packing_samples": True})
     with pytest.raises(ConfigError, match="^packing_samples: .* is a vision-language model"):
         SFTWorker.setup(worker, packed)
 
 
-def sft_accuracy(seed: int, shuffled: bool, steps: int = 200) -> float:
-    """Held-out greedy accuracy of the demo VLM after `steps` SFT steps (batch 16, AdamW 1e-3) on 800 rows; with
-    `shuffled`, the control: each response is trained under another row's image, so the pixels tell nothing."""
+def sft_accuracy(seed: int, shuffled: bool, family: str = "qwen2_vl", steps: int = 200) -> float:
+    """Held-out greedy accuracy of the demo VLM of `family` after `steps` SFT steps (batch 16, AdamW 1e-3) on 800 rows;
+    with `shuffled`, the control: each response is trained under another row's image, so the pixels tell nothing."""
     import random
 
-    processor = demo_vlm.build_vlm_processor()
+    processor = demo_vlm.build_vlm_processor(family=family)
     model = demo_vlm.build_vlm_model(processor, seed=seed)
     rows = demo_vlm.make_datasets(seed=seed, sizes={"sft": 800, "eval": 200})
     train = rows["sft"]
@@ -224,15 +263,18 @@ def sft_accuracy(seed: int, shuffled: bool, steps: int = 200) -> float:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("family", demo_vlm.FAMILIES)
 @pytest.mark.parametrize("seed", [0, 1])
-def test_sft_learns_the_colour_from_the_pixels(seed):
-    """The learning check of the VLM path: SFT on the demo reads the colour off the image (chance is 1/4, and the
-    text is the same for every row), while the control, trained on the same rows with their images shuffled, does
-    no better than chance."""
+def test_sft_learns_the_colour_from_the_pixels(seed, family):
+    """The learning check of the VLM path, for each family: SFT on the demo reads the colour off the image (chance is
+    1/4, and the text is the same for every row), while the control, trained on the same rows with their images
+    shuffled, does no better than chance. LLaVA, measured 2026-12-07 (2 cores, 1 thread): 1.00 against 0.25 on
+    seeds 0 and 1, 20-23 s a seed (both runs), 35-60 s a run beside a full test run."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # this tiny model runs several times faster on one thread than on two beside other work
     try:
-        learned, control = sft_accuracy(seed, shuffled=False), sft_accuracy(seed, shuffled=True)
+        learned = sft_accuracy(seed, shuffled=False, family=family)
+        control = sft_accuracy(seed, shuffled=True, family=family)
     finally:
         torch.set_num_threads(threads)
     assert learned >= 0.8 and control <= 0.45, (learned, control)

@@ -1,6 +1,7 @@
 """The reward model and DPO/KTO on a vision-language model (issue 54): pairs whose prompt carries images, the value
 head and its saved folder, the policy's and reference's log-probabilities with the images, the frozen tower and LoRA
-(CPU, the demo's ~0.14 M-parameter Qwen2-VL, each stage's worker in a DeepSpeed world of one, no Ray)."""
+(CPU, each stage's worker in a DeepSpeed world of one, no Ray). Tests taking `folder` run on both demo families (the
+~0.14 M-parameter Qwen2-VL and the ~0.12 M-parameter LLaVA), `qwen_folder`'s on Qwen2-VL alone."""
 
 import json
 
@@ -11,16 +12,22 @@ import torch
 from tasks.common.config import ConfigError, make_config
 from tasks.common.nn import lora, models, vision
 from tasks.common.nn.losses import bradley_terry_loss
+from tasks.common.nn.vision_family import family_of
 from tasks.common.nn.vision_pairs import tokenize_vlm_examples, vlm_summed_logps
 from tasks.common.nn.vision_reward import VisionRewardModel, merge_lora_state, vlm_sequence_scores
 from tasks.data import demo, demo_vlm
 
+from tests.vlm_demo import in_tower, saved_demo, tower_parameters
+
+
+@pytest.fixture(scope="module", params=demo_vlm.FAMILIES)
+def folder(request, tmp_path_factory):
+    return saved_demo(tmp_path_factory, request.param)
+
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    path = tmp_path_factory.mktemp("demo-vlm")
-    demo_vlm.save_demo_vlm(path, seed=0)
-    return str(path)
+def qwen_folder(tmp_path_factory):
+    return saved_demo(tmp_path_factory, "qwen2_vl")
 
 
 def pairs(seed: int, n: int) -> list[dict]:
@@ -56,8 +63,8 @@ def tokenized(processor, rows, max_len=64, split="preference"):
 # ---------------------------------------------------------------- data
 
 
-def test_a_pairs_sides_share_the_prompts_images_and_a_long_pair_is_dropped_not_cut(folder):
-    processor = vision.load_processor(folder)
+def test_a_pairs_sides_share_the_prompts_images_and_a_long_pair_is_dropped_not_cut(qwen_folder):
+    processor = vision.load_processor(qwen_folder)
     rows = pairs(0, 3)
     rows[1] = {**rows[1], "chosen": "x" * 80}  # too long on one side: the whole pair goes
     prompts, responses, images, kept = tokenized(processor, rows)
@@ -66,8 +73,8 @@ def test_a_pairs_sides_share_the_prompts_images_and_a_long_pair_is_dropped_not_c
     assert [len(r) for r in responses] == [2, 2] and all(len(r[0]) == 2 for r in responses)  # letter + <|im_end|>
 
 
-def test_a_row_whose_images_and_placeholders_differ_is_named_with_the_fix(folder):
-    processor = vision.load_processor(folder)
+def test_a_row_whose_images_and_placeholders_differ_is_named_with_the_fix(qwen_folder):
+    processor = vision.load_processor(qwen_folder)
     rows = pairs(0, 3)
     rows[1] = {**rows[1], "prompt": "<image><image>" + demo_vlm.PROMPT}
     with pytest.raises(
@@ -109,7 +116,7 @@ def test_the_reward_models_loss_reaches_the_vision_tower_unless_frozen(folder, f
     scores = vlm_sequence_scores(model, processor, chosen + rejected, images + images, pad, "cpu")
     loss = bradley_terry_loss(scores[:4], scores[4:])
     loss.backward()
-    tower = [p.grad for p in model.backbone.visual.parameters()]
+    tower = [p.grad for p in tower_parameters(model.backbone, read=True)]
     if frozen:
         assert all(g is None for g in tower)
     else:
@@ -160,21 +167,21 @@ def test_the_reward_model_worker_trains_a_vlm_with_lora_and_a_frozen_tower_and_s
     module = worker.engine.module
     trainable = {n for n, p in module.named_parameters() if p.requires_grad}
     assert "score.weight" in trainable and trainable - {"score.weight"}
-    assert all("lora_" in n and ".visual." not in f".{n}" for n in trainable - {"score.weight"})
+    assert all("lora_" in n and not in_tower(n) for n in trainable - {"score.weight"})
     before = {n: p.detach().clone() for n, p in module.named_parameters()}
     stats = [worker.train_step() for _ in range(4)]
     assert all(0 < s["loss"] < 2 and 0 <= s["accuracy"] <= 1 for s in stats)
     after = dict(module.named_parameters())
     changed = {n for n in before if not torch.equal(before[n], after[n])}
     assert "score.weight" in changed and any("language_model" in n and "lora_B" in n for n in changed)
-    assert not any(".visual." in f".{n}" for n in changed)  # the tower, its LoRA adapters included
+    assert not any(in_tower(n) for n in changed)  # the tower, its LoRA adapters included
     chosen, rejected = worker.score_held_out()
     assert len(chosen) == len(rejected) == 16
     worker.save_model(str(tmp_path / "saved"), 0.5, 2.0)
     saved = str(tmp_path / "saved")
     config = json.loads((tmp_path / "saved" / "config.json").read_text())
     assert (config["reward_mean"], config["reward_std"], config["value_head"]) == (0.5, 2.0, "value_head.safetensors")
-    assert models.is_vision_model(saved) and vision.load_processor(saved).image_processor.patch_size == 7
+    assert models.is_vision_model(saved) and family_of(vision.load_processor(saved)) is family_of(worker.processor)
     loaded = VisionRewardModel.from_pretrained(saved).eval()
     assert not any("lora_" in n for n, _ in loaded.named_parameters())  # merged: a plain backbone
     module.eval()
@@ -188,14 +195,16 @@ def test_the_reward_model_worker_trains_a_vlm_with_lora_and_a_frozen_tower_and_s
 
 
 @pytest.mark.parametrize("lora_rank", [0, 4])
-def test_a_reward_model_trained_under_zero3_saves_whole_weights_that_score_as_it_did(folder, tmp_path, lora_rank):
+def test_a_reward_model_trained_under_zero3_saves_whole_weights_that_score_as_it_did(qwen_folder, tmp_path, lora_rank):
     """ZeRO-3 holds each parameter in shards: the save gathers them (DeepSpeed's consolidated state dict, the
     adapters merged from it), and the folder scores the held-out pairs as the trained engine did. With activation
     checkpointing: the backbone's blocks recompute in the backward pass."""
     from tasks.reward_model.config import RewardModelConfig
     from tasks.reward_model.trainer import RewardModelWorker
 
-    flags = reward_flags(tmp_path, folder, zero_stage=3, max_steps=2, lora_rank=lora_rank, gradient_checkpointing=True)
+    flags = reward_flags(
+        tmp_path, qwen_folder, zero_stage=3, max_steps=2, lora_rank=lora_rank, gradient_checkpointing=True
+    )
     worker = RewardModelWorker(0, 1, None, 1)
     worker.setup(make_config(RewardModelConfig, flags))
     assert worker.engine.module.backbone.is_activation_checkpointing
@@ -213,11 +222,11 @@ def test_a_reward_model_trained_under_zero3_saves_whole_weights_that_score_as_it
     assert torch.allclose(torch.tensor(chosen[:4]), scores, atol=1e-5)
 
 
-def test_the_reward_model_refuses_packing_a_vlm_and_a_text_model_with_images(folder, tmp_path):
+def test_the_reward_model_refuses_packing_a_vlm_and_a_text_model_with_images(qwen_folder, tmp_path):
     from tasks.reward_model.config import RewardModelConfig
     from tasks.reward_model.trainer import RewardModelWorker
 
-    flags = reward_flags(tmp_path, folder, packing_samples=True)
+    flags = reward_flags(tmp_path, qwen_folder, packing_samples=True)
     worker = RewardModelWorker(0, 1, None, 1)
     with pytest.raises(
         ConfigError, match="^packing_samples: .* is a vision-language model, whose rows cannot be packed"
@@ -255,7 +264,7 @@ def test_the_dpo_loss_reaches_the_vision_tower_unless_frozen(folder, frozen):
         ref = [side(reference, k) for k in (0, 1)]
     loss, _, _ = dpo_loss(side(policy, 0), side(policy, 1), *ref, beta=0.1)
     loss.backward()
-    tower = [p.grad for p in policy.model.visual.parameters()]
+    tower = [p.grad for p in tower_parameters(policy, read=True)]
     if frozen:
         assert all(g is None for g in tower)
     else:
@@ -293,13 +302,13 @@ def test_the_dpo_worker_trains_lora_on_a_vlm_against_its_own_base_and_saves_a_me
     from tasks.preference.config import PreferenceConfig
     from tasks.preference.trainer import PreferenceWorker
 
-    flags = preference_flags(tmp_path, folder, "dpo", pairs(3, 16), lora_rank=4, lora_alpha=8)
+    flags = preference_flags(tmp_path, folder, "dpo", pairs(3, 16), lora_rank=4, lora_alpha=8, max_len=64)
     cfg = make_config(PreferenceConfig, {**flags, "freeze_visual_encoder": True, "merge_lora": True})
     worker = PreferenceWorker(0, 1, None, 1)
     info = worker.setup(cfg)
     assert info["examples"] == 16 and info["dropped"] == 0 and isinstance(worker.reference, lora.FrozenBase)
     trainable = [n for n, p in worker.engine.module.named_parameters() if p.requires_grad]
-    assert trainable and all("lora_" in n and ".visual." not in f".{n}" for n in trainable)
+    assert trainable and all("lora_" in n and not in_tower(n) for n in trainable)
     stats = [worker.train_step() for _ in range(2)]
     assert all(0 <= s["reward_accuracy"] <= 1 for s in stats)
     base = vision.load_vision_lm(folder)
@@ -310,26 +319,26 @@ def test_the_dpo_worker_trains_lora_on_a_vlm_against_its_own_base_and_saves_a_me
     assert torch.allclose(worker._reference_logps(rows, "chosen"), expected, atol=1e-5)
     worker.save_model(str(tmp_path / "saved"))
     saved = str(tmp_path / "saved")
-    assert models.is_vision_model(saved) and vision.load_processor(saved).image_processor.patch_size == 7
+    assert models.is_vision_model(saved) and family_of(vision.load_processor(saved)) is family_of(worker.processor)
     merged = vision.load_vision_lm(saved)
-    tower = dict(base.model.visual.named_parameters())
-    assert all(torch.equal(tower[n], q) for n, q in merged.model.visual.named_parameters())
+    tower = {n: p for n, p in base.named_parameters() if in_tower(n)}
+    assert tower and all(torch.equal(tower[n], q) for n, q in merged.named_parameters() if in_tower(n))
 
 
-def test_a_vlm_lora_adapter_output_merges_into_a_vlm_with_its_processor(folder, tmp_path):
+def test_a_vlm_lora_adapter_output_merges_into_a_vlm_with_its_processor(qwen_folder, tmp_path):
     """What resolve_model makes of an adapter output of a VLM stage: the base with the adapter merged in, loadable as
     a VLM, with the processor's files beside the tokenizer's."""
     from tasks.preference.config import PreferenceConfig
 
-    cfg = make_config(PreferenceConfig, preference_flags(tmp_path, folder, "dpo", pairs(3, 4), lora_rank=4))
-    model = lora.apply_lora(vision.load_vision_lm(folder), cfg)
+    cfg = make_config(PreferenceConfig, preference_flags(tmp_path, qwen_folder, "dpo", pairs(3, 4), lora_rank=4))
+    model = lora.apply_lora(vision.load_vision_lm(qwen_folder), cfg)
     for name, p in model.named_parameters():
         if "lora_B" in name:
             p.data.normal_(std=0.1)
     adapter = tmp_path / "adapter"
-    lora.save_peft(model, lora.trainable_state(model), adapter, merge=False, base_uri=folder)
-    vision.load_processor(folder).save_pretrained(adapter)
-    merged = lora.merged_checkpoint(adapter, folder)
+    lora.save_peft(model, lora.trainable_state(model), adapter, merge=False, base_uri=qwen_folder)
+    vision.load_processor(qwen_folder).save_pretrained(adapter)
+    merged = lora.merged_checkpoint(adapter, qwen_folder)
     assert models.is_vision_model(str(merged)) and (merged / "processor_config.json").is_file()
     processor = vision.load_processor(str(merged))
     reloaded = vision.load_vision_lm(str(merged))
@@ -341,7 +350,7 @@ def test_a_vlm_lora_adapter_output_merges_into_a_vlm_with_its_processor(folder, 
     assert torch.allclose(want, got, atol=1e-4)
 
 
-def test_the_kto_worker_on_a_vlm_keeps_each_label_with_its_row_when_a_long_row_is_dropped(folder, tmp_path):
+def test_the_kto_worker_on_a_vlm_keeps_each_label_with_its_row_when_a_long_row_is_dropped(qwen_folder, tmp_path):
     """KTO with the reference's log-probabilities taken once (--ref_offload): a row dropped as too long takes its
     label with it, and a mismatched pair keeps its prompt's images."""
     from tasks.preference.config import PreferenceConfig
@@ -349,7 +358,7 @@ def test_the_kto_worker_on_a_vlm_keeps_each_label_with_its_row_when_a_long_row_i
 
     rows = demo_vlm.make_datasets(seed=4, sizes={"unpaired": 16})["unpaired"]
     rows[0] = {**rows[0], "completion": "x" * 60}  # longer than max_len with its prompt: dropped, label and all
-    cfg = make_config(PreferenceConfig, preference_flags(tmp_path, folder, "kto", rows, ref_offload=True))
+    cfg = make_config(PreferenceConfig, preference_flags(tmp_path, qwen_folder, "kto", rows, ref_offload=True))
     worker = PreferenceWorker(0, 1, None, 1)
     info = worker.setup(cfg)
     assert info["examples"] == 15 and info["dropped"] == 1 and worker.reference is None
@@ -374,7 +383,7 @@ def test_sft_with_lora_and_a_frozen_tower_trains_no_adapter_inside_the_tower(fol
     worker = SFTWorker(0, 1, None, 1)
     worker.setup(make_config(SFTConfig, {**flags, "freeze_visual_encoder": True}))
     trainable = [n for n, p in worker.engine.module.named_parameters() if p.requires_grad]
-    assert trainable and all("lora_" in n and ".visual." not in f".{n}" for n in trainable)
+    assert trainable and all("lora_" in n and not in_tower(n) for n in trainable)
 
 
 # ---------------------------------------------------------------- scoring rollouts (RL's reward workers, eval)

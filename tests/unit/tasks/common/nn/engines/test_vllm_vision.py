@@ -12,6 +12,8 @@ from tasks.common.nn import vision
 from tasks.common.nn.engines.vllm_engine import BAN_BIAS, ban_bias, collapse_image_runs, image_requests, vision_options
 from tasks.data import demo_vlm
 
+from tests.vlm_demo import in_tower
+
 GPU = torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None
 
 
@@ -58,23 +60,40 @@ def test_a_request_whose_runs_and_images_differ_is_refused_naming_it(processor, 
         image_requests([ids, ids], [rows[0]["images"], rows[0]["images"] * 2], processor.image_token_id)
 
 
+def test_llava_images_side_by_side_are_one_placeholder_each(rows):
+    """LLaVA has no markers around an image's run: two adjacent images are one run of 2 × 16 ids, which its fixed
+    run (vision_options' image_run) splits into one placeholder per image; counted as one run it is refused."""
+    llava = demo_vlm.build_vlm_processor(family="llava")
+    token, images = llava.image_token_id, rows[0]["images"] + rows[1]["images"]
+    ids = vision.encode_vlm_prompt(llava, "<image><image>colour?", images)["input_ids"]
+    options = vision_options(llava, max_images=2)
+    assert options["image_run"] == 16 and ids.count(token) == 32
+    prompt = image_requests([ids], [images], token, options["image_run"])[0]["prompt_token_ids"]
+    at = prompt.index(token)
+    assert prompt.count(token) == 2 and prompt[at : at + 2] == [token, token] and len(prompt) == len(ids) - 30
+    with pytest.raises(ValueError, match=r"^images: prompt 0 has 1 run\(s\) of image placeholders and 2 image\(s\)"):
+        image_requests([ids], [images], token)
+    assert collapse_image_runs([1, 9, 9, 9, 9, 6, 9, 9, 9], 9, image_run=2) == [1, 9, 9, 6, 9]  # 3: not whole images
+
+
 def test_the_placeholder_ids_are_banned_through_logit_bias(processor):
     options = vision_options(processor, max_images=0)
     assert options["image_token_id"] == processor.image_token_id and options["max_images"] == 1
+    assert options["image_run"] == 0  # Qwen2-VL: an image's size decides its run, each inside its own markers
     assert options["banned_ids"] == vision.image_token_ids(processor)
     bias = ban_bias(options["banned_ids"])
     assert set(bias) == set(vision.image_token_ids(processor)) and set(bias.values()) == {BAN_BIAS}
     assert ban_bias([]) is None and vision_options(processor, 3)["max_images"] == 3
 
 
-@pytest.fixture(scope="module")
-def vlm_engine(tmp_path_factory):
-    """The demo VLM saved, loaded in bf16 on the GPU, and a vLLM engine on it with images."""
+@pytest.fixture(scope="module", params=demo_vlm.FAMILIES)
+def vlm_engine(request, tmp_path_factory):
+    """The demo VLM of each family saved, loaded in bf16 on the GPU, and a vLLM engine on it with images."""
     from tasks.common.nn.engines.vllm_engine import VLLMRolloutEngine
     from tasks.common.nn.strategy import init_distributed
 
-    path = tmp_path_factory.mktemp("vllm-vlm") / "m"
-    demo_vlm.save_demo_vlm(path, seed=0)
+    path = tmp_path_factory.mktemp(f"vllm-vlm-{request.param}") / "m"
+    demo_vlm.save_demo_vlm(path, seed=0, family=request.param)
     init_distributed()
     processor = vision.load_processor(str(path))
     model = vision.load_vision_lm(str(path)).to("cuda", torch.bfloat16).eval()
@@ -84,26 +103,29 @@ def vlm_engine(tmp_path_factory):
         max_model_len=256,
         gpu_memory_utilization=0.2,
         seed=0,
-        **vision_options(processor, max_images=1),
+        **vision_options(processor, max_images=2),
     )
-    return engine, model, processor
+    return engine, model, processor  # both families' engines fit the GPU at once (0.2 of its memory each)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU and vllm")
 def test_vllm_generates_from_the_images_never_samples_a_placeholder_and_follows_the_trained_weights(vlm_engine, rows):
-    """vLLM's multimodal path on the demo VLM: the rollout keeps the expanded prompts and their images, no banned id
-    is sampled, and after the language model's weights change (the trainable ones alone synced) the engine's
-    log-probabilities are the trainer's on the same rows with the same images (bf16 tolerance)."""
+    """vLLM's multimodal path on the demo VLM of each family: the rollout keeps the expanded prompts and their images
+    (a prompt of two images side by side among them), no banned id is sampled, and after the language model's
+    weights change (the trainable ones alone synced) the engine's log-probabilities are the trainer's on the same
+    rows with the same images (bf16 tolerance)."""
     from tasks.common.nn.losses import logprob_mismatch
     from tasks.common.nn.vision_passes import VisionRows
 
     engine, model, processor = vlm_engine
     ids = [vision.encode_vlm_prompt(processor, r["prompt"], r["images"])["input_ids"] for r in rows]
     images = [r["images"] for r in rows]
+    images[1] = rows[1]["images"] + rows[2]["images"]  # two images, no text between them
+    ids[1] = vision.encode_vlm_prompt(processor, "<image><image>colour?", images[1])["input_ids"]
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if ".visual." in f".{name}":
+            if in_tower(name):
                 p.requires_grad_(False)  # as --freeze_visual_encoder leaves it
             else:
                 p.add_(0.05 * torch.randn_like(p))
