@@ -1,5 +1,5 @@
 """RL and eval on a vision-language model (issue 54), on CPU with the demo's tiny VLMs built offline, each family
-(`folder`: Qwen2-VL and LLaVA): the transformers engine generating from the pixels, the log-prob passes scoring the
+(`vlm_folder`: Qwen2-VL and LLaVA): the transformers engine generating from the pixels, the log-prob passes scoring the
 same rows with their images, the guards and the refusals. The RL workers on a VLM are in test_images_workers.py;
 the vLLM path's pure parts in tests/unit/tasks/common/nn/engines/test_vllm_vision.py; the stages on Ray and the
 learning check in tests/e2e/test_vlm_stages.py."""
@@ -18,17 +18,7 @@ from tasks.rl.config import RLConfig
 from tasks.rl.experience import make_experience, response_logprobs
 from tasks.rl.workers import trimmed
 
-from tests.vlm_demo import StageInputs, encoded, rl_flags, saved_demo, write_rows
-
-
-@pytest.fixture(scope="module", params=demo_vlm.FAMILIES)
-def folder(request, tmp_path_factory):
-    return saved_demo(tmp_path_factory, request.param)
-
-
-@pytest.fixture(scope="module")
-def qwen_folder(tmp_path_factory):
-    return saved_demo(tmp_path_factory, "qwen2_vl")
+from tests.vlm_demo import StageInputs, encoded, rl_flags, write_rows
 
 
 @pytest.fixture(scope="module")
@@ -36,11 +26,11 @@ def rows():
     return demo_vlm.make_datasets(seed=0, sizes={"prompts": 8})["prompts"]
 
 
-def test_the_engine_samples_from_the_pixels_and_reports_the_log_probs_the_trainer_computes(folder, rows):
+def test_the_engine_samples_from_the_pixels_and_reports_the_log_probs_the_trainer_computes(vlm_folder, rows):
     """Prompts of two lengths (left padding moves the image), sampled and greedy: the engine's log-probabilities of
     its tokens are the training pass's on the same rows with the same images (the family's positions: Qwen2-VL's
     M-RoPE computed by the model in both, LLaVA's counted from the mask), and no image placeholder id is sampled."""
-    processor, model = vision.load_processor(folder), vision.load_vision_lm(folder).eval()
+    processor, model = vision.load_processor(vlm_folder), vision.load_vision_lm(vlm_folder).eval()
     prompts = [r["prompt"] if i % 2 else "<image>which colour is it?" for i, r in enumerate(rows)]
     ids, images = encoded(processor, rows, prompts), [r["images"] for r in rows]
     # A prompt of two images, and one of none: each row's images in order, positions per row.
@@ -73,11 +63,11 @@ def test_the_engine_samples_from_the_pixels_and_reports_the_log_probs_the_traine
     assert not torch.allclose(a[0], b[0])
 
 
-def test_the_checkpoints_own_generation_settings_do_not_change_what_the_engine_samples(folder, rows):
+def test_the_checkpoints_own_generation_settings_do_not_change_what_the_engine_samples(vlm_folder, rows):
     """A checkpoint's generation_config (Qwen2-VL-Instruct's carries top_k 1 and a repetition penalty) is not the
     policy: the engine samples from the model's distribution at the rollout's temperature whatever it says, so its
     log-probabilities stay the trainer's and the samples of one prompt differ."""
-    processor, model = vision.load_processor(folder), vision.load_vision_lm(folder).eval()
+    processor, model = vision.load_processor(vlm_folder), vision.load_vision_lm(vlm_folder).eval()
     settings = model.generation_config
     settings.top_k, settings.repetition_penalty, settings.no_repeat_ngram_size = 1, 5.0, 1
     engine = make_engine(
@@ -100,10 +90,10 @@ def _prompt_batch(ids, processor):
     return pad(ids, processor.tokenizer.pad_token_id, side="left")
 
 
-def test_a_banned_id_is_never_sampled_even_where_the_model_prefers_it(folder, rows):
+def test_a_banned_id_is_never_sampled_even_where_the_model_prefers_it(vlm_folder, rows):
     """The placeholder ids are banned in the engine and removed from the policy the trainer scores: with the image
     token's bias raised far above every other, the engine still never samples it."""
-    processor, model = vision.load_processor(folder), vision.load_vision_lm(folder).eval()
+    processor, model = vision.load_processor(vlm_folder), vision.load_vision_lm(vlm_folder).eval()
     with torch.no_grad():
         model.lm_head.weight[processor.image_token_id] *= 50
     engine = make_engine(
@@ -115,8 +105,8 @@ def test_a_banned_id_is_never_sampled_even_where_the_model_prefers_it(folder, ro
     assert without_tokens(logits, torch.tensor([1, 3]))[0].tolist() == [0.0, -1e4, 0.0, -1e4, 0.0]
 
 
-def test_placeholder_tokens_are_checked_against_the_images_before_the_model_sees_them(folder, rows):
-    processor = vision.load_processor(folder)
+def test_placeholder_tokens_are_checked_against_the_images_before_the_model_sees_them(vlm_folder, rows):
+    processor = vision.load_processor(vlm_folder)
     passes, family = VisionRows.of(processor), family_of(processor)
     ids = encoded(processor, rows[:2])
     if family is QWEN2_VL:  # 28 px images, 7 px patches merged 2 x 2: 4 tokens each; a smaller grid, fewer
@@ -139,8 +129,8 @@ def test_placeholder_tokens_are_checked_against_the_images_before_the_model_sees
     check_placeholder_tokens([4, 0], [4, 0])
 
 
-def test_rollouts_and_experience_keep_each_rows_images_through_select_concat_minibatch_and_trim(folder, rows):
-    processor, model = vision.load_processor(folder), vision.load_vision_lm(folder).eval()
+def test_rollouts_and_experience_keep_each_rows_images_through_select_concat_minibatch_and_trim(vlm_folder, rows):
+    processor, model = vision.load_processor(vlm_folder), vision.load_vision_lm(vlm_folder).eval()
     engine = make_engine(
         "transformers", processor.tokenizer, module=model, device=torch.device("cpu"), processor=processor
     )
@@ -154,7 +144,7 @@ def test_rollouts_and_experience_keep_each_rows_images_through_select_concat_min
     assert joined.images == images
     with pytest.raises(ValueError, match="some rollouts carry images and some do not"):
         concat_rollouts([rollout, _text_rollout(rollout)], 0)
-    cfg = make_config(RLConfig, rl_flags(folder, "x", advantage_estimator="group_norm", n_samples_per_prompt=2))
+    cfg = make_config(RLConfig, rl_flags(vlm_folder, "x", advantage_estimator="group_norm", n_samples_per_prompt=2))
     logprobs = response_logprobs(
         model,
         rollout.sequences,
@@ -183,31 +173,31 @@ def _text_rollout(rollout):
 
 
 def test_prompts_keep_their_images_drop_what_is_too_long_and_name_a_row_whose_counts_differ(
-    qwen_folder, rows, tmp_path
+    qwen_vlm_folder, rows, tmp_path
 ):
     """On Qwen2-VL (the lengths are its 4 tokens an image)."""
     from tasks.rl.images import images_limit, load_vision_prompts
 
-    processor = vision.load_processor(qwen_folder)
+    processor = vision.load_processor(qwen_vlm_folder)
     long = {**rows[1], "prompt": "<image>" + "which colour is the shape in this picture? " * 3}
     data = write_rows(tmp_path / "p.jsonl", [rows[0], long, rows[2]])
-    cfg = make_config(RLConfig, rl_flags(qwen_folder, data, prompt_max_len=40))
+    cfg = make_config(RLConfig, rl_flags(qwen_vlm_folder, data, prompt_max_len=40))
     prompts = load_vision_prompts(cfg, StageInputs(), processor)
     assert prompts.dropped == 1 and prompts.images == [rows[0]["images"], rows[2]["images"]]
     assert prompts.labels == [rows[0]["label"], rows[2]["label"]] and prompts.truncated == 0
     assert all(i.count(processor.image_token_id) == 4 for i in prompts.ids)
     assert images_limit(cfg, prompts) == 1
-    limited = make_config(RLConfig, rl_flags(qwen_folder, data, max_images_per_prompt=1))
+    limited = make_config(RLConfig, rl_flags(qwen_vlm_folder, data, max_images_per_prompt=1))
     assert images_limit(limited, prompts) == 1
     prompts.images[0] = prompts.images[0] * 2
     with pytest.raises(ConfigError, match="^max_images_per_prompt: a prompt carries 2 images, over the limit of 1"):
         images_limit(limited, prompts)
     two_tags = write_rows(tmp_path / "bad.jsonl", [rows[0], {**rows[1], "prompt": "<image><image>colour?"}])
     with pytest.raises(ConfigError, match=r"^images: row 2 has 1 image\(s\) and 2 <image> tag.*--image_key 'images'"):
-        load_vision_prompts(make_config(RLConfig, rl_flags(qwen_folder, two_tags)), StageInputs(), processor)
+        load_vision_prompts(make_config(RLConfig, rl_flags(qwen_vlm_folder, two_tags)), StageInputs(), processor)
     with pytest.raises(ConfigError, match="^prompt_max_len: all 3 prompts with their image tokens are longer than 8"):
         load_vision_prompts(
-            make_config(RLConfig, rl_flags(qwen_folder, data, prompt_max_len=8)), StageInputs(), processor
+            make_config(RLConfig, rl_flags(qwen_vlm_folder, data, prompt_max_len=8)), StageInputs(), processor
         )
 
 
@@ -236,7 +226,7 @@ def test_what_rl_does_not_do_on_a_vlm_is_refused_in_one_line(flags, message):
     refuse_for_vision(make_config(RLConfig, rl_flags("m", "p")))  # gae: the VLM critic (tasks/rl/vision_critic.py)
 
 
-def test_eval_takes_a_vlm_reward_model_and_refuses_a_text_one_naming_the_fix(folder, tmp_path):
+def test_eval_takes_a_vlm_reward_model_and_refuses_a_text_one_naming_the_fix(vlm_folder, tmp_path):
     """Eval's reward_mean on a vision-language baseline: the reward_model stage's VLM output is taken (the eval worker
     scores each sample with its images through RewardModels), a text reward model refused in one line."""
     from tasks.data import demo
@@ -246,11 +236,11 @@ def test_eval_takes_a_vlm_reward_model_and_refuses_a_text_one_naming_the_fix(fol
     from tests.unit.tasks.common.nn.test_vision_reward import save_vision_reward_model
 
     demo.build_base_model(demo.build_tokenizer()).save_pretrained(tmp_path / "text")
-    flags = {"output": "/tmp/unused", "baseline": folder, "policy": folder, "dataset": "d"}
+    flags = {"output": "/tmp/unused", "baseline": vlm_folder, "policy": vlm_folder, "dataset": "d"}
     text = make_config(EvalConfig, {**flags, "reward_pretrain": str(tmp_path / "text")})
     with pytest.raises(
         ConfigError, match="^reward_pretrain: .* is a text reward model, .*; .* or drop --reward_pretrain"
     ):
-        vision_rows(folder, text)
-    rm = save_vision_reward_model(folder, tmp_path / "rm")
-    assert vision_rows(folder, make_config(EvalConfig, {**flags, "reward_pretrain": rm})) is not None
+        vision_rows(vlm_folder, text)
+    rm = save_vision_reward_model(vlm_folder, tmp_path / "rm")
+    assert vision_rows(vlm_folder, make_config(EvalConfig, {**flags, "reward_pretrain": rm})) is not None

@@ -1,6 +1,6 @@
 """The RL workers on a vision-language policy (issue 54), on CPU with the demo's tiny VLMs built offline, each a
 DeepSpeed world of one in this process: the actor (with LoRA and a frozen tower) and the reference on both families
-(`folder`: Qwen2-VL and LLaVA), the critic of PPO's GAE on both, and on Qwen2-VL alone (`qwen_folder`) PPO-ptx, the
+(`vlm_folder`: Qwen2-VL and LLaVA), the critic of PPO's GAE on both, and on Qwen2-VL alone (`qwen_vlm_folder`) PPO-ptx, the
 text-critic refusal and an engine of its own (--async_train), whose paths are the same for every family."""
 
 import pytest
@@ -15,17 +15,7 @@ from tasks.data import demo_vlm
 from tasks.rl.config import RLConfig
 from tasks.rl.experience import make_experience
 
-from tests.vlm_demo import StageInputs, encoded, in_tower, rl_config, rl_flags, saved_demo, write_rows
-
-
-@pytest.fixture(scope="module", params=demo_vlm.FAMILIES)
-def folder(request, tmp_path_factory):
-    return saved_demo(tmp_path_factory, request.param)
-
-
-@pytest.fixture(scope="module")
-def qwen_folder(tmp_path_factory):
-    return saved_demo(tmp_path_factory, "qwen2_vl")
+from tests.vlm_demo import StageInputs, encoded, in_tower, rl_config, rl_flags, write_rows
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +24,9 @@ def rows():
 
 
 @pytest.mark.parametrize("lora", [False, True])
-def test_the_actor_generates_from_images_scores_them_and_trains_the_language_model_only(folder, rows, tmp_path, lora):
+def test_the_actor_generates_from_images_scores_them_and_trains_the_language_model_only(
+    vlm_folder, rows, tmp_path, lora
+):
     """The RL actor on the demo VLM (a DeepSpeed world of one, in this process): its rollout keeps the images, its
     log-prob pass agrees with its engine's, and one update moves the language model and leaves the vision tower as
     it was (--freeze_visual_encoder; with LoRA, only adapters train and the reference is the base, adapters off)."""
@@ -43,8 +35,8 @@ def test_the_actor_generates_from_images_scores_them_and_trains_the_language_mod
 
     data = write_rows(tmp_path / "p.jsonl", rows)
     extra = {"lora_rank": 4, "lora_alpha": 8, "init_kl_coef": 0.01} if lora else {}
-    cfg = rl_config(folder, data, freeze_visual_encoder=True, **extra)
-    prompts = load_vision_prompts(cfg, StageInputs(), vision.load_processor(folder))
+    cfg = rl_config(vlm_folder, data, freeze_visual_encoder=True, **extra)
+    prompts = load_vision_prompts(cfg, StageInputs(), vision.load_processor(vlm_folder))
     worker = ActorWorker(0, 1, None, 1)
     worker.setup(cfg, 4)
     torch.manual_seed(0)
@@ -74,7 +66,7 @@ def test_the_actor_generates_from_images_scores_them_and_trains_the_language_mod
     if lora:  # the adapter export: later stages (eval) merge it into its VLM base, processor and all
         from tasks.common.nn.lora import merged_checkpoint
 
-        merged = str(merged_checkpoint(saved, folder))
+        merged = str(merged_checkpoint(saved, vlm_folder))
         assert family_of(vision.load_processor(merged)) is family_of(worker.processor)
         full = vision.load_vision_lm(merged).eval()
         passes = VisionRows.of(worker.processor)
@@ -84,20 +76,20 @@ def test_the_actor_generates_from_images_scores_them_and_trains_the_language_mod
             assert torch.allclose(passes.logprobs(full, *args, start=rollout.prompt_width - 1), expected, atol=1e-4)
 
 
-def test_the_reference_worker_scores_a_vlm_rollout_with_its_images(folder, rows, tmp_path):
+def test_the_reference_worker_scores_a_vlm_rollout_with_its_images(vlm_folder, rows, tmp_path):
     from tasks.rl.workers import ReferenceWorker
 
-    processor, model = vision.load_processor(folder), vision.load_vision_lm(folder).eval()
+    processor, model = vision.load_processor(vlm_folder), vision.load_vision_lm(vlm_folder).eval()
     engine = make_engine(
         "transformers", processor.tokenizer, module=model, device=torch.device("cpu"), processor=processor
     )
     rollout = engine.generate(encoded(processor, rows[:3]), 3, images=[r["images"] for r in rows[:3]])
     worker = ReferenceWorker(0, 1, None, 1)
-    worker.setup(rl_config(folder, "p", init_kl_coef=0.01))
+    worker.setup(rl_config(vlm_folder, "p", init_kl_coef=0.01))
     assert torch.allclose(worker.logprobs(rollout) * rollout.response_mask, rollout.logprobs, atol=1e-5)
 
 
-def test_ppo_ptx_on_a_vlm_adds_the_sft_loss_of_rows_with_their_images(qwen_folder, rows, tmp_path):
+def test_ppo_ptx_on_a_vlm_adds_the_sft_loss_of_rows_with_their_images(qwen_vlm_folder, rows, tmp_path):
     """--ptx_coef with --pretrain_data on a vision-language policy: the supervised rows keep their images, and the
     update adds their SFT loss (supervised.vlm_micro_batch_loss), logged as ptx_loss."""
     from tasks.rl.actor import ActorWorker
@@ -105,7 +97,7 @@ def test_ppo_ptx_on_a_vlm_adds_the_sft_loss_of_rows_with_their_images(qwen_folde
 
     sft_rows = demo_vlm.make_datasets(seed=3, sizes={"sft": 8})["sft"]
     sft = write_rows(tmp_path / "s.jsonl", sft_rows)
-    cfg = rl_config(qwen_folder, write_rows(tmp_path / "p.jsonl", rows), pretrain_data=sft, ptx_coef=0.5)
+    cfg = rl_config(qwen_vlm_folder, write_rows(tmp_path / "p.jsonl", rows), pretrain_data=sft, ptx_coef=0.5)
     worker = ActorWorker(0, 1, None, 1)
     worker.setup(cfg, 4)
     assert worker.ptx_images == [r["images"] for r in sft_rows]
@@ -117,7 +109,7 @@ def test_ppo_ptx_on_a_vlm_adds_the_sft_loss_of_rows_with_their_images(qwen_folde
     assert 0 < stats["ptx_loss"] < 20
 
 
-def test_gae_on_a_vlm_values_each_row_with_its_images_and_fits_the_returns(folder, rows, tmp_path):
+def test_gae_on_a_vlm_values_each_row_with_its_images_and_fits_the_returns(vlm_folder, rows, tmp_path):
     """PPO with a critic on the demo VLM: the critic (the VLM's backbone with a value head of zeros, from the
     policy) values the rollout's rows with their images, GAE turns the rewards into advantages, the actor and the
     critic each take a step, the critic's values move toward the returns and its frozen tower stays."""
@@ -126,12 +118,12 @@ def test_gae_on_a_vlm_values_each_row_with_its_images_and_fits_the_returns(folde
     from tasks.rl.workers import CriticWorker
 
     data = write_rows(tmp_path / "p.jsonl", rows)
-    cfg = rl_config(folder, data, advantage_estimator="gae", n_samples_per_prompt=1, rollout_batch_size=8)
+    cfg = rl_config(vlm_folder, data, advantage_estimator="gae", n_samples_per_prompt=1, rollout_batch_size=8)
     cfg = make_config(RLConfig, {**cfg.__dict__, "freeze_visual_encoder": True, "critic_learning_rate": 1e-3})
-    prompts = load_vision_prompts(cfg, StageInputs(), vision.load_processor(folder))
+    prompts = load_vision_prompts(cfg, StageInputs(), vision.load_processor(vlm_folder))
     actor, critic = ActorWorker(0, 1, None, 1), CriticWorker(0, 1, None, 1)
     actor.setup(cfg, 4)
-    critic.setup(cfg, folder, 4)
+    critic.setup(cfg, vlm_folder, 4)
     rollout = actor.generate_vision([(prompts.ids[i], prompts.images[i]) for i in range(8)])
     values = critic.values(rollout)
     assert values.shape == rollout.response_mask.shape and values.abs().max() == 0  # a head of zeros
@@ -151,23 +143,23 @@ def test_gae_on_a_vlm_values_each_row_with_its_images_and_fits_the_returns(folde
     assert all(torch.equal(p, tower[n]) for n, p in critic.engine.module.named_parameters() if n in tower)
 
 
-def test_a_text_critic_for_a_vlm_policy_is_refused_naming_the_fix(qwen_folder, rows, tmp_path):
+def test_a_text_critic_for_a_vlm_policy_is_refused_naming_the_fix(qwen_vlm_folder, rows, tmp_path):
     from tasks.data import demo
     from tasks.rl.images import vision_setup
 
     demo.build_base_model(demo.build_tokenizer()).save_pretrained(tmp_path / "text")
     data = write_rows(tmp_path / "p.jsonl", rows)
-    cfg = make_config(RLConfig, rl_flags(qwen_folder, data, critic_pretrain=str(tmp_path / "text")))
+    cfg = make_config(RLConfig, rl_flags(qwen_vlm_folder, data, critic_pretrain=str(tmp_path / "text")))
     with pytest.raises(ConfigError, match="^critic_pretrain: .* is a text model, which cannot value a vision-language"):
-        vision_setup(cfg, StageInputs(), qwen_folder)
+        vision_setup(cfg, StageInputs(), qwen_vlm_folder)
     cfg, tokenizer, prompts = vision_setup(
-        make_config(RLConfig, rl_flags(qwen_folder, data)), StageInputs(), qwen_folder
+        make_config(RLConfig, rl_flags(qwen_vlm_folder, data)), StageInputs(), qwen_vlm_folder
     )
     assert cfg.max_images_per_prompt == 1 and len(prompts.images) == len(rows) and tokenizer.pad_token_id is not None
 
 
 def test_a_rollout_engine_of_its_own_generates_from_the_images_and_takes_the_actors_weights(
-    qwen_folder, rows, tmp_path
+    qwen_vlm_folder, rows, tmp_path
 ):
     """--async_train on a vision-language policy: the transformers engine of its own (RolloutEngineWorker) generates
     from each prompt's images, tags the tokens with its weight version, and after the actor's full weights arrive
@@ -176,8 +168,8 @@ def test_a_rollout_engine_of_its_own_generates_from_the_images_and_takes_the_act
     from tasks.rl.images import load_vision_prompts
     from tasks.rl.workers import RolloutEngineWorker
 
-    cfg = rl_config(qwen_folder, write_rows(tmp_path / "p.jsonl", rows), async_train=True)
-    prompts = load_vision_prompts(cfg, StageInputs(), vision.load_processor(qwen_folder))
+    cfg = rl_config(qwen_vlm_folder, write_rows(tmp_path / "p.jsonl", rows), async_train=True)
+    prompts = load_vision_prompts(cfg, StageInputs(), vision.load_processor(qwen_vlm_folder))
     items = [(prompts.ids[i], prompts.images[i]) for i in range(4) for _ in range(2)]
     actor, engine = ActorWorker(0, 1, None, 1), RolloutEngineWorker(0, 1, None, 1)
     actor.setup(cfg, 4)
@@ -193,7 +185,7 @@ def test_a_rollout_engine_of_its_own_generates_from_the_images_and_takes_the_act
     assert torch.allclose(actor.logprobs(rollout) * rollout.response_mask, rollout.logprobs, atol=1e-5)
 
 
-def test_rl_scores_a_vlm_rollout_with_the_vlm_reward_model_as_it_scores_each_row_alone(folder, rows, tmp_path):
+def test_rl_scores_a_vlm_rollout_with_the_vlm_reward_model_as_it_scores_each_row_alone(vlm_folder, rows, tmp_path):
     """--reward_pretrain on a vision-language policy: the reward_model stage's VLM output is taken, a text reward
     model refused naming the fix (vision_setup, before any worker); the reward workers, each given its shard of the
     rollout with the rows' images (placement.select_batch), score each row as the reward model scores it alone,
@@ -208,18 +200,18 @@ def test_rl_scores_a_vlm_rollout_with_the_vlm_reward_model_as_it_scores_each_row
 
     from tests.unit.tasks.common.nn.test_vision_reward import save_vision_reward_model
 
-    rm = save_vision_reward_model(folder, tmp_path / "rm", mean=0.5, std=4.0)
+    rm = save_vision_reward_model(vlm_folder, tmp_path / "rm", mean=0.5, std=4.0)
     demo.build_base_model(demo.build_tokenizer()).save_pretrained(tmp_path / "text")
     data = write_rows(tmp_path / "p.jsonl", rows)
-    text = make_config(RLConfig, rl_flags(folder, data, remote_rm_url="", reward_pretrain=str(tmp_path / "text")))
+    text = make_config(RLConfig, rl_flags(vlm_folder, data, remote_rm_url="", reward_pretrain=str(tmp_path / "text")))
     with pytest.raises(
         ConfigError, match="^reward_pretrain: .* is a text reward model, .*; pass the reward_model stage's"
     ):
-        vision_setup(text, StageInputs(), folder)
+        vision_setup(text, StageInputs(), vlm_folder)
     cfg, tokenizer, prompts = vision_setup(
-        rl_config(folder, data, remote_rm_url="", reward_pretrain=rm), StageInputs(), folder
+        rl_config(vlm_folder, data, remote_rm_url="", reward_pretrain=rm), StageInputs(), vlm_folder
     )
-    processor, model = vision.load_processor(folder), vision.load_vision_lm(folder).eval()
+    processor, model = vision.load_processor(vlm_folder), vision.load_vision_lm(vlm_folder).eval()
     engine = make_engine("transformers", tokenizer, module=model, device=torch.device("cpu"), processor=processor)
     torch.manual_seed(0)
     rollout = engine.generate(prompts.ids[:5], 3, images=prompts.images[:5])
@@ -236,7 +228,7 @@ def test_rl_scores_a_vlm_rollout_with_the_vlm_reward_model_as_it_scores_each_row
     assert torch.allclose(scores, (torch.cat(alone) - 0.5) / 4.0, atol=1e-5), (scores, alone)
 
 
-def test_ppo_with_a_vlm_reward_model_starts_its_critic_from_it(folder, rows, tmp_path):
+def test_ppo_with_a_vlm_reward_model_starts_its_critic_from_it(vlm_folder, rows, tmp_path):
     """GAE with a VLM reward model and no --critic_pretrain: the critic is the reward model (backbone and trained head,
     as a text critic starts from the text reward model), valuing each response token with the row's images."""
     from tasks.common.nn.vision_reward import VisionRewardModel
@@ -244,14 +236,14 @@ def test_ppo_with_a_vlm_reward_model_starts_its_critic_from_it(folder, rows, tmp
 
     from tests.unit.tasks.common.nn.test_vision_reward import save_vision_reward_model
 
-    rm = save_vision_reward_model(folder, tmp_path / "rm", seed=1)
-    processor, model = vision.load_processor(folder), vision.load_vision_lm(folder).eval()
+    rm = save_vision_reward_model(vlm_folder, tmp_path / "rm", seed=1)
+    processor, model = vision.load_processor(vlm_folder), vision.load_vision_lm(vlm_folder).eval()
     engine = make_engine(
         "transformers", processor.tokenizer, module=model, device=torch.device("cpu"), processor=processor
     )
     rollout = engine.generate(encoded(processor, rows[:3]), 3, images=[r["images"] for r in rows[:3]])
     cfg = rl_config(
-        folder,
+        vlm_folder,
         "p",
         advantage_estimator="gae",
         n_samples_per_prompt=1,

@@ -1,7 +1,7 @@
 """Vision-language models (issue 54): the demo VLM built offline, saved and loaded back, and the plumbing of
 tasks/common/nn/vision.py on it (CPU, no Ray), for both families the stages take: a ~0.14 M-parameter Qwen2-VL
 (flat patches, image grids, M-RoPE) and a ~0.12 M-parameter LLaVA (CLIP tower, per-image pixel_values, 1-D
-positions). Every test taking `folder` runs on each."""
+positions). Every test taking `vlm_folder` runs on each."""
 
 import pytest
 import torch
@@ -19,12 +19,7 @@ from tasks.common.nn import models, supervised, vision
 from tasks.common.nn.vision_family import LLAVA, QWEN2_VL, family_of
 from tasks.data import demo, demo_vlm
 
-from tests.vlm_demo import greedy_accuracy, in_tower, saved_demo, sft_steps, tower_parameters
-
-
-@pytest.fixture(scope="module", params=demo_vlm.FAMILIES)
-def folder(request, tmp_path_factory):
-    return saved_demo(tmp_path_factory, request.param)
+from tests.vlm_demo import greedy_accuracy, in_tower, sft_steps, tower_parameters
 
 
 @pytest.fixture(scope="module")
@@ -32,11 +27,11 @@ def rows():
     return demo_vlm.make_datasets(seed=0, sizes={"sft": 8, "eval": 4})
 
 
-def test_demo_vlm_round_trips_and_gives_logits_for_images(folder, rows):
-    model = AutoModelForImageTextToText.from_pretrained(folder)
-    processor = vision.load_processor(folder)
+def test_demo_vlm_round_trips_and_gives_logits_for_images(vlm_folder, rows):
+    model = AutoModelForImageTextToText.from_pretrained(vlm_folder)
+    processor = vision.load_processor(vlm_folder)
     family = family_of(processor)
-    assert models.is_vision_model(folder) and models.is_vision_model(model.config)
+    assert models.is_vision_model(vlm_folder) and models.is_vision_model(model.config)
     enc = vision.encode_vlm_prompt(processor, rows["sft"][0]["prompt"], rows["sft"][0]["images"])
     inputs = vision.vlm_inputs(processor, [enc["input_ids"]], [rows["sft"][0]["images"]], 0, "cpu")
     if family is QWEN2_VL:
@@ -59,9 +54,9 @@ def test_demo_vlm_round_trips_and_gives_logits_for_images(folder, rows):
     assert torch.allclose(fresh(**inputs).logits, logits, atol=1e-5)
 
 
-def test_the_model_looks_at_the_pixels(folder, rows):
+def test_the_model_looks_at_the_pixels(vlm_folder, rows):
     """Two images under the same prompt give different logits: the vision tower reaches the language model."""
-    model, processor = vision.load_vision_lm(folder), vision.load_processor(folder)
+    model, processor = vision.load_vision_lm(vlm_folder), vision.load_processor(vlm_folder)
     a, b = rows["sft"][0]["images"], next(r["images"] for r in rows["sft"] if r["images"] != rows["sft"][0]["images"])
     ids = vision.encode_vlm_prompt(processor, demo_vlm.PROMPT, a)["input_ids"]
     la = model(**vision.vlm_inputs(processor, [ids], [a], 0, "cpu")).logits
@@ -69,10 +64,10 @@ def test_the_model_looks_at_the_pixels(folder, rows):
     assert not torch.allclose(la[0, -1], lb[0, -1])
 
 
-def test_a_padded_batch_gives_each_row_its_own_logits(folder, rows):
+def test_a_padded_batch_gives_each_row_its_own_logits(vlm_folder, rows):
     """Right padding, and the family's positions (Qwen2-VL's M-RoPE computed by the model from the attention mask,
     LLaVA's 1-D ones passed): a short row's logits in a batch are those it has alone."""
-    model, processor = vision.load_vision_lm(folder), vision.load_processor(folder)
+    model, processor = vision.load_vision_lm(vlm_folder), vision.load_processor(vlm_folder)
     pad = processor.tokenizer.pad_token_id
     long_prompt = "<image>which colour is the shape?"
     short = vision.encode_vlm_prompt(processor, demo_vlm.PROMPT, rows["sft"][0]["images"])["input_ids"]
@@ -83,8 +78,8 @@ def test_a_padded_batch_gives_each_row_its_own_logits(folder, rows):
     assert torch.allclose(both[0, : len(short)], alone[0], atol=1e-5)
 
 
-def test_prompt_forms_render_one_placeholder_per_image(folder, rows):
-    processor = vision.load_processor(folder)
+def test_prompt_forms_render_one_placeholder_per_image(vlm_folder, rows):
+    processor = vision.load_processor(vlm_folder)
     image = rows["sft"][0]["images"]
     tagged = vision.encode_vlm_prompt(processor, "<image>colour?", image)["input_ids"]
     blocks = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "colour?"}]}]
@@ -107,8 +102,8 @@ def test_prompt_forms_render_one_placeholder_per_image(folder, rows):
     )
 
 
-def test_placeholders_and_images_must_match(folder, rows):
-    processor = vision.load_processor(folder)
+def test_placeholders_and_images_must_match(vlm_folder, rows):
+    processor = vision.load_processor(vlm_folder)
     with pytest.raises(ValueError, match=r"^images: row 7 has 1 image\(s\) and 2 <image> tag"):
         vision.encode_vlm_prompt(processor, "<image><image>colour?", rows["sft"][0]["images"], row_id=7)
     with pytest.raises(ValueError, match="row a has 0 image"):
@@ -138,8 +133,8 @@ def test_a_family_whose_images_no_stage_lays_out_is_refused_in_one_line_before_a
     assert family_of(demo_vlm.build_vlm_processor(family="llava")) is LLAVA
 
 
-def test_image_tokens_are_the_vision_specials(folder):
-    processor = vision.load_processor(folder)
+def test_image_tokens_are_the_vision_specials(vlm_folder):
+    processor = vision.load_processor(vlm_folder)
     tokens = processor.tokenizer.convert_ids_to_tokens(vision.image_token_ids(processor))
     if family_of(processor) is QWEN2_VL:
         assert tokens == ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
@@ -148,8 +143,8 @@ def test_image_tokens_are_the_vision_specials(folder):
     assert vision.image_token_ids(processor.tokenizer) == vision.image_token_ids(processor)
 
 
-def test_freeze_visual_encoder_freezes_the_tower_and_its_projector_only(folder):
-    model = vision.load_vision_lm(folder)
+def test_freeze_visual_encoder_freezes_the_tower_and_its_projector_only(vlm_folder):
+    model = vision.load_vision_lm(vlm_folder)
     tower = sum(p.numel() for p in tower_parameters(model))
     assert vision.freeze_visual_encoder(model) == tower > 0
     projector = model.model.visual.merger if hasattr(model.model, "visual") else model.model.multi_modal_projector
@@ -177,8 +172,8 @@ def grads_of(module) -> list:
 
 
 @pytest.mark.parametrize("frozen", [False, True])
-def test_one_sft_step_lowers_the_loss_and_trains_the_tower_unless_frozen(folder, rows, frozen):
-    model, processor = vision.load_vision_lm(folder), vision.load_processor(folder)
+def test_one_sft_step_lowers_the_loss_and_trains_the_tower_unless_frozen(vlm_folder, rows, frozen):
+    model, processor = vision.load_vision_lm(vlm_folder), vision.load_processor(vlm_folder)
     ids, masks, images, dropped = sft_batch(processor, rows["sft"])
     assert dropped == 0 and len(ids) == 8 and all(len(i) == 1 for i in images)
     assert all(sum(m) == 2 for m in masks)  # the colour's letter and <|im_end|>
@@ -203,8 +198,8 @@ def test_one_sft_step_lowers_the_loss_and_trains_the_tower_unless_frozen(folder,
         assert loss() < before.detach()
 
 
-def test_vlm_rows_are_never_packed_and_never_cut(folder, rows):
-    processor = vision.load_processor(folder)
+def test_vlm_rows_are_never_packed_and_never_cut(vlm_folder, rows):
+    processor = vision.load_processor(vlm_folder)
     ids, masks, images, _ = sft_batch(processor, rows["sft"][:2])
     with pytest.raises(ConfigError, match="^packing_samples: a vision-language model's rows cannot be packed"):
         supervised.vlm_micro_batch_loss(None, processor, ids, masks, images, 0, True, "cpu")
@@ -213,7 +208,7 @@ def test_vlm_rows_are_never_packed_and_never_cut(folder, rows):
     assert dropped == 1 and len(ids) == 1
 
 
-def test_the_sft_worker_trains_a_vlm_with_its_tower_frozen_and_saves_its_processor(folder, tmp_path):
+def test_the_sft_worker_trains_a_vlm_with_its_tower_frozen_and_saves_its_processor(vlm_folder, tmp_path):
     """The SFT stage's worker on the demo VLM (a DeepSpeed world of one, in this process): images reach the model,
     --freeze_visual_encoder keeps the tower, and the saved folder loads back as a VLM with its processor."""
     import json
@@ -224,7 +219,7 @@ def test_the_sft_worker_trains_a_vlm_with_its_tower_frozen_and_saves_its_process
 
     rows = demo_vlm.make_datasets(seed=1, sizes={"sft": 16})["sft"]
     (tmp_path / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    flags = {"output": str(tmp_path / "out"), "pretrain": folder, "dataset": str(tmp_path / "sft.jsonl")}
+    flags = {"output": str(tmp_path / "out"), "pretrain": vlm_folder, "dataset": str(tmp_path / "sft.jsonl")}
     flags |= {"apply_chat_template": True, "train_batch_size": 8, "micro_train_batch_size": 4, "max_steps": 3}
     cfg = make_config(SFTConfig, {**flags, "freeze_visual_encoder": True, "lr_warmup_steps": 0})
     worker = SFTWorker(0, 1, None, 1)
@@ -238,7 +233,7 @@ def test_the_sft_worker_trains_a_vlm_with_its_tower_frozen_and_saves_its_process
     assert not all(torch.equal(before[n], after[n]) for n in before if "language_model" in n)
     worker.save_model(str(tmp_path / "saved"))
     assert models.is_vision_model(str(tmp_path / "saved"))
-    assert family_of(vision.load_processor(str(tmp_path / "saved"))) is family_of(vision.load_processor(folder))
+    assert family_of(vision.load_processor(str(tmp_path / "saved"))) is family_of(vision.load_processor(vlm_folder))
     packed = make_config(SFTConfig, {**flags, "packing_samples": True})
     with pytest.raises(ConfigError, match="^packing_samples: .* is a vision-language model"):
         SFTWorker.setup(worker, packed)

@@ -1,7 +1,7 @@
 """The reward model and DPO/KTO on a vision-language model (issue 54): pairs whose prompt carries images, the value
 head and its saved folder, the policy's and reference's log-probabilities with the images, the frozen tower and LoRA
-(CPU, each stage's worker in a DeepSpeed world of one, no Ray). Tests taking `folder` run on both demo families (the
-~0.14 M-parameter Qwen2-VL and the ~0.12 M-parameter LLaVA), `qwen_folder`'s on Qwen2-VL alone."""
+(CPU, each stage's worker in a DeepSpeed world of one, no Ray). Tests taking `vlm_folder` run on both demo families (the
+~0.14 M-parameter Qwen2-VL and the ~0.12 M-parameter LLaVA), `qwen_vlm_folder`'s on Qwen2-VL alone."""
 
 import json
 
@@ -17,17 +17,7 @@ from tasks.common.nn.vision_pairs import tokenize_vlm_examples, vlm_summed_logps
 from tasks.common.nn.vision_reward import VisionRewardModel, merge_lora_state, vlm_sequence_scores
 from tasks.data import demo, demo_vlm
 
-from tests.vlm_demo import in_tower, saved_demo, tower_parameters
-
-
-@pytest.fixture(scope="module", params=demo_vlm.FAMILIES)
-def folder(request, tmp_path_factory):
-    return saved_demo(tmp_path_factory, request.param)
-
-
-@pytest.fixture(scope="module")
-def qwen_folder(tmp_path_factory):
-    return saved_demo(tmp_path_factory, "qwen2_vl")
+from tests.vlm_demo import in_tower, tower_parameters
 
 
 def pairs(seed: int, n: int) -> list[dict]:
@@ -63,8 +53,8 @@ def tokenized(processor, rows, max_len=64, split="preference"):
 # ---------------------------------------------------------------- data
 
 
-def test_a_pairs_sides_share_the_prompts_images_and_a_long_pair_is_dropped_not_cut(qwen_folder):
-    processor = vision.load_processor(qwen_folder)
+def test_a_pairs_sides_share_the_prompts_images_and_a_long_pair_is_dropped_not_cut(qwen_vlm_folder):
+    processor = vision.load_processor(qwen_vlm_folder)
     rows = pairs(0, 3)
     rows[1] = {**rows[1], "chosen": "x" * 80}  # too long on one side: the whole pair goes
     prompts, responses, images, kept = tokenized(processor, rows)
@@ -73,8 +63,8 @@ def test_a_pairs_sides_share_the_prompts_images_and_a_long_pair_is_dropped_not_c
     assert [len(r) for r in responses] == [2, 2] and all(len(r[0]) == 2 for r in responses)  # letter + <|im_end|>
 
 
-def test_a_row_whose_images_and_placeholders_differ_is_named_with_the_fix(qwen_folder):
-    processor = vision.load_processor(qwen_folder)
+def test_a_row_whose_images_and_placeholders_differ_is_named_with_the_fix(qwen_vlm_folder):
+    processor = vision.load_processor(qwen_vlm_folder)
     rows = pairs(0, 3)
     rows[1] = {**rows[1], "prompt": "<image><image>" + demo_vlm.PROMPT}
     with pytest.raises(
@@ -105,9 +95,9 @@ def test_merge_lora_state_is_peft_s_own_merge():
 
 
 @pytest.mark.parametrize("frozen", [False, True])
-def test_the_reward_models_loss_reaches_the_vision_tower_unless_frozen(folder, frozen):
+def test_the_reward_models_loss_reaches_the_vision_tower_unless_frozen(vlm_folder, frozen):
     """pixel_values reach the Bradley-Terry loss: every tower weight gets a gradient, none when frozen."""
-    model, processor = VisionRewardModel.from_pretrained(folder), vision.load_processor(folder)
+    model, processor = VisionRewardModel.from_pretrained(vlm_folder), vision.load_processor(vlm_folder)
     if frozen:
         assert vision.freeze_visual_encoder(model) > 0
     prompts, responses, images, _ = tokenized(processor, pairs(0, 4))
@@ -128,11 +118,11 @@ def test_the_reward_models_loss_reaches_the_vision_tower_unless_frozen(folder, f
     assert not torch.isclose(twice[0], twice[1])
 
 
-def reward_flags(tmp_path, folder, **extra) -> dict:
+def reward_flags(tmp_path, vlm_folder, **extra) -> dict:
     """The stage's flags on 16 of the demo's pairs (a plain file: its held-out split is the same file)."""
     return {
         "output": str(tmp_path / "out"),
-        "pretrain": folder,
+        "pretrain": vlm_folder,
         "dataset": write(tmp_path, "pairs", pairs(1, 16)),
         "apply_chat_template": True,
         "train_batch_size": 8,
@@ -154,13 +144,15 @@ def text_model(tmp_path) -> str:
     return str(path)
 
 
-def test_the_reward_model_worker_trains_a_vlm_with_lora_and_a_frozen_tower_and_saves_a_loadable_model(folder, tmp_path):
+def test_the_reward_model_worker_trains_a_vlm_with_lora_and_a_frozen_tower_and_saves_a_loadable_model(
+    vlm_folder, tmp_path
+):
     """The reward-model stage's worker on the demo VLM: LoRA adapters train with the value head, the tower stays as
     it is, and the saved folder (LoRA merged in) loads back with VisionRewardModel scoring as the trained model."""
     from tasks.reward_model.config import RewardModelConfig
     from tasks.reward_model.trainer import RewardModelWorker
 
-    flags = reward_flags(tmp_path, folder, lora_rank=4, lora_alpha=8, freeze_visual_encoder=True)
+    flags = reward_flags(tmp_path, vlm_folder, lora_rank=4, lora_alpha=8, freeze_visual_encoder=True)
     worker = RewardModelWorker(0, 1, None, 1)
     info = worker.setup(make_config(RewardModelConfig, flags))
     assert info["vision"] and info["pairs"] == info["eval_pairs"] == 16 and info["dropped"] == 0
@@ -195,7 +187,9 @@ def test_the_reward_model_worker_trains_a_vlm_with_lora_and_a_frozen_tower_and_s
 
 
 @pytest.mark.parametrize("lora_rank", [0, 4])
-def test_a_reward_model_trained_under_zero3_saves_whole_weights_that_score_as_it_did(qwen_folder, tmp_path, lora_rank):
+def test_a_reward_model_trained_under_zero3_saves_whole_weights_that_score_as_it_did(
+    qwen_vlm_folder, tmp_path, lora_rank
+):
     """ZeRO-3 holds each parameter in shards: the save gathers them (DeepSpeed's consolidated state dict, the
     adapters merged from it), and the folder scores the held-out pairs as the trained engine did. With activation
     checkpointing: the backbone's blocks recompute in the backward pass."""
@@ -203,7 +197,7 @@ def test_a_reward_model_trained_under_zero3_saves_whole_weights_that_score_as_it
     from tasks.reward_model.trainer import RewardModelWorker
 
     flags = reward_flags(
-        tmp_path, qwen_folder, zero_stage=3, max_steps=2, lora_rank=lora_rank, gradient_checkpointing=True
+        tmp_path, qwen_vlm_folder, zero_stage=3, max_steps=2, lora_rank=lora_rank, gradient_checkpointing=True
     )
     worker = RewardModelWorker(0, 1, None, 1)
     worker.setup(make_config(RewardModelConfig, flags))
@@ -222,11 +216,11 @@ def test_a_reward_model_trained_under_zero3_saves_whole_weights_that_score_as_it
     assert torch.allclose(torch.tensor(chosen[:4]), scores, atol=1e-5)
 
 
-def test_the_reward_model_refuses_packing_a_vlm_and_a_text_model_with_images(qwen_folder, tmp_path):
+def test_the_reward_model_refuses_packing_a_vlm_and_a_text_model_with_images(qwen_vlm_folder, tmp_path):
     from tasks.reward_model.config import RewardModelConfig
     from tasks.reward_model.trainer import RewardModelWorker
 
-    flags = reward_flags(tmp_path, qwen_folder, packing_samples=True)
+    flags = reward_flags(tmp_path, qwen_vlm_folder, packing_samples=True)
     worker = RewardModelWorker(0, 1, None, 1)
     with pytest.raises(
         ConfigError, match="^packing_samples: .* is a vision-language model, whose rows cannot be packed"
@@ -245,13 +239,13 @@ def test_the_reward_model_refuses_packing_a_vlm_and_a_text_model_with_images(qwe
 
 
 @pytest.mark.parametrize("frozen", [False, True])
-def test_the_dpo_loss_reaches_the_vision_tower_unless_frozen(folder, frozen):
+def test_the_dpo_loss_reaches_the_vision_tower_unless_frozen(vlm_folder, frozen):
     """The policy's log-probabilities carry the images: the DPO loss gives every tower weight a gradient, none
     when frozen; the reference's (a frozen copy) take the same images."""
     from tasks.preference.losses import dpo_loss
 
-    policy, processor = vision.load_vision_lm(folder), vision.load_processor(folder)
-    reference = vision.load_vision_lm(folder).requires_grad_(False)
+    policy, processor = vision.load_vision_lm(vlm_folder), vision.load_processor(vlm_folder)
+    reference = vision.load_vision_lm(vlm_folder).requires_grad_(False)
     if frozen:
         vision.freeze_visual_encoder(policy)
     with torch.no_grad():  # one step away from the reference, so the loss is not at its symmetric point
@@ -278,10 +272,10 @@ def test_the_dpo_loss_reaches_the_vision_tower_unless_frozen(folder, frozen):
         )
 
 
-def preference_flags(tmp_path, folder, method: str, rows: list[dict], **extra) -> dict:
+def preference_flags(tmp_path, vlm_folder, method: str, rows: list[dict], **extra) -> dict:
     return {
         "output": str(tmp_path / "out"),
-        "pretrain": folder,
+        "pretrain": vlm_folder,
         "method": method,
         "dataset": write(tmp_path, method, rows),
         "apply_chat_template": True,
@@ -295,14 +289,14 @@ def preference_flags(tmp_path, folder, method: str, rows: list[dict], **extra) -
     }
 
 
-def test_the_dpo_worker_trains_lora_on_a_vlm_against_its_own_base_and_saves_a_merged_vlm(folder, tmp_path):
+def test_the_dpo_worker_trains_lora_on_a_vlm_against_its_own_base_and_saves_a_merged_vlm(vlm_folder, tmp_path):
     """DPO's worker with LoRA and a frozen tower: the reference is the policy's base with its adapters off (which
     scores as the untouched VLM), only language-model adapters train, and the merged output loads as a VLM with its
     processor (lora.merge_adapter picks the image-text class)."""
     from tasks.preference.config import PreferenceConfig
     from tasks.preference.trainer import PreferenceWorker
 
-    flags = preference_flags(tmp_path, folder, "dpo", pairs(3, 16), lora_rank=4, lora_alpha=8, max_len=64)
+    flags = preference_flags(tmp_path, vlm_folder, "dpo", pairs(3, 16), lora_rank=4, lora_alpha=8, max_len=64)
     cfg = make_config(PreferenceConfig, {**flags, "freeze_visual_encoder": True, "merge_lora": True})
     worker = PreferenceWorker(0, 1, None, 1)
     info = worker.setup(cfg)
@@ -311,7 +305,7 @@ def test_the_dpo_worker_trains_lora_on_a_vlm_against_its_own_base_and_saves_a_me
     assert trainable and all("lora_" in n and not in_tower(n) for n in trainable)
     stats = [worker.train_step() for _ in range(2)]
     assert all(0 <= s["reward_accuracy"] <= 1 for s in stats)
-    base = vision.load_vision_lm(folder)
+    base = vision.load_vision_lm(vlm_folder)
     rows = [0, 1, 2]
     with torch.no_grad():
         p, r, i = worker._sequences(rows, "chosen")
@@ -325,20 +319,20 @@ def test_the_dpo_worker_trains_lora_on_a_vlm_against_its_own_base_and_saves_a_me
     assert tower and all(torch.equal(tower[n], q) for n, q in merged.named_parameters() if in_tower(n))
 
 
-def test_a_vlm_lora_adapter_output_merges_into_a_vlm_with_its_processor(qwen_folder, tmp_path):
+def test_a_vlm_lora_adapter_output_merges_into_a_vlm_with_its_processor(qwen_vlm_folder, tmp_path):
     """What resolve_model makes of an adapter output of a VLM stage: the base with the adapter merged in, loadable as
     a VLM, with the processor's files beside the tokenizer's."""
     from tasks.preference.config import PreferenceConfig
 
-    cfg = make_config(PreferenceConfig, preference_flags(tmp_path, qwen_folder, "dpo", pairs(3, 4), lora_rank=4))
-    model = lora.apply_lora(vision.load_vision_lm(qwen_folder), cfg)
+    cfg = make_config(PreferenceConfig, preference_flags(tmp_path, qwen_vlm_folder, "dpo", pairs(3, 4), lora_rank=4))
+    model = lora.apply_lora(vision.load_vision_lm(qwen_vlm_folder), cfg)
     for name, p in model.named_parameters():
         if "lora_B" in name:
             p.data.normal_(std=0.1)
     adapter = tmp_path / "adapter"
-    lora.save_peft(model, lora.trainable_state(model), adapter, merge=False, base_uri=qwen_folder)
-    vision.load_processor(qwen_folder).save_pretrained(adapter)
-    merged = lora.merged_checkpoint(adapter, qwen_folder)
+    lora.save_peft(model, lora.trainable_state(model), adapter, merge=False, base_uri=qwen_vlm_folder)
+    vision.load_processor(qwen_vlm_folder).save_pretrained(adapter)
+    merged = lora.merged_checkpoint(adapter, qwen_vlm_folder)
     assert models.is_vision_model(str(merged)) and (merged / "processor_config.json").is_file()
     processor = vision.load_processor(str(merged))
     reloaded = vision.load_vision_lm(str(merged))
@@ -350,7 +344,7 @@ def test_a_vlm_lora_adapter_output_merges_into_a_vlm_with_its_processor(qwen_fol
     assert torch.allclose(want, got, atol=1e-4)
 
 
-def test_the_kto_worker_on_a_vlm_keeps_each_label_with_its_row_when_a_long_row_is_dropped(qwen_folder, tmp_path):
+def test_the_kto_worker_on_a_vlm_keeps_each_label_with_its_row_when_a_long_row_is_dropped(qwen_vlm_folder, tmp_path):
     """KTO with the reference's log-probabilities taken once (--ref_offload): a row dropped as too long takes its
     label with it, and a mismatched pair keeps its prompt's images."""
     from tasks.preference.config import PreferenceConfig
@@ -358,7 +352,7 @@ def test_the_kto_worker_on_a_vlm_keeps_each_label_with_its_row_when_a_long_row_i
 
     rows = demo_vlm.make_datasets(seed=4, sizes={"unpaired": 16})["unpaired"]
     rows[0] = {**rows[0], "completion": "x" * 60}  # longer than max_len with its prompt: dropped, label and all
-    cfg = make_config(PreferenceConfig, preference_flags(tmp_path, qwen_folder, "kto", rows, ref_offload=True))
+    cfg = make_config(PreferenceConfig, preference_flags(tmp_path, qwen_vlm_folder, "kto", rows, ref_offload=True))
     worker = PreferenceWorker(0, 1, None, 1)
     info = worker.setup(cfg)
     assert info["examples"] == 15 and info["dropped"] == 1 and worker.reference is None
@@ -371,14 +365,14 @@ def test_the_kto_worker_on_a_vlm_keeps_each_label_with_its_row_when_a_long_row_i
         worker.setup(make_config(PreferenceConfig, text_flags))
 
 
-def test_sft_with_lora_and_a_frozen_tower_trains_no_adapter_inside_the_tower(folder, tmp_path):
+def test_sft_with_lora_and_a_frozen_tower_trains_no_adapter_inside_the_tower(vlm_folder, tmp_path):
     """LoRA's all-linear reaches the tower's layers too: --freeze_visual_encoder freezes the adapters there as well,
     in SFT as in the reward model and DPO/KTO."""
     from tasks.sft.config import SFTConfig
     from tasks.sft.trainer import SFTWorker
 
     rows = demo_vlm.make_datasets(seed=1, sizes={"sft": 8})["sft"]
-    flags = {"output": str(tmp_path / "out"), "pretrain": folder, "dataset": write(tmp_path, "sft", rows)}
+    flags = {"output": str(tmp_path / "out"), "pretrain": vlm_folder, "dataset": write(tmp_path, "sft", rows)}
     flags |= {"apply_chat_template": True, "train_batch_size": 8, "max_steps": 1, "lora_rank": 4}
     worker = SFTWorker(0, 1, None, 1)
     worker.setup(make_config(SFTConfig, {**flags, "freeze_visual_encoder": True}))
@@ -389,14 +383,14 @@ def test_sft_with_lora_and_a_frozen_tower_trains_no_adapter_inside_the_tower(fol
 # ---------------------------------------------------------------- scoring rollouts (RL's reward workers, eval)
 
 
-def save_vision_reward_model(folder, out, mean: float = 0.0, std: float = 1.0, seed: int = 0) -> str:
+def save_vision_reward_model(vlm_folder, out, mean: float = 0.0, std: float = 1.0, seed: int = 0) -> str:
     """A reward model as the reward_model stage saves one on the demo VLM (the backbone, a value head drawn with
     `seed`, the processor, reward_mean and reward_std in config.json), untrained: scoring needs its form, not skill."""
     torch.manual_seed(seed)
-    model = VisionRewardModel.from_pretrained(folder)
+    model = VisionRewardModel.from_pretrained(vlm_folder)
     model.config.reward_mean, model.config.reward_std = mean, std
     model.save_pretrained(str(out))
-    vision.load_processor(folder).save_pretrained(str(out))
+    vision.load_processor(vlm_folder).save_pretrained(str(out))
     return str(out)
 
 
@@ -413,13 +407,13 @@ def reward_rollout(processor, rows):
     return rollout, texts, [p + r for p, r in zip(prompts, responses)]
 
 
-def test_a_vlm_reward_model_scores_rollout_rows_with_their_images_as_it_scores_each_row_alone(folder, tmp_path):
+def test_a_vlm_reward_model_scores_rollout_rows_with_their_images_as_it_scores_each_row_alone(vlm_folder, tmp_path):
     """RewardModels on the reward_model stage's VLM output: each rollout row's score (prompt + response + pixels, in the
     rollout's padding) is the value head at the row's last token computed on that row alone, unpadded, as the stage
     scored its pairs; standardised, it is (score - reward_mean) / reward_std; another image, another score."""
     from tasks.common.nn.rewards import RewardModels, build_reward_batch
 
-    rm = save_vision_reward_model(folder, tmp_path / "rm", mean=1.0, std=2.0)
+    rm = save_vision_reward_model(vlm_folder, tmp_path / "rm", mean=1.0, std=2.0)
     processor, rows = vision.load_processor(rm), demo_vlm.make_datasets(seed=2, sizes={"prompts": 4})["prompts"]
     rollout, texts, alone = reward_rollout(processor, rows)
     assert rollout.attention_mask[:, 0].tolist() == [0, 1, 0, 0] and rollout.response_mask.sum(1).tolist() == [
@@ -448,25 +442,25 @@ def test_a_vlm_reward_model_scores_rollout_rows_with_their_images_as_it_scores_e
     assert not torch.isclose(moved[0], raw[0]) and torch.allclose(moved[1:], raw[1:], atol=1e-5)
 
 
-def test_a_text_reward_model_or_a_vlm_without_a_value_head_is_refused_for_a_vlm_naming_the_fix(folder, tmp_path):
+def test_a_text_reward_model_or_a_vlm_without_a_value_head_is_refused_for_a_vlm_naming_the_fix(vlm_folder, tmp_path):
     """What would score a VLM's rows without their images, or with a head nobody trained, is refused in one line."""
     from tasks.common.nn.rewards import RewardError, RewardModels, build_reward_batch
     from tasks.common.nn.vision_reward import refuse_unfit_reward_models
 
-    processor = vision.load_processor(folder)
+    processor = vision.load_processor(vlm_folder)
     text = tmp_path / "text-rm"  # a text model on the VLM's own tokenizer: only the images tell it apart
     demo.build_base_model(processor.tokenizer).save_pretrained(text)
     with pytest.raises(
         ConfigError,
         match=r"^reward_pretrain: .*text-rm is a text reward model, which cannot see the images of a vision-language model's prompts; FIX$",
     ):
-        refuse_unfit_reward_models(f"{save_vision_reward_model(folder, tmp_path / 'rm')},{text}", "FIX")
+        refuse_unfit_reward_models(f"{save_vision_reward_model(vlm_folder, tmp_path / 'rm')},{text}", "FIX")
     with pytest.raises(
         ConfigError, match=r"^reward_pretrain: .* is a vision-language model with no value head .*; FIX$"
     ):
-        refuse_unfit_reward_models(folder, "FIX")
+        refuse_unfit_reward_models(vlm_folder, "FIX")
     with pytest.raises(RewardError, match=r"^reward_pretrain: .* is a vision-language model with no value head"):
-        RewardModels(folder)
+        RewardModels(vlm_folder)
     rows = demo_vlm.make_datasets(seed=2, sizes={"prompts": 4})["prompts"]
     rollout, texts, _ = reward_rollout(processor, rows)
     batch = build_reward_batch(rollout, processor.tokenizer, texts)
