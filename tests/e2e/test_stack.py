@@ -231,6 +231,7 @@ def test_ray_head_jobs_reach_s3_with_the_nodes_environment(ray_head, s3_server):
 
 
 @pytest.mark.e2e
+@pytest.mark.slow  # 67 s, most of it the readiness wait running out: make test stays inside its 25 minutes
 def test_a_head_whose_job_agent_lost_its_port_is_not_ready(tmp_path, s3_server, monkeypatch):
     """Ray's dashboard agent keeps running without its HTTP server when its port is taken, and the head then
     answers every job submission "No available agent": readiness must say so, naming the agent and its log."""
