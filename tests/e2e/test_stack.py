@@ -18,7 +18,7 @@ import pytest
 from plugins.hooks import RayJobHook, RayUnreachableError
 from tools.stack.config import Config, StackError, airflow_login, conn_ray, process_env, ray_token, stack_env
 from tools.stack.health import airflow_health, wait_healthy
-from tools.stack.processes import remove_scratch, running, start_ray, stop_process
+from tools.stack.processes import alive, remove_scratch, running, start_ray, stop_process
 from tools.stack.s3 import s3_client
 
 from tests.conftest import REPO, STACK_CMD, _stack_port, head_config, stack_subprocess_env
@@ -27,14 +27,6 @@ LOOPBACK_IPS = {"127.0.0.1", "::ffff:127.0.0.1", "::1"}
 
 
 # ----------------------------------------------------------------------------------------- unit
-
-
-def _gone(proc: psutil.Process) -> bool:
-    """Exited (a zombie counts: nobody may have reaped it yet)."""
-    try:
-        return proc.status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
 
 
 def test_stack_env_is_loopback_complete_and_stable(tmp_path):
@@ -206,7 +198,7 @@ def test_s3_objects_survive_the_emulator_being_killed():
         orphan = running(cfg, "s3")
         (cfg.pids / "s3.pid").unlink()
         assert f"stopping pid {orphan.pid}" in run("up", "s3")
-        assert _gone(orphan) and running(cfg, "s3").pid != orphan.pid
+        assert not alive([orphan]) and running(cfg, "s3").pid != orphan.pid
         assert s3_client(cfg).get_object(Bucket=cfg.bucket, Key=key)["Body"].read() == b'{"stage": "sft"}'
     finally:
         subprocess.run([*STACK_CMD, "down"], env=env, cwd=REPO, capture_output=True, timeout=120)

@@ -79,10 +79,11 @@ def up(cfg: Config, components: Iterable[str] = ORDER) -> None:
 
     def check_free(var_ports: dict[str, int]) -> None:
         for var, port in var_ports.items():
-            if (orphan := orphan_of(cfg, port)) is not None:
+            owner = port_owner(port)
+            if owner and (orphan := orphan_of(cfg, port)) is not None:
                 say(f"port {port} ({var}): stopping pid {orphan.pid}, a process of this stack no PID file names")
                 stop_process(orphan.pid)
-            owner = port_owner(port)
+                owner = port_owner(port)
             if owner:
                 raise StackError(f"port {port} ({var}) is already in use by {owner}: set {var} to another port")
 

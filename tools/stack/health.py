@@ -11,7 +11,7 @@ import urllib.request
 import psutil
 
 from tools.stack.config import LOOPBACK, Config, StackError, ray_auth_headers, ray_token_file
-from tools.stack.processes import _alive, log_file, tail
+from tools.stack.processes import alive, log_file, tail
 
 
 def http_get(url: str, timeout: float = 3.0, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
@@ -91,7 +91,7 @@ def wait_healthy(cfg: Config, component: str, procs: dict[str, subprocess.Popen 
     detail = ""
     while True:
         for name, proc in procs.items():
-            code = proc.poll() if isinstance(proc, subprocess.Popen) else (None if _alive([proc]) else "?")
+            code = proc.poll() if isinstance(proc, subprocess.Popen) else (None if alive([proc]) else "?")
             if code is not None:
                 last = tail(log_file(cfg, name))
                 raise StackError(

@@ -98,7 +98,8 @@ def _group(pgid: int) -> list[psutil.Process]:
     return out
 
 
-def _alive(procs: Iterable[psutil.Process]) -> list[psutil.Process]:
+def alive(procs: Iterable[psutil.Process]) -> list[psutil.Process]:
+    """The processes of procs still running (a zombie is not: it has exited, only its reaping is left)."""
     out = []
     for p in procs:
         try:
@@ -135,11 +136,11 @@ def stop_process(pid: int, grace: float = 20.0) -> None:
     def wait(procs, timeout):
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            left = _alive(procs)
+            left = alive(procs)
             if not left:
                 return []
             time.sleep(0.1)
-        return _alive(procs)
+        return alive(procs)
 
     with _suppress():
         leader.send_signal(signal.SIGTERM)
@@ -150,7 +151,7 @@ def stop_process(pid: int, grace: float = 20.0) -> None:
                 p.send_signal(signal.SIGTERM)
         left = wait(left, 5)
     if pgid == pid:
-        left = list({*left, *_alive(_group(pgid))})
+        left = list({*left, *alive(_group(pgid))})
     for p in left:
         with _suppress():
             p.kill()
