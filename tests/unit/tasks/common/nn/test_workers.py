@@ -79,22 +79,26 @@ def test_chat_template_wraps_the_prompt_or_is_refused_in_one_line():
     assert encode_prompt(tokenizer, "1+2", chat_template=True) == tokenizer.encode("1+2=", add_special_tokens=False)
 
 
-@pytest.mark.slow  # 65 s (DeepSpeed in this process); make test runs SFT with --gradient_checkpointing (tests/e2e/test_stages.py)
-def test_gradient_checkpointing_is_switched_on_for_training():
+def _one_layer_llama():
+    """The smallest Llama DeepSpeed will wrap: what the strategy's switches act on, not what it computes."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    config = LlamaConfig(
+        vocab_size=16,
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+    )
+    return LlamaForCausalLM(config)
+
+
+@pytest.mark.slow  # 65 s (DeepSpeed in this process); make test runs SFT with --gradient_checkpointing (tests/e2e/test_stages.py)
+def test_gradient_checkpointing_is_switched_on_for_training():
     from tasks.common.nn.strategy import DeepSpeedStrategy
 
-    model = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=16,
-            hidden_size=8,
-            intermediate_size=16,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=2,
-        )
-    )
+    model = _one_layer_llama()
     engine = DeepSpeedStrategy(zero_stage=0, gradient_checkpointing=True).prepare(model, 1e-3, 10)
     # The config is left as it is (saved models keep their use_cache): the training forwards pass use_cache=False.
     assert engine.module.is_gradient_checkpointing and engine.module.config.use_cache
@@ -104,20 +108,10 @@ def test_gradient_checkpointing_is_switched_on_for_training():
 def test_adam_offload_keeps_the_optimizer_on_the_cpu():
     """Builds DeepSpeed's CPU Adam op on first use (about 40 s): `make test-all`."""
     from deepspeed.ops.adam import DeepSpeedCPUAdam
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from tasks.common.nn.strategy import DeepSpeedStrategy
 
-    model = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=16,
-            hidden_size=8,
-            intermediate_size=16,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=2,
-        )
-    )
+    model = _one_layer_llama()
     engine = DeepSpeedStrategy(zero_stage=2, adam_offload=True).prepare(model, 1e-3, 10)
     assert isinstance(engine.optimizer.optimizer, DeepSpeedCPUAdam)
     assert np.isfinite(sum(p.float().sum().item() for p in model.parameters()))
