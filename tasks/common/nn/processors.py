@@ -20,11 +20,32 @@ def image_only(processor_class):
     def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
         processor_class.__init__(self, image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
 
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        saved = processor_class.save_pretrained(self, save_directory, *args, **kwargs)
+        write_video_processor(Path(save_directory) / "processor_config.json")
+        return saved
+
     # Same name and module: save_pretrained writes the real class into processor_config.json, so a machine
     # with torchvision loads the folder as the full processor.
     return type(
-        processor_class.__name__, (processor_class,), {"__init__": __init__, "__module__": processor_class.__module__}
+        processor_class.__name__,
+        (processor_class,),
+        {"__init__": __init__, "save_pretrained": save_pretrained, "__module__": processor_class.__module__},
     )
+
+
+def write_video_processor(config: Path) -> None:
+    """Give processor_config.json the video processor an image_only processor dropped: where torchvision is
+    installed (vLLM's machines), AutoProcessor loads the full class and refuses a folder without one (seen on the
+    GPU machine, 2026-12-07). It is the image processor's settings under the family's video processor type, as
+    Qwen2-VL's published checkpoints have it."""
+    saved = json.loads(config.read_text())
+    image = saved.get("image_processor")
+    if "video_processor" in saved or not image or "ImageProcessor" not in image.get("image_processor_type", ""):
+        return
+    video = {k: v for k, v in image.items() if k != "image_processor_type"}
+    video["video_processor_type"] = image["image_processor_type"].replace("ImageProcessor", "VideoProcessor")
+    config.write_text(json.dumps({**saved, "video_processor": video}, indent=2, sort_keys=True) + "\n")
 
 
 def load_processor(path: str):

@@ -54,6 +54,24 @@ def test_demo_vlm_round_trips_and_gives_logits_for_images(vlm_folder, rows):
     assert torch.allclose(fresh(**inputs).logits, logits, atol=1e-5)
 
 
+def test_a_saved_processor_keeps_the_video_processor_its_class_needs_where_torchvision_is(vlm_folder, tmp_path):
+    """Saved without torchvision (image_only), Qwen2-VL's folder still names a video processor, the image
+    processor's settings under Qwen2VLVideoProcessor: AutoProcessor on a machine with torchvision (vLLM's) refuses
+    a folder without one. LLaVA's class takes none, and its folder stays as saved."""
+    import json
+
+    vision.load_processor(vlm_folder).save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "processor_config.json").read_text())
+    if family_of(vision.load_processor(vlm_folder)) is QWEN2_VL:
+        image, video = saved["image_processor"], saved["video_processor"]
+        assert video["video_processor_type"] == "Qwen2VLVideoProcessor"
+        assert {k: video[k] for k in ("patch_size", "merge_size", "temporal_patch_size", "size")} == {
+            k: image[k] for k in ("patch_size", "merge_size", "temporal_patch_size", "size")
+        }
+    else:
+        assert "video_processor" not in saved
+
+
 def test_the_model_looks_at_the_pixels(vlm_folder, rows):
     """Two images under the same prompt give different logits: the vision tower reaches the language model."""
     model, processor = vision.load_vision_lm(vlm_folder), vision.load_processor(vlm_folder)
