@@ -37,6 +37,7 @@ vocabulary). A bias of BAN_BIAS, the least the OpenAI form allows, leaves them e
 from __future__ import annotations
 
 import contextlib
+import importlib
 import itertools
 import os
 import shutil
@@ -44,6 +45,7 @@ import tempfile
 
 import torch
 
+from tasks.common.config import ConfigError
 from tasks.common.nn.data import stop_token_ids
 from tasks.common.nn.engines.rollout import Completion, Rollout, to_rollout
 
@@ -134,6 +136,26 @@ def vision_options(processor, max_images: int) -> dict:
     }
 
 
+def unloadable(model_path: str) -> str:
+    """Why this vLLM cannot build the model at `model_path` beside this transformers ("" where it can). vLLM
+    imports an architecture's module only when it inspects the model, and there a failed import becomes "failed to
+    be inspected" in a subprocess's log: vLLM 0.26's LLaVA imports a class transformers 5.17 renamed (pixtral's
+    PixtralRotaryEmbedding; seen on the GPU machine, 2026-12-07)."""
+    import vllm
+    from transformers import AutoConfig
+    from transformers import __version__ as transformers_version
+    from vllm import ModelRegistry
+
+    for arch in AutoConfig.from_pretrained(model_path).architectures or []:
+        module = getattr(ModelRegistry.models.get(arch), "module_name", "")
+        try:
+            if module:
+                importlib.import_module(module)
+        except ImportError as e:
+            return f"vLLM {vllm.__version__} cannot import its {arch} beside transformers {transformers_version} ({e})"
+    return ""
+
+
 def ban_bias(banned_ids) -> dict[int, float] | None:
     """SamplingParams.logit_bias keeping `banned_ids` from being sampled (None: nothing banned)."""
     return {int(i): BAN_BIAS for i in banned_ids} or None
@@ -193,6 +215,8 @@ class VLLMRolloutEngine:
             if max_num_seqs
             else {}
         )
+        if why := unloadable(model_path):
+            raise ConfigError(f"rollout_engine: {why}; use --rollout_engine transformers for this model")
         self.llm = LLM(
             model=model_path,
             # Token ids in and out: no tokenizer, but for a VLM, whose multimodal processor needs one.

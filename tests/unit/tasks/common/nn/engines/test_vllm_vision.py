@@ -8,6 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
+from tasks.common.config import ConfigError
 from tasks.common.nn import vision
 from tasks.common.nn.engines.vllm_engine import BAN_BIAS, ban_bias, collapse_image_runs, image_requests, vision_options
 from tasks.data import demo_vlm
@@ -89,11 +90,17 @@ def test_the_placeholder_ids_are_banned_through_logit_bias(processor):
 @pytest.fixture(scope="module", params=demo_vlm.FAMILIES)
 def vlm_engine(request, tmp_path_factory):
     """The demo VLM of each family saved, loaded in bf16 on the GPU, and a vLLM engine on it with images."""
-    from tasks.common.nn.engines.vllm_engine import VLLMRolloutEngine
+    from tasks.common.nn.engines.vllm_engine import VLLMRolloutEngine, unloadable
     from tasks.common.nn.strategy import init_distributed
 
     path = tmp_path_factory.mktemp(f"vllm-vlm-{request.param}") / "m"
     demo_vlm.save_demo_vlm(path, seed=0, family=request.param)
+    if why := unloadable(str(path)):
+        # vLLM 0.26 with transformers 5.17: its LLaVA module does not import. The engine says so in one line.
+        with pytest.raises(ConfigError, match="use --rollout_engine transformers") as refused:
+            VLLMRolloutEngine(str(path), None, max_model_len=256, gpu_memory_utilization=0.2, seed=0)
+        assert "\n" not in str(refused.value)
+        pytest.xfail(f"{request.param}: {why}")
     init_distributed()
     processor = vision.load_processor(str(path))
     model = vision.load_vision_lm(str(path)).to("cuda", torch.bfloat16).eval()
