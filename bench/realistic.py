@@ -240,6 +240,8 @@ def vllm_alone(bench_dir: Path, cap: int, gpu_memory_utilization: float, command
             "response_length_mean": round(statistics.mean(lengths), 1),
             "response_length_max": max(lengths),
             "truncation_rate": round(sum(n >= cap for n in lengths) / len(lengths), 4),
+            # as ours: the longest sample's tokens over the round's time (the round lasts as long as it)
+            "longest_sample_tokens_per_s": round(statistics.median(max(r["lengths"]) / r["seconds"] for r in tail), 1),
             "startup_s": round(startup, 1),
             "cap": cap,
             "command": command,
