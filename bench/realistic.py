@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -197,8 +198,14 @@ def ours(
     )
 
 
-def vllm_alone(bench_dir: Path, cap: int, gpu_memory_utilization: float, command: str) -> None:
-    """The same 128 requests (16 prompts × n=8, temperature 1) through vLLM alone: the rate our in-stage rollout is held to."""
+def vllm_alone(
+    bench_dir: Path, cap: int, gpu_memory_utilization: float, command: str, in_process: bool = False
+) -> None:
+    """The same 128 requests (16 prompts × n=8, temperature 1) through vLLM alone: the rate our in-stage rollout is held
+    to. `in_process`: vLLM's engine core in this process, as the stage's engine runs it (VLLM_ENABLE_V1_MULTIPROCESSING=0),
+    instead of a process of its own; the pair tells what that costs the long tail's decode."""
+    if in_process:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
@@ -233,7 +240,7 @@ def vllm_alone(bench_dir: Path, cap: int, gpu_memory_utilization: float, command
     save(
         bench_dir,
         shape,
-        "vllm_alone",
+        "vllm_alone_in_process" if in_process else "vllm_alone",
         {
             "generated_tokens_per_s": round(statistics.median(sum(r["lengths"]) / r["seconds"] for r in tail)),
             "generate_s": round(statistics.median(r["seconds"] for r in tail), 3),
@@ -346,6 +353,7 @@ def main() -> None:
     parser.add_argument("--zero_stage", type=int, default=2, help="ours: DeepSpeed ZeRO stage")
     parser.add_argument("--adam_offload", action="store_true", help="ours: Adam's state in host memory")
     parser.add_argument("--gpu_memory_utilization", type=float, default=0.35)
+    parser.add_argument("--in_process", action="store_true", help="vllm: its engine core in this process, as ours")
     parser.add_argument(
         "--into", type=Path, default=common.ROOT / "bench" / "results.json", help="collect: the summary to merge into"
     )
@@ -372,7 +380,7 @@ def main() -> None:
     elif a.what == "collect":  # here, on the results a device call brought back: --dir is that results folder
         report.collect_realistic(a.dir, a.into, a.machine, a.date)
     elif a.what == "vllm":
-        vllm_alone(a.dir, a.cap, a.gpu_memory_utilization, command)
+        vllm_alone(a.dir, a.cap, a.gpu_memory_utilization, command, a.in_process)
     else:
         trl(a.dir, a.cap, a.steps, a.micro, command)
 

@@ -23,6 +23,7 @@
 #   bash bench/gpu/run.sh setup verl                # verl 0.9.1's GRPO, same work (bench/gpu/verl.sh install first; a call of its own)
 #   bash bench/gpu/run.sh tests_stages               # the gpu-marked tests; tests_learn: the learning check
 #   SHAPE=qwen2.5-1.5b bash bench/gpu/run.sh setup eos4k real_vllm4k real_ours4k   # realistic RL work (bench/realistic.py)
+#   SHAPE=qwen2.5-1.5b bash bench/gpu/run.sh real_vllm4k_in_process   # vLLM alone, its engine core in-process as ours
 #   SHAPE=qwen2.5-1.5b bash bench/gpu/run.sh real_verl4k   # or real_openrlhf4k: the peers on it (after their install)
 #
 # /tmp/bench (model, data, results) outlives a call while the machine is warm; with $OUT set (a device call) the
@@ -136,6 +137,7 @@ for phase in "$@"; do
         start_ray && python bench/realistic_peers.py $peer --dir $dir --cap 4096 --steps ${REAL_STEPS:-4} ${PEER_ARGS:-} )
       rc=$?; ray_cli stop --force >/dev/null 2>&1; ray_up=""; (exit $rc) ;;
     real_vllm4k|real_vllm8k) python bench/realistic.py vllm --dir $dir --cap $([ "$phase" = real_vllm4k ] && echo 4096 || echo 8192) ;;
+    real_vllm4k_in_process) python bench/realistic.py vllm --dir $dir --cap 4096 --in_process ;;
     real_trl4k) python bench/realistic.py trl --dir $dir --cap 4096 --steps ${REAL_STEPS:-4} --micro 4 ;;
     real_ours4k|real_ours4k_budget|real_ours4k_packed|real_ours4k_oversample|real_ours8k|real_ours8k_packed|real_ours4k_hf|real_ours4k_lora|real_ours4k_full_offload)
       if [ -z "$ray_up" ]; then start_ray && ray_up=1; fi
