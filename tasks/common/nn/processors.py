@@ -38,7 +38,10 @@ def write_video_processor(config: Path) -> None:
     """Give processor_config.json the video processor an image_only processor dropped: where torchvision is
     installed (vLLM's machines), AutoProcessor loads the full class and refuses a folder without one (seen on the
     GPU machine, 2026-12-07). It is the image processor's settings under the family's video processor type, as
-    Qwen2-VL's published checkpoints have it."""
+    Qwen2-VL's published checkpoints have it. A folder whose image processor is in a file of its own
+    (preprocessor_config.json, older transformers) needs none: the video processor falls back to it."""
+    if not config.is_file():
+        return
     saved = json.loads(config.read_text())
     image = saved.get("image_processor")
     if "video_processor" in saved or not image or "ImageProcessor" not in image.get("image_processor_type", ""):
