@@ -79,7 +79,7 @@ def test_chat_template_wraps_the_prompt_or_is_refused_in_one_line():
     assert encode_prompt(tokenizer, "1+2", chat_template=True) == tokenizer.encode("1+2=", add_special_tokens=False)
 
 
-def _one_layer_llama():
+def _tiny_llama(num_hidden_layers: int = 1):
     """The smallest Llama DeepSpeed will wrap: what the strategy's switches act on, not what it computes."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -87,7 +87,7 @@ def _one_layer_llama():
         vocab_size=16,
         hidden_size=8,
         intermediate_size=16,
-        num_hidden_layers=1,
+        num_hidden_layers=num_hidden_layers,
         num_attention_heads=2,
         num_key_value_heads=2,
     )
@@ -98,7 +98,7 @@ def _one_layer_llama():
 def test_gradient_checkpointing_is_switched_on_for_training():
     from tasks.common.nn.strategy import DeepSpeedStrategy
 
-    model = _one_layer_llama()
+    model = _tiny_llama()
     engine = DeepSpeedStrategy(zero_stage=0, gradient_checkpointing=True).prepare(model, 1e-3, 10)
     # The config is left as it is (saved models keep their use_cache): the training forwards pass use_cache=False.
     assert engine.module.is_gradient_checkpointing and engine.module.config.use_cache
@@ -111,7 +111,7 @@ def test_adam_offload_keeps_the_optimizer_on_the_cpu():
 
     from tasks.common.nn.strategy import DeepSpeedStrategy
 
-    model = _one_layer_llama()
+    model = _tiny_llama()
     engine = DeepSpeedStrategy(zero_stage=2, adam_offload=True).prepare(model, 1e-3, 10)
     assert isinstance(engine.optimizer.optimizer, DeepSpeedCPUAdam)
     assert np.isfinite(sum(p.float().sum().item() for p in model.parameters()))
@@ -125,20 +125,11 @@ def test_bf16_zero2_skips_a_step_with_a_non_finite_gradient_without_checking_eac
     import torch
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
     from torch.profiler import profile
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from tasks.common.nn.strategy import DeepSpeedStrategy
 
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=16,
-        hidden_size=8,
-        intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-    )
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model = _tiny_llama(num_hidden_layers=2).to(torch.bfloat16)
     engine = DeepSpeedStrategy(zero_stage=2, bf16=True).prepare(model, 1e-2, 10)
     optimizer = engine.optimizer
     ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
