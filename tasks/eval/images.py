@@ -56,7 +56,7 @@ def load_vision_model(path: str, dtype: torch.dtype):
 def vllm_options(rows: VisionRows | None, cfg) -> dict:
     """A vLLM engine's options for a vision-language model (none for a text one): its image token, the ids it never
     samples, and the images a prompt may carry (--max_images_per_prompt, set from the data by evaluate)."""
-    from tasks.common.nn.engines.vllm_engine import vision_options
+    from tasks.common.nn.engines.vllm_vision import vision_options
 
     return {} if rows is None else vision_options(rows.processor, cfg.max_images_per_prompt)
 

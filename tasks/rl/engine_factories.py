@@ -51,7 +51,7 @@ def run_episodes_on(runner, rows: list[dict], cfg: RLConfig):
 def vllm_engine_for(cfg: RLConfig, path: str, tokenizer, seed: int, processor=None):
     """A vLLM engine on the policy at `path`; a vision-language policy's (its `processor`) takes prompts with images,
     sized for --max_images_per_prompt (the controller sets it from the data), its placeholder ids never sampled."""
-    from tasks.common.nn.engines.vllm_engine import vision_options
+    from tasks.common.nn.engines.vllm_vision import vision_options
 
     vision = vision_options(processor, cfg.max_images_per_prompt) if processor is not None else {}
     return make_engine(

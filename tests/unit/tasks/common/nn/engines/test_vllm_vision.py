@@ -10,7 +10,7 @@ from PIL import Image
 
 from tasks.common.config import ConfigError
 from tasks.common.nn import vision
-from tasks.common.nn.engines.vllm_engine import BAN_BIAS, ban_bias, collapse_image_runs, image_requests, vision_options
+from tasks.common.nn.engines.vllm_vision import BAN_BIAS, ban_bias, collapse_image_runs, image_requests, vision_options
 from tasks.data import demo_vlm
 
 from tests.vlm_demo import in_tower
@@ -90,7 +90,8 @@ def test_the_placeholder_ids_are_banned_through_logit_bias(processor):
 @pytest.fixture(scope="module", params=demo_vlm.FAMILIES)
 def vlm_engine(request, tmp_path_factory):
     """The demo VLM of each family saved, loaded in bf16 on the GPU, and a vLLM engine on it with images."""
-    from tasks.common.nn.engines.vllm_engine import VLLMRolloutEngine, unloadable
+    from tasks.common.nn.engines.vllm_engine import VLLMRolloutEngine
+    from tasks.common.nn.engines.vllm_vision import unloadable
     from tasks.common.nn.strategy import init_distributed
 
     path = tmp_path_factory.mktemp(f"vllm-vlm-{request.param}") / "m"
