@@ -136,7 +136,6 @@ def ours(
     command: str,
     zero_stage: int = 2,
     adam_offload: bool = False,
-    engine_process: bool = False,
 ) -> None:
     shape = shape_name(bench_dir, cap, lora_rank)
     system = (
@@ -146,7 +145,6 @@ def ours(
         + (f"_oversample{over_sampling_batch_size}" if over_sampling_batch_size else "")
         + (f"_zero{zero_stage}" if zero_stage != 2 else "")
         + ("_adam_offload" if adam_offload else "")
-        + ("_engine_process" if engine_process else "")
     )
     out = bench_dir / "out" / f"realistic_{shape}_{system}"
     args = common.grpo_args(bench_dir, out, steps, micro)
@@ -166,8 +164,6 @@ def ours(
     )
     if engine == "vllm":
         args.update(vllm_num_engines=1, vllm_gpu_memory_utilization=gpu_memory_utilization)
-        if engine_process:  # vLLM's engine core in a process of its own (--vllm_engine_process)
-            args.update(vllm_engine_process=True)
     if lora_rank:
         args.update(lora_rank=lora_rank, lora_alpha=2 * lora_rank, target_modules="all-linear")
     if max_tokens_per_gpu:  # micro-batches by token budget, each trimmed to its rows (--max_tokens_per_gpu)
@@ -198,7 +194,6 @@ def ours(
             "over_sampling_batch_size": over_sampling_batch_size,
             "zero_stage": zero_stage,
             "adam_offload": adam_offload,
-            "vllm_engine_process": engine_process,
         },
     )
 
@@ -360,9 +355,6 @@ def main() -> None:
     parser.add_argument("--gpu_memory_utilization", type=float, default=0.35)
     parser.add_argument("--in_process", action="store_true", help="vllm: its engine core in this process, as ours")
     parser.add_argument(
-        "--engine_process", action="store_true", help="ours: vLLM's engine core in a process of its own"
-    )
-    parser.add_argument(
         "--into", type=Path, default=common.ROOT / "bench" / "results.json", help="collect: the summary to merge into"
     )
     parser.add_argument("--machine", default="", help="collect: the GPU the runs were made on")
@@ -384,7 +376,6 @@ def main() -> None:
             command,
             a.zero_stage,
             a.adam_offload,
-            a.engine_process,
         )
     elif a.what == "collect":  # here, on the results a device call brought back: --dir is that results folder
         report.collect_realistic(a.dir, a.into, a.machine, a.date)

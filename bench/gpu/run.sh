@@ -24,7 +24,6 @@
 #   bash bench/gpu/run.sh tests_stages               # the gpu-marked tests; tests_learn: the learning check
 #   SHAPE=qwen2.5-1.5b bash bench/gpu/run.sh setup eos4k real_vllm4k real_ours4k   # realistic RL work (bench/realistic.py)
 #   SHAPE=qwen2.5-1.5b bash bench/gpu/run.sh real_vllm4k_in_process   # vLLM alone, its engine core in-process as ours
-#   SHAPE=qwen2.5-1.5b bash bench/gpu/run.sh real_ours4k_engine_process   # ours, vLLM's engine core in its own process
 #   SHAPE=qwen2.5-1.5b bash bench/gpu/run.sh real_verl4k   # or real_openrlhf4k: the peers on it (after their install)
 #
 # /tmp/bench (model, data, results) outlives a call while the machine is warm; with $OUT set (a device call) the
@@ -140,12 +139,10 @@ for phase in "$@"; do
     real_vllm4k|real_vllm8k) python bench/realistic.py vllm --dir $dir --cap $([ "$phase" = real_vllm4k ] && echo 4096 || echo 8192) ;;
     real_vllm4k_in_process) python bench/realistic.py vllm --dir $dir --cap 4096 --in_process ;;
     real_trl4k) python bench/realistic.py trl --dir $dir --cap 4096 --steps ${REAL_STEPS:-4} --micro 4 ;;
-    real_ours4k|real_ours4k_engine_process|real_ours4k_budget|real_ours4k_packed|real_ours4k_oversample|real_ours8k|real_ours8k_packed|real_ours4k_hf|real_ours4k_lora|real_ours4k_full_offload)
+    real_ours4k|real_ours4k_budget|real_ours4k_packed|real_ours4k_oversample|real_ours8k|real_ours8k_packed|real_ours4k_hf|real_ours4k_lora|real_ours4k_full_offload)
       if [ -z "$ray_up" ]; then start_ray && ray_up=1; fi
       case "$phase" in
         real_ours4k) python bench/realistic.py ours --dir $dir --cap 4096 --steps ${REAL_STEPS:-5} ;;
-        # vLLM's engine core in a process of its own (--vllm_engine_process), weights to it over CUDA IPC.
-        real_ours4k_engine_process) python bench/realistic.py ours --dir $dir --cap 4096 --steps ${REAL_STEPS:-5} --engine_process ;;
         # The same with training micro-batches by token budget (--max_tokens_per_gpu: 8 rows of 4,096 tokens' worth).
         real_ours4k_budget) python bench/realistic.py ours --dir $dir --cap 4096 --steps ${REAL_STEPS:-5} --max_tokens_per_gpu 32768 ;;
         # Each micro-batch's rows as one sequence (--packing_samples, varlen FlashAttention-2): the default budget's

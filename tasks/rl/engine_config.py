@@ -48,12 +48,6 @@ class RolloutEngineConfig:
             "help": "vLLM gives its weights and KV cache back while the actor trains (sleep level 1), and takes them again for the next rollout"
         },
     )
-    vllm_engine_process: bool = field(
-        default=False,
-        metadata={
-            "help": "vLLM's engine core in a process of its own on each engine's GPU, as vLLM alone runs it, instead of inside its worker's process: scheduling and output handling then run beside the worker's Python, not between its decode steps; weights reach it as CUDA IPC handles (vLLM's ipc weight transfer)"
-        },
-    )
     async_train: bool = field(
         default=False,
         metadata={
@@ -145,7 +139,6 @@ class RolloutEngineConfig:
                 ("vllm_gpu_memory_utilization", 0.4),
                 ("enable_prefix_caching", False),
                 ("vllm_enable_sleep", False),
-                ("vllm_engine_process", False),
             ):
                 if getattr(self, name) != default:
                     raise ConfigError(f"{name}: only applies to vLLM engines; set --vllm_num_engines too, or drop it")

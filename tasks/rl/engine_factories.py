@@ -67,6 +67,5 @@ def vllm_engine_for(cfg: RLConfig, path: str, tokenizer, seed: int, processor=No
         enable_sleep=cfg.vllm_enable_sleep,
         ignore_eos=cfg.ignore_eos,
         lora_rank=cfg.lora_rank,
-        engine_process=cfg.vllm_engine_process,
         **vision,
     )

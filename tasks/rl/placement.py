@@ -15,7 +15,6 @@ import torch
 
 from tasks.common import storage
 from tasks.common.config import ConfigError, split_list
-from tasks.common.nn.engines.vllm_engine import process_env
 from tasks.common.nn.rewards import RewardBatch, RewardError, RewardSource, make_reward_source
 from tasks.common.nn.workers import Placement, WorkerGroup, gather, shard
 from tasks.common.stage import StageRun
@@ -62,16 +61,15 @@ def place(cfg: RLConfig, run: StageRun, pad_token_id: int, updates: int) -> Plac
         )
     run.placements.extend(placements)  # what the stage held, for its cost
     check_outputs_reachable(cfg, placements, groups)
-    env = process_env(cfg.vllm_engine_process)  # the engines' processes: in the workers' or their own
     for members, placement in zip(layout, placements):
         for role in members:
-            groups[role] = WorkerGroup(classes[role], placement, role, fraction=1.0 / len(members), env=env)
+            groups[role] = WorkerGroup(classes[role], placement, role, fraction=1.0 / len(members))
     setup_args = {"actor": (cfg, updates), "ref": (cfg,), "critic": (cfg, critic_uri, updates), "reward": (cfg,)}
     if cfg.separate_engines():
         placement = Placement.create(1, cfg.rollout_engines(), "rollout")
         placements.append(placement)
         run.placements.append(placement)
-        groups["rollout"] = WorkerGroup(RolloutEngineWorker, placement, "rollout", env=env)
+        groups["rollout"] = WorkerGroup(RolloutEngineWorker, placement, "rollout")
         roles = roles + ["rollout"]
         setup_args["rollout"] = (cfg,)
     gather([groups[role].run_async("setup", *setup_args[role]) for role in roles])

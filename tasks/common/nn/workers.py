@@ -197,16 +197,14 @@ class _Probe:
 class WorkerGroup:
     """`placement.size` actors of `worker_cls`, rank r in bundle r, each taking `fraction` of its bundle."""
 
-    def __init__(
-        self, worker_cls: type, placement: Placement, name: str, fraction: float = 1.0, env: dict | None = None
-    ):
+    def __init__(self, worker_cls: type, placement: Placement, name: str, fraction: float = 1.0):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.name, self.placement, self.world_size = name, placement, placement.size
         resources = {"num_cpus": fraction, "num_gpus": fraction if placement.use_gpu else 0}
-        # `env` (a vLLM engine's: vllm_engine.process_env) is set when the process starts, as the environment must not
-        # change once NCCL's threads read it (init_distributed). By default a vLLM engine runs in its worker's process.
-        env = {**forwarded_env(os.environ), "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env or {})}
+        # vLLM runs in its worker's process (tasks.common.nn.engines.vllm_engine): set when the process starts, as the
+        # environment must not change once NCCL's threads read it (init_distributed).
+        env = {**forwarded_env(os.environ), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         options = [
             dict(
                 resources,

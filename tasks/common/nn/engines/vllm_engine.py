@@ -8,17 +8,11 @@ of their own (tasks.rl.workers.RolloutEngineWorker), fed over NCCL by a WeightCh
     engine.load_weights(actor.module, zero3=False)                              # after every update
     engine.load_adapter(lora.adapter_weights(actor.module))                      # or, with --lora_rank, the adapter only
 
-By default the engine runs in its worker's process (VLLM_ENABLE_V1_MULTIPROCESSING=0, the external_launcher
-executor on the worker's torch.distributed world). Colocated, a weight sync is then a device-to-device copy of each
-parameter into vLLM's model; under ZeRO-3 each parameter is gathered first, one at a time. With `engine_process`
-(--vllm_engine_process) vLLM's engine core runs in a process of its own on the same GPU, as vLLM alone and verl's
-rollout run it: its scheduling and output handling then no longer take turns with the worker's Python between
-decode steps, which is the whole cost of a long tail's last sequences. Weights then reach it as CUDA IPC handles
-(vLLM's native "ipc" weight transfer: start_weight_update, update_weights in chunks, finish_weight_update), each
-worker to its own engine, so vLLM's trainer-side sender, which gathers every rank's handles to one engine, is not
-used. On separate GPUs, the actor's rank 0 broadcasts each parameter over NCCL and the engines load it. With
-`enable_sleep` vLLM gives its weights and KV cache back while the actor trains (sleep level 1) and takes them again
-before the sync.
+The engine runs in its worker's process (VLLM_ENABLE_V1_MULTIPROCESSING=0, the external_launcher
+executor on the worker's torch.distributed world). Colocated, a weight sync is a device-to-device copy
+of each parameter into vLLM's model; under ZeRO-3 each parameter is gathered first, one at a time. On
+separate GPUs, the actor's rank 0 broadcasts each parameter over NCCL and the engines load it. With `enable_sleep` vLLM gives its weights and KV cache
+back while the actor trains (sleep level 1) and takes them again before the sync.
 
 With LoRA (`lora_rank`) the engine holds the frozen base and vLLM's LoRA layers; a sync hands it the adapter
 alone (peft's files, written to a local folder), registered under a new id each time (versioned: the
@@ -75,20 +69,6 @@ def _model_of(llm):
     raise RuntimeError("vLLM's model is not reachable in this process; run with VLLM_ENABLE_V1_MULTIPROCESSING=0")
 
 
-def process_env(engine_process: bool = False) -> dict[str, str]:
-    """The environment a process building an engine starts with (a worker gets it at its start: WorkerGroup's `env`,
-    since the environment must not change once NCCL's threads read it). In a process of its own, the engine core
-    takes the weights as CUDA IPC handles, which vLLM's messages carry only pickled; its sockets are local."""
-    if engine_process:
-        return {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
-    return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-
-
-#: An IPC weight update's chunk: under ZeRO-3 each chunk's gathered parameters are copies held until vLLM has
-#: loaded them; without it the handles point at the parameters themselves and a chunk costs one message.
-IPC_CHUNK_BYTES = 1 << 30
-
-
 def gathered(param, gather: bool = True):
     """ZeRO-3: the whole parameter for the duration (a collective: every rank of the group enters it)."""
     if not gather:
@@ -96,13 +76,6 @@ def gathered(param, gather: bool = True):
     import deepspeed
 
     return deepspeed.zero.GatheredParameters([param])
-
-
-def _gathered_copies(params):
-    """ZeRO-3: each parameter whole, as a copy (a collective per parameter: every rank of the group iterates)."""
-    for name, param in params:
-        with gathered(param):
-            yield name, param.data.clone()
 
 
 class VLLMRolloutEngine:
@@ -128,21 +101,12 @@ class VLLMRolloutEngine:
         image_run: int = 0,
         banned_ids=(),
         max_images: int = 0,
-        engine_process: bool = False,
     ):
-        for name, value in process_env(engine_process).items():
-            if os.environ.get(name) != value:  # a worker has them from its start (WorkerGroup)
-                os.environ[name] = value
+        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":  # a worker has it from its start (WorkerGroup)
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM
-        from vllm.config import WeightTransferConfig
 
         self.tokenizer, self.ignore_eos, self.enable_sleep = tokenizer, ignore_eos, enable_sleep
-        self.engine_process = engine_process
-        executor = (
-            {"weight_transfer_config": WeightTransferConfig(backend="ipc")}
-            if engine_process
-            else {"distributed_executor_backend": "external_launcher"}
-        )
         # A vision-language model: prompts with images, its placeholder ids never sampled.
         self.image_token_id, self.image_run, self.bias = image_token_id, image_run, ban_bias(banned_ids)
         vision = {"skip_tokenizer_init": False, "limit_mm_per_prompt": {"image": max_images}}
@@ -171,7 +135,7 @@ class VLLMRolloutEngine:
             gpu_memory_utilization=gpu_memory_utilization,
             enable_prefix_caching=enable_prefix_caching,
             enable_sleep_mode=enable_sleep,
-            **executor,
+            distributed_executor_backend="external_launcher",
             # vLLM's memory profiler sizes activations by this; its default (tens of thousands of tokens)
             # reserves memory the colocated trainer needs. Prefill beyond it is chunked.
             max_num_batched_tokens=max(8192, max_model_len),
@@ -181,7 +145,7 @@ class VLLMRolloutEngine:
             **lora,
             **batch,
         )
-        self.model = None if engine_process else _model_of(self.llm)
+        self.model = _model_of(self.llm)
         self.asleep = False
         self.in_flight, self.requests_made = {}, 0  # submitted requests' ids -> their keys
         # Before the first sync the adapter is peft's initial one, whose update B·A is zero: the base alone.
@@ -287,56 +251,21 @@ class VLLMRolloutEngine:
         params = [(n, p) for n, p in module.named_parameters() if p.requires_grad or not trainable_only]
         if not zero3:
             self.load_named((name, param.data) for name, param in params)
-        elif self.engine_process:  # copies: a gathered parameter's memory is reused once its gather ends
-            self.load_named(_gathered_copies(params))
-        else:
-            self.wake_up()
-            for name, param in params:
-                with gathered(param):
-                    self.model.load_weights(weights=[(name, param.data)])
-            self.llm.reset_prefix_cache()
+            return
+        self.wake_up()
+        for name, param in params:
+            with gathered(param):
+                self.model.load_weights(weights=[(name, param.data)])
+        self.llm.reset_prefix_cache()
 
     @torch.no_grad()
     def load_named(self, weights) -> None:
         """Load (HF name, tensor) pairs, consumed one by one; vLLM's own loader maps the names onto its
         fused projections."""
         self.wake_up()
-        if self.engine_process:
-            self._send_ipc(weights)
-        else:
-            self.model.load_weights(weights=weights)
+        self.model.load_weights(weights=weights)
         # Cached prompt KV was computed with the old weights.
         self.llm.reset_prefix_cache()
-
-    def _send_ipc(self, weights) -> None:
-        """(name, tensor) pairs on this GPU to the engine's process: chunks of CUDA IPC handles, which its worker
-        opens and loads (vLLM's IPC weight transfer), each tensor held here until its chunk is loaded."""
-        from torch.multiprocessing.reductions import reduce_tensor
-
-        gpu = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
-
-        def update(chunk):
-            torch.cuda.current_stream().synchronize()  # the other process reads what this one's kernels wrote
-            info = {
-                "names": [name for name, _ in chunk],
-                "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in chunk],
-                "shapes": [list(t.shape) for _, t in chunk],
-                "ipc_handles": [{gpu: reduce_tensor(t)[1]} for _, t in chunk],
-            }
-            self.llm.update_weights({"update_info": info})
-
-        self.llm.start_weight_update()
-        chunk, size = [], 0
-        for name, tensor in weights:
-            chunk.append((name, tensor.detach().contiguous()))
-            size += tensor.numel() * tensor.element_size()
-            if size >= IPC_CHUNK_BYTES:
-                update(chunk)
-                chunk, size = [], 0
-        if chunk:
-            update(chunk)
-        self.llm.finish_weight_update()
-        torch.cuda.ipc_collect()  # the memory the engine's process opened may be freed here now
 
     def load_adapter(self, adapter) -> None:
         """Generate through `adapter` (tasks.common.nn.lora.AdapterWeights) from now on, in place of the last one."""

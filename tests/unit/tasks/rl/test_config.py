@@ -221,8 +221,6 @@ def test_vllm_flags_refused_in_one_line_when_they_cannot_apply():
         make_config(RLConfig, {**base, "async_train": True, "lora_rank": 8})
     with pytest.raises(ConfigError, match="^vllm_enable_sleep: only applies to vLLM engines"):
         make_config(RLConfig, {**base, "vllm_enable_sleep": True})
-    with pytest.raises(ConfigError, match="^vllm_engine_process: only applies to vLLM engines"):
-        make_config(RLConfig, {**base, "vllm_engine_process": True})
 
 
 def test_no_reference_model_when_kl_is_off_or_the_actor_is_its_own():

@@ -87,47 +87,6 @@ def test_vllm_engine_generates_and_follows_the_trained_weights(demo_engine):
     assert logprob_mismatch(actor, rollout.logprobs, rollout.response_mask)["engine_logprob_max_diff"] < 0.1
 
 
-def _engine_process_follows_the_trained_weights(path: str) -> None:
-    """In a fresh process (the module's engine holds this one's vLLM): an engine whose core runs in a process of
-    its own samples from the weights sent to it as CUDA IPC handles, in several chunks."""
-    from tasks.common.nn.engines import vllm_engine
-    from tasks.common.nn.models import load_causal_lm, load_tokenizer
-    from tasks.rl.experience import response_logprobs
-
-    vllm_engine.IPC_CHUNK_BYTES = 1 << 20  # the demo model in several updates, as a large model's
-    tokenizer = load_tokenizer(path)
-    model = load_causal_lm(path).to("cuda", torch.bfloat16)
-    engine = vllm_engine.VLLMRolloutEngine(
-        path, tokenizer, max_model_len=256, gpu_memory_utilization=0.2, seed=0, ignore_eos=True, engine_process=True
-    )
-    assert engine.model is None  # vLLM's model lives in the engine's process
-    prompts = [[tokenizer.bos_token_id] + tokenizer.encode(p, add_special_tokens=False) for p in ("12+34=", "56+07=")]
-    gaps = []
-    for _ in range(2):  # two syncs: the second replaces the first's weights
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(0.05 * torch.randn_like(p))
-        engine.load_weights(model)
-        rollout = engine.generate(prompts * 8, max_new_tokens=8)
-        actor = response_logprobs(model, rollout.sequences.cuda(), rollout.attention_mask.cuda(), rollout.prompt_width)
-        gaps.append(logprob_mismatch(actor.float().cpu(), rollout.logprobs, rollout.response_mask))
-    assert all(g["engine_logprob_max_diff"] < 0.1 for g in gaps), gaps
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU and vllm")
-def test_vllm_engine_in_a_process_of_its_own_follows_the_trained_weights(demo_engine):
-    import multiprocessing
-
-    engine, _, _ = demo_engine
-    child = multiprocessing.get_context("spawn").Process(
-        target=_engine_process_follows_the_trained_weights, args=(engine.llm.llm_engine.model_config.model,)
-    )
-    child.start()
-    child.join(timeout=600)
-    assert child.exitcode == 0, "the check failed in its process (its traceback is above)"
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU and vllm")
 def test_vllm_engine_aborts_running_requests_and_keeps_the_first_whole_groups(demo_engine):
