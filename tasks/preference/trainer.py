@@ -239,16 +239,6 @@ class PreferenceWorker(TrainingWorker):
         means = self.strategy.all_reduce(torch.stack(list(sums.values())), op="mean") / len(chunks)
         return {**dict(zip(sums, means.tolist())), "lr": self.engine.get_lr()[0]}
 
-    def save_model(self, out_dir: str) -> None:
-        # A VLM's processor saves its tokenizer, image processor and chat template: eval needs all three.
-        self.strategy.save_hf(
-            self.engine,
-            self.processor if self.vision else self.tokenizer,
-            out_dir,
-            merge_lora=self.cfg.merge_lora,
-            base_uri=self.cfg.pretrain,
-        )
-
 
 def _mean(x: torch.Tensor) -> torch.Tensor:
     return x.mean() if x.numel() else torch.zeros((), device=x.device)

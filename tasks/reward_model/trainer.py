@@ -199,16 +199,9 @@ class RewardModelWorker(TrainingWorker):
         )
 
     def save_model(self, out_dir: str, reward_mean: float, reward_std: float) -> None:
-        config = self.engine.module.config
+        config = self.engine.module.config  # the statistics RL normalises the scores with
         config.reward_mean, config.reward_std = reward_mean, reward_std
-        # A VLM's processor saves its tokenizer, image processor and chat template: RL and eval need all three.
-        self.strategy.save_hf(
-            self.engine,
-            self.processor if self.vision else self.tokenizer,
-            out_dir,
-            merge_lora=self.cfg.merge_lora,
-            base_uri=self.cfg.pretrain,
-        )
+        super().save_model(out_dir)
 
 
 def train(cfg: RewardModelConfig, run: StageRun) -> None:

@@ -27,14 +27,14 @@ from tasks.common.nn.strategy import DeepSpeedStrategy
 from tasks.rl.config import RLConfig
 from tasks.rl.engine_factories import episode_runner_for, run_episodes_on, vllm_engine_for
 from tasks.rl.experience import Experience, response_logprobs
-from tasks.rl.workers import Trainer, chunks
+from tasks.rl.micro_batches import rollout_logprobs
+from tasks.rl.workers import Trainer
 
 
 class ActorWorker(Trainer):
     """The policy: generates rollouts with its engine, scores log-probabilities, takes PPO steps."""
 
-    processor = None  # a vision-language policy's processor and VisionRows (load_policy); None for text
-    vision = None
+    vision = None  # a vision-language policy's VisionRows (load_policy), beside its processor; None for text
 
     def setup(self, cfg: RLConfig, total_updates: int) -> None:
         self.cfg = cfg
@@ -196,40 +196,14 @@ class ActorWorker(Trainer):
     @torch.no_grad()
     def logprobs(self, rollout: Rollout) -> torch.Tensor:
         self.engine.eval()
-        out = [
-            response_logprobs(
-                self.engine.module,
-                r.sequences.to(self.strategy.device),
-                r.attention_mask.to(self.strategy.device),
-                r.prompt_width,
-                temperature=self.cfg.temperature,
-                packed=self.cfg.packing_samples,
-                images=r.images,
-                vision=self.vision,
-            ).cpu()
-            for r in chunks(rollout, self.cfg.micro_rollout_batch_size)
-        ]
-        return torch.cat(out)
+        return rollout_logprobs(self.engine.module, rollout, self.cfg, self.strategy.device, self.vision)
 
     def reference_logprobs(self, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
         """With LoRA: (log-probabilities, reference log-probabilities), the reference being this policy's
         frozen base (adapters off), so no reference model is loaded anywhere."""
         reference = lora.FrozenBase(self.engine.module)
-        device = self.strategy.device
-        ref = [
-            response_logprobs(
-                reference,
-                r.sequences.to(device),
-                r.attention_mask.to(device),
-                r.prompt_width,
-                temperature=self.cfg.temperature,
-                packed=self.cfg.packing_samples,
-                images=r.images,
-                vision=self.vision,
-            ).cpu()
-            for r in chunks(rollout, self.cfg.micro_rollout_batch_size)
-        ]
-        return self.logprobs(rollout), torch.cat(ref)
+        ref = rollout_logprobs(reference, rollout, self.cfg, self.strategy.device, self.vision)
+        return self.logprobs(rollout), ref
 
     def train(self, minibatches: list[Experience], kl_coef: float) -> dict[str, float]:
         """One optimizer step per minibatch (this rank's share of it), in micro-batches."""
@@ -360,16 +334,6 @@ class ActorWorker(Trainer):
             self.tokenizer.pad_token_id,
             False,
             self.strategy.device,
-        )
-
-    def save_model(self, out_dir: str) -> None:
-        # A VLM's processor saves its tokenizer, image processor and chat template: eval and later stages need all three.
-        self.strategy.save_hf(
-            self.engine,
-            self.processor or self.tokenizer,
-            out_dir,
-            merge_lora=self.cfg.merge_lora,
-            base_uri=self.cfg.pretrain,
         )
 
 

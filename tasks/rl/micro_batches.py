@@ -2,6 +2,7 @@
 Experience by count, and a token-budget micro-batch cut to its own rows' widths (tasks.rl.workers.Trainer).
 
     for part in chunks(rollout, 8): ...                    # rollout.select of 8 rows at a time (0: all at once)
+    logprobs = rollout_logprobs(model, rollout, cfg, device)  # [B, R] on the CPU, a micro-batch of rows at a time
     mb = trimmed(exp, [3, 7])                              # rows 3 and 7, their unused padding cut off
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from tasks.common.nn.engines.rollout import Rollout
-from tasks.rl.experience import Experience
+from tasks.rl.experience import Experience, response_logprobs
 
 
 def chunks(rollout: Rollout, size: int):
@@ -19,6 +20,26 @@ def chunks(rollout: Rollout, size: int):
     size = size or n
     for start in range(0, n, size):
         yield rollout.select(slice(start, start + size))
+
+
+@torch.no_grad()
+def rollout_logprobs(model, rollout: Rollout, cfg, device, vision=None) -> torch.Tensor:
+    """response_logprobs of a whole rollout at the sampling temperature, micro_rollout_batch_size rows at a time,
+    gathered on the CPU: [B, R]. `cfg` is the run's RLConfig; `vision` a vision-language policy's VisionRows."""
+    parts = [
+        response_logprobs(
+            model,
+            r.sequences.to(device),
+            r.attention_mask.to(device),
+            r.prompt_width,
+            temperature=cfg.temperature,
+            packed=cfg.packing_samples,
+            images=r.images,
+            vision=vision,
+        ).cpu()
+        for r in chunks(rollout, cfg.micro_rollout_batch_size)
+    ]
+    return torch.cat(parts)
 
 
 def _micro_batches(exp: Experience, size: int):

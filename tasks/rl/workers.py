@@ -39,8 +39,8 @@ from tasks.rl.engine_factories import (
     run_episodes_on,
     vllm_engine_for,
 )
-from tasks.rl.experience import Experience, response_logprobs, response_values
-from tasks.rl.micro_batches import _micro_batches, chunks, response_used, trimmed  # noqa: F401  (importers of workers)
+from tasks.rl.experience import Experience, response_values
+from tasks.rl.micro_batches import _micro_batches, chunks, response_used, rollout_logprobs, trimmed  # noqa: F401  (importers of workers)
 
 
 class Trainer(TrainingWorker):
@@ -297,22 +297,7 @@ class ReferenceWorker(Worker):
 
     @torch.no_grad()
     def logprobs(self, rollout: Rollout) -> torch.Tensor:
-        device = self.strategy.device
-        return torch.cat(
-            [
-                response_logprobs(
-                    self.model,
-                    r.sequences.to(device),
-                    r.attention_mask.to(device),
-                    r.prompt_width,
-                    temperature=self.cfg.temperature,
-                    packed=self.cfg.packing_samples,
-                    images=r.images,
-                    vision=self.vision,
-                ).cpu()
-                for r in chunks(rollout, self.cfg.micro_rollout_batch_size)
-            ]
-        )
+        return rollout_logprobs(self.model, rollout, self.cfg, self.strategy.device, self.vision)
 
 
 class RewardWorker(Worker):

@@ -97,16 +97,6 @@ class SFTWorker(TrainingWorker):
         mean_loss = self.strategy.all_reduce(total) / micro_batches_in_step
         return {"loss": mean_loss.item(), "lr": self.engine.get_lr()[0], "epoch": self.sampler.epoch}
 
-    def save_model(self, out_dir: str) -> None:
-        # A VLM's processor saves its tokenizer, image processor and chat template: the next stage needs all three.
-        self.strategy.save_hf(
-            self.engine,
-            self.processor if self.vision else self.tokenizer,
-            out_dir,
-            merge_lora=self.cfg.merge_lora,
-            base_uri=self.cfg.pretrain,
-        )
-
 
 def train(cfg: SFTConfig, run: StageRun) -> None:
     def summary(info: dict) -> str:

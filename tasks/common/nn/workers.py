@@ -126,12 +126,25 @@ class Worker:
 class TrainingWorker(Worker):
     """A worker that trains one DeepSpeed engine and can save and restore its whole state.
 
-    Subclasses set `strategy`, `engine` and, when the worker draws its own batches, `sampler`.
+    Subclasses set `cfg`, `strategy`, `engine`, `tokenizer` (and `processor` for a vision-language model) and,
+    when the worker draws its own batches, `sampler`.
     """
 
     strategy = None
     engine = None
     sampler = None
+    processor = None  # a vision-language model's processor; None for a text model
+
+    def save_model(self, out_dir: str) -> None:
+        """The trained model as an HF folder (LoRA merged or as an adapter over --pretrain, as cfg says), with its
+        tokenizer, or a VLM's processor: its tokenizer, image processor and chat template, which later stages need."""
+        self.strategy.save_hf(
+            self.engine,
+            self.processor or self.tokenizer,
+            out_dir,
+            merge_lora=self.cfg.merge_lora,
+            base_uri=self.cfg.pretrain,
+        )
 
     def save_state(self, uri: str) -> dict:
         """Save this rank's part of the state (DeepSpeed writes rank 0's model states and each rank's ZeRO
