@@ -131,7 +131,7 @@ def ours(
     lora_rank: int,
     gpu_memory_utilization: float,
     max_tokens_per_gpu: int,
-    packing_samples: bool,
+    padded: bool,
     over_sampling_batch_size: int,
     command: str,
     zero_stage: int = 2,
@@ -141,7 +141,7 @@ def ours(
     system = (
         ("ours" if engine == "vllm" else "ours_transformers")
         + ("_token_budget" if max_tokens_per_gpu else "")
-        + ("_packed" if packing_samples else "")
+        + ("_padded" if padded else "")
         + (f"_oversample{over_sampling_batch_size}" if over_sampling_batch_size else "")
         + (f"_zero{zero_stage}" if zero_stage != 2 else "")
         + ("_adam_offload" if adam_offload else "")
@@ -168,8 +168,8 @@ def ours(
         args.update(lora_rank=lora_rank, lora_alpha=2 * lora_rank, target_modules="all-linear")
     if max_tokens_per_gpu:  # micro-batches by token budget, each trimmed to its rows (--max_tokens_per_gpu)
         args.update(max_tokens_per_gpu=max_tokens_per_gpu)
-    if packing_samples:  # each micro-batch's rows as one sequence, varlen FlashAttention-2 (--packing_samples)
-        args.update(packing_samples=True)
+    if padded:  # rows padded to their micro-batch's longest; by default with flash-attn they pack (--packing_samples)
+        args.update(packing_samples=False)
     if over_sampling_batch_size:  # the step trains on the first PROMPTS groups to finish (--over_sampling_batch_size)
         args.update(over_sampling_batch_size=over_sampling_batch_size)
     if not common.on_gpu():
@@ -190,7 +190,7 @@ def ours(
             "micro_batch": micro,
             "lora_rank": lora_rank,
             "max_tokens_per_gpu": max_tokens_per_gpu,
-            "packing_samples": packing_samples,
+            "padded": padded,
             "over_sampling_batch_size": over_sampling_batch_size,
             "zero_stage": zero_stage,
             "adam_offload": adam_offload,
@@ -342,7 +342,9 @@ def main() -> None:
         help="ours: training micro-batches by this token budget (0: --micro rows each)",
     )
     parser.add_argument(
-        "--packing_samples", action="store_true", help="ours: each training micro-batch's rows packed into one sequence"
+        "--padded",
+        action="store_true",
+        help="ours: training micro-batches padded to their longest row (--packing_samples false); by default the stage packs them where flash-attn runs",
     )
     parser.add_argument(
         "--over_sampling_batch_size",
@@ -371,7 +373,7 @@ def main() -> None:
             a.lora_rank,
             a.gpu_memory_utilization,
             a.max_tokens_per_gpu,
-            a.packing_samples,
+            a.padded,
             a.over_sampling_batch_size,
             command,
             a.zero_stage,

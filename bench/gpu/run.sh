@@ -139,19 +139,19 @@ for phase in "$@"; do
     real_vllm4k|real_vllm8k) python bench/realistic.py vllm --dir $dir --cap $([ "$phase" = real_vllm4k ] && echo 4096 || echo 8192) ;;
     real_vllm4k_in_process) python bench/realistic.py vllm --dir $dir --cap 4096 --in_process ;;
     real_trl4k) python bench/realistic.py trl --dir $dir --cap 4096 --steps ${REAL_STEPS:-4} --micro 4 ;;
-    real_ours4k|real_ours4k_budget|real_ours4k_packed|real_ours4k_oversample|real_ours8k|real_ours8k_packed|real_ours4k_hf|real_ours4k_lora|real_ours4k_full_offload)
+    real_ours4k|real_ours4k_budget|real_ours4k_padded|real_ours4k_oversample|real_ours8k|real_ours8k_padded|real_ours4k_hf|real_ours4k_lora|real_ours4k_full_offload)
       if [ -z "$ray_up" ]; then start_ray && ray_up=1; fi
       case "$phase" in
         real_ours4k) python bench/realistic.py ours --dir $dir --cap 4096 --steps ${REAL_STEPS:-5} ;;
         # The same with training micro-batches by token budget (--max_tokens_per_gpu: 8 rows of 4,096 tokens' worth).
         real_ours4k_budget) python bench/realistic.py ours --dir $dir --cap 4096 --steps ${REAL_STEPS:-5} --max_tokens_per_gpu 32768 ;;
-        # Each micro-batch's rows as one sequence (--packing_samples, varlen FlashAttention-2): the default budget's
-        # 8 x (128 + 4,096) tokens are then real tokens, no padding.
-        real_ours4k_packed) python bench/realistic.py ours --dir $dir --cap 4096 --steps ${REAL_STEPS:-5} --packing_samples ;;
+        # By default each micro-batch's rows run as one sequence (--packing_samples unset: packed where flash-attn
+        # runs); the same padded to their longest row, for the comparison.
+        real_ours4k_padded) python bench/realistic.py ours --dir $dir --cap 4096 --steps ${REAL_STEPS:-5} --padded ;;
         # 20 prompt groups started, the first 16 to finish trained on, the rest aborted (--over_sampling_batch_size).
         real_ours4k_oversample) python bench/realistic.py ours --dir $dir --cap 4096 --steps ${REAL_STEPS:-5} --over_sampling_batch_size ${OVERSAMPLE:-20} ;;
         real_ours8k) python bench/realistic.py ours --dir $dir --cap 8192 --steps ${REAL_STEPS:-4} --micro 4 ;;
-        real_ours8k_packed) python bench/realistic.py ours --dir $dir --cap 8192 --steps ${REAL_STEPS:-4} --micro 4 --packing_samples ;;
+        real_ours8k_padded) python bench/realistic.py ours --dir $dir --cap 8192 --steps ${REAL_STEPS:-4} --micro 4 --padded ;;
         real_ours4k_hf) python bench/realistic.py ours --dir $dir --cap 4096 --engine transformers --steps ${REAL_STEPS:-2} ;;
         real_ours4k_lora) python bench/realistic.py ours --dir $dir --cap 4096 --lora_rank 64 --steps ${REAL_STEPS:-4} ;;
         # Full weights with ZeRO-3 and Adam in host memory (the 7B shape: what fits on one GPU, issue 52)

@@ -187,10 +187,10 @@ class RLConfig(ImageConfig, EpisodeConfig, RolloutEngineConfig, WorkerLayoutConf
             "min": 0,
         },
     )
-    packing_samples: bool = field(
-        default=False,
+    packing_samples: bool | None = field(
+        default=None,
         metadata={
-            "help": "actor, reference and critic passes with each micro-batch's rows packed into one sequence (varlen FlashAttention-2 with --flash_attn, else a block-diagonal mask): no compute on padding, the same losses; by token budget a micro-batch then holds up to max_tokens_per_gpu real tokens"
+            "help": "actor, reference and critic passes with each micro-batch's rows packed into one sequence (varlen FlashAttention-2 with --flash_attn, else a block-diagonal mask of tokens x tokens): no compute on padding, the same losses; by token budget a micro-batch then holds up to max_tokens_per_gpu real tokens. Unset: packed for a text policy's responses over 256 tokens where FlashAttention-2 runs (--flash_attn, a GPU cluster, the flash-attn package), as measured faster there (RLConfig.choose_packing); padded otherwise"
         },
     )
     dynamic_filtering: bool = field(
@@ -221,6 +221,21 @@ class RLConfig(ImageConfig, EpisodeConfig, RolloutEngineConfig, WorkerLayoutConf
     def prompts_per_rollout(self) -> int:
         """Prompts drawn a rollout: --over_sampling_batch_size when over-sampling, else rollout_batch_size."""
         return self.over_sampling_batch_size or self.rollout_batch_size
+
+    def choose_packing(self, flash_attention: bool, vision: bool) -> tuple[bool, str]:
+        """(pack, why) for this run: --packing_samples, or unset, the rule the measurements give. FlashAttention-2
+        finds packed sequences in the position ids; any other kernel needs a tokens x tokens mask. On one H100 at the
+        Qwen2.5-1.5B shape, 128 long-tailed responses of up to 4,096 tokens, packed updates took 4.3 s against 7.9 s
+        padded (bench/RESULTS.md); at and below TOKEN_BUDGET_ABOVE_TOKENS rows are of one length, nothing to pack."""
+        if self.packing_samples is not None:
+            return self.packing_samples, "--packing_samples"
+        if vision:
+            return False, "auto: a vision-language policy's rows are laid out one by one"
+        if not flash_attention:
+            return False, "auto: packing needs FlashAttention-2 (--flash_attn on a GPU with the flash-attn package)"
+        if self.longest_response() <= TOKEN_BUDGET_ABOVE_TOKENS:
+            return False, f"auto: responses of at most {TOKEN_BUDGET_ABOVE_TOKENS} tokens"
+        return True, f"auto: FlashAttention-2 and responses over {TOKEN_BUDGET_ABOVE_TOKENS} tokens"
 
     def longest_response(self) -> int:
         """The most tokens a sample's response holds: generate_max_len, or with an environment the episode's."""

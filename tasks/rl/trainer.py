@@ -15,6 +15,7 @@ minibatches, logs, and checkpoints.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import shutil
@@ -72,6 +73,10 @@ class Controller:
             refuse_for_text(cfg)
             self.tokenizer = load_tokenizer(path)
             self.prompts = load_prompts(cfg, run, self.tokenizer)
+        flash = cfg.flash_attn and has_gpus and importlib.util.find_spec("flash_attn") is not None
+        packed, why = cfg.choose_packing(flash_attention=flash, vision=self.vision)
+        self.cfg = cfg = dataclasses.replace(cfg, packing_samples=packed)
+        print(f"rl: packing_samples {packed} ({why})", flush=True)
         if cfg.env_path:  # a file that does not load or reset fails here, before any worker starts
             cfg.env_path = run.code_input("env_path", cfg.env_path, EnvError)  # the workers import exactly these bytes
             check_environment(load_environment(cfg.env_path), self.prompts.rows[0], cfg.env_step_timeout)

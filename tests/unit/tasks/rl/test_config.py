@@ -1,5 +1,5 @@
 """RLConfig (tasks/rl/config.py): --rollout_engine auto, the rule that picks vLLM or the transformers engine for a
-run's shape; the roles and placement plans the colocation flags give; and what it refuses in one line (layouts,
+run's shape; --packing_samples unset, the rule that packs where FlashAttention-2 runs long responses; the roles and placement plans the colocation flags give; and what it refuses in one line (layouts,
 estimators, clips, PPO-ptx, vLLM flags, the off-policy correction, over-sampling, the token budget).
 
 pytest tests/unit/tasks/rl/test_config.py
@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 
-from tasks.common.config import ConfigError, make_config
+from tasks.common.config import ConfigError, make_config, parse_config
 from tasks.rl.config import HF_ENGINE_MAX_TOKENS, RLConfig
 
 
@@ -51,6 +51,33 @@ def test_an_episode_budget_counts_as_the_response_length():
     """A multi-turn episode decodes max_episode_tokens, even when each turn is short."""
     short_turns = rl(generate_max_len=64, env_path="calculator", max_turns=8, max_episode_tokens=2048)
     assert short_turns.choose_rollout_engine(True, True)[0] == "vllm"
+
+
+@pytest.mark.parametrize(
+    "flags, flash_attention, vision, packed, reason",
+    [
+        ({"generate_max_len": 4096}, True, False, True, "auto: FlashAttention-2 and responses over 256"),
+        ({"generate_max_len": 4096}, False, False, False, "needs FlashAttention-2"),
+        ({"generate_max_len": 4096}, True, True, False, "vision-language"),
+        ({"generate_max_len": 256}, True, False, False, "at most 256"),
+        ({"generate_max_len": 64, "env_path": "calculator", "max_episode_tokens": 2048}, True, False, True, "auto"),
+        ({"generate_max_len": 4096, "packing_samples": False}, True, False, False, "--packing_samples"),
+        ({"generate_max_len": 64, "packing_samples": True}, False, False, True, "--packing_samples"),
+    ],
+)
+def test_packing_unset_packs_long_text_responses_where_flash_attention_runs(
+    flags, flash_attention, vision, packed, reason
+):
+    assert rl(**flags).packing_samples is flags.get("packing_samples")  # unset stays None until the stage decides
+    chosen, why = rl(**flags).choose_packing(flash_attention=flash_attention, vision=vision)
+    assert chosen is packed and reason in why, why
+
+
+def test_packing_samples_takes_the_bare_flag_true_and_false():
+    base = ["--pretrain", "demo", "--prompt_data", "d", "--output", "o", "--remote_rm_url", "length"]
+    assert parse_config(RLConfig, base).packing_samples is None
+    assert parse_config(RLConfig, [*base, "--packing_samples"]).packing_samples is True
+    assert parse_config(RLConfig, [*base, "--packing_samples", "false"]).packing_samples is False
 
 
 def test_an_explicit_choice_wins():
