@@ -226,7 +226,8 @@ class RLConfig(ImageConfig, EpisodeConfig, RolloutEngineConfig, WorkerLayoutConf
         """(pack, why) for this run: --packing_samples, or unset, the rule the measurements give. FlashAttention-2
         finds packed sequences in the position ids; any other kernel needs a tokens x tokens mask. On one H100 at the
         Qwen2.5-1.5B shape, 128 long-tailed responses of up to 4,096 tokens, packed updates took 4.3 s against 7.9 s
-        padded (bench/RESULTS.md); at and below TOKEN_BUDGET_ABOVE_TOKENS rows are of one length, nothing to pack."""
+        padded (bench/RESULTS.md). At and below TOKEN_BUDGET_ABOVE_TOKENS, the short shape measured padded, rows stay
+        padded. The caller knows whether FlashAttention-2 runs: --flash_attn, GPUs and the package (the driver's)."""
         if self.packing_samples is not None:
             return self.packing_samples, "--packing_samples"
         if vision:
