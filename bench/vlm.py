@@ -205,10 +205,17 @@ def ours(
     freeze: bool,
     gpu_memory_utilization: float,
     command: str,
+    adam_offload: bool = False,
+    lora_rank: int = 0,
 ) -> None:
     info = json.loads((bench_dir / "model_info.json").read_text())
     shape = f"{SHAPE_NAMES[info['shape']]}_{f'{cap // 1024}k' if cap % 1024 == 0 else cap}"  # 3b_1k, …
-    system = ("ours" if engine == "vllm" else "ours_transformers") + ("_frozen_tower" if freeze else "")
+    system = (
+        ("ours" if engine == "vllm" else "ours_transformers")
+        + ("_frozen_tower" if freeze else "")
+        + ("_adam_offload" if adam_offload else "")
+        + (f"_lora{lora_rank}" if lora_rank else "")
+    )
     out = bench_dir / "out" / f"vlm_{shape}_{system}"
     args = common.grpo_args(bench_dir, out, steps, micro)
     args.update(
@@ -224,6 +231,10 @@ def ours(
         args.update(vllm_num_engines=1, vllm_gpu_memory_utilization=gpu_memory_utilization)
     if freeze:
         args.update(freeze_visual_encoder=True)
+    if adam_offload:  # Adam's state and the fp32 master weights in host memory: 3.75 B of them need ~45 GB
+        args.update(adam_offload=True)
+    if lora_rank:
+        args.update(lora_rank=lora_rank, lora_alpha=2 * lora_rank, target_modules="all-linear")
     if not common.on_gpu():
         args.update(flash_attn=False, enable_prefix_caching=False)
     with common.GPUPeak() as peak:
@@ -255,6 +266,8 @@ def ours(
         "cap": cap,
         "engine": engine,
         "freeze_visual_encoder": freeze,
+        "adam_offload": adam_offload,
+        "lora_rank": lora_rank,
         "command": command,
     }
     results = bench_dir / "results"
@@ -273,6 +286,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--micro", type=int, default=8, help="rows a training and log-prob micro-batch")
     parser.add_argument("--freeze_visual_encoder", action="store_true", help="the vision tower frozen")
+    parser.add_argument("--adam_offload", action="store_true", help="Adam's state in host memory (3B on one 80 GB GPU)")
+    parser.add_argument("--lora_rank", type=int, default=0, help="LoRA of this rank on every linear layer (0: full)")
     parser.add_argument("--gpu_memory_utilization", type=float, default=0.35)
     a = parser.parse_args()
     a.dir.mkdir(parents=True, exist_ok=True)
@@ -280,7 +295,18 @@ def main() -> None:
         setup(a.dir, a.shape)
     else:
         command = "python bench/vlm.py " + " ".join(sys.argv[1:])
-        ours(a.dir, a.cap, a.engine, a.steps, a.micro, a.freeze_visual_encoder, a.gpu_memory_utilization, command)
+        ours(
+            a.dir,
+            a.cap,
+            a.engine,
+            a.steps,
+            a.micro,
+            a.freeze_visual_encoder,
+            a.gpu_memory_utilization,
+            command,
+            a.adam_offload,
+            a.lora_rank,
+        )
 
 
 if __name__ == "__main__":

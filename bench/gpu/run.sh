@@ -25,7 +25,7 @@
 #   SHAPE=qwen2.5-1.5b bash bench/gpu/run.sh setup eos4k real_vllm4k real_ours4k   # realistic RL work (bench/realistic.py)
 #   SHAPE=qwen2.5-1.5b bash bench/gpu/run.sh real_vllm4k_in_process   # vLLM alone, its engine core in-process as ours
 #   SHAPE=qwen2.5-1.5b bash bench/gpu/run.sh real_verl4k   # or real_openrlhf4k: the peers on it (after their install)
-#   SHAPE=qwen2.5-vl-3b bash bench/gpu/run.sh vlm_setup vlm_ours vlm_ours_frozen   # vision-language GRPO (bench/vlm.py)
+#   SHAPE=qwen2.5-vl-3b bash bench/gpu/run.sh vlm_setup vlm_ours vlm_ours_frozen vlm_ours_lora   # vision-language GRPO (bench/vlm.py)
 #
 # /tmp/bench (model, data, results) outlives a call while the machine is warm; with $OUT set (a device call) the
 # results of every shape and the logs go back in $OUT/bundle.tgz, the report in $OUT/results.json.
@@ -158,11 +158,17 @@ for phase in "$@"; do
         # Full weights with ZeRO-3 and Adam in host memory (the 7B shape: what fits on one GPU, issue 52)
         real_ours4k_full_offload) python bench/realistic.py ours --dir $dir --cap 4096 --zero_stage 3 --adam_offload --steps ${REAL_STEPS:-3} ;;
       esac ;;
-    # Vision-language RL (bench/vlm.py, issue 54): SHAPE=qwen2.5-vl-3b, 16 prompts x 8 of one 448 px image each.
+    # Vision-language RL (bench/vlm.py, issue 54): SHAPE=qwen2.5-vl-3b, 16 prompts x 8 of one 448 px image each. Full
+    # weights with Adam in host memory (3.75 B parameters' optimizer state beside vLLM is over 80 GB), the tower
+    # trained or frozen; or LoRA rank 64 with everything on the GPU.
     vlm_setup) [ -f $dir/model_info.json ] || python bench/vlm.py setup --dir $dir --shape $shape ;;
-    vlm_ours|vlm_ours_frozen)
+    vlm_ours|vlm_ours_frozen|vlm_ours_lora)
       if [ -z "$ray_up" ]; then start_ray && ray_up=1; fi
-      python bench/vlm.py ours --dir $dir --steps ${VLM_STEPS:-4} $([ "$phase" = vlm_ours_frozen ] && echo --freeze_visual_encoder) ;;
+      case "$phase" in
+        vlm_ours) python bench/vlm.py ours --dir $dir --steps ${VLM_STEPS:-4} --adam_offload ;;
+        vlm_ours_frozen) python bench/vlm.py ours --dir $dir --steps ${VLM_STEPS:-4} --adam_offload --freeze_visual_encoder ;;
+        vlm_ours_lora) python bench/vlm.py ours --dir $dir --steps ${VLM_STEPS:-4} --lora_rank 64 ;;
+      esac ;;
     trl_hf) python bench/grpo_bench.py trl --dir $dir --mode hf --steps 8 ;;
     trl_vllm) python bench/grpo_bench.py trl --dir $dir --mode vllm ;;
     # Earlier sessions' results (bench/runs/) fill in what this machine did not run; its own runs win.
