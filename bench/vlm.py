@@ -234,7 +234,9 @@ def ours(
     if adam_offload:  # Adam's state and the fp32 master weights in host memory: 3.75 B of them need ~45 GB
         args.update(adam_offload=True)
     if lora_rank:
-        args.update(lora_rank=lora_rank, lora_alpha=2 * lora_rank, target_modules="all-linear")
+        # The language model's attention alone: Qwen2.5-VL's tower shares gate/up/down_proj's names, and vLLM's LoRA
+        # layers cover the language model only (docs/vision.md).
+        args.update(lora_rank=lora_rank, lora_alpha=2 * lora_rank, target_modules="q_proj,k_proj,v_proj,o_proj")
     if not common.on_gpu():
         args.update(flash_attn=False, enable_prefix_caching=False)
     with common.GPUPeak() as peak:
