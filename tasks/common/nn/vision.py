@@ -19,15 +19,13 @@ takes 1-D ones) is described once per family in tasks/common/nn/vision_family.py
 
 from __future__ import annotations
 
-import base64
-import binascii
-import io
 import re
 
 import torch
 
 from tasks.common.config import ConfigError
 from tasks.common.image_tags import IMAGE_TAG, count_placeholders
+from tasks.common.nn.images import decode_image
 from tasks.common.nn.models import attn_implementation
 from tasks.common.nn.processors import image_only, load_processor  # noqa: F401 (the VLM's processor, here too)
 
@@ -94,28 +92,6 @@ def image_token_ids(processor_or_tokenizer) -> list[int]:
 # ---------------------------------------------------------------- images as stored
 
 
-def decode_image(value):
-    """A PIL image from what a stored split holds: base64 PNG (the form prepare_data writes), a data: URI, bytes,
-    an HF/Parquet image dict {"bytes", "path"} with bytes, or a PIL image. Raises ValueError when it is none."""
-    from PIL import Image
-
-    if isinstance(value, Image.Image):
-        return value
-    if isinstance(value, dict):
-        value = value.get("bytes")
-    if isinstance(value, str):
-        head, _, tail = value.partition(",") if value.startswith("data:") else ("", "", value)
-        try:
-            value = base64.b64decode(tail, validate=True)
-        except (binascii.Error, ValueError):
-            raise ValueError("not base64 image data") from None
-    if not isinstance(value, (bytes, bytearray)):
-        raise ValueError(f"an image must be bytes, base64 text or a PIL image, not {type(value).__name__}")
-    image = Image.open(io.BytesIO(value))
-    image.load()  # decode now: a truncated file fails here, not inside the processor
-    return image
-
-
 def check_image_placeholders(n_placeholders: int, n_images: int, row_id) -> None:
     """One image per placeholder: a row where they differ cannot be encoded."""
     if n_placeholders != n_images:
@@ -165,7 +141,7 @@ def render_prompt(processor, prompt, chat_template: bool) -> str:
 def encode_vlm_prompt(processor, prompt, images, chat_template: bool = True, row_id="?") -> dict:
     """{"input_ids": list[int] with each image's placeholders expanded, "pixel_values" (Qwen2-VL: [patches, dim];
     LLaVA: [images, 3, H, W]) or None, "image_grid_thw": [images, 3] or None (Qwen2-VL's alone)} of a prompt and its
-    images (decode_image's forms). The model's forward may want more (Qwen2-VL's mm_token_type_ids, LLaVA's
+    images (images.decode_image's forms). The model's forward may want more (Qwen2-VL's mm_token_type_ids, LLaVA's
     position ids): vlm_inputs makes what its family needs for a batch."""
     from tasks.common.nn.vision_family import family_of
 

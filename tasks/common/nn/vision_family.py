@@ -28,6 +28,7 @@ from typing import Callable
 import torch
 
 from tasks.common.config import ConfigError
+from tasks.common.nn.images import decode_image
 
 
 @dataclass(frozen=True)
@@ -108,12 +109,11 @@ def check_placeholder_tokens(found: list[int], expected: list[int], rows: str = 
 
 
 def batch_inputs(processor, input_ids: torch.Tensor, attention_mask: torch.Tensor, images: list[list], rows="row"):
-    """The forward's arguments for padded rows (either side) and each row's images (vision.decode_image's forms), on
+    """The forward's arguments for padded rows (either side) and each row's images (images.decode_image's forms), on
     the rows' device: input_ids and attention_mask, the family's image inputs when any row has images, its
     mm_token_type_ids or position ids. Each row's placeholder tokens are checked against its images first (`rows`
     names a row in the error)."""
     from tasks.common.nn.models import position_ids
-    from tasks.common.nn.vision import decode_image
 
     family = family_of(processor)
     inputs = {"input_ids": input_ids, "attention_mask": attention_mask}

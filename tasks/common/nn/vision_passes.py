@@ -52,7 +52,7 @@ class VisionRows:
         return cls(processor, torch.tensor(vision.image_token_ids(processor), dtype=torch.long))
 
     def inputs(self, sequences: torch.Tensor, attention_mask: torch.Tensor, images: list[list]) -> dict:
-        """The forward's arguments for padded rows and their images (decode_image's forms), on the rows' device
+        """The forward's arguments for padded rows and their images (images.decode_image's forms), on the rows' device
         (vision_family.batch_inputs: the family's image inputs and positions). Each row's placeholder tokens are
         checked against its images first."""
         return batch_inputs(self.processor, sequences, attention_mask, images, rows="rollout row")

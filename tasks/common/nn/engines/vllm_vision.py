@@ -19,6 +19,8 @@ from __future__ import annotations
 import importlib
 import itertools
 
+from tasks.common.nn.images import decode_image
+
 #: logit_bias of a banned id: vLLM's OpenAI-compatible bound, a factor e^-100 on its probability.
 BAN_BIAS = -100.0
 
@@ -39,12 +41,10 @@ def image_requests(
     prompt_ids: list[list[int]], images: list[list] | None, image_token_id: int | None, image_run: int = 0
 ) -> list[dict]:
     """vLLM's prompts: token ids alone, or for rows with images their placeholder runs collapsed and their images
-    decoded (vision.decode_image's forms) as multi_modal_data. A row whose runs and images differ in number is
+    decoded (images.decode_image's forms) as multi_modal_data. A row whose runs and images differ in number is
     refused naming it (vLLM would fail inside its processor, or pair the wrong features)."""
     if images is None:
         return [{"prompt_token_ids": ids} for ids in prompt_ids]
-    from tasks.common.nn.vision import decode_image
-
     requests = []
     for row, (ids, row_images) in enumerate(zip(prompt_ids, images)):
         collapsed = collapse_image_runs(ids, image_token_id, image_run)

@@ -12,6 +12,7 @@ from PIL import Image
 
 from tasks.common import manifest as manifests
 from tasks.common.nn import models, vision
+from tasks.common.nn.images import decode_image
 from tasks.data import demo_vlm, images, ingest, mapping
 from tasks.data.config import PrepareDataConfig
 
@@ -27,7 +28,7 @@ def picture(colour, size=(12, 10), fmt="PNG", **save) -> bytes:
 
 
 def pixels(b64_or_image) -> list[tuple]:
-    raw = vision.decode_image(b64_or_image).convert("RGB").tobytes()
+    raw = decode_image(b64_or_image).convert("RGB").tobytes()
     return [tuple(raw[i : i + 3]) for i in range(0, len(raw), 3)]
 
 
@@ -182,7 +183,7 @@ def test_demo_vlm_data_is_deterministic_balanced_and_unguessable_from_text():
         assert {answers.count(c) for c in demo_vlm.COLOURS} == {len(answers) // 4}
         assert {r["prompt"] for r in a[split]} == {demo_vlm.PROMPT}
         assert all(len(r["images"]) == 1 for r in a[split])
-    image = vision.decode_image(a["sft"][0]["images"][0])
+    image = decode_image(a["sft"][0]["images"][0])
     assert image.size == (demo_vlm.IMAGE_SIZE, demo_vlm.IMAGE_SIZE)
     assert demo_vlm.COLOURS[a["sft"][0]["response"]] in set(pixels(image))  # the answer is in the pixels
     # The stored images pass prepare_data's own checks unchanged: the demo's splits are in the ingested form.

@@ -11,6 +11,7 @@ import torch
 
 from tasks.common.config import ConfigError, make_config
 from tasks.common.nn import lora, models, vision
+from tasks.common.nn.images import decode_image
 from tasks.common.nn.losses import bradley_terry_loss
 from tasks.common.nn.vision_family import family_of
 from tasks.common.nn.vision_pairs import tokenize_vlm_examples, vlm_summed_logps
@@ -29,13 +30,13 @@ def test_the_demos_pairs_choose_the_colour_in_the_pixels():
     """demo_vlm's preference splits (the reward model's, DPO's, KTO's unpaired one) are decided by the image alone."""
     rows = demo_vlm.make_datasets(seed=5, sizes={"preference": 8, "unpaired": 8})
     for row in rows["preference"]:
-        colours = set(vision.decode_image(row["images"][0]).getdata())
+        colours = set(decode_image(row["images"][0]).getdata())
         assert demo_vlm.COLOURS[row["chosen"]] in colours and demo_vlm.COLOURS[row["rejected"]] not in colours
         assert row["prompt"] == demo_vlm.PROMPT
     labels = [r["label"] for r in rows["unpaired"]]
     assert labels.count(True) == labels.count(False) == 4
     for row in rows["unpaired"]:
-        shown = demo_vlm.COLOURS[row["completion"]] in set(vision.decode_image(row["images"][0]).getdata())
+        shown = demo_vlm.COLOURS[row["completion"]] in set(decode_image(row["images"][0]).getdata())
         assert shown == row["label"]
 
 

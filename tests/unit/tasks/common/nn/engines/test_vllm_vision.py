@@ -11,6 +11,7 @@ from PIL import Image
 from tasks.common.config import ConfigError
 from tasks.common.nn import vision
 from tasks.common.nn.engines.vllm_vision import BAN_BIAS, ban_bias, collapse_image_runs, image_requests, vision_options
+from tasks.common.nn.images import decode_image
 from tasks.data import demo_vlm
 
 from tests.vlm_demo import in_tower
@@ -50,7 +51,7 @@ def test_requests_carry_the_collapsed_prompt_and_the_decoded_images(processor, r
     assert [first[i - 1 : i + 2] for i, t in enumerate(first) if t == pad] == [[start, pad, end]] * 2
     pictures = requests[0]["multi_modal_data"]["image"]
     assert [p.size for p in pictures] == [(28, 28), (28, 28)] and all(isinstance(p, Image.Image) for p in pictures)
-    assert pictures[1].tobytes() == vision.decode_image(rows[1]["images"][0]).tobytes()
+    assert pictures[1].tobytes() == decode_image(rows[1]["images"][0]).tobytes()
     assert requests[2] == {"prompt_token_ids": [1, 2, 3]}
     assert image_requests([[1, 2]], None, None) == [{"prompt_token_ids": [1, 2]}]
 
