@@ -130,6 +130,23 @@ def build_tokenizer(vocab_size: int):
     )
 
 
+def random_model(model_class, config, on_gpu: bool):
+    """model_class(config) with seed 0's random weights, on the host. `on_gpu`: initialised on the GPU in bf16, as a
+    float32 init of billions of parameters on the host takes minutes and tens of GB."""
+    import torch
+
+    torch.manual_seed(0)
+    if not on_gpu:
+        return model_class(config)
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            model = model_class(config)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    return model.cpu()
+
+
 def setup(bench_dir: Path, shape: str, eos_cap: int = 0, eos_mean: float = 1000) -> None:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -143,19 +160,10 @@ def setup(bench_dir: Path, shape: str, eos_cap: int = 0, eos_mean: float = 1000)
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None,
     )
-    torch.manual_seed(0)
-    if shape == "qwen2.5-7b" and torch.cuda.is_available():
-        # In bf16 on the GPU: a 7B model's float32 init on the host takes minutes and 30 GB. The other shapes keep
-        # their host init, whose weights the recorded EOS calibrations (bench/eos_model.py) were made on.
-        torch.set_default_dtype(torch.bfloat16)
-        try:
-            with torch.device("cuda"):
-                model = Qwen2ForCausalLM(config)
-        finally:
-            torch.set_default_dtype(torch.float32)
-        model = model.cpu()
-    else:
-        model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    # The 7B on the GPU; the other shapes keep their host init, whose weights the recorded EOS calibrations
+    # (bench/eos_model.py) were made on.
+    on_gpu = shape == "qwen2.5-7b" and torch.cuda.is_available()
+    model = random_model(Qwen2ForCausalLM, config, on_gpu).to(torch.bfloat16)
     model.generation_config.eos_token_id, model.generation_config.pad_token_id = (
         tokenizer.eos_token_id,
         tokenizer.pad_token_id,

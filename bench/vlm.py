@@ -124,17 +124,7 @@ def build_model(processor, shape: dict):
         vision_end_token_id=ids("<|vision_end|>"),
         tie_word_embeddings=True,
     )
-    torch.manual_seed(0)
-    if torch.cuda.is_available():  # bf16 on the GPU: a 3.75 B float32 init on the host takes minutes and 15 GB
-        torch.set_default_dtype(torch.bfloat16)
-        try:
-            with torch.device("cuda"):
-                model = Qwen2_5_VLForConditionalGeneration(config)
-        finally:
-            torch.set_default_dtype(torch.float32)
-        model = model.cpu()
-    else:
-        model = Qwen2_5_VLForConditionalGeneration(config)
+    model = common.random_model(Qwen2_5_VLForConditionalGeneration, config, torch.cuda.is_available())
     model.generation_config.eos_token_id, model.generation_config.pad_token_id = (
         tokenizer.eos_token_id,
         tokenizer.pad_token_id,
