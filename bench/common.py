@@ -99,6 +99,13 @@ def save(bench_dir: Path, name: str, result: dict) -> None:
     print(json.dumps({name: result}), flush=True)
 
 
+def phase_medians(records: list[dict]) -> dict:
+    """A stage's per-step phase times (metrics.jsonl's time_<phase>_s, time_step_s among them) as medians named
+    <phase>_s: step_s, generate_s, train_s, …"""
+    keys = [k for k in records[0] if k.startswith("time_") and k.endswith("_s") and k != "time_s"]
+    return {k.removeprefix("time_"): round(statistics.median(r[k] for r in records), 3) for k in keys}
+
+
 def steady_median(times: list[float], skip: int = 2) -> float:
     """Median step time after the first `skip` steps (start-up, compilation, allocator warm-up)."""
     tail = times[skip:] or times

@@ -79,11 +79,7 @@ def per_step(
 ) -> None:
     """Medians over the steps after the first (start-up, CUDA graphs, compilation) of a run's metrics.jsonl."""
     tail = records[1:] or records
-    med = {
-        k: round(statistics.median(r[k] for r in tail), 3)
-        for k in tail[0]
-        if k.startswith("time_") and k.endswith("_s") and k != "time_s"
-    }
+    med = common.phase_medians(tail)
     completions = PROMPTS * GROUP
     lengths = [r["response_length"] for r in tail]
     rate = [completions * (common.PROMPT_TOKENS + r["response_length"]) / r["time_step_s"] for r in tail]
@@ -92,8 +88,8 @@ def per_step(
         shape,
         system,
         {
-            "step_s": med["time_step_s"],
-            **{k.removeprefix("time_").removesuffix("_s") + "_s": v for k, v in med.items() if k != "time_step_s"},
+            "step_s": med["step_s"],
+            **med,
             "tokens_per_s_per_gpu": round(statistics.median(rate)),  # one GPU
             "generated_tokens_per_s": round(
                 statistics.median(completions * r["response_length"] / r["time_generate_s"] for r in tail)

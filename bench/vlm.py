@@ -30,7 +30,6 @@ from bench import common  # noqa: E402
 PROMPTS, GROUP = 16, 8
 SHAPE_NAMES = {"qwen2.5-vl-3b": "3b", "tiny": "tiny"}  # in the results' names: vlm_3b_1k_ours, …
 TEXT_LETTERS = 64
-VISION_TOKENS = ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
 # Qwen2.5-VL-3B-Instruct's shape (its config.json): 3.75 B parameters, the tower's windowed attention with four
 # full-attention blocks, M-RoPE sections 16/24/24 of the head's 64 frequency pairs.
 SHAPES = {
@@ -73,14 +72,14 @@ SHAPES = {
 
 
 def build_processor(vocab_size: int, image_size: int):
-    """The bench tokenizer (a token per character, fillers up to the vocabulary) with Qwen2.5-VL's markers, and
+    """The bench tokenizer (a token per character, fillers up to the vocabulary) with the demo VLM's Qwen markers, and
     Qwen2-VL's PIL image processor at 14 px patches, images kept at their size up to image_size²."""
     from tokenizers import AddedToken
     from transformers import Qwen2_5_VLProcessor
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     from tasks.common.nn.processors import image_only
-    from tasks.data.demo_vlm import CHAT_TEMPLATE
+    from tasks.data.demo_vlm import CHAT_TEMPLATE, VISION_TOKENS  # the demo VLM's markers and ChatML
 
     tokenizer = common.build_tokenizer(vocab_size - len(VISION_TOKENS))
     tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in VISION_TOKENS], special_tokens=True)
@@ -233,15 +232,11 @@ def ours(
         common.run_stage("tasks.rl", args, bench_dir / f"vlm_{shape}_{system}.log")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     tail = records[1:] or records  # the first step pays start-up, CUDA graphs and compilation
-    med = {
-        k: round(statistics.median(r[k] for r in tail), 3)
-        for k in tail[0]
-        if k.startswith("time_") and k.endswith("_s") and k != "time_s"
-    }
+    med = common.phase_medians(tail)
     completions = PROMPTS * GROUP
     result = {
-        "step_s": med["time_step_s"],
-        **{k.removeprefix("time_").removesuffix("_s") + "_s": v for k, v in med.items() if k != "time_step_s"},
+        "step_s": med["step_s"],
+        **med,
         "images_per_s": round(statistics.median(completions / r["time_step_s"] for r in tail), 2),
         "tokens_per_s_per_gpu": round(
             statistics.median(
